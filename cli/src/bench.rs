@@ -1,0 +1,154 @@
+//! `p2ptrain bench trainer`: does the daemon cost training speed?
+//!
+//! Each run times a bare Candle loop (batch, step, nothing else) and then a real node (trainer
+//! thread, control API, automatic checkpoints and evaluation as configured) for the same number
+//! of steps of the same model and batch, alternating so that machine noise hits both. The
+//! report holds every run and the medians, as JSON.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use p2ptrain_daemon::node::{self, Options};
+use p2ptrain_daemon::Config;
+use p2ptrain_models::data::Sampler;
+use p2ptrain_models::train::train_step;
+use p2ptrain_models::{Model, Optimizer};
+use serde::Serialize;
+
+/// Arguments of `bench trainer`.
+#[derive(Args)]
+pub struct TrainerArgs {
+    /// Configuration to benchmark; default: the built-in digits config.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Steps per measurement.
+    #[arg(long, default_value_t = 3000)]
+    steps: u64,
+    /// Runs (each: one bare loop, one daemon).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Write the JSON report here (it is printed either way).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    benchmark: &'static str,
+    model: String,
+    data: String,
+    batch_size: usize,
+    threads: usize,
+    steps_per_run: u64,
+    runs: usize,
+    bare_steps_per_sec: Vec<f64>,
+    daemon_steps_per_sec: Vec<f64>,
+    bare_median: f64,
+    daemon_median: f64,
+    /// `daemon_median / bare_median`.
+    ratio_of_medians: f64,
+    /// Median of the per-run ratios (each daemon run against the bare run just before it).
+    median_of_paired_ratios: f64,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let n = s.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+fn bare_loop(config: &Config, steps: u64) -> Result<f64> {
+    let p = node::prepare(config.clone())?;
+    let model = Model::new(&p.spec, config.train.init_seed, &p.device)?;
+    let mut opt = Optimizer::new(&config.optimizer, model.params())?;
+    let mut sampler = Sampler::new(p.split.train.len(), 1);
+    let start = Instant::now();
+    for _ in 0..steps {
+        let idx = sampler.next_batch(config.train.batch_size);
+        let (xs, ys) = p.split.train.batch(&idx, &p.device)?;
+        train_step(&model, &mut opt, &xs, &ys)?;
+    }
+    Ok(steps as f64 / start.elapsed().as_secs_f64())
+}
+
+fn daemon_run(config: &Config, steps: u64, rt: &tokio::runtime::Runtime) -> Result<f64> {
+    let mut config = config.clone();
+    config.train.max_steps = steps;
+    let dir = tempfile_dir()?;
+    let prepared = node::prepare(config)?;
+    let opts = Options {
+        data_dir: dir.clone(),
+        api: "127.0.0.1:0".parse().context("address")?,
+        api_token: None,
+    };
+    let summary = rt.block_on(node::run(prepared, opts, std::future::pending()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let summary = summary?;
+    if summary.stats.steps_this_run != steps {
+        bail!("daemon ran {} steps, expected {steps}", summary.stats.steps_this_run);
+    }
+    Ok(summary.stats.steps_this_run as f64 / summary.stats.train_secs)
+}
+
+fn tempfile_dir() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("p2ptrain-bench-{}-{}", std::process::id(), p2ptrain_daemon::store::unix_now()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    // A fresh node needs an empty data dir: clear anything from an earlier run in this second.
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(dir)
+}
+
+/// Runs the benchmark and prints (and optionally writes) the report.
+pub fn trainer(args: TrainerArgs) -> Result<std::process::ExitCode> {
+    if args.runs == 0 || args.steps == 0 {
+        bail!("--runs and --steps must be at least 1");
+    }
+    let config = Config::load(args.config.as_deref())?;
+    crate::set_compute_threads(config.train.threads);
+    let rt = crate::runtime()?;
+    let mut bare = Vec::new();
+    let mut daemon = Vec::new();
+    // One unmeasured warm-up of each, so first-touch costs (page faults, pool start) hit neither.
+    bare_loop(&config, args.steps.min(200))?;
+    daemon_run(&config, args.steps.min(200), &rt)?;
+    for run in 0..args.runs {
+        let b = bare_loop(&config, args.steps)?;
+        let d = daemon_run(&config, args.steps, &rt)?;
+        eprintln!("run {}: bare {b:.1} steps/s, daemon {d:.1} steps/s ({:.1}%)", run + 1, 100.0 * d / b);
+        bare.push(b);
+        daemon.push(d);
+    }
+    let paired: Vec<f64> = bare.iter().zip(&daemon).map(|(b, d)| d / b).collect();
+    let p = node::prepare(config.clone())?;
+    let report = Report {
+        benchmark: "trainer-in-daemon-vs-bare-loop",
+        model: p.spec.name(),
+        data: config.data.describe(),
+        batch_size: config.train.batch_size,
+        threads: config.train.threads,
+        steps_per_run: args.steps,
+        runs: args.runs,
+        bare_median: median(&bare),
+        daemon_median: median(&daemon),
+        ratio_of_medians: median(&daemon) / median(&bare),
+        median_of_paired_ratios: median(&paired),
+        bare_steps_per_sec: bare,
+        daemon_steps_per_sec: daemon,
+    };
+    let json = serde_json::to_string_pretty(&report)?;
+    if let Some(out) = &args.out {
+        std::fs::write(out, &json).map_err(|e| anyhow!("cannot write {}: {e}", out.display()))?;
+    }
+    println!("{json}");
+    Ok(std::process::ExitCode::SUCCESS)
+}

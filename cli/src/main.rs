@@ -1,0 +1,435 @@
+//! `p2ptrain`: run a training node, and talk to a running one.
+//!
+//! This binary is glue: argument parsing, human or JSON output, exit codes. The work lives in
+//! `p2ptrain-daemon` and `p2ptrain-models`. Every failure ends as one line on stderr and a
+//! non-zero exit code.
+
+mod bench;
+mod client;
+mod output;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use p2ptrain_daemon::control::TOKEN_ENV;
+use p2ptrain_daemon::node::{self, Options};
+use p2ptrain_daemon::status::{CheckpointView, Status};
+use p2ptrain_daemon::Config;
+
+use crate::client::Client;
+
+/// Default control API address.
+const DEFAULT_API: &str = "127.0.0.1:7070";
+
+#[derive(Parser)]
+#[command(name = "p2ptrain", version, about = "Peer-to-peer training daemon: every node trains a full copy of the model")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start a node in the foreground and train (Ctrl-C stops it with a final checkpoint).
+    Join(JoinArgs),
+    /// Show a running node's status.
+    Status(StatusArgs),
+    /// Save, list, export or restore checkpoints of a running node.
+    #[command(subcommand)]
+    Checkpoint(CheckpointCmd),
+    /// Evaluate a checkpoint file on the held-out data, without a daemon.
+    Eval(EvalArgs),
+    /// Stop a running node gracefully (it writes a final checkpoint).
+    Stop(ApiArgs),
+    /// Benchmarks that write JSON.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Args, Clone)]
+struct ApiArgs {
+    /// Control API address of the node.
+    #[arg(long, env = "P2PTRAIN_API", default_value = DEFAULT_API)]
+    api: String,
+    /// Access token for the control API.
+    #[arg(long, env = TOKEN_ENV, hide_env_values = true)]
+    api_token: Option<String>,
+}
+
+#[derive(Args)]
+struct JoinArgs {
+    /// Configuration file (TOML); default: the built-in configs/digits-mlp.toml.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Directory for identity, checkpoints and index.
+    #[arg(long, default_value = "p2ptrain-data")]
+    data_dir: PathBuf,
+    /// Control API address (default: from the config, else 127.0.0.1:7070).
+    #[arg(long)]
+    api: Option<SocketAddr>,
+    /// Access token for the control API (required for a non-loopback --api).
+    #[arg(long, env = TOKEN_ENV, hide_env_values = true)]
+    api_token: Option<String>,
+    /// Compute device: cpu, cuda or cuda:N.
+    #[arg(long)]
+    device: Option<String>,
+    /// Compute threads for Candle.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Stop after this many training steps (0: train until stopped).
+    #[arg(long)]
+    max_steps: Option<u64>,
+}
+
+#[derive(Args)]
+struct StatusArgs {
+    #[command(flatten)]
+    api: ApiArgs,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Keep printing a line every --interval seconds until the node stops.
+    #[arg(long)]
+    watch: bool,
+    /// Seconds between lines with --watch.
+    #[arg(long, default_value_t = 1.0)]
+    interval: f64,
+}
+
+#[derive(Subcommand)]
+enum CheckpointCmd {
+    /// Write a checkpoint of the current state now.
+    Save(CkptArgs),
+    /// List the node's checkpoints.
+    List(CkptArgs),
+    /// Copy a checkpoint file out of the node (default: a fresh one of the current state).
+    Export {
+        #[command(flatten)]
+        args: CkptArgs,
+        /// Where to write the safetensors file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Export this checkpoint id instead of saving a fresh one.
+        #[arg(long)]
+        id: Option<u64>,
+    },
+    /// Load a checkpoint into the running node and continue training from it.
+    Restore {
+        #[command(flatten)]
+        args: CkptArgs,
+        /// Checkpoint id (see `checkpoint list`).
+        id: u64,
+    },
+}
+
+#[derive(Args)]
+struct CkptArgs {
+    #[command(flatten)]
+    api: ApiArgs,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// The checkpoint file (safetensors) to evaluate.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// The configuration it was trained with; default: the built-in digits config.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Steps/s of the trainer inside a running daemon against a bare Candle loop.
+    Trainer(bench::TrainerArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sled=warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Candle reads its thread count from the environment when its pool first starts, so this runs
+/// before any runtime or compute thread exists.
+fn set_compute_threads(n: usize) {
+    std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+fn client_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Cmd::Join(args) => join(args),
+        Cmd::Status(args) => client_runtime()?.block_on(status(args)),
+        Cmd::Checkpoint(cmd) => client_runtime()?.block_on(checkpoint(cmd)),
+        Cmd::Eval(args) => eval(args),
+        Cmd::Stop(api) => client_runtime()?.block_on(async {
+            let client = Client::new(&api.api, api.api_token)?;
+            let _: serde_json::Value = client.post("/v1/stop").await?;
+            println!("stop requested; the node writes a final checkpoint and exits");
+            Ok(ExitCode::SUCCESS)
+        }),
+        Cmd::Bench(BenchCmd::Trainer(args)) => bench::trainer(args),
+    }
+}
+
+fn join(args: JoinArgs) -> Result<ExitCode> {
+    let mut config = Config::load(args.config.as_deref())?;
+    if let Some(d) = args.device {
+        p2ptrain_daemon::device::parse(&d).map_err(|e| anyhow!("--device: {e}"))?;
+        config.train.device = d;
+    }
+    if let Some(t) = args.threads {
+        if t == 0 {
+            bail!("--threads must be at least 1");
+        }
+        config.train.threads = t;
+    }
+    if let Some(m) = args.max_steps {
+        config.train.max_steps = m;
+    }
+    set_compute_threads(config.train.threads);
+    let api = args
+        .api
+        .or(config.api_listen)
+        .unwrap_or_else(|| DEFAULT_API.parse().expect("valid default address"));
+    let prepared = node::prepare(config)?;
+    init_logging();
+    let opts = Options {
+        data_dir: args.data_dir,
+        api,
+        api_token: args.api_token.filter(|t| !t.is_empty()),
+    };
+    let rt = runtime()?;
+    let summary = rt.block_on(node::run(prepared, opts, shutdown_signal()))?;
+    let acc = summary
+        .stats
+        .eval
+        .map(|e| format!(", held-out accuracy {:.2}%", e.accuracy * 100.0))
+        .unwrap_or_default();
+    let ck = summary
+        .final_checkpoint
+        .map(|c| format!(", final checkpoint {} ({})", c.id, c.file))
+        .unwrap_or_default();
+    eprintln!("stopped at step {}{acc}{ck}", summary.stats.step);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+async fn status(args: StatusArgs) -> Result<ExitCode> {
+    let client = Client::new(&args.api.api, args.api.api_token.clone())?;
+    if !args.watch {
+        let s: Status = client.get("/v1/status").await?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&s)?);
+        } else {
+            print!("{}", output::status_text(&s));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !(args.interval > 0.0 && args.interval.is_finite()) {
+        bail!("--interval must be a positive number of seconds");
+    }
+    let mut seen_once = false;
+    loop {
+        match client.get::<Status>("/v1/status").await {
+            Ok(s) => {
+                seen_once = true;
+                if args.json {
+                    println!("{}", serde_json::to_string(&s)?);
+                } else {
+                    println!("{}", output::status_line(&s));
+                }
+            }
+            Err(e) if seen_once => {
+                eprintln!("node gone: {e:#}");
+                return Ok(ExitCode::SUCCESS);
+            }
+            Err(e) => return Err(e),
+        }
+        tokio::time::sleep(Duration::from_secs_f64(args.interval)).await;
+    }
+}
+
+async fn checkpoint(cmd: CheckpointCmd) -> Result<ExitCode> {
+    match cmd {
+        CheckpointCmd::Save(a) => {
+            let client = Client::new(&a.api.api, a.api.api_token)?;
+            let c: CheckpointView = client.post("/v1/checkpoints").await?;
+            print_checkpoint(&c, a.json)?;
+        }
+        CheckpointCmd::List(a) => {
+            let client = Client::new(&a.api.api, a.api.api_token)?;
+            let list: Vec<CheckpointView> = client.get("/v1/checkpoints").await?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                print!("{}", output::checkpoint_table(&list));
+            }
+        }
+        CheckpointCmd::Export { args, out, id } => {
+            let client = Client::new(&args.api.api, args.api.api_token)?;
+            let id = match id {
+                Some(id) => id,
+                None => client.post::<CheckpointView>("/v1/checkpoints").await?.meta.id,
+            };
+            let bytes = client.get_bytes(&format!("/v1/checkpoints/{id}/file")).await?;
+            // Verify before writing: an export is only useful if it loads.
+            let (meta, _) = p2ptrain_daemon::checkpoint::decode(&bytes, "download")
+                .map_err(|e| anyhow!("checkpoint {id} failed verification after download: {e}"))?;
+            write_atomically(&out, &bytes)?;
+            let view = CheckpointView {
+                meta,
+                path: out.display().to_string(),
+            };
+            print_checkpoint(&view, args.json)?;
+        }
+        CheckpointCmd::Restore { args, id } => {
+            let client = Client::new(&args.api.api, args.api.api_token)?;
+            let c: CheckpointView = client.post(&format!("/v1/checkpoints/{id}/restore")).await?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&c)?);
+            } else {
+                println!("restored checkpoint {} (step {}); training continues from there", c.meta.id, c.meta.info.step);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_checkpoint(c: &CheckpointView, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(c)?);
+    } else {
+        println!("checkpoint {} at step {} ({} bytes): {}", c.meta.id, c.meta.info.step, c.meta.bytes, c.path);
+    }
+    Ok(())
+}
+
+/// Writes a file so that a reader sees either nothing or all of it.
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| anyhow!("--out {} is not a file path", path.display()))?;
+    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    let mut f = std::fs::File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+    f.write_all(bytes).and_then(|_| f.sync_all()).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+fn eval(args: EvalArgs) -> Result<ExitCode> {
+    let config = Config::load(args.config.as_deref())?;
+    set_compute_threads(config.train.threads);
+    let bytes = std::fs::read(&args.checkpoint).with_context(|| format!("cannot read {}", args.checkpoint.display()))?;
+    let file = args.checkpoint.display().to_string();
+    let (meta, tensors) = p2ptrain_daemon::checkpoint::decode(&bytes, &file).map_err(|e| anyhow!("{file}: {e}"))?;
+    let run_id = config.run_id();
+    if meta.info.run_id != run_id {
+        bail!(
+            "{file} is from run {} but the config ({}) is run {run_id}; pass the --config it was trained with",
+            meta.info.run_id,
+            config.origin
+        );
+    }
+    let prepared = node::prepare(config)?;
+    let ident = p2ptrain_daemon::trainer::Identity {
+        run_id,
+        config_hash: meta.info.config_hash.clone(),
+    };
+    let loaded = p2ptrain_daemon::store::Loaded { meta, tensors };
+    let (model, _, _) = p2ptrain_daemon::trainer::build(
+        &prepared.spec,
+        &prepared.config.optimizer,
+        prepared.config.train.init_seed,
+        &prepared.device,
+        &ident,
+        Some(&loaded),
+    )
+    .map_err(|e| anyhow!("{file}: {e}"))?;
+    let e = p2ptrain_models::train::evaluate(&model, &prepared.split.test, 1000, &prepared.device)?;
+    if args.json {
+        let v = serde_json::json!({
+            "checkpoint": file,
+            "run_id": loaded.meta.info.run_id,
+            "step": loaded.meta.info.step,
+            "model": prepared.spec.name(),
+            "data": prepared.config.data.describe(),
+            "accuracy": e.accuracy,
+            "loss": e.loss,
+            "samples": e.samples,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "{file}: step {}, {} on {}: accuracy {:.2}% ({} held-out samples), loss {:.4}",
+            loaded.meta.info.step,
+            prepared.spec.name(),
+            prepared.config.data.describe(),
+            e.accuracy * 100.0,
+            e.samples,
+            e.loss
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

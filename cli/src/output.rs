@@ -1,0 +1,84 @@
+//! Human-readable renderings of what the daemon reports.
+
+use p2ptrain_daemon::status::{CheckpointView, Status};
+
+fn duration(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m {:02}s", s / 60, s % 60),
+        _ => format!("{}h {:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map(|x| format!("{x:.digits$}")).unwrap_or_else(|| "-".into())
+}
+
+/// The multi-line report of `p2ptrain status`.
+pub fn status_text(s: &Status) -> String {
+    let mut out = String::new();
+    out.push_str(&format!("node      {}\n", s.peer_id));
+    out.push_str(&format!("run       {}  ({:?})\n", s.run_id, s.phase));
+    out.push_str(&format!(
+        "model     {} ({} parameters, {}) on {}\n",
+        s.model.name, s.model.params, s.optimizer, s.device
+    ));
+    out.push_str(&format!("data      {}\n", s.data));
+    out.push_str(&format!(
+        "progress  step {}, {} samples, loss {}, {:.0} samples/s\n",
+        s.step,
+        s.samples_seen,
+        opt(s.loss, 4),
+        s.samples_per_sec
+    ));
+    match &s.eval {
+        Some(e) => out.push_str(&format!(
+            "eval      accuracy {:.2}%, loss {:.4} (step {})\n",
+            e.accuracy * 100.0,
+            e.loss,
+            e.step
+        )),
+        None => out.push_str("eval      none yet\n"),
+    }
+    match &s.last_checkpoint {
+        Some(c) => out.push_str(&format!("checkpoint {} at step {}: {}\n", c.id, c.step, c.path)),
+        None => out.push_str("checkpoint none yet\n"),
+    }
+    if let Some(r) = &s.resumed_from {
+        out.push_str(&format!("resumed   from checkpoint {} (step {})\n", r.id, r.step));
+    }
+    out.push_str(&format!("uptime    {}\n", duration(s.uptime_s)));
+    out.push_str(&format!("data dir  {}\n", s.data_dir));
+    out.push_str(&format!("api       {}\n", s.api));
+    out
+}
+
+/// One line for `p2ptrain status --watch`.
+pub fn status_line(s: &Status) -> String {
+    let acc = s
+        .eval
+        .map(|e| format!("{:.2}%", e.accuracy * 100.0))
+        .unwrap_or_else(|| "-".into());
+    format!(
+        "{:>8}  step {:>8}  loss {:>7}  acc {:>7}  {:>8.0} samples/s  {:?}",
+        duration(s.uptime_s),
+        s.step,
+        opt(s.loss, 4),
+        acc,
+        s.samples_per_sec,
+        s.phase
+    )
+}
+
+/// The table of `p2ptrain checkpoint list`.
+pub fn checkpoint_table(list: &[CheckpointView]) -> String {
+    if list.is_empty() {
+        return "no checkpoints yet\n".into();
+    }
+    let mut out = format!("{:>6} {:>10} {:>10}  {}\n", "id", "step", "bytes", "path");
+    for c in list {
+        out.push_str(&format!("{:>6} {:>10} {:>10}  {}\n", c.meta.id, c.meta.info.step, c.meta.bytes, c.path));
+    }
+    out
+}

@@ -1,0 +1,543 @@
+//! The node's configuration: a TOML file read strictly (unknown keys are errors) and turned
+//! into validated values, with errors that name the file and the key.
+//!
+//! Two layers, as in ripgrep: `Raw*` structs mirror the file; [`Config`] holds checked values
+//! the rest of the daemon can trust. Relative paths in a file are relative to that file, so a
+//! config works from any working directory.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use p2ptrain_models::data::{self, Split};
+use p2ptrain_models::{ModelSpec, OptimizerSpec};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The default configuration (`configs/digits-mlp.toml`), compiled in so that `p2ptrain join`
+/// works with no file at all.
+pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/digits-mlp.toml");
+
+/// Name shown for the compiled-in default configuration.
+pub const DEFAULT_CONFIG_NAME: &str = "<built-in configs/digits-mlp.toml>";
+
+/// A configuration problem, in one line: the file, then the key or line, then the cause.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {msg}")]
+pub struct ConfigError {
+    /// The config file (or the built-in default's name).
+    pub file: String,
+    /// What is wrong, naming the key.
+    pub msg: String,
+}
+
+/// Where a data set comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataSource {
+    /// The handwritten-digits CSV (bundled, or from `data.path`).
+    Digits,
+    /// MNIST IDX files in `data.dir`.
+    Mnist,
+    /// A seeded synthetic set.
+    Synthetic,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    model: RawModel,
+    optimizer: RawOptimizer,
+    data: RawData,
+    #[serde(default)]
+    train: RawTrain,
+    #[serde(default)]
+    checkpoint: RawCheckpoint,
+    #[serde(default)]
+    api: RawApi,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawModel {
+    kind: String,
+    widths: Option<Vec<usize>>,
+    channels: Option<Vec<usize>>,
+    hidden: Option<Vec<usize>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOptimizer {
+    kind: String,
+    lr: f64,
+    momentum: Option<f64>,
+    nesterov: Option<bool>,
+    weight_decay: Option<f64>,
+    beta1: Option<f64>,
+    beta2: Option<f64>,
+    eps: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawData {
+    source: DataSource,
+    path: Option<PathBuf>,
+    dir: Option<PathBuf>,
+    test_fraction: Option<f64>,
+    split_seed: Option<u64>,
+    samples: Option<usize>,
+    dim: Option<usize>,
+    classes: Option<usize>,
+    seed: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTrain {
+    batch_size: Option<usize>,
+    init_seed: Option<u64>,
+    node_seed: Option<u64>,
+    eval_every: Option<u64>,
+    max_steps: Option<u64>,
+    threads: Option<usize>,
+    device: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCheckpoint {
+    every_steps: Option<u64>,
+    every_secs: Option<u64>,
+    keep: Option<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawApi {
+    listen: Option<SocketAddr>,
+}
+
+/// The model section, before the data set fills in input size and classes for a CNN.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum ModelConfig {
+    /// An MLP with explicit widths (input first, classes last).
+    Mlp {
+        /// Layer widths.
+        widths: Vec<usize>,
+    },
+    /// A LeNet-style CNN; image size and classes come from the data set.
+    Cnn {
+        /// Channels of the two convolutions.
+        channels: [usize; 2],
+        /// Hidden widths of the fully connected part.
+        hidden: Vec<usize>,
+    },
+}
+
+/// The data section, checked.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DataConfig {
+    /// Which kind of set.
+    pub source: DataSource,
+    /// Digits CSV file (absent: the bundled copy), resolved against the config file.
+    pub path: Option<PathBuf>,
+    /// MNIST directory, resolved against the config file.
+    pub dir: Option<PathBuf>,
+    /// Held-out fraction for sets without a fixed split (digits, synthetic).
+    pub test_fraction: f64,
+    /// Seed of the train/test split; identical on every node of a run.
+    pub split_seed: u64,
+    /// Synthetic: number of samples.
+    pub samples: usize,
+    /// Synthetic: features per sample.
+    pub dim: usize,
+    /// Synthetic: number of classes.
+    pub classes: usize,
+    /// Synthetic: generator seed.
+    pub seed: u64,
+}
+
+/// The train section, checked.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainConfig {
+    /// Samples per step.
+    pub batch_size: usize,
+    /// Seed of the initial weights: identical on every node of a run.
+    pub init_seed: u64,
+    /// Seed of this node's data order; absent, it is derived from the node's peer id.
+    pub node_seed: Option<u64>,
+    /// Steps between evaluations on the held-out set (0: never).
+    pub eval_every: u64,
+    /// Stop after this many steps (0: train until stopped).
+    pub max_steps: u64,
+    /// Compute threads Candle may use.
+    pub threads: usize,
+    /// `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
+}
+
+/// The checkpoint section, checked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CheckpointConfig {
+    /// Write a checkpoint every this many steps (0: not by steps).
+    pub every_steps: u64,
+    /// ... or when this many seconds have passed since the last one (0: not by time).
+    pub every_secs: u64,
+    /// How many checkpoints to keep on disk (the oldest go first).
+    pub keep: usize,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Config {
+    /// Where it came from, for messages.
+    #[serde(skip)]
+    pub origin: String,
+    /// The model to build.
+    pub model: ModelConfig,
+    /// The optimizer.
+    pub optimizer: OptimizerSpec,
+    /// The data set.
+    pub data: DataConfig,
+    /// Training loop settings.
+    pub train: TrainConfig,
+    /// Checkpoint policy.
+    pub checkpoint: CheckpointConfig,
+    /// Control API address from the file, if any (the CLI's `--api` wins).
+    pub api_listen: Option<SocketAddr>,
+}
+
+impl Config {
+    /// Reads and validates a config file; `None` gives the built-in default.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        match path {
+            None => Config::parse(DEFAULT_CONFIG_TOML, DEFAULT_CONFIG_NAME, None),
+            Some(p) => {
+                let name = p.display().to_string();
+                let text = std::fs::read_to_string(p).map_err(|e| ConfigError {
+                    file: name.clone(),
+                    msg: format!("cannot read config: {e}"),
+                })?;
+                Config::parse(&text, &name, p.parent())
+            }
+        }
+    }
+
+    /// Parses TOML text; `base` is the directory relative paths are resolved against.
+    pub fn parse(text: &str, origin: &str, base: Option<&Path>) -> Result<Config, ConfigError> {
+        let err = |msg: String| ConfigError {
+            file: origin.to_string(),
+            msg,
+        };
+        let raw: RawConfig = toml::from_str(text).map_err(|e| {
+            let line = e
+                .span()
+                .map(|s| text[..s.start.min(text.len())].lines().count().max(1));
+            let msg = e.message().replace('\n', " ");
+            match line {
+                Some(l) => err(format!("line {l}: {msg}")),
+                None => err(msg),
+            }
+        })?;
+        let resolve = |p: PathBuf| match base {
+            Some(b) if p.is_relative() => b.join(p),
+            _ => p,
+        };
+
+        let model = match raw.model.kind.as_str() {
+            "mlp" => {
+                if raw.model.channels.is_some() || raw.model.hidden.is_some() {
+                    return Err(err("model.channels and model.hidden are for kind = \"cnn\"; an mlp takes model.widths".into()));
+                }
+                let widths = raw
+                    .model
+                    .widths
+                    .ok_or_else(|| err("model.widths is required for kind = \"mlp\"".into()))?;
+                ModelSpec::Mlp {
+                    widths: widths.clone(),
+                }
+                .validate()
+                .map_err(|e| err(format!("model.widths: {e}")))?;
+                ModelConfig::Mlp { widths }
+            }
+            "cnn" => {
+                if raw.model.widths.is_some() {
+                    return Err(err("model.widths is for kind = \"mlp\"; a cnn takes model.channels and model.hidden".into()));
+                }
+                let ch = raw.model.channels.unwrap_or_else(|| vec![6, 16]);
+                let channels: [usize; 2] = ch.as_slice().try_into().map_err(|_| {
+                    err(format!("model.channels must list exactly two numbers, got {ch:?}"))
+                })?;
+                let hidden = raw.model.hidden.unwrap_or_else(|| vec![120, 84]);
+                if channels.contains(&0) || hidden.contains(&0) {
+                    return Err(err("model.channels and model.hidden must be non-zero".into()));
+                }
+                ModelConfig::Cnn { channels, hidden }
+            }
+            other => {
+                return Err(err(format!(
+                    "model.kind = {other:?} is unknown; use \"mlp\" or \"cnn\""
+                )))
+            }
+        };
+
+        let o = &raw.optimizer;
+        let optimizer = match o.kind.as_str() {
+            "sgd" => {
+                for (k, v) in [("beta1", o.beta1), ("beta2", o.beta2), ("eps", o.eps)] {
+                    if v.is_some() {
+                        return Err(err(format!("optimizer.{k} is an adamw setting, not sgd")));
+                    }
+                }
+                OptimizerSpec::Sgd {
+                    lr: o.lr,
+                    momentum: o.momentum.unwrap_or(0.9),
+                    nesterov: o.nesterov.unwrap_or(false),
+                    weight_decay: o.weight_decay.unwrap_or(0.0),
+                }
+            }
+            "adamw" => {
+                for (k, set) in [("momentum", o.momentum.is_some()), ("nesterov", o.nesterov.is_some())] {
+                    if set {
+                        return Err(err(format!("optimizer.{k} is an sgd setting, not adamw")));
+                    }
+                }
+                OptimizerSpec::Adamw {
+                    lr: o.lr,
+                    beta1: o.beta1.unwrap_or(0.9),
+                    beta2: o.beta2.unwrap_or(0.999),
+                    eps: o.eps.unwrap_or(1e-8),
+                    weight_decay: o.weight_decay.unwrap_or(0.01),
+                }
+            }
+            other => {
+                return Err(err(format!(
+                    "optimizer.kind = {other:?} is unknown; use \"sgd\" or \"adamw\""
+                )))
+            }
+        };
+        optimizer.validate().map_err(|e| err(e.to_string()))?;
+
+        let d = raw.data;
+        let data = DataConfig {
+            source: d.source,
+            path: d.path.map(resolve),
+            dir: d.dir.map(resolve),
+            test_fraction: d.test_fraction.unwrap_or(0.2),
+            split_seed: d.split_seed.unwrap_or(1),
+            samples: d.samples.unwrap_or(2000),
+            dim: d.dim.unwrap_or(32),
+            classes: d.classes.unwrap_or(4),
+            seed: d.seed.unwrap_or(1),
+        };
+        if !(0.0..1.0).contains(&data.test_fraction) {
+            return Err(err(format!(
+                "data.test_fraction = {} must be in [0, 1)",
+                data.test_fraction
+            )));
+        }
+        match data.source {
+            DataSource::Mnist if data.dir.is_none() => {
+                return Err(err("data.dir is required for source = \"mnist\" (the folder with the IDX files)".into()))
+            }
+            DataSource::Mnist if data.path.is_some() => {
+                return Err(err("data.path is for source = \"digits\"; mnist takes data.dir".into()))
+            }
+            DataSource::Digits if data.dir.is_some() => {
+                return Err(err("data.dir is for source = \"mnist\"; digits takes data.path".into()))
+            }
+            DataSource::Synthetic if data.samples == 0 || data.dim == 0 || data.classes < 2 => {
+                return Err(err("data.samples and data.dim must be > 0 and data.classes >= 2".into()))
+            }
+            _ => {}
+        }
+
+        let t = raw.train;
+        let train = TrainConfig {
+            batch_size: t.batch_size.unwrap_or(32),
+            init_seed: t.init_seed.unwrap_or(42),
+            node_seed: t.node_seed,
+            eval_every: t.eval_every.unwrap_or(500),
+            max_steps: t.max_steps.unwrap_or(0),
+            threads: t.threads.unwrap_or(1),
+            device: t.device.unwrap_or_else(|| "cpu".into()),
+        };
+        if train.batch_size == 0 {
+            return Err(err("train.batch_size must be at least 1".into()));
+        }
+        if train.threads == 0 {
+            return Err(err("train.threads must be at least 1".into()));
+        }
+        crate::device::parse(&train.device).map_err(|e| err(format!("train.device: {e}")))?;
+
+        let c = raw.checkpoint;
+        let checkpoint = CheckpointConfig {
+            every_steps: c.every_steps.unwrap_or(5000),
+            every_secs: c.every_secs.unwrap_or(60),
+            keep: c.keep.unwrap_or(5),
+        };
+        if checkpoint.keep == 0 {
+            return Err(err("checkpoint.keep must be at least 1".into()));
+        }
+
+        Ok(Config {
+            origin: origin.to_string(),
+            model,
+            optimizer,
+            data,
+            train,
+            checkpoint,
+            api_listen: raw.api.listen,
+        })
+    }
+
+    /// Builds the model spec for a loaded data set, checking that the two fit.
+    pub fn model_spec(&self, split: &Split) -> Result<ModelSpec, ConfigError> {
+        let err = |msg: String| ConfigError {
+            file: self.origin.clone(),
+            msg,
+        };
+        let dim = split.train.dim;
+        let classes = split.train.classes;
+        let spec = match &self.model {
+            ModelConfig::Mlp { widths } => {
+                let (first, last) = (widths[0], widths[widths.len() - 1]);
+                if first != dim || last != classes {
+                    return Err(err(format!(
+                        "model.widths = {widths:?} does not fit the data: {} has {dim} features and {classes} classes per sample, so the widths must start with {dim} and end with {classes}",
+                        self.data.describe()
+                    )));
+                }
+                ModelSpec::Mlp {
+                    widths: widths.clone(),
+                }
+            }
+            ModelConfig::Cnn { channels, hidden } => {
+                let image = split.train.image.ok_or_else(|| {
+                    err(format!("model.kind = \"cnn\" needs image data; {} is not", self.data.describe()))
+                })?;
+                ModelSpec::Cnn {
+                    image,
+                    channels: *channels,
+                    hidden: hidden.clone(),
+                    classes,
+                }
+            }
+        };
+        spec.validate()
+            .map_err(|e| err(format!("model does not fit {}: {e}", self.data.describe())))?;
+        Ok(spec)
+    }
+
+    /// The run identity: a hash of everything that must match between nodes training one model
+    /// together (model, optimizer, data spec, init seed). Paths and local settings are left out.
+    pub fn run_id(&self) -> String {
+        #[derive(Serialize)]
+        struct Identity<'a> {
+            protocol: &'static str,
+            model: &'a ModelConfig,
+            optimizer: &'a OptimizerSpec,
+            data: (DataSource, f64, u64, Option<(usize, usize, usize, u64)>),
+            init_seed: u64,
+        }
+        let d = &self.data;
+        let identity = Identity {
+            protocol: "p2ptrain/1",
+            model: &self.model,
+            optimizer: &self.optimizer,
+            data: (
+                d.source,
+                d.test_fraction,
+                d.split_seed,
+                (d.source == DataSource::Synthetic).then_some((d.samples, d.dim, d.classes, d.seed)),
+            ),
+            init_seed: self.train.init_seed,
+        };
+        short_hash(&identity)
+    }
+
+    /// A hash of the whole validated configuration, recorded in checkpoints.
+    pub fn config_hash(&self) -> String {
+        short_hash(self)
+    }
+
+    /// Loads the configured data set and its train/test split.
+    pub fn load_data(&self) -> Result<Split, p2ptrain_models::Error> {
+        let d = &self.data;
+        match d.source {
+            DataSource::Digits => data::split_seeded(&data::load_digits(d.path.as_deref())?, d.test_fraction, d.split_seed),
+            DataSource::Mnist => data::load_mnist(d.dir.as_deref().unwrap_or(Path::new("."))),
+            DataSource::Synthetic => data::split_seeded(
+                &data::synthetic(d.samples, d.dim, d.classes, d.seed)?,
+                d.test_fraction,
+                d.split_seed,
+            ),
+        }
+    }
+}
+
+impl DataConfig {
+    /// A short description for messages, e.g. `mnist (../shared/data/mnist)`.
+    pub fn describe(&self) -> String {
+        match self.source {
+            DataSource::Digits => match &self.path {
+                Some(p) => format!("digits ({})", p.display()),
+                None => "digits (bundled)".into(),
+            },
+            DataSource::Mnist => format!(
+                "mnist ({})",
+                self.dir.as_deref().unwrap_or(Path::new("?")).display()
+            ),
+            DataSource::Synthetic => format!(
+                "synthetic ({} samples, {} features, {} classes)",
+                self.samples, self.dim, self.classes
+            ),
+        }
+    }
+}
+
+fn short_hash<T: Serialize>(value: &T) -> String {
+    // serde_json of these structs is deterministic: fields in declaration order, no maps.
+    let bytes = serde_json::to_vec(value).unwrap_or_default();
+    hex::encode(&Sha256::digest(&bytes)[..8])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_config_is_valid() {
+        let c = Config::load(None).expect("default");
+        assert_eq!(c.model, ModelConfig::Mlp { widths: vec![64, 128, 10] });
+        assert_eq!(c.run_id().len(), 16);
+    }
+
+    #[test]
+    fn unknown_key_names_key_and_line() {
+        let text = DEFAULT_CONFIG_TOML.replace("[train]", "[train]\nbatchsize = 3");
+        let e = Config::parse(&text, "x.toml", None).unwrap_err().to_string();
+        assert!(e.starts_with("x.toml: line"), "{e}");
+        assert!(e.contains("batchsize"), "{e}");
+        assert!(!e.contains('\n'));
+    }
+
+    #[test]
+    fn run_id_covers_model_and_seed_but_not_local_settings() {
+        let base = Config::load(None).expect("default");
+        let other_seed = Config::parse(&DEFAULT_CONFIG_TOML.replace("init_seed = 42", "init_seed = 43"), "x", None).expect("c");
+        let other_threads = Config::parse(&DEFAULT_CONFIG_TOML.replace("threads = 1", "threads = 2"), "x", None).expect("c");
+        assert_ne!(base.run_id(), other_seed.run_id());
+        assert_eq!(base.run_id(), other_threads.run_id());
+    }
+
+    #[test]
+    fn widths_must_fit_data() {
+        let c = Config::parse(&DEFAULT_CONFIG_TOML.replace("[64, 128, 10]", "[784, 128, 10]"), "x", None).expect("c");
+        let split = c.load_data().expect("data");
+        let e = c.model_spec(&split).unwrap_err().to_string();
+        assert!(e.contains("model.widths") && e.contains("64 features"), "{e}");
+    }
+}

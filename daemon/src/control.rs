@@ -1,0 +1,149 @@
+//! The local control API: HTTP + JSON, so the CLI, `curl`, and later a status page or metrics
+//! scraper all speak to the daemon the same way.
+//!
+//! It only reads shared state and sends commands; it never touches the model itself. Bound to
+//! loopback by default; any other address requires an access token (checked on every request
+//! whenever one is set), because this API can stop the node and read out its weights.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use tokio::net::TcpListener;
+
+use crate::node::Shared;
+use crate::status::{ApiErrorBody, CheckpointView, Status};
+
+/// Environment variable the daemon and CLI read the access token from.
+pub const TOKEN_ENV: &str = "P2PTRAIN_API_TOKEN";
+
+/// An error answer: a status code and one line.
+#[derive(Debug)]
+pub struct ApiError(pub StatusCode, pub String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(ApiErrorBody { error: self.1 })).into_response()
+    }
+}
+
+/// Binds the API socket, refusing a non-loopback address without a token. Binding happens
+/// before the node writes anything, so a busy port fails fast and leaves no trace.
+pub async fn bind(addr: SocketAddr, token: Option<&str>) -> Result<TcpListener, String> {
+    if !addr.ip().is_loopback() && token.is_none_or(str::is_empty) {
+        return Err(format!(
+            "refusing to serve the control API on non-loopback address {addr} without an access token; set {TOKEN_ENV} or --api-token"
+        ));
+    }
+    TcpListener::bind(addr).await.map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+            " (is another p2ptrain node running? pick another port with --api)"
+        } else {
+            ""
+        };
+        format!("cannot listen on {addr} for the control API: {e}{hint}")
+    })
+}
+
+/// The API's routes over the node's shared state.
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/checkpoints", get(list_checkpoints).post(save_checkpoint))
+        .route("/v1/checkpoints/{id}/file", get(download_checkpoint))
+        .route("/v1/checkpoints/{id}/restore", post(restore_checkpoint))
+        .route("/v1/stop", post(stop))
+        .layer(middleware::from_fn_with_state(shared.clone(), require_token))
+        .with_state(shared)
+}
+
+/// Compares in time independent of where the strings first differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn require_token(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    if let Some(token) = shared.api_token.as_deref() {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !same_secret(given.as_bytes(), token.as_bytes()) {
+            return ApiError(StatusCode::UNAUTHORIZED, "missing or wrong access token".into()).into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn status(State(shared): State<Arc<Shared>>) -> Json<Status> {
+    Json(shared.status())
+}
+
+async fn list_checkpoints(State(shared): State<Arc<Shared>>) -> Json<Vec<CheckpointView>> {
+    let store = shared.store.clone();
+    let list = store.list().into_iter().map(|m| shared.view(m)).collect();
+    Json(list)
+}
+
+async fn save_checkpoint(State(shared): State<Arc<Shared>>) -> Result<Json<CheckpointView>, ApiError> {
+    let meta = shared
+        .checkpoint_now()
+        .await
+        .map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e))?;
+    Ok(Json(shared.view(meta)))
+}
+
+fn parse_id(shared: &Shared, id: &str) -> Result<u64, ApiError> {
+    if id == "latest" {
+        return shared
+            .store
+            .list()
+            .last()
+            .map(|m| m.id)
+            .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, "no checkpoint yet".into()));
+    }
+    id.parse()
+        .map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("checkpoint id {id:?} is not a number")))
+}
+
+async fn download_checkpoint(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let id = parse_id(&shared, &id)?;
+    let meta = shared
+        .store
+        .get(id)
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no checkpoint with id {id}")))?;
+    let path = shared.store.path_of(&meta);
+    let bytes = tokio::fs::read(&path)
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", path.display())))?;
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (header::CONTENT_DISPOSITION, format!("attachment; filename=\"{}\"", meta.file)),
+        ],
+        Body::from(bytes),
+    )
+        .into_response())
+}
+
+async fn restore_checkpoint(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Result<Json<CheckpointView>, ApiError> {
+    let id = parse_id(&shared, &id)?;
+    let meta = shared
+        .restore(id)
+        .await
+        .map_err(|e| ApiError(StatusCode::CONFLICT, e))?;
+    Ok(Json(shared.view(meta)))
+}
+
+async fn stop(State(shared): State<Arc<Shared>>) -> Json<serde_json::Value> {
+    shared.request_stop();
+    Json(serde_json::json!({ "stopping": true }))
+}

@@ -1,0 +1,430 @@
+//! The node: wires the trainer thread, the checkpoint store and the control API together, and
+//! owns start-up and shutdown.
+//!
+//! Start-up order matters for "bad input writes nothing": the configuration, data and device
+//! are checked and the API port is bound before the data directory is touched. Shutdown (Ctrl-C,
+//! SIGTERM, `p2ptrain stop`, or reaching `max_steps`) lets the current step finish, writes a
+//! final checkpoint, and only then returns.
+
+use std::fs::File;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use p2ptrain_models::data::Split;
+use p2ptrain_models::ModelSpec;
+use sha2::{Digest, Sha256};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::checkpoint::{CheckpointMeta, Snapshot};
+use crate::config::Config;
+use crate::status::{CheckpointRef, CheckpointView, ModelInfo, Status};
+use crate::store::Store;
+use crate::trainer::{self, Command, Stats};
+use crate::{control, device, identity};
+
+/// Why a node could not start or stopped with an error; one line each.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// Configuration problem.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// Data could not be loaded.
+    #[error("cannot load data: {0}")]
+    Data(p2ptrain_models::Error),
+    /// Device unavailable.
+    #[error("{0}")]
+    Device(String),
+    /// Control API could not be served.
+    #[error("{0}")]
+    Api(String),
+    /// The data directory is unusable.
+    #[error("{0}")]
+    DataDir(String),
+    /// The checkpoint store failed.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    /// The trainer failed.
+    #[error("trainer: {0}")]
+    Trainer(String),
+}
+
+/// Settings that belong to this node, not to the run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Where identity, checkpoints and index live.
+    pub data_dir: PathBuf,
+    /// Control API address.
+    pub api: SocketAddr,
+    /// Access token for the API (required off loopback).
+    pub api_token: Option<String>,
+}
+
+/// File in the data directory that holds the API's actual address while the node runs (useful
+/// with port 0, and for tools that only know the data directory).
+pub const API_ADDR_FILE: &str = "api.addr";
+
+/// A configuration whose data, model and device have been checked, ready to run.
+pub struct Prepared {
+    /// The validated configuration.
+    pub config: Config,
+    /// Training and held-out data.
+    pub split: Arc<Split>,
+    /// The model to build.
+    pub spec: ModelSpec,
+    /// The opened device.
+    pub device: Device,
+    /// Its canonical name.
+    pub device_name: String,
+}
+
+/// Loads the data, builds the model spec and opens the device, touching no file but the data.
+pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
+    let choice = device::parse(&config.train.device).map_err(NodeError::Device)?;
+    let dev = device::open(choice).map_err(NodeError::Device)?;
+    let split = config.load_data().map_err(NodeError::Data)?;
+    let spec = config.model_spec(&split)?;
+    Ok(Prepared {
+        config,
+        split: Arc::new(split),
+        spec,
+        device: dev,
+        device_name: device::name(choice),
+    })
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Final trainer progress.
+    pub stats: Stats,
+    /// The checkpoint written at the end.
+    pub final_checkpoint: Option<CheckpointMeta>,
+    /// True when it stopped because `max_steps` was reached.
+    pub reached_max_steps: bool,
+}
+
+/// State shared between the node task and the API handlers.
+pub struct Shared {
+    /// Peer id, printed and reported.
+    pub peer_id: String,
+    /// Run id.
+    pub run_id: String,
+    /// Model description.
+    pub model: ModelInfo,
+    /// Optimizer kind.
+    pub optimizer: String,
+    /// Device name.
+    pub device: String,
+    /// Data directory.
+    pub data_dir: PathBuf,
+    /// Data set description.
+    pub data: String,
+    /// Actual API address.
+    pub api_addr: SocketAddr,
+    /// Access token, if any.
+    pub api_token: Option<String>,
+    /// Checkpoints.
+    pub store: Arc<Store>,
+    /// How many checkpoints to keep.
+    pub keep: usize,
+    /// When the node started.
+    pub started: Instant,
+    /// Trainer progress.
+    pub stats_rx: watch::Receiver<Stats>,
+    /// Commands to the trainer.
+    pub cmd_tx: mpsc::Sender<Command>,
+    /// The newest checkpoint written by this process.
+    pub last_checkpoint: Mutex<Option<CheckpointMeta>>,
+    /// The checkpoint this process resumed from.
+    pub resumed_from: Option<CheckpointMeta>,
+    /// Set to true to ask the node to stop.
+    pub stop_tx: watch::Sender<bool>,
+}
+
+impl Shared {
+    fn reference(&self, meta: &CheckpointMeta) -> CheckpointRef {
+        CheckpointRef {
+            id: meta.id,
+            step: meta.info.step,
+            path: self.store.path_of(meta).display().to_string(),
+        }
+    }
+
+    /// The index entry plus its path, as the API returns it.
+    pub fn view(&self, meta: CheckpointMeta) -> CheckpointView {
+        let path = self.store.path_of(&meta).display().to_string();
+        CheckpointView { meta, path }
+    }
+
+    /// The status report.
+    pub fn status(&self) -> Status {
+        let stats = self.stats_rx.borrow().clone();
+        let last = self.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        Status {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            peer_id: self.peer_id.clone(),
+            run_id: self.run_id.clone(),
+            model: self.model.clone(),
+            optimizer: self.optimizer.clone(),
+            device: self.device.clone(),
+            phase: stats.phase,
+            step: stats.step,
+            samples_seen: stats.samples_seen,
+            loss: stats.loss,
+            eval: stats.eval,
+            samples_per_sec: stats.samples_per_sec,
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            last_checkpoint: last.or_else(|| self.store.list().pop()).map(|m| self.reference(&m)),
+            resumed_from: self.resumed_from.as_ref().map(|m| self.reference(m)),
+            data_dir: self.data_dir.display().to_string(),
+            data: self.data.clone(),
+            api: format!("http://{}", self.api_addr),
+        }
+    }
+
+    /// Writes a snapshot as a checkpoint on a blocking thread and records it as the latest.
+    pub async fn save(&self, snapshot: Snapshot) -> Result<CheckpointMeta, String> {
+        let store = self.store.clone();
+        let keep = self.keep;
+        let meta = tokio::task::spawn_blocking(move || store.save(&snapshot, keep))
+            .await
+            .map_err(|e| format!("checkpoint writer failed: {e}"))?
+            .map_err(|e| e.to_string())?;
+        tracing::info!(id = meta.id, step = meta.info.step, file = %meta.file, "checkpoint written");
+        *self.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(meta.clone());
+        Ok(meta)
+    }
+
+    /// Asks the trainer for its state now and writes it.
+    pub async fn checkpoint_now(&self) -> Result<CheckpointMeta, String> {
+        let (tx, rx) = oneshot::channel();
+        self.cmd_tx
+            .send(Command::Snapshot(tx))
+            .await
+            .map_err(|_| "the trainer has stopped".to_string())?;
+        let snapshot = rx.await.map_err(|_| "the trainer has stopped".to_string())?;
+        self.save(snapshot).await
+    }
+
+    /// Loads a checkpoint (verified) into the trainer.
+    pub async fn restore(&self, id: u64) -> Result<CheckpointMeta, String> {
+        let store = self.store.clone();
+        let loaded = tokio::task::spawn_blocking(move || store.load(id))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        let meta = loaded.meta.clone();
+        let (tx, rx) = oneshot::channel();
+        self.cmd_tx
+            .send(Command::Restore(Box::new(loaded), tx))
+            .await
+            .map_err(|_| "the trainer has stopped".to_string())?;
+        rx.await.map_err(|_| "the trainer has stopped".to_string())??;
+        Ok(meta)
+    }
+
+    /// Asks the node to stop gracefully.
+    pub fn request_stop(&self) {
+        self.stop_tx.send_replace(true);
+    }
+}
+
+/// Holds an exclusive lock on the data directory for the node's lifetime, so two nodes never
+/// share one (they would fight over the identity and corrupt each other's checkpoints).
+fn lock_data_dir(dir: &Path) -> Result<File, NodeError> {
+    let path = dir.join("LOCK");
+    let file = File::create(&path).map_err(|e| NodeError::DataDir(format!("{}: {e}", path.display())))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(NodeError::DataDir(format!(
+            "data dir {} is in use by another p2ptrain node",
+            dir.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(NodeError::DataDir(format!("{}: cannot lock: {e}", path.display()))),
+    }
+}
+
+/// A node's data order seed from its peer id, so each node samples differently without
+/// configuration and keeps its order across restarts.
+fn seed_from(peer_id: &str) -> u64 {
+    let digest = Sha256::digest(peer_id.as_bytes());
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(b)
+}
+
+/// Runs a node until `shutdown` resolves, it is asked to stop, or it reaches `max_steps`.
+pub async fn run(prepared: Prepared, opts: Options, shutdown: impl Future<Output = ()>) -> Result<Summary, NodeError> {
+    let Prepared {
+        config,
+        split,
+        spec,
+        device: dev,
+        device_name,
+    } = prepared;
+    let listener = control::bind(opts.api, opts.api_token.as_deref())
+        .await
+        .map_err(NodeError::Api)?;
+    let api_addr = listener
+        .local_addr()
+        .map_err(|e| NodeError::Api(format!("control API socket: {e}")))?;
+
+    // From here on the node writes to its data directory.
+    let data_dir = opts.data_dir.clone();
+    std::fs::create_dir_all(&data_dir).map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
+    let _lock = lock_data_dir(&data_dir)?;
+    let key = identity::load_or_create(&data_dir).map_err(NodeError::DataDir)?;
+    let peer_id = identity::peer_id(&key).to_string();
+    let (store, notes) = Store::open(&data_dir)?;
+    for note in notes {
+        tracing::warn!("{note}");
+    }
+    let store = Arc::new(store);
+    let (resume, skipped) = store.load_newest_valid();
+    for s in &skipped {
+        tracing::warn!("{}", s.reason);
+    }
+    let ident = trainer::Identity {
+        run_id: config.run_id(),
+        config_hash: config.config_hash(),
+    };
+    if let Some(loaded) = &resume {
+        if loaded.meta.info.run_id != ident.run_id {
+            return Err(NodeError::DataDir(format!(
+                "data dir {} holds checkpoints of run {} but this configuration is run {}; use another --data-dir or the matching config",
+                data_dir.display(),
+                loaded.meta.info.run_id,
+                ident.run_id
+            )));
+        }
+    }
+    let (model, optimizer, start) = trainer::build(&spec, &config.optimizer, config.train.init_seed, &dev, &ident, resume.as_ref())
+        .map_err(NodeError::Trainer)?;
+    if let Some(loaded) = &resume {
+        tracing::info!(id = loaded.meta.id, step = loaded.meta.info.step, "resumed from checkpoint");
+    }
+    let model_info = ModelInfo {
+        name: spec.name(),
+        params: model.params().numel(),
+    };
+    let optimizer_kind = match config.optimizer {
+        p2ptrain_models::OptimizerSpec::Sgd { .. } => "sgd",
+        p2ptrain_models::OptimizerSpec::Adamw { .. } => "adamw",
+    };
+    let (snapshot_tx, mut snapshot_rx) = mpsc::channel(trainer::SNAPSHOT_CAP);
+    let handle = trainer::spawn(
+        trainer::Setup {
+            model,
+            optimizer,
+            split,
+            device: dev,
+            batch_size: config.train.batch_size,
+            eval_every: config.train.eval_every,
+            max_steps: config.train.max_steps,
+            node_seed: config.train.node_seed.unwrap_or_else(|| seed_from(&peer_id)),
+            checkpoint_every_steps: config.checkpoint.every_steps,
+            checkpoint_every: Duration::from_secs(config.checkpoint.every_secs),
+            identity: ident.clone(),
+            start,
+        },
+        snapshot_tx,
+    )
+    .map_err(|e| NodeError::Trainer(format!("cannot start trainer thread: {e}")))?;
+    let trainer::Handle {
+        cmd_tx,
+        stats_rx,
+        mut done_rx,
+    } = handle;
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let shared = Arc::new(Shared {
+        peer_id: peer_id.clone(),
+        run_id: ident.run_id.clone(),
+        model: model_info,
+        optimizer: optimizer_kind.into(),
+        device: device_name,
+        data_dir: data_dir.clone(),
+        data: config.data.describe(),
+        api_addr,
+        api_token: opts.api_token.clone(),
+        store: store.clone(),
+        keep: config.checkpoint.keep,
+        started: Instant::now(),
+        stats_rx,
+        cmd_tx: cmd_tx.clone(),
+        last_checkpoint: Mutex::new(None),
+        resumed_from: resume.as_ref().map(|l| l.meta.clone()),
+        stop_tx,
+    });
+    drop(resume);
+
+    // Automatic checkpoints: the trainer hands over snapshots; this task writes them.
+    let writer = {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            while let Some(snapshot) = snapshot_rx.recv().await {
+                if let Err(e) = shared.save(snapshot).await {
+                    tracing::error!("automatic checkpoint failed: {e}");
+                }
+            }
+        })
+    };
+
+    let (api_stop_tx, api_stop_rx) = oneshot::channel::<()>();
+    let router = control::router(shared.clone());
+    let server = tokio::spawn(async move {
+        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
+            let _ = api_stop_rx.await;
+        });
+        if let Err(e) = serve.await {
+            tracing::error!("control API stopped: {e}");
+        }
+    });
+    let addr_file = data_dir.join(API_ADDR_FILE);
+    if let Err(e) = std::fs::write(&addr_file, format!("{api_addr}\n")) {
+        tracing::warn!("cannot write {}: {e}", addr_file.display());
+    }
+    tracing::info!(peer_id = %peer_id, run_id = %ident.run_id, api = %format!("http://{api_addr}"), data_dir = %data_dir.display(), model = %spec.name(), "node started");
+
+    tokio::pin!(shutdown);
+    let finished = tokio::select! {
+        done = &mut done_rx => Some(done),
+        _ = &mut shutdown => None,
+        _ = stop_rx.wait_for(|stop| *stop) => None,
+    };
+    let finished = match finished {
+        Some(done) => done,
+        None => {
+            tracing::info!("stopping: finishing the current step and writing a final checkpoint");
+            let _ = cmd_tx.send(Command::Stop).await;
+            (&mut done_rx).await
+        }
+    };
+    let result = match finished {
+        Ok(Ok(finish)) => {
+            // Let a pending automatic checkpoint land first, so the final one is the newest.
+            let _ = writer.await;
+            let final_checkpoint = match shared.save(finish.snapshot).await {
+                Ok(meta) => Some(meta),
+                Err(e) => {
+                    tracing::error!("final checkpoint failed: {e}");
+                    None
+                }
+            };
+            Ok(Summary {
+                stats: finish.stats,
+                final_checkpoint,
+                reached_max_steps: finish.reached_max_steps,
+            })
+        }
+        Ok(Err(e)) => Err(NodeError::Trainer(e)),
+        Err(_) => Err(NodeError::Trainer("the trainer thread ended without a result".into())),
+    };
+    let _ = api_stop_tx.send(());
+    let _ = server.await;
+    let _ = std::fs::remove_file(&addr_file);
+    result
+}

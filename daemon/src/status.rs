@@ -1,0 +1,85 @@
+//! The shapes the control API speaks, shared by the daemon (which serialises them) and the CLI
+//! (which reads them back), so the two cannot drift apart.
+
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::CheckpointMeta;
+use crate::trainer::{EvalStats, Phase};
+
+/// The model a node trains.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    /// Short name, e.g. `mlp-64-128-10`.
+    pub name: String,
+    /// Number of scalar parameters.
+    pub params: usize,
+}
+
+/// A reference to a checkpoint, as status shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointRef {
+    /// Checkpoint id.
+    pub id: u64,
+    /// Training step it holds.
+    pub step: u64,
+    /// Its file.
+    pub path: String,
+}
+
+/// Everything `p2ptrain status` shows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    /// p2ptrain version of the daemon.
+    pub version: String,
+    /// The node's libp2p peer id.
+    pub peer_id: String,
+    /// The run it belongs to (hash of model, optimizer, data spec and init seed).
+    pub run_id: String,
+    /// The model.
+    pub model: ModelInfo,
+    /// Optimizer kind.
+    pub optimizer: String,
+    /// Compute device, e.g. `cpu` or `cuda:0`.
+    pub device: String,
+    /// What the trainer is doing.
+    pub phase: Phase,
+    /// Training steps taken.
+    pub step: u64,
+    /// Samples trained on.
+    pub samples_seen: u64,
+    /// Mean loss over recent steps.
+    pub loss: Option<f64>,
+    /// Latest evaluation on the held-out set.
+    pub eval: Option<EvalStats>,
+    /// Recent throughput.
+    pub samples_per_sec: f64,
+    /// Seconds since the daemon started.
+    pub uptime_s: f64,
+    /// The newest checkpoint written.
+    pub last_checkpoint: Option<CheckpointRef>,
+    /// The checkpoint this process resumed from, if any.
+    pub resumed_from: Option<CheckpointRef>,
+    /// The node's data directory.
+    pub data_dir: String,
+    /// The data set, described.
+    pub data: String,
+    /// Control API address.
+    pub api: String,
+}
+
+/// A checkpoint as the API lists it: the index entry plus its full path.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointView {
+    /// The index entry.
+    #[serde(flatten)]
+    pub meta: CheckpointMeta,
+    /// Full path of the file on the daemon's machine.
+    pub path: String,
+}
+
+/// The body of every error response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApiErrorBody {
+    /// One line saying what went wrong.
+    pub error: String,
+}

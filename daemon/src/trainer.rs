@@ -1,0 +1,414 @@
+//! The trainer: one OS thread that owns the model, the optimizer, the data and the device.
+//!
+//! Candle compute never runs on a tokio worker (a training step would stall every socket the
+//! runtime drives). The async side talks to this thread through a bounded command channel that
+//! the loop polls between steps, reads its progress from a `watch` channel, and receives
+//! periodic snapshots for checkpointing through another bounded channel. The loop never
+//! blocks on any of them: a full snapshot channel means the writer is behind, and that
+//! checkpoint is skipped rather than stalling training.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use p2ptrain_models::data::{Sampler, Split};
+use p2ptrain_models::train::{evaluate, train_step};
+use p2ptrain_models::{Model, ModelSpec, Optimizer, OptimizerSpec};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::checkpoint::{HostTensor, Snapshot, StateInfo};
+use crate::store::Loaded;
+
+/// Capacity of the command channel: commands are rare (checkpoint, restore, stop) and each
+/// is handled within one training step.
+pub const COMMAND_CAP: usize = 16;
+/// Capacity of the automatic-snapshot channel; a second pending snapshot means the disk is
+/// slower than the checkpoint interval, and the newer one is dropped.
+pub const SNAPSHOT_CAP: usize = 1;
+/// How often progress is published to the `watch` channel.
+const PUBLISH_EVERY: Duration = Duration::from_millis(100);
+/// Steps averaged into the reported recent loss.
+const LOSS_WINDOW: usize = 50;
+/// Samples per evaluation batch.
+const EVAL_BATCH: usize = 1000;
+
+/// A request to the trainer thread, handled between two steps.
+#[derive(Debug)]
+pub enum Command {
+    /// Copy the current state for a checkpoint.
+    Snapshot(oneshot::Sender<Snapshot>),
+    /// Replace the state with a verified checkpoint.
+    Restore(Box<Loaded>, oneshot::Sender<Result<(), String>>),
+    /// Finish the current step, then stop and hand back the final state.
+    Stop,
+}
+
+/// What the trainer is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Building the model or loading state.
+    #[default]
+    Starting,
+    /// Taking steps.
+    Training,
+    /// Stopped (max steps reached or asked to stop).
+    Stopped,
+}
+
+/// The latest evaluation on the held-out set.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EvalStats {
+    /// Fraction correct.
+    pub accuracy: f64,
+    /// Mean cross-entropy.
+    pub loss: f64,
+    /// Step at which it was taken.
+    pub step: u64,
+}
+
+/// Progress the trainer publishes; read by the status API.
+#[derive(Debug, Clone, PartialEq, Serialize, Default)]
+pub struct Stats {
+    /// What the trainer is doing.
+    pub phase: Phase,
+    /// Training steps taken (including those restored from a checkpoint).
+    pub step: u64,
+    /// Samples trained on (including those restored).
+    pub samples_seen: u64,
+    /// Mean loss over the last steps.
+    pub loss: Option<f64>,
+    /// Latest evaluation.
+    pub eval: Option<EvalStats>,
+    /// Recent throughput.
+    pub samples_per_sec: f64,
+    /// Steps taken since this process started.
+    pub steps_this_run: u64,
+    /// Seconds spent in the training loop since this process started.
+    pub train_secs: f64,
+}
+
+/// Everything the trainer thread needs, prepared (and validated) before it starts.
+pub struct Setup {
+    /// The built model, already holding the initial or restored parameters.
+    pub model: Model,
+    /// Its optimizer, already holding restored state if any.
+    pub optimizer: Optimizer,
+    /// Training and held-out data.
+    pub split: Arc<Split>,
+    /// Where tensors live.
+    pub device: Device,
+    /// Samples per step.
+    pub batch_size: usize,
+    /// Steps between evaluations (0: never).
+    pub eval_every: u64,
+    /// Stop at this step (0: never).
+    pub max_steps: u64,
+    /// Seed of this node's data order.
+    pub node_seed: u64,
+    /// Automatic checkpoint every this many steps (0: off).
+    pub checkpoint_every_steps: u64,
+    /// ... or after this long (zero: off).
+    pub checkpoint_every: Duration,
+    /// Identities recorded in snapshots.
+    pub identity: Identity,
+    /// Counters restored from a checkpoint (zero for a fresh start).
+    pub start: Counters,
+}
+
+/// Identities stamped on every snapshot.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// Run id.
+    pub run_id: String,
+    /// Full configuration hash.
+    pub config_hash: String,
+}
+
+/// Step and sample counters.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counters {
+    /// Training steps.
+    pub step: u64,
+    /// Samples trained on.
+    pub samples_seen: u64,
+}
+
+/// Why the trainer stopped, with its final state.
+#[derive(Debug)]
+pub struct Finish {
+    /// The state at the moment it stopped.
+    pub snapshot: Snapshot,
+    /// True when `max_steps` was reached, false when it was asked to stop.
+    pub reached_max_steps: bool,
+    /// Final progress.
+    pub stats: Stats,
+}
+
+/// Handles to a running trainer thread.
+pub struct Handle {
+    /// Commands to the thread.
+    pub cmd_tx: mpsc::Sender<Command>,
+    /// Its progress.
+    pub stats_rx: watch::Receiver<Stats>,
+    /// Resolves when the thread ends: its final state, or why it failed.
+    pub done_rx: oneshot::Receiver<Result<Finish, String>>,
+}
+
+/// Builds the model and optimizer for a run, restoring a checkpoint when one is given.
+pub fn build(
+    spec: &ModelSpec,
+    opt_spec: &OptimizerSpec,
+    init_seed: u64,
+    device: &Device,
+    identity: &Identity,
+    resume: Option<&Loaded>,
+) -> Result<(Model, Optimizer, Counters), String> {
+    let model = Model::new(spec, init_seed, device).map_err(|e| e.to_string())?;
+    let mut optimizer = Optimizer::new(opt_spec, model.params()).map_err(|e| e.to_string())?;
+    let mut counters = Counters::default();
+    if let Some(loaded) = resume {
+        counters = restore_into(&model, &mut optimizer, identity, loaded)?;
+    }
+    Ok((model, optimizer, counters))
+}
+
+/// Loads a verified checkpoint into model and optimizer; refuses one of another run or layout
+/// and changes nothing then.
+fn restore_into(model: &Model, optimizer: &mut Optimizer, identity: &Identity, loaded: &Loaded) -> Result<Counters, String> {
+    let info = &loaded.meta.info;
+    if info.run_id != identity.run_id {
+        return Err(format!(
+            "checkpoint {} belongs to run {}, this node runs {}",
+            loaded.meta.id, info.run_id, identity.run_id
+        ));
+    }
+    let layout = model.params().layout().hash();
+    if info.layout_hash != layout {
+        return Err(format!(
+            "checkpoint {} has parameter layout {}, the model has {layout}",
+            loaded.meta.id, info.layout_hash
+        ));
+    }
+    let device = model.params().vars().first().map(|(_, v)| v.device().clone()).unwrap_or(Device::Cpu);
+    let tensors = to_device(&loaded.tensors, &device).map_err(|e| e.to_string())?;
+    // Check the optimizer state loads before touching the parameters, so a failure leaves both
+    // as they were.
+    let mut staged = Optimizer::new(optimizer.spec(), model.params()).map_err(|e| e.to_string())?;
+    staged.load(model.params(), info.optimizer_steps, &tensors).map_err(|e| e.to_string())?;
+    model.params().load(&tensors).map_err(|e| e.to_string())?;
+    *optimizer = staged;
+    Ok(Counters {
+        step: info.step,
+        samples_seen: info.samples_seen,
+    })
+}
+
+fn to_device(tensors: &BTreeMap<String, HostTensor>, dev: &Device) -> candle_core::Result<HashMap<String, Tensor>> {
+    tensors
+        .iter()
+        .map(|(name, t)| Ok((name.clone(), Tensor::from_slice(&t.values, t.shape.as_slice(), dev)?)))
+        .collect()
+}
+
+fn host(t: &Tensor) -> candle_core::Result<HostTensor> {
+    Ok(HostTensor {
+        shape: t.dims().to_vec(),
+        values: t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?,
+    })
+}
+
+/// Starts the trainer thread.
+pub fn spawn(setup: Setup, snapshot_tx: mpsc::Sender<Snapshot>) -> std::io::Result<Handle> {
+    let (cmd_tx, cmd_rx) = mpsc::channel(COMMAND_CAP);
+    let (stats_tx, stats_rx) = watch::channel(Stats::default());
+    let (done_tx, done_rx) = oneshot::channel();
+    std::thread::Builder::new().name("trainer".into()).spawn(move || {
+        let mut lp = Loop::new(setup, stats_tx, snapshot_tx);
+        let result = lp.run(cmd_rx);
+        let _ = done_tx.send(result);
+    })?;
+    Ok(Handle {
+        cmd_tx,
+        stats_rx,
+        done_rx,
+    })
+}
+
+struct Loop {
+    s: Setup,
+    sampler: Sampler,
+    counters: Counters,
+    stats: Stats,
+    stats_tx: watch::Sender<Stats>,
+    snapshot_tx: mpsc::Sender<Snapshot>,
+    losses: VecDeque<f32>,
+    last_checkpoint_step: u64,
+    last_checkpoint_at: Instant,
+}
+
+impl Loop {
+    fn new(s: Setup, stats_tx: watch::Sender<Stats>, snapshot_tx: mpsc::Sender<Snapshot>) -> Loop {
+        let mut sampler = Sampler::new(s.split.train.len(), s.node_seed);
+        sampler.seek(s.start.samples_seen);
+        let counters = s.start;
+        Loop {
+            sampler,
+            counters,
+            stats: Stats {
+                step: counters.step,
+                samples_seen: counters.samples_seen,
+                ..Stats::default()
+            },
+            stats_tx,
+            snapshot_tx,
+            losses: VecDeque::with_capacity(LOSS_WINDOW),
+            last_checkpoint_step: counters.step,
+            last_checkpoint_at: Instant::now(),
+            s,
+        }
+    }
+
+    fn snapshot(&self) -> Result<Snapshot, String> {
+        let params = self.s.model.params();
+        let mut tensors = BTreeMap::new();
+        for (name, var) in params.vars() {
+            tensors.insert(name.clone(), host(var.as_tensor()).map_err(|e| e.to_string())?);
+        }
+        for (name, t) in self.s.optimizer.named_buffers(params) {
+            tensors.insert(name, host(&t).map_err(|e| e.to_string())?);
+        }
+        Ok(Snapshot {
+            info: StateInfo {
+                run_id: self.s.identity.run_id.clone(),
+                config_hash: self.s.identity.config_hash.clone(),
+                layout_hash: params.layout().hash(),
+                model: self.s.model.spec().name(),
+                optimizer: match self.s.optimizer.spec() {
+                    OptimizerSpec::Sgd { .. } => "sgd".into(),
+                    OptimizerSpec::Adamw { .. } => "adamw".into(),
+                },
+                step: self.counters.step,
+                samples_seen: self.counters.samples_seen,
+                optimizer_steps: self.s.optimizer.steps(),
+            },
+            tensors,
+        })
+    }
+
+    fn evaluate(&mut self) -> Result<(), String> {
+        let e = evaluate(&self.s.model, &self.s.split.test, EVAL_BATCH, &self.s.device).map_err(|e| e.to_string())?;
+        tracing::info!(step = self.counters.step, accuracy = format!("{:.4}", e.accuracy), loss = format!("{:.4}", e.loss), "evaluated on held-out set");
+        self.stats.eval = Some(EvalStats {
+            accuracy: e.accuracy,
+            loss: e.loss,
+            step: self.counters.step,
+        });
+        Ok(())
+    }
+
+    fn publish(&mut self) {
+        self.stats.step = self.counters.step;
+        self.stats.samples_seen = self.counters.samples_seen;
+        if !self.losses.is_empty() {
+            self.stats.loss = Some(self.losses.iter().map(|&l| f64::from(l)).sum::<f64>() / self.losses.len() as f64);
+        }
+        self.stats_tx.send_replace(self.stats.clone());
+    }
+
+    /// Handles pending commands; returns true when asked to stop.
+    fn handle_commands(&mut self, cmd_rx: &mut mpsc::Receiver<Command>) -> Result<bool, String> {
+        while let Ok(cmd) = cmd_rx.try_recv() {
+            match cmd {
+                Command::Stop => return Ok(true),
+                Command::Snapshot(reply) => {
+                    let _ = reply.send(self.snapshot()?);
+                }
+                Command::Restore(loaded, reply) => {
+                    let result = restore_into(&self.s.model, &mut self.s.optimizer, &self.s.identity, &loaded);
+                    if let Ok(c) = &result {
+                        self.counters = *c;
+                        self.sampler.seek(c.samples_seen);
+                        self.losses.clear();
+                        tracing::info!(id = loaded.meta.id, step = c.step, "restored checkpoint");
+                        self.publish();
+                    }
+                    let _ = reply.send(result.map(|_| ()));
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    fn run(&mut self, mut cmd_rx: mpsc::Receiver<Command>) -> Result<Finish, String> {
+        let started = Instant::now();
+        let mut rate_mark = (Instant::now(), self.counters.samples_seen);
+        let mut last_publish = Instant::now();
+        self.stats.phase = Phase::Training;
+        self.publish();
+        let mut reached_max_steps = false;
+        loop {
+            if self.handle_commands(&mut cmd_rx)? {
+                break;
+            }
+            if self.s.max_steps > 0 && self.counters.step >= self.s.max_steps {
+                reached_max_steps = true;
+                break;
+            }
+            let indices = self.sampler.next_batch(self.s.batch_size);
+            let (xs, ys) = self.s.split.train.batch(&indices, &self.s.device).map_err(|e| e.to_string())?;
+            let loss = train_step(&self.s.model, &mut self.s.optimizer, &xs, &ys).map_err(|e| e.to_string())?;
+            if !loss.is_finite() {
+                return Err(format!(
+                    "training diverged at step {} (loss {loss}); the last checkpoint is kept untouched",
+                    self.counters.step
+                ));
+            }
+            self.counters.step += 1;
+            self.counters.samples_seen += indices.len() as u64;
+            self.stats.steps_this_run += 1;
+            if self.losses.len() == LOSS_WINDOW {
+                self.losses.pop_front();
+            }
+            self.losses.push_back(loss);
+
+            if self.s.eval_every > 0 && self.counters.step % self.s.eval_every == 0 {
+                self.evaluate()?;
+            }
+            let by_steps = self.s.checkpoint_every_steps > 0
+                && self.counters.step - self.last_checkpoint_step >= self.s.checkpoint_every_steps;
+            let by_time = !self.s.checkpoint_every.is_zero() && self.last_checkpoint_at.elapsed() >= self.s.checkpoint_every;
+            if by_steps || by_time {
+                if self.snapshot_tx.try_send(self.snapshot()?).is_err() {
+                    tracing::debug!(step = self.counters.step, "checkpoint writer busy; skipping this checkpoint");
+                }
+                self.last_checkpoint_step = self.counters.step;
+                self.last_checkpoint_at = Instant::now();
+            }
+            let now = Instant::now();
+            if now.duration_since(last_publish) >= PUBLISH_EVERY {
+                let dt = now.duration_since(rate_mark.0).as_secs_f64();
+                if dt >= 1.0 {
+                    self.stats.samples_per_sec = (self.counters.samples_seen - rate_mark.1) as f64 / dt;
+                    rate_mark = (now, self.counters.samples_seen);
+                }
+                self.stats.train_secs = started.elapsed().as_secs_f64();
+                self.publish();
+                last_publish = now;
+            }
+        }
+        self.stats.train_secs = started.elapsed().as_secs_f64();
+        if self.s.eval_every > 0 && self.stats.eval.map(|e| e.step) != Some(self.counters.step) {
+            self.evaluate()?;
+        }
+        self.stats.phase = Phase::Stopped;
+        self.publish();
+        Ok(Finish {
+            snapshot: self.snapshot()?,
+            reached_max_steps,
+            stats: self.stats.clone(),
+        })
+    }
+}

@@ -1,0 +1,497 @@
+//! Data sets: the bundled handwritten digits, MNIST in IDX format, and a seeded synthetic set;
+//! fixed train/test splits and per-node sampling.
+//!
+//! Everything is held in memory as `f32` features in `[0, 1]` and `u32` labels: the largest set
+//! we train on (MNIST, 60,000 x 784) is about 190 MB as `f32`, which every node can afford, and
+//! it keeps batching a plain gather.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+
+use crate::{Error, Result};
+
+/// The handwritten-digits set shipped with p2ptrain (UCI optical digits, scikit-learn's copy,
+/// BSD-3; see `data/digits.rst`), so the default demo and the tests need no download.
+pub const BUNDLED_DIGITS_CSV_GZ: &[u8] = include_bytes!("../../data/digits.csv.gz");
+
+/// An in-memory labelled data set.
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    /// Row-major features, `len() * dim` values, each in `[0, 1]`.
+    pub features: Vec<f32>,
+    /// One class index per sample, each `< classes`.
+    pub labels: Vec<u32>,
+    /// Features per sample.
+    pub dim: usize,
+    /// Number of classes.
+    pub classes: usize,
+    /// Height and width when the features are a one-channel image (convolutional models need it).
+    pub image: Option<(usize, usize)>,
+}
+
+impl Dataset {
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    /// Whether the set holds no sample.
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// A new set holding the given samples, in the given order.
+    pub fn subset(&self, indices: &[usize]) -> Dataset {
+        let mut features = Vec::with_capacity(indices.len() * self.dim);
+        let mut labels = Vec::with_capacity(indices.len());
+        for &i in indices {
+            features.extend_from_slice(&self.features[i * self.dim..(i + 1) * self.dim]);
+            labels.push(self.labels[i]);
+        }
+        Dataset {
+            features,
+            labels,
+            dim: self.dim,
+            classes: self.classes,
+            image: self.image,
+        }
+    }
+
+    /// Gathers the given samples into a `(batch, dim)` feature tensor and a `(batch,)` label
+    /// tensor on `dev`.
+    pub fn batch(&self, indices: &[usize], dev: &Device) -> Result<(Tensor, Tensor)> {
+        let mut xs = Vec::with_capacity(indices.len() * self.dim);
+        let mut ys = Vec::with_capacity(indices.len());
+        for &i in indices {
+            xs.extend_from_slice(&self.features[i * self.dim..(i + 1) * self.dim]);
+            ys.push(self.labels[i]);
+        }
+        let xs = Tensor::from_vec(xs, (indices.len(), self.dim), dev)?;
+        let ys = Tensor::from_vec(ys, indices.len(), dev)?;
+        Ok((xs, ys))
+    }
+}
+
+/// A data set cut into the samples a node trains on and the held-out samples it evaluates on.
+#[derive(Debug, Clone)]
+pub struct Split {
+    /// Training samples.
+    pub train: Dataset,
+    /// Held-out samples, never trained on.
+    pub test: Dataset,
+}
+
+/// Splits `data` with a seeded shuffle so that every node of a run holds out the same samples.
+pub fn split_seeded(data: &Dataset, test_fraction: f64, seed: u64) -> Result<Split> {
+    if !(0.0..1.0).contains(&test_fraction) || test_fraction.is_nan() {
+        return Err(Error::Spec(format!(
+            "test_fraction must be in [0, 1), got {test_fraction}"
+        )));
+    }
+    let mut order: Vec<usize> = (0..data.len()).collect();
+    order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
+    let n_test = ((data.len() as f64) * test_fraction).round() as usize;
+    let (test, train) = order.split_at(n_test);
+    Ok(Split {
+        train: data.subset(train),
+        test: data.subset(test),
+    })
+}
+
+/// Reads the bytes of a file, transparently gunzipping when the content starts with the gzip
+/// magic (so `.gz` and raw copies both work, whatever their names).
+fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
+    let raw = std::fs::read(path).map_err(|source| Error::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    gunzip_if_needed(raw, path)
+}
+
+fn gunzip_if_needed(raw: Vec<u8>, path: &Path) -> Result<Vec<u8>> {
+    if raw.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        flate2::read::MultiGzDecoder::new(&raw[..])
+            .read_to_end(&mut out)
+            .map_err(|e| Error::Format {
+                path: path.to_owned(),
+                msg: format!("broken gzip stream: {e}"),
+            })?;
+        Ok(out)
+    } else {
+        Ok(raw)
+    }
+}
+
+/// Loads the digits set from its CSV form (64 pixel values 0..16, then the label 0..9, one
+/// sample a line; gzipped or not). `None` reads the copy bundled in the binary.
+pub fn load_digits(path: Option<&Path>) -> Result<Dataset> {
+    let (text, path) = match path {
+        Some(p) => (read_maybe_gz(p)?, p.to_owned()),
+        None => {
+            let p = PathBuf::from("<bundled digits.csv.gz>");
+            (gunzip_if_needed(BUNDLED_DIGITS_CSV_GZ.to_vec(), &p)?, p)
+        }
+    };
+    parse_digits_csv(&text, &path)
+}
+
+/// Parses the digits CSV; errors name the line and field.
+pub fn parse_digits_csv(text: &[u8], path: &Path) -> Result<Dataset> {
+    const PIXELS: usize = 64;
+    let bad = |line: usize, msg: String| Error::Format {
+        path: path.to_owned(),
+        msg: format!("line {line}: {msg}"),
+    };
+    let text = std::str::from_utf8(text).map_err(|e| Error::Format {
+        path: path.to_owned(),
+        msg: format!("not UTF-8 text: {e}"),
+    })?;
+    let mut features = Vec::new();
+    let mut labels = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line_no = i + 1;
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let fields: Vec<&str> = line.split(',').collect();
+        if fields.len() != PIXELS + 1 {
+            return Err(bad(
+                line_no,
+                format!("expected {} fields, found {}", PIXELS + 1, fields.len()),
+            ));
+        }
+        for (j, field) in fields.iter().enumerate() {
+            let value: f32 = field.trim().parse().map_err(|_| {
+                bad(
+                    line_no,
+                    format!("field {}: {:?} is not a number", j + 1, field.trim()),
+                )
+            })?;
+            if j < PIXELS {
+                if !(0.0..=16.0).contains(&value) {
+                    return Err(bad(
+                        line_no,
+                        format!("field {}: pixel {value} outside 0..16", j + 1),
+                    ));
+                }
+                features.push(value / 16.0);
+            } else {
+                if value.fract() != 0.0 || !(0.0..=9.0).contains(&value) {
+                    return Err(bad(line_no, format!("label {value} is not a digit 0..9")));
+                }
+                labels.push(value as u32);
+            }
+        }
+    }
+    if labels.is_empty() {
+        return Err(Error::Format {
+            path: path.to_owned(),
+            msg: "no samples".into(),
+        });
+    }
+    Ok(Dataset {
+        features,
+        labels,
+        dim: PIXELS,
+        classes: 10,
+        image: Some((8, 8)),
+    })
+}
+
+/// The IDX magic numbers of the two file kinds MNIST uses.
+const IDX_IMAGES_MAGIC: u32 = 0x0000_0803;
+const IDX_LABELS_MAGIC: u32 = 0x0000_0801;
+
+fn be_u32(bytes: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+}
+
+/// Parses an IDX3 image file (u8 pixels) into `(count, rows, cols, pixels)`.
+pub fn parse_idx_images(bytes: &[u8], path: &Path) -> Result<(usize, usize, usize, Vec<f32>)> {
+    let bad = |msg: String| Error::Format {
+        path: path.to_owned(),
+        msg,
+    };
+    if bytes.len() < 16 {
+        return Err(bad(format!(
+            "too short for an IDX3 header ({} bytes)",
+            bytes.len()
+        )));
+    }
+    let magic = be_u32(bytes, 0);
+    if magic != IDX_IMAGES_MAGIC {
+        return Err(bad(format!(
+            "wrong IDX magic {magic:#010x}: expected {IDX_IMAGES_MAGIC:#010x} (2051, u8 images)"
+        )));
+    }
+    let (n, rows, cols) = (
+        be_u32(bytes, 4) as usize,
+        be_u32(bytes, 8) as usize,
+        be_u32(bytes, 12) as usize,
+    );
+    let expected = n
+        .checked_mul(rows)
+        .and_then(|v| v.checked_mul(cols))
+        .ok_or_else(|| bad("header sizes overflow".into()))?;
+    if bytes.len() - 16 != expected {
+        return Err(bad(format!(
+            "header promises {n} images of {rows}x{cols} ({expected} bytes) but {} bytes follow",
+            bytes.len() - 16
+        )));
+    }
+    let pixels = bytes[16..].iter().map(|&b| f32::from(b) / 255.0).collect();
+    Ok((n, rows, cols, pixels))
+}
+
+/// Parses an IDX1 label file (u8 labels).
+pub fn parse_idx_labels(bytes: &[u8], path: &Path) -> Result<Vec<u32>> {
+    let bad = |msg: String| Error::Format {
+        path: path.to_owned(),
+        msg,
+    };
+    if bytes.len() < 8 {
+        return Err(bad(format!(
+            "too short for an IDX1 header ({} bytes)",
+            bytes.len()
+        )));
+    }
+    let magic = be_u32(bytes, 0);
+    if magic != IDX_LABELS_MAGIC {
+        return Err(bad(format!(
+            "wrong IDX magic {magic:#010x}: expected {IDX_LABELS_MAGIC:#010x} (2049, u8 labels)"
+        )));
+    }
+    let n = be_u32(bytes, 4) as usize;
+    if bytes.len() - 8 != n {
+        return Err(bad(format!(
+            "header promises {n} labels but {} bytes follow",
+            bytes.len() - 8
+        )));
+    }
+    Ok(bytes[8..].iter().map(|&b| u32::from(b)).collect())
+}
+
+/// Loads one IDX image file and its label file as a data set.
+pub fn load_idx_pair(images: &Path, labels: &Path) -> Result<Dataset> {
+    let (n, rows, cols, features) = parse_idx_images(&read_maybe_gz(images)?, images)?;
+    let labels_v = parse_idx_labels(&read_maybe_gz(labels)?, labels)?;
+    if labels_v.len() != n {
+        return Err(Error::Format {
+            path: labels.to_owned(),
+            msg: format!("{} labels for {n} images", labels_v.len()),
+        });
+    }
+    let classes = labels_v.iter().copied().max().map_or(0, |m| m as usize + 1);
+    Ok(Dataset {
+        features,
+        labels: labels_v,
+        dim: rows * cols,
+        classes: classes.max(10),
+        image: Some((rows, cols)),
+    })
+}
+
+/// Finds `stem` or `stem.gz` in `dir`.
+fn find_idx(dir: &Path, stem: &str) -> Result<PathBuf> {
+    for name in [format!("{stem}.gz"), stem.to_string()] {
+        let p = dir.join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    Err(Error::Io {
+        path: dir.join(format!("{stem}[.gz]")),
+        source: std::io::Error::new(std::io::ErrorKind::NotFound, "file not found"),
+    })
+}
+
+/// Whether `dir` holds the four MNIST IDX files (gzipped or raw); tests use this to skip with a
+/// message when the files are absent.
+pub fn mnist_present(dir: &Path) -> bool {
+    MNIST_FILES.iter().all(|stem| find_idx(dir, stem).is_ok())
+}
+
+const MNIST_FILES: [&str; 4] = [
+    "train-images.idx3-ubyte",
+    "train-labels.idx1-ubyte",
+    "t10k-images.idx3-ubyte",
+    "t10k-labels.idx1-ubyte",
+];
+
+/// Loads MNIST from a directory with its standard file names; the split is MNIST's own
+/// (60,000 train, 10,000 test).
+pub fn load_mnist(dir: &Path) -> Result<Split> {
+    let [tri, trl, tei, tel] = MNIST_FILES.map(|stem| find_idx(dir, stem));
+    Ok(Split {
+        train: load_idx_pair(&tri?, &trl?)?,
+        test: load_idx_pair(&tei?, &tel?)?,
+    })
+}
+
+/// Makes a seeded synthetic classification set: `classes` Gaussian clusters in `dim`
+/// dimensions, squashed into `[0, 1]`. Useful for tests of any size without files.
+pub fn synthetic(samples: usize, dim: usize, classes: usize, seed: u64) -> Result<Dataset> {
+    if samples == 0 || dim == 0 || classes < 2 {
+        return Err(Error::Spec(
+            "synthetic data needs samples > 0, dim > 0 and classes >= 2".into(),
+        ));
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let normal = Normal::new(0.0f32, 1.0).map_err(|e| Error::Spec(e.to_string()))?;
+    let centres: Vec<f32> = (0..classes * dim)
+        .map(|_| normal.sample(&mut rng) * 1.5)
+        .collect();
+    let mut features = Vec::with_capacity(samples * dim);
+    let mut labels = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let class = i % classes;
+        for d in 0..dim {
+            let v = centres[class * dim + d] + normal.sample(&mut rng);
+            // A logistic squash keeps features in [0, 1] like the image sets.
+            features.push(1.0 / (1.0 + (-v).exp()));
+        }
+        labels.push(class as u32);
+    }
+    Ok(Dataset {
+        features,
+        labels,
+        dim,
+        classes,
+        image: None,
+    })
+}
+
+/// An endless, seeded stream of training indices: each epoch is a fresh permutation derived
+/// from `(seed, epoch)`, so the stream's position is one number (`cursor`) that a checkpoint
+/// can store and a restart can seek back to exactly.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    n: usize,
+    seed: u64,
+    cursor: u64,
+    perm_epoch: Option<u64>,
+    perm: Vec<usize>,
+}
+
+impl Sampler {
+    /// A sampler over `n` samples; different nodes pass different seeds so they see the data in
+    /// different orders.
+    pub fn new(n: usize, seed: u64) -> Sampler {
+        Sampler {
+            n,
+            seed,
+            cursor: 0,
+            perm_epoch: None,
+            perm: Vec::new(),
+        }
+    }
+
+    /// Samples drawn so far (over all epochs).
+    pub fn cursor(&self) -> u64 {
+        self.cursor
+    }
+
+    /// Moves the stream to an absolute position, as after a restart.
+    pub fn seek(&mut self, cursor: u64) {
+        self.cursor = cursor;
+    }
+
+    /// The next `batch` indices, continuing across epoch boundaries.
+    pub fn next_batch(&mut self, batch: usize) -> Vec<usize> {
+        let mut out = Vec::with_capacity(batch);
+        if self.n == 0 {
+            return out;
+        }
+        while out.len() < batch {
+            let epoch = self.cursor / self.n as u64;
+            if self.perm_epoch != Some(epoch) {
+                self.perm = (0..self.n).collect();
+                let mix = self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                self.perm.shuffle(&mut ChaCha8Rng::seed_from_u64(mix));
+                self.perm_epoch = Some(epoch);
+            }
+            out.push(self.perm[(self.cursor % self.n as u64) as usize]);
+            self.cursor += 1;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bundled_digits_load() {
+        let d = load_digits(None).expect("bundled digits");
+        assert_eq!(d.len(), 1797);
+        assert_eq!(d.dim, 64);
+        assert!(d.features.iter().all(|v| (0.0..=1.0).contains(v)));
+        assert!(d.labels.iter().all(|&l| l < 10));
+    }
+
+    #[test]
+    fn non_numeric_csv_names_line_and_field() {
+        let mut text = String::new();
+        text.push_str(&vec!["1"; 64].join(","));
+        text.push_str(",3\n");
+        let mut bad = vec!["1"; 64];
+        bad[5] = "x7";
+        text.push_str(&bad.join(","));
+        text.push_str(",2\n");
+        let err = parse_digits_csv(text.as_bytes(), Path::new("d.csv")).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("line 2") && msg.contains("field 6") && msg.contains("x7"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn idx_magic_is_checked() {
+        let mut bytes = vec![0, 0, 8, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1];
+        bytes.push(7);
+        let err = parse_idx_images(&bytes, Path::new("x")).unwrap_err();
+        assert!(err.to_string().contains("wrong IDX magic"), "{err}");
+        bytes[3] = 3;
+        let (n, r, c, px) = parse_idx_images(&bytes, Path::new("x")).expect("valid");
+        assert_eq!((n, r, c, px.len()), (1, 1, 1, 1));
+        // A header that promises more than the file holds is refused, not trusted.
+        bytes[7] = 200;
+        assert!(parse_idx_images(&bytes, Path::new("x")).is_err());
+    }
+
+    #[test]
+    fn split_is_seeded_and_disjoint() {
+        let d = synthetic(100, 3, 4, 1).expect("synthetic");
+        let a = split_seeded(&d, 0.2, 9).expect("split");
+        let b = split_seeded(&d, 0.2, 9).expect("split");
+        assert_eq!(a.test.len(), 20);
+        assert_eq!(a.test.features, b.test.features);
+        let c = split_seeded(&d, 0.2, 10).expect("split");
+        assert_ne!(a.test.features, c.test.features);
+    }
+
+    #[test]
+    fn sampler_resumes_exactly_and_covers_each_epoch() {
+        let mut s = Sampler::new(10, 5);
+        let first: Vec<usize> = s.next_batch(7);
+        let second = s.next_batch(7);
+        let mut epoch: Vec<usize> = first.iter().chain(&second[..3]).copied().collect();
+        epoch.sort_unstable();
+        assert_eq!(epoch, (0..10).collect::<Vec<_>>());
+        let mut resumed = Sampler::new(10, 5);
+        resumed.seek(7);
+        assert_eq!(resumed.next_batch(7), second);
+        let mut other = Sampler::new(10, 6);
+        assert_ne!(other.next_batch(10), Sampler::new(10, 5).next_batch(10));
+    }
+}

@@ -1,0 +1,20 @@
+//! Models, data and optimizers for p2ptrain, on Candle alone.
+//!
+//! This crate owns everything numeric a node does: loading data sets, building a model with
+//! deterministic weights, one training step, evaluation, the optimizers whose state can be
+//! saved and shipped to another node, and the name-sorted flat view of the parameters that
+//! every node of a run must agree on. It knows nothing about threads, sockets or disks beyond
+//! reading a data file: the daemon wires it to those.
+
+pub mod data;
+pub mod error;
+pub mod init;
+pub mod model;
+pub mod optim;
+pub mod params;
+pub mod train;
+
+pub use error::{Error, Result};
+pub use model::{Model, ModelSpec};
+pub use optim::{Optimizer, OptimizerSpec};
+pub use params::{Layout, Params};

@@ -1,0 +1,211 @@
+//! The parameters of a model as one name-sorted list, and its flat `f32` view.
+//!
+//! Every node of a run must agree on which number is which: an update computed on one node is
+//! applied by position on another. So the canonical order is the parameter names sorted
+//! bytewise, never a hash-map order, and the [`Layout`] (names and shapes in that order) is
+//! hashed into the run identity.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor, Var};
+use sha2::{Digest, Sha256};
+
+use crate::{Error, Result};
+
+/// Names and shapes of a model's parameters in canonical (name-sorted) order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// `(name, shape)` pairs, sorted by name.
+    pub entries: Vec<(String, Vec<usize>)>,
+}
+
+impl Layout {
+    /// Total number of scalar parameters.
+    pub fn numel(&self) -> usize {
+        self.entries
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// A short stable fingerprint of the layout, part of what nodes compare before trusting
+    /// each other's tensors.
+    pub fn hash(&self) -> String {
+        let mut h = Sha256::new();
+        for (name, shape) in &self.entries {
+            h.update(name.as_bytes());
+            h.update([0]);
+            for d in shape {
+                h.update((*d as u64).to_le_bytes());
+            }
+            h.update([0xff]);
+        }
+        hex::encode(&h.finalize()[..8])
+    }
+}
+
+/// A model's trainable variables, sorted by name. Cloning shares the underlying storage.
+#[derive(Debug, Clone)]
+pub struct Params {
+    vars: Vec<(String, Var)>,
+}
+
+impl Params {
+    /// Builds the set from named variables, sorting them into canonical order. Duplicate names
+    /// are a programming error in a model definition and are refused.
+    pub fn new(mut vars: Vec<(String, Var)>) -> Result<Params> {
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some(w) = vars.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(Error::Spec(format!("duplicate parameter name {}", w[0].0)));
+        }
+        Ok(Params { vars })
+    }
+
+    /// The variables in canonical order.
+    pub fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    /// Looks a variable up by name.
+    pub fn get(&self, name: &str) -> Option<&Var> {
+        self.vars
+            .binary_search_by(|(n, _)| n.as_str().cmp(name))
+            .ok()
+            .map(|i| &self.vars[i].1)
+    }
+
+    /// Names and shapes in canonical order.
+    pub fn layout(&self) -> Layout {
+        Layout {
+            entries: self
+                .vars
+                .iter()
+                .map(|(n, v)| (n.clone(), v.dims().to_vec()))
+                .collect(),
+        }
+    }
+
+    /// Total number of scalar parameters.
+    pub fn numel(&self) -> usize {
+        self.vars.iter().map(|(_, v)| v.elem_count()).sum()
+    }
+
+    /// All parameters as one `f32` vector in canonical order (copied to the CPU).
+    pub fn flatten(&self) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.numel());
+        for (_, v) in &self.vars {
+            out.extend(v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        }
+        Ok(out)
+    }
+
+    /// Overwrites every parameter from a flat vector in canonical order. The length is checked
+    /// first and non-finite values are refused, so a bad vector changes nothing.
+    pub fn write_back(&self, flat: &[f32]) -> Result<()> {
+        if flat.len() != self.numel() {
+            return Err(Error::Layout(format!(
+                "flat vector has {} values, the model has {}",
+                flat.len(),
+                self.numel()
+            )));
+        }
+        if let Some(i) = flat.iter().position(|v| !v.is_finite()) {
+            return Err(Error::NonFinite(format!("value {} at index {i}", flat[i])));
+        }
+        let mut offset = 0;
+        for (_, v) in &self.vars {
+            let n = v.elem_count();
+            let t = Tensor::from_slice(&flat[offset..offset + n], v.dims(), v.device())?
+                .to_dtype(v.dtype())?;
+            v.set(&t)?;
+            offset += n;
+        }
+        Ok(())
+    }
+
+    /// A fingerprint of the values (and layout): equal hashes mean bit-identical parameters.
+    pub fn hash(&self) -> Result<String> {
+        let mut h = Sha256::new();
+        h.update(self.layout().hash().as_bytes());
+        for v in self.flatten()? {
+            h.update(v.to_le_bytes());
+        }
+        Ok(hex::encode(&h.finalize()[..16]))
+    }
+
+    /// Copies named tensors into the parameters. Every parameter must be present with its exact
+    /// shape and finite values; all are checked before any is written, so a mismatch changes
+    /// nothing. Extra names in `tensors` are ignored (a checkpoint also holds optimizer state).
+    pub fn load(&self, tensors: &HashMap<String, Tensor>) -> Result<()> {
+        let mut staged = Vec::with_capacity(self.vars.len());
+        for (name, var) in &self.vars {
+            let t = tensors
+                .get(name)
+                .ok_or_else(|| Error::Layout(format!("missing parameter {name}")))?;
+            if t.dims() != var.dims() {
+                return Err(Error::Layout(format!(
+                    "parameter {name} has shape {:?}, the model expects {:?}",
+                    t.dims(),
+                    var.dims()
+                )));
+            }
+            let t = t.to_device(var.device())?.to_dtype(var.dtype())?;
+            ensure_finite(&t, name)?;
+            staged.push((var, t));
+        }
+        for (var, t) in staged {
+            var.set(&t)?;
+        }
+        Ok(())
+    }
+}
+
+/// Fails when `t` holds a NaN or an infinity; `what` names it in the error.
+pub fn ensure_finite(t: &Tensor, what: &str) -> Result<()> {
+    let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Error::NonFinite(format!(
+            "{what}[{i}] = {}",
+            values[i]
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn params() -> Params {
+        let dev = Device::Cpu;
+        let a = Var::from_slice(&[1.0f32, 2.0, 3.0, 4.0], (2, 2), &dev).expect("var");
+        let b = Var::from_slice(&[5.0f32], 1, &dev).expect("var");
+        // Given out of order on purpose: the canonical order is by name.
+        Params::new(vec![("z.bias".into(), b), ("a.weight".into(), a)]).expect("params")
+    }
+
+    #[test]
+    fn flatten_is_name_sorted_and_round_trips() {
+        let p = params();
+        assert_eq!(p.flatten().expect("flat"), vec![1.0, 2.0, 3.0, 4.0, 5.0]);
+        p.write_back(&[9.0, 8.0, 7.0, 6.0, 5.5]).expect("write");
+        assert_eq!(p.flatten().expect("flat"), vec![9.0, 8.0, 7.0, 6.0, 5.5]);
+        assert_eq!(p.layout().numel(), 5);
+    }
+
+    #[test]
+    fn bad_writes_change_nothing() {
+        let p = params();
+        let before = p.hash().expect("hash");
+        assert!(p.write_back(&[1.0; 4]).is_err());
+        assert!(p.write_back(&[1.0, 1.0, f32::NAN, 1.0, 1.0]).is_err());
+        let mut m = HashMap::new();
+        m.insert(
+            "a.weight".to_string(),
+            Tensor::zeros((4,), DType::F32, &Device::Cpu).expect("t"),
+        );
+        assert!(p.load(&m).is_err());
+        assert_eq!(p.hash().expect("hash"), before);
+    }
+}

@@ -1,0 +1,213 @@
+//! A harness for real nodes: each one a `p2ptrain join` child process on 127.0.0.1 with an
+//! OS-chosen API port and its own temporary data directory. Every process is killed when its
+//! `Node` drops, so a failing test leaves nothing running.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The `p2ptrain` binary cargo built beside this test executable.
+pub fn bin() -> PathBuf {
+    if let Ok(p) = std::env::var("P2PTRAIN_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/integration-<hash> -> target/<profile>/p2ptrain
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let bin = profile_dir.join("p2ptrain");
+    assert!(
+        bin.exists(),
+        "{} not found: build it with `cargo build -p p2ptrain` (cargo test --workspace does)",
+        bin.display()
+    );
+    bin
+}
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()
+}
+
+/// The shared MNIST copy beside the checkout, if present.
+pub fn mnist_dir() -> Option<PathBuf> {
+    let dir = std::env::var("P2PTRAIN_MNIST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo_root().join("../shared/data/mnist"));
+    p2ptrain_models::data::mnist_present(&dir).then_some(dir)
+}
+
+/// Polls `f` until it returns `Some`, or panics with `what` after `timeout`.
+pub fn eventually<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Runs the CLI to completion with a time limit; returns (status, stdout, stderr).
+pub fn cli(args: &[&str], timeout: Duration) -> (ExitStatus, String, String) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (out, err) = (dir.path().join("out"), dir.path().join("err"));
+    let mut child = Command::new(bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).expect("out"))
+        .stderr(std::fs::File::create(&err).expect("err"))
+        .spawn()
+        .expect("spawn p2ptrain");
+    let status = wait_with_timeout(&mut child, timeout).unwrap_or_else(|| {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("p2ptrain {args:?} did not finish within {timeout:?}");
+    });
+    (
+        status,
+        std::fs::read_to_string(out).unwrap_or_default(),
+        std::fs::read_to_string(err).unwrap_or_default(),
+    )
+}
+
+fn wait_with_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One running node.
+pub struct Node {
+    child: Option<Child>,
+    /// Its data directory.
+    pub data_dir: PathBuf,
+    /// Where its stderr goes.
+    pub log: PathBuf,
+    /// Its API address once known.
+    pub api: Option<String>,
+    _logs: tempfile::TempDir,
+}
+
+impl Node {
+    /// Starts `p2ptrain join` on `data_dir` with an OS-chosen API port and extra arguments.
+    pub fn start(data_dir: &Path, extra: &[&str]) -> Node {
+        let logs = tempfile::tempdir().expect("log dir");
+        let log = logs.path().join("stderr.log");
+        // A stale address file from a killed predecessor must not be mistaken for ours.
+        let _ = std::fs::remove_file(data_dir.join("api.addr"));
+        let mut args = vec!["join", "--data-dir", data_dir.to_str().expect("utf8"), "--api", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        let child = Command::new(bin())
+            .args(&args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("spawn p2ptrain join");
+        Node {
+            child: Some(child),
+            data_dir: data_dir.to_path_buf(),
+            log,
+            api: None,
+            _logs: logs,
+        }
+    }
+
+    /// Waits until the node serves its API; returns the address.
+    pub fn wait_api(&mut self) -> String {
+        let file = self.data_dir.join("api.addr");
+        let api = eventually(Duration::from_secs(60), "the node's API address", || {
+            if let Some(s) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                panic!("node exited early ({s}); log:\n{}", self.log_text());
+            }
+            std::fs::read_to_string(&file).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
+        });
+        self.api = Some(api.clone());
+        api
+    }
+
+    /// The node's stderr so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `p2ptrain status --json`, or None if the node does not answer.
+    pub fn status(&self) -> Option<Value> {
+        let api = self.api.as_deref()?;
+        let (st, out, _) = cli(&["status", "--json", "--api", api], Duration::from_secs(20));
+        if !st.success() {
+            return None;
+        }
+        serde_json::from_str(&out).ok()
+    }
+
+    /// Waits until status satisfies `pred`.
+    pub fn wait_status(&self, what: &str, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+        eventually(timeout, what, || self.status().filter(|s| pred(s)))
+    }
+
+    /// SIGKILL, as a crash.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits for the process to exit by itself.
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let mut child = self.child.take().expect("node already reaped");
+        match wait_with_timeout(&mut child, timeout) {
+            Some(s) => s,
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("node did not exit within {timeout:?}; log:\n{}", self.log_text());
+            }
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Reads a checkpoint file with the independent `safetensors` crate (no Candle): its metadata
+/// and every tensor as `(shape, f32 values)`.
+pub fn read_checkpoint(path: &Path) -> (std::collections::HashMap<String, String>, std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>) {
+    let bytes = std::fs::read(path).expect("read checkpoint");
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).expect("header");
+    let meta = header.metadata().clone().expect("metadata");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut tensors = std::collections::BTreeMap::new();
+    for (name, view) in st.tensors() {
+        assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+        let values = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        tensors.insert(name, (view.shape().to_vec(), values));
+    }
+    (meta, tensors)
+}
+
+/// The newest checkpoint file in a data directory.
+pub fn newest_checkpoint(data_dir: &Path) -> Option<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(data_dir.join("checkpoints"))
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    files.pop()
+}

@@ -95,13 +95,20 @@ fn daemon_run(config: &Config, steps: u64, rt: &tokio::runtime::Runtime) -> Resu
     let _ = std::fs::remove_dir_all(&dir);
     let summary = summary?;
     if summary.stats.steps_this_run != steps {
-        bail!("daemon ran {} steps, expected {steps}", summary.stats.steps_this_run);
+        bail!(
+            "daemon ran {} steps, expected {steps}",
+            summary.stats.steps_this_run
+        );
     }
     Ok(summary.stats.steps_this_run as f64 / summary.stats.train_secs)
 }
 
 fn tempfile_dir() -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("p2ptrain-bench-{}-{}", std::process::id(), p2ptrain_daemon::store::unix_now()));
+    let dir = std::env::temp_dir().join(format!(
+        "p2ptrain-bench-{}-{}",
+        std::process::id(),
+        p2ptrain_daemon::store::unix_now()
+    ));
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     // A fresh node needs an empty data dir: clear anything from an earlier run in this second.
     let _ = std::fs::remove_dir_all(&dir);
@@ -124,7 +131,11 @@ pub fn trainer(args: TrainerArgs) -> Result<std::process::ExitCode> {
     for run in 0..args.runs {
         let b = bare_loop(&config, args.steps)?;
         let d = daemon_run(&config, args.steps, &rt)?;
-        eprintln!("run {}: bare {b:.1} steps/s, daemon {d:.1} steps/s ({:.1}%)", run + 1, 100.0 * d / b);
+        eprintln!(
+            "run {}: bare {b:.1} steps/s, daemon {d:.1} steps/s ({:.1}%)",
+            run + 1,
+            100.0 * d / b
+        );
         bare.push(b);
         daemon.push(d);
     }

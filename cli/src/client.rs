@@ -59,19 +59,29 @@ impl Client {
 
     /// GET a JSON document.
     pub async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
-        let resp = self.send(self.http.get(format!("{}{path}", self.base))).await?;
-        resp.json().await.context("daemon sent a response this CLI cannot read")
+        let resp = self
+            .send(self.http.get(format!("{}{path}", self.base)))
+            .await?;
+        resp.json()
+            .await
+            .context("daemon sent a response this CLI cannot read")
     }
 
     /// POST with no body; read a JSON answer.
     pub async fn post<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
-        let resp = self.send(self.http.post(format!("{}{path}", self.base))).await?;
-        resp.json().await.context("daemon sent a response this CLI cannot read")
+        let resp = self
+            .send(self.http.post(format!("{}{path}", self.base)))
+            .await?;
+        resp.json()
+            .await
+            .context("daemon sent a response this CLI cannot read")
     }
 
     /// GET raw bytes.
     pub async fn get_bytes(&self, path: &str) -> Result<Vec<u8>> {
-        let resp = self.send(self.http.get(format!("{}{path}", self.base))).await?;
+        let resp = self
+            .send(self.http.get(format!("{}{path}", self.base)))
+            .await?;
         Ok(resp.bytes().await.context("download interrupted")?.to_vec())
     }
 }

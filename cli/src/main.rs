@@ -26,7 +26,11 @@ use crate::client::Client;
 const DEFAULT_API: &str = "127.0.0.1:7070";
 
 #[derive(Parser)]
-#[command(name = "p2ptrain", version, about = "Peer-to-peer training daemon: every node trains a full copy of the model")]
+#[command(
+    name = "p2ptrain",
+    version,
+    about = "Peer-to-peer training daemon: every node trains a full copy of the model"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -171,6 +175,7 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 
@@ -331,9 +336,17 @@ async fn checkpoint(cmd: CheckpointCmd) -> Result<ExitCode> {
             let client = Client::new(&args.api.api, args.api.api_token)?;
             let id = match id {
                 Some(id) => id,
-                None => client.post::<CheckpointView>("/v1/checkpoints").await?.meta.id,
+                None => {
+                    client
+                        .post::<CheckpointView>("/v1/checkpoints")
+                        .await?
+                        .meta
+                        .id
+                }
             };
-            let bytes = client.get_bytes(&format!("/v1/checkpoints/{id}/file")).await?;
+            let bytes = client
+                .get_bytes(&format!("/v1/checkpoints/{id}/file"))
+                .await?;
             // Verify before writing: an export is only useful if it loads.
             let (meta, _) = p2ptrain_daemon::checkpoint::decode(&bytes, "download")
                 .map_err(|e| anyhow!("checkpoint {id} failed verification after download: {e}"))?;
@@ -346,11 +359,16 @@ async fn checkpoint(cmd: CheckpointCmd) -> Result<ExitCode> {
         }
         CheckpointCmd::Restore { args, id } => {
             let client = Client::new(&args.api.api, args.api.api_token)?;
-            let c: CheckpointView = client.post(&format!("/v1/checkpoints/{id}/restore")).await?;
+            let c: CheckpointView = client
+                .post(&format!("/v1/checkpoints/{id}/restore"))
+                .await?;
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&c)?);
             } else {
-                println!("restored checkpoint {} (step {}); training continues from there", c.meta.id, c.meta.info.step);
+                println!(
+                    "restored checkpoint {} (step {}); training continues from there",
+                    c.meta.id, c.meta.info.step
+                );
             }
         }
     }
@@ -361,7 +379,10 @@ fn print_checkpoint(c: &CheckpointView, json: bool) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(c)?);
     } else {
-        println!("checkpoint {} at step {} ({} bytes): {}", c.meta.id, c.meta.info.step, c.meta.bytes, c.path);
+        println!(
+            "checkpoint {} at step {} ({} bytes): {}",
+            c.meta.id, c.meta.info.step, c.meta.bytes, c.path
+        );
     }
     Ok(())
 }
@@ -369,11 +390,19 @@ fn print_checkpoint(c: &CheckpointView, json: bool) -> Result<()> {
 /// Writes a file so that a reader sees either nothing or all of it.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().ok_or_else(|| anyhow!("--out {} is not a file path", path.display()))?;
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| anyhow!("--out {} is not a file path", path.display()))?;
     let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
-    let mut f = std::fs::File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
-    f.write_all(bytes).and_then(|_| f.sync_all()).with_context(|| format!("cannot write {}", tmp.display()))?;
+    let mut f =
+        std::fs::File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }
@@ -381,9 +410,11 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 fn eval(args: EvalArgs) -> Result<ExitCode> {
     let config = Config::load(args.config.as_deref())?;
     set_compute_threads(config.train.threads);
-    let bytes = std::fs::read(&args.checkpoint).with_context(|| format!("cannot read {}", args.checkpoint.display()))?;
+    let bytes = std::fs::read(&args.checkpoint)
+        .with_context(|| format!("cannot read {}", args.checkpoint.display()))?;
     let file = args.checkpoint.display().to_string();
-    let (meta, tensors) = p2ptrain_daemon::checkpoint::decode(&bytes, &file).map_err(|e| anyhow!("{file}: {e}"))?;
+    let (meta, tensors) =
+        p2ptrain_daemon::checkpoint::decode(&bytes, &file).map_err(|e| anyhow!("{file}: {e}"))?;
     let run_id = config.run_id();
     if meta.info.run_id != run_id {
         bail!(

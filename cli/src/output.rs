@@ -12,7 +12,8 @@ fn duration(secs: f64) -> String {
 }
 
 fn opt(v: Option<f64>, digits: usize) -> String {
-    v.map(|x| format!("{x:.digits$}")).unwrap_or_else(|| "-".into())
+    v.map(|x| format!("{x:.digits$}"))
+        .unwrap_or_else(|| "-".into())
 }
 
 /// The multi-line report of `p2ptrain status`.
@@ -42,11 +43,17 @@ pub fn status_text(s: &Status) -> String {
         None => out.push_str("eval      none yet\n"),
     }
     match &s.last_checkpoint {
-        Some(c) => out.push_str(&format!("checkpoint {} at step {}: {}\n", c.id, c.step, c.path)),
+        Some(c) => out.push_str(&format!(
+            "checkpoint {} at step {}: {}\n",
+            c.id, c.step, c.path
+        )),
         None => out.push_str("checkpoint none yet\n"),
     }
     if let Some(r) = &s.resumed_from {
-        out.push_str(&format!("resumed   from checkpoint {} (step {})\n", r.id, r.step));
+        out.push_str(&format!(
+            "resumed   from checkpoint {} (step {})\n",
+            r.id, r.step
+        ));
     }
     out.push_str(&format!("uptime    {}\n", duration(s.uptime_s)));
     out.push_str(&format!("data dir  {}\n", s.data_dir));
@@ -78,7 +85,10 @@ pub fn checkpoint_table(list: &[CheckpointView]) -> String {
     }
     let mut out = format!("{:>6} {:>10} {:>10}  {}\n", "id", "step", "bytes", "path");
     for c in list {
-        out.push_str(&format!("{:>6} {:>10} {:>10}  {}\n", c.meta.id, c.meta.info.step, c.meta.bytes, c.path));
+        out.push_str(&format!(
+            "{:>6} {:>10} {:>10}  {}\n",
+            c.meta.id, c.meta.info.step, c.meta.bytes, c.path
+        ));
     }
     out
 }

@@ -8,7 +8,10 @@ use std::process::{Command, Stdio};
 const BIN: &str = env!("CARGO_BIN_EXE_p2ptrain");
 
 fn default_config() -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/digits-mlp.toml")).expect("config")
+    std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/digits-mlp.toml"),
+    )
+    .expect("config")
 }
 
 /// Runs `p2ptrain` with a 120 s limit; returns (success, stderr).
@@ -32,7 +35,10 @@ fn run(args: &[&str]) -> (bool, String) {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let out = child.wait_with_output().expect("output");
-    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 /// Asserts a failed `join` with a one-line error containing every `needle`, and no data dir.
@@ -63,22 +69,43 @@ fn write(dir: &Path, name: &str, text: &str) -> String {
 #[test]
 fn unknown_config_key() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let cfg = write(tmp.path(), "c.toml", &default_config().replace("[train]", "[train]\nbatchsize = 3"));
-    join_fails(&["--config", &cfg], &["c.toml", "batchsize", "unknown field"]);
+    let cfg = write(
+        tmp.path(),
+        "c.toml",
+        &default_config().replace("[train]", "[train]\nbatchsize = 3"),
+    );
+    join_fails(
+        &["--config", &cfg],
+        &["c.toml", "batchsize", "unknown field"],
+    );
 }
 
 #[test]
 fn widths_that_do_not_fit_the_data() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let cfg = write(tmp.path(), "c.toml", &default_config().replace("[64, 128, 10]", "[784, 128, 10]"));
+    let cfg = write(
+        tmp.path(),
+        "c.toml",
+        &default_config().replace("[64, 128, 10]", "[784, 128, 10]"),
+    );
     join_fails(&["--config", &cfg], &["model.widths", "64 features"]);
 }
 
 #[test]
 fn missing_data_file() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let cfg = write(tmp.path(), "c.toml", &default_config().replace("source = \"digits\"", "source = \"digits\"\npath = \"no-such-digits.csv.gz\""));
-    join_fails(&["--config", &cfg], &["no-such-digits.csv.gz", "No such file"]);
+    let cfg = write(
+        tmp.path(),
+        "c.toml",
+        &default_config().replace(
+            "source = \"digits\"",
+            "source = \"digits\"\npath = \"no-such-digits.csv.gz\"",
+        ),
+    );
+    join_fails(
+        &["--config", &cfg],
+        &["no-such-digits.csv.gz", "No such file"],
+    );
 }
 
 #[test]
@@ -87,8 +114,18 @@ fn non_numeric_csv() {
     let mut row = vec!["0"; 64];
     row[10] = "seven";
     write(tmp.path(), "bad.csv", &format!("{},3\n", row.join(",")));
-    let cfg = write(tmp.path(), "c.toml", &default_config().replace("source = \"digits\"", "source = \"digits\"\npath = \"bad.csv\""));
-    join_fails(&["--config", &cfg], &["bad.csv", "line 1", "\"seven\" is not a number"]);
+    let cfg = write(
+        tmp.path(),
+        "c.toml",
+        &default_config().replace(
+            "source = \"digits\"",
+            "source = \"digits\"\npath = \"bad.csv\"",
+        ),
+    );
+    join_fails(
+        &["--config", &cfg],
+        &["bad.csv", "line 1", "\"seven\" is not a number"],
+    );
 }
 
 #[test]
@@ -99,24 +136,40 @@ fn wrong_idx_magic() {
     // Label-file magic where an image file belongs.
     let mut bogus = vec![0u8, 0, 8, 1, 0, 0, 0, 1];
     bogus.push(3);
-    for name in ["train-images.idx3-ubyte", "train-labels.idx1-ubyte", "t10k-images.idx3-ubyte", "t10k-labels.idx1-ubyte"] {
+    for name in [
+        "train-images.idx3-ubyte",
+        "train-labels.idx1-ubyte",
+        "t10k-images.idx3-ubyte",
+        "t10k-labels.idx1-ubyte",
+    ] {
         std::fs::write(mnist.join(name), &bogus).expect("write");
     }
-    let cfg_text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/mnist-mlp.toml"))
-        .expect("config")
-        .replace("../../shared/data/mnist", "mnist");
+    let cfg_text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/mnist-mlp.toml"),
+    )
+    .expect("config")
+    .replace("../../shared/data/mnist", "mnist");
     let cfg = write(tmp.path(), "c.toml", &cfg_text);
-    join_fails(&["--config", &cfg], &["train-images.idx3-ubyte", "wrong IDX magic"]);
+    join_fails(
+        &["--config", &cfg],
+        &["train-images.idx3-ubyte", "wrong IDX magic"],
+    );
 }
 
 #[test]
 fn cuda_without_the_feature() {
-    join_fails(&["--device", "cuda"], &["without CUDA support", "--features cuda"]);
+    join_fails(
+        &["--device", "cuda"],
+        &["without CUDA support", "--features cuda"],
+    );
 }
 
 #[test]
 fn unknown_device_name() {
-    join_fails(&["--device", "tpu"], &["--device", "unknown device \"tpu\""]);
+    join_fails(
+        &["--device", "tpu"],
+        &["--device", "unknown device \"tpu\""],
+    );
 }
 
 #[test]
@@ -125,24 +178,42 @@ fn busy_api_port() {
     let addr = busy.local_addr().expect("addr").to_string();
     let tmp = tempfile::tempdir().expect("tmp");
     let data = tmp.path().join("node");
-    let (ok, err) = run(&["join", "--data-dir", data.to_str().expect("utf8"), "--api", &addr]);
+    let (ok, err) = run(&[
+        "join",
+        "--data-dir",
+        data.to_str().expect("utf8"),
+        "--api",
+        &addr,
+    ]);
     assert!(!ok);
     let lines: Vec<&str> = err.trim().lines().collect();
     assert_eq!(lines.len(), 1, "{err}");
-    assert!(lines[0].contains(&addr) && lines[0].contains("in use"), "{}", lines[0]);
+    assert!(
+        lines[0].contains(&addr) && lines[0].contains("in use"),
+        "{}",
+        lines[0]
+    );
     assert!(!data.exists());
 }
 
 #[test]
 fn status_with_no_daemon() {
     // A port that was just free: nothing listens there.
-    let port = TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
     let addr = format!("127.0.0.1:{port}");
     let (ok, err) = run(&["status", "--api", &addr]);
     assert!(!ok);
     let lines: Vec<&str> = err.trim().lines().collect();
     assert_eq!(lines.len(), 1, "{err}");
-    assert!(lines[0].contains("cannot reach a p2ptrain daemon") && lines[0].contains(&addr), "{}", lines[0]);
+    assert!(
+        lines[0].contains("cannot reach a p2ptrain daemon") && lines[0].contains(&addr),
+        "{}",
+        lines[0]
+    );
 }
 
 #[test]
@@ -157,5 +228,8 @@ fn eval_of_a_corrupt_checkpoint() {
     let (ok, err) = run(&["eval", "--checkpoint", &f]);
     assert!(!ok);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
-    assert!(err.contains("x.safetensors") && err.contains("not a readable safetensors file"), "{err}");
+    assert!(
+        err.contains("x.safetensors") && err.contains("not a readable safetensors file"),
+        "{err}"
+    );
 }

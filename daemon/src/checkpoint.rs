@@ -107,7 +107,13 @@ fn checksum(id: u64, info: &StateInfo, tensors: &[(&str, &[usize], &[u8])]) -> S
     let mut h = Sha256::new();
     h.update(FORMAT.as_bytes());
     h.update(id.to_le_bytes());
-    for field in [&info.run_id, &info.config_hash, &info.layout_hash, &info.model, &info.optimizer] {
+    for field in [
+        &info.run_id,
+        &info.config_hash,
+        &info.layout_hash,
+        &info.model,
+        &info.optimizer,
+    ] {
         h.update(field.as_bytes());
         h.update([0]);
     }
@@ -128,7 +134,11 @@ fn checksum(id: u64, info: &StateInfo, tensors: &[(&str, &[usize], &[u8])]) -> S
 }
 
 /// Serialises a snapshot as checkpoint `id`; returns the file bytes and its index entry.
-pub fn encode(snapshot: &Snapshot, id: u64, created_unix: u64) -> Result<(Vec<u8>, CheckpointMeta), CheckpointError> {
+pub fn encode(
+    snapshot: &Snapshot,
+    id: u64,
+    created_unix: u64,
+) -> Result<(Vec<u8>, CheckpointMeta), CheckpointError> {
     let raw: Vec<(&str, &[usize], Vec<u8>)> = snapshot
         .tensors
         .iter()
@@ -137,7 +147,8 @@ pub fn encode(snapshot: &Snapshot, id: u64, created_unix: u64) -> Result<(Vec<u8
             (name.as_str(), t.shape.as_slice(), bytes)
         })
         .collect();
-    let views: Vec<(&str, &[usize], &[u8])> = raw.iter().map(|(n, s, b)| (*n, *s, b.as_slice())).collect();
+    let views: Vec<(&str, &[usize], &[u8])> =
+        raw.iter().map(|(n, s, b)| (*n, *s, b.as_slice())).collect();
     let sum = checksum(id, &snapshot.info, &views);
     let mut meta = CheckpointMeta {
         id,
@@ -184,9 +195,14 @@ fn meta_to_strings(meta: &CheckpointMeta) -> Vec<(String, String)> {
 }
 
 /// Parses and verifies checkpoint bytes. Nothing is returned unless the checksum matches.
-pub fn decode(bytes: &[u8], file: &str) -> Result<(CheckpointMeta, BTreeMap<String, HostTensor>), CheckpointError> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| CheckpointError::Unreadable(e.to_string()))?;
-    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| CheckpointError::Unreadable(e.to_string()))?;
+pub fn decode(
+    bytes: &[u8],
+    file: &str,
+) -> Result<(CheckpointMeta, BTreeMap<String, HostTensor>), CheckpointError> {
+    let st =
+        SafeTensors::deserialize(bytes).map_err(|e| CheckpointError::Unreadable(e.to_string()))?;
+    let (_, header) = SafeTensors::read_metadata(bytes)
+        .map_err(|e| CheckpointError::Unreadable(e.to_string()))?;
     let md = header
         .metadata()
         .as_ref()
@@ -223,10 +239,16 @@ pub fn decode(bytes: &[u8], file: &str) -> Result<(CheckpointMeta, BTreeMap<Stri
     named.sort_by(|a, b| a.0.cmp(&b.0));
     for (name, view) in &named {
         if view.dtype() != Dtype::F32 {
-            return Err(CheckpointError::Metadata(format!("tensor {name} is {:?}, expected F32", view.dtype())));
+            return Err(CheckpointError::Metadata(format!(
+                "tensor {name} is {:?}, expected F32",
+                view.dtype()
+            )));
         }
     }
-    let views: Vec<(&str, &[usize], &[u8])> = named.iter().map(|(n, v)| (n.as_str(), v.shape(), v.data())).collect();
+    let views: Vec<(&str, &[usize], &[u8])> = named
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.shape(), v.data()))
+        .collect();
     let actual = checksum(id, &info, &views);
     if actual != expected {
         return Err(CheckpointError::Checksum { expected, actual });
@@ -239,7 +261,13 @@ pub fn decode(bytes: &[u8], file: &str) -> Result<(CheckpointMeta, BTreeMap<Stri
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
-            (name.clone(), HostTensor { shape: v.shape().to_vec(), values })
+            (
+                name.clone(),
+                HostTensor {
+                    shape: v.shape().to_vec(),
+                    values,
+                },
+            )
         })
         .collect();
     let meta = CheckpointMeta {
@@ -259,8 +287,20 @@ mod tests {
 
     pub(crate) fn sample() -> Snapshot {
         let mut tensors = BTreeMap::new();
-        tensors.insert("fc0.weight".into(), HostTensor { shape: vec![2, 2], values: vec![1.0, -2.0, 3.5, 0.0] });
-        tensors.insert("optim.momentum.fc0.weight".into(), HostTensor { shape: vec![2, 2], values: vec![0.1; 4] });
+        tensors.insert(
+            "fc0.weight".into(),
+            HostTensor {
+                shape: vec![2, 2],
+                values: vec![1.0, -2.0, 3.5, 0.0],
+            },
+        );
+        tensors.insert(
+            "optim.momentum.fc0.weight".into(),
+            HostTensor {
+                shape: vec![2, 2],
+                values: vec![0.1; 4],
+            },
+        );
         Snapshot {
             info: StateInfo {
                 run_id: "r".into(),
@@ -294,7 +334,10 @@ mod tests {
         let mut flipped = bytes.clone();
         let last = flipped.len() - 3;
         flipped[last] ^= 0x40;
-        assert!(matches!(decode(&flipped, &meta.file), Err(CheckpointError::Checksum { .. })));
+        assert!(matches!(
+            decode(&flipped, &meta.file),
+            Err(CheckpointError::Checksum { .. })
+        ));
     }
 
     #[test]

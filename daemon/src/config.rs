@@ -90,6 +90,7 @@ struct RawData {
     dim: Option<usize>,
     classes: Option<usize>,
     seed: Option<u64>,
+    standardize: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -157,6 +158,8 @@ pub struct DataConfig {
     pub classes: usize,
     /// Synthetic: generator seed.
     pub seed: u64,
+    /// Shift and scale features by the training set's mean and standard deviation.
+    pub standardize: bool,
 }
 
 /// The train section, checked.
@@ -268,11 +271,15 @@ impl Config {
                 }
                 let ch = raw.model.channels.unwrap_or_else(|| vec![6, 16]);
                 let channels: [usize; 2] = ch.as_slice().try_into().map_err(|_| {
-                    err(format!("model.channels must list exactly two numbers, got {ch:?}"))
+                    err(format!(
+                        "model.channels must list exactly two numbers, got {ch:?}"
+                    ))
                 })?;
                 let hidden = raw.model.hidden.unwrap_or_else(|| vec![120, 84]);
                 if channels.contains(&0) || hidden.contains(&0) {
-                    return Err(err("model.channels and model.hidden must be non-zero".into()));
+                    return Err(err(
+                        "model.channels and model.hidden must be non-zero".into()
+                    ));
                 }
                 ModelConfig::Cnn { channels, hidden }
             }
@@ -299,7 +306,10 @@ impl Config {
                 }
             }
             "adamw" => {
-                for (k, set) in [("momentum", o.momentum.is_some()), ("nesterov", o.nesterov.is_some())] {
+                for (k, set) in [
+                    ("momentum", o.momentum.is_some()),
+                    ("nesterov", o.nesterov.is_some()),
+                ] {
                     if set {
                         return Err(err(format!("optimizer.{k} is an sgd setting, not adamw")));
                     }
@@ -331,6 +341,7 @@ impl Config {
             dim: d.dim.unwrap_or(32),
             classes: d.classes.unwrap_or(4),
             seed: d.seed.unwrap_or(1),
+            standardize: d.standardize.unwrap_or(true),
         };
         if !(0.0..1.0).contains(&data.test_fraction) {
             return Err(err(format!(
@@ -340,16 +351,25 @@ impl Config {
         }
         match data.source {
             DataSource::Mnist if data.dir.is_none() => {
-                return Err(err("data.dir is required for source = \"mnist\" (the folder with the IDX files)".into()))
+                return Err(err(
+                    "data.dir is required for source = \"mnist\" (the folder with the IDX files)"
+                        .into(),
+                ))
             }
             DataSource::Mnist if data.path.is_some() => {
-                return Err(err("data.path is for source = \"digits\"; mnist takes data.dir".into()))
+                return Err(err(
+                    "data.path is for source = \"digits\"; mnist takes data.dir".into(),
+                ))
             }
             DataSource::Digits if data.dir.is_some() => {
-                return Err(err("data.dir is for source = \"mnist\"; digits takes data.path".into()))
+                return Err(err(
+                    "data.dir is for source = \"mnist\"; digits takes data.path".into(),
+                ))
             }
             DataSource::Synthetic if data.samples == 0 || data.dim == 0 || data.classes < 2 => {
-                return Err(err("data.samples and data.dim must be > 0 and data.classes >= 2".into()))
+                return Err(err(
+                    "data.samples and data.dim must be > 0 and data.classes >= 2".into(),
+                ))
             }
             _ => {}
         }
@@ -416,7 +436,10 @@ impl Config {
             }
             ModelConfig::Cnn { channels, hidden } => {
                 let image = split.train.image.ok_or_else(|| {
-                    err(format!("model.kind = \"cnn\" needs image data; {} is not", self.data.describe()))
+                    err(format!(
+                        "model.kind = \"cnn\" needs image data; {} is not",
+                        self.data.describe()
+                    ))
                 })?;
                 ModelSpec::Cnn {
                     image,
@@ -435,11 +458,20 @@ impl Config {
     /// together (model, optimizer, data spec, init seed). Paths and local settings are left out.
     pub fn run_id(&self) -> String {
         #[derive(Serialize)]
+        struct DataIdentity {
+            source: DataSource,
+            test_fraction: f64,
+            split_seed: u64,
+            standardize: bool,
+            /// Only a synthetic set's shape and seed define its content.
+            synthetic: Option<(usize, usize, usize, u64)>,
+        }
+        #[derive(Serialize)]
         struct Identity<'a> {
             protocol: &'static str,
             model: &'a ModelConfig,
             optimizer: &'a OptimizerSpec,
-            data: (DataSource, f64, u64, Option<(usize, usize, usize, u64)>),
+            data: DataIdentity,
             init_seed: u64,
         }
         let d = &self.data;
@@ -447,12 +479,14 @@ impl Config {
             protocol: "p2ptrain/1",
             model: &self.model,
             optimizer: &self.optimizer,
-            data: (
-                d.source,
-                d.test_fraction,
-                d.split_seed,
-                (d.source == DataSource::Synthetic).then_some((d.samples, d.dim, d.classes, d.seed)),
-            ),
+            data: DataIdentity {
+                source: d.source,
+                test_fraction: d.test_fraction,
+                split_seed: d.split_seed,
+                standardize: d.standardize,
+                synthetic: (d.source == DataSource::Synthetic)
+                    .then_some((d.samples, d.dim, d.classes, d.seed)),
+            },
             init_seed: self.train.init_seed,
         };
         short_hash(&identity)
@@ -466,15 +500,23 @@ impl Config {
     /// Loads the configured data set and its train/test split.
     pub fn load_data(&self) -> Result<Split, p2ptrain_models::Error> {
         let d = &self.data;
-        match d.source {
-            DataSource::Digits => data::split_seeded(&data::load_digits(d.path.as_deref())?, d.test_fraction, d.split_seed),
-            DataSource::Mnist => data::load_mnist(d.dir.as_deref().unwrap_or(Path::new("."))),
+        let mut split = match d.source {
+            DataSource::Digits => data::split_seeded(
+                &data::load_digits(d.path.as_deref())?,
+                d.test_fraction,
+                d.split_seed,
+            )?,
+            DataSource::Mnist => data::load_mnist(d.dir.as_deref().unwrap_or(Path::new(".")))?,
             DataSource::Synthetic => data::split_seeded(
                 &data::synthetic(d.samples, d.dim, d.classes, d.seed)?,
                 d.test_fraction,
                 d.split_seed,
-            ),
+            )?,
+        };
+        if d.standardize {
+            split.standardize();
         }
+        Ok(split)
     }
 }
 
@@ -511,14 +553,21 @@ mod tests {
     #[test]
     fn default_config_is_valid() {
         let c = Config::load(None).expect("default");
-        assert_eq!(c.model, ModelConfig::Mlp { widths: vec![64, 128, 10] });
+        assert_eq!(
+            c.model,
+            ModelConfig::Mlp {
+                widths: vec![64, 128, 10]
+            }
+        );
         assert_eq!(c.run_id().len(), 16);
     }
 
     #[test]
     fn unknown_key_names_key_and_line() {
         let text = DEFAULT_CONFIG_TOML.replace("[train]", "[train]\nbatchsize = 3");
-        let e = Config::parse(&text, "x.toml", None).unwrap_err().to_string();
+        let e = Config::parse(&text, "x.toml", None)
+            .expect_err("must fail")
+            .to_string();
         assert!(e.starts_with("x.toml: line"), "{e}");
         assert!(e.contains("batchsize"), "{e}");
         assert!(!e.contains('\n'));
@@ -527,17 +576,35 @@ mod tests {
     #[test]
     fn run_id_covers_model_and_seed_but_not_local_settings() {
         let base = Config::load(None).expect("default");
-        let other_seed = Config::parse(&DEFAULT_CONFIG_TOML.replace("init_seed = 42", "init_seed = 43"), "x", None).expect("c");
-        let other_threads = Config::parse(&DEFAULT_CONFIG_TOML.replace("threads = 1", "threads = 2"), "x", None).expect("c");
+        let other_seed = Config::parse(
+            &DEFAULT_CONFIG_TOML.replace("init_seed = 42", "init_seed = 43"),
+            "x",
+            None,
+        )
+        .expect("c");
+        let other_threads = Config::parse(
+            &DEFAULT_CONFIG_TOML.replace("threads = 1", "threads = 2"),
+            "x",
+            None,
+        )
+        .expect("c");
         assert_ne!(base.run_id(), other_seed.run_id());
         assert_eq!(base.run_id(), other_threads.run_id());
     }
 
     #[test]
     fn widths_must_fit_data() {
-        let c = Config::parse(&DEFAULT_CONFIG_TOML.replace("[64, 128, 10]", "[784, 128, 10]"), "x", None).expect("c");
+        let c = Config::parse(
+            &DEFAULT_CONFIG_TOML.replace("[64, 128, 10]", "[784, 128, 10]"),
+            "x",
+            None,
+        )
+        .expect("c");
         let split = c.load_data().expect("data");
-        let e = c.model_spec(&split).unwrap_err().to_string();
-        assert!(e.contains("model.widths") && e.contains("64 features"), "{e}");
+        let e = c.model_spec(&split).expect_err("must fail").to_string();
+        assert!(
+            e.contains("model.widths") && e.contains("64 features"),
+            "{e}"
+        );
     }
 }

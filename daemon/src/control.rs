@@ -55,11 +55,17 @@ pub async fn bind(addr: SocketAddr, token: Option<&str>) -> Result<TcpListener, 
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/v1/status", get(status))
-        .route("/v1/checkpoints", get(list_checkpoints).post(save_checkpoint))
+        .route(
+            "/v1/checkpoints",
+            get(list_checkpoints).post(save_checkpoint),
+        )
         .route("/v1/checkpoints/{id}/file", get(download_checkpoint))
         .route("/v1/checkpoints/{id}/restore", post(restore_checkpoint))
         .route("/v1/stop", post(stop))
-        .layer(middleware::from_fn_with_state(shared.clone(), require_token))
+        .layer(middleware::from_fn_with_state(
+            shared.clone(),
+            require_token,
+        ))
         .with_state(shared)
 }
 
@@ -77,7 +83,11 @@ async fn require_token(State(shared): State<Arc<Shared>>, req: Request, next: Ne
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
         if !same_secret(given.as_bytes(), token.as_bytes()) {
-            return ApiError(StatusCode::UNAUTHORIZED, "missing or wrong access token".into()).into_response();
+            return ApiError(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong access token".into(),
+            )
+            .into_response();
         }
     }
     next.run(req).await
@@ -93,7 +103,9 @@ async fn list_checkpoints(State(shared): State<Arc<Shared>>) -> Json<Vec<Checkpo
     Json(list)
 }
 
-async fn save_checkpoint(State(shared): State<Arc<Shared>>) -> Result<Json<CheckpointView>, ApiError> {
+async fn save_checkpoint(
+    State(shared): State<Arc<Shared>>,
+) -> Result<Json<CheckpointView>, ApiError> {
     let meta = shared
         .checkpoint_now()
         .await
@@ -110,31 +122,47 @@ fn parse_id(shared: &Shared, id: &str) -> Result<u64, ApiError> {
             .map(|m| m.id)
             .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, "no checkpoint yet".into()));
     }
-    id.parse()
-        .map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("checkpoint id {id:?} is not a number")))
+    id.parse().map_err(|_| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("checkpoint id {id:?} is not a number"),
+        )
+    })
 }
 
-async fn download_checkpoint(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Result<Response, ApiError> {
+async fn download_checkpoint(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let id = parse_id(&shared, &id)?;
     let meta = shared
         .store
         .get(id)
         .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no checkpoint with id {id}")))?;
     let path = shared.store.path_of(&meta);
-    let bytes = tokio::fs::read(&path)
-        .await
-        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("{}: {e}", path.display())))?;
+    let bytes = tokio::fs::read(&path).await.map_err(|e| {
+        ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("{}: {e}", path.display()),
+        )
+    })?;
     Ok((
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_string()),
-            (header::CONTENT_DISPOSITION, format!("attachment; filename=\"{}\"", meta.file)),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{}\"", meta.file),
+            ),
         ],
         Body::from(bytes),
     )
         .into_response())
 }
 
-async fn restore_checkpoint(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Result<Json<CheckpointView>, ApiError> {
+async fn restore_checkpoint(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<Json<CheckpointView>, ApiError> {
     let id = parse_id(&shared, &id)?;
     let meta = shared
         .restore(id)

@@ -67,7 +67,7 @@ mod tests {
     #[cfg(not(feature = "cuda"))]
     #[test]
     fn cuda_without_feature_says_how() {
-        let e = open(DeviceChoice::Cuda(0)).unwrap_err();
+        let e = open(DeviceChoice::Cuda(0)).expect_err("must fail");
         assert!(e.contains("without CUDA support"), "{e}");
     }
 }

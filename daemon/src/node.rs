@@ -163,7 +163,11 @@ impl Shared {
     /// The status report.
     pub fn status(&self) -> Status {
         let stats = self.stats_rx.borrow().clone();
-        let last = self.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let last = self
+            .last_checkpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         Status {
             version: env!("CARGO_PKG_VERSION").to_string(),
             peer_id: self.peer_id.clone(),
@@ -178,7 +182,9 @@ impl Shared {
             eval: stats.eval,
             samples_per_sec: stats.samples_per_sec,
             uptime_s: self.started.elapsed().as_secs_f64(),
-            last_checkpoint: last.or_else(|| self.store.list().pop()).map(|m| self.reference(&m)),
+            last_checkpoint: last
+                .or_else(|| self.store.list().pop())
+                .map(|m| self.reference(&m)),
             resumed_from: self.resumed_from.as_ref().map(|m| self.reference(m)),
             data_dir: self.data_dir.display().to_string(),
             data: self.data.clone(),
@@ -195,7 +201,10 @@ impl Shared {
             .map_err(|e| format!("checkpoint writer failed: {e}"))?
             .map_err(|e| e.to_string())?;
         tracing::info!(id = meta.id, step = meta.info.step, file = %meta.file, "checkpoint written");
-        *self.last_checkpoint.lock().unwrap_or_else(|p| p.into_inner()) = Some(meta.clone());
+        *self
+            .last_checkpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(meta.clone());
         Ok(meta)
     }
 
@@ -206,7 +215,9 @@ impl Shared {
             .send(Command::Snapshot(tx))
             .await
             .map_err(|_| "the trainer has stopped".to_string())?;
-        let snapshot = rx.await.map_err(|_| "the trainer has stopped".to_string())?;
+        let snapshot = rx
+            .await
+            .map_err(|_| "the trainer has stopped".to_string())?;
         self.save(snapshot).await
     }
 
@@ -223,7 +234,8 @@ impl Shared {
             .send(Command::Restore(Box::new(loaded), tx))
             .await
             .map_err(|_| "the trainer has stopped".to_string())?;
-        rx.await.map_err(|_| "the trainer has stopped".to_string())??;
+        rx.await
+            .map_err(|_| "the trainer has stopped".to_string())??;
         Ok(meta)
     }
 
@@ -237,14 +249,18 @@ impl Shared {
 /// share one (they would fight over the identity and corrupt each other's checkpoints).
 fn lock_data_dir(dir: &Path) -> Result<File, NodeError> {
     let path = dir.join("LOCK");
-    let file = File::create(&path).map_err(|e| NodeError::DataDir(format!("{}: {e}", path.display())))?;
+    let file =
+        File::create(&path).map_err(|e| NodeError::DataDir(format!("{}: {e}", path.display())))?;
     match file.try_lock() {
         Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => Err(NodeError::DataDir(format!(
             "data dir {} is in use by another p2ptrain node",
             dir.display()
         ))),
-        Err(std::fs::TryLockError::Error(e)) => Err(NodeError::DataDir(format!("{}: cannot lock: {e}", path.display()))),
+        Err(std::fs::TryLockError::Error(e)) => Err(NodeError::DataDir(format!(
+            "{}: cannot lock: {e}",
+            path.display()
+        ))),
     }
 }
 
@@ -258,7 +274,11 @@ fn seed_from(peer_id: &str) -> u64 {
 }
 
 /// Runs a node until `shutdown` resolves, it is asked to stop, or it reaches `max_steps`.
-pub async fn run(prepared: Prepared, opts: Options, shutdown: impl Future<Output = ()>) -> Result<Summary, NodeError> {
+pub async fn run(
+    prepared: Prepared,
+    opts: Options,
+    shutdown: impl Future<Output = ()>,
+) -> Result<Summary, NodeError> {
     let Prepared {
         config,
         split,
@@ -275,7 +295,8 @@ pub async fn run(prepared: Prepared, opts: Options, shutdown: impl Future<Output
 
     // From here on the node writes to its data directory.
     let data_dir = opts.data_dir.clone();
-    std::fs::create_dir_all(&data_dir).map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
+    std::fs::create_dir_all(&data_dir)
+        .map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
     let _lock = lock_data_dir(&data_dir)?;
     let key = identity::load_or_create(&data_dir).map_err(NodeError::DataDir)?;
     let peer_id = identity::peer_id(&key).to_string();
@@ -302,10 +323,21 @@ pub async fn run(prepared: Prepared, opts: Options, shutdown: impl Future<Output
             )));
         }
     }
-    let (model, optimizer, start) = trainer::build(&spec, &config.optimizer, config.train.init_seed, &dev, &ident, resume.as_ref())
-        .map_err(NodeError::Trainer)?;
+    let (model, optimizer, start) = trainer::build(
+        &spec,
+        &config.optimizer,
+        config.train.init_seed,
+        &dev,
+        &ident,
+        resume.as_ref(),
+    )
+    .map_err(NodeError::Trainer)?;
     if let Some(loaded) = &resume {
-        tracing::info!(id = loaded.meta.id, step = loaded.meta.info.step, "resumed from checkpoint");
+        tracing::info!(
+            id = loaded.meta.id,
+            step = loaded.meta.info.step,
+            "resumed from checkpoint"
+        );
     }
     let model_info = ModelInfo {
         name: spec.name(),
@@ -325,7 +357,10 @@ pub async fn run(prepared: Prepared, opts: Options, shutdown: impl Future<Output
             batch_size: config.train.batch_size,
             eval_every: config.train.eval_every,
             max_steps: config.train.max_steps,
-            node_seed: config.train.node_seed.unwrap_or_else(|| seed_from(&peer_id)),
+            node_seed: config
+                .train
+                .node_seed
+                .unwrap_or_else(|| seed_from(&peer_id)),
             checkpoint_every_steps: config.checkpoint.every_steps,
             checkpoint_every: Duration::from_secs(config.checkpoint.every_secs),
             identity: ident.clone(),
@@ -407,7 +442,17 @@ pub async fn run(prepared: Prepared, opts: Options, shutdown: impl Future<Output
         Ok(Ok(finish)) => {
             // Let a pending automatic checkpoint land first, so the final one is the newest.
             let _ = writer.await;
-            let final_checkpoint = match shared.save(finish.snapshot).await {
+            let last = shared
+                .last_checkpoint
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            let final_checkpoint = match last {
+                // The automatic checkpoint of the last step already holds this exact state.
+                Some(meta) if meta.info == finish.snapshot.info => Ok(meta),
+                _ => shared.save(finish.snapshot).await,
+            };
+            let final_checkpoint = match final_checkpoint {
                 Ok(meta) => Some(meta),
                 Err(e) => {
                     tracing::error!("final checkpoint failed: {e}");
@@ -421,7 +466,9 @@ pub async fn run(prepared: Prepared, opts: Options, shutdown: impl Future<Output
             })
         }
         Ok(Err(e)) => Err(NodeError::Trainer(e)),
-        Err(_) => Err(NodeError::Trainer("the trainer thread ended without a result".into())),
+        Err(_) => Err(NodeError::Trainer(
+            "the trainer thread ended without a result".into(),
+        )),
     };
     let _ = api_stop_tx.send(());
     let _ = server.await;

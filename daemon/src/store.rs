@@ -139,7 +139,9 @@ impl Store {
                     }
                     Err(_) => garbage.push(k),
                 },
-                Err(e) => notes.push(format!("checkpoint index entry unreadable ({e}); rebuilding it")),
+                Err(e) => notes.push(format!(
+                    "checkpoint index entry unreadable ({e}); rebuilding it"
+                )),
             }
         }
         for k in garbage {
@@ -160,7 +162,10 @@ impl Store {
         }
         for (id, meta) in &indexed {
             if !on_disk.contains_key(id) {
-                notes.push(format!("checkpoint {id} ({}) is indexed but its file is gone; dropped from the index", meta.file));
+                notes.push(format!(
+                    "checkpoint {id} ({}) is indexed but its file is gone; dropped from the index",
+                    meta.file
+                ));
                 let _ = self.index.remove(id.to_be_bytes());
             }
         }
@@ -213,12 +218,17 @@ impl Store {
     /// then the index; then prunes to the newest `keep`.
     pub fn save(&self, snapshot: &Snapshot, keep: usize) -> Result<CheckpointMeta, StoreError> {
         let _guard = self.write_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let id = self.list().last().map_or(1, |m| m.id + 1).max(self.max_file_id() + 1);
-        let (bytes, meta) = checkpoint::encode(snapshot, id, unix_now()).map_err(|source| StoreError::Corrupt {
-            id,
-            file: checkpoint::file_name(id),
-            source,
-        })?;
+        let id = self
+            .list()
+            .last()
+            .map_or(1, |m| m.id + 1)
+            .max(self.max_file_id() + 1);
+        let (bytes, meta) =
+            checkpoint::encode(snapshot, id, unix_now()).map_err(|source| StoreError::Corrupt {
+                id,
+                file: checkpoint::file_name(id),
+                source,
+            })?;
         let path = self.path_of(&meta);
         let tmp = self.dir.join(format!(".{}.tmp", meta.file));
         {
@@ -227,7 +237,9 @@ impl Store {
             f.sync_all().map_err(io(&tmp))?;
         }
         fs::rename(&tmp, &path).map_err(io(&path))?;
-        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io(&self.dir))?;
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io(&self.dir))?;
         self.put_index(&meta)?;
         let all = self.list();
         if all.len() > keep {
@@ -268,11 +280,12 @@ impl Store {
     fn read_verified(&self, id: u64, file: &str) -> Result<Loaded, StoreError> {
         let path = self.dir.join(file);
         let bytes = fs::read(&path).map_err(io(&path))?;
-        let (meta, tensors) = checkpoint::decode(&bytes, file).map_err(|source| StoreError::Corrupt {
-            id,
-            file: file.to_string(),
-            source,
-        })?;
+        let (meta, tensors) =
+            checkpoint::decode(&bytes, file).map_err(|source| StoreError::Corrupt {
+                id,
+                file: file.to_string(),
+                source,
+            })?;
         if meta.id != id {
             return Err(StoreError::Corrupt {
                 id,
@@ -347,7 +360,13 @@ mod tests {
 
     fn snapshot(step: u64) -> Snapshot {
         let mut tensors = BTreeMap::new();
-        tensors.insert("w".into(), HostTensor { shape: vec![3], values: vec![step as f32, 1.0, 2.0] });
+        tensors.insert(
+            "w".into(),
+            HostTensor {
+                shape: vec![3],
+                values: vec![step as f32, 1.0, 2.0],
+            },
+        );
         Snapshot {
             info: StateInfo {
                 run_id: "run".into(),
@@ -387,11 +406,19 @@ mod tests {
         let newest = store.save(&snapshot(20), 5).expect("save");
         let path = store.path_of(&newest);
         let len = fs::metadata(&path).expect("meta").len();
-        File::options().write(true).open(&path).and_then(|f| f.set_len(len - 5)).expect("truncate");
+        File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_len(len - 5))
+            .expect("truncate");
         let (loaded, skipped) = store.load_newest_valid();
         assert_eq!(loaded.expect("previous").meta.info.step, 10);
         assert_eq!(skipped.len(), 1);
-        assert!(skipped[0].reason.contains("corrupt"), "{}", skipped[0].reason);
+        assert!(
+            skipped[0].reason.contains("corrupt"),
+            "{}",
+            skipped[0].reason
+        );
         // The bad file is out of the way and a new save does not reuse its name.
         let next = store.save(&snapshot(30), 5).expect("save");
         assert_eq!(next.id, 3);

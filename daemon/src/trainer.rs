@@ -31,6 +31,8 @@ pub const SNAPSHOT_CAP: usize = 1;
 const PUBLISH_EVERY: Duration = Duration::from_millis(100);
 /// Steps averaged into the reported recent loss.
 const LOSS_WINDOW: usize = 50;
+/// Least time between two evaluation lines in the log.
+const EVAL_LOG_EVERY: Duration = Duration::from_secs(10);
 /// Samples per evaluation batch.
 const EVAL_BATCH: usize = 1000;
 
@@ -177,7 +179,12 @@ pub fn build(
 
 /// Loads a verified checkpoint into model and optimizer; refuses one of another run or layout
 /// and changes nothing then.
-fn restore_into(model: &Model, optimizer: &mut Optimizer, identity: &Identity, loaded: &Loaded) -> Result<Counters, String> {
+fn restore_into(
+    model: &Model,
+    optimizer: &mut Optimizer,
+    identity: &Identity,
+    loaded: &Loaded,
+) -> Result<Counters, String> {
     let info = &loaded.meta.info;
     if info.run_id != identity.run_id {
         return Err(format!(
@@ -192,12 +199,19 @@ fn restore_into(model: &Model, optimizer: &mut Optimizer, identity: &Identity, l
             loaded.meta.id, info.layout_hash
         ));
     }
-    let device = model.params().vars().first().map(|(_, v)| v.device().clone()).unwrap_or(Device::Cpu);
+    let device = model
+        .params()
+        .vars()
+        .first()
+        .map(|(_, v)| v.device().clone())
+        .unwrap_or(Device::Cpu);
     let tensors = to_device(&loaded.tensors, &device).map_err(|e| e.to_string())?;
     // Check the optimizer state loads before touching the parameters, so a failure leaves both
     // as they were.
     let mut staged = Optimizer::new(optimizer.spec(), model.params()).map_err(|e| e.to_string())?;
-    staged.load(model.params(), info.optimizer_steps, &tensors).map_err(|e| e.to_string())?;
+    staged
+        .load(model.params(), info.optimizer_steps, &tensors)
+        .map_err(|e| e.to_string())?;
     model.params().load(&tensors).map_err(|e| e.to_string())?;
     *optimizer = staged;
     Ok(Counters {
@@ -206,17 +220,28 @@ fn restore_into(model: &Model, optimizer: &mut Optimizer, identity: &Identity, l
     })
 }
 
-fn to_device(tensors: &BTreeMap<String, HostTensor>, dev: &Device) -> candle_core::Result<HashMap<String, Tensor>> {
+fn to_device(
+    tensors: &BTreeMap<String, HostTensor>,
+    dev: &Device,
+) -> candle_core::Result<HashMap<String, Tensor>> {
     tensors
         .iter()
-        .map(|(name, t)| Ok((name.clone(), Tensor::from_slice(&t.values, t.shape.as_slice(), dev)?)))
+        .map(|(name, t)| {
+            Ok((
+                name.clone(),
+                Tensor::from_slice(&t.values, t.shape.as_slice(), dev)?,
+            ))
+        })
         .collect()
 }
 
 fn host(t: &Tensor) -> candle_core::Result<HostTensor> {
     Ok(HostTensor {
         shape: t.dims().to_vec(),
-        values: t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?,
+        values: t
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1()?,
     })
 }
 
@@ -225,11 +250,13 @@ pub fn spawn(setup: Setup, snapshot_tx: mpsc::Sender<Snapshot>) -> std::io::Resu
     let (cmd_tx, cmd_rx) = mpsc::channel(COMMAND_CAP);
     let (stats_tx, stats_rx) = watch::channel(Stats::default());
     let (done_tx, done_rx) = oneshot::channel();
-    std::thread::Builder::new().name("trainer".into()).spawn(move || {
-        let mut lp = Loop::new(setup, stats_tx, snapshot_tx);
-        let result = lp.run(cmd_rx);
-        let _ = done_tx.send(result);
-    })?;
+    std::thread::Builder::new()
+        .name("trainer".into())
+        .spawn(move || {
+            let mut lp = Loop::new(setup, stats_tx, snapshot_tx);
+            let result = lp.run(cmd_rx);
+            let _ = done_tx.send(result);
+        })?;
     Ok(Handle {
         cmd_tx,
         stats_rx,
@@ -247,6 +274,7 @@ struct Loop {
     losses: VecDeque<f32>,
     last_checkpoint_step: u64,
     last_checkpoint_at: Instant,
+    last_eval_log: Option<Instant>,
 }
 
 impl Loop {
@@ -267,6 +295,7 @@ impl Loop {
             losses: VecDeque::with_capacity(LOSS_WINDOW),
             last_checkpoint_step: counters.step,
             last_checkpoint_at: Instant::now(),
+            last_eval_log: None,
             s,
         }
     }
@@ -275,7 +304,10 @@ impl Loop {
         let params = self.s.model.params();
         let mut tensors = BTreeMap::new();
         for (name, var) in params.vars() {
-            tensors.insert(name.clone(), host(var.as_tensor()).map_err(|e| e.to_string())?);
+            tensors.insert(
+                name.clone(),
+                host(var.as_tensor()).map_err(|e| e.to_string())?,
+            );
         }
         for (name, t) in self.s.optimizer.named_buffers(params) {
             tensors.insert(name, host(&t).map_err(|e| e.to_string())?);
@@ -299,8 +331,35 @@ impl Loop {
     }
 
     fn evaluate(&mut self) -> Result<(), String> {
-        let e = evaluate(&self.s.model, &self.s.split.test, EVAL_BATCH, &self.s.device).map_err(|e| e.to_string())?;
-        tracing::info!(step = self.counters.step, accuracy = format!("{:.4}", e.accuracy), loss = format!("{:.4}", e.loss), "evaluated on held-out set");
+        let e = evaluate(
+            &self.s.model,
+            &self.s.split.test,
+            EVAL_BATCH,
+            &self.s.device,
+        )
+        .map_err(|e| e.to_string())?;
+        // Evaluations can come many times a second on small models: log at info only now and
+        // then, so the log stays readable; status always has the latest.
+        if self
+            .last_eval_log
+            .is_none_or(|t| t.elapsed() >= EVAL_LOG_EVERY)
+        {
+            tracing::info!(
+                step = self.counters.step,
+                accuracy = format!("{:.4}", e.accuracy),
+                loss = format!("{:.4}", e.loss),
+                samples_per_sec = format!("{:.0}", self.stats.samples_per_sec),
+                "evaluated on held-out set"
+            );
+            self.last_eval_log = Some(Instant::now());
+        } else {
+            tracing::debug!(
+                step = self.counters.step,
+                accuracy = e.accuracy,
+                loss = e.loss,
+                "evaluated on held-out set"
+            );
+        }
         self.stats.eval = Some(EvalStats {
             accuracy: e.accuracy,
             loss: e.loss,
@@ -313,7 +372,9 @@ impl Loop {
         self.stats.step = self.counters.step;
         self.stats.samples_seen = self.counters.samples_seen;
         if !self.losses.is_empty() {
-            self.stats.loss = Some(self.losses.iter().map(|&l| f64::from(l)).sum::<f64>() / self.losses.len() as f64);
+            self.stats.loss = Some(
+                self.losses.iter().map(|&l| f64::from(l)).sum::<f64>() / self.losses.len() as f64,
+            );
         }
         self.stats_tx.send_replace(self.stats.clone());
     }
@@ -327,7 +388,12 @@ impl Loop {
                     let _ = reply.send(self.snapshot()?);
                 }
                 Command::Restore(loaded, reply) => {
-                    let result = restore_into(&self.s.model, &mut self.s.optimizer, &self.s.identity, &loaded);
+                    let result = restore_into(
+                        &self.s.model,
+                        &mut self.s.optimizer,
+                        &self.s.identity,
+                        &loaded,
+                    );
                     if let Ok(c) = &result {
                         self.counters = *c;
                         self.sampler.seek(c.samples_seen);
@@ -358,8 +424,14 @@ impl Loop {
                 break;
             }
             let indices = self.sampler.next_batch(self.s.batch_size);
-            let (xs, ys) = self.s.split.train.batch(&indices, &self.s.device).map_err(|e| e.to_string())?;
-            let loss = train_step(&self.s.model, &mut self.s.optimizer, &xs, &ys).map_err(|e| e.to_string())?;
+            let (xs, ys) = self
+                .s
+                .split
+                .train
+                .batch(&indices, &self.s.device)
+                .map_err(|e| e.to_string())?;
+            let loss = train_step(&self.s.model, &mut self.s.optimizer, &xs, &ys)
+                .map_err(|e| e.to_string())?;
             if !loss.is_finite() {
                 return Err(format!(
                     "training diverged at step {} (loss {loss}); the last checkpoint is kept untouched",
@@ -374,15 +446,19 @@ impl Loop {
             }
             self.losses.push_back(loss);
 
-            if self.s.eval_every > 0 && self.counters.step % self.s.eval_every == 0 {
+            if self.s.eval_every > 0 && self.counters.step.is_multiple_of(self.s.eval_every) {
                 self.evaluate()?;
             }
             let by_steps = self.s.checkpoint_every_steps > 0
                 && self.counters.step - self.last_checkpoint_step >= self.s.checkpoint_every_steps;
-            let by_time = !self.s.checkpoint_every.is_zero() && self.last_checkpoint_at.elapsed() >= self.s.checkpoint_every;
+            let by_time = !self.s.checkpoint_every.is_zero()
+                && self.last_checkpoint_at.elapsed() >= self.s.checkpoint_every;
             if by_steps || by_time {
                 if self.snapshot_tx.try_send(self.snapshot()?).is_err() {
-                    tracing::debug!(step = self.counters.step, "checkpoint writer busy; skipping this checkpoint");
+                    tracing::debug!(
+                        step = self.counters.step,
+                        "checkpoint writer busy; skipping this checkpoint"
+                    );
                 }
                 self.last_checkpoint_step = self.counters.step;
                 self.last_checkpoint_at = Instant::now();
@@ -391,7 +467,8 @@ impl Loop {
             if now.duration_since(last_publish) >= PUBLISH_EVERY {
                 let dt = now.duration_since(rate_mark.0).as_secs_f64();
                 if dt >= 1.0 {
-                    self.stats.samples_per_sec = (self.counters.samples_seen - rate_mark.1) as f64 / dt;
+                    self.stats.samples_per_sec =
+                        (self.counters.samples_seen - rate_mark.1) as f64 / dt;
                     rate_mark = (now, self.counters.samples_seen);
                 }
                 self.stats.train_secs = started.elapsed().as_secs_f64();

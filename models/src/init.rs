@@ -23,9 +23,45 @@ pub fn rng_for(seed: u64, name: &str) -> ChaCha8Rng {
     ChaCha8Rng::from_seed(key)
 }
 
-/// A weight tensor drawn uniformly from `±sqrt(6 / fan_in)` (He-uniform, suited to ReLU).
-pub fn he_uniform(seed: u64, name: &str, shape: &[usize], fan_in: usize, dev: &Device) -> Result<Var> {
-    let bound = (6.0 / fan_in.max(1) as f64).sqrt() as f32;
+/// A weight tensor drawn uniformly from `±sqrt(6 / fan_in)` (He-uniform): keeps activations'
+/// scale through ReLU layers.
+pub fn he_uniform(
+    seed: u64,
+    name: &str,
+    shape: &[usize],
+    fan_in: usize,
+    dev: &Device,
+) -> Result<Var> {
+    uniform(
+        seed,
+        name,
+        shape,
+        (6.0 / fan_in.max(1) as f64).sqrt() as f32,
+        dev,
+    )
+}
+
+/// A weight tensor drawn uniformly from `±sqrt(6 / (fan_in + fan_out))` (Glorot-uniform): for
+/// the output layer, where no ReLU follows and He's larger scale only inflates the first
+/// logits.
+pub fn glorot_uniform(
+    seed: u64,
+    name: &str,
+    shape: &[usize],
+    fan_in: usize,
+    fan_out: usize,
+    dev: &Device,
+) -> Result<Var> {
+    uniform(
+        seed,
+        name,
+        shape,
+        (6.0 / (fan_in + fan_out).max(1) as f64).sqrt() as f32,
+        dev,
+    )
+}
+
+fn uniform(seed: u64, name: &str, shape: &[usize], bound: f32, dev: &Device) -> Result<Var> {
     let mut rng = rng_for(seed, name);
     let n: usize = shape.iter().product();
     let values: Vec<f32> = (0..n).map(|_| rng.random_range(-bound..bound)).collect();
@@ -47,7 +83,11 @@ mod tests {
         let a = he_uniform(1, "fc.weight", &[3, 4], 4, &dev).expect("a");
         let b = he_uniform(1, "fc.weight", &[3, 4], 4, &dev).expect("b");
         let c = he_uniform(2, "fc.weight", &[3, 4], 4, &dev).expect("c");
-        let flat = |v: &Var| v.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("vec");
+        let flat = |v: &Var| {
+            v.flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("vec")
+        };
         assert_eq!(flat(&a), flat(&b));
         assert_ne!(flat(&a), flat(&c));
         assert!(flat(&a).iter().all(|v| v.abs() <= (6.0f32 / 4.0).sqrt()));

@@ -106,7 +106,10 @@ impl ModelSpec {
 }
 
 fn join(v: &[usize]) -> String {
-    v.iter().map(|w| w.to_string()).collect::<Vec<_>>().join("-")
+    v.iter()
+        .map(|w| w.to_string())
+        .collect::<Vec<_>>()
+        .join("-")
 }
 
 /// Side length after conv(pad 2) + pool + conv(no pad) + pool.
@@ -171,11 +174,17 @@ impl Model {
             }
         }
         let mut linears = Vec::new();
+        let n_fc = fc_widths.len() - 1;
         for (i, pair) in fc_widths.windows(2).enumerate() {
             let (fan_in, fan_out) = (pair[0], pair[1]);
             let wname = format!("fc{i}.weight");
             let bname = format!("fc{i}.bias");
-            let w = init::he_uniform(seed, &wname, &[fan_out, fan_in], fan_in, dev)?;
+            let shape = [fan_out, fan_in];
+            let w = if i + 1 == n_fc {
+                init::glorot_uniform(seed, &wname, &shape, fan_in, fan_out, dev)?
+            } else {
+                init::he_uniform(seed, &wname, &shape, fan_in, dev)?
+            };
             let b = init::zeros(&[fan_out], dev)?;
             linears.push(Linear::new(
                 w.as_tensor().clone(),
@@ -236,7 +245,13 @@ mod tests {
         };
         let a = Model::new(&spec, 7, &Device::Cpu).expect("model");
         assert_eq!(a.params().numel(), 203_530);
-        let names: Vec<_> = a.params().layout().entries.into_iter().map(|e| e.0).collect();
+        let names: Vec<_> = a
+            .params()
+            .layout()
+            .entries
+            .into_iter()
+            .map(|e| e.0)
+            .collect();
         assert_eq!(names, ["fc0.bias", "fc0.weight", "fc1.bias", "fc1.weight"]);
         let b = Model::new(&spec, 7, &Device::Cpu).expect("model");
         assert_eq!(a.params().hash().expect("h"), b.params().hash().expect("h"));

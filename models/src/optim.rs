@@ -47,7 +47,11 @@ pub enum OptimizerSpec {
 impl OptimizerSpec {
     /// Checks the hyper-parameters; errors name the offending one.
     pub fn validate(&self) -> Result<()> {
-        let bad = |what: &str, v: f64| Err(Error::Spec(format!("optimizer {what} = {v} is out of range")));
+        let bad = |what: &str, v: f64| {
+            Err(Error::Spec(format!(
+                "optimizer {what} = {v} is out of range"
+            )))
+        };
         match *self {
             OptimizerSpec::Sgd {
                 lr,
@@ -197,8 +201,9 @@ impl Optimizer {
                     weight_decay,
                 } => {
                     let t = self.steps as i32;
-                    let m = (self.buffers[0][i].affine(beta1, 0.0)? + g.affine(1.0 - beta1, 0.0)?)?
-                        .detach();
+                    let m = (self.buffers[0][i].affine(beta1, 0.0)?
+                        + g.affine(1.0 - beta1, 0.0)?)?
+                    .detach();
                     let v = (self.buffers[1][i].affine(beta2, 0.0)?
                         + g.sqr()?.affine(1.0 - beta2, 0.0)?)?
                     .detach();
@@ -229,7 +234,12 @@ impl Optimizer {
 
     /// Replaces the whole state from named buffers and a step count. Every buffer must be
     /// present, shaped like its parameter and finite; nothing changes unless all are.
-    pub fn load(&mut self, params: &Params, steps: u64, tensors: &HashMap<String, Tensor>) -> Result<()> {
+    pub fn load(
+        &mut self,
+        params: &Params,
+        steps: u64,
+        tensors: &HashMap<String, Tensor>,
+    ) -> Result<()> {
         let mut staged = Vec::new();
         for prefix in self.spec.buffer_prefixes() {
             let mut kind = Vec::new();
@@ -268,7 +278,10 @@ mod tests {
         let params = Params::new(vec![("p".into(), p.clone())]).expect("params");
         let mut opt = Optimizer::new(spec, &params).expect("opt");
         for _ in 0..steps {
-            let loss = (p.as_tensor() - 3.0).and_then(|d| d.sqr()).and_then(|d| d.sum_all()).expect("loss");
+            let loss = (p.as_tensor() - 3.0)
+                .and_then(|d| d.sqr())
+                .and_then(|d| d.sum_all())
+                .expect("loss");
             let grads = loss.backward().expect("grads");
             opt.step(&params, &grads).expect("step");
         }
@@ -278,11 +291,27 @@ mod tests {
 
     #[test]
     fn optimizers_converge_on_a_quadratic() {
-        let sgd = OptimizerSpec::Sgd { lr: 0.05, momentum: 0.9, nesterov: true, weight_decay: 0.0 };
+        let sgd = OptimizerSpec::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 0.0,
+        };
         assert!(minimise(&sgd, 200) < 1e-3);
-        let plain = OptimizerSpec::Sgd { lr: 0.1, momentum: 0.0, nesterov: false, weight_decay: 0.0 };
+        let plain = OptimizerSpec::Sgd {
+            lr: 0.1,
+            momentum: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        };
         assert!(minimise(&plain, 200) < 1e-3);
-        let adamw = OptimizerSpec::Adamw { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+        let adamw = OptimizerSpec::Adamw {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
         assert!(minimise(&adamw, 500) < 1e-2);
     }
 
@@ -290,9 +319,20 @@ mod tests {
     fn state_round_trips_and_bad_state_is_refused() {
         let p = Var::from_slice(&[1.0f32, 2.0], 2, &Device::Cpu).expect("var");
         let params = Params::new(vec![("w".into(), p.clone())]).expect("params");
-        let spec = OptimizerSpec::Adamw { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+        let spec = OptimizerSpec::Adamw {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        };
         let mut opt = Optimizer::new(&spec, &params).expect("opt");
-        let grads = p.as_tensor().sqr().and_then(|t| t.sum_all()).and_then(|t| t.backward()).expect("g");
+        let grads = p
+            .as_tensor()
+            .sqr()
+            .and_then(|t| t.sum_all())
+            .and_then(|t| t.backward())
+            .expect("g");
         opt.step(&params, &grads).expect("step");
         let named: HashMap<String, Tensor> = opt.named_buffers(&params).into_iter().collect();
         assert!(named.contains_key("optim.adam_m.w") && named.contains_key("optim.adam_v.w"));
@@ -302,7 +342,10 @@ mod tests {
         let m = |o: &Optimizer| o.named_buffers(&params)[0].1.to_vec1::<f32>().expect("v");
         assert_eq!(m(&other), m(&opt));
         let mut poisoned = named.clone();
-        poisoned.insert("optim.adam_v.w".into(), Tensor::from_slice(&[f32::NAN, 0.0], 2, &Device::Cpu).expect("t"));
+        poisoned.insert(
+            "optim.adam_v.w".into(),
+            Tensor::from_slice(&[f32::NAN, 0.0], 2, &Device::Cpu).expect("t"),
+        );
         assert!(other.load(&params, 5, &poisoned).is_err());
         assert_eq!(other.steps(), 1, "a refused load changes nothing");
     }

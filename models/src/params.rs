@@ -94,7 +94,12 @@ impl Params {
     pub fn flatten(&self) -> Result<Vec<f32>> {
         let mut out = Vec::with_capacity(self.numel());
         for (_, v) in &self.vars {
-            out.extend(v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+            out.extend(
+                v.as_tensor()
+                    .flatten_all()?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?,
+            );
         }
         Ok(out)
     }
@@ -165,10 +170,7 @@ pub fn ensure_finite(t: &Tensor, what: &str) -> Result<()> {
     let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
     match values.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
-        Some(i) => Err(Error::NonFinite(format!(
-            "{what}[{i}] = {}",
-            values[i]
-        ))),
+        Some(i) => Err(Error::NonFinite(format!("{what}[{i}] = {}", values[i]))),
     }
 }
 

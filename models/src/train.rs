@@ -40,7 +40,11 @@ pub fn evaluate(model: &Model, data: &Dataset, batch: usize, dev: &Device) -> Re
         let loss = candle_nn::loss::cross_entropy(&logits, &ys)?.to_scalar::<f32>()?;
         loss_sum += f64::from(loss) * chunk.len() as f64;
         let predicted = logits.argmax(1)?;
-        correct += predicted.eq(&ys)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize;
+        correct += predicted
+            .eq(&ys)?
+            .to_dtype(DType::U32)?
+            .sum_all()?
+            .to_scalar::<u32>()? as usize;
     }
     let n = data.len().max(1) as f64;
     Ok(Evaluation {
@@ -61,18 +65,37 @@ mod tests {
     fn digits_mlp_learns() {
         let dev = Device::Cpu;
         let split = split_seeded(&load_digits(None).expect("digits"), 0.2, 1).expect("split");
-        let model = Model::new(&ModelSpec::Mlp { widths: vec![64, 64, 10] }, 3, &dev).expect("model");
-        let spec = OptimizerSpec::Sgd { lr: 0.05, momentum: 0.9, nesterov: true, weight_decay: 0.0 };
+        let model = Model::new(
+            &ModelSpec::Mlp {
+                widths: vec![64, 64, 10],
+            },
+            3,
+            &dev,
+        )
+        .expect("model");
+        let spec = OptimizerSpec::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 0.0,
+        };
         let mut opt = Optimizer::new(&spec, model.params()).expect("opt");
         let before = evaluate(&model, &split.test, 512, &dev).expect("eval");
         let mut sampler = Sampler::new(split.train.len(), 11);
         for _ in 0..600 {
-            let (xs, ys) = split.train.batch(&sampler.next_batch(32), &dev).expect("batch");
+            let (xs, ys) = split
+                .train
+                .batch(&sampler.next_batch(32), &dev)
+                .expect("batch");
             let loss = train_step(&model, &mut opt, &xs, &ys).expect("step");
             assert!(loss.is_finite());
         }
         let after = evaluate(&model, &split.test, 512, &dev).expect("eval");
-        assert!(after.accuracy > 0.9, "accuracy {} after training", after.accuracy);
+        assert!(
+            after.accuracy > 0.9,
+            "accuracy {} after training",
+            after.accuracy
+        );
         assert!(after.loss < before.loss);
     }
 }

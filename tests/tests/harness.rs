@@ -27,7 +27,10 @@ pub fn bin() -> PathBuf {
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("repo root")
+        .to_path_buf()
 }
 
 /// The shared MNIST copy beside the checkout, if present.
@@ -45,7 +48,10 @@ pub fn eventually<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Optio
         if let Some(v) = f() {
             return v;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -105,7 +111,13 @@ impl Node {
         let log = logs.path().join("stderr.log");
         // A stale address file from a killed predecessor must not be mistaken for ours.
         let _ = std::fs::remove_file(data_dir.join("api.addr"));
-        let mut args = vec!["join", "--data-dir", data_dir.to_str().expect("utf8"), "--api", "127.0.0.1:0"];
+        let mut args = vec![
+            "join",
+            "--data-dir",
+            data_dir.to_str().expect("utf8"),
+            "--api",
+            "127.0.0.1:0",
+        ];
         args.extend_from_slice(extra);
         let child = Command::new(bin())
             .args(&args)
@@ -128,10 +140,17 @@ impl Node {
     pub fn wait_api(&mut self) -> String {
         let file = self.data_dir.join("api.addr");
         let api = eventually(Duration::from_secs(60), "the node's API address", || {
-            if let Some(s) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            if let Some(s) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
                 panic!("node exited early ({s}); log:\n{}", self.log_text());
             }
-            std::fs::read_to_string(&file).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
+            std::fs::read_to_string(&file)
+                .ok()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
         });
         self.api = Some(api.clone());
         api
@@ -153,7 +172,12 @@ impl Node {
     }
 
     /// Waits until status satisfies `pred`.
-    pub fn wait_status(&self, what: &str, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+    pub fn wait_status(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
         eventually(timeout, what, || self.status().filter(|s| pred(s)))
     }
 
@@ -173,7 +197,10 @@ impl Node {
             None => {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!("node did not exit within {timeout:?}; log:\n{}", self.log_text());
+                panic!(
+                    "node did not exit within {timeout:?}; log:\n{}",
+                    self.log_text()
+                );
             }
         }
     }
@@ -185,9 +212,14 @@ impl Drop for Node {
     }
 }
 
-/// Reads a checkpoint file with the independent `safetensors` crate (no Candle): its metadata
-/// and every tensor as `(shape, f32 values)`.
-pub fn read_checkpoint(path: &Path) -> (std::collections::HashMap<String, String>, std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>) {
+/// A checkpoint as an independent reader sees it: metadata, and tensors as (shape, values).
+pub type CheckpointContents = (
+    std::collections::HashMap<String, String>,
+    std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+);
+
+/// Reads a checkpoint file with the independent `safetensors` crate (no Candle).
+pub fn read_checkpoint(path: &Path) -> CheckpointContents {
     let bytes = std::fs::read(path).expect("read checkpoint");
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).expect("header");
     let meta = header.metadata().clone().expect("metadata");
@@ -195,7 +227,11 @@ pub fn read_checkpoint(path: &Path) -> (std::collections::HashMap<String, String
     let mut tensors = std::collections::BTreeMap::new();
     for (name, view) in st.tensors() {
         assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
-        let values = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let values = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
         tensors.insert(name, (view.shape().to_vec(), values));
     }
     (meta, tensors)

@@ -7,9 +7,13 @@ use crate::harness::{cli, mnist_dir, newest_checkpoint, read_checkpoint, repo_ro
 
 /// The default config with the checkpoint policy replaced, written to `dir`.
 fn digits_config(dir: &Path, every_steps: u64, keep: usize) -> PathBuf {
-    let text = std::fs::read_to_string(repo_root().join("configs/digits-mlp.toml")).expect("config");
+    let text =
+        std::fs::read_to_string(repo_root().join("configs/digits-mlp.toml")).expect("config");
     let text = text
-        .replace("every_steps = 5000", &format!("every_steps = {every_steps}"))
+        .replace(
+            "every_steps = 5000",
+            &format!("every_steps = {every_steps}"),
+        )
         .replace("every_secs = 30", "every_secs = 0")
         .replace("keep = 5", &format!("keep = {keep}"));
     let path = dir.join("digits.toml");
@@ -52,12 +56,24 @@ fn mnist_mlp_reaches_97_percent_in_two_epochs() {
     };
     let tmp = tempfile::tempdir().expect("tmp");
     let text = std::fs::read_to_string(repo_root().join("configs/mnist-mlp.toml")).expect("config");
-    let text = text.replace("dir = \"../../shared/data/mnist\"", &format!("dir = {:?}", mnist.display().to_string()));
+    let text = text.replace(
+        "dir = \"../../shared/data/mnist\"",
+        &format!("dir = {:?}", mnist.display().to_string()),
+    );
     let config = tmp.path().join("mnist.toml");
-    std::fs::write(&config, text).expect("config");
-    // Two epochs of 60,000 samples at batch 64.
-    let steps = (2 * 60_000 / 64).to_string();
-    let mut node = Node::start(&tmp.path().join("node"), &["--config", config.to_str().expect("utf8"), "--max-steps", &steps]);
+    std::fs::write(&config, &text).expect("config");
+    // Two epochs of 60,000 samples at the config's batch of 32.
+    assert!(text.contains("batch_size = 32"));
+    let steps = (2 * 60_000 / 32).to_string();
+    let mut node = Node::start(
+        &tmp.path().join("node"),
+        &[
+            "--config",
+            config.to_str().expect("utf8"),
+            "--max-steps",
+            &steps,
+        ],
+    );
     node.wait_api();
     let status = node.wait_exit(Duration::from_secs(600));
     assert!(status.success(), "node failed: {}", node.log_text());
@@ -65,7 +81,10 @@ fn mnist_mlp_reaches_97_percent_in_two_epochs() {
     let eval = eval_json(&final_ck, Some(&config));
     let acc = eval["accuracy"].as_f64().expect("accuracy");
     assert_eq!(eval["samples"], 10_000);
-    assert!(acc >= 0.97, "MNIST held-out accuracy {acc} < 0.97 after two epochs");
+    assert!(
+        acc >= 0.97,
+        "MNIST held-out accuracy {acc} < 0.97 after two epochs"
+    );
 }
 
 #[test]
@@ -76,35 +95,52 @@ fn kill9_then_restart_resumes_with_the_same_optimizer_state() {
     let data = tmp.path().join("node");
     let mut node = Node::start(&data, &["--config", cfg]);
     node.wait_api();
-    node.wait_status("a checkpoint at step >= 600", Duration::from_secs(120), |s| {
-        s["last_checkpoint"]["step"].as_u64().is_some_and(|st| st >= 600)
-    });
+    node.wait_status(
+        "a checkpoint at step >= 600",
+        Duration::from_secs(120),
+        |s| {
+            s["last_checkpoint"]["step"]
+                .as_u64()
+                .is_some_and(|st| st >= 600)
+        },
+    );
     node.kill9();
 
     let newest = newest_checkpoint(&data).expect("a checkpoint survived the crash");
     let (meta, before) = read_checkpoint(&newest);
     let step: u64 = meta["step"].parse().expect("step");
-    assert!(before.keys().any(|k| k.starts_with("optim.momentum.")), "optimizer state is in the checkpoint");
+    assert!(
+        before.keys().any(|k| k.starts_with("optim.momentum.")),
+        "optimizer state is in the checkpoint"
+    );
 
     // Restart with max_steps equal to the checkpoint's step: the node loads the state and
     // immediately writes it back out. Bit-identical tensors prove parameters and optimizer
     // state both survived the crash and the reload.
     let mut same = Node::start(&data, &["--config", cfg, "--max-steps", &step.to_string()]);
-    same.wait_api();
-    assert!(same.wait_exit(Duration::from_secs(120)).success(), "{}", same.log_text());
+    assert!(
+        same.wait_exit(Duration::from_secs(120)).success(),
+        "{}",
+        same.log_text()
+    );
     let log = same.log_text();
     assert!(log.contains("resumed from checkpoint"), "{log}");
     let (meta2, after) = read_checkpoint(&newest_checkpoint(&data).expect("final"));
     assert_eq!(meta2["step"], meta["step"]);
     assert_eq!(meta2["optimizer_steps"], meta["optimizer_steps"]);
-    assert_eq!(after, before, "parameters and optimizer state after resume differ from the checkpoint");
+    assert_eq!(
+        after, before,
+        "parameters and optimizer state after resume differ from the checkpoint"
+    );
 
     // And a normal restart keeps training from there.
     let mut resumed = Node::start(&data, &["--config", cfg]);
     resumed.wait_api();
-    let s = resumed.wait_status("training past the checkpoint", Duration::from_secs(60), |s| {
-        s["step"].as_u64().is_some_and(|st| st > step)
-    });
+    let s = resumed.wait_status(
+        "training past the checkpoint",
+        Duration::from_secs(60),
+        |s| s["step"].as_u64().is_some_and(|st| st > step),
+    );
     assert_eq!(s["resumed_from"]["step"].as_u64(), Some(step));
 }
 
@@ -116,23 +152,44 @@ fn truncated_newest_checkpoint_is_skipped_and_the_previous_loaded() {
     let data = tmp.path().join("node");
     let mut node = Node::start(&data, &["--config", cfg, "--max-steps", "1000"]);
     node.wait_api();
-    assert!(node.wait_exit(Duration::from_secs(120)).success(), "{}", node.log_text());
+    assert!(
+        node.wait_exit(Duration::from_secs(120)).success(),
+        "{}",
+        node.log_text()
+    );
 
     let newest = newest_checkpoint(&data).expect("checkpoint");
     let (newest_meta, _) = read_checkpoint(&newest);
     let len = std::fs::metadata(&newest).expect("meta").len();
-    std::fs::OpenOptions::new().write(true).open(&newest).and_then(|f| f.set_len(len / 2)).expect("truncate");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&newest)
+        .and_then(|f| f.set_len(len / 2))
+        .expect("truncate");
     let newest_id: u64 = newest_meta["id"].parse().expect("id");
 
     let mut restarted = Node::start(&data, &["--config", cfg]);
     restarted.wait_api();
-    let s = restarted.wait_status("the resumed node", Duration::from_secs(60), |s| s["resumed_from"].is_object());
+    let s = restarted.wait_status("the resumed node", Duration::from_secs(60), |s| {
+        s["resumed_from"].is_object()
+    });
     let resumed_id = s["resumed_from"]["id"].as_u64().expect("id");
-    assert!(resumed_id < newest_id, "resumed from {resumed_id}, the truncated one was {newest_id}");
+    assert!(
+        resumed_id < newest_id,
+        "resumed from {resumed_id}, the truncated one was {newest_id}"
+    );
     let log = restarted.log_text();
     let report: Vec<&str> = log.lines().filter(|l| l.contains("corrupt")).collect();
-    assert_eq!(report.len(), 1, "exactly one clear line about the bad file:\n{log}");
-    assert!(report[0].contains(&format!("checkpoint {newest_id}")) && report[0].contains("skipped"), "{}", report[0]);
+    assert_eq!(
+        report.len(),
+        1,
+        "exactly one clear line about the bad file:\n{log}"
+    );
+    assert!(
+        report[0].contains(&format!("checkpoint {newest_id}")) && report[0].contains("skipped"),
+        "{}",
+        report[0]
+    );
 }
 
 #[test]
@@ -142,33 +199,69 @@ fn status_checkpoints_export_and_restore_over_the_api() {
     let data = tmp.path().join("node");
     let mut node = Node::start(&data, &["--config", config.to_str().expect("utf8")]);
     let api = node.wait_api();
-    let s = node.wait_status("some training", Duration::from_secs(60), |s| s["step"].as_u64().is_some_and(|v| v > 100));
-    for key in ["peer_id", "run_id", "device", "step", "samples_seen", "loss", "samples_per_sec", "uptime_s", "data_dir"] {
+    let s = node.wait_status("some training", Duration::from_secs(60), |s| {
+        s["step"].as_u64().is_some_and(|v| v > 100)
+    });
+    for key in [
+        "peer_id",
+        "run_id",
+        "device",
+        "step",
+        "samples_seen",
+        "loss",
+        "samples_per_sec",
+        "uptime_s",
+        "data_dir",
+    ] {
         assert!(!s[key].is_null(), "status lacks {key}: {s}");
     }
     assert_eq!(s["model"]["name"], "mlp-64-128-10");
     assert_eq!(s["model"]["params"], 64 * 128 + 128 + 128 * 10 + 10);
     assert_eq!(s["device"], "cpu");
 
-    let (st, out, err) = cli(&["checkpoint", "save", "--json", "--api", &api], Duration::from_secs(30));
+    let (st, out, err) = cli(
+        &["checkpoint", "save", "--json", "--api", &api],
+        Duration::from_secs(30),
+    );
     assert!(st.success(), "{err}");
     let saved: serde_json::Value = serde_json::from_str(&out).expect("json");
     let saved_step = saved["step"].as_u64().expect("step");
     assert!(Path::new(saved["path"].as_str().expect("path")).exists());
 
-    let (st, out, _) = cli(&["checkpoint", "list", "--json", "--api", &api], Duration::from_secs(30));
+    let (st, out, _) = cli(
+        &["checkpoint", "list", "--json", "--api", &api],
+        Duration::from_secs(30),
+    );
     assert!(st.success());
     let list: Vec<serde_json::Value> = serde_json::from_str(&out).expect("json");
     assert!(list.iter().any(|c| c["id"] == saved["id"]));
 
     // Export: a standard safetensors file with the documented names and shapes.
     let out_file = tmp.path().join("export.safetensors");
-    let (st, _, err) = cli(&["checkpoint", "export", "--out", out_file.to_str().expect("utf8"), "--api", &api], Duration::from_secs(30));
+    let (st, _, err) = cli(
+        &[
+            "checkpoint",
+            "export",
+            "--out",
+            out_file.to_str().expect("utf8"),
+            "--api",
+            &api,
+        ],
+        Duration::from_secs(30),
+    );
     assert!(st.success(), "{err}");
     let (meta, tensors) = read_checkpoint(&out_file);
     assert_eq!(meta["format"], "p2ptrain-checkpoint/1");
     assert_eq!(meta["run_id"], s["run_id"].as_str().expect("run id"));
-    for key in ["step", "samples_seen", "optimizer_steps", "checksum", "layout_hash", "config_hash", "model"] {
+    for key in [
+        "step",
+        "samples_seen",
+        "optimizer_steps",
+        "checksum",
+        "layout_hash",
+        "config_hash",
+        "model",
+    ] {
         assert!(meta.contains_key(key), "metadata lacks {key}");
     }
     let expect = [
@@ -179,26 +272,45 @@ fn status_checkpoints_export_and_restore_over_the_api() {
     ];
     for (name, shape) in &expect {
         assert_eq!(&tensors[*name].0, shape, "{name}");
-        assert_eq!(&tensors[&format!("optim.momentum.{name}")].0, shape, "momentum of {name}");
+        assert_eq!(
+            &tensors[&format!("optim.momentum.{name}")].0,
+            shape,
+            "momentum of {name}"
+        );
     }
     assert_eq!(tensors.len(), 8, "{:?}", tensors.keys().collect::<Vec<_>>());
-    assert!(tensors.values().all(|(_, v)| v.iter().all(|x| x.is_finite())));
+    assert!(tensors
+        .values()
+        .all(|(_, v)| v.iter().all(|x| x.is_finite())));
 
     // Restore the earlier checkpoint: the step goes back to it, then training goes on. A
     // second of training first makes the way back much longer than the few steps the node
     // takes between the restore and the next status request.
     std::thread::sleep(Duration::from_secs(1));
-    let before = node.status().expect("status")["step"].as_u64().expect("step");
+    let before = node.status().expect("status")["step"]
+        .as_u64()
+        .expect("step");
     let id = saved["id"].as_u64().expect("id").to_string();
-    let (st, out, err) = cli(&["checkpoint", "restore", &id, "--json", "--api", &api], Duration::from_secs(30));
+    let (st, out, err) = cli(
+        &["checkpoint", "restore", &id, "--json", "--api", &api],
+        Duration::from_secs(30),
+    );
     assert!(st.success(), "{err}");
     let restored: serde_json::Value = serde_json::from_str(&out).expect("json");
     assert_eq!(restored["step"].as_u64(), Some(saved_step));
-    let after = node.status().expect("status")["step"].as_u64().expect("step");
-    assert!(after < before, "step went from {before} to {after} after restoring step {saved_step}");
+    let after = node.status().expect("status")["step"]
+        .as_u64()
+        .expect("step");
+    assert!(
+        after < before,
+        "step went from {before} to {after} after restoring step {saved_step}"
+    );
 
     let (st, _, err) = cli(&["stop", "--api", &api], Duration::from_secs(30));
     assert!(st.success(), "{err}");
     assert!(node.wait_exit(Duration::from_secs(60)).success());
-    assert!(!data.join("api.addr").exists(), "a stopped node leaves no address file");
+    assert!(
+        !data.join("api.addr").exists(),
+        "a stopped node leaves no address file"
+    );
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use p2ptrain_daemon::node::{self, Options};
+use p2ptrain_daemon::node::{self, Options, Prepared};
 use p2ptrain_daemon::Config;
 use p2ptrain_models::data::Sampler;
 use p2ptrain_models::train::train_step;
@@ -27,7 +27,7 @@ pub struct TrainerArgs {
     #[arg(long, default_value_t = 3000)]
     steps: u64,
     /// Runs (each: one bare loop, one daemon).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 9)]
     runs: usize,
     /// Write the JSON report here (it is printed either way).
     #[arg(long)]
@@ -41,14 +41,21 @@ struct Report {
     data: String,
     batch_size: usize,
     threads: usize,
+    eval_every: u64,
     steps_per_run: u64,
     runs: usize,
     bare_steps_per_sec: Vec<f64>,
+    /// Training steps per second in the node's trainer loop, evaluation time excluded.
     daemon_steps_per_sec: Vec<f64>,
+    /// The same with evaluation time included.
+    daemon_steps_per_sec_with_eval: Vec<f64>,
     bare_median: f64,
     daemon_median: f64,
+    daemon_with_eval_median: f64,
     /// `daemon_median / bare_median`.
     ratio_of_medians: f64,
+    /// `daemon_with_eval_median / bare_median`.
+    ratio_of_medians_with_eval: f64,
     /// Median of the per-run ratios (each daemon run against the bare run just before it).
     median_of_paired_ratios: f64,
 }
@@ -67,8 +74,9 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
-fn bare_loop(config: &Config, steps: u64) -> Result<f64> {
-    let p = node::prepare(config.clone())?;
+/// The bare loop: batch, forward, backward, optimizer step; nothing else.
+fn bare_loop(p: &Prepared, steps: u64) -> Result<f64> {
+    let config = &p.config;
     let model = Model::new(&p.spec, config.train.init_seed, &p.device)?;
     let mut opt = Optimizer::new(&config.optimizer, model.params())?;
     let mut sampler = Sampler::new(p.split.train.len(), 1);
@@ -81,39 +89,34 @@ fn bare_loop(config: &Config, steps: u64) -> Result<f64> {
     Ok(steps as f64 / start.elapsed().as_secs_f64())
 }
 
-fn daemon_run(config: &Config, steps: u64, rt: &tokio::runtime::Runtime) -> Result<f64> {
-    let mut config = config.clone();
-    config.train.max_steps = steps;
-    let dir = tempfile_dir()?;
-    let prepared = node::prepare(config)?;
+/// Runs a real node for `steps` steps; returns its steps/s without and with evaluation time.
+fn daemon_run(p: &Prepared, steps: u64, rt: &tokio::runtime::Runtime) -> Result<(f64, f64)> {
+    let mut p = p.clone();
+    p.config.train.max_steps = steps;
+    let dir = std::env::temp_dir().join(format!(
+        "p2ptrain-bench-{}-{}",
+        std::process::id(),
+        NEXT_DIR.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
     let opts = Options {
         data_dir: dir.clone(),
         api: "127.0.0.1:0".parse().context("address")?,
         api_token: None,
     };
-    let summary = rt.block_on(node::run(prepared, opts, std::future::pending()));
+    let summary = rt.block_on(node::run(p, opts, std::future::pending()));
     let _ = std::fs::remove_dir_all(&dir);
-    let summary = summary?;
-    if summary.stats.steps_this_run != steps {
-        bail!(
-            "daemon ran {} steps, expected {steps}",
-            summary.stats.steps_this_run
-        );
+    let s = summary?.stats;
+    if s.steps_this_run != steps {
+        bail!("daemon ran {} steps, expected {steps}", s.steps_this_run);
     }
-    Ok(summary.stats.steps_this_run as f64 / summary.stats.train_secs)
+    Ok((
+        s.steps_this_run as f64 / (s.train_secs - s.eval_secs),
+        s.steps_this_run as f64 / s.train_secs,
+    ))
 }
 
-fn tempfile_dir() -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!(
-        "p2ptrain-bench-{}-{}",
-        std::process::id(),
-        p2ptrain_daemon::store::unix_now()
-    ));
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    // A fresh node needs an empty data dir: clear anything from an earlier run in this second.
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(dir)
-}
+static NEXT_DIR: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Runs the benchmark and prints (and optionally writes) the report.
 pub fn trainer(args: TrainerArgs) -> Result<std::process::ExitCode> {
@@ -123,38 +126,43 @@ pub fn trainer(args: TrainerArgs) -> Result<std::process::ExitCode> {
     let config = Config::load(args.config.as_deref())?;
     crate::set_compute_threads(config.train.threads);
     let rt = crate::runtime()?;
-    let mut bare = Vec::new();
-    let mut daemon = Vec::new();
+    let p = node::prepare(config)?;
+    let (mut bare, mut daemon, mut daemon_with_eval) = (Vec::new(), Vec::new(), Vec::new());
     // One unmeasured warm-up of each, so first-touch costs (page faults, pool start) hit neither.
-    bare_loop(&config, args.steps.min(200))?;
-    daemon_run(&config, args.steps.min(200), &rt)?;
+    bare_loop(&p, args.steps.min(200))?;
+    daemon_run(&p, args.steps.min(200), &rt)?;
     for run in 0..args.runs {
-        let b = bare_loop(&config, args.steps)?;
-        let d = daemon_run(&config, args.steps, &rt)?;
+        let b = bare_loop(&p, args.steps)?;
+        let (d, de) = daemon_run(&p, args.steps, &rt)?;
         eprintln!(
-            "run {}: bare {b:.1} steps/s, daemon {d:.1} steps/s ({:.1}%)",
+            "run {}: bare {b:.1} steps/s, daemon {d:.1} steps/s ({:.1}%), {de:.1} with evaluation ({:.1}%)",
             run + 1,
-            100.0 * d / b
+            100.0 * d / b,
+            100.0 * de / b
         );
         bare.push(b);
         daemon.push(d);
+        daemon_with_eval.push(de);
     }
     let paired: Vec<f64> = bare.iter().zip(&daemon).map(|(b, d)| d / b).collect();
-    let p = node::prepare(config.clone())?;
     let report = Report {
         benchmark: "trainer-in-daemon-vs-bare-loop",
         model: p.spec.name(),
-        data: config.data.describe(),
-        batch_size: config.train.batch_size,
-        threads: config.train.threads,
+        data: p.config.data.describe(),
+        batch_size: p.config.train.batch_size,
+        threads: p.config.train.threads,
+        eval_every: p.config.train.eval_every,
         steps_per_run: args.steps,
         runs: args.runs,
         bare_median: median(&bare),
         daemon_median: median(&daemon),
+        daemon_with_eval_median: median(&daemon_with_eval),
         ratio_of_medians: median(&daemon) / median(&bare),
+        ratio_of_medians_with_eval: median(&daemon_with_eval) / median(&bare),
         median_of_paired_ratios: median(&paired),
         bare_steps_per_sec: bare,
         daemon_steps_per_sec: daemon,
+        daemon_steps_per_sec_with_eval: daemon_with_eval,
     };
     let json = serde_json::to_string_pretty(&report)?;
     if let Some(out) = &args.out {

@@ -67,7 +67,9 @@ pub struct Options {
 /// with port 0, and for tools that only know the data directory).
 pub const API_ADDR_FILE: &str = "api.addr";
 
-/// A configuration whose data, model and device have been checked, ready to run.
+/// A configuration whose data, model and device have been checked, ready to run. Cloning
+/// shares the loaded data.
+#[derive(Clone)]
 pub struct Prepared {
     /// The validated configuration.
     pub config: Config,

@@ -88,8 +88,10 @@ pub struct Stats {
     pub samples_per_sec: f64,
     /// Steps taken since this process started.
     pub steps_this_run: u64,
-    /// Seconds spent in the training loop since this process started.
+    /// Seconds spent in the training loop since this process started (evaluation included).
     pub train_secs: f64,
+    /// Of those, seconds spent evaluating on the held-out set.
+    pub eval_secs: f64,
 }
 
 /// Everything the trainer thread needs, prepared (and validated) before it starts.
@@ -331,6 +333,7 @@ impl Loop {
     }
 
     fn evaluate(&mut self) -> Result<(), String> {
+        let started = Instant::now();
         let e = evaluate(
             &self.s.model,
             &self.s.split.test,
@@ -338,6 +341,7 @@ impl Loop {
             &self.s.device,
         )
         .map_err(|e| e.to_string())?;
+        self.stats.eval_secs += started.elapsed().as_secs_f64();
         // Evaluations can come many times a second on small models: log at info only now and
         // then, so the log stays readable; status always has the latest.
         if self

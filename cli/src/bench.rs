@@ -103,6 +103,8 @@ fn daemon_run(p: &Prepared, steps: u64, rt: &tokio::runtime::Runtime) -> Result<
         data_dir: dir.clone(),
         api: "127.0.0.1:0".parse().context("address")?,
         api_token: None,
+        listen: vec!["/ip4/127.0.0.1/tcp/0".into()],
+        bootstrap: Vec::new(),
     };
     let summary = rt.block_on(node::run(p, opts, std::future::pending()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -6,6 +6,7 @@
 
 mod bench;
 mod client;
+mod local;
 mod output;
 
 use std::net::SocketAddr;
@@ -49,6 +50,12 @@ enum Cmd {
     Eval(EvalArgs),
     /// Stop a running node gracefully (it writes a final checkpoint).
     Stop(ApiArgs),
+    /// Leave the mesh: tell the neighbours, then stop gracefully with a final checkpoint.
+    Leave(ApiArgs),
+    /// List the node's peers.
+    Peers(PeersArgs),
+    /// Run a mesh of N nodes on this machine (127.0.0.1), show progress, summarise.
+    Local(local::LocalArgs),
     /// Benchmarks that write JSON.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -87,6 +94,22 @@ struct JoinArgs {
     /// Stop after this many training steps (0: train until stopped).
     #[arg(long)]
     max_steps: Option<u64>,
+    /// A member of the mesh to join through, e.g. /ip4/192.168.1.5/tcp/4001/p2p/12D3Koo...
+    /// (repeatable). Without one, this node founds a new mesh.
+    #[arg(long)]
+    bootstrap: Vec<String>,
+    /// libp2p address to listen on (repeatable; default /ip4/0.0.0.0/tcp/4001).
+    #[arg(long)]
+    listen: Vec<String>,
+}
+
+#[derive(Args)]
+struct PeersArgs {
+    #[command(flatten)]
+    api: ApiArgs,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -207,13 +230,33 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Status(args) => client_runtime()?.block_on(status(args)),
         Cmd::Checkpoint(cmd) => client_runtime()?.block_on(checkpoint(cmd)),
         Cmd::Eval(args) => eval(args),
-        Cmd::Stop(api) => client_runtime()?.block_on(async {
+        Cmd::Stop(api) | Cmd::Leave(api) => client_runtime()?.block_on(async {
             let client = Client::new(&api.api, api.api_token)?;
             let _: serde_json::Value = client.post("/v1/stop").await?;
-            println!("stop requested; the node writes a final checkpoint and exits");
+            println!("leaving: the node tells its neighbours, writes a final checkpoint and exits");
+            Ok(ExitCode::SUCCESS)
+        }),
+        Cmd::Peers(args) => client_runtime()?.block_on(async {
+            let client = Client::new(&args.api.api, args.api.api_token)?;
+            let s: Status = client.get("/v1/status").await?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&s.peers)?);
+            } else {
+                print!("{}", output::peers_table(&s));
+            }
             Ok(ExitCode::SUCCESS)
         }),
         Cmd::Bench(BenchCmd::Trainer(args)) => bench::trainer(args),
+        Cmd::Local(args) => {
+            let json = args.json;
+            let summary = local::run(args)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&summary)?);
+            } else {
+                local::print_summary(&summary);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -243,6 +286,8 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
         data_dir: args.data_dir,
         api,
         api_token: args.api_token.filter(|t| !t.is_empty()),
+        listen: args.listen,
+        bootstrap: args.bootstrap,
     };
     let rt = runtime()?;
     let summary = rt.block_on(node::run(prepared, opts, shutdown_signal()))?;
@@ -405,6 +450,34 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         .with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
+}
+
+/// Evaluates a checkpoint file against a prepared run; returns the evaluation and its step.
+pub(crate) fn evaluate_file(
+    path: &Path,
+    prepared: &node::Prepared,
+) -> Result<(p2ptrain_models::train::Evaluation, u64)> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let file = path.display().to_string();
+    let (meta, tensors) =
+        p2ptrain_daemon::checkpoint::decode(&bytes, &file).map_err(|e| anyhow!("{file}: {e}"))?;
+    let ident = p2ptrain_daemon::trainer::Identity {
+        run_id: prepared.config.run_id(),
+        config_hash: meta.info.config_hash.clone(),
+    };
+    let step = meta.info.step;
+    let loaded = p2ptrain_daemon::store::Loaded { meta, tensors };
+    let (model, _, _) = p2ptrain_daemon::trainer::build(
+        &prepared.spec,
+        &prepared.config.optimizer,
+        prepared.config.train.init_seed,
+        &prepared.device,
+        &ident,
+        Some(&loaded),
+    )
+    .map_err(|e| anyhow!("{file}: {e}"))?;
+    let e = p2ptrain_models::train::evaluate(&model, &prepared.split.test, 1000, &prepared.device)?;
+    Ok((e, step))
 }
 
 fn eval(args: EvalArgs) -> Result<ExitCode> {

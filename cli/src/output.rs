@@ -55,6 +55,26 @@ pub fn status_text(s: &Status) -> String {
             r.id, r.step
         ));
     }
+    out.push_str(&format!(
+        "mesh      {} peers ({} neighbours), updates sent {} received {} applied {} rejected {}\n",
+        s.peers.count,
+        s.neighbours.len(),
+        s.updates.sent,
+        s.updates.received,
+        s.updates.applied,
+        s.updates.rejected
+    ));
+    out.push_str(&format!(
+        "traffic   {} bytes sent, {} received{}\n",
+        s.bytes_sent,
+        s.bytes_received,
+        s.consensus_distance
+            .map(|d| format!(", consensus distance {:.2}%", d * 100.0))
+            .unwrap_or_default()
+    ));
+    for a in &s.listen_addrs {
+        out.push_str(&format!("listen    {a}\n"));
+    }
     out.push_str(&format!("uptime    {}\n", duration(s.uptime_s)));
     out.push_str(&format!("data dir  {}\n", s.data_dir));
     out.push_str(&format!("api       {}\n", s.api));
@@ -88,6 +108,30 @@ pub fn checkpoint_table(list: &[CheckpointView]) -> String {
         out.push_str(&format!(
             "{:>6} {:>10} {:>10}  {}\n",
             c.meta.id, c.meta.info.step, c.meta.bytes, c.path
+        ));
+    }
+    out
+}
+
+/// The table of `p2ptrain peers`.
+pub fn peers_table(s: &Status) -> String {
+    if s.peers.list.is_empty() {
+        return "no peers\n".into();
+    }
+    let mut out = format!(
+        "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9}  {}\n",
+        "peer", "neighbour", "rtt ms", "step", "loss", "samples/s", "address"
+    );
+    for p in &s.peers.list {
+        out.push_str(&format!(
+            "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9}  {}\n",
+            p.peer_id,
+            if p.neighbour { "yes" } else { "" },
+            opt(p.rtt_ms, 1),
+            p.step.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
+            opt(p.loss, 4),
+            opt(p.samples_per_sec, 0),
+            p.address
         ));
     }
     out

@@ -54,6 +54,37 @@ struct RawConfig {
     checkpoint: RawCheckpoint,
     #[serde(default)]
     api: RawApi,
+    #[serde(default)]
+    network: RawNetwork,
+    #[serde(default)]
+    sync: RawSync,
+    #[serde(default)]
+    debug: RawDebug,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNetwork {
+    listen: Option<Vec<String>>,
+    bootstrap: Option<Vec<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSync {
+    degree: Option<usize>,
+    publish_every: Option<u64>,
+    full_sync_every: Option<u64>,
+    inline_max_bytes: Option<usize>,
+    max_update_ratio: Option<f64>,
+    update_weight: Option<f64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDebug {
+    serve_chunk_delay_ms: Option<u64>,
+    step_delay_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -192,6 +223,44 @@ pub struct CheckpointConfig {
     pub keep: usize,
 }
 
+/// The network section, checked.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NetworkConfig {
+    /// Addresses to listen on (default `/ip4/0.0.0.0/tcp/4001`).
+    pub listen: Vec<String>,
+    /// Members to join through.
+    pub bootstrap: Vec<String>,
+}
+
+/// The sync section, checked.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SyncConfig {
+    /// Neighbours each node keeps.
+    pub degree: usize,
+    /// Steps between published updates (0: never).
+    pub publish_every: u64,
+    /// Steps between neighbour syncs (0: never).
+    pub full_sync_every: u64,
+    /// Updates up to this size travel inline in gossip.
+    pub inline_max_bytes: usize,
+    /// Reject a neighbour's update whose norm exceeds this times our parameters' norm.
+    pub max_update_ratio: f64,
+    /// Weight of a neighbour's update (default: `1 / (neighbours + 1)`).
+    pub update_weight: Option<f64>,
+}
+
+/// Debug knobs (for tests and experiments).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DebugConfig {
+    /// Delay before serving each state chunk, to make transfers slow on purpose.
+    pub serve_chunk_delay_ms: u64,
+    /// Sleep after every training step: a throttle for tests (pacing, stragglers).
+    pub step_delay_ms: u64,
+}
+
+/// Default listen address: a stable port, for firewall rules.
+pub const DEFAULT_LISTEN: &str = "/ip4/0.0.0.0/tcp/4001";
+
 /// A validated configuration.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Config {
@@ -210,6 +279,12 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     /// Control API address from the file, if any (the CLI's `--api` wins).
     pub api_listen: Option<SocketAddr>,
+    /// Networking.
+    pub network: NetworkConfig,
+    /// Update exchange and neighbour sync.
+    pub sync: SyncConfig,
+    /// Debug knobs.
+    pub debug: DebugConfig,
 }
 
 impl Config {
@@ -402,8 +477,56 @@ impl Config {
             return Err(err("checkpoint.keep must be at least 1".into()));
         }
 
+        let n = raw.network;
+        let network = NetworkConfig {
+            listen: n.listen.unwrap_or_else(|| vec![DEFAULT_LISTEN.to_string()]),
+            bootstrap: n.bootstrap.unwrap_or_default(),
+        };
+        for (key, addrs) in [
+            ("network.listen", &network.listen),
+            ("network.bootstrap", &network.bootstrap),
+        ] {
+            for a in addrs {
+                a.parse::<libp2p::Multiaddr>()
+                    .map_err(|e| err(format!("{key}: {a:?} is not a multiaddr ({e})")))?;
+            }
+        }
+        let y = raw.sync;
+        let sync = SyncConfig {
+            degree: y.degree.unwrap_or(4),
+            publish_every: y.publish_every.unwrap_or(20),
+            full_sync_every: y.full_sync_every.unwrap_or(500),
+            inline_max_bytes: y.inline_max_bytes.unwrap_or(1024 * 1024),
+            max_update_ratio: y.max_update_ratio.unwrap_or(1.0),
+            update_weight: y.update_weight,
+        };
+        if let Some(w) = sync.update_weight {
+            if !(w > 0.0 && w <= 1.0) {
+                return Err(err(format!("sync.update_weight = {w} must be in (0, 1]")));
+            }
+        }
+        if sync.degree == 0 {
+            return Err(err("sync.degree must be at least 1".into()));
+        }
+        if sync.inline_max_bytes > crate::network::MAX_TRANSMIT_SIZE - 4096 {
+            return Err(err(format!(
+                "sync.inline_max_bytes must stay below the gossip limit ({} bytes) minus framing",
+                crate::network::MAX_TRANSMIT_SIZE
+            )));
+        }
+        if !(sync.max_update_ratio > 0.0 && sync.max_update_ratio.is_finite()) {
+            return Err(err("sync.max_update_ratio must be a positive number".into()));
+        }
+        let debug = DebugConfig {
+            serve_chunk_delay_ms: raw.debug.serve_chunk_delay_ms.unwrap_or(0),
+            step_delay_ms: raw.debug.step_delay_ms.unwrap_or(0),
+        };
+
         Ok(Config {
             origin: origin.to_string(),
+            network,
+            sync,
+            debug,
             model,
             optimizer,
             data,

@@ -94,7 +94,7 @@ async fn require_token(State(shared): State<Arc<Shared>>, req: Request, next: Ne
 }
 
 async fn status(State(shared): State<Arc<Shared>>) -> Json<Status> {
-    Json(shared.status())
+    Json(shared.status().await)
 }
 
 async fn list_checkpoints(State(shared): State<Arc<Shared>>) -> Json<Vec<CheckpointView>> {

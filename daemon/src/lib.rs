@@ -10,9 +10,12 @@ pub mod config;
 pub mod control;
 pub mod device;
 pub mod identity;
+pub mod mesh;
+pub mod network;
 pub mod node;
 pub mod status;
 pub mod store;
 pub mod trainer;
+pub mod transfer;
 
 pub use config::Config;

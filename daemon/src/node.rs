@@ -21,10 +21,11 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint::{CheckpointMeta, Snapshot};
 use crate::config::Config;
-use crate::status::{CheckpointRef, CheckpointView, ModelInfo, Status};
+use crate::mesh::{Mesh, MeshConfig, MeshStatus};
+use crate::status::{CheckpointRef, CheckpointView, ModelInfo, PeerStatus, Peers, Status};
 use crate::store::Store;
 use crate::trainer::{self, Command, Stats};
-use crate::{control, device, identity};
+use crate::{control, device, identity, network, store, transfer};
 
 /// Why a node could not start or stopped with an error; one line each.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +51,9 @@ pub enum NodeError {
     /// The trainer failed.
     #[error("trainer: {0}")]
     Trainer(String),
+    /// The network could not start.
+    #[error(transparent)]
+    Network(#[from] crate::network::NetError),
 }
 
 /// Settings that belong to this node, not to the run.
@@ -61,6 +65,10 @@ pub struct Options {
     pub api: SocketAddr,
     /// Access token for the API (required off loopback).
     pub api_token: Option<String>,
+    /// libp2p listen addresses (the config's when empty).
+    pub listen: Vec<String>,
+    /// Members to join through (added to the config's).
+    pub bootstrap: Vec<String>,
 }
 
 /// File in the data directory that holds the API's actual address while the node runs (useful
@@ -145,6 +153,12 @@ pub struct Shared {
     pub resumed_from: Option<CheckpointMeta>,
     /// Set to true to ask the node to stop.
     pub stop_tx: watch::Sender<bool>,
+    /// The network.
+    pub net: network::Client,
+    /// The mesh's view (neighbours, updates, syncs).
+    pub mesh: Arc<Mutex<MeshStatus>>,
+    /// Frozen states this node serves to joiners.
+    pub cache: Arc<Mutex<transfer::Cache>>,
 }
 
 impl Shared {
@@ -163,8 +177,29 @@ impl Shared {
     }
 
     /// The status report.
-    pub fn status(&self) -> Status {
+    pub async fn status(&self) -> Status {
+        let net = self.net.snapshot().await.unwrap_or_default();
+        let mesh = self.mesh.lock().map(|m| m.clone()).unwrap_or_default();
         let stats = self.stats_rx.borrow().clone();
+        let mut updates = mesh.updates.clone();
+        updates.applied = stats.updates_applied;
+        let list: Vec<PeerStatus> = net
+            .peers
+            .iter()
+            .map(|p| {
+                let hb = mesh.progress.get(&p.peer_id);
+                PeerStatus {
+                    peer_id: p.peer_id.clone(),
+                    address: p.address.clone(),
+                    rtt_ms: p.rtt_ms,
+                    neighbour: mesh.neighbours.contains(&p.peer_id),
+                    step: hb.map(|h| h.step),
+                    loss: hb.and_then(|h| h.loss),
+                    samples_per_sec: hb.map(|h| h.samples_per_sec),
+                    accuracy: hb.and_then(|h| h.accuracy),
+                }
+            })
+            .collect();
         let last = self
             .last_checkpoint
             .lock()
@@ -191,6 +226,22 @@ impl Shared {
             data_dir: self.data_dir.display().to_string(),
             data: self.data.clone(),
             api: format!("http://{}", self.api_addr),
+            peers: Peers {
+                count: list.len(),
+                list,
+            },
+            neighbours: mesh.neighbours,
+            bytes_sent: net.bytes_sent,
+            bytes_received: net.bytes_received,
+            updates,
+            rejected_by_peer: mesh.rejected_by_peer,
+            last_sync: mesh.last_sync,
+            consensus_distance: mesh.consensus_distance,
+            listen_addrs: net.listen_addrs,
+            topics: net.topics,
+            refused_peers: net.refused_peers,
+            state_download: mesh.download,
+            state_serving: self.cache.lock().map(|mut c| c.load()).unwrap_or(0),
         }
     }
 
@@ -301,7 +352,8 @@ pub async fn run(
         .map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
     let _lock = lock_data_dir(&data_dir)?;
     let key = identity::load_or_create(&data_dir).map_err(NodeError::DataDir)?;
-    let peer_id = identity::peer_id(&key).to_string();
+    let local_peer = identity::peer_id(&key);
+    let peer_id = local_peer.to_string();
     let (store, notes) = Store::open(&data_dir)?;
     for note in notes {
         tracing::warn!("{note}");
@@ -349,7 +401,37 @@ pub async fn run(
         p2ptrain_models::OptimizerSpec::Sgd { .. } => "sgd",
         p2ptrain_models::OptimizerSpec::Adamw { .. } => "adamw",
     };
+    // The network: listen, dial the bootstrap members.
+    let listen = if opts.listen.is_empty() {
+        config.network.listen.clone()
+    } else {
+        opts.listen.clone()
+    };
+    let mut bootstrap = config.network.bootstrap.clone();
+    bootstrap.extend(opts.bootstrap.iter().cloned());
+    let parse = |what: &str, addrs: &[String]| -> Result<Vec<libp2p::Multiaddr>, NodeError> {
+        addrs
+            .iter()
+            .map(|a| {
+                a.parse()
+                    .map_err(|e| NodeError::Api(format!("{what} {a:?} is not a multiaddr: {e}")))
+            })
+            .collect()
+    };
+    let net_cfg = network::NetConfig {
+        listen: parse("listen address", &listen)?,
+        bootstrap: parse("bootstrap address", &bootstrap)?,
+        run_id: ident.run_id.clone(),
+    };
+    let (net, net_events, event_loop) = network::new(key, &net_cfg)?;
+    let net_task = tokio::spawn(event_loop.run());
+    // A fresh node joining a mesh takes the mesh's state before its first step.
+    let joining = resume.is_none() && !net_cfg.bootstrap.is_empty();
+    let layout_hash = model.params().layout().hash();
+    let numel = model.params().numel();
+
     let (snapshot_tx, mut snapshot_rx) = mpsc::channel(trainer::SNAPSHOT_CAP);
+    let (update_tx, update_rx) = mpsc::channel(1);
     let handle = trainer::spawn(
         trainer::Setup {
             model,
@@ -367,8 +449,12 @@ pub async fn run(
             checkpoint_every: Duration::from_secs(config.checkpoint.every_secs),
             identity: ident.clone(),
             start,
+            publish_every: config.sync.publish_every,
+            start_paused: joining,
+            step_delay: Duration::from_millis(config.debug.step_delay_ms),
         },
         snapshot_tx,
+        update_tx,
     )
     .map_err(|e| NodeError::Trainer(format!("cannot start trainer thread: {e}")))?;
     let trainer::Handle {
@@ -395,8 +481,36 @@ pub async fn run(
         last_checkpoint: Mutex::new(None),
         resumed_from: resume.as_ref().map(|l| l.meta.clone()),
         stop_tx,
+        net: net.clone(),
+        mesh: Arc::new(Mutex::new(MeshStatus::default())),
+        cache: Arc::new(Mutex::new(transfer::Cache::default())),
     });
     drop(resume);
+    let cache = shared.cache.clone();
+    let mesh = Mesh::new(
+        net.clone(),
+        cmd_tx.clone(),
+        shared.stats_rx.clone(),
+        shared.mesh.clone(),
+        cache.clone(),
+        MeshConfig {
+            degree: config.sync.degree,
+            full_sync_every: config.sync.full_sync_every,
+            inline_max: config.sync.inline_max_bytes,
+            max_update_ratio: config.sync.max_update_ratio,
+            serve_chunk_delay: Duration::from_millis(config.debug.serve_chunk_delay_ms),
+            update_weight: config.sync.update_weight.map(|w| w as f32),
+        },
+        local_peer,
+        ident.run_id.clone(),
+        layout_hash,
+        numel,
+    );
+    let mesh_task = tokio::spawn(mesh.run(net_events, update_rx, shared.stop_tx.subscribe()));
+    if joining {
+        tokio::spawn(join_mesh(shared.clone(), cache));
+    }
+    print_listen_addrs(&net, &peer_id).await;
 
     // Automatic checkpoints: the trainer hands over snapshots; this task writes them.
     let writer = {
@@ -472,8 +586,111 @@ pub async fn run(
             "the trainer thread ended without a result".into(),
         )),
     };
+    shared.stop_tx.send_replace(true);
+    let _ = tokio::time::timeout(Duration::from_secs(2), mesh_task).await;
+    drop(net);
+    drop(shared);
+    let _ = tokio::time::timeout(Duration::from_secs(2), net_task).await;
     let _ = api_stop_tx.send(());
     let _ = server.await;
     let _ = std::fs::remove_file(&addr_file);
     result
+}
+
+/// Prints the addresses other nodes can join through, once the network has them.
+async fn print_listen_addrs(net: &network::Client, peer_id: &str) {
+    for _ in 0..40 {
+        if let Ok(snap) = net.snapshot().await {
+            if !snap.listen_addrs.is_empty() {
+                println!("p2ptrain node {peer_id}: join this mesh with");
+                for a in &snap.listen_addrs {
+                    println!("  p2ptrain join --bootstrap {a}");
+                }
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// How long a joiner waits for members to show up before it trains from its own start.
+const JOIN_WAIT: Duration = Duration::from_secs(20);
+
+/// A joiner's start: wait for members, download the state, load it, then let the trainer go.
+async fn join_mesh(shared: Arc<Shared>, cache: Arc<Mutex<transfer::Cache>>) {
+    let start = Instant::now();
+    let members = loop {
+        let members = shared
+            .mesh
+            .lock()
+            .map(|m| m.members.clone())
+            .unwrap_or_default();
+        if !members.is_empty() {
+            // Give the others a moment to show up too: more donors, less load on each.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            break shared
+                .mesh
+                .lock()
+                .map(|m| m.members.clone())
+                .unwrap_or(members);
+        }
+        if start.elapsed() > JOIN_WAIT || *shared.stop_tx.borrow() {
+            tracing::warn!("no member of run {} answered within {JOIN_WAIT:?}; training from the run's initial weights", shared.run_id);
+            let _ = shared.cmd_tx.send(Command::Start).await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    match download_state(&shared, &members).await {
+        Ok((loaded, report, bytes)) => {
+            tracing::info!(donor = %report.donor, step = report.step, bytes = report.bytes, secs = format!("{:.2}", report.secs), sources = report.sources.len(), "state downloaded");
+            let (tx, rx) = oneshot::channel();
+            if shared
+                .cmd_tx
+                .send(Command::Restore(Box::new(loaded), tx))
+                .await
+                .is_ok()
+            {
+                match rx.await {
+                    Ok(Ok(())) => {
+                        // This node can now serve the same state to later joiners.
+                        if let Ok(mut c) = cache.lock() {
+                            c.insert(Arc::new(transfer::Frozen::new(report.step, bytes, false)));
+                        }
+                        let mut report = report;
+                        report.first_accuracy = shared.stats_rx.borrow().eval.map(|e| e.accuracy);
+                        if let Ok(mut m) = shared.mesh.lock() {
+                            m.download = Some(report);
+                        }
+                        return;
+                    }
+                    Ok(Err(e)) => tracing::warn!("downloaded state refused: {e}"),
+                    Err(_) => return,
+                }
+            }
+        }
+        Err(e) => {
+            tracing::warn!("state download failed ({e}); training from the run's initial weights")
+        }
+    }
+    let _ = shared.cmd_tx.send(Command::Start).await;
+}
+
+async fn download_state(
+    shared: &Shared,
+    members: &[libp2p::PeerId],
+) -> Result<(store::Loaded, transfer::DownloadReport, Vec<u8>), String> {
+    let (bytes, report) = transfer::download(&shared.net, members).await?;
+    let decoded = {
+        let bytes = bytes.clone();
+        tokio::task::spawn_blocking(move || crate::checkpoint::decode(&bytes, "downloaded state"))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("downloaded state failed verification: {e}"))?
+    };
+    let (meta, tensors) = decoded;
+    if meta.info.run_id != shared.run_id {
+        return Err(format!("donor sent a state of run {}", meta.info.run_id));
+    }
+    Ok((store::Loaded { meta, tensors }, report, bytes))
 }

@@ -3,8 +3,42 @@
 
 use serde::{Deserialize, Serialize};
 
+use std::collections::BTreeMap;
+
 use crate::checkpoint::CheckpointMeta;
+use crate::mesh::{SyncInfo, UpdateCounters};
 use crate::trainer::{EvalStats, Phase};
+use crate::transfer::DownloadReport;
+
+/// A connected peer of the same run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerStatus {
+    /// Its peer id.
+    pub peer_id: String,
+    /// An address it listens on.
+    pub address: String,
+    /// Latest ping round trip in milliseconds.
+    pub rtt_ms: Option<f64>,
+    /// Whether it is one of this node's neighbours.
+    pub neighbour: bool,
+    /// Its step, from its last heartbeat.
+    pub step: Option<u64>,
+    /// Its recent loss.
+    pub loss: Option<f64>,
+    /// Its throughput.
+    pub samples_per_sec: Option<f64>,
+    /// Its latest held-out accuracy.
+    pub accuracy: Option<f64>,
+}
+
+/// The peers part of the status.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Peers {
+    /// How many.
+    pub count: usize,
+    /// Each of them.
+    pub list: Vec<PeerStatus>,
+}
 
 /// The model a node trains.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -65,6 +99,45 @@ pub struct Status {
     pub data: String,
     /// Control API address.
     pub api: String,
+    /// Connected peers of this run.
+    #[serde(default)]
+    pub peers: Peers,
+    /// Peer ids of the current neighbours.
+    #[serde(default)]
+    pub neighbours: Vec<String>,
+    /// Bytes sent on all connections (libp2p bandwidth counters).
+    #[serde(default)]
+    pub bytes_sent: u64,
+    /// Bytes received on all connections.
+    #[serde(default)]
+    pub bytes_received: u64,
+    /// Update counters.
+    #[serde(default)]
+    pub updates: UpdateCounters,
+    /// Rejected updates by author.
+    #[serde(default)]
+    pub rejected_by_peer: BTreeMap<String, u64>,
+    /// The latest neighbour sync.
+    #[serde(default)]
+    pub last_sync: Option<SyncInfo>,
+    /// Relative L2 distance to the last synced neighbour, before averaging.
+    #[serde(default)]
+    pub consensus_distance: Option<f64>,
+    /// Addresses to join this node through.
+    #[serde(default)]
+    pub listen_addrs: Vec<String>,
+    /// Gossip topics subscribed.
+    #[serde(default)]
+    pub topics: Vec<String>,
+    /// Peers refused for belonging to another run.
+    #[serde(default)]
+    pub refused_peers: u64,
+    /// The state download this node started with, if it joined a running mesh.
+    #[serde(default)]
+    pub state_download: Option<DownloadReport>,
+    /// Joiners downloading this node's state now.
+    #[serde(default)]
+    pub state_serving: u32,
 }
 
 /// A checkpoint as the API lists it: the index entry plus its full path.

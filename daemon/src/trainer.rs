@@ -45,6 +45,36 @@ pub enum Command {
     Restore(Box<Loaded>, oneshot::Sender<Result<(), String>>),
     /// Finish the current step, then stop and hand back the final state.
     Stop,
+    /// Add a neighbour's update (validated by the node) times `weight` to the parameters.
+    ApplyUpdate {
+        /// Flat values in canonical order.
+        values: Vec<f32>,
+        /// Scale applied to them.
+        weight: f32,
+    },
+    /// The current step and flat parameters, for a neighbour that syncs with this node.
+    Params(oneshot::Sender<(u64, Vec<f32>)>),
+    /// Averages the parameters with a neighbour's; answers the relative L2 distance
+    /// `|mine - theirs| / |theirs|` measured before averaging.
+    Average {
+        /// The neighbour's flat parameters.
+        theirs: Vec<f32>,
+        /// The distance, or why the average was refused.
+        reply: oneshot::Sender<Result<f64, String>>,
+    },
+    /// Begin training: a joiner starts paused until its state has been downloaded.
+    Start,
+}
+
+/// An update the trainer hands to the node for publishing: the change its own optimizer made
+/// since the last one it handed over (neighbours' updates and syncs excluded, so nothing echoes
+/// back through the mesh).
+#[derive(Debug)]
+pub struct Outgoing {
+    /// Step at which it was taken.
+    pub step: u64,
+    /// Flat change, canonical order.
+    pub delta: Vec<f32>,
 }
 
 /// What the trainer is doing.
@@ -92,6 +122,13 @@ pub struct Stats {
     pub train_secs: f64,
     /// Of those, seconds spent evaluating on the held-out set.
     pub eval_secs: f64,
+    /// Neighbours' updates applied.
+    pub updates_applied: u64,
+    /// Own updates handed over for publishing.
+    pub updates_published: u64,
+    /// L2 norm of the parameters at the last publish or evaluation; the mesh bounds
+    /// neighbours' updates relative to it.
+    pub param_norm: f64,
 }
 
 /// Everything the trainer thread needs, prepared (and validated) before it starts.
@@ -120,6 +157,12 @@ pub struct Setup {
     pub identity: Identity,
     /// Counters restored from a checkpoint (zero for a fresh start).
     pub start: Counters,
+    /// Hand an update to the node every this many steps (0: never).
+    pub publish_every: u64,
+    /// Wait for [`Command::Start`] (or a restore) before the first step.
+    pub start_paused: bool,
+    /// Debug throttle: sleep this long after every step.
+    pub step_delay: Duration,
 }
 
 /// Identities stamped on every snapshot.
@@ -248,14 +291,18 @@ fn host(t: &Tensor) -> candle_core::Result<HostTensor> {
 }
 
 /// Starts the trainer thread.
-pub fn spawn(setup: Setup, snapshot_tx: mpsc::Sender<Snapshot>) -> std::io::Result<Handle> {
+pub fn spawn(
+    setup: Setup,
+    snapshot_tx: mpsc::Sender<Snapshot>,
+    update_tx: mpsc::Sender<Outgoing>,
+) -> std::io::Result<Handle> {
     let (cmd_tx, cmd_rx) = mpsc::channel(COMMAND_CAP);
     let (stats_tx, stats_rx) = watch::channel(Stats::default());
     let (done_tx, done_rx) = oneshot::channel();
     std::thread::Builder::new()
         .name("trainer".into())
         .spawn(move || {
-            let mut lp = Loop::new(setup, stats_tx, snapshot_tx);
+            let mut lp = Loop::new(setup, stats_tx, snapshot_tx, update_tx);
             let result = lp.run(cmd_rx);
             let _ = done_tx.send(result);
         })?;
@@ -277,10 +324,22 @@ struct Loop {
     last_checkpoint_step: u64,
     last_checkpoint_at: Instant,
     last_eval_log: Option<Instant>,
+    update_tx: mpsc::Sender<Outgoing>,
+    /// Parameters when the last update was handed over.
+    anchor: Vec<f32>,
+    /// Changes since then that were not this node's own steps (neighbours' updates, syncs).
+    foreign: Vec<f32>,
+    last_publish_step: u64,
+    paused: bool,
 }
 
 impl Loop {
-    fn new(s: Setup, stats_tx: watch::Sender<Stats>, snapshot_tx: mpsc::Sender<Snapshot>) -> Loop {
+    fn new(
+        s: Setup,
+        stats_tx: watch::Sender<Stats>,
+        snapshot_tx: mpsc::Sender<Snapshot>,
+        update_tx: mpsc::Sender<Outgoing>,
+    ) -> Loop {
         let mut sampler = Sampler::new(s.split.train.len(), s.node_seed);
         sampler.seek(s.start.samples_seen);
         let counters = s.start;
@@ -298,6 +357,11 @@ impl Loop {
             last_checkpoint_step: counters.step,
             last_checkpoint_at: Instant::now(),
             last_eval_log: None,
+            update_tx,
+            anchor: Vec::new(),
+            foreign: Vec::new(),
+            last_publish_step: counters.step,
+            paused: s.start_paused,
             s,
         }
     }
@@ -402,17 +466,169 @@ impl Loop {
                         self.counters = *c;
                         self.sampler.seek(c.samples_seen);
                         self.losses.clear();
-                        tracing::info!(id = loaded.meta.id, step = c.step, "restored checkpoint");
+                        self.last_publish_step = c.step;
+                        self.reset_anchor()?;
+                        tracing::info!(id = loaded.meta.id, step = c.step, "restored state");
+                        // The first evaluation right away shows what the restored state is worth.
+                        self.evaluate()?;
+                        self.paused = false;
                         self.publish();
                     }
                     let _ = reply.send(result.map(|_| ()));
+                }
+                Command::Start => self.paused = false,
+                Command::Params(reply) => {
+                    let flat = self.s.model.params().flatten().map_err(|e| e.to_string())?;
+                    let _ = reply.send((self.counters.step, flat));
+                }
+                Command::ApplyUpdate { values, weight } => {
+                    let mut flat = self.s.model.params().flatten().map_err(|e| e.to_string())?;
+                    if values.len() != flat.len() {
+                        tracing::warn!(
+                            got = values.len(),
+                            expected = flat.len(),
+                            "update of the wrong size dropped"
+                        );
+                        continue;
+                    }
+                    for (p, v) in flat.iter_mut().zip(&values) {
+                        *p += weight * v;
+                    }
+                    if let Err(e) = self.s.model.params().write_back(&flat) {
+                        tracing::warn!("update not applied: {e}");
+                        continue;
+                    }
+                    if self.foreign.len() == values.len() {
+                        for (f, v) in self.foreign.iter_mut().zip(&values) {
+                            *f += weight * v;
+                        }
+                    }
+                    self.stats.updates_applied += 1;
+                }
+                Command::Average { theirs, reply } => {
+                    let _ = reply.send(self.average(&theirs));
                 }
             }
         }
         Ok(false)
     }
 
+    /// Takes the current parameters as the base of the next outgoing update.
+    fn reset_anchor(&mut self) -> Result<(), String> {
+        let flat = self.s.model.params().flatten().map_err(|e| e.to_string())?;
+        self.stats.param_norm = flat
+            .iter()
+            .map(|v| f64::from(*v).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        if self.s.publish_every > 0 {
+            self.foreign = vec![0.0; flat.len()];
+            self.anchor = flat;
+        }
+        Ok(())
+    }
+
+    fn average(&mut self, theirs: &[f32]) -> Result<f64, String> {
+        let mine = self.s.model.params().flatten().map_err(|e| e.to_string())?;
+        if theirs.len() != mine.len() {
+            return Err(format!(
+                "neighbour sent {} parameters, the model has {}",
+                theirs.len(),
+                mine.len()
+            ));
+        }
+        if theirs.iter().any(|v| !v.is_finite()) {
+            return Err("neighbour's parameters are not finite".into());
+        }
+        let (mut diff, mut norm) = (0.0f64, 0.0f64);
+        let mut merged = Vec::with_capacity(mine.len());
+        for (a, b) in mine.iter().zip(theirs) {
+            diff += f64::from(a - b).powi(2);
+            norm += f64::from(*b).powi(2);
+            merged.push(0.5 * (a + b));
+        }
+        self.s
+            .model
+            .params()
+            .write_back(&merged)
+            .map_err(|e| e.to_string())?;
+        if self.foreign.len() == merged.len() {
+            for ((f, m), a) in self.foreign.iter_mut().zip(&merged).zip(&mine) {
+                *f += m - a;
+            }
+        }
+        Ok(diff.sqrt() / norm.sqrt().max(f64::MIN_POSITIVE))
+    }
+
+    /// Hands the node this node's own change since the last update, if one is due. When the
+    /// node has not taken the previous one yet, nothing is queued: the change keeps
+    /// accumulating and goes out whole next time (merged, never stale).
+    fn maybe_publish(&mut self) -> Result<(), String> {
+        if self.s.publish_every == 0
+            || self.counters.step - self.last_publish_step < self.s.publish_every
+        {
+            return Ok(());
+        }
+        self.last_publish_step = self.counters.step;
+        if self.update_tx.capacity() == 0 {
+            return Ok(());
+        }
+        let now = self.s.model.params().flatten().map_err(|e| e.to_string())?;
+        self.stats.param_norm = now
+            .iter()
+            .map(|v| f64::from(*v).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        if self.anchor.len() != now.len() {
+            self.anchor = now;
+            self.foreign = vec![0.0; self.anchor.len()];
+            return Ok(());
+        }
+        let delta: Vec<f32> = now
+            .iter()
+            .zip(&self.anchor)
+            .zip(&self.foreign)
+            .map(|((n, a), f)| n - a - f)
+            .collect();
+        if self
+            .update_tx
+            .try_send(Outgoing {
+                step: self.counters.step,
+                delta,
+            })
+            .is_ok()
+        {
+            self.anchor = now;
+            self.foreign.iter_mut().for_each(|f| *f = 0.0);
+            self.stats.updates_published += 1;
+        }
+        Ok(())
+    }
+
     fn run(&mut self, mut cmd_rx: mpsc::Receiver<Command>) -> Result<Finish, String> {
+        self.reset_anchor()?;
+        // A joiner waits here for its downloaded state (or the word to start without one).
+        while self.paused {
+            match cmd_rx.blocking_recv() {
+                None | Some(Command::Stop) => {
+                    self.stats.phase = Phase::Stopped;
+                    self.publish();
+                    return Ok(Finish {
+                        snapshot: self.snapshot()?,
+                        reached_max_steps: false,
+                        stats: self.stats.clone(),
+                    });
+                }
+                Some(Command::Start) => self.paused = false,
+                Some(other) => {
+                    // Put it back through the normal handler.
+                    let (tx, mut rx) = mpsc::channel(1);
+                    let _ = tx.try_send(other);
+                    drop(tx);
+                    self.handle_commands(&mut rx)?;
+                }
+            }
+        }
         let started = Instant::now();
         let mut rate_mark = (Instant::now(), self.counters.samples_seen);
         let mut last_publish = Instant::now();
@@ -452,6 +668,10 @@ impl Loop {
 
             if self.s.eval_every > 0 && self.counters.step.is_multiple_of(self.s.eval_every) {
                 self.evaluate()?;
+            }
+            self.maybe_publish()?;
+            if !self.s.step_delay.is_zero() {
+                std::thread::sleep(self.s.step_delay);
             }
             let by_steps = self.s.checkpoint_every_steps > 0
                 && self.counters.step - self.last_checkpoint_step >= self.s.checkpoint_every_steps;

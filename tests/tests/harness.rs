@@ -117,6 +117,8 @@ impl Node {
             data_dir.to_str().expect("utf8"),
             "--api",
             "127.0.0.1:0",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
         ];
         args.extend_from_slice(extra);
         let child = Command::new(bin())

@@ -2,4 +2,5 @@
 //! One test binary (so the suite links once), one module per area.
 
 mod harness;
+mod mesh;
 mod single_node;

@@ -1,0 +1,399 @@
+//! `p2ptrain local`: a whole mesh on this machine, for demos and benchmarks. Starts N daemons
+//! as child processes on 127.0.0.1 (OS-chosen ports, a data directory each), wires them into one
+//! mesh through the first, shows their progress, stops them, and summarises.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use p2ptrain_daemon::status::Status;
+use p2ptrain_daemon::Config;
+use serde::Serialize;
+
+use crate::client::Client;
+
+/// Arguments of `local`.
+#[derive(Args, Clone)]
+pub struct LocalArgs {
+    /// Number of nodes.
+    #[arg(long, default_value_t = 3)]
+    pub nodes: usize,
+    /// Configuration for every node; default: the built-in digits config.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Stop the nodes after this many seconds (default 30 unless --steps is given).
+    #[arg(long, conflicts_with = "steps")]
+    pub duration: Option<f64>,
+    /// Let every node train this many steps, then stop by itself.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Keep the nodes' data here (default: a temporary directory, removed afterwards).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Print the summary as JSON (and no progress lines).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One node's line in the summary.
+#[derive(Debug, Serialize)]
+pub struct NodeSummary {
+    /// Index in start order (0 founded the mesh).
+    pub index: usize,
+    /// Peer id.
+    pub peer_id: String,
+    /// Step at the end.
+    pub step: u64,
+    /// Held-out accuracy of its final checkpoint.
+    pub accuracy: Option<f64>,
+    /// Held-out loss of its final checkpoint.
+    pub loss: Option<f64>,
+    /// Peers it saw at the end.
+    pub peers: usize,
+    /// Bytes sent (libp2p counters).
+    pub bytes_sent: u64,
+    /// Bytes received.
+    pub bytes_received: u64,
+    /// Updates sent, received, applied, rejected.
+    pub updates: p2ptrain_daemon::mesh::UpdateCounters,
+    /// Samples per second (recent).
+    pub samples_per_sec: f64,
+    /// The state download it joined with (not the founder).
+    pub state_download_secs: Option<f64>,
+}
+
+/// The summary of a local run.
+#[derive(Debug, Serialize)]
+pub struct LocalSummary {
+    /// Nodes started.
+    pub nodes: usize,
+    /// Seconds from the first start to the last exit.
+    pub wall_secs: f64,
+    /// Each node.
+    pub per_node: Vec<NodeSummary>,
+    /// Largest relative L2 distance between two nodes' final parameters.
+    pub consensus_distance_max: f64,
+    /// Mean over pairs.
+    pub consensus_distance_mean: f64,
+    /// Mean final accuracy.
+    pub mean_accuracy: f64,
+}
+
+/// Child processes that are killed if this guard drops before they exit.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn_node(
+    dir: &Path,
+    config: Option<&Path>,
+    steps: Option<u64>,
+    bootstrap: Option<&str>,
+) -> Result<Child> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let log =
+        std::fs::File::create(dir.with_extension("log")).context("cannot create a node log")?;
+    let exe = std::env::current_exe().context("cannot find this executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("join").arg("--data-dir").arg(dir).args([
+        "--api",
+        "127.0.0.1:0",
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+    ]);
+    if let Some(c) = config {
+        cmd.arg("--config").arg(c);
+    }
+    if let Some(s) = steps {
+        cmd.args(["--max-steps", &s.to_string()]);
+    }
+    if let Some(b) = bootstrap {
+        cmd.args(["--bootstrap", b]);
+    }
+    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+    cmd.spawn().context("cannot start a node")
+}
+
+async fn wait_api(dir: &Path, child: &mut Child) -> Result<String> {
+    let file = dir.join(p2ptrain_daemon::node::API_ADDR_FILE);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Ok(s) = std::fs::read_to_string(&file) {
+            if !s.trim().is_empty() {
+                return Ok(s.trim().to_string());
+            }
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "a node exited during start-up ({status}); see {}",
+                dir.with_extension("log").display()
+            );
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "a node did not start within 120 s; see {}",
+                dir.with_extension("log").display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
+    let (mut d, mut n) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        d += f64::from(x - y).powi(2);
+        n += f64::from(*y).powi(2);
+    }
+    d.sqrt() / n.sqrt().max(f64::MIN_POSITIVE)
+}
+
+/// Flat parameters (no optimizer state) of the newest checkpoint in a node's data dir.
+fn final_params(dir: &Path) -> Option<(PathBuf, Vec<f32>)> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join("checkpoints"))
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    let file = files.pop()?;
+    let bytes = std::fs::read(&file).ok()?;
+    let (_, tensors) = p2ptrain_daemon::checkpoint::decode(&bytes, "final").ok()?;
+    let flat = tensors
+        .iter()
+        .filter(|(name, _)| !name.starts_with("optim."))
+        .flat_map(|(_, t)| t.values.iter().copied())
+        .collect();
+    Some((file, flat))
+}
+
+/// Runs the local mesh.
+pub fn run(args: LocalArgs) -> Result<LocalSummary> {
+    if args.nodes == 0 {
+        bail!("--nodes must be at least 1");
+    }
+    // Fail on a bad config here, once, rather than in N children.
+    Config::load(args.config.as_deref())?;
+    let temp = args.data_dir.is_none();
+    let base = args.data_dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!(
+            "p2ptrain-local-{}-{}",
+            std::process::id(),
+            p2ptrain_daemon::store::unix_now()
+        ))
+    });
+    let rt = crate::client_runtime()?;
+    let result = rt.block_on(run_mesh(&args, &base));
+    if temp {
+        let _ = std::fs::remove_dir_all(&base);
+    }
+    result
+}
+
+async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
+    let started = Instant::now();
+    let config = args
+        .config
+        .as_deref()
+        .map(std::path::absolute)
+        .transpose()?;
+    let dirs: Vec<PathBuf> = (0..args.nodes)
+        .map(|i| base.join(format!("node-{i}")))
+        .collect();
+    let mut children = Children(Vec::new());
+    children
+        .0
+        .push(spawn_node(&dirs[0], config.as_deref(), args.steps, None)?);
+    let first_api = wait_api(&dirs[0], &mut children.0[0]).await?;
+    let first = Client::new(&first_api, None)?;
+    let bootstrap = {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let s: Status = first.get("/v1/status").await?;
+            if let Some(a) = s.listen_addrs.first() {
+                break a.clone();
+            }
+            if Instant::now() > deadline {
+                bail!("the first node reports no listen address");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    if !args.json {
+        eprintln!("node 0 founded the mesh at {bootstrap}");
+    }
+    for dir in &dirs[1..] {
+        children.0.push(spawn_node(
+            dir,
+            config.as_deref(),
+            args.steps,
+            Some(&bootstrap),
+        )?);
+    }
+    let mut apis = vec![first_api];
+    for (i, dir) in dirs.iter().enumerate().skip(1) {
+        apis.push(wait_api(dir, &mut children.0[i]).await?);
+    }
+    let clients: Vec<Client> = apis
+        .iter()
+        .map(|a| Client::new(a, None))
+        .collect::<Result<_>>()?;
+
+    let duration = match (args.steps, args.duration) {
+        (Some(_), _) => None,
+        (None, Some(d)) => Some(Duration::from_secs_f64(d.max(0.0))),
+        (None, None) => Some(Duration::from_secs(30)),
+    };
+    let mut last: BTreeMap<usize, Status> = BTreeMap::new();
+    let mut last_print = Instant::now() - Duration::from_secs(10);
+    loop {
+        for (i, c) in clients.iter().enumerate() {
+            if let Ok(s) = c.get::<Status>("/v1/status").await {
+                last.insert(i, s);
+            }
+        }
+        if !args.json && last_print.elapsed() >= Duration::from_secs(2) {
+            for (i, s) in &last {
+                let acc = s
+                    .eval
+                    .map(|e| format!("{:.2}%", e.accuracy * 100.0))
+                    .unwrap_or_else(|| "-".into());
+                eprintln!(
+                    "node {i}  step {:>7}  loss {:>7}  acc {:>7}  peers {}  updates in {:>5} out {:>5}  {:>8.0} samples/s",
+                    s.step,
+                    s.loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
+                    acc,
+                    s.peers.count,
+                    s.updates.applied,
+                    s.updates.sent,
+                    s.samples_per_sec
+                );
+            }
+            eprintln!();
+            last_print = Instant::now();
+        }
+        let all_exited = children
+            .0
+            .iter_mut()
+            .all(|c| matches!(c.try_wait(), Ok(Some(_))));
+        if all_exited {
+            break;
+        }
+        if let Some(d) = duration {
+            if started.elapsed() >= d {
+                for c in &clients {
+                    let _ = c.post::<serde_json::Value>("/v1/stop").await;
+                }
+                break;
+            }
+        }
+        if started.elapsed() > Duration::from_secs(3600) {
+            bail!("the mesh ran for an hour without finishing");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // Wait for every node to write its final checkpoint and exit.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for c in children.0.iter_mut() {
+        while c.try_wait()?.is_none() {
+            if Instant::now() > deadline {
+                bail!("a node did not exit within 60 s of being stopped");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let wall_secs = started.elapsed().as_secs_f64();
+
+    let prepared = p2ptrain_daemon::node::prepare(Config::load(config.as_deref())?)?;
+    let mut per_node = Vec::new();
+    let mut finals = Vec::new();
+    for (i, dir) in dirs.iter().enumerate() {
+        let s = last
+            .get(&i)
+            .ok_or_else(|| anyhow!("node {i} never answered"))?;
+        let (accuracy, loss, step) = match final_params(dir) {
+            Some((file, flat)) => {
+                let e = crate::evaluate_file(&file, &prepared)?;
+                finals.push(flat);
+                (Some(e.0.accuracy), Some(e.0.loss), e.1)
+            }
+            None => (None, None, s.step),
+        };
+        per_node.push(NodeSummary {
+            index: i,
+            peer_id: s.peer_id.clone(),
+            step,
+            accuracy,
+            loss,
+            peers: s.peers.count,
+            bytes_sent: s.bytes_sent,
+            bytes_received: s.bytes_received,
+            updates: s.updates.clone(),
+            samples_per_sec: s.samples_per_sec,
+            state_download_secs: s.state_download.as_ref().map(|d| d.secs),
+        });
+    }
+    let mut distances = Vec::new();
+    for i in 0..finals.len() {
+        for j in (i + 1)..finals.len() {
+            distances.push(relative_distance(&finals[i], &finals[j]));
+        }
+    }
+    let accs: Vec<f64> = per_node.iter().filter_map(|n| n.accuracy).collect();
+    Ok(LocalSummary {
+        nodes: args.nodes,
+        wall_secs,
+        consensus_distance_max: distances.iter().copied().fold(0.0, f64::max),
+        consensus_distance_mean: if distances.is_empty() {
+            0.0
+        } else {
+            distances.iter().sum::<f64>() / distances.len() as f64
+        },
+        mean_accuracy: if accs.is_empty() {
+            0.0
+        } else {
+            accs.iter().sum::<f64>() / accs.len() as f64
+        },
+        per_node,
+    })
+}
+
+/// Prints a summary for people.
+pub fn print_summary(s: &LocalSummary) {
+    println!("{} nodes, {:.1} s", s.nodes, s.wall_secs);
+    println!(
+        "{:>4} {:>8} {:>9} {:>6} {:>12} {:>12} {:>13}",
+        "node", "step", "accuracy", "peers", "bytes sent", "bytes recv", "updates in/out"
+    );
+    for n in &s.per_node {
+        println!(
+            "{:>4} {:>8} {:>9} {:>6} {:>12} {:>12} {:>6}/{:<6}",
+            n.index,
+            n.step,
+            n.accuracy
+                .map(|a| format!("{:.2}%", a * 100.0))
+                .unwrap_or_else(|| "-".into()),
+            n.peers,
+            n.bytes_sent,
+            n.bytes_received,
+            n.updates.applied,
+            n.updates.sent
+        );
+    }
+    println!(
+        "mean accuracy {:.2}%, consensus distance max {:.3}% mean {:.3}%",
+        s.mean_accuracy * 100.0,
+        s.consensus_distance_max * 100.0,
+        s.consensus_distance_mean * 100.0
+    );
+}

@@ -1,0 +1,857 @@
+//! The libp2p side of a node: one task (the [`EventLoop`]) owns the `Swarm` and is driven by
+//! [`Command`]s from cloneable [`Client`]s over a bounded channel; what it learns comes back as
+//! [`Event`]s. It knows nothing about training: updates and states are opaque bytes here.
+//!
+//! Protocols: TCP + noise + yamux; identify (whose protocol version carries the run id and the
+//! gossip size limit, so a peer of another run or with another limit is refused instead of
+//! silently deafened); ping (a crashed peer is dropped after a few seconds); Kademlia in server
+//! mode (discovery from one bootstrap address); gossipsub (signed, strict, every message
+//! validated by the node before it is forwarded, content-hash ids); and a request-response
+//! channel ("bulk") for what is too big for gossip: state downloads and full-model syncs.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, MessageId};
+use libp2p::identity::Keypair;
+use libp2p::request_response::{self, OutboundRequestId, ProtocolSupport, ResponseChannel};
+use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
+use libp2p::{identify, kad, noise, ping, tcp, yamux, Multiaddr, PeerId, StreamProtocol, Swarm};
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+use sha2::{Digest, Sha256};
+use tokio::sync::{mpsc, oneshot};
+
+/// Largest gossip message (the whole RPC) any p2ptrain node sends or accepts. It is part of the
+/// protocol version peers compare, because a node with a smaller limit silently stops
+/// hearing a sender after one oversized message.
+pub const MAX_TRANSMIT_SIZE: usize = 2 * 1024 * 1024;
+/// Largest request on the bulk channel.
+pub const BULK_REQUEST_MAX: u64 = 64 * 1024;
+/// Largest response on the bulk channel (a state chunk or a full model).
+pub const BULK_RESPONSE_MAX: u64 = 64 * 1024 * 1024;
+/// Time a bulk request may take before it fails (and the caller tries another peer).
+pub const BULK_TIMEOUT: Duration = Duration::from_secs(30);
+/// Capacity of the command channel into the event loop.
+pub const COMMAND_CAP: usize = 64;
+/// Capacity of the event channel out of the event loop.
+pub const EVENT_CAP: usize = 256;
+/// How often peers ping each other, and how long a ping may take before the peer is dropped.
+pub const PING_INTERVAL: Duration = Duration::from_secs(1);
+/// See [`PING_INTERVAL`].
+pub const PING_TIMEOUT: Duration = Duration::from_secs(3);
+/// Kademlia random walk interval, so nodes keep learning peers beyond their bootstrap.
+pub const KAD_WALK_EVERY: Duration = Duration::from_secs(30);
+
+/// The identify protocol version of a node of run `run_id`: equal strings, and only equal
+/// strings, can train together.
+pub fn protocol_version(run_id: &str) -> String {
+    format!("/p2ptrain/1/run/{run_id}/gossip-max/{MAX_TRANSMIT_SIZE}")
+}
+
+/// The agent string other peers see.
+pub fn agent_version() -> String {
+    format!("p2ptrain/{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// A request on the bulk channel.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum BulkRequest {
+    /// Freeze your current state for download and describe it.
+    StateManifest,
+    /// One chunk of a frozen state.
+    StateChunk {
+        /// SHA-256 of the whole state.
+        state: ByteBuf,
+        /// Chunk index.
+        index: u32,
+    },
+    /// Your current parameters, for a neighbour sync.
+    Params,
+    /// A large update you announced.
+    Update {
+        /// Its content hash, from the announcement.
+        hash: ByteBuf,
+    },
+}
+
+/// A frozen state on offer to a joiner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StateManifest {
+    /// SHA-256 of the whole state (a checkpoint file's bytes).
+    pub hash: ByteBuf,
+    /// The donor's step when it froze the state.
+    pub step: u64,
+    /// Total bytes.
+    pub total: u64,
+    /// Bytes per chunk (the last may be shorter).
+    pub chunk_size: u32,
+    /// SHA-256 of each chunk.
+    pub chunk_hashes: Vec<ByteBuf>,
+    /// Transfers the donor is serving now: joiners prefer less loaded donors.
+    pub load: u32,
+    /// Other states (by hash) the donor can serve chunks of, e.g. one it downloaded itself.
+    #[serde(default)]
+    pub cached: Vec<ByteBuf>,
+}
+
+/// An answer on the bulk channel.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum BulkResponse {
+    /// See [`BulkRequest::StateManifest`].
+    StateManifest(StateManifest),
+    /// See [`BulkRequest::StateChunk`].
+    StateChunk(ByteBuf),
+    /// See [`BulkRequest::Params`]: the step and the flat parameters (little-endian `f32`).
+    Params {
+        /// The donor's step.
+        step: u64,
+        /// Its parameter layout hash.
+        layout: String,
+        /// Flat parameters.
+        values: ByteBuf,
+    },
+    /// See [`BulkRequest::Update`]: the encoded update.
+    Update(ByteBuf),
+    /// The peer cannot or will not answer.
+    Refused(String),
+}
+
+// The derive generates an event enum without docs; keep it in a module that allows that.
+#[allow(missing_docs)]
+mod composed {
+    use super::*;
+
+    /// The composed behaviour.
+    #[derive(NetworkBehaviour)]
+    pub struct Behaviour {
+        pub(super) identify: identify::Behaviour,
+        pub(super) ping: ping::Behaviour,
+        pub(super) kad: kad::Behaviour<kad::store::MemoryStore>,
+        pub(super) gossipsub: gossipsub::Behaviour,
+        pub(super) bulk: request_response::cbor::Behaviour<BulkRequest, BulkResponse>,
+    }
+}
+pub use composed::{Behaviour, BehaviourEvent};
+
+/// What the node asks of the network.
+#[derive(Debug)]
+pub enum Command {
+    /// Publish bytes on a topic.
+    Publish {
+        /// Topic name.
+        topic: String,
+        /// Message bytes.
+        data: Vec<u8>,
+        /// Ok, or why not (no subscribed peer is a normal answer at start-up).
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    /// Start receiving a topic.
+    Subscribe(String),
+    /// Stop receiving a topic.
+    Unsubscribe(String),
+    /// Accept or reject a gossip message after validation.
+    Validate {
+        /// Message id.
+        id: MessageId,
+        /// The peer that forwarded it.
+        source: PeerId,
+        /// The verdict.
+        verdict: MessageAcceptance,
+    },
+    /// Send a bulk request.
+    Request {
+        /// To whom.
+        peer: PeerId,
+        /// What.
+        request: BulkRequest,
+        /// The answer, or why there is none.
+        reply: oneshot::Sender<Result<BulkResponse, String>>,
+    },
+    /// Answer an inbound bulk request.
+    Respond {
+        /// The channel from [`Event::Request`].
+        channel: ResponseChannel<BulkResponse>,
+        /// The answer.
+        response: BulkResponse,
+    },
+    /// Report the network's state.
+    Snapshot(oneshot::Sender<NetSnapshot>),
+    /// Close every connection to a peer.
+    Disconnect(PeerId),
+}
+
+/// What the network tells the node.
+#[derive(Debug)]
+pub enum Event {
+    /// A peer of our run is connected and identified.
+    PeerUp(PeerId),
+    /// A member peer has no connection left.
+    PeerDown(PeerId),
+    /// A gossip message awaiting validation.
+    Gossip {
+        /// The peer that forwarded it (penalised on reject).
+        source: PeerId,
+        /// The signed author.
+        author: Option<PeerId>,
+        /// Message id for the verdict.
+        id: MessageId,
+        /// Topic name.
+        topic: String,
+        /// Payload.
+        data: Vec<u8>,
+    },
+    /// A peer asks something on the bulk channel.
+    Request {
+        /// Who asks.
+        peer: PeerId,
+        /// What.
+        request: BulkRequest,
+        /// Where the answer goes.
+        channel: ResponseChannel<BulkResponse>,
+    },
+    /// A peer subscribed to a topic.
+    Subscribed {
+        /// The peer.
+        peer: PeerId,
+        /// The topic name.
+        topic: String,
+    },
+}
+
+/// A connected peer as the network sees it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PeerInfo {
+    /// Peer id.
+    pub peer_id: String,
+    /// Address of the first connection.
+    pub address: String,
+    /// Latest ping round trip, in milliseconds.
+    pub rtt_ms: Option<f64>,
+    /// Its agent string.
+    pub agent: Option<String>,
+}
+
+/// The network's state for status reports.
+#[derive(Debug, Clone, Default)]
+pub struct NetSnapshot {
+    /// Member peers (same run), connected.
+    pub peers: Vec<PeerInfo>,
+    /// Our listen addresses, with `/p2p/<id>`.
+    pub listen_addrs: Vec<String>,
+    /// Bytes sent, from libp2p's bandwidth counters.
+    pub bytes_sent: u64,
+    /// Bytes received, likewise.
+    pub bytes_received: u64,
+    /// Peers refused for belonging to another run (or speaking another protocol version).
+    pub refused_peers: u64,
+    /// Topics we are subscribed to.
+    pub topics: Vec<String>,
+}
+
+/// A cloneable handle that sends commands to the event loop.
+#[derive(Clone)]
+pub struct Client {
+    cmd_tx: mpsc::Sender<Command>,
+}
+
+impl Client {
+    async fn send(&self, cmd: Command) -> Result<(), String> {
+        self.cmd_tx
+            .send(cmd)
+            .await
+            .map_err(|_| "the network task has stopped".to_string())
+    }
+
+    /// Publishes `data` on `topic`.
+    pub async fn publish(&self, topic: String, data: Vec<u8>) -> Result<(), String> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Publish { topic, data, reply }).await?;
+        rx.await
+            .map_err(|_| "the network task has stopped".to_string())?
+    }
+
+    /// Subscribes to a topic.
+    pub async fn subscribe(&self, topic: String) -> Result<(), String> {
+        self.send(Command::Subscribe(topic)).await
+    }
+
+    /// Unsubscribes from a topic.
+    pub async fn unsubscribe(&self, topic: String) -> Result<(), String> {
+        self.send(Command::Unsubscribe(topic)).await
+    }
+
+    /// Reports the verdict on a gossip message.
+    pub async fn validate(
+        &self,
+        id: MessageId,
+        source: PeerId,
+        verdict: MessageAcceptance,
+    ) -> Result<(), String> {
+        self.send(Command::Validate {
+            id,
+            source,
+            verdict,
+        })
+        .await
+    }
+
+    /// Sends a bulk request and waits for the answer (at most [`BULK_TIMEOUT`]).
+    pub async fn request(
+        &self,
+        peer: PeerId,
+        request: BulkRequest,
+    ) -> Result<BulkResponse, String> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Request {
+            peer,
+            request,
+            reply,
+        })
+        .await?;
+        rx.await
+            .map_err(|_| "the network task has stopped".to_string())?
+    }
+
+    /// Answers an inbound bulk request.
+    pub async fn respond(
+        &self,
+        channel: ResponseChannel<BulkResponse>,
+        response: BulkResponse,
+    ) -> Result<(), String> {
+        self.send(Command::Respond { channel, response }).await
+    }
+
+    /// The network's state.
+    pub async fn snapshot(&self) -> Result<NetSnapshot, String> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Snapshot(tx)).await?;
+        rx.await
+            .map_err(|_| "the network task has stopped".to_string())
+    }
+
+    /// Drops a peer.
+    pub async fn disconnect(&self, peer: PeerId) -> Result<(), String> {
+        self.send(Command::Disconnect(peer)).await
+    }
+}
+
+/// Network settings of one node.
+#[derive(Debug, Clone)]
+pub struct NetConfig {
+    /// Addresses to listen on.
+    pub listen: Vec<Multiaddr>,
+    /// Addresses to dial at start.
+    pub bootstrap: Vec<Multiaddr>,
+    /// The run id, compared with every peer's.
+    pub run_id: String,
+}
+
+/// Why the network could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The swarm could not be built.
+    #[error("cannot build the libp2p swarm: {0}")]
+    Build(String),
+    /// A listen address was refused.
+    #[error("cannot listen on {addr}: {msg}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// Why.
+        msg: String,
+    },
+    /// A bootstrap address is not dialable.
+    #[error("cannot dial bootstrap address {addr}: {msg}")]
+    Dial {
+        /// The address.
+        addr: String,
+        /// Why.
+        msg: String,
+    },
+}
+
+/// Owns the swarm; see the module docs.
+pub struct EventLoop {
+    swarm: Swarm<Behaviour>,
+    cmd_rx: mpsc::Receiver<Command>,
+    event_tx: mpsc::Sender<Event>,
+    registry: prometheus_client::registry::Registry,
+    protocol_version: String,
+    members: HashMap<PeerId, PeerInfo>,
+    refused: HashSet<PeerId>,
+    refused_count: u64,
+    listen_addrs: Vec<Multiaddr>,
+    pending_requests: HashMap<OutboundRequestId, oneshot::Sender<Result<BulkResponse, String>>>,
+    topics: HashSet<String>,
+    last_walk: Instant,
+    /// Refused peers to disconnect, and when.
+    hang_up: Vec<(PeerId, Instant)>,
+}
+
+/// Delay between refusing a peer and closing its connection.
+const HANG_UP_AFTER: Duration = Duration::from_millis(500);
+
+fn message_id(m: &gossipsub::Message) -> MessageId {
+    // Content addressed: the same update republished or replayed is one message.
+    let mut h = Sha256::new();
+    h.update(m.topic.as_str().as_bytes());
+    h.update([0]);
+    h.update(&m.data);
+    MessageId::from(h.finalize()[..20].to_vec())
+}
+
+/// Builds the swarm and starts listening and dialing; returns the handle, the event stream,
+/// and the loop to spawn.
+pub fn new(
+    key: Keypair,
+    cfg: &NetConfig,
+) -> Result<(Client, mpsc::Receiver<Event>, EventLoop), NetError> {
+    let mut registry = prometheus_client::registry::Registry::default();
+    let peer_id = key.public().to_peer_id();
+    let protocol_version = protocol_version(&cfg.run_id);
+    let pv = protocol_version.clone();
+    let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key)
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default().nodelay(true),
+            noise::Config::new,
+            yamux::Config::default,
+        )
+        .map_err(|e| NetError::Build(e.to_string()))?
+        .with_bandwidth_metrics(&mut registry)
+        .with_behaviour(|key| {
+            let gossip_cfg = gossipsub::ConfigBuilder::default()
+                .heartbeat_interval(Duration::from_millis(700))
+                .validation_mode(gossipsub::ValidationMode::Strict)
+                .validate_messages()
+                .max_transmit_size(MAX_TRANSMIT_SIZE)
+                .message_id_fn(message_id)
+                .duplicate_cache_time(Duration::from_secs(120))
+                .build()
+                .map_err(|e| e.to_string())?;
+            let gossipsub = gossipsub::Behaviour::new(
+                gossipsub::MessageAuthenticity::Signed(key.clone()),
+                gossip_cfg,
+            )
+            .map_err(|e| e.to_string())?;
+            let mut kad_cfg = kad::Config::new(StreamProtocol::new("/p2ptrain/kad/1"));
+            kad_cfg.set_query_timeout(Duration::from_secs(30));
+            // The event loop walks the DHT itself once it has a peer; kad's own start-up
+            // bootstrap would only warn that a founder knows nobody yet.
+            kad_cfg.set_periodic_bootstrap_interval(None);
+            let kad = kad::Behaviour::with_config(
+                peer_id,
+                kad::store::MemoryStore::new(peer_id),
+                kad_cfg,
+            );
+            let codec =
+                request_response::cbor::codec::Codec::<BulkRequest, BulkResponse>::default()
+                    .set_request_size_maximum(BULK_REQUEST_MAX)
+                    .set_response_size_maximum(BULK_RESPONSE_MAX);
+            let bulk = request_response::Behaviour::with_codec(
+                codec,
+                [(
+                    StreamProtocol::new("/p2ptrain/bulk/1"),
+                    ProtocolSupport::Full,
+                )],
+                request_response::Config::default().with_request_timeout(BULK_TIMEOUT),
+            );
+            Ok(Behaviour {
+                identify: identify::Behaviour::new(
+                    identify::Config::new(pv, key.public()).with_agent_version(agent_version()),
+                ),
+                ping: ping::Behaviour::new(
+                    ping::Config::new()
+                        .with_interval(PING_INTERVAL)
+                        .with_timeout(PING_TIMEOUT),
+                ),
+                kad,
+                gossipsub,
+                bulk,
+            })
+        })
+        .map_err(|e| NetError::Build(e.to_string()))?
+        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+        .build();
+    // On loopback no external address is ever confirmed, so Kademlia would stay a client and
+    // never answer the lookups that let nodes find each other.
+    swarm.behaviour_mut().kad.set_mode(Some(kad::Mode::Server));
+    for addr in &cfg.listen {
+        swarm
+            .listen_on(addr.clone())
+            .map_err(|e| NetError::Listen {
+                addr: addr.to_string(),
+                msg: e.to_string(),
+            })?;
+    }
+    for addr in &cfg.bootstrap {
+        swarm.dial(addr.clone()).map_err(|e| NetError::Dial {
+            addr: addr.to_string(),
+            msg: e.to_string(),
+        })?;
+    }
+    let (cmd_tx, cmd_rx) = mpsc::channel(COMMAND_CAP);
+    let (event_tx, event_rx) = mpsc::channel(EVENT_CAP);
+    Ok((
+        Client { cmd_tx },
+        event_rx,
+        EventLoop {
+            swarm,
+            cmd_rx,
+            event_tx,
+            registry,
+            protocol_version,
+            members: HashMap::new(),
+            refused: HashSet::new(),
+            refused_count: 0,
+            listen_addrs: Vec::new(),
+            pending_requests: HashMap::new(),
+            topics: HashSet::new(),
+            last_walk: Instant::now(),
+            hang_up: Vec::new(),
+        },
+    ))
+}
+
+/// Hands an event to the node. Backpressure: the node drains this channel; if it falls
+/// behind, the swarm waits.
+async fn emit(tx: &mpsc::Sender<Event>, event: Event) {
+    let _ = tx.send(event).await;
+}
+
+impl EventLoop {
+    /// Runs until every [`Client`] is dropped.
+    pub async fn run(mut self) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                event = self.swarm.select_next_some() => self.on_swarm_event(event).await,
+                cmd = self.cmd_rx.recv() => match cmd {
+                    Some(cmd) => self.on_command(cmd),
+                    None => return,
+                },
+                _ = tick.tick() => self.on_tick(),
+            }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let now = Instant::now();
+        let due: Vec<PeerId> = self
+            .hang_up
+            .iter()
+            .filter(|(_, t)| *t <= now)
+            .map(|(p, _)| *p)
+            .collect();
+        self.hang_up.retain(|(_, t)| *t > now);
+        for peer in due {
+            let _ = self.swarm.disconnect_peer_id(peer);
+        }
+        if self.last_walk.elapsed() >= KAD_WALK_EVERY && !self.members.is_empty() {
+            let _ = self.swarm.behaviour_mut().kad.bootstrap();
+            self.last_walk = Instant::now();
+        }
+    }
+
+    fn bandwidth(&self) -> (u64, u64) {
+        let mut text = String::new();
+        if prometheus_client::encoding::text::encode(&mut text, &self.registry).is_err() {
+            return (0, 0);
+        }
+        let (mut sent, mut received) = (0u64, 0u64);
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with("libp2p_bandwidth_bytes_total{"))
+        {
+            let value = line
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0) as u64;
+            if line.contains("direction=\"Outbound\"") {
+                sent += value;
+            } else if line.contains("direction=\"Inbound\"") {
+                received += value;
+            }
+        }
+        (sent, received)
+    }
+
+    fn on_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Publish { topic, data, reply } => {
+                let result = self
+                    .swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .publish(IdentTopic::new(topic), data)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string());
+                let _ = reply.send(result);
+            }
+            Command::Subscribe(topic) => {
+                if let Err(e) = self
+                    .swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .subscribe(&IdentTopic::new(topic.clone()))
+                {
+                    tracing::warn!(%topic, "cannot subscribe: {e}");
+                } else {
+                    self.topics.insert(topic);
+                }
+            }
+            Command::Unsubscribe(topic) => {
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .unsubscribe(&IdentTopic::new(topic.clone()));
+                self.topics.remove(&topic);
+            }
+            Command::Validate {
+                id,
+                source,
+                verdict,
+            } => {
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .report_message_validation_result(&id, &source, verdict);
+            }
+            Command::Request {
+                peer,
+                request,
+                reply,
+            } => {
+                if !self.members.contains_key(&peer) {
+                    let _ = reply.send(Err(format!("peer {peer} is not connected")));
+                    return;
+                }
+                let id = self.swarm.behaviour_mut().bulk.send_request(&peer, request);
+                self.pending_requests.insert(id, reply);
+            }
+            Command::Respond { channel, response } => {
+                let _ = self
+                    .swarm
+                    .behaviour_mut()
+                    .bulk
+                    .send_response(channel, response);
+            }
+            Command::Snapshot(reply) => {
+                let (bytes_sent, bytes_received) = self.bandwidth();
+                let me = *self.swarm.local_peer_id();
+                let mut listen: Vec<&Multiaddr> = self.listen_addrs.iter().collect();
+                // Addresses other machines can reach first; loopback last.
+                listen.sort_by_key(|a| {
+                    a.to_string().starts_with("/ip4/127.") || a.to_string().starts_with("/ip6/::1")
+                });
+                let mut peers: Vec<PeerInfo> = self.members.values().cloned().collect();
+                peers.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
+                let mut topics: Vec<String> = self.topics.iter().cloned().collect();
+                topics.sort();
+                let _ = reply.send(NetSnapshot {
+                    peers,
+                    listen_addrs: listen
+                        .into_iter()
+                        .map(|a| format!("{a}/p2p/{me}"))
+                        .collect(),
+                    bytes_sent,
+                    bytes_received,
+                    refused_peers: self.refused_count,
+                    topics,
+                });
+            }
+            Command::Disconnect(peer) => {
+                let _ = self.swarm.disconnect_peer_id(peer);
+            }
+        }
+    }
+
+    async fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => {
+                tracing::info!("listening on {address}/p2p/{}", self.swarm.local_peer_id());
+                self.listen_addrs.push(address);
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                self.listen_addrs.retain(|a| a != &address)
+            }
+            SwarmEvent::ConnectionEstablished { peer_id, .. }
+                if self.refused.contains(&peer_id) =>
+            {
+                let _ = self.swarm.disconnect_peer_id(peer_id);
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established: 0,
+                ..
+            } if self.members.remove(&peer_id).is_some() => {
+                tracing::info!(peer = %peer_id, "peer gone");
+                emit(&self.event_tx, Event::PeerDown(peer_id)).await;
+            }
+            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+                tracing::debug!(peer = ?peer_id, "dial failed: {error}");
+            }
+            SwarmEvent::Behaviour(event) => self.on_behaviour_event(event).await,
+            _ => {}
+        }
+    }
+
+    async fn on_behaviour_event(&mut self, event: BehaviourEvent) {
+        match event {
+            BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                connection_id,
+            }) => {
+                if info.protocol_version != self.protocol_version {
+                    if self.refused.insert(peer_id) {
+                        self.refused_count += 1;
+                        tracing::warn!(
+                            peer = %peer_id,
+                            "refused peer: it speaks {:?} ({}), this node speaks {:?}; a different run id (model, optimizer, data spec or seed) or gossip size limit cannot train together",
+                            info.protocol_version,
+                            info.agent_version,
+                            self.protocol_version
+                        );
+                    }
+                    self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
+                    // Hang up a moment later, so the stranger receives our identify too and
+                    // can say why it was turned away instead of seeing a bare disconnect.
+                    self.hang_up.push((peer_id, Instant::now() + HANG_UP_AFTER));
+                    return;
+                }
+                for addr in &info.listen_addrs {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer_id, addr.clone());
+                }
+                let address = self
+                    .swarm
+                    .connected_peers()
+                    .find(|p| **p == peer_id)
+                    .map(|_| {
+                        info.listen_addrs
+                            .first()
+                            .map(|a| a.to_string())
+                            .unwrap_or_default()
+                    })
+                    .unwrap_or_default();
+                let _ = connection_id;
+                let is_new = !self.members.contains_key(&peer_id);
+                let entry = self.members.entry(peer_id).or_insert_with(|| PeerInfo {
+                    peer_id: peer_id.to_string(),
+                    address: address.clone(),
+                    rtt_ms: None,
+                    agent: None,
+                });
+                entry.agent = Some(info.agent_version.clone());
+                if entry.address.is_empty() {
+                    entry.address = address;
+                }
+                if is_new {
+                    tracing::info!(peer = %peer_id, "peer joined");
+                    if self.members.len() == 1 {
+                        let _ = self.swarm.behaviour_mut().kad.bootstrap();
+                    }
+                    emit(&self.event_tx, Event::PeerUp(peer_id)).await;
+                }
+            }
+            BehaviourEvent::Ping(ping::Event { peer, result, .. }) => match result {
+                Ok(rtt) => {
+                    if let Some(p) = self.members.get_mut(&peer) {
+                        p.rtt_ms = Some(rtt.as_secs_f64() * 1000.0);
+                    }
+                }
+                Err(e) => {
+                    tracing::info!(peer = %peer, "ping failed ({e}); dropping the peer");
+                    let _ = self.swarm.disconnect_peer_id(peer);
+                }
+            },
+            BehaviourEvent::Kad(kad::Event::RoutingUpdated {
+                peer, addresses, ..
+            }) if !self.swarm.is_connected(&peer)
+                && !self.refused.contains(&peer)
+                && peer != *self.swarm.local_peer_id() =>
+            {
+                let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+                    .addresses(addresses.into_vec())
+                    .build();
+                let _ = self.swarm.dial(opts);
+            }
+            BehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message_id,
+                message,
+            }) => {
+                emit(
+                    &self.event_tx,
+                    Event::Gossip {
+                        source: propagation_source,
+                        author: message.source,
+                        id: message_id,
+                        topic: message.topic.into_string(),
+                        data: message.data,
+                    },
+                )
+                .await;
+            }
+            BehaviourEvent::Gossipsub(gossipsub::Event::Subscribed { peer_id, topic }) => {
+                emit(
+                    &self.event_tx,
+                    Event::Subscribed {
+                        peer: peer_id,
+                        topic: topic.into_string(),
+                    },
+                )
+                .await;
+            }
+            BehaviourEvent::Bulk(request_response::Event::Message { peer, message, .. }) => {
+                match message {
+                    request_response::Message::Request {
+                        request, channel, ..
+                    } => {
+                        if self.members.contains_key(&peer) {
+                            emit(
+                                &self.event_tx,
+                                Event::Request {
+                                    peer,
+                                    request,
+                                    channel,
+                                },
+                            )
+                            .await;
+                        } else {
+                            let _ = self.swarm.behaviour_mut().bulk.send_response(
+                                channel,
+                                BulkResponse::Refused("not a member of this run".into()),
+                            );
+                        }
+                    }
+                    request_response::Message::Response {
+                        request_id,
+                        response,
+                    } => {
+                        if let Some(reply) = self.pending_requests.remove(&request_id) {
+                            let _ = reply.send(Ok(response));
+                        }
+                    }
+                }
+            }
+            BehaviourEvent::Bulk(request_response::Event::OutboundFailure {
+                request_id,
+                error,
+                peer,
+                ..
+            }) => {
+                if let Some(reply) = self.pending_requests.remove(&request_id) {
+                    let _ = reply.send(Err(format!("request to {peer} failed: {error}")));
+                }
+            }
+            _ => {}
+        }
+    }
+}

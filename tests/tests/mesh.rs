@@ -1,0 +1,430 @@
+//! The mesh: real daemons on 127.0.0.1 finding each other through one bootstrap address,
+//! training together, surviving the death of the founder and of a donor, refusing strangers
+//! and bad updates.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::harness::{cli, eventually, newest_checkpoint, read_checkpoint, repo_root, Node};
+
+/// The default digits config, checkpoints off, paced by a 1 ms step delay so nodes train for a
+/// while before they finish, plus `extra` TOML appended (without a `[debug]` table).
+fn config(dir: &Path, name: &str, replace: &[(&str, &str)], extra: &str) -> PathBuf {
+    let mut text =
+        std::fs::read_to_string(repo_root().join("configs/digits-mlp.toml")).expect("config");
+    text = text
+        .replace("every_steps = 5000", "every_steps = 0")
+        .replace("every_secs = 30", "every_secs = 0");
+    for (from, to) in replace {
+        assert!(text.contains(from), "{from}");
+        text = text.replace(from, to);
+    }
+    text.push_str("\n[debug]\nstep_delay_ms = 1\n");
+    text.push_str(extra);
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+fn start(root: &Path, name: &str, cfg: &Path, bootstrap: Option<&str>, extra: &[&str]) -> Node {
+    let mut args = vec!["--config", cfg.to_str().expect("utf8")];
+    if let Some(b) = bootstrap {
+        args.extend(["--bootstrap", b]);
+    }
+    args.extend_from_slice(extra);
+    let mut node = Node::start(&root.join(name), &args);
+    node.wait_api();
+    node
+}
+
+fn listen_addr(node: &Node) -> String {
+    let s = node.wait_status("a listen address", Duration::from_secs(30), |s| {
+        s["listen_addrs"].as_array().is_some_and(|a| !a.is_empty())
+    });
+    s["listen_addrs"][0].as_str().expect("addr").to_string()
+}
+
+fn peers(s: &Value) -> u64 {
+    s["peers"]["count"].as_u64().unwrap_or(0)
+}
+
+fn step(s: &Value) -> u64 {
+    s["step"].as_u64().unwrap_or(0)
+}
+
+/// Flat parameters of a checkpoint (optimizer state left out), name order.
+fn params(path: &Path) -> Vec<f32> {
+    let (_, tensors) = read_checkpoint(path);
+    tensors
+        .into_iter()
+        .filter(|(name, _)| !name.starts_with("optim."))
+        .flat_map(|(_, (_, v))| v)
+        .collect()
+}
+
+fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let d: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+    let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (d / n).sqrt()
+}
+
+fn eval_accuracy(cfg: &Path, checkpoint: &Path) -> f64 {
+    let (st, out, err) = cli(
+        &[
+            "eval",
+            "--json",
+            "--config",
+            cfg.to_str().expect("utf8"),
+            "--checkpoint",
+            checkpoint.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(st.success(), "{err}");
+    let v: Value = serde_json::from_str(&out).expect("json");
+    v["accuracy"].as_f64().expect("accuracy")
+}
+
+#[test]
+fn three_nodes_form_a_mesh_through_one_address_and_converge_together() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = config(tmp.path(), "c.toml", &[], "");
+    let a = start(tmp.path(), "a", &cfg, None, &[]);
+    let addr = listen_addr(&a);
+    let b = start(tmp.path(), "b", &cfg, Some(&addr), &[]);
+    let c = start(tmp.path(), "c", &cfg, Some(&addr), &[]);
+    let mut nodes = [a, b, c];
+    for n in &nodes {
+        // b and c only know a: they must find each other through it.
+        n.wait_status("two peers", Duration::from_secs(60), |s| peers(s) == 2);
+    }
+    for n in &nodes {
+        n.wait_status(
+            "updates applied and a neighbour sync",
+            Duration::from_secs(120),
+            |s| {
+                s["updates"]["applied"].as_u64().unwrap_or(0) > 10
+                    && s["last_sync"].is_object()
+                    && step(s) > 4000
+            },
+        );
+    }
+    // Stop all three together; each writes a final checkpoint.
+    for n in &nodes {
+        let (st, _, err) = cli(
+            &["stop", "--api", n.api.as_deref().expect("api")],
+            Duration::from_secs(30),
+        );
+        assert!(st.success(), "{err}");
+    }
+    for n in &mut nodes {
+        assert!(
+            n.wait_exit(Duration::from_secs(60)).success(),
+            "{}",
+            n.log_text()
+        );
+    }
+    let finals: Vec<PathBuf> = nodes
+        .iter()
+        .map(|n| newest_checkpoint(&n.data_dir).expect("final checkpoint"))
+        .collect();
+    for f in &finals {
+        let acc = eval_accuracy(&cfg, f);
+        assert!(acc >= 0.95, "{} reached only {acc}", f.display());
+    }
+    let p: Vec<Vec<f32>> = finals.iter().map(|f| params(f)).collect();
+    for i in 0..3 {
+        for j in (i + 1)..3 {
+            let d = relative_distance(&p[i], &p[j]);
+            assert!(d < 0.05, "nodes {i} and {j} are {:.2}% apart", d * 100.0);
+        }
+    }
+}
+
+#[test]
+fn the_founder_dies_the_rest_carry_on_and_a_newcomer_joins_through_a_survivor() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = config(tmp.path(), "c.toml", &[], "");
+    let mut a = start(tmp.path(), "a", &cfg, None, &[]);
+    let addr = listen_addr(&a);
+    let b = start(tmp.path(), "b", &cfg, Some(&addr), &[]);
+    let c = start(tmp.path(), "c", &cfg, Some(&addr), &[]);
+    for n in [&a, &b, &c] {
+        n.wait_status("two peers", Duration::from_secs(60), |s| peers(s) == 2);
+    }
+    // Train past the early, fast-moving phase: a snapshot's accuracy then differs little from
+    // the donor's latest evaluation.
+    for n in [&b, &c] {
+        n.wait_status("a trained mesh", Duration::from_secs(120), |s| {
+            step(s) > 5000 && s["eval"]["accuracy"].as_f64().unwrap_or(0.0) >= 0.96
+        });
+    }
+    a.kill9();
+    let before: Vec<u64> = [&b, &c]
+        .iter()
+        .map(|n| step(&n.status().expect("status")))
+        .collect();
+    for (n, s0) in [&b, &c].iter().zip(&before) {
+        n.wait_status(
+            "the survivor to see the founder gone and keep training",
+            Duration::from_secs(30),
+            |s| peers(s) == 1 && step(s) > s0 + 500,
+        );
+    }
+    let via_b = listen_addr(&b);
+    let d = start(tmp.path(), "d", &cfg, Some(&via_b), &[]);
+    let s = d.wait_status(
+        "the newcomer's state download",
+        Duration::from_secs(60),
+        |s| s["state_download"].is_object(),
+    );
+    let dl = &s["state_download"];
+    let first = dl["first_accuracy"].as_f64().expect("first evaluation");
+    let donor = dl["donor"].as_str().expect("donor").to_string();
+    let donor_node = [&b, &c]
+        .into_iter()
+        .find(|n| n.status().is_some_and(|st| st["peer_id"] == donor.as_str()))
+        .expect("the donor is a survivor");
+    let donor_acc = donor_node.status().expect("status")["eval"]["accuracy"]
+        .as_f64()
+        .expect("donor accuracy");
+    assert!(
+        (first - donor_acc).abs() <= 0.02,
+        "newcomer's first evaluation {first} vs its donor's {donor_acc}"
+    );
+    d.wait_status(
+        "the newcomer training in the mesh",
+        Duration::from_secs(60),
+        |s| peers(s) == 2 && step(s) > dl["step"].as_u64().unwrap_or(0),
+    );
+}
+
+#[test]
+fn a_donor_killed_mid_download_and_the_joiner_completes_from_another() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    // A wide model on synthetic data makes a state of about 9 MB (36 chunks); a throttle on
+    // serving makes the transfer last seconds, long enough to kill a donor in the middle.
+    let cfg = config(
+        tmp.path(),
+        "big.toml",
+        &[
+            ("widths = [64, 128, 10]", "widths = [32, 1024, 1024, 4]"),
+            (
+                "source = \"digits\"",
+                "source = \"synthetic\"\nsamples = 2000\ndim = 32\nclasses = 4\nseed = 3",
+            ),
+        ],
+        "serve_chunk_delay_ms = 300\n",
+    );
+    let a = start(tmp.path(), "a", &cfg, None, &[]);
+    let addr = listen_addr(&a);
+    let b = start(tmp.path(), "b", &cfg, Some(&addr), &[]);
+    b.wait_status("b joined", Duration::from_secs(120), |s| {
+        s["state_download"].is_object() && peers(s) == 1
+    });
+    // Let the donors' load from b's download fade, so what they report next is c's.
+    std::thread::sleep(Duration::from_secs(3));
+    let c = start(tmp.path(), "c", &cfg, Some(&addr), &[]);
+    let mut donors = [a, b];
+    let victim = eventually(Duration::from_secs(60), "a donor serving c", || {
+        donors.iter().position(|n| {
+            n.status()
+                .is_some_and(|s| s["state_serving"].as_u64().unwrap_or(0) > 0)
+        })
+    });
+    donors[victim].kill9();
+    let s = c.wait_status("c's download to complete", Duration::from_secs(120), |s| {
+        s["state_download"].is_object()
+    });
+    let dl = &s["state_download"];
+    let lost = dl["failed_sources"].as_u64().unwrap_or(0) + dl["restarts"].as_u64().unwrap_or(0);
+    assert!(
+        lost >= 1,
+        "the download did not notice the dead donor: {dl}"
+    );
+    c.wait_status("c training", Duration::from_secs(60), |s| {
+        step(s) > dl["step"].as_u64().unwrap_or(0)
+    });
+}
+
+#[test]
+fn a_node_of_another_run_is_refused() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = config(tmp.path(), "c.toml", &[], "");
+    let other = config(
+        tmp.path(),
+        "other.toml",
+        &[("init_seed = 42", "init_seed = 43")],
+        "",
+    );
+    let a = start(tmp.path(), "a", &cfg, None, &[]);
+    let addr = listen_addr(&a);
+    let b = start(tmp.path(), "b", &other, Some(&addr), &[]);
+    a.wait_status("the stranger refused", Duration::from_secs(30), |s| {
+        s["refused_peers"].as_u64().unwrap_or(0) >= 1
+    });
+    b.wait_status("the stranger refused too", Duration::from_secs(30), |s| {
+        s["refused_peers"].as_u64().unwrap_or(0) >= 1
+    });
+    assert_eq!(peers(&a.status().expect("status")), 0);
+    assert!(a.log_text().contains("refused peer"), "{}", a.log_text());
+}
+
+/// A rogue peer of the same run, in this process, publishing bad updates on its own topic.
+mod rogue {
+    use super::*;
+    use libp2p::identity::Keypair;
+    use p2ptrain_daemon::mesh::update_topic;
+    use p2ptrain_daemon::network::{self, BulkResponse, Event, NetConfig};
+    use p2ptrain_models::codec::{self, Codec, UpdateHeader};
+
+    #[test]
+    fn malformed_updates_are_rejected_counted_and_the_model_stays_finite() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let cfg = config(tmp.path(), "c.toml", &[], "");
+        let honest = start(tmp.path(), "honest", &cfg, None, &[]);
+        let addr = listen_addr(&honest);
+        let config = p2ptrain_daemon::Config::load(Some(&cfg)).expect("config");
+        let run_id = config.run_id();
+        let prepared = p2ptrain_daemon::node::prepare(config).expect("prepare");
+        let model =
+            p2ptrain_models::Model::new(&prepared.spec, 1, &candle_core_device()).expect("model");
+        let numel = model.params().numel();
+        let layout = model.params().layout().hash();
+
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        let key = Keypair::generate_ed25519();
+        let me = key.public().to_peer_id();
+        let rejected = rt.block_on(async {
+            let net_cfg = NetConfig {
+                listen: vec!["/ip4/127.0.0.1/tcp/0".parse().expect("addr")],
+                bootstrap: vec![addr.parse().expect("addr")],
+                run_id: run_id.clone(),
+            };
+            let (client, mut events, event_loop) =
+                network::new(key, &net_cfg).expect("rogue network");
+            tokio::spawn(event_loop.run());
+            let responder = client.clone();
+            tokio::spawn(async move {
+                while let Some(ev) = events.recv().await {
+                    if let Event::Request { channel, .. } = ev {
+                        let _ = responder
+                            .respond(channel, BulkResponse::Refused("rogue".into()))
+                            .await;
+                    }
+                }
+            });
+            let topic = update_topic(&run_id, &me);
+            let header = |step: u64, run: &str, n: usize| UpdateHeader {
+                run_id: codec::id_bytes(run),
+                layout: codec::id_bytes(&layout),
+                step,
+                codec: Codec::Dense,
+                numel: n as u32,
+            };
+            let inline = |bytes: Vec<u8>| [vec![b'U'], bytes].concat();
+            let mut nan = vec![0.0f32; numel];
+            nan[7] = f32::NAN;
+            let mut announce = vec![b'A'];
+            announce.extend_from_slice(&[7u8; 32]);
+            announce.extend_from_slice(&(u64::MAX / 2).to_le_bytes());
+            announce.extend_from_slice(&5u64.to_le_bytes());
+            let garbage: Vec<Vec<u8>> = vec![
+                inline((0..1000).map(|i| (i * 7 % 251) as u8).collect()),
+                inline(codec::encode(&header(10, &run_id, 100), &[0.5; 100])),
+                inline(codec::encode(&header(11, &run_id, numel), &nan)),
+                inline(codec::encode(
+                    &header(12, &run_id, numel),
+                    &vec![1e6; numel],
+                )),
+                inline(codec::encode(
+                    &header(13, "ffffffffffffffff", numel),
+                    &vec![1e-4; numel],
+                )),
+                announce,
+                // A valid small update, then a replay of an older step.
+                inline(codec::encode(
+                    &header(20, &run_id, numel),
+                    &vec![1e-5; numel],
+                )),
+                inline(codec::encode(
+                    &header(15, &run_id, numel),
+                    &vec![2e-5; numel],
+                )),
+            ];
+            // The honest node subscribes to our topic once it makes us a neighbour.
+            let first = garbage[0].clone();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            while client.publish(topic.clone(), first.clone()).await.is_err() {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the honest node never subscribed to the rogue"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            for msg in &garbage[1..] {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                client
+                    .publish(topic.clone(), msg.clone())
+                    .await
+                    .expect("publish");
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            me
+        });
+        let s = honest.wait_status(
+            "the rogue's updates rejected",
+            Duration::from_secs(30),
+            |s| s["updates"]["rejected"].as_u64().unwrap_or(0) >= 7,
+        );
+        let by_peer: BTreeMap<String, u64> =
+            serde_json::from_value(s["rejected_by_peer"].clone()).expect("map");
+        assert_eq!(
+            by_peer.get(&rejected.to_string()).copied(),
+            Some(7),
+            "{by_peer:?}"
+        );
+        assert_eq!(
+            s["updates"]["applied"].as_u64(),
+            Some(1),
+            "only the one valid update is applied"
+        );
+        let later = honest.wait_status("training on", Duration::from_secs(30), |t| {
+            step(t) > step(&s) + 500 && t["eval"].is_object()
+        });
+        assert!(
+            later["loss"].as_f64().is_some_and(f64::is_finite),
+            "{later}"
+        );
+        assert!(
+            later["eval"]["accuracy"].as_f64().unwrap_or(0.0) > 0.9,
+            "{later}"
+        );
+    }
+
+    fn candle_core_device() -> candle_core::Device {
+        candle_core::Device::Cpu
+    }
+}
+
+#[test]
+fn local_runs_a_three_node_mesh_and_summarises_it() {
+    let (st, out, err) = cli(
+        &["local", "--nodes", "3", "--duration", "20", "--json"],
+        Duration::from_secs(300),
+    );
+    assert!(st.success(), "{err}");
+    let v: Value = serde_json::from_str(&out).expect("summary json");
+    assert_eq!(v["nodes"], 3);
+    let per_node = v["per_node"].as_array().expect("per node");
+    assert_eq!(per_node.len(), 3);
+    for n in per_node {
+        assert!(n["accuracy"].as_f64().unwrap_or(0.0) >= 0.95, "{n}");
+        assert!(n["bytes_sent"].as_u64().unwrap_or(0) > 0, "{n}");
+    }
+    assert!(v["consensus_distance_max"].as_f64().is_some());
+}

@@ -101,6 +101,10 @@ struct JoinArgs {
     /// libp2p address to listen on (repeatable; default /ip4/0.0.0.0/tcp/4001).
     #[arg(long)]
     listen: Vec<String>,
+    /// Also find peers on the local network with mDNS (multicast on every interface; off by
+    /// default).
+    #[arg(long)]
+    mdns: bool,
 }
 
 #[derive(Args)]
@@ -288,6 +292,7 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
         api_token: args.api_token.filter(|t| !t.is_empty()),
         listen: args.listen,
         bootstrap: args.bootstrap,
+        mdns: args.mdns,
     };
     let rt = runtime()?;
     let summary = rt.block_on(node::run(prepared, opts, shutdown_signal()))?;

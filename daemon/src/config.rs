@@ -67,6 +67,7 @@ struct RawConfig {
 struct RawNetwork {
     listen: Option<Vec<String>>,
     bootstrap: Option<Vec<String>>,
+    mdns: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -230,6 +231,8 @@ pub struct NetworkConfig {
     pub listen: Vec<String>,
     /// Members to join through.
     pub bootstrap: Vec<String>,
+    /// Find peers on the local network with mDNS (off by default).
+    pub mdns: bool,
 }
 
 /// The sync section, checked.
@@ -481,6 +484,7 @@ impl Config {
         let network = NetworkConfig {
             listen: n.listen.unwrap_or_else(|| vec![DEFAULT_LISTEN.to_string()]),
             bootstrap: n.bootstrap.unwrap_or_default(),
+            mdns: n.mdns.unwrap_or(false),
         };
         for (key, addrs) in [
             ("network.listen", &network.listen),

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use libp2p::gossipsub::MessageAcceptance;
+use libp2p::gossipsub::{MessageAcceptance, MessageId};
 use libp2p::PeerId;
 use p2ptrain_models::codec::{self, Codec, UpdateHeader};
 use rand::seq::IteratorRandom;
@@ -155,7 +155,22 @@ pub struct Mesh {
     pending_apply: Option<Vec<f32>>,
     sync_in_flight: Arc<AtomicBool>,
     last_sync_step: u64,
+    fetched_tx: mpsc::Sender<Fetched>,
+    fetched_rx: Option<mpsc::Receiver<Fetched>>,
 }
+
+/// An announced update fetched (or not) from its author, awaiting its verdict.
+struct Fetched {
+    owner: PeerId,
+    source: PeerId,
+    id: MessageId,
+    /// The bytes, or whether the failure was the author's fault (a wrong answer) rather than
+    /// the network's.
+    bytes: Result<Vec<u8>, bool>,
+}
+
+/// Announced updates being fetched at once, at most.
+const FETCH_CAP: usize = 16;
 
 impl Mesh {
     /// A mesh router for this node.
@@ -173,6 +188,7 @@ impl Mesh {
         numel: usize,
     ) -> Mesh {
         let last_sync_step = stats_rx.borrow().step;
+        let (fetched_tx, fetched_rx) = mpsc::channel(FETCH_CAP);
         Mesh {
             net,
             trainer_tx,
@@ -191,6 +207,8 @@ impl Mesh {
             pending_apply: None,
             sync_in_flight: Arc::new(AtomicBool::new(false)),
             last_sync_step,
+            fetched_tx,
+            fetched_rx: Some(fetched_rx),
         }
     }
 
@@ -220,6 +238,9 @@ impl Mesh {
             let _ = stop.wait_for(|s| *s).await;
         };
         tokio::pin!(stopped);
+        let Some(mut fetched_rx) = self.fetched_rx.take() else {
+            return;
+        };
         loop {
             tokio::select! {
                 _ = &mut stopped => break,
@@ -236,6 +257,7 @@ impl Mesh {
                 }
                 _ = heartbeat.tick() => self.send_heartbeat().await,
                 _ = flush.tick() => self.flush_pending(),
+                Some(f) = fetched_rx.recv() => self.on_fetched(f).await,
             }
         }
         self.announce_leave().await;
@@ -257,7 +279,7 @@ impl Mesh {
                 topic,
                 data,
             } => {
-                let verdict = self.on_gossip(source, author, &topic, data).await;
+                let verdict = self.on_gossip(source, author, &id, &topic, data).await;
                 if let Some(verdict) = verdict {
                     let _ = self.net.validate(id, source, verdict).await;
                 }
@@ -275,6 +297,7 @@ impl Mesh {
         &mut self,
         source: PeerId,
         author: Option<PeerId>,
+        id: &MessageId,
         topic: &str,
         data: Vec<u8>,
     ) -> Option<MessageAcceptance> {
@@ -315,36 +338,61 @@ impl Mesh {
                     self.reject(owner, "announced update larger than any valid update");
                     return Some(MessageAcceptance::Reject);
                 }
-                // Fetch it without holding up the loop; the verdict follows the fetch.
+                // Fetch it in a task of its own: two nodes that announce to each other at the
+                // same moment would otherwise each wait on the other's busy loop. The verdict
+                // follows the fetch (see `on_fetched`).
                 let net = self.net.clone();
-                let _ = source;
-                match net
-                    .request(
-                        owner,
-                        BulkRequest::Update {
-                            hash: ByteBuf::from(hash.to_vec()),
-                        },
-                    )
-                    .await
-                {
-                    Ok(BulkResponse::Update(bytes)) if Sha256::digest(&bytes)[..] == hash[..] => {
-                        Some(self.accept_update(owner, &bytes))
-                    }
-                    Ok(_) => {
-                        self.reject(
+                let fetched_tx = self.fetched_tx.clone();
+                let id = id.clone();
+                tokio::spawn(async move {
+                    let answer = net
+                        .request(
                             owner,
-                            "announced update could not be fetched or does not match its hash",
-                        );
-                        Some(MessageAcceptance::Reject)
-                    }
-                    Err(_) => Some(MessageAcceptance::Ignore),
-                }
+                            BulkRequest::Update {
+                                hash: ByteBuf::from(hash.to_vec()),
+                            },
+                        )
+                        .await;
+                    let bytes = match answer {
+                        Ok(BulkResponse::Update(bytes))
+                            if Sha256::digest(&bytes)[..] == hash[..] =>
+                        {
+                            Ok(bytes.into_vec())
+                        }
+                        Ok(_) => Err(true),
+                        Err(_) => Err(false),
+                    };
+                    let _ = fetched_tx
+                        .send(Fetched {
+                            owner,
+                            source,
+                            id,
+                            bytes,
+                        })
+                        .await;
+                });
+                None
             }
             _ => {
                 self.reject(owner, "unknown update message kind");
                 Some(MessageAcceptance::Reject)
             }
         }
+    }
+
+    async fn on_fetched(&mut self, f: Fetched) {
+        let verdict = match f.bytes {
+            Ok(bytes) => self.accept_update(f.owner, &bytes),
+            Err(true) => {
+                self.reject(
+                    f.owner,
+                    "announced update could not be fetched or does not match its hash",
+                );
+                MessageAcceptance::Reject
+            }
+            Err(false) => MessageAcceptance::Ignore,
+        };
+        let _ = self.net.validate(f.id, f.source, verdict).await;
     }
 
     fn publish_members(&self) {

@@ -16,8 +16,11 @@ use futures::StreamExt;
 use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, MessageId};
 use libp2p::identity::Keypair;
 use libp2p::request_response::{self, OutboundRequestId, ProtocolSupport, ResponseChannel};
+use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
-use libp2p::{identify, kad, noise, ping, tcp, yamux, Multiaddr, PeerId, StreamProtocol, Swarm};
+use libp2p::{
+    identify, kad, mdns, noise, ping, tcp, yamux, Multiaddr, PeerId, StreamProtocol, Swarm,
+};
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 use sha2::{Digest, Sha256};
@@ -131,6 +134,7 @@ mod composed {
         pub(super) kad: kad::Behaviour<kad::store::MemoryStore>,
         pub(super) gossipsub: gossipsub::Behaviour,
         pub(super) bulk: request_response::cbor::Behaviour<BulkRequest, BulkResponse>,
+        pub(super) mdns: Toggle<mdns::tokio::Behaviour>,
     }
 }
 pub use composed::{Behaviour, BehaviourEvent};
@@ -346,6 +350,9 @@ pub struct NetConfig {
     pub bootstrap: Vec<Multiaddr>,
     /// The run id, compared with every peer's.
     pub run_id: String,
+    /// Discover peers on the local network with mDNS. Off by default: it multicasts on every
+    /// interface of the machine.
+    pub mdns: bool,
 }
 
 /// Why the network could not start.
@@ -388,6 +395,8 @@ pub struct EventLoop {
     last_walk: Instant,
     /// Refused peers to disconnect, and when.
     hang_up: Vec<(PeerId, Instant)>,
+    /// Peers named in bootstrap addresses, whose dial failures the user needs to see.
+    bootstrap_peers: HashSet<PeerId>,
 }
 
 /// Delay between refusing a peer and closing its connection.
@@ -458,7 +467,16 @@ pub fn new(
                 )],
                 request_response::Config::default().with_request_timeout(BULK_TIMEOUT),
             );
+            let mdns = if cfg.mdns {
+                Some(
+                    mdns::tokio::Behaviour::new(mdns::Config::default(), peer_id)
+                        .map_err(|e| e.to_string())?,
+                )
+            } else {
+                None
+            };
             Ok(Behaviour {
+                mdns: Toggle::from(mdns),
                 identify: identify::Behaviour::new(
                     identify::Config::new(pv, key.public()).with_agent_version(agent_version()),
                 ),
@@ -511,6 +529,16 @@ pub fn new(
             topics: HashSet::new(),
             last_walk: Instant::now(),
             hang_up: Vec::new(),
+            bootstrap_peers: cfg
+                .bootstrap
+                .iter()
+                .filter_map(|a| {
+                    a.iter().find_map(|p| match p {
+                        libp2p::multiaddr::Protocol::P2p(id) => Some(id),
+                        _ => None,
+                    })
+                })
+                .collect(),
         },
     ))
 }
@@ -692,7 +720,11 @@ impl EventLoop {
                 emit(&self.event_tx, Event::PeerDown(peer_id)).await;
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
-                tracing::debug!(peer = ?peer_id, "dial failed: {error}");
+                if peer_id.is_some_and(|p| self.bootstrap_peers.contains(&p)) || peer_id.is_none() {
+                    tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {error}");
+                } else {
+                    tracing::debug!(peer = ?peer_id, "dial failed: {error}");
+                }
             }
             SwarmEvent::Behaviour(event) => self.on_behaviour_event(event).await,
             _ => {}
@@ -781,6 +813,14 @@ impl EventLoop {
                     .addresses(addresses.into_vec())
                     .build();
                 let _ = self.swarm.dial(opts);
+            }
+            BehaviourEvent::Mdns(mdns::Event::Discovered(found)) => {
+                for (peer, addr) in found {
+                    if !self.swarm.is_connected(&peer) && !self.refused.contains(&peer) {
+                        tracing::info!(peer = %peer, %addr, "found on the local network (mDNS)");
+                        let _ = self.swarm.dial(addr);
+                    }
+                }
             }
             BehaviourEvent::Gossipsub(gossipsub::Event::Message {
                 propagation_source,

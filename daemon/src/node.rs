@@ -69,6 +69,8 @@ pub struct Options {
     pub listen: Vec<String>,
     /// Members to join through (added to the config's).
     pub bootstrap: Vec<String>,
+    /// Turn mDNS discovery on (it is off unless this or the config says so).
+    pub mdns: bool,
 }
 
 /// File in the data directory that holds the API's actual address while the node runs (useful
@@ -422,6 +424,7 @@ pub async fn run(
         listen: parse("listen address", &listen)?,
         bootstrap: parse("bootstrap address", &bootstrap)?,
         run_id: ident.run_id.clone(),
+        mdns: config.network.mdns || opts.mdns,
     };
     let (net, net_events, event_loop) = network::new(key, &net_cfg)?;
     let net_task = tokio::spawn(event_loop.run());
@@ -565,15 +568,18 @@ pub async fn run(
                 .clone();
             let final_checkpoint = match last {
                 // The automatic checkpoint of the last step already holds this exact state.
-                Some(meta) if meta.info == finish.snapshot.info => Ok(meta),
-                _ => shared.save(finish.snapshot).await,
-            };
-            let final_checkpoint = match final_checkpoint {
-                Ok(meta) => Some(meta),
-                Err(e) => {
-                    tracing::error!("final checkpoint failed: {e}");
-                    None
-                }
+                Some(meta) if meta.info == finish.snapshot.info => Some(meta),
+                // A node that never took a step (a joiner stopped while waiting) holds only the
+                // run's initial weights; a checkpoint of them would make its next start resume
+                // from nothing instead of downloading the mesh's state.
+                _ if finish.snapshot.info.step == 0 => None,
+                _ => match shared.save(finish.snapshot).await {
+                    Ok(meta) => Some(meta),
+                    Err(e) => {
+                        tracing::error!("final checkpoint failed: {e}");
+                        None
+                    }
+                },
             };
             Ok(Summary {
                 stats: finish.stats,
@@ -634,7 +640,10 @@ async fn join_mesh(shared: Arc<Shared>, cache: Arc<Mutex<transfer::Cache>>) {
                 .map(|m| m.members.clone())
                 .unwrap_or(members);
         }
-        if start.elapsed() > JOIN_WAIT || *shared.stop_tx.borrow() {
+        if *shared.stop_tx.borrow() {
+            return;
+        }
+        if start.elapsed() > JOIN_WAIT {
             tracing::warn!("no member of run {} answered within {JOIN_WAIT:?}; training from the run's initial weights", shared.run_id);
             let _ = shared.cmd_tx.send(Command::Start).await;
             return;

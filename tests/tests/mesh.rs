@@ -92,7 +92,12 @@ fn eval_accuracy(cfg: &Path, checkpoint: &Path) -> f64 {
 #[test]
 fn three_nodes_form_a_mesh_through_one_address_and_converge_together() {
     let tmp = tempfile::tempdir().expect("tmp");
+    // Updates (38 KB) above the inline limit: announced on gossip, pulled over the bulk channel.
     let cfg = config(tmp.path(), "c.toml", &[], "");
+    let text = std::fs::read_to_string(&cfg)
+        .expect("read")
+        .replace("[debug]", "[sync]\ninline_max_bytes = 16384\n\n[debug]");
+    std::fs::write(&cfg, text).expect("write");
     let a = start(tmp.path(), "a", &cfg, None, &[]);
     let addr = listen_addr(&a);
     let b = start(tmp.path(), "b", &cfg, Some(&addr), &[]);
@@ -304,6 +309,7 @@ mod rogue {
                 listen: vec!["/ip4/127.0.0.1/tcp/0".parse().expect("addr")],
                 bootstrap: vec![addr.parse().expect("addr")],
                 run_id: run_id.clone(),
+                mdns: false,
             };
             let (client, mut events, event_loop) =
                 network::new(key, &net_cfg).expect("rogue network");

@@ -474,7 +474,11 @@ impl Mesh {
             None => self.pending_apply = Some(values),
         }
         self.flush_pending();
-        MessageAcceptance::Accept
+        // Valid, applied, and not forwarded: the author publishes straight to every subscriber
+        // of its topic (its neighbours, all connected to it), so relaying among them would only
+        // add copies, and more of them the more popular the author. `Ignore` drops the message
+        // from gossip without penalising anyone.
+        MessageAcceptance::Ignore
     }
 
     /// The weight of a neighbour's update. Adding every neighbour's full update to one's own

@@ -36,6 +36,31 @@ pub struct LocalArgs {
     /// Print the summary as JSON (and no progress lines).
     #[arg(long)]
     pub json: bool,
+    /// A different configuration for some nodes (by index), e.g. a throttled straggler.
+    #[arg(skip)]
+    pub node_configs: BTreeMap<usize, PathBuf>,
+    /// Record every node's status over time in the summary.
+    #[arg(skip)]
+    pub trace: bool,
+}
+
+/// One node's status at one moment, for curves over time.
+#[derive(Debug, Clone, Serialize)]
+pub struct TracePoint {
+    /// Seconds since the first node started.
+    pub t: f64,
+    /// Node index.
+    pub node: usize,
+    /// Its step.
+    pub step: u64,
+    /// Samples it has trained on.
+    pub samples_seen: u64,
+    /// Its latest held-out accuracy.
+    pub accuracy: Option<f64>,
+    /// Bytes it has sent.
+    pub bytes_sent: u64,
+    /// Its distance to the neighbour it last synced with, before averaging.
+    pub consensus_distance: Option<f64>,
 }
 
 /// One node's line in the summary.
@@ -80,6 +105,12 @@ pub struct LocalSummary {
     pub consensus_distance_mean: f64,
     /// Mean final accuracy.
     pub mean_accuracy: f64,
+    /// Every node's status every half second (only when asked for).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub trace: Vec<TracePoint>,
+    /// The final status of each node.
+    #[serde(skip)]
+    pub final_status: Vec<Status>,
 }
 
 /// Child processes that are killed if this guard drops before they exit.
@@ -211,9 +242,20 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         .map(|i| base.join(format!("node-{i}")))
         .collect();
     let mut children = Children(Vec::new());
+    let node_configs: BTreeMap<usize, PathBuf> = args
+        .node_configs
+        .iter()
+        .map(|(i, p)| Ok((*i, std::path::absolute(p)?)))
+        .collect::<Result<_>>()?;
+    let config_of = |i: usize| {
+        node_configs
+            .get(&i)
+            .map(PathBuf::as_path)
+            .or(config.as_deref())
+    };
     children
         .0
-        .push(spawn_node(&dirs[0], config.as_deref(), args.steps, None)?);
+        .push(spawn_node(&dirs[0], config_of(0), args.steps, None)?);
     let first_api = wait_api(&dirs[0], &mut children.0[0]).await?;
     let first = Client::new(&first_api, None)?;
     let bootstrap = {
@@ -232,13 +274,10 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
     if !args.json {
         eprintln!("node 0 founded the mesh at {bootstrap}");
     }
-    for dir in &dirs[1..] {
-        children.0.push(spawn_node(
-            dir,
-            config.as_deref(),
-            args.steps,
-            Some(&bootstrap),
-        )?);
+    for (i, dir) in dirs.iter().enumerate().skip(1) {
+        children
+            .0
+            .push(spawn_node(dir, config_of(i), args.steps, Some(&bootstrap))?);
     }
     let mut apis = vec![first_api];
     for (i, dir) in dirs.iter().enumerate().skip(1) {
@@ -255,10 +294,22 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         (None, None) => Some(Duration::from_secs(30)),
     };
     let mut last: BTreeMap<usize, Status> = BTreeMap::new();
+    let mut trace = Vec::new();
     let mut last_print = Instant::now() - Duration::from_secs(10);
     loop {
         for (i, c) in clients.iter().enumerate() {
             if let Ok(s) = c.get::<Status>("/v1/status").await {
+                if args.trace {
+                    trace.push(TracePoint {
+                        t: started.elapsed().as_secs_f64(),
+                        node: i,
+                        step: s.step,
+                        samples_seen: s.samples_seen,
+                        accuracy: s.eval.map(|e| e.accuracy),
+                        bytes_sent: s.bytes_sent,
+                        consensus_distance: s.consensus_distance,
+                    });
+                }
                 last.insert(i, s);
             }
         }
@@ -365,6 +416,8 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
             accs.iter().sum::<f64>() / accs.len() as f64
         },
         per_node,
+        trace,
+        final_status: last.into_values().collect(),
     })
 }
 

@@ -5,9 +5,11 @@
 //! non-zero exit code.
 
 mod bench;
+mod bench_mesh;
 mod client;
 mod local;
 mod output;
+mod plot;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -183,6 +185,9 @@ struct EvalArgs {
 enum BenchCmd {
     /// Steps/s of the trainer inside a running daemon against a bare Candle loop.
     Trainer(bench::TrainerArgs),
+    /// A local mesh per update codec: bytes per update, accuracy, throughput, consensus;
+    /// writes report.json and report.svg.
+    Mesh(bench_mesh::MeshArgs),
 }
 
 fn main() -> ExitCode {
@@ -251,6 +256,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }),
         Cmd::Bench(BenchCmd::Trainer(args)) => bench::trainer(args),
+        Cmd::Bench(BenchCmd::Mesh(args)) => {
+            bench_mesh::run(args)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Local(args) => {
             let json = args.json;
             let summary = local::run(args)?;

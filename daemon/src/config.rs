@@ -8,6 +8,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use p2ptrain_models::codec::Codec;
 use p2ptrain_models::data::{self, Split};
 use p2ptrain_models::{ModelSpec, OptimizerSpec};
 use serde::{Deserialize, Serialize};
@@ -79,6 +80,12 @@ struct RawSync {
     inline_max_bytes: Option<usize>,
     max_update_ratio: Option<f64>,
     update_weight: Option<f64>,
+    codec: Option<String>,
+    density: Option<f64>,
+    error_feedback: Option<bool>,
+    staleness_bound: Option<u64>,
+    stale_after: Option<u64>,
+    publish_early_ratio: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -248,8 +255,42 @@ pub struct SyncConfig {
     pub inline_max_bytes: usize,
     /// Reject a neighbour's update whose norm exceeds this times our parameters' norm.
     pub max_update_ratio: f64,
-    /// Weight of a neighbour's update (default: `1 / (neighbours + 1)`).
+    /// Fixed weight of a neighbour's update (default: the policy's `1 / (neighbours + 1)`
+    /// times its staleness discount).
     pub update_weight: Option<f64>,
+    /// How own updates are encoded.
+    #[serde(serialize_with = "codec_name")]
+    pub codec: Codec,
+    /// Fraction of values top-k keeps.
+    pub density: f64,
+    /// Keep what a lossy codec did not send and add it to the next update.
+    pub error_feedback: bool,
+    /// SSP: run at most this many steps ahead of the slowest neighbour (`None`: no bound).
+    pub staleness_bound: Option<u64>,
+    /// Staleness scale: an update `t` of its sender's steps behind the sender's latest known
+    /// progress is weighted by `1 / (1 + t / stale_after)` (0: no discount).
+    pub stale_after: u64,
+    /// Publish before `publish_every` steps once the pending update's norm exceeds this
+    /// fraction of the parameters' norm (0: off).
+    pub publish_early_ratio: f64,
+}
+
+fn codec_name<S: serde::Serializer>(c: &Codec, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(c.name())
+}
+
+impl SyncConfig {
+    /// The policy settings these give.
+    pub fn policy(&self) -> crate::policy::PolicyConfig {
+        crate::policy::PolicyConfig {
+            publish_every: self.publish_every,
+            publish_early_ratio: self.publish_early_ratio,
+            full_sync_every: self.full_sync_every,
+            staleness_bound: self.staleness_bound,
+            stale_after: self.stale_after,
+            ..crate::policy::PolicyConfig::default()
+        }
+    }
 }
 
 /// Debug knobs (for tests and experiments).
@@ -503,7 +544,32 @@ impl Config {
             inline_max_bytes: y.inline_max_bytes.unwrap_or(1024 * 1024),
             max_update_ratio: y.max_update_ratio.unwrap_or(1.0),
             update_weight: y.update_weight,
+            codec: match &y.codec {
+                Some(c) => c.parse().map_err(|e| err(format!("sync.codec: {e}")))?,
+                None => Codec::Dense,
+            },
+            density: y.density.unwrap_or(0.01),
+            error_feedback: y.error_feedback.unwrap_or(true),
+            staleness_bound: y.staleness_bound,
+            stale_after: y.stale_after.unwrap_or(100),
+            publish_early_ratio: y.publish_early_ratio.unwrap_or(0.0),
         };
+        if !(sync.density > 0.0 && sync.density <= 1.0) {
+            return Err(err(format!(
+                "sync.density = {} must be in (0, 1]",
+                sync.density
+            )));
+        }
+        if sync.staleness_bound == Some(0) {
+            return Err(err(
+                "sync.staleness_bound must be at least 1 (0 would make neighbours wait for each other forever)".into(),
+            ));
+        }
+        if !(sync.publish_early_ratio >= 0.0 && sync.publish_early_ratio.is_finite()) {
+            return Err(err(
+                "sync.publish_early_ratio must be 0 or a positive number".into(),
+            ));
+        }
         if let Some(w) = sync.update_weight {
             if !(w > 0.0 && w <= 1.0) {
                 return Err(err(format!("sync.update_weight = {w} must be in (0, 1]")));

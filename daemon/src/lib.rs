@@ -13,6 +13,7 @@ pub mod identity;
 pub mod mesh;
 pub mod network;
 pub mod node;
+pub mod policy;
 pub mod status;
 pub mod store;
 pub mod trainer;

@@ -9,13 +9,13 @@
 //! carries updates beyond one hop and keeps the copies close.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use libp2p::gossipsub::{MessageAcceptance, MessageId};
 use libp2p::PeerId;
-use p2ptrain_models::codec::{self, Codec, UpdateHeader};
+use p2ptrain_models::codec::{self, Codec, ErrorFeedback, UpdateHeader};
+use p2ptrain_models::params::Layout;
 use rand::seq::IteratorRandom;
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
@@ -52,8 +52,6 @@ pub fn heartbeat_topic(run_id: &str) -> String {
 pub struct MeshConfig {
     /// Neighbours to keep.
     pub degree: usize,
-    /// Steps between neighbour syncs (0: never).
-    pub full_sync_every: u64,
     /// Updates up to this many bytes travel inside the gossip message; larger ones are
     /// announced and pulled over the bulk channel.
     pub inline_max: usize,
@@ -61,8 +59,12 @@ pub struct MeshConfig {
     pub max_update_ratio: f64,
     /// Debug throttle: delay before serving each state chunk.
     pub serve_chunk_delay: Duration,
-    /// Weight of a neighbour's update; `None`: `1 / (neighbours + 1)`.
-    pub update_weight: Option<f32>,
+    /// How own updates are encoded.
+    pub codec: Codec,
+    /// Kept fraction for top-k.
+    pub density: f64,
+    /// Keep what a lossy codec did not send and add it to the next update.
+    pub error_feedback: bool,
 }
 
 /// A neighbour sync, as status shows it.
@@ -124,6 +126,11 @@ pub struct MeshStatus {
     pub download: Option<transfer::DownloadReport>,
     /// Member peers connected now.
     pub members: Vec<PeerId>,
+    /// L2 norm of what error feedback still owes the mesh, after the last update.
+    pub residual_norm: f64,
+    /// Bytes of the own update messages published (our framing, before gossipsub's), once
+    /// per update.
+    pub payload_bytes_sent: u64,
 }
 
 /// Routes between network and trainer; see the module docs.
@@ -146,15 +153,16 @@ pub struct Mesh {
     pub run_id: String,
     /// Layout hash of the model.
     pub layout_hash: String,
-    /// Parameters in the model.
-    pub numel: usize,
+    /// The model's parameter layout, which every update must fit.
+    pub layout: Layout,
+    numel: usize,
+    me_bytes: [u8; 8],
+    compressor: ErrorFeedback,
     members: BTreeSet<PeerId>,
     neighbours: BTreeSet<PeerId>,
     large: VecDeque<([u8; 32], Arc<Vec<u8>>)>,
     last_step_by_author: HashMap<PeerId, u64>,
-    pending_apply: Option<Vec<f32>>,
-    sync_in_flight: Arc<AtomicBool>,
-    last_sync_step: u64,
+    pending_apply: VecDeque<(PeerId, u64, Vec<f32>)>,
     fetched_tx: mpsc::Sender<Fetched>,
     fetched_rx: Option<mpsc::Receiver<Fetched>>,
 }
@@ -169,6 +177,8 @@ struct Fetched {
     bytes: Result<Vec<u8>, bool>,
 }
 
+/// Updates waiting for a busy trainer before they are merged.
+const PENDING_CAP: usize = 8;
 /// Announced updates being fetched at once, at most.
 const FETCH_CAP: usize = 16;
 
@@ -185,9 +195,10 @@ impl Mesh {
         me: PeerId,
         run_id: String,
         layout_hash: String,
-        numel: usize,
+        layout: Layout,
     ) -> Mesh {
-        let last_sync_step = stats_rx.borrow().step;
+        let numel = layout.numel();
+        let compressor = ErrorFeedback::new(numel, cfg.error_feedback);
         let (fetched_tx, fetched_rx) = mpsc::channel(FETCH_CAP);
         Mesh {
             net,
@@ -199,14 +210,15 @@ impl Mesh {
             me,
             run_id,
             layout_hash,
+            layout,
             numel,
+            me_bytes: codec::sender_bytes(&me.to_bytes()),
+            compressor,
             members: BTreeSet::new(),
             neighbours: BTreeSet::new(),
             large: VecDeque::new(),
             last_step_by_author: HashMap::new(),
-            pending_apply: None,
-            sync_in_flight: Arc::new(AtomicBool::new(false)),
-            last_sync_step,
+            pending_apply: VecDeque::new(),
             fetched_tx,
             fetched_rx: Some(fetched_rx),
         }
@@ -248,13 +260,14 @@ impl Mesh {
                     Some(ev) => self.on_event(ev).await,
                     None => return,
                 },
-                out = outgoing.recv() => if let Some(out) = out {
-                    self.publish_update(out).await;
+                out = outgoing.recv() => match out {
+                    Some(Outgoing::Update { base_step, step, delta }) => {
+                        self.publish_update(base_step, step, delta).await;
+                    }
+                    Some(Outgoing::Sync { peer }) => self.start_sync(peer),
+                    None => {}
                 },
-                _ = refresh.tick() => {
-                    self.refresh_neighbours().await;
-                    self.maybe_sync();
-                }
+                _ = refresh.tick() => self.refresh_neighbours().await,
                 _ = heartbeat.tick() => self.send_heartbeat().await,
                 _ = flush.tick() => self.flush_pending(),
                 Some(f) = fetched_rx.recv() => self.on_fetched(f).await,
@@ -309,6 +322,12 @@ impl Mesh {
                     MessageAcceptance::Accept
                 }
                 (Some(a), Ok(hb)) => {
+                    if self.neighbours.contains(&a) {
+                        let _ = self.trainer_tx.try_send(Command::PeerStep {
+                            peer: a.to_string(),
+                            step: hb.step,
+                        });
+                    }
                     self.with_status(|s| {
                         s.progress.insert(a.to_string(), hb);
                     });
@@ -334,7 +353,7 @@ impl Mesh {
                 let mut hash = [0u8; 32];
                 hash.copy_from_slice(&rest[..32]);
                 let size = u64::from_le_bytes(rest[32..40].try_into().unwrap_or([0; 8]));
-                if size as usize > codec::HEADER_LEN + codec::CHECKSUM_LEN + self.numel * 4 {
+                if size as usize > codec::max_len(&self.layout) {
                     self.reject(owner, "announced update larger than any valid update");
                     return Some(MessageAcceptance::Reject);
                 }
@@ -422,7 +441,7 @@ impl Mesh {
 
     /// Checks an encoded update and, if it passes, queues it for the trainer.
     fn accept_update(&mut self, author: PeerId, bytes: &[u8]) -> MessageAcceptance {
-        let (header, values) = match codec::decode(bytes, self.numel) {
+        let (header, values) = match codec::decode(bytes, &self.layout) {
             Ok(v) => v,
             Err(e) => {
                 self.reject(author, &e.to_string());
@@ -435,6 +454,10 @@ impl Mesh {
         }
         if header.layout != codec::id_bytes(&self.layout_hash) {
             self.reject(author, "update for another parameter layout");
+            return MessageAcceptance::Reject;
+        }
+        if header.sender != codec::sender_bytes(&author.to_bytes()) {
+            self.reject(author, "update names another sender");
             return MessageAcceptance::Reject;
         }
         if values.iter().any(|v| !v.is_finite()) {
@@ -468,10 +491,15 @@ impl Mesh {
         }
         self.last_step_by_author.insert(author, header.step);
         self.with_status(|s| s.updates.received += 1);
-        // Merge into what is waiting for the trainer rather than queueing stale copies.
-        match &mut self.pending_apply {
-            Some(p) => p.iter_mut().zip(&values).for_each(|(a, b)| *a += b),
-            None => self.pending_apply = Some(values),
+        // While the trainer is busy, a short queue; beyond it, merge into the newest entry
+        // rather than queueing more copies (the older step is kept: the merged update is as
+        // stale as its oldest part).
+        let full = self.pending_apply.len() >= PENDING_CAP;
+        match self.pending_apply.back_mut() {
+            Some((_, _, p)) if full => {
+                p.iter_mut().zip(&values).for_each(|(a, b)| *a += b);
+            }
+            _ => self.pending_apply.push_back((author, header.step, values)),
         }
         self.flush_pending();
         // Valid, applied, and not forwarded: the author publishes straight to every subscriber
@@ -481,40 +509,43 @@ impl Mesh {
         MessageAcceptance::Ignore
     }
 
-    /// The weight of a neighbour's update. Adding every neighbour's full update to one's own
-    /// steps multiplies the effective learning rate by the neighbourhood's size, and with
-    /// momentum and some staleness that diverges (measured: a 3-node digits mesh at full speed
-    /// fell to 40% accuracy). Weighting each by `1 / (neighbours + 1)` keeps a node's total step
-    /// near one node's; the neighbour syncs make up for what is not applied.
-    fn update_weight(&self) -> f32 {
-        match self.cfg.update_weight {
-            Some(w) => w,
-            None => 1.0 / (self.neighbours.len() as f32 + 1.0),
-        }
-    }
-
     fn flush_pending(&mut self) {
-        if let Some(values) = self.pending_apply.take() {
-            if let Err(mpsc::error::TrySendError::Full(Command::ApplyUpdate { values, .. })) =
-                self.trainer_tx.try_send(Command::ApplyUpdate {
-                    values,
-                    weight: self.update_weight(),
-                })
+        while let Some((peer, step, values)) = self.pending_apply.pop_front() {
+            let cmd = Command::ApplyUpdate {
+                peer: peer.to_string(),
+                step,
+                values,
+            };
+            if let Err(mpsc::error::TrySendError::Full(Command::ApplyUpdate {
+                step, values, ..
+            })) = self.trainer_tx.try_send(cmd)
             {
-                self.pending_apply = Some(values);
+                self.pending_apply.push_front((peer, step, values));
+                return;
             }
         }
     }
 
-    async fn publish_update(&mut self, out: Outgoing) {
+    async fn publish_update(&mut self, base_step: u64, step: u64, delta: Vec<f32>) {
         let header = UpdateHeader {
             run_id: codec::id_bytes(&self.run_id),
             layout: codec::id_bytes(&self.layout_hash),
-            step: out.step,
-            codec: Codec::Dense,
-            numel: out.delta.len() as u32,
+            sender: self.me_bytes,
+            base_step,
+            step,
+            codec: self.cfg.codec,
+            numel: delta.len() as u32,
         };
-        let bytes = codec::encode(&header, &out.delta);
+        let bytes = match self
+            .compressor
+            .compress(&header, &self.layout, &delta, self.cfg.density)
+        {
+            Ok(e) => e.bytes,
+            Err(e) => {
+                tracing::warn!("own update not published: {e}");
+                return;
+            }
+        };
         let mut msg;
         if bytes.len() <= self.cfg.inline_max {
             msg = Vec::with_capacity(bytes.len() + 1);
@@ -525,18 +556,24 @@ impl Mesh {
             msg = vec![ANNOUNCE];
             msg.extend_from_slice(&hash);
             msg.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-            msg.extend_from_slice(&out.step.to_le_bytes());
+            msg.extend_from_slice(&step.to_le_bytes());
             if self.large.len() == LARGE_UPDATE_CAP {
                 self.large.pop_front();
             }
             self.large.push_back((hash, Arc::new(bytes)));
         }
+        let residual = self.compressor.residual_norm();
+        let payload = msg.len() as u64;
         match self
             .net
             .publish(update_topic(&self.run_id, &self.me), msg)
             .await
         {
-            Ok(()) => self.with_status(|s| s.updates.sent += 1),
+            Ok(()) => self.with_status(|s| {
+                s.updates.sent += 1;
+                s.residual_norm = residual;
+                s.payload_bytes_sent += payload;
+            }),
             Err(e) => tracing::debug!("update not published: {e}"),
         }
     }
@@ -555,10 +592,24 @@ impl Mesh {
         for gone in before.difference(&self.neighbours) {
             let _ = self.net.unsubscribe(update_topic(&self.run_id, gone)).await;
             tracing::info!(peer = %gone, "neighbour dropped");
+            let _ = self
+                .trainer_tx
+                .send(Command::Neighbour {
+                    peer: gone.to_string(),
+                    up: false,
+                })
+                .await;
         }
         for new in self.neighbours.difference(&before) {
             let _ = self.net.subscribe(update_topic(&self.run_id, new)).await;
             tracing::info!(peer = %new, "new neighbour");
+            let _ = self
+                .trainer_tx
+                .send(Command::Neighbour {
+                    peer: new.to_string(),
+                    up: true,
+                })
+                .await;
         }
         let list: Vec<String> = self.neighbours.iter().map(|p| p.to_string()).collect();
         self.with_status(|s| s.neighbours = list);
@@ -587,27 +638,15 @@ impl Mesh {
         }
     }
 
-    /// Starts a neighbour sync when one is due and none is running.
-    fn maybe_sync(&mut self) {
-        let step = self.stats_rx.borrow().step;
-        if self.cfg.full_sync_every == 0 || step < self.last_sync_step + self.cfg.full_sync_every {
-            return;
-        }
-        let Some(peer) = self.neighbours.iter().copied().choose(&mut rand::rng()) else {
-            return;
-        };
-        if self.sync_in_flight.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        self.last_sync_step = step;
+    /// Runs the full sync the trainer's policy asked for, in a task of its own.
+    fn start_sync(&mut self, peer: String) {
         let task = SyncTask {
             net: self.net.clone(),
             trainer_tx: self.trainer_tx.clone(),
             status: self.status.clone(),
             layout_hash: self.layout_hash.clone(),
             numel: self.numel,
-            in_flight: self.sync_in_flight.clone(),
-            step,
+            step: self.stats_rx.borrow().step,
         };
         tokio::spawn(task.run(peer));
     }
@@ -732,16 +771,26 @@ struct SyncTask {
     status: Arc<Mutex<MeshStatus>>,
     layout_hash: String,
     numel: usize,
-    in_flight: Arc<AtomicBool>,
     step: u64,
 }
 
 impl SyncTask {
-    async fn run(self, peer: PeerId) {
-        if let Err(e) = self.sync(peer).await {
-            tracing::info!(peer = %peer, "neighbour sync skipped: {e}");
+    async fn run(self, peer: String) {
+        let result = match peer.parse::<PeerId>() {
+            Ok(p) => self.sync(p).await,
+            Err(e) => Err(format!("not a peer id: {e}")),
+        };
+        if let Err(e) = &result {
+            tracing::info!(%peer, "neighbour sync skipped: {e}");
         }
-        self.in_flight.store(false, Ordering::SeqCst);
+        // The policy starts no other sync until it hears how this one ended.
+        let _ = self
+            .trainer_tx
+            .send(Command::SyncFinished {
+                peer,
+                ok: result.is_ok(),
+            })
+            .await;
     }
 
     async fn sync(&self, peer: PeerId) -> Result<(), String> {

@@ -9,7 +9,7 @@
 //! validated by the node before it is forwarded, content-hash ids); and a request-response
 //! channel ("bulk") for what is too big for gossip: state downloads and full-model syncs.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -252,6 +252,9 @@ pub struct NetSnapshot {
     pub refused_peers: u64,
     /// Topics we are subscribed to.
     pub topics: Vec<String>,
+    /// Gossip messages sent per topic: `(messages, bytes)`, each message counted once per
+    /// peer it went to, with gossipsub's envelope (signature, author, topic, sequence number).
+    pub topic_sent: BTreeMap<String, (u64, u64)>,
 }
 
 /// A cloneable handle that sends commands to the event loop.
@@ -385,6 +388,7 @@ pub struct EventLoop {
     cmd_rx: mpsc::Receiver<Command>,
     event_tx: mpsc::Sender<Event>,
     registry: prometheus_client::registry::Registry,
+    gossip_registry: prometheus_client::registry::Registry,
     protocol_version: String,
     members: HashMap<PeerId, PeerInfo>,
     refused: HashSet<PeerId>,
@@ -418,6 +422,7 @@ pub fn new(
     cfg: &NetConfig,
 ) -> Result<(Client, mpsc::Receiver<Event>, EventLoop), NetError> {
     let mut registry = prometheus_client::registry::Registry::default();
+    let mut gossip_registry = prometheus_client::registry::Registry::default();
     let peer_id = key.public().to_peer_id();
     let protocol_version = protocol_version(&cfg.run_id);
     let pv = protocol_version.clone();
@@ -444,7 +449,10 @@ pub fn new(
                 gossipsub::MessageAuthenticity::Signed(key.clone()),
                 gossip_cfg,
             )
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())?
+            // Per-topic message counts and sizes (protobuf envelope included): how the mesh
+            // measures bytes per update on the wire.
+            .with_metrics(&mut gossip_registry, Default::default());
             let mut kad_cfg = kad::Config::new(StreamProtocol::new("/p2ptrain/kad/1"));
             kad_cfg.set_query_timeout(Duration::from_secs(30));
             // The event loop walks the DHT itself once it has a peer; kad's own start-up
@@ -520,6 +528,7 @@ pub fn new(
             cmd_rx,
             event_tx,
             registry,
+            gossip_registry,
             protocol_version,
             members: HashMap::new(),
             refused: HashSet::new(),
@@ -607,6 +616,39 @@ impl EventLoop {
         (sent, received)
     }
 
+    fn topic_sent(&self) -> BTreeMap<String, (u64, u64)> {
+        let mut text = String::new();
+        let mut out: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        if prometheus_client::encoding::text::encode(&mut text, &self.gossip_registry).is_err() {
+            return out;
+        }
+        for line in text.lines() {
+            let counts = line.starts_with("topic_msg_sent_counts_total{");
+            let bytes = line.starts_with("topic_msg_sent_bytes_total{");
+            if !(counts || bytes) {
+                continue;
+            }
+            let topic = line
+                .split_once("hash=\"")
+                .and_then(|(_, rest)| rest.split_once('"'))
+                .map(|(t, _)| t.to_string());
+            let value = line
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0) as u64;
+            if let Some(topic) = topic {
+                let e = out.entry(topic).or_default();
+                if counts {
+                    e.0 += value;
+                } else {
+                    e.1 += value;
+                }
+            }
+        }
+        out
+    }
+
     fn on_command(&mut self, cmd: Command) {
         match cmd {
             Command::Publish { topic, data, reply } => {
@@ -689,6 +731,7 @@ impl EventLoop {
                     bytes_received,
                     refused_peers: self.refused_count,
                     topics,
+                    topic_sent: self.topic_sent(),
                 });
             }
             Command::Disconnect(peer) => {

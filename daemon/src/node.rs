@@ -22,7 +22,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::checkpoint::{CheckpointMeta, Snapshot};
 use crate::config::Config;
 use crate::mesh::{Mesh, MeshConfig, MeshStatus};
-use crate::status::{CheckpointRef, CheckpointView, ModelInfo, PeerStatus, Peers, Status};
+use crate::status::{
+    CheckpointRef, CheckpointView, ModelInfo, PeerStatus, Peers, Status, SyncStatus,
+};
 use crate::store::Store;
 use crate::trainer::{self, Command, Stats};
 use crate::{control, device, identity, network, store, transfer};
@@ -119,6 +121,16 @@ pub struct Summary {
     pub reached_max_steps: bool,
 }
 
+/// The parts of the sync status fixed at start.
+pub struct SyncInfoStatic {
+    /// The `[sync]` settings.
+    pub config: crate::config::SyncConfig,
+    /// This node's update topic.
+    pub topic: String,
+    /// Bytes of a dense update of this model.
+    pub dense_bytes: u64,
+}
+
 /// State shared between the node task and the API handlers.
 pub struct Shared {
     /// Peer id, printed and reported.
@@ -161,6 +173,8 @@ pub struct Shared {
     pub mesh: Arc<Mutex<MeshStatus>>,
     /// Frozen states this node serves to joiners.
     pub cache: Arc<Mutex<transfer::Cache>>,
+    /// The update settings and this node's update topic, for status.
+    pub sync: SyncInfoStatic,
 }
 
 impl Shared {
@@ -244,6 +258,30 @@ impl Shared {
             refused_peers: net.refused_peers,
             state_download: mesh.download,
             state_serving: self.cache.lock().map(|mut c| c.load()).unwrap_or(0),
+            sync: {
+                let (copies, bytes) = net
+                    .topic_sent
+                    .get(&self.sync.topic)
+                    .copied()
+                    .unwrap_or_default();
+                SyncStatus {
+                    codec: self.sync.config.codec.name().to_string(),
+                    density: self.sync.config.density,
+                    error_feedback: self.sync.config.error_feedback,
+                    update_copies_sent: copies,
+                    update_bytes_sent: bytes,
+                    bytes_per_update: (copies > 0).then(|| bytes as f64 / copies as f64),
+                    dense_update_bytes: self.sync.dense_bytes,
+                    payload_bytes_per_update: (mesh.updates.sent > 0)
+                        .then(|| mesh.payload_bytes_sent as f64 / mesh.updates.sent as f64),
+                    residual_norm: mesh.residual_norm,
+                    dropped_stale: stats.updates_dropped_stale,
+                    staleness_bound: self.sync.config.staleness_bound,
+                    held: stats.held,
+                    held_secs: stats.held_secs,
+                    lead_over_slowest: stats.lead_over_slowest,
+                }
+            },
         }
     }
 
@@ -430,11 +468,11 @@ pub async fn run(
     let net_task = tokio::spawn(event_loop.run());
     // A fresh node joining a mesh takes the mesh's state before its first step.
     let joining = resume.is_none() && !net_cfg.bootstrap.is_empty();
-    let layout_hash = model.params().layout().hash();
-    let numel = model.params().numel();
+    let layout = model.params().layout();
+    let layout_hash = layout.hash();
 
     let (snapshot_tx, mut snapshot_rx) = mpsc::channel(trainer::SNAPSHOT_CAP);
-    let (update_tx, update_rx) = mpsc::channel(1);
+    let (update_tx, update_rx) = mpsc::channel(2);
     let handle = trainer::spawn(
         trainer::Setup {
             model,
@@ -452,7 +490,8 @@ pub async fn run(
             checkpoint_every: Duration::from_secs(config.checkpoint.every_secs),
             identity: ident.clone(),
             start,
-            publish_every: config.sync.publish_every,
+            policy: config.sync.policy(),
+            update_weight: config.sync.update_weight.map(|w| w as f32),
             start_paused: joining,
             step_delay: Duration::from_millis(config.debug.step_delay_ms),
         },
@@ -487,6 +526,11 @@ pub async fn run(
         net: net.clone(),
         mesh: Arc::new(Mutex::new(MeshStatus::default())),
         cache: Arc::new(Mutex::new(transfer::Cache::default())),
+        sync: SyncInfoStatic {
+            config: config.sync.clone(),
+            topic: crate::mesh::update_topic(&ident.run_id, &local_peer),
+            dense_bytes: p2ptrain_models::codec::dense_len(&layout) as u64,
+        },
     });
     drop(resume);
     let cache = shared.cache.clone();
@@ -498,16 +542,17 @@ pub async fn run(
         cache.clone(),
         MeshConfig {
             degree: config.sync.degree,
-            full_sync_every: config.sync.full_sync_every,
             inline_max: config.sync.inline_max_bytes,
             max_update_ratio: config.sync.max_update_ratio,
             serve_chunk_delay: Duration::from_millis(config.debug.serve_chunk_delay_ms),
-            update_weight: config.sync.update_weight.map(|w| w as f32),
+            codec: config.sync.codec,
+            density: config.sync.density,
+            error_feedback: config.sync.error_feedback,
         },
         local_peer,
         ident.run_id.clone(),
         layout_hash,
-        numel,
+        layout,
     );
     let mesh_task = tokio::spawn(mesh.run(net_events, update_rx, shared.stop_tx.subscribe()));
     if joining {

@@ -138,6 +138,43 @@ pub struct Status {
     /// Joiners downloading this node's state now.
     #[serde(default)]
     pub state_serving: u32,
+    /// How updates are compressed and paced, and what they cost on the wire.
+    #[serde(default)]
+    pub sync: SyncStatus,
+}
+
+/// The update exchange as status shows it: what a user tunes `[sync]` by.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SyncStatus {
+    /// Codec of this node's own updates.
+    pub codec: String,
+    /// Fraction kept by top-k.
+    pub density: f64,
+    /// Whether error feedback is on.
+    pub error_feedback: bool,
+    /// Own update messages sent, counted once per peer each went to.
+    pub update_copies_sent: u64,
+    /// Their bytes, gossipsub's envelope included.
+    pub update_bytes_sent: u64,
+    /// Mean bytes of one update message on the wire (envelope included).
+    pub bytes_per_update: Option<f64>,
+    /// Bytes a dense `f32` update of this model takes (header and checksum, no envelope).
+    pub dense_update_bytes: u64,
+    /// Mean bytes of one own update message before gossipsub's envelope; the envelope is
+    /// `bytes_per_update` minus this.
+    pub payload_bytes_per_update: Option<f64>,
+    /// L2 norm of what error feedback still owes the mesh.
+    pub residual_norm: f64,
+    /// Neighbours' updates dropped as too stale.
+    pub dropped_stale: u64,
+    /// The SSP bound, if any.
+    pub staleness_bound: Option<u64>,
+    /// Whether the bound holds this node back now.
+    pub held: bool,
+    /// Seconds held back so far.
+    pub held_secs: f64,
+    /// Steps ahead of the slowest neighbour, as far as this node knows.
+    pub lead_over_slowest: Option<u64>,
 }
 
 /// A checkpoint as the API lists it: the index entry plus its full path.

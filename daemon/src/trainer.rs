@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint::{HostTensor, Snapshot, StateInfo};
+use crate::policy::{Action, PolicyConfig, PolicyEvent, SyncPolicy};
 use crate::store::Loaded;
 
 /// Capacity of the command channel: commands are rare (checkpoint, restore, stop) and each
@@ -33,6 +34,8 @@ const PUBLISH_EVERY: Duration = Duration::from_millis(100);
 const LOSS_WINDOW: usize = 50;
 /// Least time between two evaluation lines in the log.
 const EVAL_LOG_EVERY: Duration = Duration::from_secs(10);
+/// How often a node held back by the staleness bound looks again.
+const HELD_POLL: Duration = Duration::from_millis(5);
 /// Samples per evaluation batch.
 const EVAL_BATCH: usize = 1000;
 
@@ -45,12 +48,36 @@ pub enum Command {
     Restore(Box<Loaded>, oneshot::Sender<Result<(), String>>),
     /// Finish the current step, then stop and hand back the final state.
     Stop,
-    /// Add a neighbour's update (validated by the node) times `weight` to the parameters.
+    /// A neighbour's update, validated by the mesh; the sync policy weighs it by the
+    /// neighbourhood's size and its staleness, then it is added to the parameters.
     ApplyUpdate {
+        /// Its author.
+        peer: String,
+        /// The author's step when it published.
+        step: u64,
         /// Flat values in canonical order.
         values: Vec<f32>,
-        /// Scale applied to them.
-        weight: f32,
+    },
+    /// A peer entered (`up`) or left this node's neighbour set.
+    Neighbour {
+        /// The peer.
+        peer: String,
+        /// Whether it joined the set.
+        up: bool,
+    },
+    /// Progress news about a peer (its heartbeat), for the staleness bound.
+    PeerStep {
+        /// The peer.
+        peer: String,
+        /// Its step.
+        step: u64,
+    },
+    /// A full sync the trainer asked for (see [`Outgoing::Sync`]) ended.
+    SyncFinished {
+        /// The neighbour.
+        peer: String,
+        /// Whether the parameters were averaged.
+        ok: bool,
     },
     /// The current step and flat parameters, for a neighbour that syncs with this node.
     Params(oneshot::Sender<(u64, Vec<f32>)>),
@@ -66,15 +93,24 @@ pub enum Command {
     Start,
 }
 
-/// An update the trainer hands to the node for publishing: the change its own optimizer made
-/// since the last one it handed over (neighbours' updates and syncs excluded, so nothing echoes
-/// back through the mesh).
+/// Work the trainer's sync policy hands to the mesh.
 #[derive(Debug)]
-pub struct Outgoing {
-    /// Step at which it was taken.
-    pub step: u64,
-    /// Flat change, canonical order.
-    pub delta: Vec<f32>,
+pub enum Outgoing {
+    /// An update to publish: the change this node's own optimizer made since the last one
+    /// (neighbours' updates and syncs excluded, so nothing echoes back through the mesh).
+    Update {
+        /// Step of the previous update: this one covers `base_step..step`.
+        base_step: u64,
+        /// Step at which it was taken.
+        step: u64,
+        /// Flat change, canonical order.
+        delta: Vec<f32>,
+    },
+    /// Run a full sync with this neighbour and report [`Command::SyncFinished`].
+    Sync {
+        /// The neighbour.
+        peer: String,
+    },
 }
 
 /// What the trainer is doing.
@@ -129,6 +165,14 @@ pub struct Stats {
     /// L2 norm of the parameters at the last publish or evaluation; the mesh bounds
     /// neighbours' updates relative to it.
     pub param_norm: f64,
+    /// Neighbours' updates dropped as too stale.
+    pub updates_dropped_stale: u64,
+    /// Whether the staleness bound holds this node back now.
+    pub held: bool,
+    /// Seconds spent held back by the staleness bound.
+    pub held_secs: f64,
+    /// Steps this node is ahead of its slowest neighbour, as far as it knows.
+    pub lead_over_slowest: Option<u64>,
 }
 
 /// Everything the trainer thread needs, prepared (and validated) before it starts.
@@ -157,8 +201,10 @@ pub struct Setup {
     pub identity: Identity,
     /// Counters restored from a checkpoint (zero for a fresh start).
     pub start: Counters,
-    /// Hand an update to the node every this many steps (0: never).
-    pub publish_every: u64,
+    /// When to publish, sync and wait (see [`crate::policy`]).
+    pub policy: PolicyConfig,
+    /// Fixed weight for neighbours' updates instead of the policy's (a debug override).
+    pub update_weight: Option<f32>,
     /// Wait for [`Command::Start`] (or a restore) before the first step.
     pub start_paused: bool,
     /// Debug throttle: sleep this long after every step.
@@ -331,6 +377,8 @@ struct Loop {
     foreign: Vec<f32>,
     last_publish_step: u64,
     paused: bool,
+    policy: SyncPolicy<String>,
+    held_since: Option<Instant>,
 }
 
 impl Loop {
@@ -362,6 +410,8 @@ impl Loop {
             foreign: Vec::new(),
             last_publish_step: counters.step,
             paused: s.start_paused,
+            policy: SyncPolicy::new(s.policy.clone(), counters.step),
+            held_since: None,
             s,
         }
     }
@@ -481,29 +531,35 @@ impl Loop {
                     let flat = self.s.model.params().flatten().map_err(|e| e.to_string())?;
                     let _ = reply.send((self.counters.step, flat));
                 }
-                Command::ApplyUpdate { values, weight } => {
-                    let mut flat = self.s.model.params().flatten().map_err(|e| e.to_string())?;
-                    if values.len() != flat.len() {
-                        tracing::warn!(
-                            got = values.len(),
-                            expected = flat.len(),
-                            "update of the wrong size dropped"
-                        );
-                        continue;
-                    }
-                    for (p, v) in flat.iter_mut().zip(&values) {
-                        *p += weight * v;
-                    }
-                    if let Err(e) = self.s.model.params().write_back(&flat) {
-                        tracing::warn!("update not applied: {e}");
-                        continue;
-                    }
-                    if self.foreign.len() == values.len() {
-                        for (f, v) in self.foreign.iter_mut().zip(&values) {
-                            *f += weight * v;
+                Command::ApplyUpdate { peer, step, values } => {
+                    let actions = self
+                        .policy
+                        .handle(PolicyEvent::UpdateArrived { peer, step }, Instant::now());
+                    for action in actions {
+                        match action {
+                            Action::Apply { weight, .. } => {
+                                let weight = self.s.update_weight.unwrap_or(weight);
+                                self.apply_update(&values, weight)?;
+                            }
+                            Action::Drop { peer, staleness } => {
+                                tracing::debug!(%peer, staleness, "stale update dropped");
+                                self.stats.updates_dropped_stale += 1;
+                            }
+                            other => self.act(other)?,
                         }
                     }
-                    self.stats.updates_applied += 1;
+                }
+                Command::Neighbour { peer, up } => {
+                    let ev = if up {
+                        PolicyEvent::NeighbourUp { peer }
+                    } else {
+                        PolicyEvent::NeighbourDown { peer }
+                    };
+                    self.feed(ev)?;
+                }
+                Command::PeerStep { peer, step } => self.feed(PolicyEvent::Heard { peer, step })?,
+                Command::SyncFinished { peer, ok } => {
+                    self.feed(PolicyEvent::SyncFinished { peer, ok })?
                 }
                 Command::Average { theirs, reply } => {
                     let _ = reply.send(self.average(&theirs));
@@ -521,9 +577,76 @@ impl Loop {
             .map(|v| f64::from(*v).powi(2))
             .sum::<f64>()
             .sqrt();
-        if self.s.publish_every > 0 {
+        if self.s.policy.publish_every > 0 {
             self.foreign = vec![0.0; flat.len()];
             self.anchor = flat;
+        }
+        Ok(())
+    }
+
+    fn apply_update(&mut self, values: &[f32], weight: f32) -> Result<(), String> {
+        let mut flat = self.s.model.params().flatten().map_err(|e| e.to_string())?;
+        if values.len() != flat.len() {
+            tracing::warn!(
+                got = values.len(),
+                expected = flat.len(),
+                "update of the wrong size dropped"
+            );
+            return Ok(());
+        }
+        for (p, v) in flat.iter_mut().zip(values) {
+            *p += weight * v;
+        }
+        if let Err(e) = self.s.model.params().write_back(&flat) {
+            tracing::warn!("update not applied: {e}");
+            return Ok(());
+        }
+        if self.foreign.len() == values.len() {
+            for (f, v) in self.foreign.iter_mut().zip(values) {
+                *f += weight * v;
+            }
+        }
+        self.stats.updates_applied += 1;
+        Ok(())
+    }
+
+    /// Feeds the sync policy one event and carries out what it asks.
+    fn feed(&mut self, ev: PolicyEvent<String>) -> Result<(), String> {
+        let actions = self.policy.handle(ev, Instant::now());
+        for a in actions {
+            self.act(a)?;
+        }
+        Ok(())
+    }
+
+    fn act(&mut self, action: Action<String>) -> Result<(), String> {
+        match action {
+            Action::Publish => self.publish_update()?,
+            Action::FullSync { peer } => {
+                if let Err(e) = self.update_tx.try_send(Outgoing::Sync { peer }) {
+                    // The mesh is behind; report the sync as failed so another is tried.
+                    if let Outgoing::Sync { peer } = e.into_inner() {
+                        self.feed(PolicyEvent::SyncFinished { peer, ok: false })?;
+                    }
+                }
+            }
+            Action::Hold => {
+                if !self.policy.is_held() {
+                    return Ok(());
+                }
+                if self.held_since.is_none() {
+                    self.held_since = Some(Instant::now());
+                }
+                self.stats.held = true;
+            }
+            Action::Resume => {
+                if let Some(t) = self.held_since.take() {
+                    self.stats.held_secs += t.elapsed().as_secs_f64();
+                }
+                self.stats.held = false;
+            }
+            // Answers to arriving updates are handled where the update is.
+            Action::Apply { .. } | Action::Drop { .. } => {}
         }
         Ok(())
     }
@@ -560,17 +683,28 @@ impl Loop {
         Ok(diff.sqrt() / norm.sqrt().max(f64::MIN_POSITIVE))
     }
 
-    /// Hands the node this node's own change since the last update, if one is due. When the
-    /// node has not taken the previous one yet, nothing is queued: the change keeps
-    /// accumulating and goes out whole next time (merged, never stale).
-    fn maybe_publish(&mut self) -> Result<(), String> {
-        if self.s.publish_every == 0
-            || self.counters.step - self.last_publish_step < self.s.publish_every
-        {
-            return Ok(());
+    /// ‖own change since the last update‖ / ‖parameters‖, for the policy's early-publish
+    /// rule; measured only when that rule is on (it costs a copy of the parameters).
+    fn pending_ratio(&self) -> Result<f64, String> {
+        if self.s.policy.publish_early_ratio <= 0.0 || self.anchor.is_empty() {
+            return Ok(0.0);
         }
-        self.last_publish_step = self.counters.step;
-        if self.update_tx.capacity() == 0 {
+        let now = self.s.model.params().flatten().map_err(|e| e.to_string())?;
+        let (mut d, mut n) = (0.0f64, 0.0f64);
+        for ((x, a), f) in now.iter().zip(&self.anchor).zip(&self.foreign) {
+            d += f64::from(x - a - f).powi(2);
+            n += f64::from(*x).powi(2);
+        }
+        Ok(d.sqrt() / n.sqrt().max(f64::MIN_POSITIVE))
+    }
+
+    /// Hands the mesh this node's own change since the last update. When the mesh has not
+    /// taken the previous one yet, nothing is queued: the change keeps accumulating and goes
+    /// out whole next time (merged, never stale).
+    fn publish_update(&mut self) -> Result<(), String> {
+        // Publish only into an empty channel (room stays for a sync request), and only the
+        // newest change: a queued update would be older than the one after it.
+        if self.update_tx.capacity() < self.update_tx.max_capacity() {
             return Ok(());
         }
         let now = self.s.model.params().flatten().map_err(|e| e.to_string())?;
@@ -590,10 +724,12 @@ impl Loop {
             .zip(&self.foreign)
             .map(|((n, a), f)| n - a - f)
             .collect();
+        let step = self.counters.step;
         if self
             .update_tx
-            .try_send(Outgoing {
-                step: self.counters.step,
+            .try_send(Outgoing::Update {
+                base_step: self.last_publish_step,
+                step,
                 delta,
             })
             .is_ok()
@@ -601,6 +737,8 @@ impl Loop {
             self.anchor = now;
             self.foreign.iter_mut().for_each(|f| *f = 0.0);
             self.stats.updates_published += 1;
+            self.last_publish_step = step;
+            self.feed(PolicyEvent::Published { step })?;
         }
         Ok(())
     }
@@ -643,6 +781,17 @@ impl Loop {
                 reached_max_steps = true;
                 break;
             }
+            if self.policy.is_held() {
+                // The staleness bound: wait for the slowest neighbour (or its timeout).
+                std::thread::sleep(HELD_POLL);
+                self.feed(PolicyEvent::Tick)?;
+                self.stats.lead_over_slowest = self.policy.lead_over_slowest(Instant::now());
+                if last_publish.elapsed() >= PUBLISH_EVERY {
+                    self.publish();
+                    last_publish = Instant::now();
+                }
+                continue;
+            }
             let indices = self.sampler.next_batch(self.s.batch_size);
             let (xs, ys) = self
                 .s
@@ -669,7 +818,11 @@ impl Loop {
             if self.s.eval_every > 0 && self.counters.step.is_multiple_of(self.s.eval_every) {
                 self.evaluate()?;
             }
-            self.maybe_publish()?;
+            let pending_ratio = self.pending_ratio()?;
+            self.feed(PolicyEvent::Stepped {
+                step: self.counters.step,
+                pending_ratio,
+            })?;
             if !self.s.step_delay.is_zero() {
                 std::thread::sleep(self.s.step_delay);
             }
@@ -696,6 +849,8 @@ impl Loop {
                     rate_mark = (now, self.counters.samples_seen);
                 }
                 self.stats.train_secs = started.elapsed().as_secs_f64();
+                self.feed(PolicyEvent::Tick)?;
+                self.stats.lead_over_slowest = self.policy.lead_over_slowest(now);
                 self.publish();
                 last_publish = now;
             }

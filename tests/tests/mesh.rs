@@ -299,7 +299,8 @@ mod rogue {
         let model =
             p2ptrain_models::Model::new(&prepared.spec, 1, &candle_core_device()).expect("model");
         let numel = model.params().numel();
-        let layout = model.params().layout().hash();
+        let model_layout = model.params().layout();
+        let layout = model_layout.hash();
 
         let rt = tokio::runtime::Runtime::new().expect("runtime");
         let key = Keypair::generate_ed25519();
@@ -328,39 +329,50 @@ mod rogue {
             let header = |step: u64, run: &str, n: usize| UpdateHeader {
                 run_id: codec::id_bytes(run),
                 layout: codec::id_bytes(&layout),
+                sender: codec::sender_bytes(&me.to_bytes()),
+                base_step: step.saturating_sub(1),
                 step,
                 codec: Codec::Dense,
                 numel: n as u32,
             };
+            let encode = |h: UpdateHeader, values: &[f32]| {
+                codec::encode(&h, &model_layout, values, 1.0)
+                    .expect("encode")
+                    .bytes
+            };
             let inline = |bytes: Vec<u8>| [vec![b'U'], bytes].concat();
-            let mut nan = vec![0.0f32; numel];
-            nan[7] = f32::NAN;
+            // A well-formed message whose 8th value is then made NaN.
+            let mut nan = encode(header(11, &run_id, numel), &vec![0.0f32; numel]);
+            let at = codec::HEADER_LEN + 7 * 4;
+            nan[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+            codec::reseal(&mut nan);
+            // A message for a model of 100 parameters.
+            let small = p2ptrain_models::Layout {
+                entries: vec![("w".into(), vec![100])],
+            };
+            let wrong_size = codec::encode(&header(10, &run_id, 100), &small, &[0.5; 100], 1.0)
+                .expect("encode")
+                .bytes;
+            let mut other_sender = header(14, &run_id, numel);
+            other_sender.sender = codec::sender_bytes(b"someone else");
             let mut announce = vec![b'A'];
             announce.extend_from_slice(&[7u8; 32]);
             announce.extend_from_slice(&(u64::MAX / 2).to_le_bytes());
             announce.extend_from_slice(&5u64.to_le_bytes());
             let garbage: Vec<Vec<u8>> = vec![
                 inline((0..1000).map(|i| (i * 7 % 251) as u8).collect()),
-                inline(codec::encode(&header(10, &run_id, 100), &[0.5; 100])),
-                inline(codec::encode(&header(11, &run_id, numel), &nan)),
-                inline(codec::encode(
-                    &header(12, &run_id, numel),
-                    &vec![1e6; numel],
-                )),
-                inline(codec::encode(
-                    &header(13, "ffffffffffffffff", numel),
+                inline(wrong_size),
+                inline(nan),
+                inline(encode(header(12, &run_id, numel), &vec![1e6; numel])),
+                inline(encode(
+                    header(13, "ffffffffffffffff", numel),
                     &vec![1e-4; numel],
                 )),
+                inline(encode(other_sender, &vec![1e-5; numel])),
                 announce,
                 // A valid small update, then a replay of an older step.
-                inline(codec::encode(
-                    &header(20, &run_id, numel),
-                    &vec![1e-5; numel],
-                )),
-                inline(codec::encode(
-                    &header(15, &run_id, numel),
-                    &vec![2e-5; numel],
-                )),
+                inline(encode(header(20, &run_id, numel), &vec![1e-5; numel])),
+                inline(encode(header(15, &run_id, numel), &vec![2e-5; numel])),
             ];
             // The honest node subscribes to our topic once it makes us a neighbour.
             let first = garbage[0].clone();
@@ -385,13 +397,13 @@ mod rogue {
         let s = honest.wait_status(
             "the rogue's updates rejected",
             Duration::from_secs(30),
-            |s| s["updates"]["rejected"].as_u64().unwrap_or(0) >= 7,
+            |s| s["updates"]["rejected"].as_u64().unwrap_or(0) >= 8,
         );
         let by_peer: BTreeMap<String, u64> =
             serde_json::from_value(s["rejected_by_peer"].clone()).expect("map");
         assert_eq!(
             by_peer.get(&rejected.to_string()).copied(),
-            Some(7),
+            Some(8),
             "{by_peer:?}"
         );
         assert_eq!(

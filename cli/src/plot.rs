@@ -12,7 +12,6 @@
 //! gives a sparser picture, never a panic or an error.
 
 use anyhow::{Context, Result};
-use plotters::coord::ranged1d::SegmentValue;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -50,7 +49,8 @@ const DENSE_COLOUR: RGBColor = RGBColor(127, 127, 127);
 /// diverges is visible.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct NodeCurve {
-    /// Name of the node, for the caller's bookkeeping (the legend names codecs, not nodes).
+    /// Name of the node. Nodes are shaded in label order, so the same node has the same shade
+    /// in every run (the legend names codecs, not nodes).
     pub label: String,
     /// `(seconds since the start of the run, held-out accuracy in 0..=1)`; non-finite
     /// points are skipped, order does not matter.
@@ -106,7 +106,7 @@ fn lighten(colour: RGBColor, amount: f64) -> RGBColor {
     let amount = amount.clamp(0.0, 1.0);
     let mix = |c: u8| -> u8 {
         let value = f64::from(c) + (255.0 - f64::from(c)) * amount;
-        // In 0..=255 by construction; the cast cannot truncate meaningfully.
+        // Rounded and clamped to 0..=255 first, so the cast is exact.
         value.round().clamp(0.0, 255.0) as u8
     };
     RGBColor(mix(colour.0), mix(colour.1), mix(colour.2))
@@ -222,7 +222,12 @@ fn clip_to_band(points: &[(f64, f64)], lo: f64, hi: f64) -> Vec<Vec<(f64, f64)>>
 fn draw_accuracy(area: &Panel<'_>, runs: &[RunSeries]) -> Result<()> {
     let curves: Vec<Vec<Vec<(f64, f64)>>> = runs
         .iter()
-        .map(|run| run.nodes.iter().map(percent_points).collect())
+        .map(|run| {
+            // In label order, so that a node gets the same shade in every run.
+            let mut nodes: Vec<&NodeCurve> = run.nodes.iter().collect();
+            nodes.sort_by(|a, b| a.label.cmp(&b.label));
+            nodes.into_iter().map(percent_points).collect()
+        })
         .collect();
     let flat: Vec<Vec<(f64, f64)>> = curves.iter().flatten().cloned().collect();
     let ((x_lo, x_hi), (y_lo, y_hi)) = accuracy_ranges(&flat);
@@ -238,6 +243,8 @@ fn draw_accuracy(area: &Panel<'_>, runs: &[RunSeries]) -> Result<()> {
         .configure_mesh()
         .x_desc("seconds")
         .y_desc("accuracy (%)")
+        .x_label_formatter(&|value| format_tick(*value, x_hi - x_lo))
+        .y_label_formatter(&|value| format_tick(*value, y_hi - y_lo))
         .light_line_style(WHITE.mix(0.0))
         .draw()
         .context("drawing the accuracy axes")?;
@@ -247,7 +254,7 @@ fn draw_accuracy(area: &Panel<'_>, runs: &[RunSeries]) -> Result<()> {
         let colour = run_colour(index);
         let count = run_curves.len().max(1) as f64;
         for (node, points) in run_curves.iter().enumerate() {
-            // The first node in the run's own colour, later ones progressively lighter.
+            // The first node (by label) in the run's own colour, later ones progressively lighter.
             let shade = lighten(colour, 0.5 * node as f64 / count);
             let style = shade.stroke_width(2);
             for piece in clip_to_band(points, y_lo, y_hi) {
@@ -367,24 +374,88 @@ fn format_bytes(bytes: f64) -> String {
     }
 }
 
-/// The label over a bar: its size and, when known, its compression ratio against dense.
-fn bar_label(bar: &Bar) -> String {
-    let size = format_bytes(bar.bytes);
+/// An axis tick value with no more decimals than the axis `width` needs (`20`, not `20.0`).
+fn format_tick(value: f64, width: f64) -> String {
+    if width >= 10.0 {
+        format!("{value:.0}")
+    } else if width >= 1.0 {
+        format!("{value:.1}")
+    } else {
+        format!("{value:.2}")
+    }
+}
+
+/// A tick of the log bytes axis: like [`format_bytes`], without trailing zeros (`10 KB`).
+fn format_tick_bytes(bytes: f64) -> String {
+    let text = format_bytes(bytes);
+    match text.split_once(' ') {
+        Some((number, unit)) if number.contains('.') => {
+            let number = number.trim_end_matches('0').trim_end_matches('.');
+            format!("{number} {unit}")
+        }
+        _ => text,
+    }
+}
+
+/// A bar's compression ratio against dense, e.g. `31.4x`, when both sizes are known.
+fn ratio_label(bar: &Bar) -> Option<String> {
     if bar.bytes.is_finite() && bar.bytes > 0.0 && bar.dense.is_finite() && bar.dense > 0.0 {
         let ratio = bar.dense / bar.bytes;
-        if ratio < 999.5 {
-            format!("{size} ({ratio:.1}x)")
+        Some(if ratio < 999.5 {
+            format!("{ratio:.1}x")
         } else {
-            format!("{size} ({ratio:.0}x)")
-        }
+            format!("{ratio:.0}x")
+        })
     } else {
-        size
+        None
+    }
+}
+
+/// The one-line label over a bar: its size and, when known, its ratio, e.g. `25.9 KB (31.4x)`.
+fn bar_label(bar: &Bar) -> String {
+    let size = format_bytes(bar.bytes);
+    match ratio_label(bar) {
+        Some(ratio) => format!("{size} ({ratio})"),
+        None => size,
+    }
+}
+
+/// How bar labels are laid out, chosen by the number of bars so that neighbours' labels do
+/// not overlap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LabelLayout {
+    /// `25.9 KB (31.4x)` on one line: few, wide bars.
+    OneLine,
+    /// Size over ratio: medium bars.
+    TwoLines,
+    /// One line turned to run upwards: many narrow bars.
+    Rotated,
+}
+
+impl LabelLayout {
+    /// The layout for `bars` bars in the bytes panel.
+    fn for_bars(bars: usize) -> LabelLayout {
+        match bars {
+            0..=3 => LabelLayout::OneLine,
+            4..=6 => LabelLayout::TwoLines,
+            _ => LabelLayout::Rotated,
+        }
+    }
+
+    /// Share of the log axis to keep free above the tallest bar for its label.
+    fn headroom(self) -> f64 {
+        match self {
+            LabelLayout::OneLine => 0.1,
+            LabelLayout::TwoLines => 0.15,
+            LabelLayout::Rotated => 0.4,
+        }
     }
 }
 
 /// The log axis range of the bytes panel: a decade boundary below the smallest bar (so it
-/// still has height) to one above the tallest (room for its label).
-fn bytes_range(bars: &[Bar]) -> (f64, f64) {
+/// still has height) to one far enough above the tallest to leave the `headroom` share of the
+/// axis for its label.
+fn bytes_range(bars: &[Bar], headroom: f64) -> (f64, f64) {
     let positive = || {
         bars.iter()
             .map(|b| b.bytes)
@@ -393,19 +464,43 @@ fn bytes_range(bars: &[Bar]) -> (f64, f64) {
     let min = positive().fold(f64::INFINITY, f64::min);
     let max = positive().fold(f64::NEG_INFINITY, f64::max);
     if !min.is_finite() || !max.is_finite() {
-        return (1.0, 10.0);
+        return (1.0, 100.0);
     }
-    let lo = 10f64.powf((min * 0.5).log10().floor());
-    let hi = 10f64.powf((max * 4.0).log10().ceil());
-    (lo, hi.max(lo * 10.0))
+    let lo_log = (min * 0.5).log10().floor();
+    let max_log = max.log10();
+    let hi_log = ((max * 2.0).log10()).max((max_log - headroom * lo_log) / (1.0 - headroom));
+    let lo = 10f64.powf(lo_log);
+    let hi = 10f64.powf(hi_log.ceil());
+    // At least two decades: over one, plotters labels the top tick twice.
+    (lo, hi.max(lo * 100.0))
 }
 
 /// Draws the right panel: bytes per update per codec on a log axis, each bar labelled with its
 /// size and compression ratio.
 fn draw_bytes(area: &Panel<'_>, runs: &[RunSeries]) -> Result<()> {
     let bars = bars(runs);
-    let (lo, hi) = bytes_range(&bars);
-    let slots = bars.len().max(1);
+    if bars.is_empty() {
+        // No axes: a log axis over nothing would only show made-up numbers.
+        let inner = area
+            .margin(10, 10, 10, 10)
+            .titled("bytes per update", ("sans-serif", 18))
+            .context("drawing the bytes caption")?;
+        let (width, height) = inner.dim_in_pixel();
+        let centre = (
+            i32::try_from(width / 2).unwrap_or(0),
+            i32::try_from(height / 2).unwrap_or(0),
+        );
+        let note = ("sans-serif", 16)
+            .into_font()
+            .color(&BLACK.mix(0.6))
+            .pos(Pos::new(HPos::Center, VPos::Center));
+        inner
+            .draw(&Text::new("no runs", centre, note))
+            .context("drawing the no-data note")?;
+        return Ok(());
+    }
+    let layout = LabelLayout::for_bars(bars.len());
+    let (lo, hi) = bytes_range(&bars, layout.headroom());
     let names: Vec<String> = bars.iter().map(|b| b.label.clone()).collect();
 
     let mut chart = ChartBuilder::on(area)
@@ -413,18 +508,24 @@ fn draw_bytes(area: &Panel<'_>, runs: &[RunSeries]) -> Result<()> {
         .margin(10)
         .x_label_area_size(40)
         .y_label_area_size(70)
-        .build_cartesian_2d((0..slots).into_segmented(), (lo..hi).log_scale())
+        // Bar `i` is centred on x = i, on a plain f64 axis whose ticks fall on the integers;
+        // plotters' segmented integer axis divides by zero when there is a single bar.
+        .build_cartesian_2d(-0.5..bars.len() as f64 - 0.5, (lo..hi).log_scale())
         .context("building the bytes chart")?;
     chart
         .configure_mesh()
         .disable_x_mesh()
         .light_line_style(WHITE.mix(0.0))
-        .x_labels(slots + 1)
-        .x_label_formatter(&|value| match value {
-            SegmentValue::CenterOf(i) => names.get(*i).cloned().unwrap_or_default(),
-            _ => String::new(),
+        .x_labels(bars.len() + 1)
+        .x_label_formatter(&|value| {
+            let index = value.round();
+            if (value - index).abs() < 1e-6 && index >= 0.0 {
+                names.get(index as usize).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
         })
-        .y_label_formatter(&|value| format_bytes(*value))
+        .y_label_formatter(&|value| format_tick_bytes(*value))
         .y_desc("bytes (log scale)")
         .draw()
         .context("drawing the bytes axes")?;
@@ -432,41 +533,37 @@ fn draw_bytes(area: &Panel<'_>, runs: &[RunSeries]) -> Result<()> {
     for (index, bar) in bars.iter().enumerate() {
         let drawn = bar.bytes.is_finite() && bar.bytes > 0.0;
         let top = if drawn { bar.bytes.clamp(lo, hi) } else { lo };
+        let centre = index as f64;
         if drawn {
-            let mut rect = Rectangle::new(
-                [
-                    (SegmentValue::Exact(index), lo),
-                    (SegmentValue::Exact(index + 1), top),
-                ],
+            let rect = Rectangle::new(
+                [(centre - 0.4, lo), (centre + 0.4, top)],
                 bar.colour.mix(0.85).filled(),
             );
-            rect.set_margin(0, 0, 12, 12);
             chart
                 .draw_series(std::iter::once(rect))
                 .context("drawing a bar")?;
         }
-        let style = ("sans-serif", 13)
-            .into_font()
-            .color(&BLACK)
-            .pos(Pos::new(HPos::Center, VPos::Bottom));
-        let label = EmptyElement::at((SegmentValue::CenterOf(index), top))
-            + Text::new(bar_label(bar), (0, -4), style);
-        chart
-            .draw_series(std::iter::once(label))
-            .context("drawing a bar label")?;
-    }
-    if bars.is_empty() {
-        let note = ("sans-serif", 16)
-            .into_font()
-            .color(&BLACK.mix(0.6))
-            .pos(Pos::new(HPos::Center, VPos::Center));
-        chart
-            .draw_series(std::iter::once(Text::new(
-                "no runs",
-                (SegmentValue::CenterOf(0), (lo * hi).sqrt()),
-                note,
-            )))
-            .context("drawing the no-data note")?;
+        // Lines of the label, each with its pixel offset above the top of the bar.
+        let lines = match (layout, ratio_label(bar)) {
+            (LabelLayout::TwoLines, Some(ratio)) => {
+                vec![(format_bytes(bar.bytes), -20), (ratio, -4)]
+            }
+            _ => vec![(bar_label(bar), -4)],
+        };
+        let font = ("sans-serif", 13).into_font().color(&BLACK);
+        let style = if layout == LabelLayout::Rotated {
+            font.transform(FontTransform::Rotate270)
+                .pos(Pos::new(HPos::Left, VPos::Center))
+        } else {
+            font.pos(Pos::new(HPos::Center, VPos::Bottom))
+        };
+        for (text, offset) in lines {
+            let label =
+                EmptyElement::at((centre, top)) + Text::new(text, (0, offset), style.clone());
+            chart
+                .draw_series(std::iter::once(label))
+                .context("drawing a bar label")?;
+        }
     }
     Ok(())
 }
@@ -530,7 +627,6 @@ mod tests {
         assert!(svg.contains(DENSE_LABEL));
         assert!(svg.contains("25.9 KB (31.4x)"));
         assert!(svg.contains("held-out accuracy vs time"));
-        std::fs::write("/tmp/plot-sample.svg", &svg).expect("writes the sample");
     }
 
     #[test]
@@ -637,5 +733,10 @@ mod tests {
         assert_eq!(format_bytes(25_900.0), "25.9 KB");
         assert_eq!(format_bytes(812_000.0), "812 KB");
         assert_eq!(format_bytes(3_250_000.0), "3.25 MB");
+        assert_eq!(format_tick_bytes(10_000.0), "10 KB");
+        assert_eq!(format_tick_bytes(1_000_000.0), "1 MB");
+        assert_eq!(format_tick_bytes(100.0), "100 B");
+        assert_eq!(format_tick(20.0, 120.0), "20");
+        assert_eq!(format_tick(0.5, 1.0), "0.5");
     }
 }

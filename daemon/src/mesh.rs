@@ -24,7 +24,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint;
 use crate::network::{BulkRequest, BulkResponse, Client, Event};
-use crate::trainer::{Command, Outgoing, Stats};
+use crate::trainer::{Command, Outgoing, Phase, Stats};
 use crate::transfer::{self, Frozen};
 
 /// How often neighbours are re-chosen and heartbeats sent.
@@ -342,6 +342,11 @@ impl Mesh {
         else {
             return Some(MessageAcceptance::Reject);
         };
+        // A node still waiting for its state (a joiner) has nothing to apply an update to,
+        // and no parameters yet to bound its norm by: such updates are dropped unjudged.
+        if self.stats_rx.borrow().phase != Phase::Training {
+            return Some(MessageAcceptance::Ignore);
+        }
         // Only the topic's owner may publish on it: a signed author must match.
         if author != Some(owner) {
             self.reject(owner, "update published on another peer's topic");
@@ -469,11 +474,15 @@ impl Mesh {
             .map(|v| f64::from(*v).powi(2))
             .sum::<f64>()
             .sqrt();
-        let bound = self.cfg.max_update_ratio * self.stats_rx.borrow().param_norm.max(1.0);
+        let param_norm = self.stats_rx.borrow().param_norm;
+        let bound = self.cfg.max_update_ratio * param_norm.max(1.0);
         if norm > bound {
             self.reject(
                 author,
-                &format!("update norm {norm:.3e} exceeds the bound {bound:.3e}"),
+                &format!(
+                    "update norm {norm:.3e} exceeds the bound {bound:.3e} ({} x the parameters' norm {param_norm:.3e})",
+                    self.cfg.max_update_ratio
+                ),
             );
             return MessageAcceptance::Reject;
         }

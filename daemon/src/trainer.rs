@@ -745,6 +745,8 @@ impl Loop {
 
     fn run(&mut self, mut cmd_rx: mpsc::Receiver<Command>) -> Result<Finish, String> {
         self.reset_anchor()?;
+        // The parameters' norm, which bounds neighbours' updates, is known from the start.
+        self.publish();
         // A joiner waits here for its downloaded state (or the word to start without one).
         while self.paused {
             match cmd_rx.blocking_recv() {

@@ -150,6 +150,100 @@ fn three_nodes_form_a_mesh_through_one_address_and_converge_together() {
     }
 }
 
+/// Compressed updates of two codecs in one mesh, and the staleness bound: a fast node with
+/// 1-bit updates and `staleness_bound` beside a slow one with top-k updates. The fast node
+/// must wait for the slow one (held, never more than the bound ahead), both must decode each
+/// other's codec, and both must still learn.
+#[test]
+fn mixed_codecs_and_the_staleness_bound_hold_a_fast_node_to_a_slow_one() {
+    const BOUND: u64 = 150;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let fast_cfg = config(
+        tmp.path(),
+        "fast.toml",
+        &[],
+        &format!("\n[sync]\ncodec = \"onebit\"\nstaleness_bound = {BOUND}\n"),
+    );
+    let slow_cfg = config(
+        tmp.path(),
+        "slow.toml",
+        &[],
+        "\n[sync]\ncodec = \"topk\"\ndensity = 0.05\n",
+    );
+    let text = std::fs::read_to_string(&slow_cfg)
+        .expect("read")
+        .replace("step_delay_ms = 1", "step_delay_ms = 4");
+    std::fs::write(&slow_cfg, text).expect("write");
+    let fast = start(tmp.path(), "fast", &fast_cfg, None, &[]);
+    let addr = listen_addr(&fast);
+    let slow = start(tmp.path(), "slow", &slow_cfg, Some(&addr), &[]);
+    let mut max_lead = 0;
+    let mut held_seen = false;
+    let last = eventually(
+        Duration::from_secs(120),
+        "the slow node at step 2500",
+        || {
+            let f = fast.status()?;
+            let s = slow.status()?;
+            if let Some(lead) = f["sync"]["lead_over_slowest"].as_u64() {
+                max_lead = max_lead.max(lead);
+            }
+            held_seen |= f["sync"]["held"].as_bool() == Some(true);
+            (step(&s) >= 2500).then_some((f, s))
+        },
+    );
+    let (f, s) = last;
+    eprintln!(
+        "fast step {} slow step {}; max lead {max_lead}; fast held {:.1} s",
+        step(&f),
+        step(&s),
+        f["sync"]["held_secs"].as_f64().unwrap_or(0.0)
+    );
+    assert!(
+        max_lead <= BOUND,
+        "lead {max_lead} beyond the bound {BOUND}"
+    );
+    assert!(
+        held_seen || f["sync"]["held_secs"].as_f64().unwrap_or(0.0) > 0.0,
+        "the fast node never waited: {f}"
+    );
+    assert!(
+        step(&f) <= step(&s) + BOUND + 50,
+        "fast {} vs slow {}",
+        step(&f),
+        step(&s)
+    );
+    for (node, st, codec, max_share) in [(&fast, &f, "onebit", 20.0), (&slow, &s, "topk", 5.0)] {
+        assert_eq!(st["sync"]["codec"], codec);
+        let bytes = st["sync"]["bytes_per_update"]
+            .as_f64()
+            .expect("bytes per update");
+        let dense = st["sync"]["dense_update_bytes"]
+            .as_f64()
+            .expect("dense bytes");
+        assert!(
+            bytes * max_share < dense,
+            "{codec}: {bytes} bytes per update against {dense} dense"
+        );
+        assert!(st["updates"]["applied"].as_u64().unwrap_or(0) > 10, "{st}");
+        let rejections: Vec<String> = node
+            .log_text()
+            .lines()
+            .filter(|l| l.contains("rejected update"))
+            .map(str::to_string)
+            .collect();
+        assert_eq!(
+            st["updates"]["rejected"].as_u64(),
+            Some(0),
+            "{codec}: {rejections:?}"
+        );
+        assert!(
+            st["eval"]["accuracy"].as_f64().unwrap_or(0.0) >= 0.95,
+            "{codec}: {st}"
+        );
+    }
+}
+
 #[test]
 fn the_founder_dies_the_rest_carry_on_and_a_newcomer_joins_through_a_survivor() {
     let tmp = tempfile::tempdir().expect("tmp");

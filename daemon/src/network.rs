@@ -44,6 +44,11 @@ pub const EVENT_CAP: usize = 256;
 pub const PING_INTERVAL: Duration = Duration::from_secs(1);
 /// See [`PING_INTERVAL`].
 pub const PING_TIMEOUT: Duration = Duration::from_secs(3);
+/// A member with no successful ping for this long is dropped. libp2p's ping reports only the
+/// second failure in a row, and a hung peer's next ping stream waits out a 10 s negotiation
+/// timeout first (measured: a SIGSTOPped peer was dropped after 14.6 s), so the event loop
+/// keeps its own clock of the last answer.
+pub const SILENT_AFTER: Duration = Duration::from_secs(4);
 /// Kademlia random walk interval, so nodes keep learning peers beyond their bootstrap.
 pub const KAD_WALK_EVERY: Duration = Duration::from_secs(30);
 
@@ -401,6 +406,8 @@ pub struct EventLoop {
     hang_up: Vec<(PeerId, Instant)>,
     /// Peers named in bootstrap addresses, whose dial failures the user needs to see.
     bootstrap_peers: HashSet<PeerId>,
+    /// When each member last answered a ping (or joined).
+    last_pong: HashMap<PeerId, Instant>,
 }
 
 /// Delay between refusing a peer and closing its connection.
@@ -548,6 +555,7 @@ pub fn new(
                     })
                 })
                 .collect(),
+            last_pong: HashMap::new(),
         },
     ))
 }
@@ -569,13 +577,27 @@ impl EventLoop {
                     Some(cmd) => self.on_command(cmd),
                     None => return,
                 },
-                _ = tick.tick() => self.on_tick(),
+                _ = tick.tick() => self.on_tick().await,
             }
         }
     }
 
-    fn on_tick(&mut self) {
+    async fn on_tick(&mut self) {
         let now = Instant::now();
+        let silent: Vec<PeerId> = self
+            .members
+            .keys()
+            .filter(|p| {
+                self.last_pong
+                    .get(p)
+                    .is_some_and(|t| now.duration_since(*t) > SILENT_AFTER)
+            })
+            .copied()
+            .collect();
+        for peer in silent {
+            tracing::info!(peer = %peer, "no ping answer for {SILENT_AFTER:?}; dropping the peer");
+            self.drop_member(peer).await;
+        }
         let due: Vec<PeerId> = self
             .hang_up
             .iter()
@@ -589,6 +611,16 @@ impl EventLoop {
         if self.last_walk.elapsed() >= KAD_WALK_EVERY && !self.members.is_empty() {
             let _ = self.swarm.behaviour_mut().kad.bootstrap();
             self.last_walk = Instant::now();
+        }
+    }
+
+    /// Disconnects a peer and tells the mesh at once: a hung peer's connections can take many
+    /// seconds more to finish closing.
+    async fn drop_member(&mut self, peer: PeerId) {
+        let _ = self.swarm.disconnect_peer_id(peer);
+        self.last_pong.remove(&peer);
+        if self.members.remove(&peer).is_some() {
+            emit(&self.event_tx, Event::PeerDown(peer)).await;
         }
     }
 
@@ -759,6 +791,7 @@ impl EventLoop {
                 num_established: 0,
                 ..
             } if self.members.remove(&peer_id).is_some() => {
+                self.last_pong.remove(&peer_id);
                 tracing::info!(peer = %peer_id, "peer gone");
                 emit(&self.event_tx, Event::PeerDown(peer_id)).await;
             }
@@ -817,6 +850,7 @@ impl EventLoop {
                     .unwrap_or_default();
                 let _ = connection_id;
                 let is_new = !self.members.contains_key(&peer_id);
+                self.last_pong.entry(peer_id).or_insert_with(Instant::now);
                 let entry = self.members.entry(peer_id).or_insert_with(|| PeerInfo {
                     peer_id: peer_id.to_string(),
                     address: address.clone(),
@@ -839,11 +873,12 @@ impl EventLoop {
                 Ok(rtt) => {
                     if let Some(p) = self.members.get_mut(&peer) {
                         p.rtt_ms = Some(rtt.as_secs_f64() * 1000.0);
+                        self.last_pong.insert(peer, Instant::now());
                     }
                 }
                 Err(e) => {
                     tracing::info!(peer = %peer, "ping failed ({e}); dropping the peer");
-                    let _ = self.swarm.disconnect_peer_id(peer);
+                    self.drop_member(peer).await;
                 }
             },
             BehaviourEvent::Kad(kad::Event::RoutingUpdated {

@@ -191,6 +191,18 @@ impl Node {
         }
     }
 
+    /// SIGSTOP: the box hangs without closing its connections, so peers only notice by the
+    /// ping timeout (a kill on loopback resets the connections at once). Dropping the node
+    /// still kills it.
+    pub fn freeze(&self) {
+        let pid = self.child.as_ref().expect("node running").id();
+        let st = Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .expect("kill -STOP");
+        assert!(st.success(), "kill -STOP {pid} failed");
+    }
+
     /// Waits for the process to exit by itself.
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
         let mut child = self.child.take().expect("node already reaped");

@@ -12,7 +12,7 @@ use crate::harness::{cli, eventually, newest_checkpoint, read_checkpoint, repo_r
 
 /// The default digits config, checkpoints off, paced by a 1 ms step delay so nodes train for a
 /// while before they finish, plus `extra` TOML appended (without a `[debug]` table).
-fn config(dir: &Path, name: &str, replace: &[(&str, &str)], extra: &str) -> PathBuf {
+pub(crate) fn config(dir: &Path, name: &str, replace: &[(&str, &str)], extra: &str) -> PathBuf {
     let mut text =
         std::fs::read_to_string(repo_root().join("configs/digits-mlp.toml")).expect("config");
     text = text
@@ -29,7 +29,13 @@ fn config(dir: &Path, name: &str, replace: &[(&str, &str)], extra: &str) -> Path
     path
 }
 
-fn start(root: &Path, name: &str, cfg: &Path, bootstrap: Option<&str>, extra: &[&str]) -> Node {
+pub(crate) fn start(
+    root: &Path,
+    name: &str,
+    cfg: &Path,
+    bootstrap: Option<&str>,
+    extra: &[&str],
+) -> Node {
     let mut args = vec!["--config", cfg.to_str().expect("utf8")];
     if let Some(b) = bootstrap {
         args.extend(["--bootstrap", b]);
@@ -40,18 +46,18 @@ fn start(root: &Path, name: &str, cfg: &Path, bootstrap: Option<&str>, extra: &[
     node
 }
 
-fn listen_addr(node: &Node) -> String {
+pub(crate) fn listen_addr(node: &Node) -> String {
     let s = node.wait_status("a listen address", Duration::from_secs(30), |s| {
         s["listen_addrs"].as_array().is_some_and(|a| !a.is_empty())
     });
     s["listen_addrs"][0].as_str().expect("addr").to_string()
 }
 
-fn peers(s: &Value) -> u64 {
+pub(crate) fn peers(s: &Value) -> u64 {
     s["peers"]["count"].as_u64().unwrap_or(0)
 }
 
-fn step(s: &Value) -> u64 {
+pub(crate) fn step(s: &Value) -> u64 {
     s["step"].as_u64().unwrap_or(0)
 }
 

@@ -60,7 +60,8 @@ struct Report {
     median_of_paired_ratios: f64,
 }
 
-fn median(v: &[f64]) -> f64 {
+/// The median (mean of the middle two for an even count); NaN for none.
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.total_cmp(b));
     let n = s.len();

@@ -193,12 +193,8 @@ fn base_text(config: Option<&Path>) -> Result<(String, String)> {
     }
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    Some(v[v.len() / 2])
+fn median(v: Vec<f64>) -> Option<f64> {
+    (!v.is_empty()).then(|| crate::bench::median(&v))
 }
 
 fn summarise(

@@ -466,66 +466,67 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Evaluates a checkpoint file against a prepared run; returns the evaluation and its step.
-pub(crate) fn evaluate_file(
-    path: &Path,
-    prepared: &node::Prepared,
-) -> Result<(p2ptrain_models::train::Evaluation, u64)> {
+/// Reads and decodes a checkpoint file, naming the file in any error.
+fn read_checkpoint_file(path: &Path) -> Result<(String, p2ptrain_daemon::store::Loaded)> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let file = path.display().to_string();
     let (meta, tensors) =
         p2ptrain_daemon::checkpoint::decode(&bytes, &file).map_err(|e| anyhow!("{file}: {e}"))?;
+    Ok((file, p2ptrain_daemon::store::Loaded { meta, tensors }))
+}
+
+/// Builds the model from a loaded checkpoint and evaluates it on the held-out set.
+fn evaluate_loaded(
+    file: &str,
+    loaded: &p2ptrain_daemon::store::Loaded,
+    prepared: &node::Prepared,
+) -> Result<p2ptrain_models::train::Evaluation> {
     let ident = p2ptrain_daemon::trainer::Identity {
         run_id: prepared.config.run_id(),
-        config_hash: meta.info.config_hash.clone(),
+        config_hash: loaded.meta.info.config_hash.clone(),
     };
-    let step = meta.info.step;
-    let loaded = p2ptrain_daemon::store::Loaded { meta, tensors };
     let (model, _, _) = p2ptrain_daemon::trainer::build(
         &prepared.spec,
         &prepared.config.optimizer,
         prepared.config.train.init_seed,
         &prepared.device,
         &ident,
-        Some(&loaded),
+        Some(loaded),
     )
     .map_err(|e| anyhow!("{file}: {e}"))?;
-    let e = p2ptrain_models::train::evaluate(&model, &prepared.split.test, 1000, &prepared.device)?;
-    Ok((e, step))
+    Ok(p2ptrain_models::train::evaluate(
+        &model,
+        &prepared.split.test,
+        1000,
+        &prepared.device,
+    )?)
+}
+
+/// Evaluates a checkpoint file on the held-out set; also returns its step.
+pub(crate) fn evaluate_file(
+    path: &Path,
+    prepared: &node::Prepared,
+) -> Result<(p2ptrain_models::train::Evaluation, u64)> {
+    let (file, loaded) = read_checkpoint_file(path)?;
+    let e = evaluate_loaded(&file, &loaded, prepared)?;
+    Ok((e, loaded.meta.info.step))
 }
 
 fn eval(args: EvalArgs) -> Result<ExitCode> {
     let config = Config::load(args.config.as_deref())?;
     set_compute_threads(config.train.threads);
-    let bytes = std::fs::read(&args.checkpoint)
-        .with_context(|| format!("cannot read {}", args.checkpoint.display()))?;
-    let file = args.checkpoint.display().to_string();
-    let (meta, tensors) =
-        p2ptrain_daemon::checkpoint::decode(&bytes, &file).map_err(|e| anyhow!("{file}: {e}"))?;
+    let (file, loaded) = read_checkpoint_file(&args.checkpoint)?;
+    // Check the run before loading any data.
     let run_id = config.run_id();
-    if meta.info.run_id != run_id {
+    if loaded.meta.info.run_id != run_id {
         bail!(
             "{file} is from run {} but the config ({}) is run {run_id}; pass the --config it was trained with",
-            meta.info.run_id,
+            loaded.meta.info.run_id,
             config.origin
         );
     }
     let prepared = node::prepare(config)?;
-    let ident = p2ptrain_daemon::trainer::Identity {
-        run_id,
-        config_hash: meta.info.config_hash.clone(),
-    };
-    let loaded = p2ptrain_daemon::store::Loaded { meta, tensors };
-    let (model, _, _) = p2ptrain_daemon::trainer::build(
-        &prepared.spec,
-        &prepared.config.optimizer,
-        prepared.config.train.init_seed,
-        &prepared.device,
-        &ident,
-        Some(&loaded),
-    )
-    .map_err(|e| anyhow!("{file}: {e}"))?;
-    let e = p2ptrain_models::train::evaluate(&model, &prepared.split.test, 1000, &prepared.device)?;
+    let e = evaluate_loaded(&file, &loaded, &prepared)?;
     if args.json {
         let v = serde_json::json!({
             "checkpoint": file,

@@ -15,7 +15,7 @@ use std::time::Duration;
 use libp2p::gossipsub::{MessageAcceptance, MessageId};
 use libp2p::PeerId;
 use p2ptrain_models::codec::{self, Codec, ErrorFeedback, UpdateHeader};
-use p2ptrain_models::params::Layout;
+use p2ptrain_models::params::{l2_norm, Layout};
 use rand::seq::IteratorRandom;
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
@@ -228,11 +228,6 @@ impl Mesh {
         if let Ok(mut s) = self.status.lock() {
             f(&mut s);
         }
-    }
-
-    /// Member peers connected now.
-    pub fn members(&self) -> Vec<PeerId> {
-        self.members.iter().copied().collect()
     }
 
     /// Runs until `stop` turns true or the network goes away.
@@ -469,11 +464,7 @@ impl Mesh {
             self.reject(author, "update holds NaN or infinite values");
             return MessageAcceptance::Reject;
         }
-        let norm = values
-            .iter()
-            .map(|v| f64::from(*v).powi(2))
-            .sum::<f64>()
-            .sqrt();
+        let norm = l2_norm(&values);
         let param_norm = self.stats_rx.borrow().param_norm;
         let bound = self.cfg.max_update_ratio * param_norm.max(1.0);
         if norm > bound {
@@ -598,25 +589,23 @@ impl Mesh {
             .copied()
             .choose_multiple(&mut rand::rng(), want);
         self.neighbours.extend(extra);
-        for gone in before.difference(&self.neighbours) {
-            let _ = self.net.unsubscribe(update_topic(&self.run_id, gone)).await;
-            tracing::info!(peer = %gone, "neighbour dropped");
+        let gone = before.difference(&self.neighbours).map(|p| (*p, false));
+        let new = self.neighbours.difference(&before).map(|p| (*p, true));
+        let changes: Vec<(PeerId, bool)> = gone.chain(new).collect();
+        for (peer, up) in changes {
+            let topic = update_topic(&self.run_id, &peer);
+            if up {
+                let _ = self.net.subscribe(topic).await;
+                tracing::info!(peer = %peer, "new neighbour");
+            } else {
+                let _ = self.net.unsubscribe(topic).await;
+                tracing::info!(peer = %peer, "neighbour dropped");
+            }
             let _ = self
                 .trainer_tx
                 .send(Command::Neighbour {
-                    peer: gone.to_string(),
-                    up: false,
-                })
-                .await;
-        }
-        for new in self.neighbours.difference(&before) {
-            let _ = self.net.subscribe(update_topic(&self.run_id, new)).await;
-            tracing::info!(peer = %new, "new neighbour");
-            let _ = self
-                .trainer_tx
-                .send(Command::Neighbour {
-                    peer: new.to_string(),
-                    up: true,
+                    peer: peer.to_string(),
+                    up,
                 })
                 .await;
         }

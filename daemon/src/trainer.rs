@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use p2ptrain_models::data::{Sampler, Split};
+use p2ptrain_models::params::l2_norm;
 use p2ptrain_models::train::{evaluate, train_step};
 use p2ptrain_models::{Model, ModelSpec, Optimizer, OptimizerSpec};
 use serde::{Deserialize, Serialize};
@@ -572,11 +573,7 @@ impl Loop {
     /// Takes the current parameters as the base of the next outgoing update.
     fn reset_anchor(&mut self) -> Result<(), String> {
         let flat = self.s.model.params().flatten().map_err(|e| e.to_string())?;
-        self.stats.param_norm = flat
-            .iter()
-            .map(|v| f64::from(*v).powi(2))
-            .sum::<f64>()
-            .sqrt();
+        self.stats.param_norm = l2_norm(&flat);
         if self.s.policy.publish_every > 0 {
             self.foreign = vec![0.0; flat.len()];
             self.anchor = flat;
@@ -708,11 +705,7 @@ impl Loop {
             return Ok(());
         }
         let now = self.s.model.params().flatten().map_err(|e| e.to_string())?;
-        self.stats.param_norm = now
-            .iter()
-            .map(|v| f64::from(*v).powi(2))
-            .sum::<f64>()
-            .sqrt();
+        self.stats.param_norm = l2_norm(&now);
         if self.anchor.len() != now.len() {
             self.anchor = now;
             self.foreign = vec![0.0; self.anchor.len()];

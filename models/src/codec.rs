@@ -750,11 +750,7 @@ impl ErrorFeedback {
 
     /// The L2 norm of what is still owed to the mesh.
     pub fn residual_norm(&self) -> f64 {
-        self.residual
-            .iter()
-            .map(|v| f64::from(*v).powi(2))
-            .sum::<f64>()
-            .sqrt()
+        crate::params::l2_norm(&self.residual)
     }
 
     /// Forgets the residual (after a restore, when the parameters it referred to are gone).

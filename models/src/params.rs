@@ -12,6 +12,16 @@ use sha2::{Digest, Sha256};
 
 use crate::{Error, Result};
 
+/// The L2 norm of a flat vector, summed in `f64` so that 200k `f32` squares lose nothing:
+/// parameter norms bound neighbours' updates, and residual norms show what is still owed.
+pub fn l2_norm(values: &[f32]) -> f64 {
+    values
+        .iter()
+        .map(|v| f64::from(*v).powi(2))
+        .sum::<f64>()
+        .sqrt()
+}
+
 /// Names and shapes of a model's parameters in canonical (name-sorted) order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {

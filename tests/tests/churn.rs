@@ -77,12 +77,7 @@ fn a_leaving_node_is_replaced_at_once_a_crashed_or_hung_one_within_the_ping_time
         Duration::from_secs(30),
     );
     assert!(st.success(), "{err}");
-    let others: Vec<&Node> = nodes
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i != leaver)
-        .map(|(_, n)| n)
-        .collect();
+    let others = all_but(&nodes, leaver);
     let leave_secs = time_to_replace(&others, &ids[leaver], 2, t0);
     let mut gone = nodes.remove(leaver);
     ids.remove(leaver);
@@ -96,12 +91,7 @@ fn a_leaving_node_is_replaced_at_once_a_crashed_or_hung_one_within_the_ping_time
     let (victim, victim_held_by) = most_held(&nodes, &ids);
     let t1 = Instant::now();
     nodes[victim].kill9();
-    let rest: Vec<&Node> = nodes
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i != victim)
-        .map(|(_, n)| n)
-        .collect();
+    let rest = all_but(&nodes, victim);
     let crash_secs = time_to_replace(&rest, &ids[victim], 2, t1);
     nodes.remove(victim);
     ids.remove(victim);
@@ -111,12 +101,7 @@ fn a_leaving_node_is_replaced_at_once_a_crashed_or_hung_one_within_the_ping_time
     let (frozen, frozen_held_by) = most_held(&nodes, &ids);
     let t2 = Instant::now();
     nodes[frozen].freeze();
-    let survivors: Vec<&Node> = nodes
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i != frozen)
-        .map(|(_, n)| n)
-        .collect();
+    let survivors = all_but(&nodes, frozen);
     let hang_secs = time_to_replace(&survivors, &ids[frozen], 1, t2);
     eprintln!(
         "leave: out of {held_by} neighbour sets in {leave_secs:.2} s; \
@@ -142,6 +127,16 @@ fn a_leaving_node_is_replaced_at_once_a_crashed_or_hung_one_within_the_ping_time
             s["step"].as_u64().unwrap_or(0) > s0 + 200
         });
     }
+}
+
+/// Every node but the one at `skip`.
+fn all_but(nodes: &[Node], skip: usize) -> Vec<&Node> {
+    nodes
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != skip)
+        .map(|(_, n)| n)
+        .collect()
 }
 
 /// The index of the node held as a neighbour by the most others, and by how many.

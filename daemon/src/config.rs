@@ -138,6 +138,7 @@ struct RawTrain {
     batch_size: Option<usize>,
     init_seed: Option<u64>,
     node_seed: Option<u64>,
+    shard: Option<String>,
     eval_every: Option<u64>,
     max_steps: Option<u64>,
     threads: Option<usize>,
@@ -210,6 +211,10 @@ pub struct TrainConfig {
     pub init_seed: u64,
     /// Seed of this node's data order; absent, it is derived from the node's peer id.
     pub node_seed: Option<u64>,
+    /// `(k, n)`: train only on shard `k` of `n` of the training set (every n-th sample from
+    /// k), for boxes that each own part of the data. Absent: the whole set. A local setting,
+    /// not part of the run id.
+    pub shard: Option<(usize, usize)>,
     /// Steps between evaluations on the held-out set (0: never).
     pub eval_every: u64,
     /// Stop after this many steps (0: train until stopped).
@@ -498,6 +503,12 @@ impl Config {
             batch_size: t.batch_size.unwrap_or(32),
             init_seed: t.init_seed.unwrap_or(42),
             node_seed: t.node_seed,
+            shard: t
+                .shard
+                .as_deref()
+                .map(parse_shard)
+                .transpose()
+                .map_err(err)?,
             eval_every: t.eval_every.unwrap_or(500),
             max_steps: t.max_steps.unwrap_or(0),
             threads: t.threads.unwrap_or(1),
@@ -739,6 +750,19 @@ fn short_hash<T: Serialize>(value: &T) -> String {
     hex::encode(&Sha256::digest(&bytes)[..8])
 }
 
+/// Parses `train.shard`, `"k/n"` with `0 <= k < n`.
+fn parse_shard(text: &str) -> Result<(usize, usize), String> {
+    let bad =
+        || format!("train.shard must be \"k/n\" with 0 <= k < n (e.g. \"0/2\"), not {text:?}");
+    let (k, n) = text.split_once('/').ok_or_else(bad)?;
+    let k: usize = k.trim().parse().map_err(|_| bad())?;
+    let n: usize = n.trim().parse().map_err(|_| bad())?;
+    if n == 0 || k >= n {
+        return Err(bad());
+    }
+    Ok((k, n))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -799,5 +823,24 @@ mod tests {
             e.contains("model.widths") && e.contains("64 features"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn shard_is_parsed_checked_and_local() {
+        let with = |v: &str| {
+            Config::parse(
+                &DEFAULT_CONFIG_TOML
+                    .replace("threads = 1", &format!("threads = 1\nshard = \"{v}\"")),
+                "x",
+                None,
+            )
+        };
+        let c = with("1/3").expect("valid");
+        assert_eq!(c.train.shard, Some((1, 3)));
+        assert_eq!(c.run_id(), Config::load(None).expect("default").run_id());
+        for bad in ["3/3", "1/0", "x/2", "2", "-1/2"] {
+            let e = with(bad).expect_err(bad).to_string();
+            assert!(e.contains("train.shard"), "{bad}: {e}");
+        }
     }
 }

@@ -14,6 +14,7 @@ pub mod mesh;
 pub mod network;
 pub mod node;
 pub mod policy;
+pub mod scoring;
 pub mod status;
 pub mod store;
 pub mod trainer;

@@ -313,6 +313,7 @@ impl Mesh {
             return Some(match (author, serde_json::from_slice::<Heartbeat>(&data)) {
                 (Some(a), Ok(hb)) if hb.leaving => {
                     tracing::info!(peer = %a, "peer is leaving");
+                    let _ = self.net.forget(a).await;
                     self.drop_member(a).await;
                     MessageAcceptance::Accept
                 }

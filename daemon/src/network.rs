@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use libp2p::core::Transport as _;
 use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, MessageId};
 use libp2p::identity::Keypair;
 use libp2p::request_response::{self, OutboundRequestId, ProtocolSupport, ResponseChannel};
@@ -25,6 +26,8 @@ use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
+
+use crate::scoring;
 
 /// Largest gossip message (the whole RPC) any p2ptrain node sends or accepts. It is part of the
 /// protocol version peers compare, because a node with a smaller limit silently stops
@@ -51,6 +54,14 @@ pub const PING_TIMEOUT: Duration = Duration::from_secs(3);
 pub const SILENT_AFTER: Duration = Duration::from_secs(4);
 /// Kademlia random walk interval, so nodes keep learning peers beyond their bootstrap.
 pub const KAD_WALK_EVERY: Duration = Duration::from_secs(30);
+/// First wait before redialling a member that was lost (crashed, hung, or cut off by a
+/// partition); it doubles per failed attempt up to [`REDIAL_MAX`].
+pub const REDIAL_MIN: Duration = Duration::from_secs(1);
+/// See [`REDIAL_MIN`]: a lost member is retried at least this often, so a healed partition
+/// joins up again within seconds (a dial on a LAN costs one packet).
+pub const REDIAL_MAX: Duration = Duration::from_secs(8);
+/// A lost member not reached again for this long is forgotten.
+pub const FORGET_AFTER: Duration = Duration::from_secs(30 * 60);
 
 /// The identify protocol version of a node of run `run_id`: equal strings, and only equal
 /// strings, can train together.
@@ -187,8 +198,8 @@ pub enum Command {
     },
     /// Report the network's state.
     Snapshot(oneshot::Sender<NetSnapshot>),
-    /// Close every connection to a peer.
-    Disconnect(PeerId),
+    /// A peer left for good: close its connections and stop redialling it.
+    Forget(PeerId),
 }
 
 /// What the network tells the node.
@@ -240,6 +251,21 @@ pub struct PeerInfo {
     pub rtt_ms: Option<f64>,
     /// Its agent string.
     pub agent: Option<String>,
+    /// Its gossipsub score as this node sees it (negative after rejected messages).
+    #[serde(default)]
+    pub score: Option<f64>,
+}
+
+/// A peer disconnected and refused for a while because its score fell below the graylist
+/// threshold.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct BannedPeer {
+    /// Peer id.
+    pub peer_id: String,
+    /// Its score when it was banned.
+    pub score: f64,
+    /// Seconds until it may connect again.
+    pub secs_left: f64,
 }
 
 /// The network's state for status reports.
@@ -260,6 +286,8 @@ pub struct NetSnapshot {
     /// Gossip messages sent per topic: `(messages, bytes)`, each message counted once per
     /// peer it went to, with gossipsub's envelope (signature, author, topic, sequence number).
     pub topic_sent: BTreeMap<String, (u64, u64)>,
+    /// Peers banned for a graylisting score.
+    pub banned: Vec<BannedPeer>,
 }
 
 /// A cloneable handle that sends commands to the event loop.
@@ -344,8 +372,8 @@ impl Client {
     }
 
     /// Drops a peer.
-    pub async fn disconnect(&self, peer: PeerId) -> Result<(), String> {
-        self.send(Command::Disconnect(peer)).await
+    pub async fn forget(&self, peer: PeerId) -> Result<(), String> {
+        self.send(Command::Forget(peer)).await
     }
 }
 
@@ -408,6 +436,18 @@ pub struct EventLoop {
     bootstrap_peers: HashSet<PeerId>,
     /// When each member last answered a ping (or joined).
     last_pong: HashMap<PeerId, Instant>,
+    /// Graylisted peers: their score when banned and when the ban ends.
+    banned: HashMap<PeerId, (f64, Instant)>,
+    /// Every member seen, to redial when lost (see [`REDIAL_MIN`]).
+    known: HashMap<PeerId, KnownPeer>,
+}
+
+/// A member this node has seen: where it listens and when to try it again.
+struct KnownPeer {
+    addrs: Vec<Multiaddr>,
+    last_seen: Instant,
+    next_dial: Instant,
+    backoff: Duration,
 }
 
 /// Delay between refusing a peer and closing its connection.
@@ -420,6 +460,24 @@ fn message_id(m: &gossipsub::Message) -> MessageId {
     h.update([0]);
     h.update(&m.data);
     MessageId::from(h.finalize()[..20].to_vec())
+}
+
+/// How long data sent on a connection may stay unacknowledged before the kernel aborts it.
+/// Without it, a connection into a partition (or to a box whose cable was pulled) lingers for
+/// minutes: closing it waits on TCP's retransmission backoff, and meanwhile requests and gossip
+/// to that peer may still be routed into it (measured: the halves of a healed 30 s split took
+/// ~25 s to sync again). Pings every second keep data in flight, so a dead link is cut after
+/// this long.
+pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(8);
+
+/// Sets [`TCP_USER_TIMEOUT`] on a fresh connection's socket (Linux; a no-op elsewhere).
+fn abort_when_unacked(stream: &tokio::net::TcpStream) {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    if let Err(e) = socket2::SockRef::from(stream).set_tcp_user_timeout(Some(TCP_USER_TIMEOUT)) {
+        tracing::debug!("cannot set TCP_USER_TIMEOUT: {e}");
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let _ = stream;
 }
 
 /// Builds the swarm and starts listening and dialing; returns the handle, the event stream,
@@ -435,11 +493,19 @@ pub fn new(
     let pv = protocol_version.clone();
     let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
-        .with_tcp(
-            tcp::Config::default().nodelay(true),
-            noise::Config::new,
-            yamux::Config::default,
-        )
+        .with_other_transport(|key| {
+            let noise = noise::Config::new(key)?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
+                tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+                    .map(|stream, _| {
+                        abort_when_unacked(&stream.0);
+                        stream
+                    })
+                    .upgrade(libp2p::core::upgrade::Version::V1Lazy)
+                    .authenticate(noise)
+                    .multiplex(yamux::Config::default()),
+            )
+        })
         .map_err(|e| NetError::Build(e.to_string()))?
         .with_bandwidth_metrics(&mut registry)
         .with_behaviour(|key| {
@@ -452,7 +518,7 @@ pub fn new(
                 .duplicate_cache_time(Duration::from_secs(120))
                 .build()
                 .map_err(|e| e.to_string())?;
-            let gossipsub = gossipsub::Behaviour::new(
+            let mut gossipsub = gossipsub::Behaviour::new(
                 gossipsub::MessageAuthenticity::Signed(key.clone()),
                 gossip_cfg,
             )
@@ -460,6 +526,7 @@ pub fn new(
             // Per-topic message counts and sizes (protobuf envelope included): how the mesh
             // measures bytes per update on the wire.
             .with_metrics(&mut gossip_registry, Default::default());
+            gossipsub.with_peer_score(scoring::peer_params(), scoring::thresholds())?;
             let mut kad_cfg = kad::Config::new(StreamProtocol::new("/p2ptrain/kad/1"));
             kad_cfg.set_query_timeout(Duration::from_secs(30));
             // The event loop walks the DHT itself once it has a peer; kad's own start-up
@@ -556,6 +623,8 @@ pub fn new(
                 })
                 .collect(),
             last_pong: HashMap::new(),
+            banned: HashMap::new(),
+            known: HashMap::new(),
         },
     ))
 }
@@ -598,6 +667,8 @@ impl EventLoop {
             tracing::info!(peer = %peer, "no ping answer for {SILENT_AFTER:?}; dropping the peer");
             self.drop_member(peer).await;
         }
+        self.ban_graylisted(now).await;
+        self.redial_lost(now);
         let due: Vec<PeerId> = self
             .hang_up
             .iter()
@@ -611,6 +682,69 @@ impl EventLoop {
         if self.last_walk.elapsed() >= KAD_WALK_EVERY && !self.members.is_empty() {
             let _ = self.swarm.behaviour_mut().kad.bootstrap();
             self.last_walk = Instant::now();
+        }
+    }
+
+    /// Dials members lost without saying goodbye, with backoff: after a partition heals or a
+    /// crashed box comes back on the same address, the mesh joins up again without waiting for
+    /// a Kademlia walk (which may have dropped the unreachable peers from its table).
+    fn redial_lost(&mut self, now: Instant) {
+        for (peer, k) in self.known.iter_mut() {
+            if self.members.contains_key(peer) {
+                k.last_seen = now;
+                k.backoff = REDIAL_MIN;
+                k.next_dial = now + REDIAL_MIN;
+            }
+        }
+        self.known
+            .retain(|_, k| now.duration_since(k.last_seen) < FORGET_AFTER);
+        let due: Vec<(PeerId, Vec<Multiaddr>)> = self
+            .known
+            .iter_mut()
+            .filter(|(p, k)| {
+                k.next_dial <= now
+                    && !self.members.contains_key(p)
+                    && !self.refused.contains(p)
+                    && !self.banned.contains_key(p)
+            })
+            .map(|(p, k)| {
+                k.next_dial = now + k.backoff;
+                k.backoff = (k.backoff * 2).min(REDIAL_MAX);
+                (*p, k.addrs.clone())
+            })
+            .collect();
+        for (peer, addrs) in due {
+            tracing::debug!(peer = %peer, "redialling a lost member");
+            let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+                .condition(libp2p::swarm::dial_opts::PeerCondition::DisconnectedAndNotDialing)
+                .addresses(addrs)
+                .build();
+            let _ = self.swarm.dial(opts);
+        }
+    }
+
+    /// Disconnects members whose gossip score fell below the graylist threshold and refuses
+    /// them for [`scoring::BAN_FOR`]: gossipsub already ignores what they send, and the ban
+    /// also frees the neighbour slot and the bulk channel they hold.
+    async fn ban_graylisted(&mut self, now: Instant) {
+        self.banned.retain(|_, (_, until)| *until > now);
+        let gossip = &self.swarm.behaviour().gossipsub;
+        let graylisted: Vec<(PeerId, f64)> = self
+            .members
+            .keys()
+            .filter_map(|p| gossip.peer_score(p).map(|s| (*p, s)))
+            .filter(|(_, s)| *s < scoring::GRAYLIST_THRESHOLD)
+            .collect();
+        for (peer, score) in graylisted {
+            tracing::warn!(
+                peer = %peer,
+                "banned for {:?}: gossip score {score:.1} is below the graylist threshold {} (rejected messages or gossip misbehaviour)",
+                scoring::BAN_FOR,
+                scoring::GRAYLIST_THRESHOLD
+            );
+            self.banned.insert(peer, (score, now + scoring::BAN_FOR));
+            self.swarm.behaviour_mut().kad.remove_peer(&peer);
+            self.drop_member(peer).await;
         }
     }
 
@@ -702,6 +836,12 @@ impl EventLoop {
                 {
                     tracing::warn!(%topic, "cannot subscribe: {e}");
                 } else {
+                    let gossip = &mut self.swarm.behaviour_mut().gossipsub;
+                    if let Err(e) = gossip
+                        .set_topic_params(IdentTopic::new(topic.clone()), scoring::topic_params())
+                    {
+                        tracing::warn!(%topic, "cannot score the topic: {e}");
+                    }
                     self.topics.insert(topic);
                 }
             }
@@ -749,7 +889,27 @@ impl EventLoop {
                 listen.sort_by_key(|a| {
                     a.to_string().starts_with("/ip4/127.") || a.to_string().starts_with("/ip6/::1")
                 });
-                let mut peers: Vec<PeerInfo> = self.members.values().cloned().collect();
+                let gossip = &self.swarm.behaviour().gossipsub;
+                let mut peers: Vec<PeerInfo> = self
+                    .members
+                    .iter()
+                    .map(|(id, p)| PeerInfo {
+                        score: gossip.peer_score(id),
+                        ..p.clone()
+                    })
+                    .collect();
+                let now = Instant::now();
+                let mut banned: Vec<BannedPeer> = self
+                    .banned
+                    .iter()
+                    .filter(|(_, (_, until))| *until > now)
+                    .map(|(id, (score, until))| BannedPeer {
+                        peer_id: id.to_string(),
+                        score: *score,
+                        secs_left: until.duration_since(now).as_secs_f64(),
+                    })
+                    .collect();
+                banned.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
                 peers.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
                 let mut topics: Vec<String> = self.topics.iter().cloned().collect();
                 topics.sort();
@@ -764,9 +924,11 @@ impl EventLoop {
                     refused_peers: self.refused_count,
                     topics,
                     topic_sent: self.topic_sent(),
+                    banned,
                 });
             }
-            Command::Disconnect(peer) => {
+            Command::Forget(peer) => {
+                self.known.remove(&peer);
                 let _ = self.swarm.disconnect_peer_id(peer);
             }
         }
@@ -782,7 +944,11 @@ impl EventLoop {
                 self.listen_addrs.retain(|a| a != &address)
             }
             SwarmEvent::ConnectionEstablished { peer_id, .. }
-                if self.refused.contains(&peer_id) =>
+                if self.refused.contains(&peer_id)
+                    || self
+                        .banned
+                        .get(&peer_id)
+                        .is_some_and(|(_, until)| *until > Instant::now()) =>
             {
                 let _ = self.swarm.disconnect_peer_id(peer_id);
             }
@@ -849,6 +1015,16 @@ impl EventLoop {
                     })
                     .unwrap_or_default();
                 let _ = connection_id;
+                let now = Instant::now();
+                self.known.insert(
+                    peer_id,
+                    KnownPeer {
+                        addrs: info.listen_addrs.clone(),
+                        last_seen: now,
+                        next_dial: now + REDIAL_MIN,
+                        backoff: REDIAL_MIN,
+                    },
+                );
                 let is_new = !self.members.contains_key(&peer_id);
                 self.last_pong.entry(peer_id).or_insert_with(Instant::now);
                 let entry = self.members.entry(peer_id).or_insert_with(|| PeerInfo {
@@ -856,6 +1032,7 @@ impl EventLoop {
                     address: address.clone(),
                     rtt_ms: None,
                     agent: None,
+                    score: None,
                 });
                 entry.agent = Some(info.agent_version.clone());
                 if entry.address.is_empty() {

@@ -41,6 +41,9 @@ pub enum NodeError {
     /// Device unavailable.
     #[error("{0}")]
     Device(String),
+    /// The data shard asked for is empty.
+    #[error("{0}")]
+    Shard(String),
     /// Control API could not be served.
     #[error("{0}")]
     Api(String),
@@ -99,8 +102,17 @@ pub struct Prepared {
 pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
     let choice = device::parse(&config.train.device).map_err(NodeError::Device)?;
     let dev = device::open(choice).map_err(NodeError::Device)?;
-    let split = config.load_data().map_err(NodeError::Data)?;
+    let mut split = config.load_data().map_err(NodeError::Data)?;
     let spec = config.model_spec(&split)?;
+    if let Some((k, n)) = config.train.shard {
+        split.train = split.train.shard(k, n);
+        if split.train.is_empty() {
+            return Err(NodeError::Shard(format!(
+                "train.shard {k}/{n} leaves no training sample"
+            )));
+        }
+        tracing::info!("training on shard {k}/{n}: {} samples", split.train.len());
+    }
     Ok(Prepared {
         config,
         split: Arc::new(split),
@@ -213,6 +225,7 @@ impl Shared {
                     loss: hb.and_then(|h| h.loss),
                     samples_per_sec: hb.map(|h| h.samples_per_sec),
                     accuracy: hb.and_then(|h| h.accuracy),
+                    score: p.score,
                 }
             })
             .collect();
@@ -256,6 +269,7 @@ impl Shared {
             listen_addrs: net.listen_addrs,
             topics: net.topics,
             refused_peers: net.refused_peers,
+            banned_peers: net.banned,
             state_download: mesh.download,
             state_serving: self.cache.lock().map(|mut c| c.load()).unwrap_or(0),
             sync: {

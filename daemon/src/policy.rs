@@ -351,12 +351,21 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
 
     /// Starts a full sync if one is due: the live neighbour least recently synced with
     /// (never-synced first, ties by key order), so syncs rotate through the neighbourhood.
+    /// A live neighbour never synced with (new, or back after a partition or a restart: the
+    /// most divergent replica there is) makes a sync due after a quarter of the interval
+    /// already. With the full interval, a healed 2|2 split took three to four intervals to
+    /// get back to its old consensus distance; the quarter keeps churn from causing a storm.
     fn sync_due(&mut self, now: Instant) -> Option<P> {
         let every = self.config.full_sync_every;
-        if every == 0
-            || self.sync_in_flight.is_some()
-            || self.step.saturating_sub(self.last_sync_step) < every
-        {
+        if every == 0 || self.sync_in_flight.is_some() {
+            return None;
+        }
+        let since = self.step.saturating_sub(self.last_sync_step);
+        let unsynced_live = self
+            .neighbours
+            .values()
+            .any(|n| n.last_sync.is_none() && self.is_live(n, now));
+        if since < every && !(unsynced_live && since >= (every / 4).max(1)) {
             return None;
         }
         let peer = self
@@ -637,22 +646,48 @@ mod tests {
         assert!(step(&mut p, 13, t).is_empty());
         p.handle(PolicyEvent::SyncFinished { peer: 1, ok: true }, t);
         assert_eq!(p.sync_in_flight(), None);
-        for s in 14..=17 {
-            assert!(step(&mut p, s, t).is_empty());
-        }
-        assert_eq!(step(&mut p, 18, t), vec![Action::FullSync { peer: 2 }]);
+        // 2 and 3 were never synced with: due after a quarter interval (one step), not five.
+        assert_eq!(step(&mut p, 14, t), vec![Action::FullSync { peer: 2 }]);
         // Failure: retry on the next step with the next peer.
         p.handle(PolicyEvent::SyncFinished { peer: 2, ok: false }, t);
-        assert_eq!(step(&mut p, 19, t), vec![Action::FullSync { peer: 3 }]);
+        assert_eq!(step(&mut p, 15, t), vec![Action::FullSync { peer: 3 }]);
         p.handle(PolicyEvent::SyncFinished { peer: 3, ok: true }, t);
+        // Everyone synced once: back to the full interval.
+        for s in 16..=19 {
+            assert!(step(&mut p, s, t).is_empty());
+        }
         // Peer 1 (least recent) has timed out; 2 and 3 are fresh: choose 2.
         let later = ms(t, 200);
         heard(&mut p, 2, 0, later);
         heard(&mut p, 3, 0, later);
-        for s in 20..=23 {
-            assert!(step(&mut p, s, later).is_empty());
+        assert_eq!(step(&mut p, 20, later), vec![Action::FullSync { peer: 2 }]);
+    }
+
+    #[test]
+    fn a_returning_neighbour_is_synced_after_a_quarter_interval() {
+        let t = Instant::now();
+        let mut p = SyncPolicy::<u32>::new(
+            PolicyConfig {
+                full_sync_every: 100,
+                ..cfg()
+            },
+            0,
+        );
+        up(&mut p, 1, t);
+        assert_eq!(step(&mut p, 25, t), vec![Action::FullSync { peer: 1 }]);
+        p.handle(PolicyEvent::SyncFinished { peer: 1, ok: true }, t);
+        for s in 26..=124 {
+            assert!(step(&mut p, s, t).is_empty(), "{s}");
         }
-        assert_eq!(step(&mut p, 24, later), vec![Action::FullSync { peer: 2 }]);
+        assert_eq!(step(&mut p, 125, t), vec![Action::FullSync { peer: 1 }]);
+        p.handle(PolicyEvent::SyncFinished { peer: 1, ok: true }, t);
+        // Lost (a partition) and back: its sync history is gone with it.
+        p.handle(PolicyEvent::NeighbourDown { peer: 1 }, t);
+        up(&mut p, 1, t);
+        for s in 126..=149 {
+            assert!(step(&mut p, s, t).is_empty(), "{s}");
+        }
+        assert_eq!(step(&mut p, 150, t), vec![Action::FullSync { peer: 1 }]);
     }
 
     #[test]

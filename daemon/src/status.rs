@@ -29,6 +29,9 @@ pub struct PeerStatus {
     pub samples_per_sec: Option<f64>,
     /// Its latest held-out accuracy.
     pub accuracy: Option<f64>,
+    /// Its gossipsub score here: falls with every message of its that this node rejects.
+    #[serde(default)]
+    pub score: Option<f64>,
 }
 
 /// The peers part of the status.
@@ -132,6 +135,10 @@ pub struct Status {
     /// Peers refused for belonging to another run.
     #[serde(default)]
     pub refused_peers: u64,
+    /// Peers disconnected and refused for a while after their score fell below the graylist
+    /// threshold.
+    #[serde(default)]
+    pub banned_peers: Vec<crate::network::BannedPeer>,
     /// The state download this node started with, if it joined a running mesh.
     #[serde(default)]
     pub state_download: Option<DownloadReport>,

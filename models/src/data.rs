@@ -64,6 +64,13 @@ impl Dataset {
         }
     }
 
+    /// Shard `k` of `n`: every `n`-th sample starting at `k`. Boxes that each own part of the
+    /// data train on disjoint shards (as PyTorch's `DistributedSampler` gives ranks).
+    pub fn shard(&self, k: usize, n: usize) -> Dataset {
+        let indices: Vec<usize> = (k..self.len()).step_by(n.max(1)).collect();
+        self.subset(&indices)
+    }
+
     /// Gathers the given samples into a `(batch, dim)` feature tensor and a `(batch,)` label
     /// tensor on `dev`.
     pub fn batch(&self, indices: &[usize], dev: &Device) -> Result<(Tensor, Tensor)> {
@@ -471,6 +478,18 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shards_are_disjoint_and_cover_the_set() {
+        let d = synthetic(103, 3, 2, 1).expect("data");
+        let shards: Vec<Dataset> = (0..4).map(|k| d.shard(k, 4)).collect();
+        assert_eq!(shards.iter().map(Dataset::len).sum::<usize>(), 103);
+        assert_eq!(shards[0].len(), 26);
+        assert_eq!(shards[3].len(), 25);
+        // Sample 5 is shard 1's second.
+        assert_eq!(shards[1].features[3..6], d.features[15..18]);
+        assert_eq!(shards[1].labels[1], d.labels[5]);
+    }
 
     #[test]
     fn bundled_digits_load() {

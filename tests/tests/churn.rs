@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::harness::{cli, eventually, Node};
-use crate::mesh::{config, listen_addr, peers, start};
+use crate::mesh::{config, listen_addr, peers, start, step};
 
 fn neighbours(s: &Value) -> Vec<String> {
     s["neighbours"]
@@ -222,4 +222,204 @@ fn thirty_kills_at_random_moments_always_resume_from_a_valid_checkpoint() {
         .filter(|e| e.file_name().to_string_lossy().ends_with(".corrupt"))
         .count();
     assert_eq!(corrupt, 0, "checkpoints set aside as corrupt");
+}
+
+/// Full syncs in the churn scenario, every this many steps.
+const CHURN_SYNC_EVERY: u64 = 500;
+/// Nodes in the churn scenario.
+const CHURN_NODES: usize = 6;
+
+/// A reproducible pseudo-random sequence (a linear congruential generator).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 33) % n as u64) as usize
+    }
+}
+
+/// What one run of the churn scenario measured.
+struct ChurnRun {
+    /// Held-out accuracy of every node alive at the end.
+    accuracies: Vec<f64>,
+    /// The longest time any node alive across it went without its step advancing, seconds.
+    worst_stall: f64,
+    /// The longest time no node's step advanced, seconds.
+    mesh_stall: f64,
+    /// Steps per second of the node that is never killed.
+    anchor_steps_per_sec: f64,
+    /// That node's resident memory at the start and end of the churn, KiB.
+    anchor_rss: (u64, u64),
+    /// Kills and joins done.
+    events: Vec<String>,
+}
+
+/// Six nodes train for `secs` after warming up; with `churn`, every 10 s one random node but
+/// the anchor (node 0) is killed with SIGKILL and another joins: alternately the victim
+/// restarted on its data directory (resuming from its checkpoint) or a fresh node, each
+/// bootstrapping through a random live node.
+fn churn_run(churn: bool, secs: u64) -> ChurnRun {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = config(
+        tmp.path(),
+        "c.toml",
+        &[("every_steps = 0", "every_steps = 1000")],
+        &format!("\n[sync]\ndegree = 3\nfull_sync_every = {CHURN_SYNC_EVERY}\n"),
+    );
+    let anchor = start(tmp.path(), "n0", &cfg, None, &[]);
+    let addr = listen_addr(&anchor);
+    let mut nodes: Vec<(String, Node)> = vec![("n0".into(), anchor)];
+    for i in 1..CHURN_NODES {
+        let name = format!("n{i}");
+        let node = start(tmp.path(), &name, &cfg, Some(&addr), &[]);
+        nodes.push((name, node));
+    }
+    for (_, n) in &nodes {
+        n.wait_status("a trained mesh", Duration::from_secs(120), |s| {
+            peers(s) == CHURN_NODES as u64 - 1 && step(s) > 1000
+        });
+    }
+    let mut rng = Lcg(0x2545_f491_4f6c_dd1d);
+    let mut fresh = CHURN_NODES;
+    let mut events = Vec::new();
+    // Per node name: (time of the last poll where its step advanced, that step).
+    let mut last_advance: std::collections::HashMap<String, (Instant, u64)> = Default::default();
+    let mut worst_stall: f64 = 0.0;
+    let mut mesh_last_advance = Instant::now();
+    let mut mesh_stall: f64 = 0.0;
+    let t0 = Instant::now();
+    let rss_start = nodes[0].1.rss_kib().expect("rss");
+    let anchor_step0 = step(&nodes[0].1.status().expect("status"));
+    let mut next_event = Duration::from_secs(10);
+    let mut restart_next = true;
+    while t0.elapsed() < Duration::from_secs(secs) {
+        let mut any_advanced = false;
+        for (name, n) in &nodes {
+            let Some(s) = n.status() else { continue };
+            if s["phase"] != "training" {
+                continue;
+            }
+            let now = Instant::now();
+            let st = step(&s);
+            match last_advance.get(name) {
+                Some(&(at, prev)) if st <= prev => {
+                    worst_stall = worst_stall.max(now.duration_since(at).as_secs_f64());
+                }
+                _ => {
+                    any_advanced = true;
+                    last_advance.insert(name.clone(), (now, st));
+                }
+            }
+        }
+        let now = Instant::now();
+        if any_advanced {
+            mesh_last_advance = now;
+        } else {
+            mesh_stall = mesh_stall.max(now.duration_since(mesh_last_advance).as_secs_f64());
+        }
+        if churn
+            && t0.elapsed() >= next_event
+            && t0.elapsed() + Duration::from_secs(5) < Duration::from_secs(secs)
+        {
+            next_event += Duration::from_secs(10);
+            let victim = 1 + rng.below(nodes.len() - 1);
+            let (name, mut node) = nodes.remove(victim);
+            node.kill9();
+            last_advance.remove(&name);
+            let via = listen_addr(&nodes[rng.below(nodes.len())].1);
+            let (new_name, how) = if restart_next {
+                (name.clone(), "restarted")
+            } else {
+                fresh += 1;
+                (format!("n{fresh}"), "fresh")
+            };
+            restart_next = !restart_next;
+            let joined = start(tmp.path(), &new_name, &cfg, Some(&via), &[]);
+            events.push(format!(
+                "{:.1} s: killed {name}, {how} {new_name} joined",
+                t0.elapsed().as_secs_f64()
+            ));
+            nodes.push((new_name, joined));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let anchor_status = nodes[0].1.status().expect("status");
+    let anchor_steps_per_sec =
+        (step(&anchor_status) - anchor_step0) as f64 / t0.elapsed().as_secs_f64();
+    let rss_end = nodes[0].1.rss_kib().expect("rss");
+    // Let every node finish an evaluation after the last event.
+    let accuracies = nodes
+        .iter()
+        .map(|(_, n)| {
+            let s0 = step(&n.status().expect("status"));
+            let s = n.wait_status("a fresh evaluation", Duration::from_secs(60), |s| {
+                s["eval"]["step"].as_u64().unwrap_or(0) > s0
+            });
+            s["eval"]["accuracy"].as_f64().expect("accuracy")
+        })
+        .collect();
+    ChurnRun {
+        accuracies,
+        worst_stall,
+        mesh_stall,
+        anchor_steps_per_sec,
+        anchor_rss: (rss_start, rss_end),
+        events,
+    }
+}
+
+/// The churn scenario against a churn-free run of the same length: the mesh never stops
+/// training for longer than two full-sync intervals, the survivors' accuracy is within 1 pp
+/// of the churn-free mesh's, and the longest-lived node's memory grows by at most 5%.
+#[test]
+fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without() {
+    const SECS: u64 = 60;
+    let calm = churn_run(false, SECS);
+    let churned = churn_run(true, SECS);
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let interval_secs = CHURN_SYNC_EVERY as f64 / churned.anchor_steps_per_sec;
+    let (rss0, rss1) = churned.anchor_rss;
+    let growth = rss1 as f64 / rss0 as f64 - 1.0;
+    eprintln!(
+        "churn events: {:?}\n\
+         churn-free: accuracies {:?} (mean {:.4}), worst stall {:.2} s, anchor {:.0} steps/s\n\
+         churn: accuracies {:?} (mean {:.4}), worst stall of a node {:.2} s, of the mesh {:.2} s, \
+         full-sync interval {:.2} s, anchor {:.0} steps/s\n\
+         anchor RSS {} KiB -> {} KiB ({:+.1}%); churn-free run {} -> {} KiB",
+        churned.events,
+        calm.accuracies,
+        mean(&calm.accuracies),
+        calm.worst_stall,
+        calm.anchor_steps_per_sec,
+        churned.accuracies,
+        mean(&churned.accuracies),
+        churned.worst_stall,
+        churned.mesh_stall,
+        interval_secs,
+        churned.anchor_steps_per_sec,
+        rss0,
+        rss1,
+        growth * 100.0,
+        calm.anchor_rss.0,
+        calm.anchor_rss.1,
+    );
+    assert_eq!(churned.events.len(), 5, "{:?}", churned.events);
+    assert!(
+        churned.worst_stall <= 2.0 * interval_secs,
+        "a node stopped training for {:.2} s, more than two sync intervals ({:.2} s)",
+        churned.worst_stall,
+        2.0 * interval_secs
+    );
+    let delta = (mean(&churned.accuracies) - mean(&calm.accuracies)).abs();
+    assert!(
+        delta <= 0.01,
+        "survivors' mean accuracy {:.4} vs churn-free {:.4}",
+        mean(&churned.accuracies),
+        mean(&calm.accuracies)
+    );
+    assert!(growth <= 0.05, "RSS grew {:.1}%", growth * 100.0);
 }

@@ -1,6 +1,7 @@
 //! A harness for real nodes: each one a `p2ptrain join` child process on 127.0.0.1 with an
 //! OS-chosen API port and its own temporary data directory. Every process is killed when its
-//! `Node` drops, so a failing test leaves nothing running.
+//! `Node` drops, so a failing test leaves nothing running. Nodes log at `info`; set
+//! `P2PTRAIN_TEST_LOG` (an `RUST_LOG` filter) to see more.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -58,9 +59,32 @@ pub fn eventually<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Optio
 
 /// Runs the CLI to completion with a time limit; returns (status, stdout, stderr).
 pub fn cli(args: &[&str], timeout: Duration) -> (ExitStatus, String, String) {
+    cli_in(None, args, timeout)
+}
+
+/// A command for the `p2ptrain` binary, inside network namespace `netns` if one is given
+/// (`ip netns exec` execs the binary, so the child's pid is the binary's own).
+fn command_in(netns: Option<&str>) -> Command {
+    match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(bin());
+            c
+        }
+        None => Command::new(bin()),
+    }
+}
+
+/// [`cli`] inside a network namespace (where a node there serves its API on its own
+/// loopback).
+pub fn cli_in(
+    netns: Option<&str>,
+    args: &[&str],
+    timeout: Duration,
+) -> (ExitStatus, String, String) {
     let dir = tempfile::tempdir().expect("tmp");
     let (out, err) = (dir.path().join("out"), dir.path().join("err"));
-    let mut child = Command::new(bin())
+    let mut child = command_in(netns)
         .args(args)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out).expect("out"))
@@ -101,12 +125,19 @@ pub struct Node {
     pub log: PathBuf,
     /// Its API address once known.
     pub api: Option<String>,
+    /// The network namespace it runs in, if not the test's own.
+    pub netns: Option<String>,
     _logs: tempfile::TempDir,
 }
 
 impl Node {
     /// Starts `p2ptrain join` on `data_dir` with an OS-chosen API port and extra arguments.
     pub fn start(data_dir: &Path, extra: &[&str]) -> Node {
+        Node::start_in(None, "/ip4/127.0.0.1/tcp/0", data_dir, extra)
+    }
+
+    /// [`Node::start`] inside network namespace `netns` (if given), listening on `listen`.
+    pub fn start_in(netns: Option<&str>, listen: &str, data_dir: &Path, extra: &[&str]) -> Node {
         let logs = tempfile::tempdir().expect("log dir");
         let log = logs.path().join("stderr.log");
         // A stale address file from a killed predecessor must not be mistaken for ours.
@@ -118,12 +149,15 @@ impl Node {
             "--api",
             "127.0.0.1:0",
             "--listen",
-            "/ip4/127.0.0.1/tcp/0",
+            listen,
         ];
         args.extend_from_slice(extra);
-        let child = Command::new(bin())
+        let child = command_in(netns)
             .args(&args)
-            .env("RUST_LOG", "info")
+            .env(
+                "RUST_LOG",
+                std::env::var("P2PTRAIN_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log"))
@@ -134,8 +168,26 @@ impl Node {
             data_dir: data_dir.to_path_buf(),
             log,
             api: None,
+            netns: netns.map(String::from),
             _logs: logs,
         }
+    }
+
+    /// Runs the CLI where this node runs (its namespace), against its API.
+    pub fn cli(&self, args: &[&str], timeout: Duration) -> (ExitStatus, String, String) {
+        let api = self.api.as_deref().expect("the node's API is known");
+        let mut all = args.to_vec();
+        all.extend(["--api", api]);
+        cli_in(self.netns.as_deref(), &all, timeout)
+    }
+
+    /// Resident memory of the process in KiB (Linux `/proc`).
+    pub fn rss_kib(&self) -> Option<u64> {
+        let pid = self.child.as_ref()?.id();
+        let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
     }
 
     /// Waits until the node serves its API; returns the address.
@@ -165,8 +217,8 @@ impl Node {
 
     /// `p2ptrain status --json`, or None if the node does not answer.
     pub fn status(&self) -> Option<Value> {
-        let api = self.api.as_deref()?;
-        let (st, out, _) = cli(&["status", "--json", "--api", api], Duration::from_secs(20));
+        self.api.as_deref()?;
+        let (st, out, _) = self.cli(&["status", "--json"], Duration::from_secs(20));
         if !st.success() {
             return None;
         }

@@ -4,4 +4,6 @@
 mod churn;
 mod harness;
 mod mesh;
+mod netlab;
+mod partition;
 mod single_node;

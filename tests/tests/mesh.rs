@@ -385,6 +385,7 @@ mod rogue {
     use libp2p::identity::Keypair;
     use p2ptrain_daemon::mesh::update_topic;
     use p2ptrain_daemon::network::{self, BulkResponse, Event, NetConfig};
+    use p2ptrain_daemon::scoring;
     use p2ptrain_models::codec::{self, Codec, UpdateHeader};
 
     #[test]
@@ -405,7 +406,8 @@ mod rogue {
         let rt = tokio::runtime::Runtime::new().expect("runtime");
         let key = Keypair::generate_ed25519();
         let me = key.public().to_peer_id();
-        let rejected = rt.block_on(async {
+        let topic = update_topic(&run_id, &me);
+        let client = rt.block_on(async {
             let net_cfg = NetConfig {
                 listen: vec!["/ip4/127.0.0.1/tcp/0".parse().expect("addr")],
                 bootstrap: vec![addr.parse().expect("addr")],
@@ -425,7 +427,6 @@ mod rogue {
                     }
                 }
             });
-            let topic = update_topic(&run_id, &me);
             let header = |step: u64, run: &str, n: usize| UpdateHeader {
                 run_id: codec::id_bytes(run),
                 layout: codec::id_bytes(&layout),
@@ -492,8 +493,9 @@ mod rogue {
                     .expect("publish");
             }
             tokio::time::sleep(Duration::from_secs(2)).await;
-            me
+            client
         });
+        let rogue = me.to_string();
         let s = honest.wait_status(
             "the rogue's updates rejected",
             Duration::from_secs(30),
@@ -501,15 +503,51 @@ mod rogue {
         );
         let by_peer: BTreeMap<String, u64> =
             serde_json::from_value(s["rejected_by_peer"].clone()).expect("map");
-        assert_eq!(
-            by_peer.get(&rejected.to_string()).copied(),
-            Some(8),
-            "{by_peer:?}"
-        );
+        assert_eq!(by_peer.get(&rogue).copied(), Some(8), "{by_peer:?}");
         assert_eq!(
             s["updates"]["applied"].as_u64(),
             Some(1),
             "only the one valid update is applied"
+        );
+        // Eight rejections cost the rogue its standing, short of a graylisting.
+        let score = rogue_score(&s, &rogue).expect("the rogue is still a peer");
+        eprintln!("rogue's score after 8 rejections: {score:.1}");
+        assert!(score < scoring::GOSSIP_THRESHOLD, "score {score}");
+        assert!(score > scoring::GRAYLIST_THRESHOLD, "score {score}");
+        // More garbage: the rogue is graylisted, disconnected and banned, and what it sends
+        // after that never reaches validation.
+        let extra = scoring::rejections_to_graylist() + 2;
+        rt.block_on(async {
+            for i in 0..extra {
+                let junk = [vec![b'U'], vec![i as u8; 64]].concat();
+                // Once banned, publishing fails for want of a subscriber.
+                let _ = client.publish(topic.clone(), junk).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        let banned = honest.wait_status("the rogue banned", Duration::from_secs(15), |s| {
+            s["banned_peers"]
+                .as_array()
+                .is_some_and(|b| b.iter().any(|p| p["peer_id"] == rogue.as_str()))
+        });
+        let rejected_total = banned["rejected_by_peer"][&rogue].as_u64().unwrap_or(0);
+        eprintln!(
+            "rogue banned after {rejected_total} rejections: {}",
+            banned["banned_peers"]
+        );
+        assert!(
+            rejected_total < 8 + u64::from(extra),
+            "every junk message was still validated: {rejected_total}"
+        );
+        assert!(
+            rogue_score(&banned, &rogue).is_none(),
+            "a banned peer is no longer connected: {}",
+            banned["peers"]
+        );
+        assert!(
+            honest.log_text().contains("below the graylist threshold"),
+            "{}",
+            honest.log_text()
         );
         let later = honest.wait_status("training on", Duration::from_secs(30), |t| {
             step(t) > step(&s) + 500 && t["eval"].is_object()
@@ -522,6 +560,14 @@ mod rogue {
             later["eval"]["accuracy"].as_f64().unwrap_or(0.0) > 0.9,
             "{later}"
         );
+    }
+
+    fn rogue_score(status: &Value, rogue: &str) -> Option<f64> {
+        status["peers"]["list"]
+            .as_array()?
+            .iter()
+            .find(|p| p["peer_id"] == rogue)
+            .and_then(|p| p["score"].as_f64())
     }
 
     fn candle_core_device() -> candle_core::Device {

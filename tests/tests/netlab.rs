@@ -1,0 +1,179 @@
+//! A small network lab: test hosts in network namespaces this test creates, each with one veth
+//! into a bridge inside a hub namespace of its own. Nothing touches the machine's own
+//! interfaces or addresses; the only addresses used are 10.77.0.0/24 inside the lab. Every
+//! namespace (and with it every veth and bridge) is deleted when the `Lab` drops.
+//!
+//! Partitions move hosts' hub-side ports onto a second, unconnected bridge; healing moves them
+//! back. Link limits are `tc` queueing disciplines on each host's interface: `tbf` for rate,
+//! plus `netem` delay and loss where the kernel has netem (this machine's has not).
+
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+static LABS: AtomicUsize = AtomicUsize::new(0);
+
+/// A lab of `n` hosts; see the module docs.
+pub struct Lab {
+    hub: String,
+    hosts: Vec<String>,
+}
+
+/// Runs `ip`/`tc` with arguments; Err with its stderr if it fails.
+fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{program}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{program} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl Lab {
+    /// Builds the lab, or says why it cannot be built here (not root, no `ip`, namespaces
+    /// refused), so the caller can skip with that reason.
+    pub fn new(n: usize) -> Result<Lab, String> {
+        let uid = Command::new("id")
+            .arg("-u")
+            .output()
+            .map_err(|e| format!("id -u: {e}"))?;
+        if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+            return Err("network namespaces need root".into());
+        }
+        let tag = format!(
+            "p2pt{}x{}",
+            std::process::id(),
+            LABS.fetch_add(1, Ordering::SeqCst)
+        );
+        let mut lab = Lab {
+            hub: format!("{tag}hub"),
+            hosts: Vec::new(),
+        };
+        run("ip", &["netns", "add", &lab.hub])?;
+        for br in ["br0", "br1"] {
+            run("ip", &["-n", &lab.hub, "link", "add", br, "type", "bridge"])?;
+            run("ip", &["-n", &lab.hub, "link", "set", br, "up"])?;
+        }
+        for i in 0..n {
+            let ns = format!("{tag}h{i}");
+            run("ip", &["netns", "add", &ns])?;
+            lab.hosts.push(ns.clone());
+            let port = format!("p{i}");
+            run("ip", &["-n", &ns, "link", "set", "lo", "up"])?;
+            run(
+                "ip",
+                &[
+                    "link", "add", "eth0", "netns", &ns, "type", "veth", "peer", "name", &port,
+                    "netns", &lab.hub,
+                ],
+            )?;
+            let cidr = format!("{}/24", lab.addr(i));
+            run("ip", &["-n", &ns, "addr", "add", &cidr, "dev", "eth0"])?;
+            run("ip", &["-n", &ns, "link", "set", "eth0", "up"])?;
+            run(
+                "ip",
+                &["-n", &lab.hub, "link", "set", &port, "master", "br0"],
+            )?;
+            run("ip", &["-n", &lab.hub, "link", "set", &port, "up"])?;
+        }
+        Ok(lab)
+    }
+
+    /// Host `i`'s namespace.
+    pub fn ns(&self, i: usize) -> &str {
+        &self.hosts[i]
+    }
+
+    /// Host `i`'s address.
+    pub fn addr(&self, i: usize) -> String {
+        format!("10.77.0.{}", i + 1)
+    }
+
+    /// A listen multiaddr on host `i` with an OS-chosen port.
+    pub fn listen(&self, i: usize) -> String {
+        format!("/ip4/{}/tcp/0", self.addr(i))
+    }
+
+    /// Cuts `side` off from the other hosts (they can still reach each other).
+    pub fn partition(&self, side: &[usize]) {
+        for i in side {
+            let port = format!("p{i}");
+            run(
+                "ip",
+                &["-n", &self.hub, "link", "set", &port, "master", "br1"],
+            )
+            .expect("partition");
+        }
+    }
+
+    /// Joins every host to one bridge again.
+    pub fn heal(&self) {
+        for i in 0..self.hosts.len() {
+            let port = format!("p{i}");
+            run(
+                "ip",
+                &["-n", &self.hub, "link", "set", &port, "master", "br0"],
+            )
+            .expect("heal");
+        }
+    }
+
+    /// Whether this kernel has `netem` (delay and loss); checked on a scratch interface.
+    pub fn netem_available(&self) -> bool {
+        run(
+            "ip",
+            &[
+                "netns", "exec", &self.hub, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
+                "delay", "1ms",
+            ],
+        )
+        .is_ok()
+    }
+
+    /// Limits every host's outgoing link: `rate` with `tbf`, and where netem exists, also
+    /// `delay` and `loss_pct` (netem's own rate limit then replaces tbf). Returns a
+    /// description of what was applied.
+    pub fn shape(&self, rate: &str, delay: &str, loss_pct: &str) -> String {
+        let netem = self.netem_available();
+        for ns in &self.hosts {
+            let mut args = vec!["netns", "exec", ns, "tc", "qdisc", "replace", "dev", "eth0"];
+            args.push("root");
+            if netem {
+                args.extend(["netem", "delay", delay, "loss", loss_pct, "rate", rate]);
+            } else {
+                args.extend(["tbf", "rate", rate, "burst", "32kbit", "latency", "400ms"]);
+            }
+            run("ip", &args).expect("tc");
+        }
+        if netem {
+            format!("netem rate {rate} delay {delay} loss {loss_pct}")
+        } else {
+            format!("tbf rate {rate} (no netem in this kernel: no delay or loss added)")
+        }
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for ns in self.hosts.iter().chain(std::iter::once(&self.hub)) {
+            let _ = run("ip", &["netns", "del", ns]);
+        }
+    }
+}
+
+/// The lab, or `None` after printing why the test is skipped.
+pub fn lab_or_skip(test: &str, n: usize) -> Option<Lab> {
+    match Lab::new(n) {
+        Ok(lab) => Some(lab),
+        Err(why) => {
+            eprintln!("SKIPPED {test}: cannot build a network-namespace lab here: {why}");
+            None
+        }
+    }
+}

@@ -107,6 +107,7 @@ fn daemon_run(p: &Prepared, steps: u64, rt: &tokio::runtime::Runtime) -> Result<
         listen: vec!["/ip4/127.0.0.1/tcp/0".into()],
         bootstrap: Vec::new(),
         mdns: false,
+        psk: None,
     };
     let summary = rt.block_on(node::run(p, opts, std::future::pending()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -61,6 +61,15 @@ enum Cmd {
     /// Benchmarks that write JSON.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Write a new random key for a private network (give every node the same file).
+    Keygen(KeygenArgs),
+}
+
+#[derive(Args)]
+struct KeygenArgs {
+    /// Where to write the pre-shared key (never overwrites an existing file).
+    #[arg(long)]
+    psk: PathBuf,
 }
 
 #[derive(Args, Clone)]
@@ -107,6 +116,10 @@ struct JoinArgs {
     /// default).
     #[arg(long)]
     mdns: bool,
+    /// Private network key file (from `p2ptrain keygen --psk`): only nodes with the same key
+    /// can connect. Overrides `network.psk`.
+    #[arg(long)]
+    psk: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -260,6 +273,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             bench_mesh::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Keygen(args) => keygen(&args.psk),
         Cmd::Local(args) => {
             let json = args.json;
             let summary = local::run(args)?;
@@ -271,6 +285,32 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+fn keygen(path: &Path) -> Result<ExitCode> {
+    use std::io::Write;
+    let text = node::new_psk_file();
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+    let mut file = opts.open(path).with_context(|| {
+        format!(
+            "cannot create {} (an existing key is never overwritten)",
+            path.display()
+        )
+    })?;
+    file.write_all(text.as_bytes())
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    let key = node::read_psk(path)?;
+    println!(
+        "wrote a new network key to {} (fingerprint {}); copy it to every node and start each with --psk {}",
+        path.display(),
+        key.fingerprint(),
+        path.display()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn join(args: JoinArgs) -> Result<ExitCode> {
@@ -302,6 +342,7 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
         listen: args.listen,
         bootstrap: args.bootstrap,
         mdns: args.mdns,
+        psk: args.psk,
     };
     let rt = runtime()?;
     let summary = rt.block_on(node::run(prepared, opts, shutdown_signal()))?;

@@ -75,6 +75,24 @@ pub fn status_text(s: &Status) -> String {
     for a in &s.listen_addrs {
         out.push_str(&format!("listen    {a}\n"));
     }
+    if let Some(f) = &s.psk_fingerprint {
+        out.push_str(&format!(
+            "private   PSK fingerprint {f}, {} failed handshakes\n",
+            s.handshake_failures
+        ));
+    }
+    if let Some(n) = s.allowlist {
+        out.push_str(&format!(
+            "allowlist {n} peers, {} connections refused\n",
+            s.denied_connections
+        ));
+    }
+    if !s.banned_peers.is_empty() {
+        out.push_str(&format!(
+            "banned    {} peers (low gossip score)\n",
+            s.banned_peers.len()
+        ));
+    }
     out.push_str(&format!("uptime    {}\n", duration(s.uptime_s)));
     out.push_str(&format!("data dir  {}\n", s.data_dir));
     out.push_str(&format!("api       {}\n", s.api));
@@ -119,18 +137,19 @@ pub fn peers_table(s: &Status) -> String {
         return "no peers\n".into();
     }
     let mut out = format!(
-        "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9}  {}\n",
-        "peer", "neighbour", "rtt ms", "step", "loss", "samples/s", "address"
+        "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7}  {}\n",
+        "peer", "neighbour", "rtt ms", "step", "loss", "samples/s", "score", "address"
     );
     for p in &s.peers.list {
         out.push_str(&format!(
-            "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9}  {}\n",
+            "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7}  {}\n",
             p.peer_id,
             if p.neighbour { "yes" } else { "" },
             opt(p.rtt_ms, 1),
             p.step.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
             opt(p.loss, 4),
             opt(p.samples_per_sec, 0),
+            opt(p.score, 1),
             p.address
         ));
     }

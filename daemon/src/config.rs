@@ -69,6 +69,8 @@ struct RawNetwork {
     listen: Option<Vec<String>>,
     bootstrap: Option<Vec<String>>,
     mdns: Option<bool>,
+    psk: Option<PathBuf>,
+    allow: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -86,6 +88,8 @@ struct RawSync {
     staleness_bound: Option<u64>,
     stale_after: Option<u64>,
     publish_early_ratio: Option<f64>,
+    outlier_factor: Option<f64>,
+    max_updates_per_sec: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -245,6 +249,11 @@ pub struct NetworkConfig {
     pub bootstrap: Vec<String>,
     /// Find peers on the local network with mDNS (off by default).
     pub mdns: bool,
+    /// The private network's key file (`p2ptrain keygen --psk`): only nodes with the same key
+    /// can connect. Relative paths are taken from the working directory.
+    pub psk: Option<PathBuf>,
+    /// If given, the only peer ids allowed to connect (checked to be peer ids).
+    pub allow: Option<Vec<String>>,
 }
 
 /// The sync section, checked.
@@ -278,6 +287,12 @@ pub struct SyncConfig {
     /// Publish before `publish_every` steps once the pending update's norm exceeds this
     /// fraction of the parameters' norm (0: off).
     pub publish_early_ratio: f64,
+    /// Reject a neighbour's update whose norm exceeds this times the median of recently
+    /// accepted ones (0: off).
+    pub outlier_factor: f64,
+    /// Sustained updates per second accepted from one neighbour, with a burst of twice that;
+    /// beyond it updates are dropped unread (0: no limit).
+    pub max_updates_per_sec: f64,
 }
 
 fn codec_name<S: serde::Serializer>(c: &Codec, s: S) -> Result<S::Ok, S::Error> {
@@ -294,6 +309,15 @@ impl SyncConfig {
             staleness_bound: self.staleness_bound,
             stale_after: self.stale_after,
             ..crate::policy::PolicyConfig::default()
+        }
+    }
+
+    /// The update guard's settings these give.
+    pub fn guard(&self) -> crate::guard::GuardConfig {
+        crate::guard::GuardConfig {
+            outlier_factor: self.outlier_factor,
+            max_updates_per_sec: self.max_updates_per_sec,
+            burst: 2.0 * self.max_updates_per_sec,
         }
     }
 }
@@ -537,7 +561,13 @@ impl Config {
             listen: n.listen.unwrap_or_else(|| vec![DEFAULT_LISTEN.to_string()]),
             bootstrap: n.bootstrap.unwrap_or_default(),
             mdns: n.mdns.unwrap_or(false),
+            psk: n.psk,
+            allow: n.allow,
         };
+        for id in network.allow.iter().flatten() {
+            id.parse::<libp2p::PeerId>()
+                .map_err(|e| err(format!("network.allow: {id:?} is not a peer id ({e})")))?;
+        }
         for (key, addrs) in [
             ("network.listen", &network.listen),
             ("network.bootstrap", &network.bootstrap),
@@ -564,7 +594,22 @@ impl Config {
             staleness_bound: y.staleness_bound,
             stale_after: y.stale_after.unwrap_or(100),
             publish_early_ratio: y.publish_early_ratio.unwrap_or(0.0),
+            outlier_factor: y.outlier_factor.unwrap_or(10.0),
+            max_updates_per_sec: y.max_updates_per_sec.unwrap_or(200.0),
         };
+        for (key, v) in [
+            ("sync.outlier_factor", sync.outlier_factor),
+            ("sync.max_updates_per_sec", sync.max_updates_per_sec),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(err(format!("{key} must be 0 (off) or a positive number")));
+            }
+        }
+        if sync.outlier_factor > 0.0 && sync.outlier_factor < 2.0 {
+            return Err(err(
+                "sync.outlier_factor below 2 would reject honest updates (0 turns it off)".into(),
+            ));
+        }
         if !(sync.density > 0.0 && sync.density <= 1.0) {
             return Err(err(format!(
                 "sync.density = {} must be in (0, 1]",

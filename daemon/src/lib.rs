@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod control;
 pub mod device;
+pub mod guard;
 pub mod identity;
 pub mod mesh;
 pub mod network;

@@ -23,6 +23,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint;
+use crate::guard::{GuardConfig, UpdateGuard};
 use crate::network::{BulkRequest, BulkResponse, Client, Event};
 use crate::trainer::{Command, Outgoing, Phase, Stats};
 use crate::transfer::{self, Frozen};
@@ -65,6 +66,8 @@ pub struct MeshConfig {
     pub density: f64,
     /// Keep what a lossy codec did not send and add it to the next update.
     pub error_feedback: bool,
+    /// Outlier bound and rate limit on neighbours' updates.
+    pub guard: GuardConfig,
 }
 
 /// A neighbour sync, as status shows it.
@@ -87,8 +90,18 @@ pub struct UpdateCounters {
     pub received: u64,
     /// Of those, applied to the model.
     pub applied: u64,
-    /// Of those, rejected (malformed, other run or layout, non-finite, oversized norm, replay).
+    /// Of those, rejected (malformed, other run or layout, non-finite, oversized norm, replay,
+    /// outlier norm).
     pub rejected: u64,
+    /// Of the rejected, those whose norm was an outlier against recent updates.
+    #[serde(default)]
+    pub outliers: u64,
+    /// Dropped unread because their author sent faster than the per-peer limit.
+    #[serde(default)]
+    pub rate_limited: u64,
+    /// Median norm of recently accepted updates: the outlier bound is a multiple of it.
+    #[serde(default)]
+    pub median_norm: Option<f64>,
 }
 
 /// What a peer last told the mesh about itself.
@@ -162,6 +175,7 @@ pub struct Mesh {
     neighbours: BTreeSet<PeerId>,
     large: VecDeque<([u8; 32], Arc<Vec<u8>>)>,
     last_step_by_author: HashMap<PeerId, u64>,
+    guard: UpdateGuard<PeerId>,
     pending_apply: VecDeque<(PeerId, u64, Vec<f32>)>,
     fetched_tx: mpsc::Sender<Fetched>,
     fetched_rx: Option<mpsc::Receiver<Fetched>>,
@@ -199,6 +213,7 @@ impl Mesh {
     ) -> Mesh {
         let numel = layout.numel();
         let compressor = ErrorFeedback::new(numel, cfg.error_feedback);
+        let guard = UpdateGuard::new(cfg.guard);
         let (fetched_tx, fetched_rx) = mpsc::channel(FETCH_CAP);
         Mesh {
             net,
@@ -218,6 +233,7 @@ impl Mesh {
             neighbours: BTreeSet::new(),
             large: VecDeque::new(),
             last_step_by_author: HashMap::new(),
+            guard,
             pending_apply: VecDeque::new(),
             fetched_tx,
             fetched_rx: Some(fetched_rx),
@@ -347,6 +363,13 @@ impl Mesh {
         if author != Some(owner) {
             self.reject(owner, "update published on another peer's topic");
             return Some(MessageAcceptance::Reject);
+        }
+        // Before any decoding, so a flood costs little. Dropped, not rejected: a box
+        // configured to publish very often is not hostile.
+        if let Err(why) = self.guard.admit(&owner, std::time::Instant::now()) {
+            tracing::debug!(peer = %owner, "dropped update: {why}");
+            self.with_status(|s| s.updates.rate_limited += 1);
+            return Some(MessageAcceptance::Ignore);
         }
         match data.split_first() {
             Some((&INLINE, bytes)) => Some(self.accept_update(owner, bytes)),
@@ -478,6 +501,11 @@ impl Mesh {
             );
             return MessageAcceptance::Reject;
         }
+        if let Err(why) = self.guard.judge_norm(norm) {
+            self.reject(author, &why.to_string());
+            self.with_status(|s| s.updates.outliers += 1);
+            return MessageAcceptance::Reject;
+        }
         if let Some(last) = self.last_step_by_author.get(&author) {
             if header.step <= *last {
                 self.reject(
@@ -491,7 +519,12 @@ impl Mesh {
             }
         }
         self.last_step_by_author.insert(author, header.step);
-        self.with_status(|s| s.updates.received += 1);
+        self.guard.record(norm);
+        let median = self.guard.median();
+        self.with_status(|s| {
+            s.updates.received += 1;
+            s.updates.median_norm = median;
+        });
         // While the trainer is busy, a short queue; beyond it, merge into the newest entry
         // rather than queueing more copies (the older step is kept: the merged update is as
         // stale as its oldest part).

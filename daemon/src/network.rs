@@ -13,9 +13,13 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use libp2p::allow_block_list;
+use libp2p::core::muxing::StreamMuxerBox;
+use libp2p::core::transport::Boxed;
 use libp2p::core::Transport as _;
 use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, MessageId};
 use libp2p::identity::Keypair;
+pub use libp2p::pnet::PreSharedKey;
 use libp2p::request_response::{self, OutboundRequestId, ProtocolSupport, ResponseChannel};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
@@ -151,6 +155,7 @@ mod composed {
         pub(super) gossipsub: gossipsub::Behaviour,
         pub(super) bulk: request_response::cbor::Behaviour<BulkRequest, BulkResponse>,
         pub(super) mdns: Toggle<mdns::tokio::Behaviour>,
+        pub(super) allow: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
     }
 }
 pub use composed::{Behaviour, BehaviourEvent};
@@ -288,6 +293,14 @@ pub struct NetSnapshot {
     pub topic_sent: BTreeMap<String, (u64, u64)>,
     /// Peers banned for a graylisting score.
     pub banned: Vec<BannedPeer>,
+    /// Fingerprint of the private network key, if the node is on one.
+    pub psk_fingerprint: Option<String>,
+    /// Number of peers on the allowlist, if one is in force.
+    pub allowlist: Option<usize>,
+    /// Connections that failed in the handshake (most often a network key mismatch).
+    pub handshake_failures: u64,
+    /// Connections refused or not dialled because of the allowlist.
+    pub denied_connections: u64,
 }
 
 /// A cloneable handle that sends commands to the event loop.
@@ -389,6 +402,11 @@ pub struct NetConfig {
     /// Discover peers on the local network with mDNS. Off by default: it multicasts on every
     /// interface of the machine.
     pub mdns: bool,
+    /// A private network's pre-shared key: every connection is encrypted with it below
+    /// noise, so a node without the key cannot complete a handshake or see any topic.
+    pub psk: Option<PreSharedKey>,
+    /// If given, only these peers may connect (either way).
+    pub allow: Option<HashSet<PeerId>>,
 }
 
 /// Why the network could not start.
@@ -440,6 +458,34 @@ pub struct EventLoop {
     banned: HashMap<PeerId, (f64, Instant)>,
     /// Every member seen, to redial when lost (see [`REDIAL_MIN`]).
     known: HashMap<PeerId, KnownPeer>,
+    /// The private network key's fingerprint, if any.
+    psk_fingerprint: Option<String>,
+    /// Size of the allowlist, if one is in force.
+    allowlist: Option<usize>,
+    /// Connections that failed in the security handshake (a wrong or missing network key).
+    handshake_failures: u64,
+    /// Connections refused (or not dialled) because of the allowlist.
+    denied_connections: u64,
+}
+
+/// Whether a connection error happened in the handshake (pnet, noise or protocol
+/// negotiation) rather than in reaching the address.
+fn looks_like_handshake_failure(text: &str) -> bool {
+    let t = text.to_ascii_lowercase();
+    [
+        "handshake",
+        "noise",
+        "decrypt",
+        "multistream",
+        "negotiat",
+        "invalid",
+        "unexpected eof",
+        "connection reset",
+    ]
+    .iter()
+    .any(|k| t.contains(k))
+        && !t.contains("timeout")
+        && !t.contains("connection refused")
 }
 
 /// A member this node has seen: where it listens and when to try it again.
@@ -480,6 +526,37 @@ fn abort_when_unacked(stream: &tokio::net::TcpStream) {
     let _ = stream;
 }
 
+/// TCP with [`TCP_USER_TIMEOUT`], then (on a private network) the pre-shared-key layer, then
+/// noise and yamux. The PSK layer sits below noise, so without the key not even the peer id
+/// is exchanged. There is no QUIC transport: pnet can only wrap a stream transport, and TCP
+/// alone keeps a private network private.
+fn transport(
+    key: &Keypair,
+    psk: Option<PreSharedKey>,
+) -> Result<Boxed<(PeerId, StreamMuxerBox)>, Box<dyn std::error::Error + Send + Sync>> {
+    let noise = noise::Config::new(key)?;
+    let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true)).map(|stream, _| {
+        abort_when_unacked(&stream.0);
+        stream
+    });
+    let boxed = match psk {
+        Some(psk) => tcp
+            .and_then(move |socket, _| libp2p::pnet::PnetConfig::new(psk).handshake(socket))
+            .upgrade(libp2p::core::upgrade::Version::V1Lazy)
+            .authenticate(noise)
+            .multiplex(yamux::Config::default())
+            .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+            .boxed(),
+        None => tcp
+            .upgrade(libp2p::core::upgrade::Version::V1Lazy)
+            .authenticate(noise)
+            .multiplex(yamux::Config::default())
+            .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+            .boxed(),
+    };
+    Ok(boxed)
+}
+
 /// Builds the swarm and starts listening and dialing; returns the handle, the event stream,
 /// and the loop to spawn.
 pub fn new(
@@ -493,19 +570,7 @@ pub fn new(
     let pv = protocol_version.clone();
     let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
-        .with_other_transport(|key| {
-            let noise = noise::Config::new(key)?;
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
-                tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
-                    .map(|stream, _| {
-                        abort_when_unacked(&stream.0);
-                        stream
-                    })
-                    .upgrade(libp2p::core::upgrade::Version::V1Lazy)
-                    .authenticate(noise)
-                    .multiplex(yamux::Config::default()),
-            )
-        })
+        .with_other_transport(|key| transport(key, cfg.psk))
         .map_err(|e| NetError::Build(e.to_string()))?
         .with_bandwidth_metrics(&mut registry)
         .with_behaviour(|key| {
@@ -557,8 +622,17 @@ pub fn new(
             } else {
                 None
             };
+            let allow = cfg.allow.as_ref().map(|peers| {
+                let mut b =
+                    allow_block_list::Behaviour::<allow_block_list::AllowedPeers>::default();
+                for p in peers {
+                    b.allow_peer(*p);
+                }
+                b
+            });
             Ok(Behaviour {
                 mdns: Toggle::from(mdns),
+                allow: Toggle::from(allow),
                 identify: identify::Behaviour::new(
                     identify::Config::new(pv, key.public()).with_agent_version(agent_version()),
                 ),
@@ -625,6 +699,10 @@ pub fn new(
             last_pong: HashMap::new(),
             banned: HashMap::new(),
             known: HashMap::new(),
+            psk_fingerprint: cfg.psk.map(|k| k.fingerprint().to_string()),
+            allowlist: cfg.allow.as_ref().map(HashSet::len),
+            handshake_failures: 0,
+            denied_connections: 0,
         },
     ))
 }
@@ -720,6 +798,18 @@ impl EventLoop {
                 .addresses(addrs)
                 .build();
             let _ = self.swarm.dial(opts);
+        }
+    }
+
+    /// What a failed handshake most likely means, for the log: the commonest cause on a
+    /// private network is a key mismatch, which pnet itself cannot detect (both sides just
+    /// see garbage once the nonces are exchanged).
+    fn key_hint(&self) -> String {
+        match &self.psk_fingerprint {
+            Some(f) => format!(
+                "this node is on a private network (PSK fingerprint {f}): the peer may use another key, or none"
+            ),
+            None => "this node has no network key (--psk): if the peer runs a private network, this node needs its key".into(),
         }
     }
 
@@ -925,6 +1015,10 @@ impl EventLoop {
                     topics,
                     topic_sent: self.topic_sent(),
                     banned,
+                    psk_fingerprint: self.psk_fingerprint.clone(),
+                    allowlist: self.allowlist,
+                    handshake_failures: self.handshake_failures,
+                    denied_connections: self.denied_connections,
                 });
             }
             Command::Forget(peer) => {
@@ -962,10 +1056,35 @@ impl EventLoop {
                 emit(&self.event_tx, Event::PeerDown(peer_id)).await;
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
-                if peer_id.is_some_and(|p| self.bootstrap_peers.contains(&p)) || peer_id.is_none() {
-                    tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {error}");
+                let text = error.to_string();
+                if matches!(error, libp2p::swarm::DialError::Denied { .. }) {
+                    self.denied_connections += 1;
+                    tracing::warn!(peer = ?peer_id, "not connecting: the peer is not on network.allow");
+                } else if looks_like_handshake_failure(&text) {
+                    self.handshake_failures += 1;
+                    tracing::warn!(peer = ?peer_id, "handshake with a peer failed: {text}; {}", self.key_hint());
+                } else if peer_id.is_some_and(|p| self.bootstrap_peers.contains(&p))
+                    || peer_id.is_none()
+                {
+                    tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {text}");
                 } else {
-                    tracing::debug!(peer = ?peer_id, "dial failed: {error}");
+                    tracing::debug!(peer = ?peer_id, "dial failed: {text}");
+                }
+            }
+            SwarmEvent::IncomingConnectionError {
+                send_back_addr,
+                error,
+                ..
+            } => {
+                let text = error.to_string();
+                if matches!(error, libp2p::swarm::ListenError::Denied { .. }) {
+                    self.denied_connections += 1;
+                    tracing::warn!(from = %send_back_addr, "refused a connection: the peer is not on network.allow");
+                } else if looks_like_handshake_failure(&text) {
+                    self.handshake_failures += 1;
+                    tracing::warn!(from = %send_back_addr, "handshake with an incoming peer failed: {text}; {}", self.key_hint());
+                } else {
+                    tracing::debug!(from = %send_back_addr, "incoming connection failed: {text}");
                 }
             }
             SwarmEvent::Behaviour(event) => self.on_behaviour_event(event).await,

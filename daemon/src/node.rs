@@ -44,6 +44,9 @@ pub enum NodeError {
     /// The data shard asked for is empty.
     #[error("{0}")]
     Shard(String),
+    /// The private network key is missing or malformed.
+    #[error("{0}")]
+    Psk(String),
     /// Control API could not be served.
     #[error("{0}")]
     Api(String),
@@ -76,6 +79,32 @@ pub struct Options {
     pub bootstrap: Vec<String>,
     /// Turn mDNS discovery on (it is off unless this or the config says so).
     pub mdns: bool,
+    /// The private network's key file; overrides the config's `network.psk`.
+    pub psk: Option<PathBuf>,
+}
+
+/// Reads a private network key file (the format `p2ptrain keygen --psk` writes, which is
+/// go-libp2p's and IPFS's `swarm.key` format).
+pub fn read_psk(path: &Path) -> Result<network::PreSharedKey, NodeError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        NodeError::Psk(format!(
+            "cannot read the network key {}: {e}",
+            path.display()
+        ))
+    })?;
+    text.parse().map_err(|e| {
+        NodeError::Psk(format!(
+            "{} is not a network key file ({e}); write one with `p2ptrain keygen --psk FILE`",
+            path.display()
+        ))
+    })
+}
+
+/// A fresh random private network key in the key file format.
+pub fn new_psk_file() -> String {
+    let mut key = [0u8; 32];
+    rand::RngCore::fill_bytes(&mut rand::rng(), &mut key);
+    network::PreSharedKey::new(key).to_key_file()
 }
 
 /// File in the data directory that holds the API's actual address while the node runs (useful
@@ -270,6 +299,10 @@ impl Shared {
             topics: net.topics,
             refused_peers: net.refused_peers,
             banned_peers: net.banned,
+            psk_fingerprint: net.psk_fingerprint,
+            allowlist: net.allowlist,
+            handshake_failures: net.handshake_failures,
+            denied_connections: net.denied_connections,
             state_download: mesh.download,
             state_serving: self.cache.lock().map(|mut c| c.load()).unwrap_or(0),
             sync: {
@@ -472,11 +505,34 @@ pub async fn run(
             })
             .collect()
     };
+    let psk = match opts.psk.as_ref().or(config.network.psk.as_ref()) {
+        Some(path) => Some(read_psk(path)?),
+        None => None,
+    };
+    let allow = match &config.network.allow {
+        Some(ids) => Some(
+            ids.iter()
+                .map(|id| {
+                    id.parse()
+                        .map_err(|e| NodeError::Api(format!("network.allow: {id:?}: {e}")))
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+        None => None,
+    };
+    if let Some(k) = &psk {
+        tracing::info!(
+            "private network: PSK fingerprint {} (TCP only; peers without this key cannot connect)",
+            k.fingerprint()
+        );
+    }
     let net_cfg = network::NetConfig {
         listen: parse("listen address", &listen)?,
         bootstrap: parse("bootstrap address", &bootstrap)?,
         run_id: ident.run_id.clone(),
         mdns: config.network.mdns || opts.mdns,
+        psk,
+        allow,
     };
     let (net, net_events, event_loop) = network::new(key, &net_cfg)?;
     let net_task = tokio::spawn(event_loop.run());
@@ -562,6 +618,7 @@ pub async fn run(
             codec: config.sync.codec,
             density: config.sync.density,
             error_feedback: config.sync.error_feedback,
+            guard: config.sync.guard(),
         },
         local_peer,
         ident.run_id.clone(),

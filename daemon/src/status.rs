@@ -139,6 +139,19 @@ pub struct Status {
     /// threshold.
     #[serde(default)]
     pub banned_peers: Vec<crate::network::BannedPeer>,
+    /// Fingerprint of the private network key (`--psk`), if the node is on a private network.
+    #[serde(default)]
+    pub psk_fingerprint: Option<String>,
+    /// Number of peer ids on `network.allow`, if an allowlist is in force.
+    #[serde(default)]
+    pub allowlist: Option<usize>,
+    /// Connections that failed in the handshake: on a private network, most often a peer with
+    /// another key or none.
+    #[serde(default)]
+    pub handshake_failures: u64,
+    /// Connections refused or not dialled because the peer is not on the allowlist.
+    #[serde(default)]
+    pub denied_connections: u64,
     /// The state download this node started with, if it joined a running mesh.
     #[serde(default)]
     pub state_download: Option<DownloadReport>,

@@ -6,4 +6,6 @@ mod harness;
 mod mesh;
 mod netlab;
 mod partition;
+mod private;
+mod rogue;
 mod single_node;

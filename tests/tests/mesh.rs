@@ -379,14 +379,13 @@ fn a_node_of_another_run_is_refused() {
     assert!(a.log_text().contains("refused peer"), "{}", a.log_text());
 }
 
-/// A rogue peer of the same run, in this process, publishing bad updates on its own topic.
+/// A rogue peer of the same run publishes nine kinds of bad update; each is rejected and
+/// counted, its score falls, and more garbage gets it banned.
 mod rogue {
     use super::*;
-    use libp2p::identity::Keypair;
-    use p2ptrain_daemon::mesh::update_topic;
-    use p2ptrain_daemon::network::{self, BulkResponse, Event, NetConfig};
+    use crate::rogue::{inline, Rogue};
     use p2ptrain_daemon::scoring;
-    use p2ptrain_models::codec::{self, Codec, UpdateHeader};
+    use p2ptrain_models::codec;
 
     #[test]
     fn malformed_updates_are_rejected_counted_and_the_model_stays_finite() {
@@ -394,108 +393,43 @@ mod rogue {
         let cfg = config(tmp.path(), "c.toml", &[], "");
         let honest = start(tmp.path(), "honest", &cfg, None, &[]);
         let addr = listen_addr(&honest);
-        let config = p2ptrain_daemon::Config::load(Some(&cfg)).expect("config");
-        let run_id = config.run_id();
-        let prepared = p2ptrain_daemon::node::prepare(config).expect("prepare");
-        let model =
-            p2ptrain_models::Model::new(&prepared.spec, 1, &candle_core_device()).expect("model");
-        let numel = model.params().numel();
-        let model_layout = model.params().layout();
-        let layout = model_layout.hash();
-
-        let rt = tokio::runtime::Runtime::new().expect("runtime");
-        let key = Keypair::generate_ed25519();
-        let me = key.public().to_peer_id();
-        let topic = update_topic(&run_id, &me);
-        let client = rt.block_on(async {
-            let net_cfg = NetConfig {
-                listen: vec!["/ip4/127.0.0.1/tcp/0".parse().expect("addr")],
-                bootstrap: vec![addr.parse().expect("addr")],
-                run_id: run_id.clone(),
-                mdns: false,
-            };
-            let (client, mut events, event_loop) =
-                network::new(key, &net_cfg).expect("rogue network");
-            tokio::spawn(event_loop.run());
-            let responder = client.clone();
-            tokio::spawn(async move {
-                while let Some(ev) = events.recv().await {
-                    if let Event::Request { channel, .. } = ev {
-                        let _ = responder
-                            .respond(channel, BulkResponse::Refused("rogue".into()))
-                            .await;
-                    }
-                }
-            });
-            let header = |step: u64, run: &str, n: usize| UpdateHeader {
-                run_id: codec::id_bytes(run),
-                layout: codec::id_bytes(&layout),
-                sender: codec::sender_bytes(&me.to_bytes()),
-                base_step: step.saturating_sub(1),
-                step,
-                codec: Codec::Dense,
-                numel: n as u32,
-            };
-            let encode = |h: UpdateHeader, values: &[f32]| {
-                codec::encode(&h, &model_layout, values, 1.0)
-                    .expect("encode")
-                    .bytes
-            };
-            let inline = |bytes: Vec<u8>| [vec![b'U'], bytes].concat();
-            // A well-formed message whose 8th value is then made NaN.
-            let mut nan = encode(header(11, &run_id, numel), &vec![0.0f32; numel]);
-            let at = codec::HEADER_LEN + 7 * 4;
-            nan[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
-            codec::reseal(&mut nan);
-            // A message for a model of 100 parameters.
-            let small = p2ptrain_models::Layout {
-                entries: vec![("w".into(), vec![100])],
-            };
-            let wrong_size = codec::encode(&header(10, &run_id, 100), &small, &[0.5; 100], 1.0)
-                .expect("encode")
-                .bytes;
-            let mut other_sender = header(14, &run_id, numel);
-            other_sender.sender = codec::sender_bytes(b"someone else");
-            let mut announce = vec![b'A'];
-            announce.extend_from_slice(&[7u8; 32]);
-            announce.extend_from_slice(&(u64::MAX / 2).to_le_bytes());
-            announce.extend_from_slice(&5u64.to_le_bytes());
-            let garbage: Vec<Vec<u8>> = vec![
-                inline((0..1000).map(|i| (i * 7 % 251) as u8).collect()),
-                inline(wrong_size),
-                inline(nan),
-                inline(encode(header(12, &run_id, numel), &vec![1e6; numel])),
-                inline(encode(
-                    header(13, "ffffffffffffffff", numel),
-                    &vec![1e-4; numel],
-                )),
-                inline(encode(other_sender, &vec![1e-5; numel])),
-                announce,
-                // A valid small update, then a replay of an older step.
-                inline(encode(header(20, &run_id, numel), &vec![1e-5; numel])),
-                inline(encode(header(15, &run_id, numel), &vec![2e-5; numel])),
-            ];
-            // The honest node subscribes to our topic once it makes us a neighbour.
-            let first = garbage[0].clone();
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-            while client.publish(topic.clone(), first.clone()).await.is_err() {
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "the honest node never subscribed to the rogue"
-                );
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            for msg in &garbage[1..] {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                client
-                    .publish(topic.clone(), msg.clone())
-                    .await
-                    .expect("publish");
-            }
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            client
-        });
-        let rogue = me.to_string();
+        let r = Rogue::join(&cfg, &addr);
+        let numel = r.numel;
+        // A well-formed message whose 8th value is then made NaN.
+        let mut nan = r.encode(r.header(11, &r.run_id, numel), &vec![0.0f32; numel]);
+        let at = codec::HEADER_LEN + 7 * 4;
+        nan[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        codec::reseal(&mut nan);
+        // A message for a model of 100 parameters.
+        let small = p2ptrain_models::Layout {
+            entries: vec![("w".into(), vec![100])],
+        };
+        let wrong_size = codec::encode(&r.header(10, &r.run_id, 100), &small, &[0.5; 100], 1.0)
+            .expect("encode")
+            .bytes;
+        let mut other_sender = r.header(14, &r.run_id, numel);
+        other_sender.sender = codec::sender_bytes(b"someone else");
+        let mut announce = vec![b'A'];
+        announce.extend_from_slice(&[7u8; 32]);
+        announce.extend_from_slice(&(u64::MAX / 2).to_le_bytes());
+        announce.extend_from_slice(&5u64.to_le_bytes());
+        let garbage: Vec<Vec<u8>> = vec![
+            inline((0..1000).map(|i| (i * 7 % 251) as u8).collect()),
+            inline(wrong_size),
+            inline(nan),
+            r.update(12, &vec![1e6; numel]),
+            inline(r.encode(r.header(13, "ffffffffffffffff", numel), &vec![1e-4; numel])),
+            inline(r.encode(other_sender, &vec![1e-5; numel])),
+            announce,
+            // A valid small update, then a replay of an older step.
+            r.update(20, &vec![1e-5; numel]),
+            r.update(15, &vec![2e-5; numel]),
+        ];
+        r.publish_when_heard(garbage[0].clone());
+        r.publish_all(&garbage[1..], Duration::from_millis(200))
+            .expect("publish");
+        std::thread::sleep(Duration::from_secs(2));
+        let rogue = r.id.to_string();
         let s = honest.wait_status(
             "the rogue's updates rejected",
             Duration::from_secs(30),
@@ -517,14 +451,9 @@ mod rogue {
         // More garbage: the rogue is graylisted, disconnected and banned, and what it sends
         // after that never reaches validation.
         let extra = scoring::rejections_to_graylist() + 2;
-        rt.block_on(async {
-            for i in 0..extra {
-                let junk = [vec![b'U'], vec![i as u8; 64]].concat();
-                // Once banned, publishing fails for want of a subscriber.
-                let _ = client.publish(topic.clone(), junk).await;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        });
+        let junk: Vec<Vec<u8>> = (0..extra).map(|i| inline(vec![i as u8; 64])).collect();
+        // Once banned, publishing fails for want of a subscriber.
+        let _ = r.publish_all(&junk, Duration::from_millis(200));
         let banned = honest.wait_status("the rogue banned", Duration::from_secs(15), |s| {
             s["banned_peers"]
                 .as_array()
@@ -562,16 +491,12 @@ mod rogue {
         );
     }
 
-    fn rogue_score(status: &Value, rogue: &str) -> Option<f64> {
+    pub(crate) fn rogue_score(status: &Value, rogue: &str) -> Option<f64> {
         status["peers"]["list"]
             .as_array()?
             .iter()
             .find(|p| p["peer_id"] == rogue)
             .and_then(|p| p["score"].as_f64())
-    }
-
-    fn candle_core_device() -> candle_core::Device {
-        candle_core::Device::Cpu
     }
 }
 

@@ -1,0 +1,223 @@
+//! Checks on neighbours' updates beyond "well-formed and finite": a per-author rate limit and
+//! a robust norm bound (an update whose norm is far beyond the median of recently accepted
+//! ones is an outlier). Pure and clock-injected, like the sync policy, so its rules are unit
+//! tested without a network.
+//!
+//! Why both: the mesh already bounds an update's norm by a multiple of the parameters' norm,
+//! which stops a NaN-sized or exploding update but lets through one a hundred times larger
+//! than any honest update (the parameters' norm is much larger than a 20-step delta). The
+//! median of what honest neighbours actually send is the tighter, self-tuning bound. The rate
+//! limit keeps a flooding peer from making the node decode and apply without end.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
+use std::time::Instant;
+
+/// Accepted update norms remembered for the median.
+pub const NORM_WINDOW: usize = 64;
+/// Accepted updates needed before the outlier bound applies (before that, only the
+/// parameter-norm bound does).
+pub const MIN_SAMPLES: usize = 16;
+
+/// Settings; zero turns a check off.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GuardConfig {
+    /// Reject an update whose norm exceeds this times the median of recent accepted norms.
+    pub outlier_factor: f64,
+    /// Sustained updates per second accepted from one author.
+    pub max_updates_per_sec: f64,
+    /// Updates one author may send in a burst above that rate.
+    pub burst: f64,
+}
+
+/// Why an update was refused.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Refusal {
+    /// The author sends faster than the limit.
+    RateLimited,
+    /// The norm is beyond the outlier bound.
+    Outlier {
+        /// The update's norm.
+        norm: f64,
+        /// The bound it broke.
+        bound: f64,
+    },
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::RateLimited => write!(f, "update rate above the per-peer limit"),
+            Refusal::Outlier { norm, bound } => write!(
+                f,
+                "update norm {norm:.3e} is an outlier (bound {bound:.3e}: a multiple of the median of recent updates)"
+            ),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+/// See the module docs.
+#[derive(Debug, Clone)]
+pub struct UpdateGuard<K> {
+    cfg: GuardConfig,
+    norms: VecDeque<f64>,
+    buckets: HashMap<K, Bucket>,
+}
+
+impl<K: Hash + Eq + Clone> UpdateGuard<K> {
+    /// A guard that has seen nothing yet.
+    pub fn new(cfg: GuardConfig) -> Self {
+        UpdateGuard {
+            cfg,
+            norms: VecDeque::with_capacity(NORM_WINDOW),
+            buckets: HashMap::new(),
+        }
+    }
+
+    /// Takes one token from the author's bucket: call before decoding, so a flood costs
+    /// little.
+    pub fn admit(&mut self, author: &K, now: Instant) -> Result<(), Refusal> {
+        let rate = self.cfg.max_updates_per_sec;
+        if rate <= 0.0 {
+            return Ok(());
+        }
+        let cap = self.cfg.burst.max(1.0);
+        let b = self.buckets.entry(author.clone()).or_insert(Bucket {
+            tokens: cap,
+            at: now,
+        });
+        let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
+        b.tokens = (b.tokens + elapsed * rate).min(cap);
+        b.at = now;
+        if b.tokens >= 1.0 {
+            b.tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(Refusal::RateLimited)
+        }
+    }
+
+    /// Judges a decoded update's norm against the recent median.
+    pub fn judge_norm(&self, norm: f64) -> Result<(), Refusal> {
+        match (self.cfg.outlier_factor > 0.0, self.median()) {
+            (true, Some(m)) if self.norms.len() >= MIN_SAMPLES => {
+                let bound = self.cfg.outlier_factor * m;
+                if norm > bound {
+                    Err(Refusal::Outlier { norm, bound })
+                } else {
+                    Ok(())
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Remembers the norm of an update that was accepted.
+    pub fn record(&mut self, norm: f64) {
+        if !norm.is_finite() {
+            return;
+        }
+        if self.norms.len() == NORM_WINDOW {
+            self.norms.pop_front();
+        }
+        self.norms.push_back(norm);
+    }
+
+    /// Median of the recent accepted norms, for status.
+    pub fn median(&self) -> Option<f64> {
+        if self.norms.is_empty() {
+            return None;
+        }
+        let mut v: Vec<f64> = self.norms.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
+    }
+
+    /// Forgets an author's bucket (it left).
+    pub fn forget(&mut self, author: &K) {
+        self.buckets.remove(author);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn cfg() -> GuardConfig {
+        GuardConfig {
+            outlier_factor: 10.0,
+            max_updates_per_sec: 10.0,
+            burst: 5.0,
+        }
+    }
+
+    #[test]
+    fn the_outlier_bound_waits_for_enough_samples_then_follows_the_median() {
+        let mut g = UpdateGuard::<u8>::new(cfg());
+        for _ in 0..MIN_SAMPLES - 1 {
+            g.record(1.0);
+        }
+        assert_eq!(g.judge_norm(1000.0), Ok(()), "too few samples to judge");
+        g.record(1.0);
+        assert_eq!(g.judge_norm(9.9), Ok(()));
+        assert!(matches!(g.judge_norm(10.1), Err(Refusal::Outlier { .. })));
+        // Honest updates shrink as training converges: the bound follows.
+        for _ in 0..NORM_WINDOW {
+            g.record(0.1);
+        }
+        assert_eq!(g.median(), Some(0.1));
+        assert!(g.judge_norm(1.5).is_err());
+        assert!(g.judge_norm(0.9).is_ok());
+    }
+
+    #[test]
+    fn a_few_large_accepted_norms_do_not_move_the_median() {
+        let mut g = UpdateGuard::<u8>::new(cfg());
+        for i in 0..40 {
+            g.record(if i % 10 == 0 { 9.0 } else { 1.0 });
+        }
+        assert_eq!(g.median(), Some(1.0));
+        g.record(f64::NAN);
+        assert_eq!(g.median(), Some(1.0));
+    }
+
+    #[test]
+    fn off_means_off() {
+        let mut g = UpdateGuard::<u8>::new(GuardConfig {
+            outlier_factor: 0.0,
+            max_updates_per_sec: 0.0,
+            burst: 0.0,
+        });
+        for _ in 0..100 {
+            g.record(1.0);
+        }
+        assert_eq!(g.judge_norm(1e9), Ok(()));
+        let t = Instant::now();
+        assert!((0..1000).all(|_| g.admit(&1, t).is_ok()));
+    }
+
+    #[test]
+    fn the_rate_limit_allows_a_burst_then_the_sustained_rate_per_author() {
+        let mut g = UpdateGuard::<u8>::new(cfg());
+        let t = Instant::now();
+        let admitted = (0..20).filter(|_| g.admit(&1, t).is_ok()).count();
+        assert_eq!(admitted, 5, "the burst");
+        // Another author has its own bucket.
+        assert!(g.admit(&2, t).is_ok());
+        // One second later: ten more.
+        let t1 = t + Duration::from_secs(1);
+        let admitted = (0..20).filter(|_| g.admit(&1, t1).is_ok()).count();
+        assert_eq!(admitted, 5, "refilled up to the burst, not beyond");
+        let t2 = t1 + Duration::from_millis(300);
+        assert_eq!((0..20).filter(|_| g.admit(&1, t2).is_ok()).count(), 3);
+        g.forget(&1);
+        assert!(g.admit(&1, t2).is_ok());
+    }
+}

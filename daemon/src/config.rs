@@ -90,6 +90,7 @@ struct RawSync {
     publish_early_ratio: Option<f64>,
     outlier_factor: Option<f64>,
     max_updates_per_sec: Option<f64>,
+    clip_value: Option<f32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -293,6 +294,8 @@ pub struct SyncConfig {
     /// Sustained updates per second accepted from one neighbour, with a burst of twice that;
     /// beyond it updates are dropped unread (0: no limit).
     pub max_updates_per_sec: f64,
+    /// Clamp every value of a neighbour's update to `[-clip_value, clip_value]` (0: off).
+    pub clip_value: f32,
 }
 
 fn codec_name<S: serde::Serializer>(c: &Codec, s: S) -> Result<S::Ok, S::Error> {
@@ -318,6 +321,7 @@ impl SyncConfig {
             outlier_factor: self.outlier_factor,
             max_updates_per_sec: self.max_updates_per_sec,
             burst: 2.0 * self.max_updates_per_sec,
+            clip_value: self.clip_value,
         }
     }
 }
@@ -596,7 +600,13 @@ impl Config {
             publish_early_ratio: y.publish_early_ratio.unwrap_or(0.0),
             outlier_factor: y.outlier_factor.unwrap_or(10.0),
             max_updates_per_sec: y.max_updates_per_sec.unwrap_or(200.0),
+            clip_value: y.clip_value.unwrap_or(0.0),
         };
+        if !(sync.clip_value >= 0.0 && sync.clip_value.is_finite()) {
+            return Err(err(
+                "sync.clip_value must be 0 (off) or a positive number".into()
+            ));
+        }
         for (key, v) in [
             ("sync.outlier_factor", sync.outlier_factor),
             ("sync.max_updates_per_sec", sync.max_updates_per_sec),

@@ -28,6 +28,24 @@ pub struct GuardConfig {
     pub max_updates_per_sec: f64,
     /// Updates one author may send in a burst above that rate.
     pub burst: f64,
+    /// Clamp every value of an accepted update to `[-clip_value, clip_value]`, so no single
+    /// coordinate can move far in one update, whatever the norm.
+    pub clip_value: f32,
+}
+
+/// Clamps `values` to `[-limit, limit]` (nothing if `limit` is 0); returns how many changed.
+pub fn clip(values: &mut [f32], limit: f32) -> usize {
+    if limit <= 0.0 {
+        return 0;
+    }
+    let mut changed = 0;
+    for v in values.iter_mut() {
+        if v.abs() > limit {
+            *v = v.clamp(-limit, limit);
+            changed += 1;
+        }
+    }
+    changed
 }
 
 /// Why an update was refused.
@@ -155,7 +173,18 @@ mod tests {
             outlier_factor: 10.0,
             max_updates_per_sec: 10.0,
             burst: 5.0,
+            clip_value: 0.0,
         }
+    }
+
+    #[test]
+    fn clipping_bounds_every_coordinate_and_counts_them() {
+        let mut v = vec![0.5, -3.0, 2.0, -0.1, f32::MAX];
+        assert_eq!(clip(&mut v, 1.0), 3);
+        assert_eq!(v, vec![0.5, -1.0, 1.0, -0.1, 1.0]);
+        let mut w = vec![5.0, -5.0];
+        assert_eq!(clip(&mut w, 0.0), 0, "0 is off");
+        assert_eq!(w, vec![5.0, -5.0]);
     }
 
     #[test]
@@ -194,6 +223,7 @@ mod tests {
             outlier_factor: 0.0,
             max_updates_per_sec: 0.0,
             burst: 0.0,
+            clip_value: 0.0,
         });
         for _ in 0..100 {
             g.record(1.0);

@@ -102,6 +102,9 @@ pub struct UpdateCounters {
     /// Median norm of recently accepted updates: the outlier bound is a multiple of it.
     #[serde(default)]
     pub median_norm: Option<f64>,
+    /// Values of accepted updates clamped by `sync.clip_value`.
+    #[serde(default)]
+    pub clipped_values: u64,
 }
 
 /// What a peer last told the mesh about itself.
@@ -521,9 +524,12 @@ impl Mesh {
         self.last_step_by_author.insert(author, header.step);
         self.guard.record(norm);
         let median = self.guard.median();
+        let mut values = values;
+        let clipped = crate::guard::clip(&mut values, self.cfg.guard.clip_value) as u64;
         self.with_status(|s| {
             s.updates.received += 1;
             s.updates.median_norm = median;
+            s.updates.clipped_values += clipped;
         });
         // While the trainer is busy, a short queue; beyond it, merge into the newest entry
         // rather than queueing more copies (the older step is kept: the merged update is as

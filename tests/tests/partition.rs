@@ -283,3 +283,48 @@ fn training_goes_on_over_10_mbit_links() {
         times[1] / times[0]
     );
 }
+
+/// mDNS is opt-in and, in tests, only ever runs inside the lab's namespaces: two hosts with
+/// `--mdns` and no bootstrap address find each other on the lab's LAN; a third without it is
+/// neither found nor finds anyone.
+#[test]
+fn mdns_finds_peers_on_a_lab_lan_only_when_asked() {
+    let Some(lab) = lab_or_skip("mDNS discovery", 3) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = config(tmp.path(), "c.toml", &[], "");
+    let c = cfg.to_str().expect("utf8");
+    let start_host = |i: usize, extra: &[&str]| {
+        let mut args = vec!["--config", c];
+        args.extend_from_slice(extra);
+        let mut n = Node::start_in(
+            Some(lab.ns(i)),
+            &lab.listen(i),
+            &tmp.path().join(format!("m{i}")),
+            &args,
+        );
+        n.wait_api();
+        n
+    };
+    let a = start_host(0, &["--mdns"]);
+    let b = start_host(1, &["--mdns"]);
+    let quiet = start_host(2, &[]);
+    for n in [&a, &b] {
+        n.wait_status("found by mDNS", Duration::from_secs(60), |s| peers(s) == 1);
+    }
+    assert!(
+        a.log_text().contains("mDNS") || b.log_text().contains("mDNS"),
+        "{}",
+        a.log_text()
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(peers(&quiet.status().expect("status")), 0);
+    for n in [&a, &b] {
+        assert_eq!(
+            peers(&n.status().expect("status")),
+            1,
+            "the quiet host was found"
+        );
+    }
+}

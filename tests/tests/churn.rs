@@ -168,14 +168,8 @@ fn thirty_kills_at_random_moments_always_resume_from_a_valid_checkpoint() {
         .replace("every_steps = 0", &format!("every_steps = {EVERY}"));
     std::fs::write(&cfg, text).expect("write");
     let data = tmp.path().join("node");
-    // A fixed linear congruential schedule: reproducible, spread over 0-700 ms.
-    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut delay_ms = || {
-        seed = seed
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (seed >> 33) % 700
-    };
+    // A fixed pseudo-random schedule: reproducible, spread over 0-700 ms.
+    let mut schedule = Lcg(0x9e37_79b9_7f4a_7c15);
     let mut before: Option<(u64, u64)> = None;
     let mut lost = Vec::new();
     for round in 0..=KILLS {
@@ -199,7 +193,7 @@ fn thirty_kills_at_random_moments_always_resume_from_a_valid_checkpoint() {
         if round == KILLS {
             break;
         }
-        std::thread::sleep(Duration::from_millis(delay_ms()));
+        std::thread::sleep(Duration::from_millis(schedule.below(700) as u64));
         let s = node.status().expect("status");
         let step = s["step"].as_u64().unwrap_or(0);
         let checkpoint = s["last_checkpoint"]["step"].as_u64().unwrap_or(0);

@@ -62,7 +62,7 @@ pub(crate) fn step(s: &Value) -> u64 {
 }
 
 /// Flat parameters of a checkpoint (optimizer state left out), name order.
-fn params(path: &Path) -> Vec<f32> {
+pub(crate) fn params(path: &Path) -> Vec<f32> {
     let (_, tensors) = read_checkpoint(path);
     tensors
         .into_iter()
@@ -71,7 +71,7 @@ fn params(path: &Path) -> Vec<f32> {
         .collect()
 }
 
-fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
+pub(crate) fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
     let d: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
     let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::harness::{eventually, read_checkpoint, Node};
-use crate::mesh::{config, peers, step};
+use crate::harness::{eventually, Node};
+use crate::mesh::{config, params, peers, relative_distance, step};
 use crate::netlab::{lab_or_skip, Lab};
 
 fn start_in(lab: &Lab, i: usize, root: &Path, cfg: &Path, bootstrap: Option<&str>) -> Node {
@@ -68,13 +68,7 @@ fn params_now(node: &Node) -> Vec<f32> {
     let (st, out, err) = node.cli(&["checkpoint", "save", "--json"], Duration::from_secs(30));
     assert!(st.success(), "checkpoint save: {err}");
     let v: Value = serde_json::from_str(&out).expect("checkpoint json");
-    let path = PathBuf::from(v["path"].as_str().expect("path"));
-    let (_, tensors) = read_checkpoint(&path);
-    tensors
-        .into_iter()
-        .filter(|(name, _)| !name.starts_with("optim."))
-        .flat_map(|(_, (_, v))| v)
-        .collect()
+    params(&PathBuf::from(v["path"].as_str().expect("path")))
 }
 
 /// Largest relative L2 distance between any two nodes' parameters.
@@ -83,13 +77,7 @@ fn consensus_distance(nodes: &[Node]) -> f64 {
     let mut worst: f64 = 0.0;
     for i in 0..p.len() {
         for j in (i + 1)..p.len() {
-            let d: f64 = p[i]
-                .iter()
-                .zip(&p[j])
-                .map(|(a, b)| f64::from(a - b).powi(2))
-                .sum();
-            let n: f64 = p[j].iter().map(|b| f64::from(*b).powi(2)).sum();
-            worst = worst.max((d / n).sqrt());
+            worst = worst.max(relative_distance(&p[i], &p[j]));
         }
     }
     worst

@@ -1066,7 +1066,9 @@ impl EventLoop {
                 } else if peer_id.is_some_and(|p| self.bootstrap_peers.contains(&p))
                     || peer_id.is_none()
                 {
-                    tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {text}");
+                    // A PSK mismatch can also look like a timeout (one side waits for a
+                    // protocol answer the other cannot decrypt), so the hint goes here too.
+                    tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {text}; {}", self.key_hint());
                 } else {
                     tracing::debug!(peer = ?peer_id, "dial failed: {text}");
                 }

@@ -75,6 +75,19 @@ pub fn status_text(s: &Status) -> String {
     for a in &s.listen_addrs {
         out.push_str(&format!("listen    {a}\n"));
     }
+    if !s.nat.reachability.is_empty() {
+        out.push_str(&format!("reach     {}", s.nat.reachability));
+        if let Some(a) = &s.nat.public_addr {
+            out.push_str(&format!(" at {a}"));
+        }
+        for a in &s.nat.relay_addrs {
+            out.push_str(&format!(", through relay {a}"));
+        }
+        out.push_str(&format!(
+            "; {} relayed connections, {} hole punches ({} failed)\n",
+            s.nat.relayed_connections, s.nat.hole_punches, s.nat.hole_punch_failures
+        ));
+    }
     if let Some(f) = &s.psk_fingerprint {
         out.push_str(&format!(
             "private   PSK fingerprint {f}, {} failed handshakes\n",
@@ -137,12 +150,12 @@ pub fn peers_table(s: &Status) -> String {
         return "no peers\n".into();
     }
     let mut out = format!(
-        "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7}  {}\n",
-        "peer", "neighbour", "rtt ms", "step", "loss", "samples/s", "score", "address"
+        "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>8}  {}\n",
+        "peer", "neighbour", "rtt ms", "step", "loss", "samples/s", "score", "path", "address"
     );
     for p in &s.peers.list {
         out.push_str(&format!(
-            "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7}  {}\n",
+            "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>8}  {}\n",
             p.peer_id,
             if p.neighbour { "yes" } else { "" },
             opt(p.rtt_ms, 1),
@@ -150,7 +163,8 @@ pub fn peers_table(s: &Status) -> String {
             opt(p.loss, 4),
             opt(p.samples_per_sec, 0),
             opt(p.score, 1),
-            p.address
+            p.path.as_deref().unwrap_or("-"),
+            p.remote.as_deref().unwrap_or(&p.address)
         ));
     }
     out

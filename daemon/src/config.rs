@@ -71,6 +71,8 @@ struct RawNetwork {
     mdns: Option<bool>,
     psk: Option<PathBuf>,
     allow: Option<Vec<String>>,
+    relay_server: Option<bool>,
+    upnp: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -255,6 +257,12 @@ pub struct NetworkConfig {
     pub psk: Option<PathBuf>,
     /// If given, the only peer ids allowed to connect (checked to be peer ids).
     pub allow: Option<Vec<String>>,
+    /// Relay for members behind NATs once AutoNAT finds this node reachable (on by default;
+    /// libp2p's default limits of 128 KiB and two minutes per circuit keep bulk traffic off).
+    pub relay_server: bool,
+    /// Ask the router for a port mapping with UPnP (off by default: it talks to the real
+    /// router of the machine's network).
+    pub upnp: bool,
 }
 
 /// The sync section, checked.
@@ -567,6 +575,8 @@ impl Config {
             mdns: n.mdns.unwrap_or(false),
             psk: n.psk,
             allow: n.allow,
+            relay_server: n.relay_server.unwrap_or(true),
+            upnp: n.upnp.unwrap_or(false),
         };
         for id in network.allow.iter().flatten() {
             id.parse::<libp2p::PeerId>()
@@ -832,6 +842,22 @@ mod tests {
             }
         );
         assert_eq!(c.run_id().len(), 16);
+    }
+
+    #[test]
+    fn relaying_is_on_and_upnp_off_unless_the_config_says_otherwise() {
+        let c = Config::load(None).expect("default");
+        assert!(c.network.relay_server);
+        assert!(!c.network.upnp);
+        let text = format!("{DEFAULT_CONFIG_TOML}\n[network]\nrelay_server = false\nupnp = true\n");
+        let c = Config::parse(&text, "x.toml", None).expect("parse");
+        assert!(!c.network.relay_server);
+        assert!(c.network.upnp);
+        let bad = format!("{DEFAULT_CONFIG_TOML}\n[network]\nupnp = \"yes\"\n");
+        let e = Config::parse(&bad, "x.toml", None)
+            .expect_err("must fail")
+            .to_string();
+        assert!(e.contains("line") && e.contains("boolean"), "{e}");
     }
 
     #[test]

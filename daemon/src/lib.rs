@@ -12,6 +12,7 @@ pub mod device;
 pub mod guard;
 pub mod identity;
 pub mod mesh;
+pub mod nat;
 pub mod network;
 pub mod node;
 pub mod policy;

@@ -8,6 +8,11 @@
 //! mode (discovery from one bootstrap address); gossipsub (signed, strict, every message
 //! validated by the node before it is forwarded, content-hash ids); and a request-response
 //! channel ("bulk") for what is too big for gossip: state downloads and full-model syncs.
+//!
+//! NAT traversal: AutoNAT (peers dial back to tell a node whether it is reachable), a relay
+//! client (a private node listens through up to two members that are) and relay server (with
+//! libp2p's default limits), DCUtR hole punching over relayed connections, and optional UPnP.
+//! What may use a relay is decided in [`crate::nat`].
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -24,13 +29,15 @@ use libp2p::request_response::{self, OutboundRequestId, ProtocolSupport, Respons
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
 use libp2p::{
-    identify, kad, mdns, noise, ping, tcp, yamux, Multiaddr, PeerId, StreamProtocol, Swarm,
+    autonat, dcutr, identify, kad, mdns, noise, ping, relay, tcp, upnp, yamux, Multiaddr, PeerId,
+    StreamProtocol, Swarm,
 };
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::nat::{self, Links, Nat, NatReport};
 use crate::scoring;
 
 /// Largest gossip message (the whole RPC) any p2ptrain node sends or accepts. It is part of the
@@ -156,6 +163,11 @@ mod composed {
         pub(super) bulk: request_response::cbor::Behaviour<BulkRequest, BulkResponse>,
         pub(super) mdns: Toggle<mdns::tokio::Behaviour>,
         pub(super) allow: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
+        pub(super) autonat: autonat::Behaviour,
+        pub(super) relay_client: relay::client::Behaviour,
+        pub(super) relay: Toggle<relay::Behaviour>,
+        pub(super) dcutr: dcutr::Behaviour,
+        pub(super) upnp: Toggle<upnp::tokio::Behaviour>,
     }
 }
 pub use composed::{Behaviour, BehaviourEvent};
@@ -259,6 +271,12 @@ pub struct PeerInfo {
     /// Its gossipsub score as this node sees it (negative after rejected messages).
     #[serde(default)]
     pub score: Option<f64>,
+    /// "direct", or "relayed" while the only connection runs through a relay.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Where the connection runs to: for a peer behind a NAT, its gateway's address.
+    #[serde(default)]
+    pub remote: Option<String>,
 }
 
 /// A peer disconnected and refused for a while because its score fell below the graylist
@@ -301,6 +319,8 @@ pub struct NetSnapshot {
     pub handshake_failures: u64,
     /// Connections refused or not dialled because of the allowlist.
     pub denied_connections: u64,
+    /// Reachability, relays and hole punching.
+    pub nat: NatReport,
 }
 
 /// A cloneable handle that sends commands to the event loop.
@@ -407,6 +427,11 @@ pub struct NetConfig {
     pub psk: Option<PreSharedKey>,
     /// If given, only these peers may connect (either way).
     pub allow: Option<HashSet<PeerId>>,
+    /// Relay for other members once AutoNAT confirms this node reachable.
+    pub relay_server: bool,
+    /// Ask the gateway for a port mapping with UPnP. Off by default: it talks to the real
+    /// router of the network the machine is on.
+    pub upnp: bool,
 }
 
 /// Why the network could not start.
@@ -466,6 +491,12 @@ pub struct EventLoop {
     handshake_failures: u64,
     /// Connections refused (or not dialled) because of the allowlist.
     denied_connections: u64,
+    /// Open connections, direct or relayed.
+    links: Links,
+    /// Peers of this run connected only through a relay: shown in status, never synced with.
+    relayed_members: HashMap<PeerId, PeerInfo>,
+    /// Reachability and relays.
+    nat: Nat,
 }
 
 /// Whether a connection error happened in the handshake (pnet, noise or protocol
@@ -486,6 +517,8 @@ fn looks_like_handshake_failure(text: &str) -> bool {
     .any(|k| t.contains(k))
         && !t.contains("timeout")
         && !t.contains("connection refused")
+        && !t.contains("unreachable")
+        && !t.contains("no route to host")
 }
 
 /// A member this node has seen: where it listens and when to try it again.
@@ -572,8 +605,10 @@ pub fn new(
         .with_tokio()
         .with_other_transport(|key| transport(key, cfg.psk))
         .map_err(|e| NetError::Build(e.to_string()))?
+        .with_relay_client(noise::Config::new, yamux::Config::default)
+        .map_err(|e| NetError::Build(e.to_string()))?
         .with_bandwidth_metrics(&mut registry)
-        .with_behaviour(|key| {
+        .with_behaviour(|key, relay_client| {
             let gossip_cfg = gossipsub::ConfigBuilder::default()
                 .heartbeat_interval(Duration::from_millis(700))
                 .validation_mode(gossipsub::ValidationMode::Strict)
@@ -630,11 +665,35 @@ pub fn new(
                 }
                 b
             });
+            let autonat = autonat::Behaviour::new(
+                peer_id,
+                autonat::Config {
+                    // Home labs are private address ranges; the default only probes and
+                    // serves global addresses.
+                    only_global_ips: false,
+                    boot_delay: Duration::from_secs(3),
+                    retry_interval: Duration::from_secs(15),
+                    refresh_interval: Duration::from_secs(5 * 60),
+                    throttle_server_period: Duration::from_secs(10),
+                    ..Default::default()
+                },
+            );
+            let relay = cfg
+                .relay_server
+                .then(|| relay::Behaviour::new(peer_id, relay::Config::default()));
             Ok(Behaviour {
                 mdns: Toggle::from(mdns),
                 allow: Toggle::from(allow),
+                autonat,
+                relay_client,
+                relay: Toggle::from(relay),
+                dcutr: dcutr::Behaviour::new(peer_id),
+                upnp: Toggle::from(cfg.upnp.then(upnp::tokio::Behaviour::default)),
                 identify: identify::Behaviour::new(
-                    identify::Config::new(pv, key.public()).with_agent_version(agent_version()),
+                    identify::Config::new(pv, key.public())
+                        .with_agent_version(agent_version())
+                        // Relay addresses appear after the connection is up; peers need them.
+                        .with_push_listen_addr_updates(true),
                 ),
                 ping: ping::Behaviour::new(
                     ping::Config::new()
@@ -703,6 +762,9 @@ pub fn new(
             allowlist: cfg.allow.as_ref().map(HashSet::len),
             handshake_failures: 0,
             denied_connections: 0,
+            links: Links::default(),
+            relayed_members: HashMap::new(),
+            nat: Nat::new(cfg.relay_server, cfg.upnp),
         },
     ))
 }
@@ -747,6 +809,7 @@ impl EventLoop {
         }
         self.ban_graylisted(now).await;
         self.redial_lost(now);
+        self.find_relay(now);
         let due: Vec<PeerId> = self
             .hang_up
             .iter()
@@ -788,8 +851,16 @@ impl EventLoop {
             .map(|(p, k)| {
                 k.next_dial = now + k.backoff;
                 k.backoff = (k.backoff * 2).min(REDIAL_MAX);
-                (*p, k.addrs.clone())
+                let relay_ok = self.nat.may_relay_to(p, now);
+                let addrs = k
+                    .addrs
+                    .iter()
+                    .filter(|a| relay_ok || !nat::is_circuit(a))
+                    .cloned()
+                    .collect();
+                (*p, addrs)
             })
+            .filter(|(_, addrs): &(PeerId, Vec<Multiaddr>)| !addrs.is_empty())
             .collect();
         for (peer, addrs) in due {
             tracing::debug!(peer = %peer, "redialling a lost member");
@@ -798,6 +869,26 @@ impl EventLoop {
                 .addresses(addrs)
                 .build();
             let _ = self.swarm.dial(opts);
+        }
+    }
+
+    /// A private node listens through a member it reached directly (see [`nat::Nat::pick_relay`]),
+    /// so peers that cannot dial it can reach it through the relay and hole-punch from there.
+    fn find_relay(&mut self, now: Instant) {
+        let candidates: Vec<(PeerId, Multiaddr)> = self
+            .members
+            .keys()
+            .filter_map(|p| self.links.dialed_addr(p).map(|a| (*p, a)))
+            .collect();
+        let Some((relay, addr)) = self.nat.pick_relay(now, candidates) else {
+            return;
+        };
+        match self.swarm.listen_on(addr.clone()) {
+            Ok(id) => {
+                tracing::info!(relay = %relay, "this node is not reachable (AutoNAT); asking {addr} to relay for it");
+                self.nat.relay_listening(id, relay);
+            }
+            Err(e) => tracing::warn!(relay = %relay, "cannot listen through relay {addr}: {e}"),
         }
     }
 
@@ -957,8 +1048,13 @@ impl EventLoop {
                 request,
                 reply,
             } => {
-                if !self.members.contains_key(&peer) {
-                    let _ = reply.send(Err(format!("peer {peer} is not connected")));
+                if !self.members.contains_key(&peer) || !self.links.has_direct(&peer) {
+                    let why = if self.relayed_members.contains_key(&peer) {
+                        format!("peer {peer} is reachable only through a relay, which carries no bulk traffic")
+                    } else {
+                        format!("peer {peer} is not connected")
+                    };
+                    let _ = reply.send(Err(why));
                     return;
                 }
                 let id = self.swarm.behaviour_mut().bulk.send_request(&peer, request);
@@ -983,8 +1079,11 @@ impl EventLoop {
                 let mut peers: Vec<PeerInfo> = self
                     .members
                     .iter()
+                    .chain(self.relayed_members.iter())
                     .map(|(id, p)| PeerInfo {
                         score: gossip.peer_score(id),
+                        path: self.links.path(id).map(str::to_string),
+                        remote: self.links.remote(id),
                         ..p.clone()
                     })
                     .collect();
@@ -1019,20 +1118,85 @@ impl EventLoop {
                     allowlist: self.allowlist,
                     handshake_failures: self.handshake_failures,
                     denied_connections: self.denied_connections,
+                    nat: self.nat.report(),
                 });
             }
             Command::Forget(peer) => {
                 self.known.remove(&peer);
+                self.relayed_members.remove(&peer);
                 let _ = self.swarm.disconnect_peer_id(peer);
             }
         }
     }
 
+    /// Tracks which connections are relayed and keeps the relay for signalling only: a
+    /// relayed connection is closed once a direct one to the same peer exists.
+    fn on_connection_opened(
+        &mut self,
+        peer: PeerId,
+        id: libp2p::swarm::ConnectionId,
+        endpoint: &libp2p::core::ConnectedPoint,
+    ) {
+        self.links.opened(peer, id, endpoint);
+        if endpoint.is_relayed() {
+            self.nat.relayed_connections += 1;
+            tracing::info!(peer = %peer, "relayed connection via {}", endpoint.get_remote_address());
+            if self.links.has_direct(&peer) {
+                let _ = self.swarm.close_connection(id);
+            }
+        } else {
+            for relayed in self.links.relayed(&peer) {
+                tracing::debug!(peer = %peer, "direct connection up; closing the relayed one");
+                let _ = self.swarm.close_connection(relayed);
+            }
+        }
+    }
+
     async fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match &event {
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                endpoint,
+                ..
+            } => self.on_connection_opened(*peer_id, *connection_id, endpoint),
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                connection_id,
+                ..
+            } => self.links.closed(peer_id, *connection_id),
+            _ => {}
+        }
         match event {
-            SwarmEvent::NewListenAddr { address, .. } => {
-                tracing::info!("listening on {address}/p2p/{}", self.swarm.local_peer_id());
+            SwarmEvent::NewListenAddr {
+                address,
+                listener_id,
+            } => {
+                if self.nat.listen_addr(listener_id, &address) {
+                    tracing::info!("reachable through a relay at {address}");
+                } else {
+                    tracing::info!("listening on {address}/p2p/{}", self.swarm.local_peer_id());
+                }
                 self.listen_addrs.push(address);
+            }
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason,
+                ..
+            } => {
+                if let Some(relay) = self.nat.listener_closed(listener_id, Instant::now()) {
+                    match reason {
+                        Ok(()) => {
+                            tracing::info!(relay = %relay, "no longer listening through relay")
+                        }
+                        Err(e) => {
+                            tracing::warn!(relay = %relay, "relay reservation failed or ended: {e}")
+                        }
+                    }
+                }
+            }
+            SwarmEvent::ExternalAddrConfirmed { address } => {
+                tracing::info!("peers reach this node at {address}");
             }
             SwarmEvent::ExpiredListenAddr { address, .. } => {
                 self.listen_addrs.retain(|a| a != &address)
@@ -1046,14 +1210,20 @@ impl EventLoop {
             {
                 let _ = self.swarm.disconnect_peer_id(peer_id);
             }
-            SwarmEvent::ConnectionClosed {
-                peer_id,
-                num_established: 0,
-                ..
-            } if self.members.remove(&peer_id).is_some() => {
-                self.last_pong.remove(&peer_id);
-                tracing::info!(peer = %peer_id, "peer gone");
-                emit(&self.event_tx, Event::PeerDown(peer_id)).await;
+            SwarmEvent::ConnectionClosed { peer_id, .. } => {
+                if !self.links.connected(&peer_id) {
+                    self.relayed_members.remove(&peer_id);
+                }
+                if !self.links.has_direct(&peer_id) {
+                    if let Some(info) = self.members.remove(&peer_id) {
+                        self.last_pong.remove(&peer_id);
+                        tracing::info!(peer = %peer_id, "peer gone");
+                        if self.links.connected(&peer_id) {
+                            self.relayed_members.insert(peer_id, info);
+                        }
+                        emit(&self.event_tx, Event::PeerDown(peer_id)).await;
+                    }
+                }
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 let text = error.to_string();
@@ -1137,6 +1307,25 @@ impl EventLoop {
                     .unwrap_or_default();
                 let _ = connection_id;
                 let now = Instant::now();
+                if !self.links.has_direct(&peer_id) {
+                    // Known and shown, but not a member: the mesh syncs only over direct
+                    // connections, and hole punching may still make one.
+                    tracing::debug!(peer = %peer_id, "identified over a relay");
+                    self.relayed_members.insert(
+                        peer_id,
+                        PeerInfo {
+                            peer_id: peer_id.to_string(),
+                            address,
+                            rtt_ms: None,
+                            agent: Some(info.agent_version.clone()),
+                            score: None,
+                            path: None,
+                            remote: None,
+                        },
+                    );
+                    return;
+                }
+                self.relayed_members.remove(&peer_id);
                 self.known.insert(
                     peer_id,
                     KnownPeer {
@@ -1154,6 +1343,8 @@ impl EventLoop {
                     rtt_ms: None,
                     agent: None,
                     score: None,
+                    path: None,
+                    remote: None,
                 });
                 entry.agent = Some(info.agent_version.clone());
                 if entry.address.is_empty() {
@@ -1185,10 +1376,18 @@ impl EventLoop {
                 && !self.refused.contains(&peer)
                 && peer != *self.swarm.local_peer_id() =>
             {
-                let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
-                    .addresses(addresses.into_vec())
-                    .build();
-                let _ = self.swarm.dial(opts);
+                let relay_ok = self.nat.may_relay_to(&peer, Instant::now());
+                let addrs: Vec<Multiaddr> = addresses
+                    .into_vec()
+                    .into_iter()
+                    .filter(|a| relay_ok || !nat::is_circuit(a))
+                    .collect();
+                if !addrs.is_empty() {
+                    let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+                        .addresses(addrs)
+                        .build();
+                    let _ = self.swarm.dial(opts);
+                }
             }
             BehaviourEvent::Mdns(mdns::Event::Discovered(found)) => {
                 for (peer, addr) in found {
@@ -1225,38 +1424,48 @@ impl EventLoop {
                 )
                 .await;
             }
-            BehaviourEvent::Bulk(request_response::Event::Message { peer, message, .. }) => {
-                match message {
-                    request_response::Message::Request {
-                        request, channel, ..
-                    } => {
-                        if self.members.contains_key(&peer) {
-                            emit(
-                                &self.event_tx,
-                                Event::Request {
-                                    peer,
-                                    request,
-                                    channel,
-                                },
-                            )
-                            .await;
-                        } else {
-                            let _ = self.swarm.behaviour_mut().bulk.send_response(
+            BehaviourEvent::Bulk(request_response::Event::Message {
+                peer,
+                message,
+                connection_id,
+            }) => match message {
+                request_response::Message::Request {
+                    request, channel, ..
+                } => {
+                    if self.links.is_relayed(&peer, connection_id) {
+                        self.nat.relayed_requests_refused += 1;
+                        let _ = self.swarm.behaviour_mut().bulk.send_response(
+                            channel,
+                            BulkResponse::Refused(
+                                "bulk requests are not served over a relayed connection".into(),
+                            ),
+                        );
+                    } else if self.members.contains_key(&peer) {
+                        emit(
+                            &self.event_tx,
+                            Event::Request {
+                                peer,
+                                request,
                                 channel,
-                                BulkResponse::Refused("not a member of this run".into()),
-                            );
-                        }
-                    }
-                    request_response::Message::Response {
-                        request_id,
-                        response,
-                    } => {
-                        if let Some(reply) = self.pending_requests.remove(&request_id) {
-                            let _ = reply.send(Ok(response));
-                        }
+                            },
+                        )
+                        .await;
+                    } else {
+                        let _ = self.swarm.behaviour_mut().bulk.send_response(
+                            channel,
+                            BulkResponse::Refused("not a member of this run".into()),
+                        );
                     }
                 }
-            }
+                request_response::Message::Response {
+                    request_id,
+                    response,
+                } => {
+                    if let Some(reply) = self.pending_requests.remove(&request_id) {
+                        let _ = reply.send(Ok(response));
+                    }
+                }
+            },
             BehaviourEvent::Bulk(request_response::Event::OutboundFailure {
                 request_id,
                 error,
@@ -1267,6 +1476,53 @@ impl EventLoop {
                     let _ = reply.send(Err(format!("request to {peer} failed: {error}")));
                 }
             }
+            BehaviourEvent::Autonat(autonat::Event::StatusChanged { old, new }) => {
+                tracing::info!("reachability: {old:?} -> {new:?} (AutoNAT)");
+                for id in self.nat.set_status(new) {
+                    self.swarm.remove_listener(id);
+                }
+            }
+            BehaviourEvent::RelayClient(relay::client::Event::ReservationReqAccepted {
+                relay_peer_id,
+                renewal: false,
+                ..
+            }) => {
+                tracing::info!(relay = %relay_peer_id, "relay reservation accepted");
+            }
+            BehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result,
+            }) => match result {
+                Ok(_) => {
+                    self.nat.hole_punches += 1;
+                    tracing::info!(peer = %remote_peer_id, "hole punched: direct connection");
+                }
+                Err(e) => {
+                    self.nat.punch_failed(remote_peer_id, Instant::now());
+                    tracing::info!(peer = %remote_peer_id, "{e}; the relayed connection is closed and the peer is reached through the gossip mesh");
+                    for id in self.links.relayed(&remote_peer_id) {
+                        let _ = self.swarm.close_connection(id);
+                    }
+                }
+            },
+            BehaviourEvent::Upnp(event) => match event {
+                upnp::Event::NewExternalAddr { external_addr, .. } => {
+                    tracing::info!("UPnP mapped {external_addr} on the gateway");
+                    self.nat.set_upnp_addr(Some(external_addr));
+                }
+                upnp::Event::ExpiredExternalAddr { external_addr, .. } => {
+                    tracing::info!("UPnP mapping {external_addr} expired");
+                    self.nat.set_upnp_addr(None);
+                }
+                upnp::Event::GatewayNotFound => {
+                    tracing::warn!("UPnP: no gateway answered; no port mapping")
+                }
+                upnp::Event::NonRoutableGateway => {
+                    tracing::warn!(
+                        "UPnP: the gateway is not on the public internet; no port mapping"
+                    )
+                }
+            },
             _ => {}
         }
     }

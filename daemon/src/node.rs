@@ -255,6 +255,8 @@ impl Shared {
                     samples_per_sec: hb.map(|h| h.samples_per_sec),
                     accuracy: hb.and_then(|h| h.accuracy),
                     score: p.score,
+                    path: p.path.clone(),
+                    remote: p.remote.clone(),
                 }
             })
             .collect();
@@ -303,6 +305,7 @@ impl Shared {
             allowlist: net.allowlist,
             handshake_failures: net.handshake_failures,
             denied_connections: net.denied_connections,
+            nat: net.nat,
             state_download: mesh.download,
             state_serving: self.cache.lock().map(|mut c| c.load()).unwrap_or(0),
             sync: {
@@ -533,6 +536,8 @@ pub async fn run(
         mdns: config.network.mdns || opts.mdns,
         psk,
         allow,
+        relay_server: config.network.relay_server,
+        upnp: config.network.upnp,
     };
     let (net, net_events, event_loop) = network::new(key, &net_cfg)?;
     let net_task = tokio::spawn(event_loop.run());

@@ -32,6 +32,13 @@ pub struct PeerStatus {
     /// Its gossipsub score here: falls with every message of its that this node rejects.
     #[serde(default)]
     pub score: Option<f64>,
+    /// "direct", or "relayed" while this node reaches it only through a relay (no syncs
+    /// then).
+    #[serde(default)]
+    pub path: Option<String>,
+    /// The address the connection runs to (for a peer behind a NAT, its gateway's).
+    #[serde(default)]
+    pub remote: Option<String>,
 }
 
 /// The peers part of the status.
@@ -152,6 +159,9 @@ pub struct Status {
     /// Connections refused or not dialled because the peer is not on the allowlist.
     #[serde(default)]
     pub denied_connections: u64,
+    /// Reachability (AutoNAT), relays and hole punching.
+    #[serde(default)]
+    pub nat: crate::nat::NatReport,
     /// The state download this node started with, if it joined a running mesh.
     #[serde(default)]
     pub state_download: Option<DownloadReport>,

@@ -4,6 +4,7 @@
 mod churn;
 mod harness;
 mod mesh;
+mod nat;
 mod netlab;
 mod partition;
 mod private;

@@ -6,6 +6,11 @@
 //! Partitions move hosts' hub-side ports onto a second, unconnected bridge; healing moves them
 //! back. Link limits are `tc` queueing disciplines on each host's interface: `tbf` for rate,
 //! plus `netem` delay and loss where the kernel has netem (this machine's has not).
+//!
+//! A host can be put behind a NAT ([`Lab::behind_nat`]): its namespace becomes a home router
+//! (keeping the lab address as its public side, masquerading with `iptables`) and a new
+//! namespace behind it, on 10.78.<i>.0/24, reaches the lab only through it. Lab hosts have no
+//! route to those private networks, so nothing can dial in: as behind a real home router.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,6 +21,8 @@ static LABS: AtomicUsize = AtomicUsize::new(0);
 pub struct Lab {
     hub: String,
     hosts: Vec<String>,
+    /// Namespaces behind NATs, deleted with the lab.
+    private: Vec<String>,
 }
 
 /// Runs `ip`/`tc` with arguments; Err with its stderr if it fails.
@@ -54,6 +61,7 @@ impl Lab {
         let mut lab = Lab {
             hub: format!("{tag}hub"),
             hosts: Vec::new(),
+            private: Vec::new(),
         };
         run("ip", &["netns", "add", &lab.hub])?;
         for br in ["br0", "br1"] {
@@ -83,6 +91,94 @@ impl Lab {
             run("ip", &["-n", &lab.hub, "link", "set", &port, "up"])?;
         }
         Ok(lab)
+    }
+
+    /// Makes host `i` a NAT router and returns the namespace of a new host behind it (at
+    /// [`Lab::private_addr`]), or why that cannot be done here (no `iptables`, or its nat
+    /// table refused), so the caller can skip with that reason.
+    pub fn behind_nat(&mut self, i: usize) -> Result<String, String> {
+        let router = self.hosts[i].clone();
+        run("iptables", &["--version"]).map_err(|e| {
+            format!("no iptables for the NAT ({e}); `apt-get install iptables` provides it")
+        })?;
+        let ns = format!("{router}nat");
+        run("ip", &["netns", "add", &ns])?;
+        self.private.push(ns.clone());
+        run("ip", &["-n", &ns, "link", "set", "lo", "up"])?;
+        run(
+            "ip",
+            &[
+                "link", "add", "eth0", "netns", &ns, "type", "veth", "peer", "name", "lan0",
+                "netns", &router,
+            ],
+        )?;
+        let gateway = format!("10.78.{i}.1");
+        run(
+            "ip",
+            &[
+                "-n",
+                &router,
+                "addr",
+                "add",
+                &format!("{gateway}/24"),
+                "dev",
+                "lan0",
+            ],
+        )?;
+        run("ip", &["-n", &router, "link", "set", "lan0", "up"])?;
+        let cidr = format!("{}/24", self.private_addr(i));
+        run("ip", &["-n", &ns, "addr", "add", &cidr, "dev", "eth0"])?;
+        run("ip", &["-n", &ns, "link", "set", "eth0", "up"])?;
+        run(
+            "ip",
+            &["-n", &ns, "route", "add", "default", "via", &gateway],
+        )?;
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &router,
+                "sh",
+                "-c",
+                "echo 1 > /proc/sys/net/ipv4/ip_forward",
+            ],
+        )?;
+        let subnet = format!("10.78.{i}.0/24");
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &router,
+                "iptables",
+                "-t",
+                "nat",
+                "-A",
+                "POSTROUTING",
+                "-s",
+                &subnet,
+                "-o",
+                "eth0",
+                "-j",
+                "MASQUERADE",
+            ],
+        )?;
+        // Like a home router's firewall: unsolicited connections from outside are dropped,
+        // not answered with a reset (which would also kill a hole punch's crossing SYN).
+        run(
+            "ip",
+            &[
+                "netns", "exec", &router, "iptables", "-A", "INPUT", "-i", "eth0", "-p", "tcp",
+                "--syn", "-j", "DROP",
+            ],
+        )?;
+        Ok(ns)
+    }
+
+    /// The address of the host behind host `i`'s NAT.
+    pub fn private_addr(&self, i: usize) -> String {
+        format!("10.78.{i}.2")
     }
 
     /// Host `i`'s namespace.
@@ -161,7 +257,12 @@ impl Lab {
 
 impl Drop for Lab {
     fn drop(&mut self) {
-        for ns in self.hosts.iter().chain(std::iter::once(&self.hub)) {
+        for ns in self
+            .private
+            .iter()
+            .chain(&self.hosts)
+            .chain(std::iter::once(&self.hub))
+        {
             let _ = run("ip", &["netns", "del", ns]);
         }
     }

@@ -27,7 +27,7 @@ fn start_in(lab: &Lab, i: usize, root: &Path, cfg: &Path, bootstrap: Option<&str
 }
 
 /// The node's address inside the lab (not its loopback).
-fn lab_addr(node: &Node, lab_ip: &str) -> String {
+pub(crate) fn lab_addr(node: &Node, lab_ip: &str) -> String {
     let s = node.wait_status("a lab address", Duration::from_secs(30), |s| {
         s["listen_addrs"].as_array().is_some_and(|a| {
             a.iter()

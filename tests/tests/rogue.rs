@@ -50,6 +50,8 @@ impl Rogue {
             mdns: false,
             psk: None,
             allow: None,
+            relay_server: false,
+            upnp: false,
         };
         let client = rt.block_on(async {
             let (client, mut events, event_loop) =

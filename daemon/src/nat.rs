@@ -1,0 +1,450 @@
+//! NAT traversal bookkeeping, kept apart from the swarm so its rules can be tested alone:
+//! which connections to each peer are direct and which run through a relay, what AutoNAT
+//! concluded about this node's reachability, and which relays a private node listens through.
+//!
+//! The policy it serves (enforced in [`crate::network`]): a relay carries only what it takes
+//! to find and hole-punch a peer. Full syncs and state downloads never go through a relay (a
+//! bulk request is refused on a relayed connection, and a peer reachable only through a relay
+//! is not a member the mesh syncs with); a relayed connection is closed as soon as a direct one
+//! exists, or when hole punching fails. Gossip that slips through in between is capped by the
+//! relay's own default limits (128 KiB and two minutes per circuit).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use libp2p::autonat::NatStatus;
+use libp2p::core::transport::ListenerId;
+use libp2p::core::ConnectedPoint;
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::ConnectionId;
+use libp2p::{Multiaddr, PeerId};
+use serde::{Deserialize, Serialize};
+
+/// How many relays a private node keeps a reservation with: two, so losing one relay does not
+/// make the node unreachable until the next attempt.
+pub const RELAYS_WANTED: usize = 2;
+
+/// Pause between attempts to find a relay, and how long a relay that refused is skipped.
+pub const RELAY_RETRY: Duration = Duration::from_secs(10);
+
+/// How long a peer whose hole punch failed is not dialled through a relay again: without it,
+/// redialling would open a relayed connection, fail to punch and close it, over and over.
+pub const NO_PUNCH_FOR: Duration = Duration::from_secs(600);
+
+/// What status reports about reachability and relays.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NatReport {
+    /// "public", "private" or "unknown": AutoNAT's conclusion from peers dialling back.
+    pub reachability: String,
+    /// The address a peer reached this node at, when public.
+    pub public_addr: Option<String>,
+    /// Addresses through relays this node listens on (only while private).
+    pub relay_addrs: Vec<String>,
+    /// Whether this node relays for others (with libp2p's default limits), once it knows
+    /// itself reachable.
+    pub relay_server: bool,
+    /// Whether UPnP port mapping is on.
+    pub upnp: bool,
+    /// The address UPnP mapped on the gateway, if any.
+    pub upnp_addr: Option<String>,
+    /// Relayed connections opened, either way.
+    pub relayed_connections: u64,
+    /// Relayed connections that hole punching turned into direct ones.
+    pub hole_punches: u64,
+    /// Hole punches that failed (the peer stays reachable through the gossip mesh).
+    pub hole_punch_failures: u64,
+    /// Bulk requests refused because they came over a relayed connection.
+    pub relayed_requests_refused: u64,
+}
+
+/// One open connection.
+#[derive(Debug, Clone)]
+struct Link {
+    id: ConnectionId,
+    relayed: bool,
+    remote: Multiaddr,
+    dialed: bool,
+}
+
+/// Open connections by peer, each marked direct or relayed.
+#[derive(Debug, Default)]
+pub struct Links {
+    by_peer: HashMap<PeerId, Vec<Link>>,
+}
+
+impl Links {
+    /// Records a new connection.
+    pub fn opened(&mut self, peer: PeerId, id: ConnectionId, endpoint: &ConnectedPoint) {
+        let link = Link {
+            id,
+            relayed: endpoint.is_relayed(),
+            remote: endpoint.get_remote_address().clone(),
+            dialed: endpoint.is_dialer(),
+        };
+        self.by_peer.entry(peer).or_default().push(link);
+    }
+
+    /// Forgets a closed connection.
+    pub fn closed(&mut self, peer: &PeerId, id: ConnectionId) {
+        if let Some(links) = self.by_peer.get_mut(peer) {
+            links.retain(|l| l.id != id);
+            if links.is_empty() {
+                self.by_peer.remove(peer);
+            }
+        }
+    }
+
+    /// Whether any connection to `peer` is open.
+    pub fn connected(&self, peer: &PeerId) -> bool {
+        self.by_peer.contains_key(peer)
+    }
+
+    /// Whether a connection to `peer` runs without a relay.
+    pub fn has_direct(&self, peer: &PeerId) -> bool {
+        self.by_peer
+            .get(peer)
+            .is_some_and(|l| l.iter().any(|l| !l.relayed))
+    }
+
+    /// Whether connection `id` runs through a relay.
+    pub fn is_relayed(&self, peer: &PeerId, id: ConnectionId) -> bool {
+        self.by_peer
+            .get(peer)
+            .and_then(|l| l.iter().find(|l| l.id == id))
+            .is_some_and(|l| l.relayed)
+    }
+
+    /// The relayed connections to `peer`.
+    pub fn relayed(&self, peer: &PeerId) -> Vec<ConnectionId> {
+        self.by_peer
+            .get(peer)
+            .map(|l| l.iter().filter(|l| l.relayed).map(|l| l.id).collect())
+            .unwrap_or_default()
+    }
+
+    /// "direct" if any connection to `peer` is direct, "relayed" if all go through relays.
+    pub fn path(&self, peer: &PeerId) -> Option<&'static str> {
+        let links = self.by_peer.get(peer)?;
+        Some(if links.iter().any(|l| !l.relayed) {
+            "direct"
+        } else {
+            "relayed"
+        })
+    }
+
+    /// The address the connection to `peer` runs to, direct ones first: for a peer behind a
+    /// NAT that dialled us, its gateway's address, not the one it listens on.
+    pub fn remote(&self, peer: &PeerId) -> Option<String> {
+        let links = self.by_peer.get(peer)?;
+        links
+            .iter()
+            .find(|l| !l.relayed)
+            .or(links.first())
+            .map(|l| l.remote.to_string())
+    }
+
+    /// An address this node reached `peer` at directly: a relay candidate, since at least
+    /// this node can reach it.
+    pub fn dialed_addr(&self, peer: &PeerId) -> Option<Multiaddr> {
+        self.by_peer
+            .get(peer)?
+            .iter()
+            .find(|l| l.dialed && !l.relayed)
+            .map(|l| l.remote.clone())
+    }
+}
+
+/// Reachability and relay state; see the module docs.
+#[derive(Debug)]
+pub struct Nat {
+    status: NatStatus,
+    relay_listeners: HashMap<ListenerId, PeerId>,
+    relay_addrs: HashMap<ListenerId, Vec<Multiaddr>>,
+    next_relay_try: Instant,
+    refused_relays: HashMap<PeerId, Instant>,
+    no_punch: HashMap<PeerId, Instant>,
+    relay_server: bool,
+    upnp: bool,
+    upnp_addr: Option<Multiaddr>,
+    /// Relayed connections opened.
+    pub relayed_connections: u64,
+    /// Successful hole punches.
+    pub hole_punches: u64,
+    /// Failed hole punches.
+    pub hole_punch_failures: u64,
+    /// Bulk requests refused on relayed connections.
+    pub relayed_requests_refused: u64,
+}
+
+impl Nat {
+    /// Fresh state: reachability unknown until AutoNAT's first probes.
+    pub fn new(relay_server: bool, upnp: bool) -> Self {
+        Nat {
+            status: NatStatus::Unknown,
+            relay_listeners: HashMap::new(),
+            relay_addrs: HashMap::new(),
+            next_relay_try: Instant::now(),
+            refused_relays: HashMap::new(),
+            no_punch: HashMap::new(),
+            relay_server,
+            upnp,
+            upnp_addr: None,
+            relayed_connections: 0,
+            hole_punches: 0,
+            hole_punch_failures: 0,
+            relayed_requests_refused: 0,
+        }
+    }
+
+    /// AutoNAT's new conclusion. Returns the relay listeners to close when the node turned
+    /// out to be reachable after all.
+    pub fn set_status(&mut self, status: NatStatus) -> Vec<ListenerId> {
+        self.status = status;
+        if self.status.is_public() {
+            self.relay_addrs.clear();
+            self.relay_listeners.drain().map(|(id, _)| id).collect()
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Whether this node is known to be unreachable.
+    pub fn is_private(&self) -> bool {
+        self.status == NatStatus::Private
+    }
+
+    /// Picks a relay to listen through if this node is private, has fewer than
+    /// [`RELAYS_WANTED`] and the last attempt is [`RELAY_RETRY`] ago. `candidates` are peers
+    /// with the address this node reached them at directly.
+    pub fn pick_relay(
+        &mut self,
+        now: Instant,
+        candidates: impl IntoIterator<Item = (PeerId, Multiaddr)>,
+    ) -> Option<(PeerId, Multiaddr)> {
+        if !self.is_private()
+            || self.relay_listeners.len() >= RELAYS_WANTED
+            || now < self.next_relay_try
+        {
+            return None;
+        }
+        self.refused_relays.retain(|_, until| *until > now);
+        let mut candidates: Vec<(PeerId, Multiaddr)> = candidates
+            .into_iter()
+            .filter(|(p, _)| {
+                !self.refused_relays.contains_key(p)
+                    && !self.relay_listeners.values().any(|r| r == p)
+            })
+            .collect();
+        candidates.sort_by_key(|(p, _)| p.to_bytes());
+        let (peer, addr) = candidates.into_iter().next()?;
+        self.next_relay_try = now + RELAY_RETRY;
+        // The address without any trailing /p2p, then the relay's id and the circuit marker.
+        let base: Multiaddr = addr
+            .iter()
+            .filter(|p| !matches!(p, Protocol::P2p(_)))
+            .collect();
+        Some((
+            peer,
+            base.with(Protocol::P2p(peer)).with(Protocol::P2pCircuit),
+        ))
+    }
+
+    /// A listener through `relay` was opened.
+    pub fn relay_listening(&mut self, id: ListenerId, relay: PeerId) {
+        self.relay_listeners.insert(id, relay);
+    }
+
+    /// A listener got an address; true if it is one of the relay listeners.
+    pub fn listen_addr(&mut self, id: ListenerId, addr: &Multiaddr) -> bool {
+        if self.relay_listeners.contains_key(&id) {
+            self.relay_addrs.entry(id).or_default().push(addr.clone());
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A listener closed; returns the relay if it was a relay listener (which is then skipped
+    /// for [`RELAY_RETRY`]).
+    pub fn listener_closed(&mut self, id: ListenerId, now: Instant) -> Option<PeerId> {
+        self.relay_addrs.remove(&id);
+        let relay = self.relay_listeners.remove(&id)?;
+        self.refused_relays.insert(relay, now + RELAY_RETRY);
+        Some(relay)
+    }
+
+    /// Hole punching to `peer` failed: do not dial it through a relay for [`NO_PUNCH_FOR`].
+    pub fn punch_failed(&mut self, peer: PeerId, now: Instant) {
+        self.hole_punch_failures += 1;
+        self.no_punch.insert(peer, now + NO_PUNCH_FOR);
+    }
+
+    /// Whether `peer` may be dialled through a relay now.
+    pub fn may_relay_to(&self, peer: &PeerId, now: Instant) -> bool {
+        self.no_punch.get(peer).is_none_or(|until| *until <= now)
+    }
+
+    /// UPnP mapped an address on the gateway (or the mapping expired: `None`).
+    pub fn set_upnp_addr(&mut self, addr: Option<Multiaddr>) {
+        self.upnp_addr = addr;
+    }
+
+    /// The status report.
+    pub fn report(&self) -> NatReport {
+        let (reachability, public_addr) = match &self.status {
+            NatStatus::Public(a) => ("public", Some(a.to_string())),
+            NatStatus::Private => ("private", None),
+            NatStatus::Unknown => ("unknown", None),
+        };
+        let mut relay_addrs: Vec<String> = self
+            .relay_addrs
+            .values()
+            .flatten()
+            .map(|a| a.to_string())
+            .collect();
+        relay_addrs.sort();
+        NatReport {
+            reachability: reachability.into(),
+            public_addr,
+            relay_addrs,
+            relay_server: self.relay_server,
+            upnp: self.upnp,
+            upnp_addr: self.upnp_addr.as_ref().map(|a| a.to_string()),
+            relayed_connections: self.relayed_connections,
+            hole_punches: self.hole_punches,
+            hole_punch_failures: self.hole_punch_failures,
+            relayed_requests_refused: self.relayed_requests_refused,
+        }
+    }
+}
+
+/// Whether an address runs through a relay.
+pub fn is_circuit(addr: &Multiaddr) -> bool {
+    addr.iter().any(|p| p == Protocol::P2pCircuit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use libp2p::core::transport::PortUse;
+    use libp2p::core::Endpoint;
+
+    fn dialer(addr: &str) -> ConnectedPoint {
+        ConnectedPoint::Dialer {
+            address: addr.parse().expect("multiaddr"),
+            role_override: Endpoint::Dialer,
+            port_use: PortUse::Reuse,
+        }
+    }
+
+    fn listener(send_back: &str, local: &str) -> ConnectedPoint {
+        ConnectedPoint::Listener {
+            local_addr: local.parse().expect("multiaddr"),
+            send_back_addr: send_back.parse().expect("multiaddr"),
+        }
+    }
+
+    #[test]
+    fn a_peer_is_direct_while_any_connection_is_and_relayed_otherwise() {
+        let mut links = Links::default();
+        let peer = PeerId::random();
+        let relay = PeerId::random();
+        let circuit = format!("/ip4/10.0.0.1/tcp/4001/p2p/{relay}/p2p-circuit/p2p/{peer}");
+        let (c1, c2) = (
+            ConnectionId::new_unchecked(1),
+            ConnectionId::new_unchecked(2),
+        );
+        links.opened(peer, c1, &dialer(&circuit));
+        assert_eq!(links.path(&peer), Some("relayed"));
+        assert!(!links.has_direct(&peer));
+        assert!(links.is_relayed(&peer, c1));
+        assert_eq!(
+            links.dialed_addr(&peer),
+            None,
+            "a circuit is no relay candidate"
+        );
+        links.opened(
+            peer,
+            c2,
+            &listener("/ip4/10.0.0.9/tcp/5555", "/ip4/10.0.0.2/tcp/4001"),
+        );
+        assert_eq!(links.path(&peer), Some("direct"));
+        assert_eq!(links.remote(&peer).expect("some"), "/ip4/10.0.0.9/tcp/5555");
+        assert_eq!(links.relayed(&peer), vec![c1]);
+        links.closed(&peer, c2);
+        assert_eq!(links.path(&peer), Some("relayed"));
+        links.closed(&peer, c1);
+        assert_eq!(links.path(&peer), None);
+        assert!(!links.connected(&peer));
+    }
+
+    #[test]
+    fn a_private_node_picks_relays_it_dialled_and_skips_those_that_refused() {
+        let mut nat = Nat::new(true, false);
+        let now = Instant::now();
+        let a = PeerId::random();
+        let addr: Multiaddr = format!("/ip4/10.0.0.1/tcp/4001/p2p/{a}")
+            .parse()
+            .expect("multiaddr");
+        assert!(
+            nat.pick_relay(now, [(a, addr.clone())]).is_none(),
+            "unknown reachability needs no relay"
+        );
+        nat.set_status(NatStatus::Private);
+        let (relay, circuit) = nat.pick_relay(now, [(a, addr.clone())]).expect("some");
+        assert_eq!(relay, a);
+        assert_eq!(
+            circuit.to_string(),
+            format!("/ip4/10.0.0.1/tcp/4001/p2p/{a}/p2p-circuit")
+        );
+        assert!(
+            nat.pick_relay(now, [(a, addr.clone())]).is_none(),
+            "paced by RELAY_RETRY"
+        );
+        let id = ListenerId::next();
+        nat.relay_listening(id, a);
+        let later = now + RELAY_RETRY;
+        assert!(
+            nat.pick_relay(later, [(a, addr.clone())]).is_none(),
+            "already listening through it"
+        );
+        let listen = circuit.clone().with(Protocol::P2p(PeerId::random()));
+        assert!(nat.listen_addr(id, &listen));
+        assert!(!nat.listen_addr(ListenerId::next(), &listen));
+        assert_eq!(nat.report().relay_addrs, vec![listen.to_string()]);
+        assert_eq!(nat.listener_closed(id, later), Some(a));
+        assert!(nat.report().relay_addrs.is_empty());
+        assert!(
+            nat.pick_relay(later, [(a, addr.clone())]).is_none(),
+            "a relay that closed is skipped for a while"
+        );
+        assert!(nat.pick_relay(later + RELAY_RETRY, [(a, addr)]).is_some());
+    }
+
+    #[test]
+    fn turning_public_closes_the_relay_listeners() {
+        let mut nat = Nat::new(true, false);
+        nat.set_status(NatStatus::Private);
+        let id = ListenerId::next();
+        nat.relay_listening(id, PeerId::random());
+        let closed = nat.set_status(NatStatus::Public(
+            "/ip4/10.0.0.3/tcp/1".parse().expect("multiaddr"),
+        ));
+        assert_eq!(closed, vec![id]);
+        let r = nat.report();
+        assert_eq!(r.reachability, "public");
+        assert_eq!(r.public_addr.as_deref(), Some("/ip4/10.0.0.3/tcp/1"));
+    }
+
+    #[test]
+    fn a_failed_hole_punch_stops_relayed_dials_for_a_while() {
+        let mut nat = Nat::new(true, false);
+        let now = Instant::now();
+        let p = PeerId::random();
+        assert!(nat.may_relay_to(&p, now));
+        nat.punch_failed(p, now);
+        assert!(!nat.may_relay_to(&p, now + Duration::from_secs(1)));
+        assert!(nat.may_relay_to(&p, now + NO_PUNCH_FOR));
+        assert_eq!(nat.report().hole_punch_failures, 1);
+    }
+}

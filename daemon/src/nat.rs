@@ -14,11 +14,17 @@ use std::time::{Duration, Instant};
 
 use libp2p::autonat::NatStatus;
 use libp2p::core::transport::ListenerId;
+use libp2p::core::transport::PortUse;
 use libp2p::core::ConnectedPoint;
+use libp2p::core::Endpoint;
 use libp2p::multiaddr::Protocol;
-use libp2p::swarm::ConnectionId;
+use libp2p::swarm::{
+    dummy, ConnectionDenied, ConnectionId, FromSwarm, NetworkBehaviour, THandler, THandlerInEvent,
+    THandlerOutEvent, ToSwarm,
+};
 use libp2p::{Multiaddr, PeerId};
 use serde::{Deserialize, Serialize};
+use std::task::{Context, Poll};
 
 /// How many relays a private node keeps a reservation with: two, so losing one relay does not
 /// make the node unreachable until the next attempt.
@@ -162,7 +168,6 @@ pub struct Nat {
     relay_addrs: HashMap<ListenerId, Vec<Multiaddr>>,
     next_relay_try: Instant,
     refused_relays: HashMap<PeerId, Instant>,
-    no_punch: HashMap<PeerId, Instant>,
     relay_server: bool,
     upnp: bool,
     upnp_addr: Option<Multiaddr>,
@@ -185,7 +190,6 @@ impl Nat {
             relay_addrs: HashMap::new(),
             next_relay_try: Instant::now(),
             refused_relays: HashMap::new(),
-            no_punch: HashMap::new(),
             relay_server,
             upnp,
             upnp_addr: None,
@@ -257,7 +261,11 @@ impl Nat {
     /// A listener got an address; true if it is one of the relay listeners.
     pub fn listen_addr(&mut self, id: ListenerId, addr: &Multiaddr) -> bool {
         if self.relay_listeners.contains_key(&id) {
-            self.relay_addrs.entry(id).or_default().push(addr.clone());
+            // A renewed reservation announces the same address again.
+            let addrs = self.relay_addrs.entry(id).or_default();
+            if !addrs.contains(addr) {
+                addrs.push(addr.clone());
+            }
             true
         } else {
             false
@@ -271,17 +279,6 @@ impl Nat {
         let relay = self.relay_listeners.remove(&id)?;
         self.refused_relays.insert(relay, now + RELAY_RETRY);
         Some(relay)
-    }
-
-    /// Hole punching to `peer` failed: do not dial it through a relay for [`NO_PUNCH_FOR`].
-    pub fn punch_failed(&mut self, peer: PeerId, now: Instant) {
-        self.hole_punch_failures += 1;
-        self.no_punch.insert(peer, now + NO_PUNCH_FOR);
-    }
-
-    /// Whether `peer` may be dialled through a relay now.
-    pub fn may_relay_to(&self, peer: &PeerId, now: Instant) -> bool {
-        self.no_punch.get(peer).is_none_or(|until| *until <= now)
     }
 
     /// UPnP mapped an address on the gateway (or the mapping expired: `None`).
@@ -318,6 +315,87 @@ impl Nat {
     }
 }
 
+/// Why [`RelayGate`] refused a connection.
+#[derive(Debug, thiserror::Error)]
+#[error("relayed connection with {0} refused: hole punching to it failed recently")]
+pub struct RelayGated(pub PeerId);
+
+/// Refuses relayed connections with peers that could not be reached directly lately, for
+/// [`NO_PUNCH_FOR`]. Without it, every Kademlia walk (each 30 s) would reach such a peer
+/// through a relay again and start another hole punch that cannot work. The refusal comes
+/// before any protocol runs on the connection.
+#[derive(Debug, Default)]
+pub struct RelayGate {
+    blocked: HashMap<PeerId, Instant>,
+}
+
+impl RelayGate {
+    /// A relayed connection with `peer` ended with no direct one in its place: hole punching
+    /// failed (on the side that dialled through the relay, that shows only as this).
+    pub fn avoid(&mut self, peer: PeerId, now: Instant) {
+        self.blocked.retain(|_, until| *until > now);
+        self.blocked.insert(peer, now + NO_PUNCH_FOR);
+    }
+
+    /// Whether a relayed connection with `peer` may be made now.
+    pub fn allows(&self, peer: &PeerId, now: Instant) -> bool {
+        self.blocked.get(peer).is_none_or(|until| *until <= now)
+    }
+
+    fn check(
+        &self,
+        peer: PeerId,
+        addr: &Multiaddr,
+    ) -> Result<dummy::ConnectionHandler, ConnectionDenied> {
+        if is_circuit(addr) && !self.allows(&peer, Instant::now()) {
+            Err(ConnectionDenied::new(RelayGated(peer)))
+        } else {
+            Ok(dummy::ConnectionHandler)
+        }
+    }
+}
+
+impl NetworkBehaviour for RelayGate {
+    type ConnectionHandler = dummy::ConnectionHandler;
+    type ToSwarm = std::convert::Infallible;
+
+    fn handle_established_inbound_connection(
+        &mut self,
+        _: ConnectionId,
+        peer: PeerId,
+        local_addr: &Multiaddr,
+        _: &Multiaddr,
+    ) -> Result<THandler<Self>, ConnectionDenied> {
+        self.check(peer, local_addr)
+    }
+
+    fn handle_established_outbound_connection(
+        &mut self,
+        _: ConnectionId,
+        peer: PeerId,
+        addr: &Multiaddr,
+        _: Endpoint,
+        _: PortUse,
+    ) -> Result<THandler<Self>, ConnectionDenied> {
+        self.check(peer, addr)
+    }
+
+    fn on_swarm_event(&mut self, _: FromSwarm) {}
+
+    fn on_connection_handler_event(
+        &mut self,
+        _: PeerId,
+        _: ConnectionId,
+        event: THandlerOutEvent<Self>,
+    ) {
+        match event {}
+    }
+
+    fn poll(&mut self, _: &mut Context<'_>) -> Poll<ToSwarm<Self::ToSwarm, THandlerInEvent<Self>>> {
+        Poll::Pending
+    }
+}
+
 /// Whether an address runs through a relay.
 pub fn is_circuit(addr: &Multiaddr) -> bool {
     addr.iter().any(|p| p == Protocol::P2pCircuit)
@@ -326,8 +404,6 @@ pub fn is_circuit(addr: &Multiaddr) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use libp2p::core::transport::PortUse;
-    use libp2p::core::Endpoint;
 
     fn dialer(addr: &str) -> ConnectedPoint {
         ConnectedPoint::Dialer {
@@ -410,6 +486,7 @@ mod tests {
         );
         let listen = circuit.clone().with(Protocol::P2p(PeerId::random()));
         assert!(nat.listen_addr(id, &listen));
+        assert!(nat.listen_addr(id, &listen), "a renewal");
         assert!(!nat.listen_addr(ListenerId::next(), &listen));
         assert_eq!(nat.report().relay_addrs, vec![listen.to_string()]);
         assert_eq!(nat.listener_closed(id, later), Some(a));
@@ -437,14 +514,25 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_hole_punch_stops_relayed_dials_for_a_while() {
-        let mut nat = Nat::new(true, false);
+    fn a_failed_hole_punch_refuses_relayed_connections_with_that_peer_for_a_while() {
+        let mut gate = RelayGate::default();
         let now = Instant::now();
-        let p = PeerId::random();
-        assert!(nat.may_relay_to(&p, now));
-        nat.punch_failed(p, now);
-        assert!(!nat.may_relay_to(&p, now + Duration::from_secs(1)));
-        assert!(nat.may_relay_to(&p, now + NO_PUNCH_FOR));
-        assert_eq!(nat.report().hole_punch_failures, 1);
+        let (p, relay) = (PeerId::random(), PeerId::random());
+        let circuit: Multiaddr = format!("/ip4/10.0.0.1/tcp/4001/p2p/{relay}/p2p-circuit")
+            .parse()
+            .expect("multiaddr");
+        let direct: Multiaddr = "/ip4/10.0.0.7/tcp/4001".parse().expect("multiaddr");
+        assert!(gate.allows(&p, now));
+        assert!(gate.check(p, &circuit).is_ok());
+        gate.avoid(p, Instant::now());
+        assert!(!gate.allows(&p, now + Duration::from_secs(1)));
+        assert!(gate.allows(&p, now + NO_PUNCH_FOR + Duration::from_secs(1)));
+        let denied = gate.check(p, &circuit).err();
+        assert!(denied.is_some_and(|d| d.downcast_ref::<RelayGated>().is_some()));
+        assert!(gate.check(p, &direct).is_ok(), "direct connections pass");
+        assert!(
+            gate.check(PeerId::random(), &circuit).is_ok(),
+            "other peers pass"
+        );
     }
 }

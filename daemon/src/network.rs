@@ -163,6 +163,7 @@ mod composed {
         pub(super) bulk: request_response::cbor::Behaviour<BulkRequest, BulkResponse>,
         pub(super) mdns: Toggle<mdns::tokio::Behaviour>,
         pub(super) allow: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
+        pub(super) relay_gate: nat::RelayGate,
         pub(super) autonat: autonat::Behaviour,
         pub(super) relay_client: relay::client::Behaviour,
         pub(super) relay: Toggle<relay::Behaviour>,
@@ -497,6 +498,9 @@ pub struct EventLoop {
     relayed_members: HashMap<PeerId, PeerInfo>,
     /// Reachability and relays.
     nat: Nat,
+    /// Members that offer the relay service (identify lists the hop protocol): the only
+    /// ones a private node asks to relay for it.
+    relay_capable: HashSet<PeerId>,
 }
 
 /// Whether a connection error happened in the handshake (pnet, noise or protocol
@@ -684,6 +688,7 @@ pub fn new(
             Ok(Behaviour {
                 mdns: Toggle::from(mdns),
                 allow: Toggle::from(allow),
+                relay_gate: nat::RelayGate::default(),
                 autonat,
                 relay_client,
                 relay: Toggle::from(relay),
@@ -765,6 +770,7 @@ pub fn new(
             links: Links::default(),
             relayed_members: HashMap::new(),
             nat: Nat::new(cfg.relay_server, cfg.upnp),
+            relay_capable: HashSet::new(),
         },
     ))
 }
@@ -851,7 +857,7 @@ impl EventLoop {
             .map(|(p, k)| {
                 k.next_dial = now + k.backoff;
                 k.backoff = (k.backoff * 2).min(REDIAL_MAX);
-                let relay_ok = self.nat.may_relay_to(p, now);
+                let relay_ok = self.swarm.behaviour().relay_gate.allows(p, now);
                 let addrs = k
                     .addrs
                     .iter()
@@ -878,6 +884,7 @@ impl EventLoop {
         let candidates: Vec<(PeerId, Multiaddr)> = self
             .members
             .keys()
+            .filter(|p| self.relay_capable.contains(p))
             .filter_map(|p| self.links.dialed_addr(p).map(|a| (*p, a)))
             .collect();
         let Some((relay, addr)) = self.nat.pick_relay(now, candidates) else {
@@ -889,6 +896,28 @@ impl EventLoop {
                 self.nat.relay_listening(id, relay);
             }
             Err(e) => tracing::warn!(relay = %relay, "cannot listen through relay {addr}: {e}"),
+        }
+    }
+
+    /// Stops connecting with `peer` through relays for a while (see [`nat::RelayGate`]).
+    fn avoid_relay(&mut self, peer: PeerId) {
+        self.swarm
+            .behaviour_mut()
+            .relay_gate
+            .avoid(peer, Instant::now());
+        let circuits: Vec<Multiaddr> = self
+            .known
+            .get(&peer)
+            .map(|k| {
+                k.addrs
+                    .iter()
+                    .filter(|a| nat::is_circuit(a))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        for addr in circuits {
+            self.swarm.behaviour_mut().kad.remove_address(&peer, &addr);
         }
     }
 
@@ -1164,7 +1193,13 @@ impl EventLoop {
                 peer_id,
                 connection_id,
                 ..
-            } => self.links.closed(peer_id, *connection_id),
+            } => {
+                let was_relayed = self.links.is_relayed(peer_id, *connection_id);
+                self.links.closed(peer_id, *connection_id);
+                if was_relayed && !self.links.has_direct(peer_id) {
+                    self.avoid_relay(*peer_id);
+                }
+            }
             _ => {}
         }
         match event {
@@ -1172,6 +1207,11 @@ impl EventLoop {
                 address,
                 listener_id,
             } => {
+                if self.listen_addrs.contains(&address) {
+                    // A renewed relay reservation announces its address again.
+                    self.nat.listen_addr(listener_id, &address);
+                    return;
+                }
                 if self.nat.listen_addr(listener_id, &address) {
                     tracing::info!("reachable through a relay at {address}");
                 } else {
@@ -1182,8 +1222,9 @@ impl EventLoop {
             SwarmEvent::ListenerClosed {
                 listener_id,
                 reason,
-                ..
+                addresses,
             } => {
+                self.listen_addrs.retain(|a| !addresses.contains(a));
                 if let Some(relay) = self.nat.listener_closed(listener_id, Instant::now()) {
                     match reason {
                         Ok(()) => {
@@ -1227,6 +1268,12 @@ impl EventLoop {
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 let text = error.to_string();
+                if let libp2p::swarm::DialError::Denied { cause, .. } = &error {
+                    if cause.downcast_ref::<nat::RelayGated>().is_some() {
+                        tracing::debug!(peer = ?peer_id, "not connecting through a relay: hole punching failed recently");
+                        return;
+                    }
+                }
                 if matches!(error, libp2p::swarm::DialError::Denied { .. }) {
                     self.denied_connections += 1;
                     tracing::warn!(peer = ?peer_id, "not connecting: the peer is not on network.allow");
@@ -1249,6 +1296,12 @@ impl EventLoop {
                 ..
             } => {
                 let text = error.to_string();
+                if let libp2p::swarm::ListenError::Denied { cause } = &error {
+                    if cause.downcast_ref::<nat::RelayGated>().is_some() {
+                        tracing::debug!(from = %send_back_addr, "refused a relayed connection: hole punching failed recently");
+                        return;
+                    }
+                }
                 if matches!(error, libp2p::swarm::ListenError::Denied { .. }) {
                     self.denied_connections += 1;
                     tracing::warn!(from = %send_back_addr, "refused a connection: the peer is not on network.allow");
@@ -1288,11 +1341,23 @@ impl EventLoop {
                     self.hang_up.push((peer_id, Instant::now() + HANG_UP_AFTER));
                     return;
                 }
+                if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
+                    self.relay_capable.insert(peer_id);
+                } else {
+                    self.relay_capable.remove(&peer_id);
+                }
+                let relay_ok = self
+                    .swarm
+                    .behaviour()
+                    .relay_gate
+                    .allows(&peer_id, Instant::now());
                 for addr in &info.listen_addrs {
-                    self.swarm
-                        .behaviour_mut()
-                        .kad
-                        .add_address(&peer_id, addr.clone());
+                    if relay_ok || !nat::is_circuit(addr) {
+                        self.swarm
+                            .behaviour_mut()
+                            .kad
+                            .add_address(&peer_id, addr.clone());
+                    }
                 }
                 let address = self
                     .swarm
@@ -1376,7 +1441,11 @@ impl EventLoop {
                 && !self.refused.contains(&peer)
                 && peer != *self.swarm.local_peer_id() =>
             {
-                let relay_ok = self.nat.may_relay_to(&peer, Instant::now());
+                let relay_ok = self
+                    .swarm
+                    .behaviour()
+                    .relay_gate
+                    .allows(&peer, Instant::now());
                 let addrs: Vec<Multiaddr> = addresses
                     .into_vec()
                     .into_iter()
@@ -1498,7 +1567,8 @@ impl EventLoop {
                     tracing::info!(peer = %remote_peer_id, "hole punched: direct connection");
                 }
                 Err(e) => {
-                    self.nat.punch_failed(remote_peer_id, Instant::now());
+                    self.nat.hole_punch_failures += 1;
+                    self.avoid_relay(remote_peer_id);
                     tracing::info!(peer = %remote_peer_id, "{e}; the relayed connection is closed and the peer is reached through the gossip mesh");
                     for id in self.links.relayed(&remote_peer_id) {
                         let _ = self.swarm.close_connection(id);

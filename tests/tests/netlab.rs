@@ -17,6 +17,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 static LABS: AtomicUsize = AtomicUsize::new(0);
 
+/// What a NAT router does with a connection from outside that matches none of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Firewall {
+    /// Drops it silently, like most home routers' firewalls: TCP hole punching can work.
+    Drop,
+    /// Answers with a reset (Linux without a firewall rule): the reset also kills a hole
+    /// punch's crossing SYN.
+    Reset,
+}
+
 /// A lab of `n` hosts; see the module docs.
 pub struct Lab {
     hub: String,
@@ -96,7 +106,7 @@ impl Lab {
     /// Makes host `i` a NAT router and returns the namespace of a new host behind it (at
     /// [`Lab::private_addr`]), or why that cannot be done here (no `iptables`, or its nat
     /// table refused), so the caller can skip with that reason.
-    pub fn behind_nat(&mut self, i: usize) -> Result<String, String> {
+    pub fn behind_nat(&mut self, i: usize, firewall: Firewall) -> Result<String, String> {
         let router = self.hosts[i].clone();
         run("iptables", &["--version"]).map_err(|e| {
             format!("no iptables for the NAT ({e}); `apt-get install iptables` provides it")
@@ -164,15 +174,15 @@ impl Lab {
                 "MASQUERADE",
             ],
         )?;
-        // Like a home router's firewall: unsolicited connections from outside are dropped,
-        // not answered with a reset (which would also kill a hole punch's crossing SYN).
-        run(
-            "ip",
-            &[
-                "netns", "exec", &router, "iptables", "-A", "INPUT", "-i", "eth0", "-p", "tcp",
-                "--syn", "-j", "DROP",
-            ],
-        )?;
+        if firewall == Firewall::Drop {
+            run(
+                "ip",
+                &[
+                    "netns", "exec", &router, "iptables", "-A", "INPUT", "-i", "eth0", "-p", "tcp",
+                    "--syn", "-j", "DROP",
+                ],
+            )?;
+        }
         Ok(ns)
     }
 

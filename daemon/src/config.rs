@@ -255,8 +255,8 @@ pub struct NetworkConfig {
     /// The private network's key file (`p2ptrain keygen --psk`): only nodes with the same key
     /// can connect. Relative paths are taken from the working directory.
     pub psk: Option<PathBuf>,
-    /// If given, the only peer ids allowed to connect (checked to be peer ids).
-    pub allow: Option<Vec<String>>,
+    /// If given, the only peers allowed to connect.
+    pub allow: Option<Vec<libp2p::PeerId>>,
     /// Relay for members behind NATs once AutoNAT finds this node reachable (on by default;
     /// libp2p's default limits of 128 KiB and two minutes per circuit keep bulk traffic off).
     pub relay_server: bool,
@@ -574,14 +574,21 @@ impl Config {
             bootstrap: n.bootstrap.unwrap_or_default(),
             mdns: n.mdns.unwrap_or(false),
             psk: n.psk,
-            allow: n.allow,
+            allow: n
+                .allow
+                .map(|ids| {
+                    ids.iter()
+                        .map(|id| {
+                            id.parse::<libp2p::PeerId>().map_err(|e| {
+                                err(format!("network.allow: {id:?} is not a peer id ({e})"))
+                            })
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                })
+                .transpose()?,
             relay_server: n.relay_server.unwrap_or(true),
             upnp: n.upnp.unwrap_or(false),
         };
-        for id in network.allow.iter().flatten() {
-            id.parse::<libp2p::PeerId>()
-                .map_err(|e| err(format!("network.allow: {id:?} is not a peer id ({e})")))?;
-        }
         for (key, addrs) in [
             ("network.listen", &network.listen),
             ("network.bootstrap", &network.bootstrap),

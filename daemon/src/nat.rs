@@ -165,7 +165,6 @@ impl Links {
 pub struct Nat {
     status: NatStatus,
     relay_listeners: HashMap<ListenerId, PeerId>,
-    relay_addrs: HashMap<ListenerId, Vec<Multiaddr>>,
     next_relay_try: Instant,
     refused_relays: HashMap<PeerId, Instant>,
     relay_server: bool,
@@ -187,7 +186,6 @@ impl Nat {
         Nat {
             status: NatStatus::Unknown,
             relay_listeners: HashMap::new(),
-            relay_addrs: HashMap::new(),
             next_relay_try: Instant::now(),
             refused_relays: HashMap::new(),
             relay_server,
@@ -205,7 +203,6 @@ impl Nat {
     pub fn set_status(&mut self, status: NatStatus) -> Vec<ListenerId> {
         self.status = status;
         if self.status.is_public() {
-            self.relay_addrs.clear();
             self.relay_listeners.drain().map(|(id, _)| id).collect()
         } else {
             Vec::new()
@@ -258,24 +255,9 @@ impl Nat {
         self.relay_listeners.insert(id, relay);
     }
 
-    /// A listener got an address; true if it is one of the relay listeners.
-    pub fn listen_addr(&mut self, id: ListenerId, addr: &Multiaddr) -> bool {
-        if self.relay_listeners.contains_key(&id) {
-            // A renewed reservation announces the same address again.
-            let addrs = self.relay_addrs.entry(id).or_default();
-            if !addrs.contains(addr) {
-                addrs.push(addr.clone());
-            }
-            true
-        } else {
-            false
-        }
-    }
-
     /// A listener closed; returns the relay if it was a relay listener (which is then skipped
     /// for [`RELAY_RETRY`]).
     pub fn listener_closed(&mut self, id: ListenerId, now: Instant) -> Option<PeerId> {
-        self.relay_addrs.remove(&id);
         let relay = self.relay_listeners.remove(&id)?;
         self.refused_relays.insert(relay, now + RELAY_RETRY);
         Some(relay)
@@ -286,17 +268,16 @@ impl Nat {
         self.upnp_addr = addr;
     }
 
-    /// The status report.
-    pub fn report(&self) -> NatReport {
+    /// The status report; the relay addresses are the circuits among `listen_addrs`.
+    pub fn report(&self, listen_addrs: &[Multiaddr]) -> NatReport {
         let (reachability, public_addr) = match &self.status {
             NatStatus::Public(a) => ("public", Some(a.to_string())),
             NatStatus::Private => ("private", None),
             NatStatus::Unknown => ("unknown", None),
         };
-        let mut relay_addrs: Vec<String> = self
-            .relay_addrs
-            .values()
-            .flatten()
+        let mut relay_addrs: Vec<String> = listen_addrs
+            .iter()
+            .filter(|a| is_circuit(a))
             .map(|a| a.to_string())
             .collect();
         relay_addrs.sort();
@@ -485,12 +466,13 @@ mod tests {
             "already listening through it"
         );
         let listen = circuit.clone().with(Protocol::P2p(PeerId::random()));
-        assert!(nat.listen_addr(id, &listen));
-        assert!(nat.listen_addr(id, &listen), "a renewal");
-        assert!(!nat.listen_addr(ListenerId::next(), &listen));
-        assert_eq!(nat.report().relay_addrs, vec![listen.to_string()]);
+        let direct: Multiaddr = "/ip4/10.0.0.2/tcp/4001".parse().expect("multiaddr");
+        assert_eq!(
+            nat.report(&[direct.clone(), listen.clone()]).relay_addrs,
+            vec![listen.to_string()]
+        );
+        assert!(nat.report(&[direct]).relay_addrs.is_empty());
         assert_eq!(nat.listener_closed(id, later), Some(a));
-        assert!(nat.report().relay_addrs.is_empty());
         assert!(
             nat.pick_relay(later, [(a, addr.clone())]).is_none(),
             "a relay that closed is skipped for a while"
@@ -508,7 +490,7 @@ mod tests {
             "/ip4/10.0.0.3/tcp/1".parse().expect("multiaddr"),
         ));
         assert_eq!(closed, vec![id]);
-        let r = nat.report();
+        let r = nat.report(&[]);
         assert_eq!(r.reachability, "public");
         assert_eq!(r.public_addr.as_deref(), Some("/ip4/10.0.0.3/tcp/1"));
     }

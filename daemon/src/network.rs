@@ -576,22 +576,21 @@ fn transport(
         abort_when_unacked(&stream.0);
         stream
     });
-    let boxed = match psk {
-        Some(psk) => tcp
-            .and_then(move |socket, _| libp2p::pnet::PnetConfig::new(psk).handshake(socket))
-            .upgrade(libp2p::core::upgrade::Version::V1Lazy)
-            .authenticate(noise)
-            .multiplex(yamux::Config::default())
-            .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
-            .boxed(),
-        None => tcp
-            .upgrade(libp2p::core::upgrade::Version::V1Lazy)
-            .authenticate(noise)
-            .multiplex(yamux::Config::default())
-            .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
-            .boxed(),
-    };
-    Ok(boxed)
+    let private = tcp.and_then(move |socket, _| async move {
+        match psk {
+            Some(psk) => libp2p::pnet::PnetConfig::new(psk)
+                .handshake(socket)
+                .await
+                .map(futures::future::Either::Left),
+            None => Ok(futures::future::Either::Right(socket)),
+        }
+    });
+    Ok(private
+        .upgrade(libp2p::core::upgrade::Version::V1Lazy)
+        .authenticate(noise)
+        .multiplex(yamux::Config::default())
+        .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+        .boxed())
 }
 
 /// Builds the swarm and starts listening and dialing; returns the handle, the event stream,
@@ -857,6 +856,8 @@ impl EventLoop {
             .map(|(p, k)| {
                 k.next_dial = now + k.backoff;
                 k.backoff = (k.backoff * 2).min(REDIAL_MAX);
+                // The relay gate would refuse such a circuit, but only after the relay opened
+                // it: this loop runs every few seconds, so it leaves circuits out itself.
                 let relay_ok = self.swarm.behaviour().relay_gate.allows(p, now);
                 let addrs = k
                     .addrs
@@ -896,28 +897,6 @@ impl EventLoop {
                 self.nat.relay_listening(id, relay);
             }
             Err(e) => tracing::warn!(relay = %relay, "cannot listen through relay {addr}: {e}"),
-        }
-    }
-
-    /// Stops connecting with `peer` through relays for a while (see [`nat::RelayGate`]).
-    fn avoid_relay(&mut self, peer: PeerId) {
-        self.swarm
-            .behaviour_mut()
-            .relay_gate
-            .avoid(peer, Instant::now());
-        let circuits: Vec<Multiaddr> = self
-            .known
-            .get(&peer)
-            .map(|k| {
-                k.addrs
-                    .iter()
-                    .filter(|a| nat::is_circuit(a))
-                    .cloned()
-                    .collect()
-            })
-            .unwrap_or_default();
-        for addr in circuits {
-            self.swarm.behaviour_mut().kad.remove_address(&peer, &addr);
         }
     }
 
@@ -1077,7 +1056,8 @@ impl EventLoop {
                 request,
                 reply,
             } => {
-                if !self.members.contains_key(&peer) || !self.links.has_direct(&peer) {
+                // Members always have a direct connection (see `on_swarm_event`).
+                if !self.members.contains_key(&peer) {
                     let why = if self.relayed_members.contains_key(&peer) {
                         format!("peer {peer} is reachable only through a relay, which carries no bulk traffic")
                     } else {
@@ -1147,7 +1127,7 @@ impl EventLoop {
                     allowlist: self.allowlist,
                     handshake_failures: self.handshake_failures,
                     denied_connections: self.denied_connections,
-                    nat: self.nat.report(),
+                    nat: self.nat.report(&self.listen_addrs),
                 });
             }
             Command::Forget(peer) => {
@@ -1197,22 +1177,23 @@ impl EventLoop {
                 let was_relayed = self.links.is_relayed(peer_id, *connection_id);
                 self.links.closed(peer_id, *connection_id);
                 if was_relayed && !self.links.has_direct(peer_id) {
-                    self.avoid_relay(*peer_id);
+                    // Hole punching failed (on the side that dialled through the relay it
+                    // shows only as this), or the relay's limits cut the circuit.
+                    self.swarm
+                        .behaviour_mut()
+                        .relay_gate
+                        .avoid(*peer_id, Instant::now());
                 }
             }
             _ => {}
         }
         match event {
-            SwarmEvent::NewListenAddr {
-                address,
-                listener_id,
-            } => {
+            SwarmEvent::NewListenAddr { address, .. } => {
                 if self.listen_addrs.contains(&address) {
                     // A renewed relay reservation announces its address again.
-                    self.nat.listen_addr(listener_id, &address);
                     return;
                 }
-                if self.nat.listen_addr(listener_id, &address) {
+                if nat::is_circuit(&address) {
                     tracing::info!("reachable through a relay at {address}");
                 } else {
                     tracing::info!("listening on {address}/p2p/{}", self.swarm.local_peer_id());
@@ -1346,18 +1327,11 @@ impl EventLoop {
                 } else {
                     self.relay_capable.remove(&peer_id);
                 }
-                let relay_ok = self
-                    .swarm
-                    .behaviour()
-                    .relay_gate
-                    .allows(&peer_id, Instant::now());
                 for addr in &info.listen_addrs {
-                    if relay_ok || !nat::is_circuit(addr) {
-                        self.swarm
-                            .behaviour_mut()
-                            .kad
-                            .add_address(&peer_id, addr.clone());
-                    }
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer_id, addr.clone());
                 }
                 let address = self
                     .swarm
@@ -1441,22 +1415,11 @@ impl EventLoop {
                 && !self.refused.contains(&peer)
                 && peer != *self.swarm.local_peer_id() =>
             {
-                let relay_ok = self
-                    .swarm
-                    .behaviour()
-                    .relay_gate
-                    .allows(&peer, Instant::now());
-                let addrs: Vec<Multiaddr> = addresses
-                    .into_vec()
-                    .into_iter()
-                    .filter(|a| relay_ok || !nat::is_circuit(a))
-                    .collect();
-                if !addrs.is_empty() {
-                    let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
-                        .addresses(addrs)
-                        .build();
-                    let _ = self.swarm.dial(opts);
-                }
+                // A circuit to a peer behind the relay gate is refused by the gate.
+                let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+                    .addresses(addresses.into_vec())
+                    .build();
+                let _ = self.swarm.dial(opts);
             }
             BehaviourEvent::Mdns(mdns::Event::Discovered(found)) => {
                 for (peer, addr) in found {
@@ -1567,8 +1530,9 @@ impl EventLoop {
                     tracing::info!(peer = %remote_peer_id, "hole punched: direct connection");
                 }
                 Err(e) => {
+                    // Closing the relayed connection engages the relay gate (see
+                    // `on_swarm_event`).
                     self.nat.hole_punch_failures += 1;
-                    self.avoid_relay(remote_peer_id);
                     tracing::info!(peer = %remote_peer_id, "{e}; the relayed connection is closed and the peer is reached through the gossip mesh");
                     for id in self.links.relayed(&remote_peer_id) {
                         let _ = self.swarm.close_connection(id);

@@ -512,17 +512,11 @@ pub async fn run(
         Some(path) => Some(read_psk(path)?),
         None => None,
     };
-    let allow = match &config.network.allow {
-        Some(ids) => Some(
-            ids.iter()
-                .map(|id| {
-                    id.parse()
-                        .map_err(|e| NodeError::Api(format!("network.allow: {id:?}: {e}")))
-                })
-                .collect::<Result<_, _>>()?,
-        ),
-        None => None,
-    };
+    let allow = config
+        .network
+        .allow
+        .as_ref()
+        .map(|ids| ids.iter().copied().collect());
     if let Some(k) = &psk {
         tracing::info!(
             "private network: PSK fingerprint {} (TCP only; peers without this key cannot connect)",

@@ -88,6 +88,10 @@ pub struct NodeSummary {
     pub samples_per_sec: f64,
     /// The state download it joined with (not the founder).
     pub state_download_secs: Option<f64>,
+    /// Members it lost without a goodbye during the run: an honest mesh loses none.
+    pub peer_drops: u64,
+    /// Peers it had banned at the end, with why.
+    pub banned: Vec<p2ptrain_daemon::network::BannedPeer>,
 }
 
 /// The summary of a local run.
@@ -392,6 +396,8 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
             updates: s.updates.clone(),
             samples_per_sec: s.samples_per_sec,
             state_download_secs: s.state_download.as_ref().map(|d| d.secs),
+            peer_drops: s.peer_drops,
+            banned: s.banned_peers.clone(),
         });
     }
     let mut distances = Vec::new();
@@ -421,16 +427,26 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
     })
 }
 
-/// Prints a summary for people.
+/// Prints a summary for people: the mesh's health (peers, rejections, drops, bans) beside the
+/// model's, since a split mesh still shows a good accuracy on small data.
 pub fn print_summary(s: &LocalSummary) {
     println!("{} nodes, {:.1} s", s.nodes, s.wall_secs);
     println!(
-        "{:>4} {:>8} {:>9} {:>6} {:>12} {:>12} {:>13}",
-        "node", "step", "accuracy", "peers", "bytes sent", "bytes recv", "updates in/out"
+        "{:>4} {:>8} {:>9} {:>6} {:>12} {:>12} {:>13} {:>8} {:>6} {:>5}",
+        "node",
+        "step",
+        "accuracy",
+        "peers",
+        "bytes sent",
+        "bytes recv",
+        "updates in/out",
+        "rejected",
+        "drops",
+        "bans"
     );
     for n in &s.per_node {
         println!(
-            "{:>4} {:>8} {:>9} {:>6} {:>12} {:>12} {:>6}/{:<6}",
+            "{:>4} {:>8} {:>9} {:>6} {:>12} {:>12} {:>6}/{:<6} {:>8} {:>6} {:>5}",
             n.index,
             n.step,
             n.accuracy
@@ -440,8 +456,14 @@ pub fn print_summary(s: &LocalSummary) {
             n.bytes_sent,
             n.bytes_received,
             n.updates.applied,
-            n.updates.sent
+            n.updates.sent,
+            n.updates.rejected,
+            n.peer_drops,
+            n.banned.len()
         );
+        for b in &n.banned {
+            println!("     banned {}: {}", b.peer_id, b.reason);
+        }
     }
     println!(
         "mean accuracy {:.2}%, consensus distance max {:.3}% mean {:.3}%",

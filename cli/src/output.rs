@@ -100,11 +100,8 @@ pub fn status_text(s: &Status) -> String {
             s.denied_connections
         ));
     }
-    if !s.banned_peers.is_empty() {
-        out.push_str(&format!(
-            "banned    {} peers (low gossip score)\n",
-            s.banned_peers.len()
-        ));
+    for b in &s.banned_peers {
+        out.push_str(&format!("banned    {}\n", banned_line(b)));
     }
     out.push_str(&format!("uptime    {}\n", duration(s.uptime_s)));
     out.push_str(&format!("data dir  {}\n", s.data_dir));
@@ -144,15 +141,17 @@ pub fn checkpoint_table(list: &[CheckpointView]) -> String {
     out
 }
 
-/// The table of `p2ptrain peers`.
+/// The table of `p2ptrain peers`, then the banned peers with why and until when.
 pub fn peers_table(s: &Status) -> String {
+    let mut out = String::new();
     if s.peers.list.is_empty() {
-        return "no peers\n".into();
+        out.push_str("no peers\n");
+    } else {
+        out.push_str(&format!(
+            "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>8}  {}\n",
+            "peer", "neighbour", "rtt ms", "step", "loss", "samples/s", "score", "path", "address"
+        ));
     }
-    let mut out = format!(
-        "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>8}  {}\n",
-        "peer", "neighbour", "rtt ms", "step", "loss", "samples/s", "score", "path", "address"
-    );
     for p in &s.peers.list {
         out.push_str(&format!(
             "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>8}  {}\n",
@@ -167,5 +166,38 @@ pub fn peers_table(s: &Status) -> String {
             p.remote.as_deref().unwrap_or(&p.address)
         ));
     }
+    if !s.banned_peers.is_empty() {
+        out.push_str("\nbanned:\n");
+        for b in &s.banned_peers {
+            out.push_str(&format!("  {}\n", banned_line(b)));
+        }
+    }
     out
+}
+
+/// One banned peer: who, until when, and why.
+fn banned_line(b: &p2ptrain_daemon::network::BannedPeer) -> String {
+    format!(
+        "{} until {} ({} left, score {:.1}): {}",
+        b.peer_id,
+        utc_time(b.until),
+        duration(b.secs_left),
+        b.score,
+        if b.reason.is_empty() {
+            "no reason recorded"
+        } else {
+            &b.reason
+        }
+    )
+}
+
+/// `HH:MM:SS UTC` of a Unix time, for ban ends (a home lab reads its own clock).
+fn utc_time(unix: u64) -> String {
+    let secs = unix % 86_400;
+    format!(
+        "{:02}:{:02}:{:02} UTC",
+        secs / 3600,
+        (secs % 3600) / 60,
+        secs % 60
+    )
 }

@@ -1,7 +1,8 @@
-//! Checks on neighbours' updates beyond "well-formed and finite": a per-author rate limit and
-//! a robust norm bound (an update whose norm is far beyond the median of recently accepted
-//! ones is an outlier). Pure and clock-injected, like the sync policy, so its rules are unit
-//! tested without a network.
+//! Checks on neighbours' updates beyond "well-formed and finite": a per-author rate limit, a
+//! robust norm bound (an update whose norm is far beyond the median of recently accepted ones
+//! is an outlier), and the memory of which steps each author already delivered, which tells a
+//! duplicate from an update that merely arrived late. Pure and clock-injected, like the sync
+//! policy, so its rules are unit tested without a network.
 //!
 //! Why both: the mesh already bounds an update's norm by a multiple of the parameters' norm,
 //! which stops a NaN-sized or exploding update but lets through one a hundred times larger
@@ -9,7 +10,7 @@
 //! median of what honest neighbours actually send is the tighter, self-tuning bound. The rate
 //! limit keeps a flooding peer from making the node decode and apply without end.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hash::Hash;
 use std::time::Instant;
 
@@ -163,6 +164,64 @@ impl<K: Hash + Eq + Clone> UpdateGuard<K> {
     }
 }
 
+/// Steps remembered per author to spot duplicates among late arrivals.
+pub const SEEN_STEPS: usize = 64;
+
+/// How an update's step relates to what its author already delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arrival {
+    /// Newer than anything seen from this author.
+    Fresh,
+    /// Older than the newest seen but not seen before: gossip delivered it late (a message
+    /// pulled through IHAVE/IWANT lands after the next one pushed eagerly). Honest, and still
+    /// news: the sync policy discounts it by its staleness.
+    Late,
+    /// This exact step was delivered already (a replay, or a copy through another path).
+    Duplicate,
+    /// Older than every step still remembered: it cannot be told from a replay, so it is
+    /// dropped, but without blaming anyone.
+    TooOld,
+}
+
+/// The steps one author's updates carried recently; see [`Arrival`]. Gossipsub guarantees no
+/// order, so order is never taken as proof of anything: only a repeated step is refused, and
+/// that without penalty (the message id is content-addressed, so a copy from another path is
+/// already filtered; what remains is a replay, which costs the mesh nothing to drop).
+#[derive(Debug, Clone, Default)]
+pub struct SeenSteps {
+    steps: BTreeSet<u64>,
+}
+
+impl SeenSteps {
+    /// Classifies `step` and remembers it when it is news.
+    pub fn note(&mut self, step: u64) -> Arrival {
+        let newest = self.steps.last().copied();
+        let oldest = self.steps.first().copied();
+        let arrival = match newest {
+            None => Arrival::Fresh,
+            Some(n) if step > n => Arrival::Fresh,
+            _ if self.steps.contains(&step) => Arrival::Duplicate,
+            // The window is full and the step is older than all of it: unknown territory.
+            _ if self.steps.len() >= SEEN_STEPS && oldest.is_some_and(|o| step < o) => {
+                Arrival::TooOld
+            }
+            _ => Arrival::Late,
+        };
+        if matches!(arrival, Arrival::Fresh | Arrival::Late) {
+            self.steps.insert(step);
+            while self.steps.len() > SEEN_STEPS {
+                self.steps.pop_first();
+            }
+        }
+        arrival
+    }
+
+    /// The newest step seen, if any.
+    pub fn newest(&self) -> Option<u64> {
+        self.steps.last().copied()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,5 +308,32 @@ mod tests {
         assert_eq!((0..20).filter(|_| g.admit(&1, t2).is_ok()).count(), 3);
         g.forget(&1);
         assert!(g.admit(&1, t2).is_ok());
+    }
+
+    #[test]
+    fn late_updates_are_news_repeats_are_duplicates() {
+        let mut seen = SeenSteps::default();
+        assert_eq!(seen.note(40), Arrival::Fresh);
+        assert_eq!(seen.note(60), Arrival::Fresh);
+        // Pulled late through gossip: older than the newest, never seen.
+        assert_eq!(seen.note(20), Arrival::Late);
+        assert_eq!(seen.note(20), Arrival::Duplicate);
+        assert_eq!(seen.note(60), Arrival::Duplicate);
+        assert_eq!(seen.note(80), Arrival::Fresh);
+        assert_eq!(seen.newest(), Some(80));
+    }
+
+    #[test]
+    fn steps_older_than_the_window_are_too_old_not_late() {
+        let mut seen = SeenSteps::default();
+        for s in 1..=(SEEN_STEPS as u64 + 10) {
+            assert_eq!(seen.note(s * 10), Arrival::Fresh);
+        }
+        // 10..100 fell out of the window: a replay of one of them cannot be recognised.
+        assert_eq!(seen.note(50), Arrival::TooOld);
+        assert_eq!(seen.note(5), Arrival::TooOld);
+        // Inside the window, a gap is still a late arrival.
+        assert_eq!(seen.note(205), Arrival::Late);
+        assert_eq!(seen.note(210), Arrival::Duplicate);
     }
 }

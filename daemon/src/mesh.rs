@@ -23,7 +23,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint;
-use crate::guard::{GuardConfig, UpdateGuard};
+use crate::guard::{Arrival, GuardConfig, SeenSteps, UpdateGuard};
 use crate::network::{BulkRequest, BulkResponse, Client, Event};
 use crate::trainer::{Command, Outgoing, Phase, Stats};
 use crate::transfer::{self, Frozen};
@@ -90,9 +90,17 @@ pub struct UpdateCounters {
     pub received: u64,
     /// Of those, applied to the model.
     pub applied: u64,
-    /// Of those, rejected (malformed, other run or layout, non-finite, oversized norm, replay,
-    /// outlier norm).
+    /// Of those, rejected: proof of breakage or hostility (malformed, other run or layout,
+    /// another sender, non-finite, oversized or outlier norm). Each costs the author score.
     pub rejected: u64,
+    /// Accepted although older than the author's newest (gossip reordered them); applied
+    /// with the sync policy's staleness discount.
+    #[serde(default)]
+    pub late: u64,
+    /// Dropped without blame: a step the author already delivered, or one older than the
+    /// steps still remembered for it.
+    #[serde(default)]
+    pub duplicates: u64,
     /// Of the rejected, those whose norm was an outlier against recent updates.
     #[serde(default)]
     pub outliers: u64,
@@ -177,7 +185,7 @@ pub struct Mesh {
     members: BTreeSet<PeerId>,
     neighbours: BTreeSet<PeerId>,
     large: VecDeque<([u8; 32], Arc<Vec<u8>>)>,
-    last_step_by_author: HashMap<PeerId, u64>,
+    seen_steps: HashMap<PeerId, SeenSteps>,
     guard: UpdateGuard<PeerId>,
     pending_apply: VecDeque<(PeerId, u64, Vec<f32>)>,
     fetched_tx: mpsc::Sender<Fetched>,
@@ -235,7 +243,7 @@ impl Mesh {
             members: BTreeSet::new(),
             neighbours: BTreeSet::new(),
             large: VecDeque::new(),
-            last_step_by_author: HashMap::new(),
+            seen_steps: HashMap::new(),
             guard,
             pending_apply: VecDeque::new(),
             fetched_tx,
@@ -348,7 +356,13 @@ impl Mesh {
                     });
                     MessageAcceptance::Accept
                 }
-                _ => MessageAcceptance::Reject,
+                (author, _) => {
+                    if let Some(a) = author {
+                        tracing::warn!(peer = %a, "rejected a malformed heartbeat");
+                        self.net.report_offence(a, "malformed heartbeat".into());
+                    }
+                    MessageAcceptance::Reject
+                }
             });
         }
         let Some(owner) = topic
@@ -448,6 +462,9 @@ impl Mesh {
 
     async fn drop_member(&mut self, peer: PeerId) {
         self.members.remove(&peer);
+        // A member that comes back may have restarted from an older checkpoint: its step
+        // numbers repeat, and its updates are news again.
+        self.seen_steps.remove(&peer);
         self.publish_members();
         self.with_status(|s| {
             s.progress.remove(&peer.to_string());
@@ -459,6 +476,8 @@ impl Mesh {
 
     fn reject(&mut self, author: PeerId, why: &str) {
         tracing::warn!(peer = %author, "rejected update: {why}");
+        self.net
+            .report_offence(author, format!("rejected update: {why}"));
         self.with_status(|s| {
             s.updates.received += 1;
             s.updates.rejected += 1;
@@ -509,19 +528,18 @@ impl Mesh {
             self.with_status(|s| s.updates.outliers += 1);
             return MessageAcceptance::Reject;
         }
-        if let Some(last) = self.last_step_by_author.get(&author) {
-            if header.step <= *last {
-                self.reject(
-                    author,
-                    &format!(
-                        "replayed or out-of-order update (step {} after {last})",
-                        header.step
-                    ),
-                );
-                return MessageAcceptance::Reject;
+        // Order proves nothing (gossip reorders honest messages): a late update is applied
+        // with the policy's staleness discount, a repeated one dropped, neither punished.
+        let arrival = self.seen_steps.entry(author).or_default().note(header.step);
+        match arrival {
+            Arrival::Fresh => {}
+            Arrival::Late => self.with_status(|s| s.updates.late += 1),
+            Arrival::Duplicate | Arrival::TooOld => {
+                tracing::debug!(peer = %author, step = header.step, ?arrival, "update dropped unapplied");
+                self.with_status(|s| s.updates.duplicates += 1);
+                return MessageAcceptance::Ignore;
             }
         }
-        self.last_step_by_author.insert(author, header.step);
         self.guard.record(norm);
         let median = self.guard.median();
         let mut values = values;

@@ -163,6 +163,7 @@ mod composed {
         pub(super) bulk: request_response::cbor::Behaviour<BulkRequest, BulkResponse>,
         pub(super) mdns: Toggle<mdns::tokio::Behaviour>,
         pub(super) allow: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
+        pub(super) banned: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
         pub(super) relay_gate: nat::RelayGate,
         pub(super) autonat: autonat::Behaviour,
         pub(super) relay_client: relay::client::Behaviour,
@@ -189,6 +190,14 @@ pub enum Command {
     Subscribe(String),
     /// Stop receiving a topic.
     Unsubscribe(String),
+    /// The mesh caught `peer` at something only a broken or hostile peer does; remembered so
+    /// that a ban can name it.
+    Offence {
+        /// The peer.
+        peer: PeerId,
+        /// What it did.
+        why: String,
+    },
     /// Accept or reject a gossip message after validation.
     Validate {
         /// Message id.
@@ -281,7 +290,8 @@ pub struct PeerInfo {
 }
 
 /// A peer disconnected and refused for a while because its score fell below the graylist
-/// threshold.
+/// threshold. An operator who sees one needs to know what it did and when it may come back:
+/// a ban is the mesh's sharpest tool and must be explainable.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct BannedPeer {
     /// Peer id.
@@ -290,6 +300,29 @@ pub struct BannedPeer {
     pub score: f64,
     /// Seconds until it may connect again.
     pub secs_left: f64,
+    /// When the ban ends, in seconds since the Unix epoch.
+    #[serde(default)]
+    pub until: u64,
+    /// The offence: what the peer did that this node reported (rejected messages, refused
+    /// syncs), or that the score fell through gossip misbehaviour alone.
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// A ban in force.
+#[derive(Debug, Clone)]
+struct Ban {
+    score: f64,
+    until: Instant,
+    until_unix: u64,
+    reason: String,
+}
+
+/// What a peer did wrong, as the mesh reported it: the evidence a ban names.
+#[derive(Debug, Clone, Default)]
+struct Offences {
+    count: u64,
+    last: String,
 }
 
 /// The network's state for status reports.
@@ -318,6 +351,9 @@ pub struct NetSnapshot {
     pub allowlist: Option<usize>,
     /// Connections that failed in the handshake (most often a network key mismatch).
     pub handshake_failures: u64,
+    /// Times a member was lost without saying goodbye: silent too long, its last direct
+    /// connection closed, or banned. An honest mesh on a healthy box never loses one.
+    pub peer_drops: u64,
     /// Connections refused or not dialled because of the allowlist.
     pub denied_connections: u64,
     /// Reachability, relays and hole punching.
@@ -354,6 +390,12 @@ impl Client {
     /// Unsubscribes from a topic.
     pub async fn unsubscribe(&self, topic: String) -> Result<(), String> {
         self.send(Command::Unsubscribe(topic)).await
+    }
+
+    /// Records an offence of `peer` for the reason a later ban gives. Never waits: under
+    /// back-pressure the note is dropped (the score, kept by gossipsub, is what bans).
+    pub fn report_offence(&self, peer: PeerId, why: String) {
+        let _ = self.cmd_tx.try_send(Command::Offence { peer, why });
     }
 
     /// Reports the verdict on a gossip message.
@@ -478,10 +520,14 @@ pub struct EventLoop {
     hang_up: Vec<(PeerId, Instant)>,
     /// Peers named in bootstrap addresses, whose dial failures the user needs to see.
     bootstrap_peers: HashSet<PeerId>,
-    /// When each member last answered a ping (or joined).
-    last_pong: HashMap<PeerId, Instant>,
-    /// Graylisted peers: their score when banned and when the ban ends.
-    banned: HashMap<PeerId, (f64, Instant)>,
+    /// When each member was last heard from: a ping answer, a gossip message or a bulk
+    /// message (or when it joined). Any of them proves the peer alive, so a ping queued
+    /// behind bulk traffic on a slow link does not make an honest peer look dead.
+    last_heard: HashMap<PeerId, Instant>,
+    /// Banned peers, as status shows them (the block list refuses their connections).
+    banned: HashMap<PeerId, Ban>,
+    /// Offences the mesh reported per peer, for the reason a ban gives.
+    offences: HashMap<PeerId, Offences>,
     /// Every member seen, to redial when lost (see [`REDIAL_MIN`]).
     known: HashMap<PeerId, KnownPeer>,
     /// The private network key's fingerprint, if any.
@@ -490,6 +536,8 @@ pub struct EventLoop {
     allowlist: Option<usize>,
     /// Connections that failed in the security handshake (a wrong or missing network key).
     handshake_failures: u64,
+    /// See [`NetSnapshot::peer_drops`].
+    peer_drops: u64,
     /// Connections refused (or not dialled) because of the allowlist.
     denied_connections: u64,
     /// Open connections, direct or relayed.
@@ -523,6 +571,20 @@ fn looks_like_handshake_failure(text: &str) -> bool {
         && !t.contains("connection refused")
         && !t.contains("unreachable")
         && !t.contains("no route to host")
+}
+
+/// The reason a ban gives: the score, and the offences behind it when the mesh reported any.
+fn ban_reason(score: f64, offences: Option<&Offences>) -> String {
+    let threshold = scoring::GRAYLIST_THRESHOLD;
+    match offences {
+        Some(o) if o.count > 0 => format!(
+            "gossip score {score:.1} fell below the graylist threshold {threshold} after {} offences (last: {})",
+            o.count, o.last
+        ),
+        _ => format!(
+            "gossip score {score:.1} fell below the graylist threshold {threshold} through gossip protocol misbehaviour (grafts during a prune backoff or broken gossip promises), with no rejected message"
+        ),
+    }
 }
 
 /// A member this node has seen: where it listens and when to try it again.
@@ -687,6 +749,7 @@ pub fn new(
             Ok(Behaviour {
                 mdns: Toggle::from(mdns),
                 allow: Toggle::from(allow),
+                banned: allow_block_list::Behaviour::default(),
                 relay_gate: nat::RelayGate::default(),
                 autonat,
                 relay_client,
@@ -759,12 +822,14 @@ pub fn new(
                     })
                 })
                 .collect(),
-            last_pong: HashMap::new(),
+            last_heard: HashMap::new(),
             banned: HashMap::new(),
+            offences: HashMap::new(),
             known: HashMap::new(),
             psk_fingerprint: cfg.psk.map(|k| k.fingerprint().to_string()),
             allowlist: cfg.allow.as_ref().map(HashSet::len),
             handshake_failures: 0,
+            peer_drops: 0,
             denied_connections: 0,
             links: Links::default(),
             relayed_members: HashMap::new(),
@@ -802,14 +867,14 @@ impl EventLoop {
             .members
             .keys()
             .filter(|p| {
-                self.last_pong
+                self.last_heard
                     .get(p)
                     .is_some_and(|t| now.duration_since(*t) > SILENT_AFTER)
             })
             .copied()
             .collect();
         for peer in silent {
-            tracing::info!(peer = %peer, "no ping answer for {SILENT_AFTER:?}; dropping the peer");
+            tracing::info!(peer = %peer, "nothing heard (no ping answer, gossip or bulk message) for {SILENT_AFTER:?}; dropping the peer");
             self.drop_member(peer).await;
         }
         self.ban_graylisted(now).await;
@@ -916,7 +981,18 @@ impl EventLoop {
     /// them for [`scoring::BAN_FOR`]: gossipsub already ignores what they send, and the ban
     /// also frees the neighbour slot and the bulk channel they hold.
     async fn ban_graylisted(&mut self, now: Instant) {
-        self.banned.retain(|_, (_, until)| *until > now);
+        let expired: Vec<PeerId> = self
+            .banned
+            .iter()
+            .filter(|(_, b)| b.until <= now)
+            .map(|(p, _)| *p)
+            .collect();
+        for peer in expired {
+            tracing::info!(peer = %peer, "ban ended; the peer may connect again");
+            self.banned.remove(&peer);
+            self.offences.remove(&peer);
+            self.swarm.behaviour_mut().banned.unblock_peer(peer);
+        }
         let gossip = &self.swarm.behaviour().gossipsub;
         let graylisted: Vec<(PeerId, f64)> = self
             .members
@@ -925,15 +1001,47 @@ impl EventLoop {
             .filter(|(_, s)| *s < scoring::GRAYLIST_THRESHOLD)
             .collect();
         for (peer, score) in graylisted {
-            tracing::warn!(
-                peer = %peer,
-                "banned for {:?}: gossip score {score:.1} is below the graylist threshold {} (rejected messages or gossip misbehaviour)",
-                scoring::BAN_FOR,
-                scoring::GRAYLIST_THRESHOLD
+            let reason = ban_reason(score, self.offences.get(&peer));
+            tracing::warn!(peer = %peer, "banned for {:?}: {reason}", scoring::BAN_FOR);
+            let until_unix = crate::store::unix_now() + scoring::BAN_FOR.as_secs();
+            self.banned.insert(
+                peer,
+                Ban {
+                    score,
+                    until: now + scoring::BAN_FOR,
+                    until_unix,
+                    reason,
+                },
             );
-            self.banned.insert(peer, (score, now + scoring::BAN_FOR));
+            // The block list refuses the peer's connections, either way, until the ban ends:
+            // refused at the connection level, it is never mistaken for a failed handshake.
+            self.swarm.behaviour_mut().banned.block_peer(peer);
             self.swarm.behaviour_mut().kad.remove_peer(&peer);
             self.drop_member(peer).await;
+        }
+    }
+
+    /// Notes that `peer` showed signs of life, if it is a member.
+    fn heard_from(&mut self, peer: PeerId) {
+        if let Some(t) = self.last_heard.get_mut(&peer) {
+            *t = Instant::now();
+        }
+    }
+
+    /// A log text for a connection refused because of a ban, naming the ban when the denial's
+    /// text names the peer.
+    fn ban_text(&self, denial: &str) -> String {
+        let found = self
+            .banned
+            .iter()
+            .find(|(p, _)| denial.contains(&p.to_string()));
+        match found {
+            Some((p, b)) => format!(
+                "peer {p} is banned for another {}s ({})",
+                b.until.saturating_duration_since(Instant::now()).as_secs(),
+                b.reason
+            ),
+            None => format!("the peer is banned ({denial})"),
         }
     }
 
@@ -941,8 +1049,9 @@ impl EventLoop {
     /// seconds more to finish closing.
     async fn drop_member(&mut self, peer: PeerId) {
         let _ = self.swarm.disconnect_peer_id(peer);
-        self.last_pong.remove(&peer);
+        self.last_heard.remove(&peer);
         if self.members.remove(&peer).is_some() {
+            self.peer_drops += 1;
             emit(&self.event_tx, Event::PeerDown(peer)).await;
         }
     }
@@ -1041,6 +1150,11 @@ impl EventLoop {
                     .unsubscribe(&IdentTopic::new(topic.clone()));
                 self.topics.remove(&topic);
             }
+            Command::Offence { peer, why } => {
+                let o = self.offences.entry(peer).or_default();
+                o.count += 1;
+                o.last = why;
+            }
             Command::Validate {
                 id,
                 source,
@@ -1100,11 +1214,13 @@ impl EventLoop {
                 let mut banned: Vec<BannedPeer> = self
                     .banned
                     .iter()
-                    .filter(|(_, (_, until))| *until > now)
-                    .map(|(id, (score, until))| BannedPeer {
+                    .filter(|(_, b)| b.until > now)
+                    .map(|(id, b)| BannedPeer {
                         peer_id: id.to_string(),
-                        score: *score,
-                        secs_left: until.duration_since(now).as_secs_f64(),
+                        score: b.score,
+                        secs_left: b.until.duration_since(now).as_secs_f64(),
+                        until: b.until_unix,
+                        reason: b.reason.clone(),
                     })
                     .collect();
                 banned.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
@@ -1126,6 +1242,7 @@ impl EventLoop {
                     psk_fingerprint: self.psk_fingerprint.clone(),
                     allowlist: self.allowlist,
                     handshake_failures: self.handshake_failures,
+                    peer_drops: self.peer_drops,
                     denied_connections: self.denied_connections,
                     nat: self.nat.report(&self.listen_addrs),
                 });
@@ -1133,6 +1250,9 @@ impl EventLoop {
             Command::Forget(peer) => {
                 self.known.remove(&peer);
                 self.relayed_members.remove(&peer);
+                // It said goodbye (the mesh already let it go): not a drop.
+                self.members.remove(&peer);
+                self.last_heard.remove(&peer);
                 let _ = self.swarm.disconnect_peer_id(peer);
             }
         }
@@ -1224,11 +1344,7 @@ impl EventLoop {
                 self.listen_addrs.retain(|a| a != &address)
             }
             SwarmEvent::ConnectionEstablished { peer_id, .. }
-                if self.refused.contains(&peer_id)
-                    || self
-                        .banned
-                        .get(&peer_id)
-                        .is_some_and(|(_, until)| *until > Instant::now()) =>
+                if self.refused.contains(&peer_id) =>
             {
                 let _ = self.swarm.disconnect_peer_id(peer_id);
             }
@@ -1238,8 +1354,9 @@ impl EventLoop {
                 }
                 if !self.links.has_direct(&peer_id) {
                     if let Some(info) = self.members.remove(&peer_id) {
-                        self.last_pong.remove(&peer_id);
+                        self.last_heard.remove(&peer_id);
                         tracing::info!(peer = %peer_id, "peer gone");
+                        self.peer_drops += 1;
                         if self.links.connected(&peer_id) {
                             self.relayed_members.insert(peer_id, info);
                         }
@@ -1252,6 +1369,12 @@ impl EventLoop {
                 if let libp2p::swarm::DialError::Denied { cause, .. } = &error {
                     if cause.downcast_ref::<nat::RelayGated>().is_some() {
                         tracing::debug!(peer = ?peer_id, "not connecting through a relay: hole punching failed recently");
+                        return;
+                    }
+                }
+                if let libp2p::swarm::DialError::Denied { cause, .. } = &error {
+                    if cause.downcast_ref::<allow_block_list::Blocked>().is_some() {
+                        tracing::debug!(peer = ?peer_id, "not connecting: the peer is banned");
                         return;
                     }
                 }
@@ -1280,6 +1403,13 @@ impl EventLoop {
                 if let libp2p::swarm::ListenError::Denied { cause } = &error {
                     if cause.downcast_ref::<nat::RelayGated>().is_some() {
                         tracing::debug!(from = %send_back_addr, "refused a relayed connection: hole punching failed recently");
+                        return;
+                    }
+                }
+                if let libp2p::swarm::ListenError::Denied { cause } = &error {
+                    if let Some(b) = cause.downcast_ref::<allow_block_list::Blocked>() {
+                        let why = self.ban_text(&b.to_string());
+                        tracing::info!(from = %send_back_addr, "refused a connection: {why}");
                         return;
                     }
                 }
@@ -1375,7 +1505,7 @@ impl EventLoop {
                     },
                 );
                 let is_new = !self.members.contains_key(&peer_id);
-                self.last_pong.entry(peer_id).or_insert_with(Instant::now);
+                self.last_heard.entry(peer_id).or_insert_with(Instant::now);
                 let entry = self.members.entry(peer_id).or_insert_with(|| PeerInfo {
                     peer_id: peer_id.to_string(),
                     address: address.clone(),
@@ -1401,13 +1531,13 @@ impl EventLoop {
                 Ok(rtt) => {
                     if let Some(p) = self.members.get_mut(&peer) {
                         p.rtt_ms = Some(rtt.as_secs_f64() * 1000.0);
-                        self.last_pong.insert(peer, Instant::now());
+                        self.last_heard.insert(peer, Instant::now());
                     }
                 }
-                Err(e) => {
-                    tracing::info!(peer = %peer, "ping failed ({e}); dropping the peer");
-                    self.drop_member(peer).await;
-                }
+                // A failed ping alone drops nobody: on a saturated box or link a ping can
+                // wait seconds behind bulk traffic while the peer is busy answering. Silence
+                // of every kind for `SILENT_AFTER` is what drops a peer (see `on_tick`).
+                Err(e) => tracing::debug!(peer = %peer, "ping failed ({e})"),
             },
             BehaviourEvent::Kad(kad::Event::RoutingUpdated {
                 peer, addresses, ..
@@ -1434,6 +1564,7 @@ impl EventLoop {
                 message_id,
                 message,
             }) => {
+                self.heard_from(propagation_source);
                 emit(
                     &self.event_tx,
                     Event::Gossip {
@@ -1464,6 +1595,7 @@ impl EventLoop {
                 request_response::Message::Request {
                     request, channel, ..
                 } => {
+                    self.heard_from(peer);
                     if self.links.is_relayed(&peer, connection_id) {
                         self.nat.relayed_requests_refused += 1;
                         let _ = self.swarm.behaviour_mut().bulk.send_response(
@@ -1493,6 +1625,7 @@ impl EventLoop {
                     request_id,
                     response,
                 } => {
+                    self.heard_from(peer);
                     if let Some(reply) = self.pending_requests.remove(&request_id) {
                         let _ = reply.send(Ok(response));
                     }

@@ -304,6 +304,7 @@ impl Shared {
             psk_fingerprint: net.psk_fingerprint,
             allowlist: net.allowlist,
             handshake_failures: net.handshake_failures,
+            peer_drops: net.peer_drops,
             denied_connections: net.denied_connections,
             nat: net.nat,
             state_download: mesh.download,

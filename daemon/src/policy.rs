@@ -23,7 +23,10 @@
 //! * **Stale-synchronous parallel (SSP)**: with a staleness bound `s`, hold local steps
 //!   while this node is `s` or more steps ahead of its slowest live neighbour whose step
 //!   it knows. Neighbours that fall silent for `peer_timeout` stop counting, so a dead
-//!   box cannot stall the mesh.
+//!   box cannot stall the mesh; nor do neighbours whose step has not advanced for
+//!   `peer_timeout`, so a peer that claims step 0 forever (or a frozen one that still
+//!   answers) cannot either. A claimed step never moves backwards: an update's header
+//!   that contradicts a lower heartbeat raises the known step.
 //!
 //! Nothing in here panics, whatever the events and instants it is given.
 
@@ -169,6 +172,9 @@ struct Neighbour {
     known_step: Option<u64>,
     /// When it was last heard from (or came up).
     last_heard: Instant,
+    /// When its known step last went up (or it came up): SSP waits only for neighbours
+    /// that make progress.
+    last_advanced: Instant,
     /// Sequence number of the last full sync started with it; `None` if never.
     last_sync: Option<u64>,
 }
@@ -241,6 +247,7 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
                     .or_insert(Neighbour {
                         known_step: None,
                         last_heard: now,
+                        last_advanced: now,
                         last_sync: None,
                     });
             }
@@ -316,12 +323,15 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
             .count()
     }
 
-    /// Slowest known step among live neighbours; neighbours not heard from yet are
-    /// unknown and ignored, so a freshly connected peer cannot hold this node on a guess.
+    /// Slowest known step among live neighbours that are making progress; neighbours not
+    /// heard from yet are unknown and ignored, so a freshly connected peer cannot hold this
+    /// node on a guess, and neither can one whose step stood still for `peer_timeout` (the
+    /// slowest honest node is never held itself, so it always advances).
     fn slowest_live(&self, now: Instant) -> Option<u64> {
         self.neighbours
             .values()
             .filter(|n| self.is_live(n, now))
+            .filter(|n| now.saturating_duration_since(n.last_advanced) <= self.config.peer_timeout)
             .filter_map(|n| n.known_step)
             .min()
     }
@@ -329,7 +339,12 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
     fn hear(&mut self, peer: &P, step: u64, now: Instant) {
         if let Some(n) = self.neighbours.get_mut(peer) {
             // Messages may be reordered: keep the highest step seen.
-            n.known_step = Some(n.known_step.map_or(step, |k| k.max(step)));
+            if n.known_step.is_none_or(|k| step > k) {
+                n.known_step = Some(step);
+                if now > n.last_advanced {
+                    n.last_advanced = now;
+                }
+            }
             if now > n.last_heard {
                 n.last_heard = now;
             }
@@ -765,22 +780,77 @@ mod tests {
         heard(&mut p, 2, 1, t);
         step(&mut p, 1, t);
         assert_eq!(step(&mut p, 2, t), vec![Action::Hold]);
-        // 2 keeps talking, 1 falls silent.
-        assert!(heard(&mut p, 2, 1, ms(t, 60)).is_empty());
+        // 2 keeps talking and stepping, 1 falls silent.
+        assert!(heard(&mut p, 2, 2, ms(t, 60)).is_empty());
         assert!(p.handle(PolicyEvent::Tick, ms(t, 100)).is_empty());
         assert_eq!(
             p.handle(PolicyEvent::Tick, ms(t, 101)),
             vec![Action::Resume]
         );
         assert_eq!(p.live_neighbours(ms(t, 101)), vec![2]);
-        // 1 comes back still slow: hold again.
-        assert_eq!(heard(&mut p, 1, 0, ms(t, 102)), vec![Action::Hold]);
+        assert!(step(&mut p, 3, ms(t, 101)).is_empty());
+        // 1 comes back, a step further but still slow: hold again.
+        assert_eq!(heard(&mut p, 1, 1, ms(t, 102)), vec![Action::Hold]);
         // Everyone silent: nobody known and live, so no hold.
         assert_eq!(
             p.handle(PolicyEvent::Tick, ms(t, 500)),
             vec![Action::Resume]
         );
         assert_eq!(p.lead_over_slowest(ms(t, 500)), None);
+    }
+
+    #[test]
+    fn a_neighbour_claiming_the_same_step_forever_stops_holding_after_the_timeout() {
+        let t = Instant::now();
+        let mut p = SyncPolicy::<u32>::new(
+            PolicyConfig {
+                staleness_bound: Some(2),
+                ..cfg()
+            },
+            0,
+        );
+        up(&mut p, 1, t);
+        up(&mut p, 2, t);
+        heard(&mut p, 1, 0, t);
+        heard(&mut p, 2, 0, t);
+        step(&mut p, 1, t);
+        assert_eq!(step(&mut p, 2, t), vec![Action::Hold]);
+        // 1 keeps heart-beating step 0 (alive, but no progress); 2 advances with us.
+        let mut now = t;
+        for i in 1..=10u64 {
+            now = ms(t, i * 11);
+            heard(&mut p, 1, 0, now);
+            heard(&mut p, 2, 2, now);
+        }
+        assert!(p.live_neighbours(now).contains(&1), "still heard from");
+        assert!(!p.is_held(), "a claim that never advances holds nobody");
+        assert_eq!(p.lead_over_slowest(now), Some(0));
+        // Once it advances it counts again.
+        assert!(step(&mut p, 3, now).is_empty());
+        assert_eq!(heard(&mut p, 1, 1, ms(t, 111)), vec![Action::Hold]);
+    }
+
+    #[test]
+    fn an_update_header_beyond_a_heartbeat_raises_the_known_step_never_lowers_it() {
+        let t = Instant::now();
+        let mut p = SyncPolicy::<u32>::new(
+            PolicyConfig {
+                staleness_bound: Some(5),
+                ..cfg()
+            },
+            10,
+        );
+        up(&mut p, 1, t);
+        // A heartbeat says 0, its update says 40: the update proves the progress.
+        heard(&mut p, 1, 0, t);
+        assert!(p.is_held());
+        p.handle(PolicyEvent::UpdateArrived { peer: 1, step: 40 }, t);
+        assert_eq!(p.known_step(&1), Some(40));
+        assert!(!p.is_held());
+        // A later heartbeat claiming less does not pull it back.
+        heard(&mut p, 1, 3, ms(t, 5));
+        assert_eq!(p.known_step(&1), Some(40));
+        assert!(!p.is_held());
     }
 
     #[test]

@@ -159,6 +159,9 @@ pub struct Status {
     /// Connections refused or not dialled because the peer is not on the allowlist.
     #[serde(default)]
     pub denied_connections: u64,
+    /// Times a member was lost without a goodbye (silent, connection closed, or banned).
+    #[serde(default)]
+    pub peer_drops: u64,
     /// Reachability (AutoNAT), relays and hole punching.
     #[serde(default)]
     pub nat: crate::nat::NatReport,

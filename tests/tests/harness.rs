@@ -225,6 +225,26 @@ impl Node {
         serde_json::from_str(&out).ok()
     }
 
+    /// The status straight over HTTP from the test process, or None if the node does not
+    /// answer within 5 s: cheap enough to poll a whole mesh every second without adding a
+    /// CLI process per poll to the load under test. Only for nodes in the test's namespace.
+    pub fn status_http(&self) -> Option<Value> {
+        use std::io::{Read, Write};
+        let api = self.api.as_deref()?;
+        let addr: std::net::SocketAddr = api.parse().ok()?;
+        let mut conn = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
+        conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        conn.write_all(format!("GET /v1/status HTTP/1.0\r\nHost: {api}\r\n\r\n").as_bytes())
+            .ok()?;
+        let mut reply = String::new();
+        conn.read_to_string(&mut reply).ok()?;
+        let (head, body) = reply.split_once("\r\n\r\n")?;
+        if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
+            return None;
+        }
+        serde_json::from_str(body).ok()
+    }
+
     /// Waits until status satisfies `pred`.
     pub fn wait_status(
         &self,

@@ -10,3 +10,4 @@ mod partition;
 mod private;
 mod rogue;
 mod single_node;
+mod soak;

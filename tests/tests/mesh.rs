@@ -379,8 +379,9 @@ fn a_node_of_another_run_is_refused() {
     assert!(a.log_text().contains("refused peer"), "{}", a.log_text());
 }
 
-/// A rogue peer of the same run publishes nine kinds of bad update; each is rejected and
-/// counted, its score falls, and more garbage gets it banned.
+/// A rogue peer of the same run publishes seven kinds of bad update; each is rejected and
+/// counted, its score falls, and more garbage gets it banned. A repeated step is dropped and a
+/// late one applied, neither punished: gossip reorders honest messages.
 mod rogue {
     use super::*;
     use crate::rogue::{inline, Rogue};
@@ -421,8 +422,10 @@ mod rogue {
             inline(r.encode(r.header(13, "ffffffffffffffff", numel), &vec![1e-4; numel])),
             inline(r.encode(other_sender, &vec![1e-5; numel])),
             announce,
-            // A valid small update, then a replay of an older step.
+            // A valid small update, the same step again (dropped unpunished), and an older
+            // step never seen (late: applied, unpunished).
             r.update(20, &vec![1e-5; numel]),
+            r.update(20, &vec![3e-5; numel]),
             r.update(15, &vec![2e-5; numel]),
         ];
         r.publish_when_heard(garbage[0].clone());
@@ -433,19 +436,29 @@ mod rogue {
         let s = honest.wait_status(
             "the rogue's updates rejected",
             Duration::from_secs(30),
-            |s| s["updates"]["rejected"].as_u64().unwrap_or(0) >= 8,
+            |s| {
+                s["updates"]["rejected"].as_u64().unwrap_or(0) >= 7
+                    && s["updates"]["applied"].as_u64().unwrap_or(0) >= 2
+            },
         );
         let by_peer: BTreeMap<String, u64> =
             serde_json::from_value(s["rejected_by_peer"].clone()).expect("map");
-        assert_eq!(by_peer.get(&rogue).copied(), Some(8), "{by_peer:?}");
+        assert_eq!(by_peer.get(&rogue).copied(), Some(7), "{by_peer:?}");
         assert_eq!(
             s["updates"]["applied"].as_u64(),
-            Some(1),
-            "only the one valid update is applied"
+            Some(2),
+            "the valid update and the late one are applied"
         );
-        // Eight rejections cost the rogue its standing, short of a graylisting.
+        assert_eq!(s["updates"]["late"].as_u64(), Some(1), "{}", s["updates"]);
+        assert_eq!(
+            s["updates"]["duplicates"].as_u64(),
+            Some(1),
+            "{}",
+            s["updates"]
+        );
+        // Seven rejections cost the rogue its standing, short of a graylisting.
         let score = rogue_score(&s, &rogue).expect("the rogue is still a peer");
-        eprintln!("rogue's score after 8 rejections: {score:.1}");
+        eprintln!("rogue's score after 7 rejections: {score:.1}");
         assert!(score < scoring::GOSSIP_THRESHOLD, "score {score}");
         assert!(score > scoring::GRAYLIST_THRESHOLD, "score {score}");
         // More garbage: the rogue is graylisted, disconnected and banned, and what it sends
@@ -465,8 +478,28 @@ mod rogue {
             banned["banned_peers"]
         );
         assert!(
-            rejected_total < 8 + u64::from(extra),
+            rejected_total < 7 + u64::from(extra),
             "every junk message was still validated: {rejected_total}"
+        );
+        // The ban names the offence, and says until when.
+        let ban = banned["banned_peers"]
+            .as_array()
+            .and_then(|b| b.iter().find(|p| p["peer_id"] == rogue.as_str()))
+            .expect("the rogue's ban");
+        let reason = ban["reason"].as_str().unwrap_or("");
+        assert!(
+            reason.contains("offences") && reason.contains("rejected update"),
+            "{ban}"
+        );
+        assert!(
+            ban["until"].as_u64().unwrap_or(0) > p2ptrain_daemon::store::unix_now(),
+            "{ban}"
+        );
+        let (st, table, err) = honest.cli(&["peers"], Duration::from_secs(20));
+        assert!(st.success(), "{err}");
+        assert!(
+            table.contains("banned:") && table.contains(&rogue) && table.contains("until"),
+            "{table}"
         );
         assert!(
             rogue_score(&banned, &rogue).is_none(),

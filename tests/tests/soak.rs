@@ -1,0 +1,158 @@
+//! The honest soak: six honest nodes train at full speed on this box for minutes, as users run
+//! them. Accuracy cannot show a split mesh (a lone node reaches ~98% on digits in a second), so
+//! the test watches the mesh itself, every second: after formation no member is ever lost,
+//! every node keeps N-1 peers, no update is rejected and no peer is banned, while updates keep
+//! flowing and being applied.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::harness::repo_root;
+use crate::mesh::{listen_addr, peers, start, step};
+
+/// Nodes in the soak mesh.
+const NODES: usize = 6;
+/// How long the mesh is watched after it formed; `P2PTRAIN_SOAK_SECS` runs it longer.
+const SOAK_SECS: u64 = 180;
+
+/// The bundled digits config at full speed (no step delay), checkpoints off, with `codec`.
+fn soak_config(dir: &Path, codec: &str) -> PathBuf {
+    let text = std::fs::read_to_string(repo_root().join("configs/digits-mlp.toml"))
+        .expect("config")
+        .replace("every_steps = 5000", "every_steps = 0")
+        .replace("every_secs = 30", "every_secs = 0");
+    let path = dir.join(format!("{codec}.toml"));
+    std::fs::write(&path, format!("{text}\n[sync]\ncodec = \"{codec}\"\n")).expect("write");
+    path
+}
+
+fn counter(s: &Value, key: &str) -> u64 {
+    s["updates"][key].as_u64().unwrap_or(0)
+}
+
+fn soak(codec: &str) {
+    let secs = std::env::var("P2PTRAIN_SOAK_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(SOAK_SECS);
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = soak_config(tmp.path(), codec);
+    let founder = start(tmp.path(), "n0", &cfg, None, &[]);
+    let addr = listen_addr(&founder);
+    let mut nodes = vec![founder];
+    for i in 1..NODES {
+        nodes.push(start(tmp.path(), &format!("n{i}"), &cfg, Some(&addr), &[]));
+    }
+    let want = (NODES - 1) as u64;
+    for (i, n) in nodes.iter().enumerate() {
+        n.wait_status(
+            &format!("node {i} training with {want} peers"),
+            Duration::from_secs(180),
+            |s| peers(s) == want && s["phase"] == "training",
+        );
+    }
+    let first: Vec<Value> = nodes
+        .iter()
+        .map(|n| n.status_http().expect("status after formation"))
+        .collect();
+    let drops_at_formation: Vec<u64> = first
+        .iter()
+        .map(|s| s["peer_drops"].as_u64().unwrap_or(0))
+        .collect();
+
+    let mut violations: Vec<String> = Vec::new();
+    let mut unanswered = vec![0u32; NODES];
+    let mut last = first.clone();
+    let started = Instant::now();
+    let mut polls = 0u64;
+    while started.elapsed() < Duration::from_secs(secs) {
+        let round = Instant::now();
+        polls += 1;
+        let t = started.elapsed().as_secs_f64();
+        for (i, n) in nodes.iter().enumerate() {
+            let Some(s) = n.status_http() else {
+                unanswered[i] += 1;
+                // A node whose API stays silent for many seconds is as good as gone.
+                if unanswered[i] == 10 {
+                    violations.push(format!("{t:.0}s: node {i} stopped answering status"));
+                }
+                continue;
+            };
+            unanswered[i] = 0;
+            let mut bad = Vec::new();
+            if peers(&s) != want {
+                bad.push(format!("{} peers", peers(&s)));
+            }
+            let drops = s["peer_drops"].as_u64().unwrap_or(0);
+            if drops > drops_at_formation[i] {
+                bad.push(format!("{} members dropped", drops - drops_at_formation[i]));
+            }
+            if counter(&s, "rejected") > 0 {
+                bad.push(format!(
+                    "{} updates rejected: {}",
+                    counter(&s, "rejected"),
+                    s["rejected_by_peer"]
+                ));
+            }
+            if s["banned_peers"].as_array().is_some_and(|b| !b.is_empty()) {
+                bad.push(format!("banned {}", s["banned_peers"]));
+            }
+            if !bad.is_empty() {
+                violations.push(format!("{t:.0}s: node {i}: {}", bad.join("; ")));
+            }
+            last[i] = s;
+        }
+        if violations.len() > 50 {
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(1).saturating_sub(round.elapsed()));
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    for (i, (a, b)) in first.iter().zip(&last).enumerate() {
+        eprintln!(
+            "{codec} node {i}: {:.0} steps/s, applied {}, late {}, duplicates {}, rate-limited {}, outliers {}, peer drops {}",
+            (step(b) - step(a)) as f64 / elapsed,
+            counter(b, "applied") - counter(a, "applied"),
+            counter(b, "late"),
+            counter(b, "duplicates"),
+            counter(b, "rate_limited"),
+            counter(b, "outliers"),
+            b["peer_drops"]
+        );
+    }
+    eprintln!("{codec}: {polls} polls of {NODES} nodes over {elapsed:.0} s");
+    if !violations.is_empty() {
+        for (i, n) in nodes.iter().enumerate() {
+            let log = n.log_text();
+            let tail: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains("WARN") || l.contains("dropping") || l.contains("gone"))
+                .take(40)
+                .collect();
+            eprintln!("--- node {i} warnings:\n{}", tail.join("\n"));
+        }
+    }
+    assert!(
+        violations.is_empty(),
+        "the honest {codec} mesh lost members, rejected or banned:\n{}",
+        violations.join("\n")
+    );
+    for (i, (a, b)) in first.iter().zip(&last).enumerate() {
+        assert!(
+            counter(b, "applied") > counter(a, "applied") && step(b) > step(a),
+            "node {i} stopped training or stopped applying updates: {a} -> {b}"
+        );
+    }
+}
+
+#[test]
+fn six_honest_nodes_at_full_speed_with_dense_updates_never_lose_a_peer() {
+    soak("dense");
+}
+
+#[test]
+fn six_honest_nodes_at_full_speed_with_onebit_updates_never_lose_a_peer() {
+    soak("onebit");
+}

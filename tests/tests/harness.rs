@@ -26,6 +26,16 @@ pub fn bin() -> PathBuf {
     bin
 }
 
+/// Skips a test whose prerequisite is missing: outside CI it prints why and the caller
+/// returns; in CI (`CI=true`) a missing prerequisite is a failure, so a green CI run always
+/// means every test really ran.
+pub fn skip_or_fail(test: &str, why: &str) {
+    if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
+        panic!("{test}: prerequisite missing in CI: {why}");
+    }
+    eprintln!("SKIPPED {test}: {why}");
+}
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -283,7 +283,10 @@ pub fn lab_or_skip(test: &str, n: usize) -> Option<Lab> {
     match Lab::new(n) {
         Ok(lab) => Some(lab),
         Err(why) => {
-            eprintln!("SKIPPED {test}: cannot build a network-namespace lab here: {why}");
+            crate::harness::skip_or_fail(
+                test,
+                &format!("cannot build a network-namespace lab here: {why}"),
+            );
             None
         }
     }

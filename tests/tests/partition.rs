@@ -1,6 +1,6 @@
 //! Faults of the network itself, on test hosts in network namespaces (see `netlab`): a
-//! partition that splits the mesh and heals, and links slowed to 10 Mbit/s. Each test skips
-//! with a printed reason where namespaces cannot be made.
+//! partition that splits the mesh and heals, and links slowed to 10 Mbit/s. Where namespaces
+//! cannot be made each test skips with a printed reason, or fails in CI (`CI=true`).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -10,6 +10,7 @@ use serde_json::Value;
 use crate::harness::{eventually, Node};
 use crate::mesh::{config, params, peers, relative_distance, step};
 use crate::netlab::{lab_or_skip, Lab};
+use crate::soak::watch_honest_mesh;
 
 fn start_in(lab: &Lab, i: usize, root: &Path, cfg: &Path, bootstrap: Option<&str>) -> Node {
     let mut args = vec!["--config", cfg.to_str().expect("utf8")];
@@ -225,8 +226,10 @@ fn time_to_95(nodes: &[Node], start: Instant) -> f64 {
 /// Three nodes with dense updates, first on unconstrained links, then with every host's link
 /// limited to 10 Mbit/s (tbf; netem delay and loss too where the kernel has netem). Dense
 /// digits updates every 20 steps to two neighbours need more than 10 Mbit/s, so the limit
-/// binds. Training must go on: every node reaches 95% and keeps its peers. The times to 95%
-/// are reported, not asserted (timings belong in benchmarks).
+/// binds. Training must go on, and the mesh must stay whole: after every node reached 95%,
+/// for [`WATCH_SLOW_SECS`] every node keeps both peers, loses no member, rejects nothing and
+/// bans nobody (a slow link is no offence). The times to 95% are reported, not asserted
+/// (timings belong in benchmarks).
 #[test]
 fn training_goes_on_over_10_mbit_links() {
     let mut times = Vec::new();
@@ -243,23 +246,30 @@ fn training_goes_on_over_10_mbit_links() {
         let start = Instant::now();
         let nodes = mesh_in(&lab, tmp.path(), &[&cfg, &cfg, &cfg]);
         let secs = time_to_95(&nodes, start);
-        let before: Vec<Value> = nodes.iter().map(|n| n.status().expect("status")).collect();
-        std::thread::sleep(Duration::from_secs(3));
-        for (n, s0) in nodes.iter().zip(&before) {
-            let s = n.status().expect("status");
-            assert!(step(&s) > step(s0), "training stopped: {s}");
-            assert_eq!(peers(&s), 2, "lost a peer: {s}");
-            assert!(s["updates"]["applied"].as_u64().unwrap_or(0) > 10, "{s}");
-            assert!(
-                s["banned_peers"].as_array().is_none_or(|b| b.is_empty()),
-                "{s}"
+        for (i, n) in nodes.iter().enumerate() {
+            n.wait_status(
+                &format!("node {i} with 2 peers"),
+                Duration::from_secs(60),
+                |s| peers(s) == 2,
             );
+        }
+        let watch = watch_honest_mesh(&nodes, WATCH_SLOW_SECS, Node::status);
+        watch.assert_honest(if shaped { "10 Mbit/s" } else { "unshaped" }, &nodes);
+        for s in &watch.last {
             let secs_up = s["uptime_s"].as_f64().unwrap_or(1.0);
             eprintln!(
-                "shaped={shaped}: step {} sent {:.1} Mbit/s on average, accuracy {}",
-                step(&s),
+                "shaped={shaped}: step {} sent {:.1} Mbit/s on average, accuracy {}, rtt {}",
+                step(s),
                 s["bytes_sent"].as_f64().unwrap_or(0.0) * 8.0 / secs_up / 1e6,
-                s["eval"]["accuracy"]
+                s["eval"]["accuracy"],
+                s["peers"]["list"]
+                    .as_array()
+                    .map(|l| l
+                        .iter()
+                        .map(|p| p["rtt_ms"].to_string())
+                        .collect::<Vec<_>>()
+                        .join(","))
+                    .unwrap_or_default()
             );
         }
         times.push(secs);
@@ -271,6 +281,9 @@ fn training_goes_on_over_10_mbit_links() {
         times[1] / times[0]
     );
 }
+
+/// How long the slow-links test watches the mesh after it reached 95%.
+const WATCH_SLOW_SECS: u64 = 30;
 
 /// mDNS is opt-in and, in tests, only ever runs inside the lab's namespaces: two hosts with
 /// `--mdns` and no bootstrap address find each other on the lab's LAN; a third without it is

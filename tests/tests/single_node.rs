@@ -51,7 +51,10 @@ fn default_run_on_digits_reaches_95_percent() {
 #[test]
 fn mnist_mlp_reaches_97_percent_in_two_epochs() {
     let Some(mnist) = mnist_dir() else {
-        eprintln!("SKIPPED: MNIST IDX files not found beside the checkout (../shared/data/mnist) or in P2PTRAIN_MNIST_DIR");
+        crate::harness::skip_or_fail(
+            "MNIST",
+            "MNIST IDX files not found beside the checkout (../shared/data/mnist) or in P2PTRAIN_MNIST_DIR",
+        );
         return;
     };
     let tmp = tempfile::tempdir().expect("tmp");

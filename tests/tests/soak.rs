@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::harness::repo_root;
+use crate::harness::{repo_root, Node};
 use crate::mesh::{listen_addr, peers, start, step};
 
 /// Nodes in the soak mesh.
@@ -30,6 +30,128 @@ fn soak_config(dir: &Path, codec: &str) -> PathBuf {
 
 fn counter(s: &Value, key: &str) -> u64 {
     s["updates"][key].as_u64().unwrap_or(0)
+}
+
+/// What watching an honest mesh saw: each node's status when the watch began and at its last
+/// answer, and every moment the mesh fell short of honest behaviour.
+pub(crate) struct Watch {
+    /// Statuses when the watch began.
+    pub first: Vec<Value>,
+    /// The last status each node answered.
+    pub last: Vec<Value>,
+    /// What went wrong, and when.
+    pub violations: Vec<String>,
+    /// Seconds watched.
+    pub secs: f64,
+}
+
+/// Polls every node once a second for `secs` (with `poll`, which reads one node's status) and
+/// records every moment a node has fewer or more than N-1 peers, lost a member (its
+/// `peer_drops` grew), has rejected any update, or has banned anyone. The mesh must already
+/// be formed.
+pub(crate) fn watch_honest_mesh(
+    nodes: &[Node],
+    secs: u64,
+    poll: impl Fn(&Node) -> Option<Value>,
+) -> Watch {
+    let want = (nodes.len() - 1) as u64;
+    let first: Vec<Value> = nodes
+        .iter()
+        .map(|n| poll(n).expect("status when the watch begins"))
+        .collect();
+    let drops_at_start: Vec<u64> = first
+        .iter()
+        .map(|s| s["peer_drops"].as_u64().unwrap_or(0))
+        .collect();
+    let mut violations: Vec<String> = Vec::new();
+    let mut unanswered = vec![0u32; nodes.len()];
+    let mut last = first.clone();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(secs) && violations.len() <= 50 {
+        let round = Instant::now();
+        let t = started.elapsed().as_secs_f64();
+        for (i, n) in nodes.iter().enumerate() {
+            let Some(s) = poll(n) else {
+                unanswered[i] += 1;
+                // A node whose API stays silent for many seconds is as good as gone.
+                if unanswered[i] == 10 {
+                    violations.push(format!("{t:.0}s: node {i} stopped answering status"));
+                }
+                continue;
+            };
+            unanswered[i] = 0;
+            let mut bad = Vec::new();
+            if peers(&s) != want {
+                bad.push(format!("{} peers", peers(&s)));
+            }
+            let drops = s["peer_drops"].as_u64().unwrap_or(0);
+            if drops > drops_at_start[i] {
+                bad.push(format!("{} members dropped", drops - drops_at_start[i]));
+            }
+            if counter(&s, "rejected") > 0 {
+                bad.push(format!(
+                    "{} updates rejected: {}",
+                    counter(&s, "rejected"),
+                    s["rejected_by_peer"]
+                ));
+            }
+            if s["banned_peers"].as_array().is_some_and(|b| !b.is_empty()) {
+                bad.push(format!("banned {}", s["banned_peers"]));
+            }
+            if !bad.is_empty() {
+                violations.push(format!("{t:.0}s: node {i}: {}", bad.join("; ")));
+            }
+            last[i] = s;
+        }
+        std::thread::sleep(Duration::from_secs(1).saturating_sub(round.elapsed()));
+    }
+    Watch {
+        first,
+        last,
+        violations,
+        secs: started.elapsed().as_secs_f64(),
+    }
+}
+
+impl Watch {
+    /// Prints each node's traffic figures, then fails with every violation (and the nodes'
+    /// warnings) if there was any, or if a node stopped training or applying updates.
+    pub(crate) fn assert_honest(&self, what: &str, nodes: &[Node]) {
+        for (i, (a, b)) in self.first.iter().zip(&self.last).enumerate() {
+            eprintln!(
+                "{what} node {i}: {:.0} steps/s, applied {}, late {}, duplicates {}, rate-limited {}, outliers {}, peer drops {}",
+                (step(b) - step(a)) as f64 / self.secs,
+                counter(b, "applied") - counter(a, "applied"),
+                counter(b, "late"),
+                counter(b, "duplicates"),
+                counter(b, "rate_limited"),
+                counter(b, "outliers"),
+                b["peer_drops"]
+            );
+        }
+        if !self.violations.is_empty() {
+            for (i, n) in nodes.iter().enumerate() {
+                let log = n.log_text();
+                let warnings: Vec<&str> = log
+                    .lines()
+                    .filter(|l| l.contains("WARN") || l.contains("dropping") || l.contains("gone"))
+                    .take(40)
+                    .collect();
+                eprintln!("--- node {i} warnings:\n{}", warnings.join("\n"));
+            }
+        }
+        assert!(
+            self.violations.is_empty(),
+            "{what}: the honest mesh lost members, rejected or banned:\n{}",
+            self.violations.join("\n")
+        );
+        for (i, (a, b)) in self.first.iter().zip(&self.last).enumerate() {
+            assert!(
+                counter(b, "applied") > counter(a, "applied") && step(b) > step(a),
+                "{what}: node {i} stopped training or stopped applying updates: {a} -> {b}"
+            );
+        }
+    }
 }
 
 fn soak(codec: &str) {
@@ -53,98 +175,8 @@ fn soak(codec: &str) {
             |s| peers(s) == want && s["phase"] == "training",
         );
     }
-    let first: Vec<Value> = nodes
-        .iter()
-        .map(|n| n.status_http().expect("status after formation"))
-        .collect();
-    let drops_at_formation: Vec<u64> = first
-        .iter()
-        .map(|s| s["peer_drops"].as_u64().unwrap_or(0))
-        .collect();
-
-    let mut violations: Vec<String> = Vec::new();
-    let mut unanswered = vec![0u32; NODES];
-    let mut last = first.clone();
-    let started = Instant::now();
-    let mut polls = 0u64;
-    while started.elapsed() < Duration::from_secs(secs) {
-        let round = Instant::now();
-        polls += 1;
-        let t = started.elapsed().as_secs_f64();
-        for (i, n) in nodes.iter().enumerate() {
-            let Some(s) = n.status_http() else {
-                unanswered[i] += 1;
-                // A node whose API stays silent for many seconds is as good as gone.
-                if unanswered[i] == 10 {
-                    violations.push(format!("{t:.0}s: node {i} stopped answering status"));
-                }
-                continue;
-            };
-            unanswered[i] = 0;
-            let mut bad = Vec::new();
-            if peers(&s) != want {
-                bad.push(format!("{} peers", peers(&s)));
-            }
-            let drops = s["peer_drops"].as_u64().unwrap_or(0);
-            if drops > drops_at_formation[i] {
-                bad.push(format!("{} members dropped", drops - drops_at_formation[i]));
-            }
-            if counter(&s, "rejected") > 0 {
-                bad.push(format!(
-                    "{} updates rejected: {}",
-                    counter(&s, "rejected"),
-                    s["rejected_by_peer"]
-                ));
-            }
-            if s["banned_peers"].as_array().is_some_and(|b| !b.is_empty()) {
-                bad.push(format!("banned {}", s["banned_peers"]));
-            }
-            if !bad.is_empty() {
-                violations.push(format!("{t:.0}s: node {i}: {}", bad.join("; ")));
-            }
-            last[i] = s;
-        }
-        if violations.len() > 50 {
-            break;
-        }
-        std::thread::sleep(Duration::from_secs(1).saturating_sub(round.elapsed()));
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    for (i, (a, b)) in first.iter().zip(&last).enumerate() {
-        eprintln!(
-            "{codec} node {i}: {:.0} steps/s, applied {}, late {}, duplicates {}, rate-limited {}, outliers {}, peer drops {}",
-            (step(b) - step(a)) as f64 / elapsed,
-            counter(b, "applied") - counter(a, "applied"),
-            counter(b, "late"),
-            counter(b, "duplicates"),
-            counter(b, "rate_limited"),
-            counter(b, "outliers"),
-            b["peer_drops"]
-        );
-    }
-    eprintln!("{codec}: {polls} polls of {NODES} nodes over {elapsed:.0} s");
-    if !violations.is_empty() {
-        for (i, n) in nodes.iter().enumerate() {
-            let log = n.log_text();
-            let tail: Vec<&str> = log
-                .lines()
-                .filter(|l| l.contains("WARN") || l.contains("dropping") || l.contains("gone"))
-                .take(40)
-                .collect();
-            eprintln!("--- node {i} warnings:\n{}", tail.join("\n"));
-        }
-    }
-    assert!(
-        violations.is_empty(),
-        "the honest {codec} mesh lost members, rejected or banned:\n{}",
-        violations.join("\n")
-    );
-    for (i, (a, b)) in first.iter().zip(&last).enumerate() {
-        assert!(
-            counter(b, "applied") > counter(a, "applied") && step(b) > step(a),
-            "node {i} stopped training or stopped applying updates: {a} -> {b}"
-        );
-    }
+    let watch = watch_honest_mesh(&nodes, secs, Node::status_http);
+    watch.assert_honest(&format!("{codec} soak"), &nodes);
 }
 
 #[test]

@@ -19,6 +19,16 @@ pub const NORM_WINDOW: usize = 64;
 /// Accepted updates needed before the outlier bound applies (before that, only the
 /// parameter-norm bound does).
 pub const MIN_SAMPLES: usize = 16;
+/// The most an update's age widens the outlier bound, as a multiple of the median span (the
+/// steps an update usually covers). Two honest reasons make an update larger than the median
+/// of recent ones: it covers more steps than usual (its box could not publish for a while, on
+/// a saturated link or core), or it arrives late, computed when training was younger and
+/// updates were larger (early in training norms shrink several-fold within seconds, while
+/// gossip on a saturated link delivered updates seconds late). Both are measured in the
+/// author's steps. A hostile claim of either gains at most this factor; the bound by the
+/// parameters' norm (`sync.max_update_ratio`) still holds, and a late update is applied
+/// with the sync policy's staleness discount.
+pub const SPAN_LEEWAY: f64 = 8.0;
 
 /// Settings; zero turns a check off.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -60,6 +70,8 @@ pub enum Refusal {
         norm: f64,
         /// The bound it broke.
         bound: f64,
+        /// Steps the update covers.
+        span: u64,
     },
 }
 
@@ -67,9 +79,9 @@ impl std::fmt::Display for Refusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Refusal::RateLimited => write!(f, "update rate above the per-peer limit"),
-            Refusal::Outlier { norm, bound } => write!(
+            Refusal::Outlier { norm, bound, span } => write!(
                 f,
-                "update norm {norm:.3e} is an outlier (bound {bound:.3e}: a multiple of the median of recent updates)"
+                "update norm {norm:.3e} over {span} steps is an outlier (bound {bound:.3e}: a multiple of the median of recent updates, widened for long spans)"
             ),
         }
     }
@@ -85,7 +97,8 @@ struct Bucket {
 #[derive(Debug, Clone)]
 pub struct UpdateGuard<K> {
     cfg: GuardConfig,
-    norms: VecDeque<f64>,
+    /// Norms and spans of recently accepted updates.
+    norms: VecDeque<(f64, u64)>,
     buckets: HashMap<K, Bucket>,
 }
 
@@ -122,13 +135,19 @@ impl<K: Hash + Eq + Clone> UpdateGuard<K> {
         }
     }
 
-    /// Judges a decoded update's norm against the recent median.
-    pub fn judge_norm(&self, norm: f64) -> Result<(), Refusal> {
+    /// Judges a decoded update's norm against the recent median. `span` is the number of
+    /// steps it covers (its header's step minus base step) and `lateness` how many steps it
+    /// is behind its author's newest update; together, against the usual span, they widen
+    /// the bound up to [`SPAN_LEEWAY`] times.
+    pub fn judge_norm(&self, norm: f64, span: u64, lateness: u64) -> Result<(), Refusal> {
         match (self.cfg.outlier_factor > 0.0, self.median()) {
             (true, Some(m)) if self.norms.len() >= MIN_SAMPLES => {
-                let bound = self.cfg.outlier_factor * m;
+                let usual = self.median_span().unwrap_or(1).max(1) as f64;
+                let age = span.max(1).saturating_add(lateness) as f64;
+                let leeway = (age / usual).clamp(1.0, SPAN_LEEWAY);
+                let bound = self.cfg.outlier_factor * m * leeway;
                 if norm > bound {
-                    Err(Refusal::Outlier { norm, bound })
+                    Err(Refusal::Outlier { norm, bound, span })
                 } else {
                     Ok(())
                 }
@@ -137,25 +156,29 @@ impl<K: Hash + Eq + Clone> UpdateGuard<K> {
         }
     }
 
-    /// Remembers the norm of an update that was accepted.
-    pub fn record(&mut self, norm: f64) {
+    /// Remembers the norm and span of an update that was accepted.
+    pub fn record(&mut self, norm: f64, span: u64) {
         if !norm.is_finite() {
             return;
         }
         if self.norms.len() == NORM_WINDOW {
             self.norms.pop_front();
         }
-        self.norms.push_back(norm);
+        self.norms.push_back((norm, span));
     }
 
     /// Median of the recent accepted norms, for status.
     pub fn median(&self) -> Option<f64> {
-        if self.norms.is_empty() {
-            return None;
-        }
-        let mut v: Vec<f64> = self.norms.iter().copied().collect();
+        let mut v: Vec<f64> = self.norms.iter().map(|(n, _)| *n).collect();
         v.sort_by(f64::total_cmp);
-        Some(v[v.len() / 2])
+        v.get(v.len() / 2).copied()
+    }
+
+    /// Median span of the recent accepted updates.
+    fn median_span(&self) -> Option<u64> {
+        let mut v: Vec<u64> = self.norms.iter().map(|(_, s)| *s).collect();
+        v.sort_unstable();
+        v.get(v.len() / 2).copied()
     }
 
     /// Forgets an author's bucket (it left).
@@ -195,9 +218,19 @@ pub struct SeenSteps {
 impl SeenSteps {
     /// Classifies `step` and remembers it when it is news.
     pub fn note(&mut self, step: u64) -> Arrival {
+        let arrival = self.classify(step);
+        if matches!(arrival, Arrival::Fresh | Arrival::Late) {
+            self.remember(step);
+        }
+        arrival
+    }
+
+    /// How `step` relates to what was seen, without remembering it (an update may still be
+    /// refused for other reasons).
+    pub fn classify(&self, step: u64) -> Arrival {
         let newest = self.steps.last().copied();
         let oldest = self.steps.first().copied();
-        let arrival = match newest {
+        match newest {
             None => Arrival::Fresh,
             Some(n) if step > n => Arrival::Fresh,
             _ if self.steps.contains(&step) => Arrival::Duplicate,
@@ -206,14 +239,15 @@ impl SeenSteps {
                 Arrival::TooOld
             }
             _ => Arrival::Late,
-        };
-        if matches!(arrival, Arrival::Fresh | Arrival::Late) {
-            self.steps.insert(step);
-            while self.steps.len() > SEEN_STEPS {
-                self.steps.pop_first();
-            }
         }
-        arrival
+    }
+
+    /// Remembers a step that was accepted.
+    pub fn remember(&mut self, step: u64) {
+        self.steps.insert(step);
+        while self.steps.len() > SEEN_STEPS {
+            self.steps.pop_first();
+        }
     }
 
     /// The newest step seen, if any.
@@ -250,29 +284,58 @@ mod tests {
     fn the_outlier_bound_waits_for_enough_samples_then_follows_the_median() {
         let mut g = UpdateGuard::<u8>::new(cfg());
         for _ in 0..MIN_SAMPLES - 1 {
-            g.record(1.0);
+            g.record(1.0, 20);
         }
-        assert_eq!(g.judge_norm(1000.0), Ok(()), "too few samples to judge");
-        g.record(1.0);
-        assert_eq!(g.judge_norm(9.9), Ok(()));
-        assert!(matches!(g.judge_norm(10.1), Err(Refusal::Outlier { .. })));
+        assert_eq!(
+            g.judge_norm(1000.0, 20, 0),
+            Ok(()),
+            "too few samples to judge"
+        );
+        g.record(1.0, 20);
+        assert_eq!(g.judge_norm(9.9, 20, 0), Ok(()));
+        assert!(matches!(
+            g.judge_norm(10.1, 20, 0),
+            Err(Refusal::Outlier { .. })
+        ));
         // Honest updates shrink as training converges: the bound follows.
         for _ in 0..NORM_WINDOW {
-            g.record(0.1);
+            g.record(0.1, 20);
         }
         assert_eq!(g.median(), Some(0.1));
-        assert!(g.judge_norm(1.5).is_err());
-        assert!(g.judge_norm(0.9).is_ok());
+        assert!(g.judge_norm(1.5, 20, 0).is_err());
+        assert!(g.judge_norm(0.9, 20, 0).is_ok());
+    }
+
+    #[test]
+    fn an_update_covering_more_steps_or_arriving_late_gets_a_wider_bound_up_to_the_leeway() {
+        let mut g = UpdateGuard::<u8>::new(cfg());
+        for _ in 0..MIN_SAMPLES {
+            g.record(1.0, 20);
+        }
+        // Three intervals' worth of steps that could not go out: three times the bound.
+        assert!(g.judge_norm(25.0, 60, 0).is_ok());
+        assert!(g.judge_norm(31.0, 60, 0).is_err());
+        // A shorter span than usual does not tighten it; a huge claimed span gains at most
+        // the leeway.
+        assert!(g.judge_norm(9.0, 1, 0).is_ok());
+        assert!(g.judge_norm(10.0 * SPAN_LEEWAY - 1.0, u64::MAX, 0).is_ok());
+        assert!(g.judge_norm(10.0 * SPAN_LEEWAY + 1.0, u64::MAX, 0).is_err());
+        // An update 40 steps behind its author's newest, computed on a younger model.
+        assert!(g.judge_norm(25.0, 20, 40).is_ok());
+        assert!(g.judge_norm(31.0, 20, 40).is_err());
+        assert!(g
+            .judge_norm(10.0 * SPAN_LEEWAY + 1.0, 20, u64::MAX)
+            .is_err());
     }
 
     #[test]
     fn a_few_large_accepted_norms_do_not_move_the_median() {
         let mut g = UpdateGuard::<u8>::new(cfg());
         for i in 0..40 {
-            g.record(if i % 10 == 0 { 9.0 } else { 1.0 });
+            g.record(if i % 10 == 0 { 9.0 } else { 1.0 }, 20);
         }
         assert_eq!(g.median(), Some(1.0));
-        g.record(f64::NAN);
+        g.record(f64::NAN, 20);
         assert_eq!(g.median(), Some(1.0));
     }
 
@@ -285,9 +348,9 @@ mod tests {
             clip_value: 0.0,
         });
         for _ in 0..100 {
-            g.record(1.0);
+            g.record(1.0, 20);
         }
-        assert_eq!(g.judge_norm(1e9), Ok(()));
+        assert_eq!(g.judge_norm(1e9, 20, 0), Ok(()));
         let t = Instant::now();
         assert!((0..1000).all(|_| g.admit(&1, t).is_ok()));
     }

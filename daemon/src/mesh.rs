@@ -97,10 +97,13 @@ pub struct UpdateCounters {
     /// with the sync policy's staleness discount.
     #[serde(default)]
     pub late: u64,
-    /// Dropped without blame: a step the author already delivered, or one older than the
-    /// steps still remembered for it.
+    /// Dropped without blame: a step the author already delivered.
     #[serde(default)]
     pub duplicates: u64,
+    /// Dropped without blame: older than every step still remembered for its author (gossip
+    /// delivered it very late; it cannot be told from a replay).
+    #[serde(default)]
+    pub too_old: u64,
     /// Of the rejected, those whose norm was an outlier against recent updates.
     #[serde(default)]
     pub outliers: u64,
@@ -523,24 +526,35 @@ impl Mesh {
             );
             return MessageAcceptance::Reject;
         }
-        if let Err(why) = self.guard.judge_norm(norm) {
+        // Order proves nothing (gossip reorders honest messages): a late update is applied
+        // with the policy's staleness discount, a repeated one dropped, neither punished.
+        let seen = self.seen_steps.entry(author).or_default();
+        let arrival = seen.classify(header.step);
+        let lateness = seen
+            .newest()
+            .map_or(0, |newest| newest.saturating_sub(header.step));
+        if matches!(arrival, Arrival::Duplicate | Arrival::TooOld) {
+            tracing::debug!(peer = %author, step = header.step, ?arrival, "update dropped unapplied");
+            self.with_status(|s| match arrival {
+                Arrival::Duplicate => s.updates.duplicates += 1,
+                _ => s.updates.too_old += 1,
+            });
+            return MessageAcceptance::Ignore;
+        }
+        let span = header.step.saturating_sub(header.base_step);
+        if let Err(why) = self.guard.judge_norm(norm, span, lateness) {
             self.reject(author, &why.to_string());
             self.with_status(|s| s.updates.outliers += 1);
             return MessageAcceptance::Reject;
         }
-        // Order proves nothing (gossip reorders honest messages): a late update is applied
-        // with the policy's staleness discount, a repeated one dropped, neither punished.
-        let arrival = self.seen_steps.entry(author).or_default().note(header.step);
-        match arrival {
-            Arrival::Fresh => {}
-            Arrival::Late => self.with_status(|s| s.updates.late += 1),
-            Arrival::Duplicate | Arrival::TooOld => {
-                tracing::debug!(peer = %author, step = header.step, ?arrival, "update dropped unapplied");
-                self.with_status(|s| s.updates.duplicates += 1);
-                return MessageAcceptance::Ignore;
-            }
+        self.seen_steps
+            .entry(author)
+            .or_default()
+            .remember(header.step);
+        if arrival == Arrival::Late {
+            self.with_status(|s| s.updates.late += 1);
         }
-        self.guard.record(norm);
+        self.guard.record(norm, span);
         let median = self.guard.median();
         let mut values = values;
         let clipped = crate::guard::clip(&mut values, self.cfg.guard.clip_value) as u64;

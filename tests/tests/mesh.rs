@@ -108,6 +108,12 @@ fn three_nodes_form_a_mesh_through_one_address_and_converge_together() {
     let addr = listen_addr(&a);
     let b = start(tmp.path(), "b", &cfg, Some(&addr), &[]);
     let c = start(tmp.path(), "c", &cfg, Some(&addr), &[]);
+    // The control: three nodes of the same run, side by side, that never meet. Same initial
+    // weights, same data, other orders: how far apart replicas drift without the mesh.
+    let lone: Vec<Node> = ["x", "y", "z"]
+        .iter()
+        .map(|name| start(tmp.path(), name, &cfg, None, &[]))
+        .collect();
     let mut nodes = [a, b, c];
     for n in &nodes {
         // b and c only know a: they must find each other through it.
@@ -124,15 +130,23 @@ fn three_nodes_form_a_mesh_through_one_address_and_converge_together() {
             },
         );
     }
-    // Stop all three together; each writes a final checkpoint.
-    for n in &nodes {
+    for n in &lone {
+        n.wait_status(
+            "a lone node past step 4000",
+            Duration::from_secs(120),
+            |s| step(s) > 4000,
+        );
+    }
+    // Stop all six together; each writes a final checkpoint.
+    for n in nodes.iter().chain(&lone) {
         let (st, _, err) = cli(
             &["stop", "--api", n.api.as_deref().expect("api")],
             Duration::from_secs(30),
         );
         assert!(st.success(), "{err}");
     }
-    for n in &mut nodes {
+    let mut lone = lone;
+    for n in nodes.iter_mut().chain(lone.iter_mut()) {
         assert!(
             n.wait_exit(Duration::from_secs(60)).success(),
             "{}",
@@ -147,13 +161,35 @@ fn three_nodes_form_a_mesh_through_one_address_and_converge_together() {
         let acc = eval_accuracy(&cfg, f);
         assert!(acc >= 0.95, "{} reached only {acc}", f.display());
     }
-    let p: Vec<Vec<f32>> = finals.iter().map(|f| params(f)).collect();
-    for i in 0..3 {
-        for j in (i + 1)..3 {
-            let d = relative_distance(&p[i], &p[j]);
-            assert!(d < 0.05, "nodes {i} and {j} are {:.2}% apart", d * 100.0);
+    let pairwise = |ps: &[Vec<f32>]| -> Vec<f64> {
+        let mut d = Vec::new();
+        for i in 0..ps.len() {
+            for j in (i + 1)..ps.len() {
+                d.push(relative_distance(&ps[i], &ps[j]));
+            }
         }
-    }
+        d
+    };
+    let meshed = pairwise(&finals.iter().map(|f| params(f)).collect::<Vec<_>>());
+    let apart = pairwise(
+        &lone
+            .iter()
+            .map(|n| params(&newest_checkpoint(&n.data_dir).expect("lone final")))
+            .collect::<Vec<_>>(),
+    );
+    let meshed_max = meshed.iter().copied().fold(0.0, f64::max);
+    let apart_min = apart.iter().copied().fold(f64::INFINITY, f64::min);
+    eprintln!("relative distances: meshed {meshed:.4?}, never met {apart:.4?}");
+    assert!(
+        meshed_max < 0.05,
+        "meshed nodes are {:.2}% apart",
+        meshed_max * 100.0
+    );
+    // The mesh, not the shared start, keeps them together.
+    assert!(
+        meshed_max * 10.0 < apart_min,
+        "meshed replicas ({meshed_max:.4}) are not much closer than replicas that never met ({apart_min:.4})"
+    );
 }
 
 /// Compressed updates of two codecs in one mesh, and the staleness bound: a fast node with

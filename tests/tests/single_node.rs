@@ -132,7 +132,22 @@ fn kill9_then_restart_resumes_with_the_same_optimizer_state() {
     );
     let log = same.log_text();
     assert!(log.contains("resumed from checkpoint"), "{log}");
-    let (meta2, after) = read_checkpoint(&newest_checkpoint(&data).expect("final"));
+    // The comparison below proves something only if the file was written anew.
+    let rewritten = newest_checkpoint(&data).expect("final");
+    assert_ne!(
+        rewritten, newest,
+        "the restart wrote no checkpoint of its own"
+    );
+    let (meta2, after) = read_checkpoint(&rewritten);
+    let id = |m: &std::collections::HashMap<String, String>| -> u64 {
+        m["id"].parse().expect("checkpoint id")
+    };
+    assert!(
+        id(&meta2) > id(&meta),
+        "checkpoint {} is not newer than {}",
+        id(&meta2),
+        id(&meta)
+    );
     assert_eq!(meta2["step"], meta["step"]);
     assert_eq!(meta2["optimizer_steps"], meta["optimizer_steps"]);
     assert_eq!(

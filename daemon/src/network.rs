@@ -316,6 +316,19 @@ struct Ban {
     until: Instant,
     until_unix: u64,
     reason: String,
+    /// Addresses the peer was known at: a connection from one of them that breaks off
+    /// mid-handshake is most likely the banned peer redialling (its other dial attempts are
+    /// cancelled once one is refused), not a key mismatch.
+    ips: HashSet<std::net::IpAddr>,
+}
+
+/// The IP address in a multiaddr, if any.
+fn ip_of(addr: &Multiaddr) -> Option<std::net::IpAddr> {
+    addr.iter().find_map(|p| match p {
+        libp2p::multiaddr::Protocol::Ip4(ip) => Some(ip.into()),
+        libp2p::multiaddr::Protocol::Ip6(ip) => Some(ip.into()),
+        _ => None,
+    })
 }
 
 /// What a peer did wrong, as the mesh reported it: the evidence a ban names.
@@ -1004,6 +1017,19 @@ impl EventLoop {
             let reason = ban_reason(score, self.offences.get(&peer));
             tracing::warn!(peer = %peer, "banned for {:?}: {reason}", scoring::BAN_FOR);
             let until_unix = crate::store::unix_now() + scoring::BAN_FOR.as_secs();
+            let ips = self
+                .members
+                .get(&peer)
+                .and_then(|m| m.address.parse::<Multiaddr>().ok())
+                .into_iter()
+                .chain(
+                    self.known
+                        .get(&peer)
+                        .into_iter()
+                        .flat_map(|k| k.addrs.clone()),
+                )
+                .filter_map(|a| ip_of(&a))
+                .collect();
             self.banned.insert(
                 peer,
                 Ban {
@@ -1011,6 +1037,7 @@ impl EventLoop {
                     until: now + scoring::BAN_FOR,
                     until_unix,
                     reason,
+                    ips,
                 },
             );
             // The block list refuses the peer's connections, either way, until the ban ends:
@@ -1413,9 +1440,18 @@ impl EventLoop {
                         return;
                     }
                 }
+                let banned_there = ip_of(&send_back_addr).and_then(|ip| {
+                    self.banned
+                        .iter()
+                        .find(|(_, b)| b.ips.contains(&ip))
+                        .map(|(p, _)| *p)
+                });
                 if matches!(error, libp2p::swarm::ListenError::Denied { .. }) {
                     self.denied_connections += 1;
                     tracing::warn!(from = %send_back_addr, "refused a connection: the peer is not on network.allow");
+                } else if let (true, Some(p)) = (looks_like_handshake_failure(&text), banned_there)
+                {
+                    tracing::info!(from = %send_back_addr, "an incoming connection broke off during the handshake ({text}): most likely banned peer {p} redialling, whose connections are refused for the ban");
                 } else if looks_like_handshake_failure(&text) {
                     self.handshake_failures += 1;
                     tracing::warn!(from = %send_back_addr, "handshake with an incoming peer failed: {text}; {}", self.key_hint());

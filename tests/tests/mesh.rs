@@ -537,6 +537,23 @@ mod rogue {
             table.contains("banned:") && table.contains(&rogue) && table.contains("until"),
             "{table}"
         );
+        // The rogue redials (its network task redials lost members within seconds): the
+        // connection is refused for the ban, and said so, never blamed on a network key.
+        eventually(
+            Duration::from_secs(30),
+            "the rogue's redial refused",
+            || {
+                honest
+                    .log_text()
+                    .contains("is banned for another")
+                    .then_some(())
+            },
+        );
+        let log = honest.log_text();
+        assert!(
+            !log.contains("--psk"),
+            "a ban reported as a key problem: {log}"
+        );
         assert!(
             rogue_score(&banned, &rogue).is_none(),
             "a banned peer is no longer connected: {}",

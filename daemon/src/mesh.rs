@@ -416,14 +416,18 @@ impl Mesh {
                             },
                         )
                         .await;
+                    // Only bytes that contradict the announced hash (or an answer of the
+                    // wrong kind) blame the author. An honest author keeps just its last few
+                    // large updates, so a fetch that arrives late on a slow link is refused
+                    // through no fault of its own, as is one lost to the network.
                     let bytes = match answer {
                         Ok(BulkResponse::Update(bytes))
                             if Sha256::digest(&bytes)[..] == hash[..] =>
                         {
                             Ok(bytes.into_vec())
                         }
+                        Ok(BulkResponse::Refused(_)) | Err(_) => Err(false),
                         Ok(_) => Err(true),
-                        Err(_) => Err(false),
                     };
                     let _ = fetched_tx
                         .send(Fetched {
@@ -449,7 +453,7 @@ impl Mesh {
             Err(true) => {
                 self.reject(
                     f.owner,
-                    "announced update could not be fetched or does not match its hash",
+                    "announced update does not match its hash, or the answer was no update",
                 );
                 MessageAcceptance::Reject
             }

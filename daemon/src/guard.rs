@@ -29,6 +29,12 @@ pub const MIN_SAMPLES: usize = 16;
 /// parameters' norm (`sync.max_update_ratio`) still holds, and a late update is applied
 /// with the sync policy's staleness discount.
 pub const SPAN_LEEWAY: f64 = 8.0;
+/// Beyond the outlier bound an update is scaled down to it and applied, unpunished: honest
+/// norms spread wider than any fixed factor of the median (a joiner that downloaded a
+/// seconds-old state sends early-training-sized updates to a mesh that has moved on, which
+/// a loaded box makes worse), and the scaled update can do no more than an honest one. Only an
+/// update this many times beyond the bound is taken as proof of hostility and rejected.
+pub const REJECT_BEYOND: f64 = 4.0;
 
 /// Settings; zero turns a check off.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -64,7 +70,7 @@ pub fn clip(values: &mut [f32], limit: f32) -> usize {
 pub enum Refusal {
     /// The author sends faster than the limit.
     RateLimited,
-    /// The norm is beyond the outlier bound.
+    /// The norm is more than [`REJECT_BEYOND`] times the outlier bound.
     Outlier {
         /// The update's norm.
         norm: f64,
@@ -81,7 +87,7 @@ impl std::fmt::Display for Refusal {
             Refusal::RateLimited => write!(f, "update rate above the per-peer limit"),
             Refusal::Outlier { norm, bound, span } => write!(
                 f,
-                "update norm {norm:.3e} over {span} steps is an outlier (bound {bound:.3e}: a multiple of the median of recent updates, widened for long spans)"
+                "update norm {norm:.3e} over {span} steps is an outlier (beyond {bound:.3e}: {REJECT_BEYOND} x the bound, a multiple of the median of recent updates widened for long or late updates)"
             ),
         }
     }
@@ -135,24 +141,29 @@ impl<K: Hash + Eq + Clone> UpdateGuard<K> {
         }
     }
 
-    /// Judges a decoded update's norm against the recent median. `span` is the number of
-    /// steps it covers (its header's step minus base step) and `lateness` how many steps it
-    /// is behind its author's newest update; together, against the usual span, they widen
-    /// the bound up to [`SPAN_LEEWAY`] times.
-    pub fn judge_norm(&self, norm: f64, span: u64, lateness: u64) -> Result<(), Refusal> {
+    /// Judges a decoded update's norm against the recent median; answers the factor to
+    /// scale it by (1 for most, less for one beyond the bound; see [`REJECT_BEYOND`]). `span`
+    /// is the number of steps it covers (its header's step minus base step) and `lateness`
+    /// how many steps it is behind its author's newest update; together, against the usual
+    /// span, they widen the bound up to [`SPAN_LEEWAY`] times.
+    pub fn judge_norm(&self, norm: f64, span: u64, lateness: u64) -> Result<f64, Refusal> {
         match (self.cfg.outlier_factor > 0.0, self.median()) {
-            (true, Some(m)) if self.norms.len() >= MIN_SAMPLES => {
+            (true, Some(m)) if self.norms.len() >= MIN_SAMPLES && norm > 0.0 => {
                 let usual = self.median_span().unwrap_or(1).max(1) as f64;
                 let age = span.max(1).saturating_add(lateness) as f64;
                 let leeway = (age / usual).clamp(1.0, SPAN_LEEWAY);
                 let bound = self.cfg.outlier_factor * m * leeway;
-                if norm > bound {
-                    Err(Refusal::Outlier { norm, bound, span })
+                if norm > REJECT_BEYOND * bound {
+                    Err(Refusal::Outlier {
+                        norm,
+                        bound: REJECT_BEYOND * bound,
+                        span,
+                    })
                 } else {
-                    Ok(())
+                    Ok((bound / norm).min(1.0))
                 }
             }
-            _ => Ok(()),
+            _ => Ok(1.0),
         }
     }
 
@@ -288,13 +299,17 @@ mod tests {
         }
         assert_eq!(
             g.judge_norm(1000.0, 20, 0),
-            Ok(()),
+            Ok(1.0),
             "too few samples to judge"
         );
         g.record(1.0, 20);
-        assert_eq!(g.judge_norm(9.9, 20, 0), Ok(()));
+        assert_eq!(g.judge_norm(9.9, 20, 0), Ok(1.0));
+        // Beyond the bound: scaled down to it, not refused...
+        assert_eq!(g.judge_norm(20.0, 20, 0), Ok(0.5));
+        assert_eq!(g.judge_norm(40.0, 20, 0), Ok(0.25));
+        // ...until it is REJECT_BEYOND times beyond.
         assert!(matches!(
-            g.judge_norm(10.1, 20, 0),
+            g.judge_norm(40.1, 20, 0),
             Err(Refusal::Outlier { .. })
         ));
         // Honest updates shrink as training converges: the bound follows.
@@ -302,8 +317,11 @@ mod tests {
             g.record(0.1, 20);
         }
         assert_eq!(g.median(), Some(0.1));
-        assert!(g.judge_norm(1.5, 20, 0).is_err());
-        assert!(g.judge_norm(0.9, 20, 0).is_ok());
+        assert!(g.judge_norm(4.1, 20, 0).is_err());
+        assert_eq!(g.judge_norm(0.9, 20, 0), Ok(1.0));
+        assert!(g
+            .judge_norm(2.0, 20, 0)
+            .is_ok_and(|s| (s - 0.5).abs() < 1e-9));
     }
 
     #[test]
@@ -313,18 +331,22 @@ mod tests {
             g.record(1.0, 20);
         }
         // Three intervals' worth of steps that could not go out: three times the bound.
-        assert!(g.judge_norm(25.0, 60, 0).is_ok());
-        assert!(g.judge_norm(31.0, 60, 0).is_err());
+        assert_eq!(g.judge_norm(30.0, 60, 0), Ok(1.0));
+        assert_eq!(g.judge_norm(60.0, 60, 0), Ok(0.5));
+        assert!(g.judge_norm(121.0, 60, 0).is_err());
         // A shorter span than usual does not tighten it; a huge claimed span gains at most
         // the leeway.
-        assert!(g.judge_norm(9.0, 1, 0).is_ok());
-        assert!(g.judge_norm(10.0 * SPAN_LEEWAY - 1.0, u64::MAX, 0).is_ok());
-        assert!(g.judge_norm(10.0 * SPAN_LEEWAY + 1.0, u64::MAX, 0).is_err());
-        // An update 40 steps behind its author's newest, computed on a younger model.
-        assert!(g.judge_norm(25.0, 20, 40).is_ok());
-        assert!(g.judge_norm(31.0, 20, 40).is_err());
+        assert_eq!(g.judge_norm(9.0, 1, 0), Ok(1.0));
+        let widest = 10.0 * SPAN_LEEWAY;
+        assert_eq!(g.judge_norm(widest, u64::MAX, 0), Ok(1.0));
         assert!(g
-            .judge_norm(10.0 * SPAN_LEEWAY + 1.0, 20, u64::MAX)
+            .judge_norm(REJECT_BEYOND * widest + 1.0, u64::MAX, 0)
+            .is_err());
+        // An update 40 steps behind its author's newest, computed on a younger model.
+        assert_eq!(g.judge_norm(30.0, 20, 40), Ok(1.0));
+        assert!(g.judge_norm(121.0, 20, 40).is_err());
+        assert!(g
+            .judge_norm(REJECT_BEYOND * widest + 1.0, 20, u64::MAX)
             .is_err());
     }
 
@@ -350,7 +372,7 @@ mod tests {
         for _ in 0..100 {
             g.record(1.0, 20);
         }
-        assert_eq!(g.judge_norm(1e9, 20, 0), Ok(()));
+        assert_eq!(g.judge_norm(1e9, 20, 0), Ok(1.0));
         let t = Instant::now();
         assert!((0..1000).all(|_| g.admit(&1, t).is_ok()));
     }

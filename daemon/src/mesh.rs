@@ -104,6 +104,10 @@ pub struct UpdateCounters {
     /// delivered it very late; it cannot be told from a replay).
     #[serde(default)]
     pub too_old: u64,
+    /// Accepted, but scaled down to the outlier bound: beyond a multiple of the median of
+    /// recent updates, yet not far enough beyond to prove hostility.
+    #[serde(default)]
+    pub scaled_down: u64,
     /// Of the rejected, those whose norm was an outlier against recent updates.
     #[serde(default)]
     pub outliers: u64,
@@ -546,11 +550,14 @@ impl Mesh {
             return MessageAcceptance::Ignore;
         }
         let span = header.step.saturating_sub(header.base_step);
-        if let Err(why) = self.guard.judge_norm(norm, span, lateness) {
-            self.reject(author, &why.to_string());
-            self.with_status(|s| s.updates.outliers += 1);
-            return MessageAcceptance::Reject;
-        }
+        let scale = match self.guard.judge_norm(norm, span, lateness) {
+            Ok(scale) => scale,
+            Err(why) => {
+                self.reject(author, &why.to_string());
+                self.with_status(|s| s.updates.outliers += 1);
+                return MessageAcceptance::Reject;
+            }
+        };
         self.seen_steps
             .entry(author)
             .or_default()
@@ -561,6 +568,11 @@ impl Mesh {
         self.guard.record(norm, span);
         let median = self.guard.median();
         let mut values = values;
+        if scale < 1.0 {
+            tracing::debug!(peer = %author, norm, scale, span, lateness, "large update scaled down to the outlier bound");
+            values.iter_mut().for_each(|v| *v *= scale as f32);
+            self.with_status(|s| s.updates.scaled_down += 1);
+        }
         let clipped = crate::guard::clip(&mut values, self.cfg.guard.clip_value) as u64;
         self.with_status(|s| {
             s.updates.received += 1;

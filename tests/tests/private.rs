@@ -139,9 +139,10 @@ fn an_allowlist_refuses_an_unknown_peer() {
     assert_eq!(peers(&st), 0, "the stranger got in: {st}");
 }
 
-/// Well-formed updates thirty times the norm of what honest neighbours send (yet within the
-/// parameter-norm bound) are rejected as outliers and lower their sender's score; a flood of
-/// small valid updates beyond the per-peer rate is dropped unread.
+/// Well-formed updates twenty times the norm of what honest neighbours send are scaled down
+/// to the outlier bound (ten times the median) and applied unpunished; fifty times (yet
+/// within the parameter-norm bound) they are rejected as outliers and lower their sender's
+/// score; a flood of small valid updates beyond the per-peer rate is dropped unread.
 #[test]
 fn outlier_updates_are_rejected_and_a_flood_is_rate_limited() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -159,14 +160,24 @@ fn outlier_updates_are_rejected_and_a_flood_is_rate_limited() {
     );
     let median = s["updates"]["median_norm"].as_f64().expect("median");
     let r = Rogue::join(&cfg, &addr);
-    let value = (30.0 * median / (r.numel as f64).sqrt()) as f32;
+    let sized = |times: f64| (times * median / (r.numel as f64).sqrt()) as f32;
+    let large: Vec<Vec<u8>> = (0..2)
+        .map(|i| r.update(900 + i, &vec![sized(20.0); r.numel]))
+        .collect();
+    r.publish_when_heard(large[0].clone());
+    r.publish_all(&large[1..], Duration::from_millis(100))
+        .expect("publish");
+    let rogue = r.id.to_string();
+    let s = a.wait_status("large updates scaled down", Duration::from_secs(30), |s| {
+        s["updates"]["scaled_down"].as_u64().unwrap_or(0) >= 2
+    });
+    assert!(s["rejected_by_peer"][&rogue].is_null(), "{s}");
+    let value = sized(50.0);
     let outliers: Vec<Vec<u8>> = (0..6)
         .map(|i| r.update(1000 + i, &vec![value; r.numel]))
         .collect();
-    r.publish_when_heard(outliers[0].clone());
-    r.publish_all(&outliers[1..], Duration::from_millis(100))
+    r.publish_all(&outliers, Duration::from_millis(100))
         .expect("publish");
-    let rogue = r.id.to_string();
     let s = a.wait_status("outliers rejected", Duration::from_secs(30), |s| {
         s["updates"]["outliers"].as_u64().unwrap_or(0) >= 6
     });

@@ -119,12 +119,14 @@ impl Watch {
     pub(crate) fn assert_honest(&self, what: &str, nodes: &[Node]) {
         for (i, (a, b)) in self.first.iter().zip(&self.last).enumerate() {
             eprintln!(
-                "{what} node {i}: {:.0} steps/s, applied {}, late {}, duplicates {}, rate-limited {}, outliers {}, peer drops {}",
+                "{what} node {i}: {:.0} steps/s, applied {}, late {}, duplicates {}, too old {}, rate-limited {}, scaled down {}, outliers {}, peer drops {}",
                 (step(b) - step(a)) as f64 / self.secs,
                 counter(b, "applied") - counter(a, "applied"),
                 counter(b, "late"),
                 counter(b, "duplicates"),
+                counter(b, "too_old"),
                 counter(b, "rate_limited"),
+                counter(b, "scaled_down"),
                 counter(b, "outliers"),
                 b["peer_drops"]
             );

@@ -766,46 +766,63 @@ async fn join_mesh(shared: Arc<Shared>, cache: Arc<Mutex<transfer::Cache>>) {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    match download_state(&shared, &members).await {
-        Ok((loaded, report, bytes)) => {
-            tracing::info!(donor = %report.donor, step = report.step, bytes = report.bytes, secs = format!("{:.2}", report.secs), sources = report.sources.len(), "state downloaded");
-            let (tx, rx) = oneshot::channel();
-            if shared
-                .cmd_tx
-                .send(Command::Restore(Box::new(loaded), tx))
-                .await
-                .is_ok()
-            {
-                match rx.await {
-                    Ok(Ok(())) => {
-                        // This node can now serve the same state to later joiners.
-                        if let Ok(mut c) = cache.lock() {
-                            c.insert(Arc::new(transfer::Frozen::new(report.step, bytes, false)));
-                        }
-                        let mut report = report;
-                        report.first_accuracy = shared.stats_rx.borrow().eval.map(|e| e.accuracy);
-                        if let Ok(mut m) = shared.mesh.lock() {
-                            m.download = Some(report);
-                        }
-                        return;
-                    }
-                    Ok(Err(e)) => tracing::warn!("downloaded state refused: {e}"),
-                    Err(_) => return,
-                }
+    let limits =
+        transfer::Limits::for_params(shared.model.params, shared.data_dir.join("download"));
+    // A state that downloads whole but fails its checks (another run, another layout,
+    // non-finite values) rules its donor out; the next donor is tried.
+    let mut donors = members;
+    for _ in 0..JOIN_ATTEMPTS {
+        let (loaded, report, bytes) = match download_state(&shared, &donors, &limits).await {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(
+                    "state download failed ({e}); training from the run's initial weights"
+                );
+                break;
             }
+        };
+        tracing::info!(donor = %report.donor, step = report.step, bytes = report.bytes, secs = format!("{:.2}", report.secs), sources = report.sources.len(), reused_chunks = report.reused_chunks, "state downloaded");
+        let (tx, rx) = oneshot::channel();
+        if shared
+            .cmd_tx
+            .send(Command::Restore(Box::new(loaded), tx))
+            .await
+            .is_err()
+        {
+            return;
         }
-        Err(e) => {
-            tracing::warn!("state download failed ({e}); training from the run's initial weights")
+        match rx.await {
+            Ok(Ok(())) => {
+                // This node can now serve the same state to later joiners.
+                if let Ok(mut c) = cache.lock() {
+                    c.insert(Arc::new(transfer::Frozen::new(report.step, bytes, false)));
+                }
+                let mut report = report;
+                report.first_accuracy = shared.stats_rx.borrow().eval.map(|e| e.accuracy);
+                if let Ok(mut m) = shared.mesh.lock() {
+                    m.download = Some(report);
+                }
+                return;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(donor = %report.donor, "downloaded state refused: {e}; trying another donor");
+                donors.retain(|p| p.to_string() != report.donor);
+            }
+            Err(_) => return,
         }
     }
     let _ = shared.cmd_tx.send(Command::Start).await;
 }
 
+/// Donors a joiner tries before it trains from the run's initial weights.
+const JOIN_ATTEMPTS: usize = 3;
+
 async fn download_state(
     shared: &Shared,
     members: &[libp2p::PeerId],
+    limits: &transfer::Limits,
 ) -> Result<(store::Loaded, transfer::DownloadReport, Vec<u8>), String> {
-    let (bytes, report) = transfer::download(&shared.net, members).await?;
+    let (bytes, report) = transfer::download(&shared.net, members, limits).await?;
     let decoded = {
         let bytes = bytes.clone();
         tokio::task::spawn_blocking(move || crate::checkpoint::decode(&bytes, "downloaded state"))

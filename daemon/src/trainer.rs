@@ -291,6 +291,18 @@ fn restore_into(
             loaded.meta.id, info.layout_hash
         ));
     }
+    // A checksummed file can still hold NaN (a donor whose model diverged, or a hostile one):
+    // nothing non-finite is loaded.
+    if let Some((name, _)) = loaded
+        .tensors
+        .iter()
+        .find(|(_, t)| t.values.iter().any(|v| !v.is_finite()))
+    {
+        return Err(format!(
+            "checkpoint {} holds NaN or infinite values in {name}",
+            loaded.meta.id
+        ));
+    }
     let device = model
         .params()
         .vars()

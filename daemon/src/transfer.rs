@@ -8,7 +8,8 @@
 //! several holders instead of hammering one donor.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
@@ -173,15 +174,59 @@ pub struct DownloadReport {
     /// Held-out accuracy of the downloaded state, evaluated right after loading it.
     #[serde(default)]
     pub first_accuracy: Option<f64>,
+    /// Chunks found verified on disk from an earlier, interrupted download of the same state
+    /// (the joiner was killed or restarted), so not fetched again.
+    #[serde(default)]
+    pub reused_chunks: usize,
+    /// Donors whose manifest was refused (larger than this layout's largest checkpoint, or
+    /// malformed).
+    #[serde(default)]
+    pub refused_manifests: usize,
+}
+
+/// Bytes a checkpoint holds beyond its tensors' values, at most: the safetensors header (names,
+/// shapes, offsets) and our metadata. Generous: a digits MLP's whole checkpoint is 120 KB.
+const CHECKPOINT_OVERHEAD: u64 = 1024 * 1024;
+
+/// What a download may hold and where it keeps its chunks.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// The largest state accepted: the largest checkpoint this run's layout can produce. A
+    /// manifest claiming more is refused before anything is fetched.
+    pub max_total: u64,
+    /// Where verified chunks are kept (one folder per state), so a joiner killed mid-download
+    /// fetches only what it lacks when it starts again.
+    pub dir: PathBuf,
+}
+
+impl Limits {
+    /// Limits for a model of `params` scalars: its parameters and at most two optimizer
+    /// slots per parameter (AdamW's moments; SGD's momentum is one), `f32` each, plus
+    /// [`CHECKPOINT_OVERHEAD`].
+    pub fn for_params(params: usize, dir: PathBuf) -> Limits {
+        Limits {
+            max_total: (params as u64)
+                .saturating_mul(4 * 3)
+                .saturating_add(CHECKPOINT_OVERHEAD),
+            dir,
+        }
+    }
 }
 
 /// Downloads a state from `peers`: asks each for a manifest, picks the most advanced of the
-/// least loaded, fetches its chunks from every holder in parallel, verifies each chunk, and
-/// falls back to the next donor if all holders of the chosen state vanish. Returns the bytes
-/// (a checkpoint file, verified again by the caller) and a report.
-pub async fn download(net: &Client, peers: &[PeerId]) -> Result<(Vec<u8>, DownloadReport), String> {
+/// least loaded, fetches its chunks from every holder in parallel, verifies each chunk, keeps
+/// it on disk under `limits.dir`, and falls back to the next donor if all holders of the
+/// chosen state vanish. A state an earlier run of this node left half-downloaded is resumed
+/// first if some peer still serves it. Returns the bytes (a checkpoint file, verified again by
+/// the caller) and a report.
+pub async fn download(
+    net: &Client,
+    peers: &[PeerId],
+    limits: &Limits,
+) -> Result<(Vec<u8>, DownloadReport), String> {
     let started = Instant::now();
-    let mut manifests: Vec<(PeerId, StateManifest, Vec<Vec<u8>>)> = Vec::new();
+    let mut manifests: Vec<(PeerId, StateManifest)> = Vec::new();
+    let mut refused_manifests = 0;
     let asks = peers.iter().map(|p| {
         let net = net.clone();
         let p = *p;
@@ -189,39 +234,67 @@ pub async fn download(net: &Client, peers: &[PeerId]) -> Result<(Vec<u8>, Downlo
     });
     for (peer, answer) in futures::future::join_all(asks).await {
         match answer {
-            Ok(BulkResponse::StateManifest(m)) if valid_manifest(&m) => {
-                manifests.push((peer, m, Vec::new()))
-            }
+            Ok(BulkResponse::StateManifest(m)) => match check_manifest(&m, limits.max_total) {
+                Ok(()) => manifests.push((peer, m)),
+                Err(why) => {
+                    refused_manifests += 1;
+                    tracing::warn!(peer = %peer, "state manifest refused: {why}");
+                }
+            },
             Ok(other) => tracing::info!(peer = %peer, "no state from this peer: {other:?}"),
             Err(e) => tracing::info!(peer = %peer, "no state from this peer: {e}"),
         }
     }
     if manifests.is_empty() {
-        return Err("no peer offered its state".into());
+        return Err("no peer offered a valid state".into());
     }
     // Most advanced first; among those within 10% of the best step, the least loaded.
     let best_step = manifests.iter().map(|m| m.1.step).max().unwrap_or(0);
-    manifests.sort_by_key(|(_, m, _)| {
+    manifests.sort_by_key(|(_, m)| {
         (
             m.step * 10 < best_step * 9,
             m.load,
             std::cmp::Reverse(m.step),
         )
     });
+    let mut order = manifests.clone();
+    // A state left half-downloaded goes first while some peer still serves it; otherwise its
+    // chunks are of no use any more.
+    if let Some((hash, manifest)) = partial_download(&limits.dir, limits.max_total) {
+        let offered = manifests
+            .iter()
+            .find(|(_, m)| m.hash[..] == hash[..] || m.cached.iter().any(|c| c[..] == hash[..]));
+        match offered {
+            Some((donor, _)) => {
+                tracing::info!(donor = %donor, "resuming an interrupted state download");
+                order.insert(0, (*donor, manifest));
+            }
+            None => {
+                tracing::info!("an interrupted state download is no longer served; starting over");
+                let _ = std::fs::remove_dir_all(limits.dir.join(hex::encode(hash)));
+            }
+        }
+    }
     let mut restarts = 0;
     let mut failed_sources = 0;
-    let order: Vec<(PeerId, StateManifest)> =
-        manifests.into_iter().map(|(p, m, _)| (p, m)).collect();
     for (i, (donor, manifest)) in order.iter().enumerate() {
         // Holders of this exact state: the donor and any peer whose manifest names it.
-        let mut sources: Vec<PeerId> = order
+        let mut sources: Vec<PeerId> = manifests
             .iter()
             .filter(|(_, m)| m.hash == manifest.hash || m.cached.contains(&manifest.hash))
             .map(|(p, _)| *p)
             .collect();
         sources.dedup();
-        match fetch(net, manifest, &mut sources, &mut failed_sources).await {
-            Ok((bytes, used)) => {
+        match fetch(
+            net,
+            manifest,
+            &mut sources,
+            &mut failed_sources,
+            &limits.dir,
+        )
+        .await
+        {
+            Ok((bytes, used, reused_chunks)) => {
                 let report = DownloadReport {
                     donor: donor.to_string(),
                     sources: used.iter().map(|p| p.to_string()).collect(),
@@ -232,6 +305,8 @@ pub async fn download(net: &Client, peers: &[PeerId]) -> Result<(Vec<u8>, Downlo
                     failed_sources,
                     restarts,
                     first_accuracy: None,
+                    reused_chunks,
+                    refused_manifests,
                 };
                 return Ok((bytes, report));
             }
@@ -246,26 +321,107 @@ pub async fn download(net: &Client, peers: &[PeerId]) -> Result<(Vec<u8>, Downlo
     Err("every donor failed".into())
 }
 
-fn valid_manifest(m: &StateManifest) -> bool {
+/// Why a manifest cannot describe a state of this run, if it cannot.
+fn check_manifest(m: &StateManifest, max_total: u64) -> Result<(), String> {
     let n = m.chunk_hashes.len() as u64;
-    m.hash.len() == 32
-        && m.chunk_size as usize == CHUNK_SIZE
-        && m.total > 0
-        && m.total <= crate::network::BULK_RESPONSE_MAX * 64
-        && n == m.total.div_ceil(CHUNK_SIZE as u64)
-        && m.chunk_hashes.iter().all(|h| h.len() == 32)
+    if m.hash.len() != 32 || m.chunk_hashes.iter().any(|h| h.len() != 32) {
+        return Err("hashes are not SHA-256".into());
+    }
+    if m.chunk_size as usize != CHUNK_SIZE {
+        return Err(format!(
+            "chunk size {} (this node uses {CHUNK_SIZE})",
+            m.chunk_size
+        ));
+    }
+    if m.total == 0 || m.total > max_total {
+        return Err(format!(
+            "it claims {} bytes; the largest checkpoint this run's layout can produce is {max_total}",
+            m.total
+        ));
+    }
+    if n != m.total.div_ceil(CHUNK_SIZE as u64) {
+        return Err(format!("{n} chunk hashes for {} bytes", m.total));
+    }
+    Ok(())
 }
 
-/// Fetches all chunks of `manifest` from `sources`, several at a time per source.
+/// The length chunk `index` of `manifest` must have.
+fn chunk_len(manifest: &StateManifest, index: usize) -> usize {
+    let size = manifest.chunk_size as u64;
+    let start = index as u64 * size;
+    manifest.total.saturating_sub(start).min(size) as usize
+}
+
+fn chunk_path(dir: &Path, index: usize) -> PathBuf {
+    dir.join(format!("{index}.chunk"))
+}
+
+const MANIFEST_FILE: &str = "manifest.json";
+
+/// The state a previous run of this node left half-downloaded under `dir`, if any (with its
+/// manifest, checked again). Others found there are removed: one partial state is kept.
+fn partial_download(dir: &Path, max_total: u64) -> Option<([u8; 32], StateManifest)> {
+    let mut found = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let usable = std::fs::read(path.join(MANIFEST_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<StateManifest>(&b).ok())
+            .filter(|m| check_manifest(m, max_total).is_ok())
+            .filter(|m| path.file_name() == Some(std::ffi::OsStr::new(&hex::encode(&m.hash))));
+        match usable {
+            Some(m) if found.is_none() => {
+                let mut hash = [0u8; 32];
+                hash.copy_from_slice(&m.hash);
+                found = Some((hash, m));
+            }
+            _ => {
+                let _ = std::fs::remove_dir_all(&path);
+            }
+        }
+    }
+    found
+}
+
+/// Fetches all chunks of `manifest` from `sources`, several at a time per source, keeping
+/// each verified chunk on disk under `root/<state hash>` and none in memory; chunks already
+/// there from an interrupted download are verified and reused. Returns the assembled state
+/// (memory held: the state's size, once, at the end), the sources used and the chunks reused.
 async fn fetch(
     net: &Client,
     manifest: &StateManifest,
     sources: &mut Vec<PeerId>,
     failed_sources: &mut usize,
-) -> Result<(Vec<u8>, Vec<PeerId>), String> {
+    root: &Path,
+) -> Result<(Vec<u8>, Vec<PeerId>, usize), String> {
     let n = manifest.chunk_hashes.len();
-    let chunks: Arc<Mutex<Vec<Option<Vec<u8>>>>> = Arc::new(Mutex::new(vec![None; n]));
-    let mut todo: VecDeque<u32> = (0..n as u32).collect();
+    let dir = root.join(hex::encode(&manifest.hash));
+    // Another state's chunks are of no use once this one is chosen.
+    if let Ok(entries) = std::fs::read_dir(root) {
+        for e in entries.flatten() {
+            if e.path() != dir {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    tokio::fs::create_dir_all(&dir)
+        .await
+        .map_err(|e| format!("cannot keep chunks in {}: {e}", dir.display()))?;
+    let manifest_json = serde_json::to_vec(manifest).map_err(|e| e.to_string())?;
+    write_atomic(&dir.join(MANIFEST_FILE), &manifest_json).await?;
+    let mut done = vec![false; n];
+    let mut reused = 0;
+    for (i, slot) in done.iter_mut().enumerate() {
+        if let Ok(bytes) = tokio::fs::read(chunk_path(&dir, i)).await {
+            if bytes.len() == chunk_len(manifest, i)
+                && Sha256::digest(&bytes)[..] == manifest.chunk_hashes[i][..]
+            {
+                *slot = true;
+                reused += 1;
+            }
+        }
+    }
+    let mut todo: VecDeque<u32> = (0..n as u32).filter(|i| !done[*i as usize]).collect();
     let mut used = HashSet::new();
     let mut in_flight = futures::stream::FuturesUnordered::new();
     let mut busy: HashMap<PeerId, usize> = HashMap::new();
@@ -303,38 +459,59 @@ async fn fetch(
         if let Some(b) = busy.get_mut(&peer) {
             *b = b.saturating_sub(1);
         }
-        let expected = &manifest.chunk_hashes[index as usize];
-        match result {
-            Ok(BulkResponse::StateChunk(bytes)) if Sha256::digest(&bytes)[..] == expected[..] => {
+        let i = index as usize;
+        let why = match result {
+            Ok(BulkResponse::StateChunk(bytes)) if bytes.len() != chunk_len(manifest, i) => {
+                format!(
+                    "chunk of {} bytes, {} expected",
+                    bytes.len(),
+                    chunk_len(manifest, i)
+                )
+            }
+            Ok(BulkResponse::StateChunk(bytes))
+                if Sha256::digest(&bytes)[..] == manifest.chunk_hashes[i][..] =>
+            {
+                write_atomic(&chunk_path(&dir, i), &bytes).await?;
                 used.insert(peer);
-                if let Ok(mut c) = chunks.lock() {
-                    c[index as usize] = Some(bytes.into_vec());
-                }
+                done[i] = true;
+                continue;
             }
-            other => {
-                let why = match other {
-                    Ok(BulkResponse::StateChunk(_)) => "chunk failed verification".to_string(),
-                    Ok(r) => format!("unexpected answer {r:?}"),
-                    Err(e) => e,
-                };
-                tracing::warn!(peer = %peer, chunk = index, "state source failed ({why}); continuing with the others");
-                if sources.contains(&peer) {
-                    sources.retain(|p| *p != peer);
-                    *failed_sources += 1;
-                }
-                todo.push_back(index);
-            }
+            Ok(BulkResponse::StateChunk(_)) => "chunk failed verification".to_string(),
+            Ok(r) => format!("unexpected answer {r:?}"),
+            Err(e) => e,
+        };
+        tracing::warn!(peer = %peer, chunk = index, "state source failed ({why}); continuing with the others");
+        if sources.contains(&peer) {
+            sources.retain(|p| *p != peer);
+            *failed_sources += 1;
         }
+        todo.push_back(index);
     }
-    let chunks = std::mem::take(&mut *chunks.lock().map_err(|_| "poisoned".to_string())?);
     let mut out = Vec::with_capacity(manifest.total as usize);
-    for c in chunks {
-        out.extend(c.ok_or("missing chunk")?);
+    for i in 0..n {
+        let bytes = tokio::fs::read(chunk_path(&dir, i))
+            .await
+            .map_err(|e| format!("chunk {i} vanished from {}: {e}", dir.display()))?;
+        out.extend_from_slice(&bytes);
     }
     if Sha256::digest(&out)[..] != manifest.hash[..] || out.len() as u64 != manifest.total {
+        let _ = tokio::fs::remove_dir_all(&dir).await;
         return Err("assembled state does not match its hash".into());
     }
-    Ok((out, used.into_iter().collect()))
+    let _ = tokio::fs::remove_dir_all(&dir).await;
+    Ok((out, used.into_iter().collect(), reused))
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so a crash leaves either
+/// the whole chunk or none.
+async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    let tmp = path.with_extension("tmp");
+    tokio::fs::write(&tmp, bytes)
+        .await
+        .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    tokio::fs::rename(&tmp, path)
+        .await
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 #[cfg(test)]
@@ -361,8 +538,11 @@ mod tests {
             .collect();
         let f = Frozen::new(5, bytes.clone(), true);
         let m = f.manifest(0, Vec::new());
-        assert!(valid_manifest(&m));
+        assert_eq!(check_manifest(&m, 1 << 30), Ok(()));
         assert_eq!(m.chunk_hashes.len(), 3);
+        assert_eq!(chunk_len(&m, 0), CHUNK_SIZE);
+        assert_eq!(chunk_len(&m, 2), 10);
+        assert_eq!(chunk_len(&m, 3), 0);
         let joined: Vec<u8> = (0..3)
             .flat_map(|i| f.chunk(i).expect("chunk").to_vec())
             .collect();
@@ -370,6 +550,48 @@ mod tests {
         assert!(f.chunk(3).is_none());
         let mut bad = m.clone();
         bad.chunk_hashes.pop();
-        assert!(!valid_manifest(&bad));
+        assert!(check_manifest(&bad, 1 << 30).is_err());
+        // More than this layout's largest checkpoint: refused before any fetch.
+        assert!(check_manifest(&m, m.total - 1).is_err_and(|e| e.contains("largest checkpoint")));
+        assert_eq!(
+            Limits::for_params(1000, PathBuf::new()).max_total,
+            12_000 + CHECKPOINT_OVERHEAD
+        );
+        let mut huge = m.clone();
+        huge.total = u64::MAX;
+        assert!(
+            check_manifest(&huge, u64::MAX).is_err(),
+            "chunk count must match"
+        );
+    }
+
+    #[test]
+    fn a_partial_download_is_found_once_and_strays_are_removed() {
+        let root = tempfile::tempdir().expect("tmp");
+        let f = Frozen::new(5, vec![7u8; CHUNK_SIZE + 3], true);
+        let m = f.manifest(0, Vec::new());
+        let dir = root.path().join(hex::encode(&m.hash));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(
+            dir.join(MANIFEST_FILE),
+            serde_json::to_vec(&m).expect("json"),
+        )
+        .expect("write");
+        // A folder whose manifest names another state, and one with no manifest: removed.
+        let stray = root.path().join("00ff");
+        std::fs::create_dir_all(&stray).expect("dir");
+        std::fs::write(
+            stray.join(MANIFEST_FILE),
+            serde_json::to_vec(&m).expect("json"),
+        )
+        .expect("write");
+        std::fs::create_dir_all(root.path().join("junk")).expect("dir");
+        let (hash, found) = partial_download(root.path(), 1 << 30).expect("partial found");
+        assert_eq!(hash, f.hash);
+        assert_eq!(found, m);
+        assert!(!stray.exists() && !root.path().join("junk").exists());
+        // Past this layout's bound it is not resumed either.
+        assert!(partial_download(root.path(), 100).is_none());
+        assert!(!dir.exists());
     }
 }

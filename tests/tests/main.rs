@@ -3,6 +3,7 @@
 
 mod churn;
 mod harness;
+mod join;
 mod mesh;
 mod nat;
 mod netlab;

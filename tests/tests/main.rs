@@ -3,6 +3,7 @@
 
 mod churn;
 mod harness;
+mod hostile_sync;
 mod mesh;
 mod nat;
 mod netlab;

@@ -381,7 +381,7 @@ fn a_node_of_another_run_is_refused() {
 
 /// A rogue peer of the same run publishes nine kinds of bad update; each is rejected and
 /// counted, its score falls, and more garbage gets it banned.
-mod rogue {
+pub(crate) mod rogue {
     use super::*;
     use crate::rogue::{inline, Rogue};
     use p2ptrain_daemon::scoring;

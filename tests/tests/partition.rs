@@ -64,7 +64,7 @@ fn mesh_in(lab: &Lab, root: &Path, cfgs: &[&Path]) -> Vec<Node> {
 }
 
 /// Flat parameters of a checkpoint the node writes now.
-fn params_now(node: &Node) -> Vec<f32> {
+pub(crate) fn params_now(node: &Node) -> Vec<f32> {
     let (st, out, err) = node.cli(&["checkpoint", "save", "--json"], Duration::from_secs(30));
     assert!(st.success(), "checkpoint save: {err}");
     let v: Value = serde_json::from_str(&out).expect("checkpoint json");
@@ -205,6 +205,33 @@ fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
         steps_after <= 3 * FULL_SYNC_EVERY,
         "took {steps_after} steps to reconverge, more than three full-sync intervals"
     );
+    // The healed halves are the most divergent honest replicas there are: every full sync
+    // between them must have been judged within the bound and averaged, none refused (a
+    // refusal would also have cost an honest peer its score).
+    let mut largest: f64 = 0.0;
+    for n in &nodes {
+        let s = n.status().expect("status");
+        let fs = &s["full_syncs"];
+        eprintln!("full syncs: {fs}");
+        assert_eq!(
+            fs["refused"].as_u64(),
+            Some(0),
+            "an honest sync was refused: {}; {}",
+            fs["last_refusal"],
+            s["sync_refusals"]
+        );
+        assert!(
+            s["sync_refusals"].as_object().is_some_and(|m| m.is_empty()),
+            "{}",
+            s["sync_refusals"]
+        );
+        assert!(fs["accepted"].as_u64().unwrap_or(0) > 0, "{fs}");
+        largest = largest.max(fs["largest_accepted"].as_f64().unwrap_or(0.0));
+    }
+    // ... and the healed case was exercised: some accepted sync was further apart than the
+    // whole mesh ever was before the split.
+    eprintln!("largest accepted sync distance {largest:.4} (level before the split {level:.4}, apart {apart:.4})");
+    assert!(largest > level, "{largest} vs {level}");
 }
 
 /// Seconds from `start` until every node has evaluated at ≥ 95% held-out accuracy, polling.

@@ -238,6 +238,8 @@ struct Fetched {
     bytes: Result<Vec<u8>, bool>,
 }
 
+/// Pause after a sync that got no reply to judge, before the policy may start the next one.
+const SYNC_RETRY_PAUSE: Duration = Duration::from_millis(500);
 /// Updates waiting for a busy trainer before they are merged.
 const PENDING_CAP: usize = 8;
 /// Announced updates being fetched at once, at most.
@@ -893,6 +895,9 @@ impl SyncTask {
             Err(SyncError::Failed(e)) => {
                 tracing::info!(%peer, "neighbour sync skipped: {e}");
                 self.with_status(|s| s.full_syncs.failed += 1);
+                // The policy retries at its next step; without a pause a lone neighbour that
+                // declines (a joiner still downloading) was asked ~300 times a second.
+                tokio::time::sleep(SYNC_RETRY_PAUSE).await;
             }
             Err(SyncError::Refused(why)) => {
                 let bound = why.bound().unwrap_or(current);

@@ -68,21 +68,25 @@ fn a_hostile_sync_partner_is_refused_punished_and_syncs_go_on_with_the_honest_pe
         ],
     );
     let rogue = r.id.to_string();
-    // Watch the rogue's score as each honest node sees it, until it is banned.
+    // Watch the rogue's score as each honest node sees it, until both have banned it.
     let mut scores: Vec<Vec<f64>> = vec![Vec::new(); 2];
-    let at_ban: Vec<Value> = honest
-        .iter()
-        .enumerate()
-        .map(|(i, n)| {
-            eventually(Duration::from_secs(90), "the rogue banned", || {
-                let s = n.status()?;
-                if let Some(score) = rogue_score(&s, &rogue) {
-                    scores[i].push(score);
-                }
-                banned(&s, &rogue).is_some().then_some(s)
-            })
-        })
-        .collect();
+    let mut at_ban: Vec<Option<Value>> = vec![None, None];
+    eventually(Duration::from_secs(90), "the rogue banned by both", || {
+        for (i, n) in honest.iter().enumerate() {
+            if at_ban[i].is_some() {
+                continue;
+            }
+            let s = n.status()?;
+            if let Some(score) = rogue_score(&s, &rogue) {
+                scores[i].push(score);
+            }
+            if banned(&s, &rogue).is_some() {
+                at_ban[i] = Some(s);
+            }
+        }
+        at_ban.iter().all(Option::is_some).then_some(())
+    });
+    let at_ban: Vec<Value> = at_ban.into_iter().flatten().collect();
     for (i, s) in at_ban.iter().enumerate() {
         let by_peer = refusals(s);
         let fs = &s["full_syncs"];
@@ -110,6 +114,12 @@ fn a_hostile_sync_partner_is_refused_punished_and_syncs_go_on_with_the_honest_pe
         assert!(d >= 0.9 && d > bound, "{last}");
         // Its score fell with the refusals (it sent nothing else to reject) until the ban.
         let at = banned(s, &rogue).expect("ban score");
+        if let (Some(first), Some(low)) = (
+            scores[i].first(),
+            scores[i].iter().copied().reduce(f64::min),
+        ) {
+            assert!(low < *first || low < 0.0, "{:?}", scores[i]);
+        }
         assert!(at < scoring::GRAYLIST_THRESHOLD, "{at}");
         assert!(
             s["rejected_by_peer"].get(&rogue).is_none(),

@@ -947,4 +947,25 @@ mod tests {
             assert!(e.contains("train.shard"), "{bad}: {e}");
         }
     }
+
+    #[test]
+    fn max_sync_distance_defaults_and_must_lie_between_0_and_1() {
+        let with = |v: &str| {
+            Config::parse(
+                &format!("{DEFAULT_CONFIG_TOML}\n[sync]\nmax_sync_distance = {v}\n"),
+                "x",
+                None,
+            )
+        };
+        let c = Config::load(None).expect("default");
+        assert_eq!(
+            c.sync.max_sync_distance,
+            crate::sync_guard::DEFAULT_MAX_SYNC_DISTANCE
+        );
+        assert_eq!(with("0.3").expect("valid").sync.max_sync_distance, 0.3);
+        for bad in ["0", "-0.5", "1", "1.5", "nan", "inf"] {
+            let e = with(bad).expect_err(bad).to_string();
+            assert!(e.contains("sync.max_sync_distance"), "{bad}: {e}");
+        }
+    }
 }

@@ -12,6 +12,10 @@
 //! often sits behind one address. Nor is what the network does to a peer (expired sends on a
 //! slow or cut link), and a reconnect's burst of grafts is tolerated: the partition test
 //! showed libp2p's defaults banning every honest peer when a split healed.
+//!
+//! Refused full-sync replies (see [`crate::sync_guard`]) are punished through the
+//! application-specific score (P5), which this module also shapes: a decaying count per peer
+//! ([`Refusals`]), squared like P4, so repeated refusals lead to the same graylisting and ban.
 
 use std::time::Duration;
 

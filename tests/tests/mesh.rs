@@ -124,6 +124,18 @@ fn three_nodes_form_a_mesh_through_one_address_and_converge_together() {
             },
         );
     }
+    // An honest mesh: every full sync was judged within the bound and none refused.
+    for n in &nodes {
+        let s = n.status().expect("status");
+        eprintln!("full syncs: {}", s["full_syncs"]);
+        assert_eq!(
+            s["full_syncs"]["refused"].as_u64(),
+            Some(0),
+            "{}",
+            s["full_syncs"]
+        );
+        assert!(s["full_syncs"]["accepted"].as_u64().unwrap_or(0) > 0, "{s}");
+    }
     // Stop all three together; each writes a final checkpoint.
     for n in &nodes {
         let (st, _, err) = cli(

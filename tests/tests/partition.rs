@@ -63,6 +63,23 @@ fn mesh_in(lab: &Lab, root: &Path, cfgs: &[&Path]) -> Vec<Node> {
     nodes
 }
 
+/// The node's log lines about what peers did wrong (rejections, refusals, bans), for a
+/// failure message.
+fn offences(node: &Node) -> String {
+    let lines: Vec<String> = node
+        .log_text()
+        .lines()
+        .filter(|l| {
+            l.contains("rejected update")
+                || l.contains("refused neighbour sync")
+                || l.contains("banned")
+        })
+        .map(String::from)
+        .collect();
+    let skip = lines.len().saturating_sub(20);
+    lines[skip..].join("\n")
+}
+
 /// Flat parameters of a checkpoint the node writes now.
 pub(crate) fn params_now(node: &Node) -> Vec<f32> {
     let (st, out, err) = node.cli(&["checkpoint", "save", "--json"], Duration::from_secs(30));
@@ -165,8 +182,10 @@ fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
                 let s = n.status()?;
                 assert!(
                     s["banned_peers"].as_array().is_none_or(|b| b.is_empty()),
-                    "an honest peer was banned: {}",
-                    s["banned_peers"]
+                    "an honest peer was banned: {}; sync refusals {}; why, by the log:\n{}",
+                    s["banned_peers"],
+                    s["sync_refusals"],
+                    offences(n)
                 );
                 (peers(&s) == 3).then_some(s)
             });

@@ -238,7 +238,7 @@ struct Fetched {
     bytes: Result<Vec<u8>, bool>,
 }
 
-/// Pause after a sync that got no reply to judge, before the policy may start the next one.
+/// Pause after a neighbour declined a sync, before the policy may start the next one.
 const SYNC_RETRY_PAUSE: Duration = Duration::from_millis(500);
 /// Updates waiting for a busy trainer before they are merged.
 const PENDING_CAP: usize = 8;
@@ -879,8 +879,10 @@ struct SyncTask {
 enum SyncError {
     /// The neighbour's reply was judged and refused: its fault.
     Refused(SyncRefusal),
-    /// No reply to judge (network, a declining neighbour, our own trainer): nobody's fault.
+    /// No reply to judge (network, our own trainer): nobody's fault.
     Failed(String),
+    /// The neighbour declined (a joiner still downloading, a node stopping): not its fault.
+    Declined(String),
 }
 
 impl SyncTask {
@@ -894,6 +896,10 @@ impl SyncTask {
             Ok(_) => {}
             Err(SyncError::Failed(e)) => {
                 tracing::info!(%peer, "neighbour sync skipped: {e}");
+                self.with_status(|s| s.full_syncs.failed += 1);
+            }
+            Err(SyncError::Declined(e)) => {
+                tracing::info!(%peer, "neighbour sync skipped: the neighbour declined: {e}");
                 self.with_status(|s| s.full_syncs.failed += 1);
                 // The policy retries at its next step; without a pause a lone neighbour that
                 // declines (a joiner still downloading) was asked ~300 times a second.
@@ -972,9 +978,7 @@ impl SyncTask {
                 (v, step)
             }
             // An honest neighbour declines while it has no state or is stopping.
-            BulkResponse::Refused(why) => {
-                return Err(SyncError::Failed(format!("the neighbour declined: {why}")))
-            }
+            BulkResponse::Refused(why) => return Err(SyncError::Declined(why)),
             other => {
                 let what = match other {
                     BulkResponse::StateManifest(_) => "a state manifest",

@@ -72,6 +72,13 @@ pub fn status_text(s: &Status) -> String {
             .map(|d| format!(", consensus distance {:.2}%", d * 100.0))
             .unwrap_or_default()
     ));
+    let f = &s.full_syncs;
+    if f.accepted + f.refused + f.failed > 0 {
+        out.push_str(&format!(
+            "syncs     {} accepted, {} refused (bound {:.2}), {} without a reply\n",
+            f.accepted, f.refused, f.bound, f.failed
+        ));
+    }
     for a in &s.listen_addrs {
         out.push_str(&format!("listen    {a}\n"));
     }

@@ -93,6 +93,7 @@ struct RawSync {
     outlier_factor: Option<f64>,
     max_updates_per_sec: Option<f64>,
     clip_value: Option<f32>,
+    max_sync_distance: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -304,6 +305,10 @@ pub struct SyncConfig {
     pub max_updates_per_sec: f64,
     /// Clamp every value of a neighbour's update to `[-clip_value, clip_value]` (0: off).
     pub clip_value: f32,
+    /// Cap on the relative distance `|mine - theirs| / |mine|` of a full-sync reply that is
+    /// averaged; below it the bound follows recent accepted syncs (see
+    /// [`crate::sync_guard`]). In (0, 1): a reply scaled by 2, or zeros, is at 1.
+    pub max_sync_distance: f64,
 }
 
 fn codec_name<S: serde::Serializer>(c: &Codec, s: S) -> Result<S::Ok, S::Error> {
@@ -618,7 +623,18 @@ impl Config {
             outlier_factor: y.outlier_factor.unwrap_or(10.0),
             max_updates_per_sec: y.max_updates_per_sec.unwrap_or(200.0),
             clip_value: y.clip_value.unwrap_or(0.0),
+            max_sync_distance: y
+                .max_sync_distance
+                .unwrap_or(crate::sync_guard::DEFAULT_MAX_SYNC_DISTANCE),
         };
+        // At 1 or beyond, a neighbour could replace the model with zeros, random values or
+        // its own copy scaled by 2 and still be averaged in.
+        if !(sync.max_sync_distance > 0.0 && sync.max_sync_distance < 1.0) {
+            return Err(err(format!(
+                "sync.max_sync_distance = {} must be a number in (0, 1): a reply of zeros or scaled by 2 is at 1",
+                sync.max_sync_distance
+            )));
+        }
         if !(sync.clip_value >= 0.0 && sync.clip_value.is_finite()) {
             return Err(err(
                 "sync.clip_value must be 0 (off) or a positive number".into()
@@ -929,6 +945,27 @@ mod tests {
         for bad in ["3/3", "1/0", "x/2", "2", "-1/2"] {
             let e = with(bad).expect_err(bad).to_string();
             assert!(e.contains("train.shard"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn max_sync_distance_defaults_and_must_lie_between_0_and_1() {
+        let with = |v: &str| {
+            Config::parse(
+                &format!("{DEFAULT_CONFIG_TOML}\n[sync]\nmax_sync_distance = {v}\n"),
+                "x",
+                None,
+            )
+        };
+        let c = Config::load(None).expect("default");
+        assert_eq!(
+            c.sync.max_sync_distance,
+            crate::sync_guard::DEFAULT_MAX_SYNC_DISTANCE
+        );
+        assert_eq!(with("0.3").expect("valid").sync.max_sync_distance, 0.3);
+        for bad in ["0", "-0.5", "1", "1.5", "nan", "inf"] {
+            let e = with(bad).expect_err(bad).to_string();
+            assert!(e.contains("sync.max_sync_distance"), "{bad}: {e}");
         }
     }
 }

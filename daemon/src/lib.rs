@@ -19,6 +19,7 @@ pub mod policy;
 pub mod scoring;
 pub mod status;
 pub mod store;
+pub mod sync_guard;
 pub mod trainer;
 pub mod transfer;
 

@@ -25,6 +25,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::checkpoint;
 use crate::guard::{Arrival, GuardConfig, SeenSteps, UpdateGuard};
 use crate::network::{BulkRequest, BulkResponse, Client, Event};
+use crate::sync_guard::{SyncGuard, SyncRefusal};
 use crate::trainer::{Command, Outgoing, Phase, Stats};
 use crate::transfer::{self, Frozen};
 
@@ -68,6 +69,8 @@ pub struct MeshConfig {
     pub error_feedback: bool,
     /// Outlier bound and rate limit on neighbours' updates.
     pub guard: GuardConfig,
+    /// Cap on the distance bound of full-sync replies (`sync.max_sync_distance`).
+    pub max_sync_distance: f64,
 }
 
 /// A neighbour sync, as status shows it.
@@ -122,6 +125,41 @@ pub struct UpdateCounters {
     pub clipped_values: u64,
 }
 
+/// Counters of full neighbour syncs, as status shows them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FullSyncCounters {
+    /// Replies judged and averaged.
+    pub accepted: u64,
+    /// Replies refused (wrong layout or answer, not finite, beyond the bound); each lowers
+    /// the neighbour's score.
+    pub refused: u64,
+    /// Syncs that got no reply to judge (timeout, no connection, or the neighbour declined):
+    /// not the neighbour's fault, not punished.
+    pub failed: u64,
+    /// The distance bound a reply must meet now (see [`crate::sync_guard`]).
+    pub bound: f64,
+    /// The largest distance accepted since start: what `sync.max_sync_distance` must leave
+    /// room for.
+    pub largest_accepted: Option<f64>,
+    /// The latest refusal.
+    pub last_refusal: Option<SyncRefusalInfo>,
+}
+
+/// A refused full sync, as status shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SyncRefusalInfo {
+    /// The neighbour.
+    pub peer: String,
+    /// Why, in words.
+    pub reason: String,
+    /// Its relative distance, when one was measured.
+    pub distance: Option<f64>,
+    /// The bound in force.
+    pub bound: f64,
+    /// Seconds since the Unix epoch.
+    pub at: u64,
+}
+
 /// What a peer last told the mesh about itself.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Heartbeat {
@@ -151,6 +189,10 @@ pub struct MeshStatus {
     pub last_sync: Option<SyncInfo>,
     /// Relative L2 distance to the last synced neighbour, measured before averaging.
     pub consensus_distance: Option<f64>,
+    /// Full syncs judged, refused and failed.
+    pub full_syncs: FullSyncCounters,
+    /// Refused full-sync replies by neighbour.
+    pub sync_refusals: BTreeMap<String, u64>,
     /// Latest heartbeat of each peer.
     pub progress: BTreeMap<String, Heartbeat>,
     /// The state download this node started with, if any.
@@ -194,6 +236,8 @@ pub struct Mesh {
     large: VecDeque<([u8; 32], Arc<Vec<u8>>)>,
     seen_steps: HashMap<PeerId, SeenSteps>,
     guard: UpdateGuard<PeerId>,
+    /// Shared with the sync tasks, one at a time (the policy runs one sync at a time).
+    sync_guard: Arc<Mutex<SyncGuard>>,
     pending_apply: VecDeque<(PeerId, u64, Vec<f32>)>,
     fetched_tx: mpsc::Sender<Fetched>,
     fetched_rx: Option<mpsc::Receiver<Fetched>>,
@@ -209,6 +253,8 @@ struct Fetched {
     bytes: Result<Vec<u8>, bool>,
 }
 
+/// Pause after a neighbour declined a sync, before the policy may start the next one.
+const SYNC_RETRY_PAUSE: Duration = Duration::from_millis(500);
 /// Updates waiting for a busy trainer before they are merged.
 const PENDING_CAP: usize = 8;
 /// Announced updates being fetched at once, at most.
@@ -232,6 +278,10 @@ impl Mesh {
         let numel = layout.numel();
         let compressor = ErrorFeedback::new(numel, cfg.error_feedback);
         let guard = UpdateGuard::new(cfg.guard);
+        let sync_guard = SyncGuard::new(cfg.max_sync_distance);
+        if let Ok(mut st) = status.lock() {
+            st.full_syncs.bound = sync_guard.bound();
+        }
         let (fetched_tx, fetched_rx) = mpsc::channel(FETCH_CAP);
         Mesh {
             net,
@@ -252,6 +302,7 @@ impl Mesh {
             large: VecDeque::new(),
             seen_steps: HashMap::new(),
             guard,
+            sync_guard: Arc::new(Mutex::new(sync_guard)),
             pending_apply: VecDeque::new(),
             fetched_tx,
             fetched_rx: Some(fetched_rx),
@@ -730,6 +781,7 @@ impl Mesh {
             net: self.net.clone(),
             trainer_tx: self.trainer_tx.clone(),
             status: self.status.clone(),
+            guard: self.sync_guard.clone(),
             layout_hash: self.layout_hash.clone(),
             numel: self.numel,
             step: self.stats_rx.borrow().step,
@@ -746,6 +798,16 @@ impl Mesh {
         let net = self.net.clone();
         match request {
             BulkRequest::Params => {
+                // A joiner still waiting for its state holds only initial parameters: it
+                // declines rather than have its neighbour refuse (and punish) the answer.
+                if self.stats_rx.borrow().phase != Phase::Training {
+                    tokio::spawn(async move {
+                        let _ = net
+                            .respond(channel, BulkResponse::Refused("no state yet".into()))
+                            .await;
+                    });
+                    return;
+                }
                 let trainer_tx = self.trainer_tx.clone();
                 let layout = self.layout_hash.clone();
                 tokio::spawn(async move {
@@ -855,21 +917,70 @@ struct SyncTask {
     net: Client,
     trainer_tx: mpsc::Sender<Command>,
     status: Arc<Mutex<MeshStatus>>,
+    guard: Arc<Mutex<SyncGuard>>,
     layout_hash: String,
     numel: usize,
     step: u64,
+}
+
+/// How a sync ended, when it did not average.
+enum SyncError {
+    /// The neighbour's reply was judged and refused: its fault.
+    Refused(SyncRefusal),
+    /// No reply to judge (network, our own trainer): nobody's fault.
+    Failed(String),
+    /// The neighbour declined (a joiner still downloading, a node stopping): not its fault.
+    Declined(String),
 }
 
 impl SyncTask {
     async fn run(self, peer: String) {
         let result = match peer.parse::<PeerId>() {
             Ok(p) => self.sync(p).await,
-            Err(e) => Err(format!("not a peer id: {e}")),
+            Err(e) => Err(SyncError::Failed(format!("not a peer id: {e}"))),
         };
-        if let Err(e) = &result {
-            tracing::info!(%peer, "neighbour sync skipped: {e}");
+        let current = self.guard.lock().map(|g| g.bound()).unwrap_or(0.0);
+        match &result {
+            Ok(_) => {}
+            Err(SyncError::Failed(e)) => {
+                tracing::info!(%peer, "neighbour sync skipped: {e}");
+                self.with_status(|s| s.full_syncs.failed += 1);
+            }
+            Err(SyncError::Declined(e)) => {
+                tracing::info!(%peer, "neighbour sync skipped: the neighbour declined: {e}");
+                self.with_status(|s| s.full_syncs.failed += 1);
+                // The policy retries at its next step; without a pause a lone neighbour that
+                // declines (a joiner still downloading) was asked ~300 times a second.
+                tokio::time::sleep(SYNC_RETRY_PAUSE).await;
+            }
+            Err(SyncError::Refused(why)) => {
+                let bound = why.bound().unwrap_or(current);
+                tracing::warn!(
+                    %peer,
+                    distance = why.distance(),
+                    bound,
+                    "refused neighbour sync: {why}; the peer's score is lowered"
+                );
+                self.with_status(|s| {
+                    s.full_syncs.refused += 1;
+                    *s.sync_refusals.entry(peer.clone()).or_default() += 1;
+                    s.full_syncs.last_refusal = Some(SyncRefusalInfo {
+                        peer: peer.clone(),
+                        reason: why.to_string(),
+                        distance: why.distance(),
+                        bound,
+                        at: crate::store::unix_now(),
+                    });
+                });
+                if let Ok(p) = peer.parse::<PeerId>() {
+                    self.net
+                        .report_offence(p, format!("refused full-sync reply: {why}"));
+                    let _ = self.net.sync_refused(p).await;
+                }
+            }
         }
-        // The policy starts no other sync until it hears how this one ended.
+        // The policy starts no other sync until it hears how this one ended; a failure makes
+        // it pick the least recently synced other neighbour at the next step.
         let _ = self
             .trainer_tx
             .send(Command::SyncFinished {
@@ -879,15 +990,36 @@ impl SyncTask {
             .await;
     }
 
-    async fn sync(&self, peer: PeerId) -> Result<(), String> {
-        let (values, their_step) = match self.net.request(peer, BulkRequest::Params).await? {
+    fn with_status(&self, f: impl FnOnce(&mut MeshStatus)) {
+        if let Ok(mut s) = self.status.lock() {
+            f(&mut s);
+        }
+    }
+
+    async fn sync(&self, peer: PeerId) -> Result<(), SyncError> {
+        let answer = self
+            .net
+            .request(peer, BulkRequest::Params)
+            .await
+            .map_err(SyncError::Failed)?;
+        let (values, their_step) = match answer {
             BulkResponse::Params {
                 step,
                 layout,
                 values,
             } => {
-                if layout != self.layout_hash || values.len() != self.numel * 4 {
-                    return Err("neighbour's parameters do not fit our layout".into());
+                if layout != self.layout_hash {
+                    return Err(SyncError::Refused(SyncRefusal::Layout(format!(
+                        "layout {layout}, ours is {}",
+                        self.layout_hash
+                    ))));
+                }
+                if values.len() != self.numel * 4 {
+                    return Err(SyncError::Refused(SyncRefusal::Layout(format!(
+                        "{} bytes, the model has {} values",
+                        values.len(),
+                        self.numel
+                    ))));
                 }
                 let v: Vec<f32> = values
                     .chunks_exact(4)
@@ -895,26 +1027,56 @@ impl SyncTask {
                     .collect();
                 (v, step)
             }
-            other => return Err(format!("unexpected answer {other:?}")),
+            // An honest neighbour declines while it has no state or is stopping.
+            BulkResponse::Refused(why) => return Err(SyncError::Declined(why)),
+            other => {
+                let what = match other {
+                    BulkResponse::StateManifest(_) => "a state manifest",
+                    BulkResponse::StateChunk(_) => "a state chunk",
+                    _ => "an update",
+                };
+                return Err(SyncError::Refused(SyncRefusal::WrongAnswer(what.into())));
+            }
         };
+        let bound = self
+            .guard
+            .lock()
+            .map(|g| g.bound())
+            .map_err(|_| SyncError::Failed("sync guard poisoned".into()))?;
+        let stopped = || SyncError::Failed("trainer stopped".into());
         let (tx, rx) = oneshot::channel();
         self.trainer_tx
             .send(Command::Average {
                 theirs: values,
+                bound,
                 reply: tx,
             })
             .await
-            .map_err(|_| "trainer stopped".to_string())?;
-        let distance = rx.await.map_err(|_| "trainer stopped".to_string())??;
-        tracing::debug!(peer = %peer, their_step, distance, "neighbour sync");
-        if let Ok(mut s) = self.status.lock() {
+            .map_err(|_| stopped())?;
+        let distance = rx
+            .await
+            .map_err(|_| stopped())?
+            .map_err(SyncError::Failed)?
+            .map_err(SyncError::Refused)?;
+        tracing::debug!(peer = %peer, their_step, distance, bound, "neighbour sync");
+        let (new_bound, largest) = match self.guard.lock() {
+            Ok(mut g) => {
+                g.record(distance);
+                (g.bound(), g.largest_accepted())
+            }
+            Err(_) => (bound, None),
+        };
+        self.with_status(|s| {
             s.consensus_distance = Some(distance);
+            s.full_syncs.accepted += 1;
+            s.full_syncs.bound = new_bound;
+            s.full_syncs.largest_accepted = largest;
             s.last_sync = Some(SyncInfo {
                 peer: peer.to_string(),
                 step: self.step,
                 at: crate::store::unix_now(),
             });
-        }
+        });
         Ok(())
     }
 }

@@ -227,6 +227,9 @@ pub enum Command {
     Snapshot(oneshot::Sender<NetSnapshot>),
     /// A peer left for good: close its connections and stop redialling it.
     Forget(PeerId),
+    /// This node refused a full-sync reply of the peer's: lower its application score (see
+    /// [`scoring::Refusals`]), which takes a peer that keeps doing it to the graylist and the ban.
+    SyncRefused(PeerId),
 }
 
 /// What the network tells the node.
@@ -464,6 +467,11 @@ impl Client {
     pub async fn forget(&self, peer: PeerId) -> Result<(), String> {
         self.send(Command::Forget(peer)).await
     }
+
+    /// Lowers a peer's score for a refused full-sync reply.
+    pub async fn sync_refused(&self, peer: PeerId) -> Result<(), String> {
+        self.send(Command::SyncRefused(peer)).await
+    }
 }
 
 /// Network settings of one node.
@@ -562,6 +570,8 @@ pub struct EventLoop {
     /// Members that offer the relay service (identify lists the hop protocol): the only
     /// ones a private node asks to relay for it.
     relay_capable: HashSet<PeerId>,
+    /// Refused full syncs per peer, behind their application score.
+    sync_refusals: scoring::Refusals<PeerId>,
 }
 
 /// Whether a connection error happened in the handshake (pnet, noise or protocol
@@ -848,6 +858,7 @@ pub fn new(
             relayed_members: HashMap::new(),
             nat: Nat::new(cfg.relay_server, cfg.upnp),
             relay_capable: HashSet::new(),
+            sync_refusals: scoring::Refusals::default(),
         },
     ))
 }
@@ -889,6 +900,10 @@ impl EventLoop {
         for peer in silent {
             tracing::info!(peer = %peer, "nothing heard (no ping answer, gossip or bulk message) for {SILENT_AFTER:?}; dropping the peer");
             self.drop_member(peer).await;
+        }
+        let gossip = &mut self.swarm.behaviour_mut().gossipsub;
+        for (peer, score) in self.sync_refusals.decay() {
+            gossip.set_application_score(&peer, score);
         }
         self.ban_graylisted(now).await;
         self.redial_lost(now);
@@ -1281,6 +1296,13 @@ impl EventLoop {
                 self.members.remove(&peer);
                 self.last_heard.remove(&peer);
                 let _ = self.swarm.disconnect_peer_id(peer);
+            }
+            Command::SyncRefused(peer) => {
+                let score = self.sync_refusals.add(peer);
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .set_application_score(&peer, score);
             }
         }
     }

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 use crate::checkpoint::CheckpointMeta;
-use crate::mesh::{SyncInfo, UpdateCounters};
+use crate::mesh::{FullSyncCounters, SyncInfo, UpdateCounters};
 use crate::trainer::{EvalStats, Phase};
 use crate::transfer::DownloadReport;
 
@@ -133,6 +133,12 @@ pub struct Status {
     /// Relative L2 distance to the last synced neighbour, before averaging.
     #[serde(default)]
     pub consensus_distance: Option<f64>,
+    /// Full neighbour syncs: accepted, refused, failed, the distance bound in force.
+    #[serde(default)]
+    pub full_syncs: FullSyncCounters,
+    /// Refused full-sync replies by neighbour.
+    #[serde(default)]
+    pub sync_refusals: BTreeMap<String, u64>,
     /// Addresses to join this node through.
     #[serde(default)]
     pub listen_addrs: Vec<String>,

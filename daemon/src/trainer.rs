@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::checkpoint::{HostTensor, Snapshot, StateInfo};
 use crate::policy::{Action, PolicyConfig, PolicyEvent, SyncPolicy};
 use crate::store::Loaded;
+use crate::sync_guard::{self, SyncRefusal};
 
 /// Capacity of the command channel: commands are rare (checkpoint, restore, stop) and each
 /// is handled within one training step.
@@ -82,13 +83,16 @@ pub enum Command {
     },
     /// The current step and flat parameters, for a neighbour that syncs with this node.
     Params(oneshot::Sender<(u64, Vec<f32>)>),
-    /// Averages the parameters with a neighbour's; answers the relative L2 distance
-    /// `|mine - theirs| / |theirs|` measured before averaging.
+    /// Averages the parameters with a neighbour's if they pass [`sync_guard::judge`] against
+    /// `bound`; answers the relative L2 distance `|mine - theirs| / |mine|` measured before
+    /// averaging, or why the reply was refused (nothing is changed then).
     Average {
         /// The neighbour's flat parameters.
         theirs: Vec<f32>,
-        /// The distance, or why the average was refused.
-        reply: oneshot::Sender<Result<f64, String>>,
+        /// The largest distance accepted (see [`sync_guard::SyncGuard::bound`]).
+        bound: f64,
+        /// The distance or the refusal; the outer error is the trainer's own failure.
+        reply: oneshot::Sender<Result<Result<f64, SyncRefusal>, String>>,
     },
     /// Begin training: a joiner starts paused until its state has been downloaded.
     Start,
@@ -574,8 +578,12 @@ impl Loop {
                 Command::SyncFinished { peer, ok } => {
                     self.feed(PolicyEvent::SyncFinished { peer, ok })?
                 }
-                Command::Average { theirs, reply } => {
-                    let _ = reply.send(self.average(&theirs));
+                Command::Average {
+                    theirs,
+                    bound,
+                    reply,
+                } => {
+                    let _ = reply.send(self.average(&theirs, bound));
                 }
             }
         }
@@ -660,25 +668,17 @@ impl Loop {
         Ok(())
     }
 
-    fn average(&mut self, theirs: &[f32]) -> Result<f64, String> {
+    fn average(&mut self, theirs: &[f32], bound: f64) -> Result<Result<f64, SyncRefusal>, String> {
         let mine = self.s.model.params().flatten().map_err(|e| e.to_string())?;
-        if theirs.len() != mine.len() {
-            return Err(format!(
-                "neighbour sent {} parameters, the model has {}",
-                theirs.len(),
-                mine.len()
-            ));
-        }
-        if theirs.iter().any(|v| !v.is_finite()) {
-            return Err("neighbour's parameters are not finite".into());
-        }
-        let (mut diff, mut norm) = (0.0f64, 0.0f64);
-        let mut merged = Vec::with_capacity(mine.len());
-        for (a, b) in mine.iter().zip(theirs) {
-            diff += f64::from(a - b).powi(2);
-            norm += f64::from(*b).powi(2);
-            merged.push(0.5 * (a + b));
-        }
+        let distance = match sync_guard::judge(&mine, theirs, bound) {
+            Ok(d) => d,
+            Err(refusal) => return Ok(Err(refusal)),
+        };
+        let merged: Vec<f32> = mine
+            .iter()
+            .zip(theirs)
+            .map(|(a, b)| 0.5 * (a + b))
+            .collect();
         self.s
             .model
             .params()
@@ -689,7 +689,7 @@ impl Loop {
                 *f += m - a;
             }
         }
-        Ok(diff.sqrt() / norm.sqrt().max(f64::MIN_POSITIVE))
+        Ok(Ok(distance))
     }
 
     /// ‖own change since the last update‖ / ‖parameters‖, for the policy's early-publish

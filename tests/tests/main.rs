@@ -3,6 +3,7 @@
 
 mod churn;
 mod harness;
+mod hostile_sync;
 mod join;
 mod mesh;
 mod nat;

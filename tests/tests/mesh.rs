@@ -130,6 +130,18 @@ fn three_nodes_form_a_mesh_through_one_address_and_converge_together() {
             },
         );
     }
+    // An honest mesh: every full sync was judged within the bound and none refused.
+    for n in &nodes {
+        let s = n.status().expect("status");
+        eprintln!("full syncs: {}", s["full_syncs"]);
+        assert_eq!(
+            s["full_syncs"]["refused"].as_u64(),
+            Some(0),
+            "{}",
+            s["full_syncs"]
+        );
+        assert!(s["full_syncs"]["accepted"].as_u64().unwrap_or(0) > 0, "{s}");
+    }
     for n in &lone {
         n.wait_status(
             "a lone node past step 4000",
@@ -418,7 +430,7 @@ fn a_node_of_another_run_is_refused() {
 /// A rogue peer of the same run publishes seven kinds of bad update; each is rejected and
 /// counted, its score falls, and more garbage gets it banned. A repeated step is dropped and a
 /// late one applied, neither punished: gossip reorders honest messages.
-mod rogue {
+pub(crate) mod rogue {
     use super::*;
     use crate::rogue::{inline, Rogue};
     use p2ptrain_daemon::scoring;

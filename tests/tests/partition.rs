@@ -64,8 +64,25 @@ fn mesh_in(lab: &Lab, root: &Path, cfgs: &[&Path]) -> Vec<Node> {
     nodes
 }
 
+/// The node's log lines about what peers did wrong (rejections, refusals, bans), for a
+/// failure message.
+fn offences(node: &Node) -> String {
+    let lines: Vec<String> = node
+        .log_text()
+        .lines()
+        .filter(|l| {
+            l.contains("rejected update")
+                || l.contains("refused neighbour sync")
+                || l.contains("banned")
+        })
+        .map(String::from)
+        .collect();
+    let skip = lines.len().saturating_sub(20);
+    lines[skip..].join("\n")
+}
+
 /// Flat parameters of a checkpoint the node writes now.
-fn params_now(node: &Node) -> Vec<f32> {
+pub(crate) fn params_now(node: &Node) -> Vec<f32> {
     let (st, out, err) = node.cli(&["checkpoint", "save", "--json"], Duration::from_secs(30));
     assert!(st.success(), "checkpoint save: {err}");
     let v: Value = serde_json::from_str(&out).expect("checkpoint json");
@@ -166,8 +183,10 @@ fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
                 let s = n.status()?;
                 assert!(
                     s["banned_peers"].as_array().is_none_or(|b| b.is_empty()),
-                    "an honest peer was banned: {}",
-                    s["banned_peers"]
+                    "an honest peer was banned: {}; sync refusals {}; why, by the log:\n{}",
+                    s["banned_peers"],
+                    s["sync_refusals"],
+                    offences(n)
                 );
                 (peers(&s) == 3).then_some(s)
             });
@@ -206,6 +225,33 @@ fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
         steps_after <= 3 * FULL_SYNC_EVERY,
         "took {steps_after} steps to reconverge, more than three full-sync intervals"
     );
+    // The healed halves are the most divergent honest replicas there are: every full sync
+    // between them must have been judged within the bound and averaged, none refused (a
+    // refusal would also have cost an honest peer its score).
+    let mut largest: f64 = 0.0;
+    for n in &nodes {
+        let s = n.status().expect("status");
+        let fs = &s["full_syncs"];
+        eprintln!("full syncs: {fs}");
+        assert_eq!(
+            fs["refused"].as_u64(),
+            Some(0),
+            "an honest sync was refused: {}; {}",
+            fs["last_refusal"],
+            s["sync_refusals"]
+        );
+        assert!(
+            s["sync_refusals"].as_object().is_some_and(|m| m.is_empty()),
+            "{}",
+            s["sync_refusals"]
+        );
+        assert!(fs["accepted"].as_u64().unwrap_or(0) > 0, "{fs}");
+        largest = largest.max(fs["largest_accepted"].as_f64().unwrap_or(0.0));
+    }
+    // ... and the healed case was exercised: some accepted sync was further apart than the
+    // whole mesh ever was before the split.
+    eprintln!("largest accepted sync distance {largest:.4} (level before the split {level:.4}, apart {apart:.4})");
+    assert!(largest > level, "{largest} vs {level}");
 }
 
 /// Seconds from `start` until every node has evaluated at ≥ 95% held-out accuracy, polling.

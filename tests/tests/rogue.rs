@@ -1,17 +1,29 @@
 //! A rogue peer of the same run, living in the test process: a real libp2p node (the daemon's
 //! own network module) that joins through an honest node and publishes whatever the test
 //! hands it on its own update topic. It refuses every bulk request, so it never serves a
-//! state or a sync.
+//! state, except that a rogue started with [`Rogue::join_serving`] answers parameter requests
+//! (full syncs) with hostile parameters of the right layout, and publishes heartbeats so the
+//! honest nodes count it as a live neighbour and sync with it.
 
 use std::path::Path;
 use std::time::Duration;
 
 use libp2p::identity::Keypair;
 use libp2p::PeerId;
-use p2ptrain_daemon::mesh::update_topic;
-use p2ptrain_daemon::network::{self, BulkResponse, Client, Event, NetConfig};
+use p2ptrain_daemon::mesh::{heartbeat_topic, update_topic, Heartbeat};
+use p2ptrain_daemon::network::{self, BulkRequest, BulkResponse, Client, Event, NetConfig};
 use p2ptrain_models::codec::{self, Codec, UpdateHeader};
 use p2ptrain_models::Layout;
+use serde_bytes::ByteBuf;
+
+/// How a serving rogue answers a full-sync request (cycled through, one per request).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SyncAnswer {
+    /// The asker's own current parameters (fetched from it) times this factor.
+    Scaled(f32),
+    /// Freshly initialised parameters from another seed: random, of the model's own scale.
+    Random,
+}
 
 /// See the module docs.
 pub struct Rogue {
@@ -33,6 +45,12 @@ pub struct Rogue {
 impl Rogue {
     /// Joins the mesh of `config` through `bootstrap`.
     pub fn join(config: &Path, bootstrap: &str) -> Rogue {
+        Rogue::join_serving(config, bootstrap, &[])
+    }
+
+    /// [`Rogue::join`], answering parameter requests with `answers` in turn (refusing them if
+    /// there are none) and, if there are, publishing a heartbeat every second.
+    pub fn join_serving(config: &Path, bootstrap: &str, answers: &[SyncAnswer]) -> Rogue {
         let config = p2ptrain_daemon::Config::load(Some(config)).expect("config");
         let run_id = config.run_id();
         let prepared = p2ptrain_daemon::node::prepare(config).expect("prepare");
@@ -40,6 +58,9 @@ impl Rogue {
             .expect("model");
         let layout = model.params().layout();
         let numel = model.params().numel();
+        let random = model.params().flatten().expect("flatten");
+        let layout_hash = layout.hash();
+        let answers = answers.to_vec();
         let rt = tokio::runtime::Runtime::new().expect("runtime");
         let key = Keypair::generate_ed25519();
         let id = key.public().to_peer_id();
@@ -58,15 +79,78 @@ impl Rogue {
                 network::new(key, &net_cfg).expect("rogue network");
             tokio::spawn(event_loop.run());
             let responder = client.clone();
+            let serving = !answers.is_empty();
             tokio::spawn(async move {
+                let mut turn = 0;
                 while let Some(ev) = events.recv().await {
-                    if let Event::Request { channel, .. } = ev {
-                        let _ = responder
-                            .respond(channel, BulkResponse::Refused("rogue".into()))
-                            .await;
-                    }
+                    let Event::Request {
+                        peer,
+                        request,
+                        channel,
+                    } = ev
+                    else {
+                        continue;
+                    };
+                    let answer = match request {
+                        BulkRequest::Params if serving => {
+                            turn += 1;
+                            Some(answers[(turn - 1) % answers.len()])
+                        }
+                        _ => None,
+                    };
+                    // In a task of its own: fetching the asker's parameters is a request back.
+                    let net = responder.clone();
+                    let random = random.clone();
+                    let layout = layout_hash.clone();
+                    tokio::spawn(async move {
+                        let values = match answer {
+                            Some(SyncAnswer::Random) => Some(random),
+                            Some(SyncAnswer::Scaled(k)) => {
+                                match net.request(peer, BulkRequest::Params).await {
+                                    Ok(BulkResponse::Params { values, .. }) => Some(
+                                        values
+                                            .chunks_exact(4)
+                                            .map(|c| {
+                                                k * f32::from_le_bytes([c[0], c[1], c[2], c[3]])
+                                            })
+                                            .collect(),
+                                    ),
+                                    _ => None,
+                                }
+                            }
+                            None => None,
+                        };
+                        let response = match values {
+                            Some(v) => BulkResponse::Params {
+                                step: 1_000_000,
+                                layout,
+                                values: ByteBuf::from(
+                                    v.iter()
+                                        .flat_map(|x: &f32| x.to_le_bytes())
+                                        .collect::<Vec<u8>>(),
+                                ),
+                            },
+                            None => BulkResponse::Refused("rogue".into()),
+                        };
+                        let _ = net.respond(channel, response).await;
+                    });
                 }
             });
+            if serving {
+                let beat = client.clone();
+                let topic = heartbeat_topic(&run_id);
+                tokio::spawn(async move {
+                    for step in 1u64.. {
+                        let hb = Heartbeat {
+                            step: step * 500,
+                            ..Heartbeat::default()
+                        };
+                        let bytes = serde_json::to_vec(&hb).expect("heartbeat json");
+                        let _ = beat.publish(topic.clone(), bytes).await;
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                });
+            }
             client
         });
         Rogue {

@@ -1,10 +1,13 @@
-//! Joins that survive a crash: a joiner killed in the middle of its state download and started
-//! again on the same data directory fetches only the chunks it lacks.
+//! Joins checked as strictly as gossip: a joiner refuses hostile donors (an oversized manifest,
+//! chunks of the wrong length, chunks that fail their hash) with bounded memory and joins from
+//! an honest one; and a joiner killed in the middle of its state download and started again on
+//! the same data directory fetches only the chunks it lacks.
 
 use std::time::Duration;
 
 use crate::harness::{eventually, Node};
 use crate::mesh::{config, listen_addr, peers, start, step};
+use crate::rogue::{DonorAnswer, Rogue};
 
 /// Chunk files a joiner has kept under its data directory, over all states.
 fn kept_chunks(node: &Node) -> usize {
@@ -63,4 +66,57 @@ fn a_joiner_killed_mid_download_resumes_with_the_chunks_it_kept() {
     again.wait_status("training on with its donor", Duration::from_secs(60), |t| {
         peers(t) == 1 && step(t) > dl["step"].as_u64().unwrap_or(0)
     });
+}
+
+#[test]
+fn a_joiner_refuses_hostile_donors_and_joins_from_an_honest_one() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = config(tmp.path(), "c.toml", &[], "");
+    let honest = start(tmp.path(), "honest", &cfg, None, &[]);
+    let addr = listen_addr(&honest);
+    let rogues: Vec<Rogue> = [
+        DonorAnswer::Oversized,
+        DonorAnswer::WrongLength,
+        DonorAnswer::BadHash,
+    ]
+    .into_iter()
+    .map(|d| Rogue::join_donor(&cfg, &addr, d))
+    .collect();
+    honest.wait_status("the rogues connected", Duration::from_secs(60), |s| {
+        peers(s) == 3
+    });
+    let joiner = start(tmp.path(), "joiner", &cfg, Some(&addr), &[]);
+    let s = joiner.wait_status("the joiner training", Duration::from_secs(120), |s| {
+        s["state_download"].is_object() && s["phase"] == "training"
+    });
+    let dl = &s["state_download"];
+    let honest_id = honest.status().expect("status")["peer_id"].clone();
+    let rss_kib = joiner.rss_kib().unwrap_or(0);
+    eprintln!("download: {dl}; joiner RSS {rss_kib} KiB");
+    assert_eq!(dl["donor"], honest_id, "joined from a rogue: {dl}");
+    assert_eq!(dl["refused_manifests"].as_u64(), Some(1), "{dl}");
+    // Both plausible hostile states were tried first (they claim the highest step) and
+    // abandoned when their only source failed.
+    assert!(dl["restarts"].as_u64().unwrap_or(0) >= 2, "{dl}");
+    assert!(dl["failed_sources"].as_u64().unwrap_or(0) >= 2, "{dl}");
+    let log = joiner.log_text();
+    for why in [
+        "largest checkpoint",
+        "chunk of 1000 bytes",
+        "chunk failed verification",
+    ] {
+        assert!(log.contains(why), "no \"{why}\" in the log: {log}");
+    }
+    // The 10 GiB claim was never allocated: the whole process stays far below it (a digits
+    // node runs in well under 1 GiB).
+    assert!(rss_kib < 1024 * 1024, "joiner RSS {rss_kib} KiB");
+    let ids: Vec<String> = rogues.iter().map(|r| r.id.to_string()).collect();
+    let after = joiner.wait_status("training on", Duration::from_secs(30), |t| {
+        step(t) > dl["step"].as_u64().unwrap_or(0) + 100
+    });
+    assert!(
+        after["loss"].as_f64().is_some_and(f64::is_finite),
+        "{after}"
+    );
+    eprintln!("rogues: {ids:?}");
 }

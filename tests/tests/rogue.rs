@@ -3,7 +3,8 @@
 //! hands it on its own update topic. It refuses every bulk request, so it never serves a
 //! state, except that a rogue started with [`Rogue::join_serving`] answers parameter requests
 //! (full syncs) with hostile parameters of the right layout, and publishes heartbeats so the
-//! honest nodes count it as a live neighbour and sync with it.
+//! honest nodes count it as a live neighbour and sync with it; and one started with
+//! [`Rogue::join_donor`] offers joiners a hostile state (see [`DonorAnswer`]).
 
 use std::path::Path;
 use std::time::Duration;
@@ -23,6 +24,42 @@ pub enum SyncAnswer {
     Scaled(f32),
     /// Freshly initialised parameters from another seed: random, of the model's own scale.
     Random,
+}
+
+/// What a hostile donor offers a joiner.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DonorAnswer {
+    /// A manifest of 10 GiB, with a hash for every chunk: far beyond any checkpoint of the run.
+    Oversized,
+    /// A plausible manifest of the most advanced state, whose chunks come back 1,000 bytes long.
+    WrongLength,
+    /// A plausible manifest of the most advanced state, whose chunks are the right length but
+    /// fail their hash.
+    BadHash,
+}
+
+/// Bytes of the plausible hostile state: three chunks.
+const HOSTILE_STATE: u64 = 2 * p2ptrain_daemon::transfer::CHUNK_SIZE as u64 + 100;
+
+/// The manifest a hostile donor offers.
+fn hostile_manifest(answer: DonorAnswer) -> network::StateManifest {
+    let chunk = p2ptrain_daemon::transfer::CHUNK_SIZE as u64;
+    let total = match answer {
+        DonorAnswer::Oversized => 10 << 30,
+        _ => HOSTILE_STATE,
+    };
+    network::StateManifest {
+        hash: ByteBuf::from(vec![0xAB; 32]),
+        // Far ahead of any honest node, so a joiner tries it first.
+        step: 1_000_000_000,
+        total,
+        chunk_size: chunk as u32,
+        chunk_hashes: (0..total.div_ceil(chunk))
+            .map(|i| ByteBuf::from(vec![(i % 251) as u8; 32]))
+            .collect(),
+        load: 0,
+        cached: Vec::new(),
+    }
 }
 
 /// See the module docs.
@@ -51,6 +88,20 @@ impl Rogue {
     /// [`Rogue::join`], answering parameter requests with `answers` in turn (refusing them if
     /// there are none) and, if there are, publishing a heartbeat every second.
     pub fn join_serving(config: &Path, bootstrap: &str, answers: &[SyncAnswer]) -> Rogue {
+        Rogue::join_with(config, bootstrap, answers, None)
+    }
+
+    /// [`Rogue::join`], offering joiners the hostile state `donor`.
+    pub fn join_donor(config: &Path, bootstrap: &str, donor: DonorAnswer) -> Rogue {
+        Rogue::join_with(config, bootstrap, &[], Some(donor))
+    }
+
+    fn join_with(
+        config: &Path,
+        bootstrap: &str,
+        answers: &[SyncAnswer],
+        donor: Option<DonorAnswer>,
+    ) -> Rogue {
         let config = p2ptrain_daemon::Config::load(Some(config)).expect("config");
         let run_id = config.run_id();
         let prepared = p2ptrain_daemon::node::prepare(config).expect("prepare");
@@ -91,6 +142,29 @@ impl Rogue {
                     else {
                         continue;
                     };
+                    let hostile_state = match (&request, donor) {
+                        (BulkRequest::StateManifest, Some(d)) => {
+                            Some(BulkResponse::StateManifest(hostile_manifest(d)))
+                        }
+                        (BulkRequest::StateChunk { .. }, Some(DonorAnswer::WrongLength)) => {
+                            Some(BulkResponse::StateChunk(ByteBuf::from(vec![0u8; 1000])))
+                        }
+                        (BulkRequest::StateChunk { index, .. }, Some(DonorAnswer::BadHash)) => {
+                            let chunk = p2ptrain_daemon::transfer::CHUNK_SIZE as u64;
+                            let len = HOSTILE_STATE
+                                .saturating_sub(u64::from(*index) * chunk)
+                                .min(chunk);
+                            Some(BulkResponse::StateChunk(ByteBuf::from(vec![
+                                7u8;
+                                len as usize
+                            ])))
+                        }
+                        _ => None,
+                    };
+                    if let Some(response) = hostile_state {
+                        let _ = responder.respond(channel, response).await;
+                        continue;
+                    }
                     let answer = match request {
                         BulkRequest::Params if serving => {
                             turn += 1;

@@ -26,8 +26,11 @@ pub const WINDOW_PER_SOURCE: usize = 4;
 /// How long a frozen state is kept for joiners.
 pub const FROZEN_TTL: Duration = Duration::from_secs(120);
 /// A manifest request within this long of the last freeze reuses it, so joiners arriving
-/// together download the same state and can share it.
-pub const REUSE_WITHIN: Duration = Duration::from_secs(5);
+/// together download the same state and can share it: a joiner that finished serves the next
+/// one beside the donor. Long enough for a joiner that starts a few seconds after another
+/// (on a loaded box, start-up, identify and the join wait take seconds), short enough that
+/// the state is fresh; the mesh's updates and syncs bring a joiner up to date at once.
+pub const REUSE_WITHIN: Duration = Duration::from_secs(15);
 /// Frozen states kept at most.
 const FROZEN_CAP: usize = 3;
 
@@ -248,15 +251,30 @@ pub async fn download(
     if manifests.is_empty() {
         return Err("no peer offered a valid state".into());
     }
-    // Most advanced first; among those within 10% of the best step, the least loaded.
+    // Most advanced first; among those within 10% of the best step, the one most peers hold
+    // (its chunks come from all of them at once, and no single donor carries the crowd), then
+    // the least loaded.
     let best_step = manifests.iter().map(|m| m.1.step).max().unwrap_or(0);
-    manifests.sort_by_key(|(_, m)| {
-        (
-            m.step * 10 < best_step * 9,
-            m.load,
-            std::cmp::Reverse(m.step),
-        )
-    });
+    let holders = |m: &StateManifest| {
+        manifests
+            .iter()
+            .filter(|(_, o)| o.hash == m.hash || o.cached.contains(&m.hash))
+            .count()
+    };
+    let mut keyed: Vec<_> = manifests
+        .iter()
+        .map(|(p, m)| {
+            let key = (
+                m.step.saturating_mul(10) < best_step.saturating_mul(9),
+                std::cmp::Reverse(holders(m)),
+                m.load,
+                std::cmp::Reverse(m.step),
+            );
+            (key, (*p, m.clone()))
+        })
+        .collect();
+    keyed.sort_by(|a, b| a.0.cmp(&b.0));
+    let manifests: Vec<(PeerId, StateManifest)> = keyed.into_iter().map(|(_, v)| v).collect();
     let mut order = manifests.clone();
     // A state left half-downloaded goes first while some peer still serves it; otherwise its
     // chunks are of no use any more.

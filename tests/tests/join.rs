@@ -1,7 +1,8 @@
 //! Joins checked as strictly as gossip: a joiner refuses hostile donors (an oversized manifest,
 //! chunks of the wrong length, chunks that fail their hash) with bounded memory and joins from
 //! an honest one; and a joiner killed in the middle of its state download and started again on
-//! the same data directory fetches only the chunks it lacks.
+//! the same data directory fetches only the chunks it lacks; and a state three peers hold is
+//! fetched from several of them at once.
 
 use std::time::Duration;
 
@@ -119,4 +120,51 @@ fn a_joiner_refuses_hostile_donors_and_joins_from_an_honest_one() {
         "{after}"
     );
     eprintln!("rogues: {ids:?}");
+}
+
+#[test]
+fn a_state_three_peers_hold_is_fetched_from_several_of_them() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    // About 1.2 MB: five chunks to spread over the holders.
+    let cfg = config(
+        tmp.path(),
+        "wide.toml",
+        &[("widths = [64, 128, 10]", "widths = [64, 2048, 10]")],
+        "",
+    );
+    let donor = start(tmp.path(), "donor", &cfg, None, &[]);
+    let addr = listen_addr(&donor);
+    donor.wait_status("the donor training", Duration::from_secs(60), |s| {
+        step(s) > 50
+    });
+    // Two joiners arriving together get the donor's same frozen state, and hold it after.
+    let first: Vec<Node> = ["b", "c"]
+        .iter()
+        .map(|n| start(tmp.path(), n, &cfg, Some(&addr), &[]))
+        .collect();
+    let steps: Vec<u64> = first
+        .iter()
+        .map(|n| {
+            let s = n.wait_status("a joiner's download", Duration::from_secs(120), |s| {
+                s["state_download"].is_object()
+            });
+            s["state_download"]["step"].as_u64().unwrap_or(0)
+        })
+        .collect();
+    assert_eq!(steps[0], steps[1], "the two joiners got different states");
+    let last = start(tmp.path(), "d", &cfg, Some(&addr), &[]);
+    let s = last.wait_status(
+        "the third joiner's download",
+        Duration::from_secs(120),
+        |s| s["state_download"].is_object(),
+    );
+    let dl = &s["state_download"];
+    eprintln!("third joiner: {dl}");
+    assert_eq!(
+        dl["step"].as_u64(),
+        Some(steps[0]),
+        "it took another state: {dl}"
+    );
+    let sources = dl["sources"].as_array().map_or(0, Vec::len);
+    assert!(sources >= 2, "fetched from {sources} source(s): {dl}");
 }

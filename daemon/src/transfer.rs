@@ -273,7 +273,7 @@ pub async fn download(
             (key, (*p, m.clone()))
         })
         .collect();
-    keyed.sort_by(|a, b| a.0.cmp(&b.0));
+    keyed.sort_by_key(|k| k.0);
     let manifests: Vec<(PeerId, StateManifest)> = keyed.into_iter().map(|(_, v)| v).collect();
     let mut order = manifests.clone();
     // A state left half-downloaded goes first while some peer still serves it; otherwise its

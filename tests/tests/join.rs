@@ -24,22 +24,29 @@ fn kept_chunks(node: &Node) -> usize {
         .count()
 }
 
-#[test]
-fn a_joiner_killed_mid_download_resumes_with_the_chunks_it_kept() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    // A state of about 1.2 MB (5 chunks) served one chunk per second per request, so the
-    // download lasts seconds and the kill lands in its middle.
+/// A founder of a digits run whose state is about 1.2 MB (five chunks), with `debug` settings
+/// added, and its address once it trains.
+fn wide_donor(dir: &std::path::Path, debug: &str) -> (std::path::PathBuf, Node, String) {
     let cfg = config(
-        tmp.path(),
+        dir,
         "wide.toml",
         &[("widths = [64, 128, 10]", "widths = [64, 2048, 10]")],
-        "serve_chunk_delay_ms = 1000\n",
+        debug,
     );
-    let donor = start(tmp.path(), "donor", &cfg, None, &[]);
+    let donor = start(dir, "donor", &cfg, None, &[]);
     let addr = listen_addr(&donor);
     donor.wait_status("the donor training", Duration::from_secs(60), |s| {
         step(s) > 50
     });
+    (cfg, donor, addr)
+}
+
+#[test]
+fn a_joiner_killed_mid_download_resumes_with_the_chunks_it_kept() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    // Served one chunk per second per request, so the download lasts seconds and the kill
+    // lands in its middle.
+    let (cfg, _donor, addr) = wide_donor(tmp.path(), "serve_chunk_delay_ms = 1000\n");
     let mut joiner = start(tmp.path(), "joiner", &cfg, Some(&addr), &[]);
     let kept = eventually(Duration::from_secs(60), "a chunk kept on disk", || {
         let n = kept_chunks(&joiner);
@@ -125,18 +132,8 @@ fn a_joiner_refuses_hostile_donors_and_joins_from_an_honest_one() {
 #[test]
 fn a_state_three_peers_hold_is_fetched_from_several_of_them() {
     let tmp = tempfile::tempdir().expect("tmp");
-    // About 1.2 MB: five chunks to spread over the holders.
-    let cfg = config(
-        tmp.path(),
-        "wide.toml",
-        &[("widths = [64, 128, 10]", "widths = [64, 2048, 10]")],
-        "",
-    );
-    let donor = start(tmp.path(), "donor", &cfg, None, &[]);
-    let addr = listen_addr(&donor);
-    donor.wait_status("the donor training", Duration::from_secs(60), |s| {
-        step(s) > 50
-    });
+    // Five chunks to spread over the holders.
+    let (cfg, _donor, addr) = wide_donor(tmp.path(), "");
     // Two joiners arriving together get the donor's same frozen state, and hold it after.
     let first: Vec<Node> = ["b", "c"]
         .iter()

@@ -12,6 +12,7 @@ pub mod device;
 pub mod guard;
 pub mod identity;
 pub mod mesh;
+pub mod mesh_core;
 pub mod nat;
 pub mod network;
 pub mod node;
@@ -22,5 +23,6 @@ pub mod store;
 pub mod sync_guard;
 pub mod trainer;
 pub mod transfer;
+pub mod wire;
 
 pub use config::Config;

@@ -21,7 +21,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint::{CheckpointMeta, Snapshot};
 use crate::config::Config;
-use crate::mesh::{Mesh, MeshConfig, MeshStatus};
+use crate::mesh::{MeshActor, MeshConfig, MeshStatus};
+use crate::mesh_core::{CoreConfig, MeshCore};
 use crate::status::{
     CheckpointRef, CheckpointView, ModelInfo, PeerStatus, Peers, Status, SyncStatus,
 };
@@ -214,6 +215,8 @@ pub struct Shared {
     pub mesh: Arc<Mutex<MeshStatus>>,
     /// Frozen states this node serves to joiners.
     pub cache: Arc<Mutex<transfer::Cache>>,
+    /// The state download this node started with, if any.
+    pub download: Mutex<Option<transfer::DownloadReport>>,
     /// The update settings and this node's update topic, for status.
     pub sync: SyncInfoStatic,
 }
@@ -309,7 +312,7 @@ impl Shared {
             peer_drops: net.peer_drops,
             denied_connections: net.denied_connections,
             nat: net.nat,
-            state_download: mesh.download,
+            state_download: self.download.lock().ok().and_then(|d| d.clone()),
             state_serving: self.cache.lock().map(|mut c| c.load()).unwrap_or(0),
             sync: {
                 let (copies, bytes) = net
@@ -328,11 +331,11 @@ impl Shared {
                     payload_bytes_per_update: (mesh.updates.sent > 0)
                         .then(|| mesh.payload_bytes_sent as f64 / mesh.updates.sent as f64),
                     residual_norm: mesh.residual_norm,
-                    dropped_stale: stats.updates_dropped_stale,
+                    dropped_stale: mesh.dropped_stale,
                     staleness_bound: self.sync.config.staleness_bound,
                     held: stats.held,
                     held_secs: stats.held_secs,
-                    lead_over_slowest: stats.lead_over_slowest,
+                    lead_over_slowest: mesh.lead_over_slowest,
                 }
             },
         }
@@ -381,7 +384,8 @@ impl Shared {
             .await
             .map_err(|_| "the trainer has stopped".to_string())?;
         rx.await
-            .map_err(|_| "the trainer has stopped".to_string())??;
+            .map_err(|_| "the trainer has stopped".to_string())?
+            .map_err(|e| e.to_string())?;
         Ok(meta)
     }
 
@@ -478,7 +482,7 @@ pub async fn run(
         &ident,
         resume.as_ref(),
     )
-    .map_err(NodeError::Trainer)?;
+    .map_err(|e| NodeError::Trainer(e.to_string()))?;
     if let Some(loaded) = &resume {
         tracing::info!(
             id = loaded.meta.id,
@@ -541,10 +545,14 @@ pub async fn run(
     // A fresh node joining a mesh takes the mesh's state before its first step.
     let joining = resume.is_none() && !net_cfg.bootstrap.is_empty();
     let layout = model.params().layout();
-    let layout_hash = layout.hash();
 
     let (snapshot_tx, mut snapshot_rx) = mpsc::channel(trainer::SNAPSHOT_CAP);
-    let (update_tx, update_rx) = mpsc::channel(2);
+    let limit = trainer::StepLimit::new();
+    let node_seed = config
+        .train
+        .node_seed
+        .unwrap_or_else(|| seed_from(&peer_id));
+    let policy = config.sync.policy();
     let handle = trainer::spawn(
         trainer::Setup {
             model,
@@ -554,26 +562,24 @@ pub async fn run(
             batch_size: config.train.batch_size,
             eval_every: config.train.eval_every,
             max_steps: config.train.max_steps,
-            node_seed: config
-                .train
-                .node_seed
-                .unwrap_or_else(|| seed_from(&peer_id)),
+            node_seed,
             checkpoint_every_steps: config.checkpoint.every_steps,
             checkpoint_every: Duration::from_secs(config.checkpoint.every_secs),
             identity: ident.clone(),
             start,
-            policy: config.sync.policy(),
-            update_weight: config.sync.update_weight.map(|w| w as f32),
+            publishes: policy.publish_every > 0,
+            measure_pending_ratio: policy.publish_every > 0 && policy.publish_early_ratio > 0.0,
             start_paused: joining,
             step_delay: Duration::from_millis(config.debug.step_delay_ms),
         },
         snapshot_tx,
-        update_tx,
+        limit.clone(),
     )
     .map_err(|e| NodeError::Trainer(format!("cannot start trainer thread: {e}")))?;
     let trainer::Handle {
         cmd_tx,
         stats_rx,
+        events_rx: trainer_events,
         mut done_rx,
     } = handle;
     let (stop_tx, mut stop_rx) = watch::channel(false);
@@ -598,6 +604,7 @@ pub async fn run(
         net: net.clone(),
         mesh: Arc::new(Mutex::new(MeshStatus::default())),
         cache: Arc::new(Mutex::new(transfer::Cache::default())),
+        download: Mutex::new(None),
         sync: SyncInfoStatic {
             config: config.sync.clone(),
             topic: crate::mesh::update_topic(&ident.run_id, &local_peer),
@@ -606,13 +613,11 @@ pub async fn run(
     });
     drop(resume);
     let cache = shared.cache.clone();
-    let mesh = Mesh::new(
-        net.clone(),
-        cmd_tx.clone(),
-        shared.stats_rx.clone(),
-        shared.mesh.clone(),
-        cache.clone(),
-        MeshConfig {
+    let core = MeshCore::new(CoreConfig {
+        me: local_peer,
+        run_id: ident.run_id.clone(),
+        layout,
+        mesh: MeshConfig {
             degree: config.sync.degree,
             inline_max: config.sync.inline_max_bytes,
             max_update_ratio: config.sync.max_update_ratio,
@@ -623,12 +628,23 @@ pub async fn run(
             guard: config.sync.guard(),
             max_sync_distance: config.sync.max_sync_distance,
         },
-        local_peer,
-        ident.run_id.clone(),
-        layout_hash,
-        layout,
+        policy,
+        update_weight: config.sync.update_weight.map(|w| w as f32),
+        start_step: start.step,
+        seed: node_seed,
+    });
+    let mesh = MeshActor::new(
+        net.clone(),
+        core,
+        cmd_tx.clone(),
+        shared.stats_rx.clone(),
+        trainer_events,
+        shared.mesh.clone(),
+        cache.clone(),
+        limit,
+        Duration::from_millis(config.debug.serve_chunk_delay_ms),
     );
-    let mesh_task = tokio::spawn(mesh.run(net_events, update_rx, shared.stop_tx.subscribe()));
+    let mesh_task = tokio::spawn(mesh.run(net_events, shared.stop_tx.subscribe()));
     if joining {
         tokio::spawn(join_mesh(shared.clone(), cache));
     }
@@ -706,7 +722,7 @@ pub async fn run(
                 reached_max_steps: finish.reached_max_steps,
             })
         }
-        Ok(Err(e)) => Err(NodeError::Trainer(e)),
+        Ok(Err(e)) => Err(NodeError::Trainer(e.to_string())),
         Err(_) => Err(NodeError::Trainer(
             "the trainer thread ended without a result".into(),
         )),
@@ -802,8 +818,8 @@ async fn join_mesh(shared: Arc<Shared>, cache: Arc<Mutex<transfer::Cache>>) {
                 }
                 let mut report = report;
                 report.first_accuracy = shared.stats_rx.borrow().eval.map(|e| e.accuracy);
-                if let Ok(mut m) = shared.mesh.lock() {
-                    m.download = Some(report);
+                if let Ok(mut d) = shared.download.lock() {
+                    *d = Some(report);
                 }
                 return;
             }

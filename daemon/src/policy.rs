@@ -312,6 +312,16 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
             .map(|slowest| self.step.saturating_sub(slowest))
     }
 
+    /// SSP as a limit the trainer can check without asking: it may take a step while its
+    /// step is below `slowest live neighbour + bound`. `None` when no bound is set or no live
+    /// neighbour's step is known. Equivalent to [`Action::Hold`] and [`Action::Resume`], but
+    /// exact however late the trainer's own steps reach the policy.
+    pub fn step_limit(&self, now: Instant) -> Option<u64> {
+        let bound = self.config.staleness_bound?.max(1);
+        self.slowest_live(now)
+            .map(|slowest| slowest.saturating_add(bound))
+    }
+
     fn is_live(&self, n: &Neighbour, now: Instant) -> bool {
         now.saturating_duration_since(n.last_heard) <= self.config.peer_timeout
     }

@@ -1,0 +1,723 @@
+//! The mesh core: every decision this node makes about peers, updates and syncs, as one IO-less
+//! state machine.
+//!
+//! It owns membership and the choice of neighbours (from a seeded RNG), the sync policy
+//! ([`crate::policy`]), the guards on neighbours' updates ([`crate::guard`]) and on full-sync
+//! replies ([`crate::sync_guard`]), the replay and staleness bookkeeping, this node's
+//! error-feedback residual, the queue of updates waiting for the trainer, and the offences that
+//! feed peer scoring. It holds no socket, task, channel or clock: the mesh actor
+//! ([`crate::mesh`]) turns network events, trainer events and timer ticks into [`Input`]s, calls
+//! [`MeshCore::handle`] with the current instant, and carries out the returned [`Output`]s. The
+//! seeded simulator in this module's tests drives the very same code with many nodes.
+//!
+//! Peers are keyed by libp2p's [`PeerId`] throughout. Nothing in here panics, whatever the
+//! inputs and instants.
+
+pub mod status;
+mod syncs;
+mod updates;
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use libp2p::gossipsub::{MessageAcceptance, MessageId};
+use libp2p::PeerId;
+use p2ptrain_models::codec::{self, Codec, ErrorFeedback};
+use p2ptrain_models::params::Layout;
+use rand::rngs::StdRng;
+use rand::seq::IteratorRandom;
+use rand::SeedableRng;
+
+use crate::guard::{GuardConfig, SeenSteps, UpdateGuard};
+use crate::policy::{Action, PolicyConfig, PolicyEvent, SyncPolicy};
+use crate::sync_guard::{SyncGuard, SyncRefusal};
+use crate::trainer::Phase;
+use crate::wire::{self, BulkResponse, Heartbeat};
+
+pub use status::{FullSyncCounters, MeshStatus, SyncInfo, SyncRefusalInfo, UpdateCounters};
+
+/// How often neighbours are re-chosen.
+pub const REFRESH_EVERY: Duration = Duration::from_secs(1);
+/// How often a node tells the mesh its progress.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+/// Large updates kept for neighbours to pull.
+const LARGE_UPDATE_CAP: usize = 4;
+/// Updates waiting for a busy trainer before they are merged.
+const PENDING_CAP: usize = 8;
+/// Pause after a neighbour declined a sync, before the policy may start the next one: without
+/// it a lone neighbour that declines (a joiner still downloading) was asked ~300 times a second.
+const SYNC_RETRY_PAUSE: Duration = Duration::from_millis(500);
+/// Peers kept in the per-peer counters of status (rejections, refusals): beyond it the oldest
+/// entries go, so a flood of fresh identities cannot grow memory.
+const PER_PEER_CAP: usize = 1024;
+
+/// Mesh settings.
+#[derive(Debug, Clone)]
+pub struct MeshConfig {
+    /// Neighbours to keep.
+    pub degree: usize,
+    /// Updates up to this many bytes travel inside the gossip message; larger ones are
+    /// announced and pulled over the bulk channel.
+    pub inline_max: usize,
+    /// A neighbour's update whose norm exceeds this times our parameters' norm is rejected.
+    pub max_update_ratio: f64,
+    /// Debug throttle: delay before serving each state chunk (used by the actor).
+    pub serve_chunk_delay: Duration,
+    /// How own updates are encoded.
+    pub codec: Codec,
+    /// Kept fraction for top-k.
+    pub density: f64,
+    /// Keep what a lossy codec did not send and add it to the next update.
+    pub error_feedback: bool,
+    /// Outlier bound and rate limit on neighbours' updates.
+    pub guard: GuardConfig,
+    /// Cap on the distance bound of full-sync replies (`sync.max_sync_distance`).
+    pub max_sync_distance: f64,
+}
+
+/// Everything the core needs to know about this node and its run.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    /// This node.
+    pub me: PeerId,
+    /// The run every update must belong to.
+    pub run_id: String,
+    /// The model's parameter layout, which every update and sync must fit.
+    pub layout: Layout,
+    /// Neighbours, codec and guards.
+    pub mesh: MeshConfig,
+    /// When to publish, sync and hold.
+    pub policy: PolicyConfig,
+    /// Fixed weight for neighbours' updates instead of the policy's (`sync.update_weight`).
+    pub update_weight: Option<f32>,
+    /// This node's step when the core starts (a resumed checkpoint's).
+    pub start_step: u64,
+    /// Seeds neighbour choice, so a simulation replays exactly.
+    pub seed: u64,
+}
+
+/// What the trainer last published about itself, as the core needs it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Progress {
+    /// Whether it trains yet (a joiner waits for its state).
+    pub phase: Phase,
+    /// Its step.
+    pub step: u64,
+    /// Its parameters' L2 norm: neighbours' updates are bounded by a multiple of it.
+    pub param_norm: f64,
+    /// Its recent loss.
+    pub loss: Option<f64>,
+    /// Its throughput.
+    pub samples_per_sec: f64,
+    /// Its latest held-out accuracy.
+    pub accuracy: Option<f64>,
+}
+
+/// What an announced update's fetch from its author brought back.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FetchAnswer {
+    /// The bytes the author sent.
+    Bytes(Vec<u8>),
+    /// The author declined (it keeps only its last few) or the network failed: nobody's fault.
+    Unavailable,
+    /// An answer of another kind: the author's fault.
+    WrongKind,
+}
+
+/// How the trainer answered an [`TrainerCommand::Average`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum AverageOutcome {
+    /// Averaged; the relative distance measured before.
+    Averaged(f64),
+    /// Judged and refused; nothing changed.
+    Refused(SyncRefusal),
+    /// The trainer could not do it (its own failure).
+    Failed(String),
+}
+
+/// What the trainer tells the core.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TrainerEvent {
+    /// It finished a step.
+    Stepped {
+        /// The step reached.
+        step: u64,
+        /// ‖own change since the last delta‖ / ‖parameters‖ (0 when not measured).
+        pending_ratio: f64,
+    },
+    /// The delta asked for with [`TrainerCommand::TakeDelta`].
+    Delta {
+        /// Step of the previous delta: this one covers `base_step..step`.
+        base_step: u64,
+        /// Step at which it was taken.
+        step: u64,
+        /// Own change, flat in canonical order.
+        delta: Vec<f32>,
+    },
+    /// The answer to [`TrainerCommand::Average`] number `seq`.
+    Averaged {
+        /// The command's number.
+        seq: u64,
+        /// What happened.
+        outcome: AverageOutcome,
+    },
+    /// The parameters were replaced by a checkpoint at `step`: everything that referred to
+    /// the old ones is void.
+    Restored {
+        /// The restored step.
+        step: u64,
+    },
+}
+
+/// What the core asks of the trainer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TrainerCommand {
+    /// Hand over the own change since the last delta ([`TrainerEvent::Delta`]).
+    TakeDelta,
+    /// Add `weight * values` to the parameters.
+    Apply {
+        /// Flat values in canonical order.
+        values: Vec<f32>,
+        /// Their weight.
+        weight: f32,
+    },
+    /// Average with `theirs` if within `bound` ([`crate::sync_guard::judge`]); answer with
+    /// [`TrainerEvent::Averaged`].
+    Average {
+        /// Numbers the answer.
+        seq: u64,
+        /// The neighbour's parameters.
+        theirs: Vec<f32>,
+        /// The largest relative distance accepted.
+        bound: f64,
+    },
+}
+
+/// An event for the core.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// A member of this run connected.
+    PeerUp(PeerId),
+    /// A member went away (or was dropped as silent).
+    PeerDown(PeerId),
+    /// A gossip message awaiting its verdict.
+    Gossip {
+        /// The peer that forwarded it.
+        source: PeerId,
+        /// Its signed author.
+        author: Option<PeerId>,
+        /// Its id, for the verdict.
+        id: MessageId,
+        /// Its topic.
+        topic: String,
+        /// Its payload.
+        data: Vec<u8>,
+    },
+    /// An announced update's fetch ended.
+    Fetched {
+        /// The author.
+        owner: PeerId,
+        /// The forwarder of the announcement.
+        source: PeerId,
+        /// The announcement's id, for the verdict.
+        id: MessageId,
+        /// The announced hash.
+        hash: [u8; 32],
+        /// What came back.
+        answer: FetchAnswer,
+    },
+    /// A full sync's request ended: the neighbour's answer, or why there was none.
+    ParamsReply {
+        /// The neighbour asked.
+        peer: PeerId,
+        /// Its answer.
+        answer: Result<BulkResponse, String>,
+    },
+    /// The network took (`ok`) or refused an own update of `payload` bytes.
+    UpdatePublished {
+        /// Bytes of the framed update.
+        payload: u64,
+        /// Whether gossip took it.
+        ok: bool,
+    },
+    /// The trainer's latest progress.
+    Progress(Progress),
+    /// News from the trainer.
+    Trainer(TrainerEvent),
+    /// A command could not be handed to the trainer (its queue is full).
+    TrainerBusy(TrainerCommand),
+    /// Time passed.
+    Tick,
+    /// This node leaves: say so to the mesh.
+    Leave,
+}
+
+/// Work for the mesh actor.
+#[derive(Debug, Clone)]
+pub enum Output {
+    /// Subscribe to a topic.
+    Subscribe(String),
+    /// Unsubscribe from a topic.
+    Unsubscribe(String),
+    /// Publish an own update on its topic, then report [`Input::UpdatePublished`].
+    PublishUpdate {
+        /// The topic.
+        topic: String,
+        /// The framed update.
+        data: Vec<u8>,
+    },
+    /// Publish on a topic.
+    Publish {
+        /// The topic.
+        topic: String,
+        /// The payload.
+        data: Vec<u8>,
+    },
+    /// Give gossip a message's verdict.
+    Validate {
+        /// The message.
+        id: MessageId,
+        /// Its forwarder.
+        source: PeerId,
+        /// The verdict.
+        acceptance: MessageAcceptance,
+    },
+    /// Record an offence, so a ban can name it.
+    Offence {
+        /// The offender.
+        peer: PeerId,
+        /// What it did.
+        why: String,
+    },
+    /// Lower a peer's score for a refused full-sync reply.
+    SyncRefused(PeerId),
+    /// Forget a peer that said goodbye (no redial).
+    Forget(PeerId),
+    /// Fetch an announced update from its author, then report [`Input::Fetched`].
+    Fetch {
+        /// The author.
+        owner: PeerId,
+        /// The announcement's forwarder.
+        source: PeerId,
+        /// The announcement's id.
+        id: MessageId,
+        /// The announced hash.
+        hash: [u8; 32],
+    },
+    /// Ask a neighbour for its parameters, then report [`Input::ParamsReply`].
+    RequestParams(PeerId),
+    /// Hand the trainer a command; if its queue is full, report [`Input::TrainerBusy`].
+    Trainer(TrainerCommand),
+}
+
+/// One neighbour sync under way.
+#[derive(Debug, Clone)]
+struct SyncInFlight {
+    peer: PeerId,
+    /// Numbers the trainer's answer, so one for an older sync is not taken for this one.
+    seq: u64,
+    /// Our step when it started.
+    step: u64,
+}
+
+/// The mesh core; see the module docs.
+pub struct MeshCore {
+    cfg: CoreConfig,
+    me_bytes: [u8; 8],
+    run_bytes: [u8; 8],
+    layout_bytes: [u8; 8],
+    update_topic_prefix: String,
+    heartbeat_topic: String,
+    rng: StdRng,
+    progress: Progress,
+    members: BTreeSet<PeerId>,
+    neighbours: BTreeSet<PeerId>,
+    policy: SyncPolicy<PeerId>,
+    guard: UpdateGuard<PeerId>,
+    seen_steps: HashMap<PeerId, SeenSteps>,
+    sync_guard: SyncGuard,
+    compressor: ErrorFeedback,
+    large: VecDeque<([u8; 32], Arc<Vec<u8>>)>,
+    pending_apply: VecDeque<(Vec<f32>, f32)>,
+    delta_asked: bool,
+    sync: Option<SyncInFlight>,
+    sync_seq: u64,
+    /// A declined sync reported to the policy only after [`SYNC_RETRY_PAUSE`].
+    sync_finish_at: Option<(PeerId, Instant)>,
+    next_refresh: Option<Instant>,
+    next_heartbeat: Option<Instant>,
+    status: MeshStatus,
+}
+
+/// The topic a node publishes its updates on.
+pub fn update_topic(run_id: &str, peer: &PeerId) -> String {
+    format!("p2ptrain/{run_id}/updates/{peer}")
+}
+
+/// The topic every member publishes its progress on.
+pub fn heartbeat_topic(run_id: &str) -> String {
+    format!("p2ptrain/{run_id}/heartbeat")
+}
+
+impl MeshCore {
+    /// A core for this node; [`MeshCore::start`] gives the first outputs.
+    pub fn new(cfg: CoreConfig) -> MeshCore {
+        let numel = cfg.layout.numel();
+        let sync_guard = SyncGuard::new(cfg.mesh.max_sync_distance);
+        let status = MeshStatus {
+            full_syncs: FullSyncCounters {
+                bound: sync_guard.bound(),
+                ..FullSyncCounters::default()
+            },
+            ..MeshStatus::default()
+        };
+        MeshCore {
+            me_bytes: codec::sender_bytes(&cfg.me.to_bytes()),
+            run_bytes: codec::id_bytes(&cfg.run_id),
+            layout_bytes: codec::id_bytes(&cfg.layout.hash()),
+            update_topic_prefix: format!("p2ptrain/{}/updates/", cfg.run_id),
+            heartbeat_topic: heartbeat_topic(&cfg.run_id),
+            rng: StdRng::seed_from_u64(cfg.seed),
+            progress: Progress::default(),
+            members: BTreeSet::new(),
+            neighbours: BTreeSet::new(),
+            policy: SyncPolicy::new(cfg.policy.clone(), cfg.start_step),
+            guard: UpdateGuard::new(cfg.mesh.guard),
+            seen_steps: HashMap::new(),
+            sync_guard,
+            compressor: ErrorFeedback::new(numel, cfg.mesh.error_feedback),
+            large: VecDeque::new(),
+            pending_apply: VecDeque::new(),
+            delta_asked: false,
+            sync: None,
+            sync_seq: 0,
+            sync_finish_at: None,
+            next_refresh: None,
+            next_heartbeat: None,
+            status,
+            cfg,
+        }
+    }
+
+    /// What to do before the first input: listen to the run's heartbeats.
+    pub fn start(&self) -> Vec<Output> {
+        vec![Output::Subscribe(self.heartbeat_topic.clone())]
+    }
+
+    /// Handles one input at `now` and says what to do about it.
+    pub fn handle(&mut self, input: Input, now: Instant) -> Vec<Output> {
+        let mut out = Vec::new();
+        match input {
+            Input::PeerUp(peer) => {
+                if peer != self.cfg.me {
+                    self.members.insert(peer);
+                    self.refresh_neighbours(now, &mut out);
+                }
+            }
+            Input::PeerDown(peer) => self.drop_member(peer, now, &mut out),
+            Input::Gossip {
+                source,
+                author,
+                id,
+                topic,
+                data,
+            } => {
+                if let Some(acceptance) =
+                    self.on_gossip(source, author, &id, &topic, data, now, &mut out)
+                {
+                    out.push(Output::Validate {
+                        id,
+                        source,
+                        acceptance,
+                    });
+                }
+            }
+            Input::Fetched {
+                owner,
+                source,
+                id,
+                hash,
+                answer,
+            } => {
+                let acceptance = self.on_fetched(owner, hash, answer, now, &mut out);
+                out.push(Output::Validate {
+                    id,
+                    source,
+                    acceptance,
+                });
+            }
+            Input::ParamsReply { peer, answer } => {
+                self.on_params_reply(peer, answer, now, &mut out)
+            }
+            Input::UpdatePublished { payload, ok } => self.on_update_published(payload, ok),
+            Input::Progress(p) => self.progress = p,
+            Input::Trainer(ev) => self.on_trainer(ev, now, &mut out),
+            Input::TrainerBusy(cmd) => self.on_trainer_busy(cmd, now, &mut out),
+            Input::Tick => self.on_tick(now, &mut out),
+            Input::Leave => out.push(self.heartbeat(true)),
+        }
+        self.status.lead_over_slowest = self.policy.lead_over_slowest(now);
+        out
+    }
+
+    /// The highest step the trainer may reach before it must wait for its slowest neighbour
+    /// (SSP); `None` when nothing holds it back. The trainer may take a step while its step is
+    /// below this.
+    pub fn step_limit(&self, now: Instant) -> Option<u64> {
+        self.policy.step_limit(now)
+    }
+
+    /// The next update waiting for the trainer, with its weight.
+    pub fn next_apply(&mut self) -> Option<TrainerCommand> {
+        self.pending_apply
+            .pop_front()
+            .map(|(values, weight)| TrainerCommand::Apply { values, weight })
+    }
+
+    /// Updates waiting for the trainer.
+    pub fn pending_applies(&self) -> usize {
+        self.pending_apply.len()
+    }
+
+    /// Whether this node trains (and so may answer syncs and judge updates).
+    pub fn is_training(&self) -> bool {
+        self.progress.phase == Phase::Training
+    }
+
+    /// A large update of ours that a neighbour asks for by hash.
+    pub fn large_update(&self, hash: &[u8]) -> Option<Arc<Vec<u8>>> {
+        self.large
+            .iter()
+            .find(|(h, _)| h[..] == hash[..])
+            .map(|(_, b)| b.clone())
+    }
+
+    /// The core's status report.
+    pub fn status(&self) -> &MeshStatus {
+        &self.status
+    }
+
+    /// Current neighbours.
+    pub fn neighbours(&self) -> &BTreeSet<PeerId> {
+        &self.neighbours
+    }
+
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<Output>) {
+        if self.next_refresh.is_none_or(|t| now >= t) {
+            self.refresh_neighbours(now, out);
+        }
+        if self.next_heartbeat.is_none_or(|t| now >= t) {
+            self.next_heartbeat = Some(now + HEARTBEAT_EVERY);
+            out.push(self.heartbeat(false));
+        }
+        if let Some((peer, at)) = self.sync_finish_at {
+            if now >= at {
+                self.sync_finish_at = None;
+                self.feed(PolicyEvent::SyncFinished { peer, ok: false }, now, out);
+            }
+        }
+        self.feed(PolicyEvent::Tick, now, out);
+    }
+
+    fn on_trainer(&mut self, ev: TrainerEvent, now: Instant, out: &mut Vec<Output>) {
+        match ev {
+            TrainerEvent::Stepped {
+                step,
+                pending_ratio,
+            } => {
+                self.progress.step = self.progress.step.max(step);
+                self.feed(
+                    PolicyEvent::Stepped {
+                        step,
+                        pending_ratio,
+                    },
+                    now,
+                    out,
+                );
+            }
+            TrainerEvent::Delta {
+                base_step,
+                step,
+                delta,
+            } => {
+                self.delta_asked = false;
+                self.feed(PolicyEvent::Published { step }, now, out);
+                self.publish_update(base_step, step, &delta, out);
+            }
+            TrainerEvent::Averaged { seq, outcome } => self.on_averaged(seq, outcome, now, out),
+            TrainerEvent::Restored { step } => self.on_restored(step, now, out),
+        }
+    }
+
+    fn on_trainer_busy(&mut self, cmd: TrainerCommand, now: Instant, out: &mut Vec<Output>) {
+        match cmd {
+            // Asked again at the next step the policy finds a publish due.
+            TrainerCommand::TakeDelta => self.delta_asked = false,
+            TrainerCommand::Apply { values, weight } => {
+                self.pending_apply.push_front((values, weight));
+            }
+            TrainerCommand::Average { seq, .. } => self.on_averaged(
+                seq,
+                AverageOutcome::Failed("the trainer is busy".into()),
+                now,
+                out,
+            ),
+        }
+    }
+
+    /// A checkpoint replaced the parameters: the residual, the pending updates and the
+    /// policy's counts referred to the old ones.
+    fn on_restored(&mut self, step: u64, now: Instant, out: &mut Vec<Output>) {
+        self.compressor.reset();
+        self.status.residual_norm = 0.0;
+        self.pending_apply.clear();
+        self.delta_asked = false;
+        self.progress.step = step;
+        let mut policy = SyncPolicy::new(self.cfg.policy.clone(), step);
+        for peer in &self.neighbours {
+            let _ = policy.handle(PolicyEvent::NeighbourUp { peer: *peer }, now);
+        }
+        self.policy = policy;
+        // A sync under way measured the old parameters: its answer is ignored.
+        self.sync = None;
+        self.sync_finish_at = None;
+        let _ = out;
+    }
+
+    /// Feeds the sync policy one event and carries out what it asks.
+    fn feed(&mut self, ev: PolicyEvent<PeerId>, now: Instant, out: &mut Vec<Output>) {
+        for action in self.policy.handle(ev, now) {
+            self.act(action, now, out);
+        }
+    }
+
+    fn act(&mut self, action: Action<PeerId>, now: Instant, out: &mut Vec<Output>) {
+        match action {
+            Action::Publish => {
+                if !self.delta_asked {
+                    self.delta_asked = true;
+                    out.push(Output::Trainer(TrainerCommand::TakeDelta));
+                }
+            }
+            Action::FullSync { peer } => self.start_sync(peer, now, out),
+            // The trainer reads the step limit; the policy's own hold flag needs no action.
+            Action::Hold | Action::Resume => {}
+            // Answers to arriving updates are handled where the update is.
+            Action::Apply { .. } | Action::Drop { .. } => {}
+        }
+    }
+
+    fn drop_member(&mut self, peer: PeerId, now: Instant, out: &mut Vec<Output>) {
+        self.members.remove(&peer);
+        // A member that comes back may have restarted from an older checkpoint: its step
+        // numbers repeat, and its updates are news again.
+        self.seen_steps.remove(&peer);
+        self.guard.forget(&peer);
+        self.status.progress.remove(&peer.to_string());
+        self.status.members = self.members.iter().copied().collect();
+        if self.neighbours.contains(&peer) {
+            self.refresh_neighbours(now, out);
+        }
+    }
+
+    /// Keeps `degree` neighbours among the members, replacing those gone with ones drawn from
+    /// the seeded RNG, and tells the network and the policy what changed.
+    fn refresh_neighbours(&mut self, now: Instant, out: &mut Vec<Output>) {
+        self.next_refresh = Some(now + REFRESH_EVERY);
+        self.status.members = self.members.iter().copied().collect();
+        let before = self.neighbours.clone();
+        self.neighbours.retain(|p| self.members.contains(p));
+        let want = self.cfg.mesh.degree.saturating_sub(self.neighbours.len());
+        let extra: Vec<PeerId> = self
+            .members
+            .iter()
+            .filter(|p| !self.neighbours.contains(p))
+            .copied()
+            .choose_multiple(&mut self.rng, want);
+        self.neighbours.extend(extra);
+        let gone: Vec<PeerId> = before.difference(&self.neighbours).copied().collect();
+        let new: Vec<PeerId> = self.neighbours.difference(&before).copied().collect();
+        for peer in gone {
+            tracing::info!(peer = %peer, "neighbour dropped");
+            out.push(Output::Unsubscribe(update_topic(&self.cfg.run_id, &peer)));
+            self.feed(PolicyEvent::NeighbourDown { peer }, now, out);
+        }
+        for peer in new {
+            tracing::info!(peer = %peer, "new neighbour");
+            out.push(Output::Subscribe(update_topic(&self.cfg.run_id, &peer)));
+            self.feed(PolicyEvent::NeighbourUp { peer }, now, out);
+        }
+        self.status.neighbours = self.neighbours.iter().map(|p| p.to_string()).collect();
+    }
+
+    fn heartbeat(&self, leaving: bool) -> Output {
+        let hb = Heartbeat {
+            step: self.progress.step,
+            loss: self.progress.loss,
+            samples_per_sec: self.progress.samples_per_sec,
+            accuracy: self.progress.accuracy,
+            leaving,
+        };
+        Output::Publish {
+            topic: self.heartbeat_topic.clone(),
+            data: wire::encode_heartbeat(&hb),
+        }
+    }
+
+    /// Validates a heartbeat: a leaving peer is dropped, a neighbour's step feeds the policy.
+    fn on_heartbeat(
+        &mut self,
+        author: Option<PeerId>,
+        data: &[u8],
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) -> MessageAcceptance {
+        match (author, wire::decode_heartbeat(data)) {
+            (Some(a), Ok(hb)) if hb.leaving => {
+                tracing::info!(peer = %a, "peer is leaving");
+                out.push(Output::Forget(a));
+                self.drop_member(a, now, out);
+                MessageAcceptance::Accept
+            }
+            (Some(a), Ok(hb)) => {
+                if self.neighbours.contains(&a) {
+                    self.feed(
+                        PolicyEvent::Heard {
+                            peer: a,
+                            step: hb.step,
+                        },
+                        now,
+                        out,
+                    );
+                }
+                if self.status.progress.len() < PER_PEER_CAP || self.members.contains(&a) {
+                    self.status.progress.insert(a.to_string(), hb);
+                }
+                MessageAcceptance::Accept
+            }
+            (author, _) => {
+                if let Some(a) = author {
+                    tracing::warn!(peer = %a, "rejected a malformed heartbeat");
+                    out.push(Output::Offence {
+                        peer: a,
+                        why: "malformed heartbeat".into(),
+                    });
+                }
+                MessageAcceptance::Reject
+            }
+        }
+    }
+}
+
+/// Counts one more for `peer` in a per-peer map, dropping the first entry when the map is
+/// full, so hostile identities cannot grow it without bound.
+fn count_for(map: &mut std::collections::BTreeMap<String, u64>, peer: &PeerId) {
+    let key = peer.to_string();
+    if !map.contains_key(&key) && map.len() >= PER_PEER_CAP {
+        if let Some(first) = map.keys().next().cloned() {
+            map.remove(&first);
+        }
+    }
+    *map.entry(key).or_default() += 1;
+}

@@ -1,0 +1,129 @@
+//! What the mesh core reports: counters of updates and syncs, peers' heartbeats, the latest
+//! sync. The core keeps one [`MeshStatus`] current as it decides; the mesh actor copies it out
+//! for the control API, so no field is maintained anywhere else.
+
+use std::collections::BTreeMap;
+
+use libp2p::PeerId;
+use serde::{Deserialize, Serialize};
+
+use crate::wire::Heartbeat;
+
+/// A neighbour sync, as status shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SyncInfo {
+    /// The neighbour.
+    pub peer: String,
+    /// Our step when it happened.
+    pub step: u64,
+    /// Seconds since the Unix epoch.
+    pub at: u64,
+}
+
+/// Counters of updates.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct UpdateCounters {
+    /// Own updates published.
+    pub sent: u64,
+    /// Neighbours' updates received.
+    pub received: u64,
+    /// Of those, applied to the model.
+    pub applied: u64,
+    /// Of those, rejected: proof of breakage or hostility (malformed, other run or layout,
+    /// another sender, non-finite, oversized or outlier norm). Each costs the author score.
+    pub rejected: u64,
+    /// Accepted although older than the author's newest (gossip reordered them); applied
+    /// with the sync policy's staleness discount.
+    #[serde(default)]
+    pub late: u64,
+    /// Dropped without blame: a step the author already delivered.
+    #[serde(default)]
+    pub duplicates: u64,
+    /// Dropped without blame: older than every step still remembered for its author (gossip
+    /// delivered it very late; it cannot be told from a replay).
+    #[serde(default)]
+    pub too_old: u64,
+    /// Accepted, but scaled down to the outlier bound: beyond a multiple of the median of
+    /// recent updates, yet not far enough beyond to prove hostility.
+    #[serde(default)]
+    pub scaled_down: u64,
+    /// Of the rejected, those whose norm was an outlier against recent updates.
+    #[serde(default)]
+    pub outliers: u64,
+    /// Dropped unread because their author sent faster than the per-peer limit.
+    #[serde(default)]
+    pub rate_limited: u64,
+    /// Median norm of recently accepted updates: the outlier bound is a multiple of it.
+    #[serde(default)]
+    pub median_norm: Option<f64>,
+    /// Values of accepted updates clamped by `sync.clip_value`.
+    #[serde(default)]
+    pub clipped_values: u64,
+}
+
+/// Counters of full neighbour syncs, as status shows them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FullSyncCounters {
+    /// Replies judged and averaged.
+    pub accepted: u64,
+    /// Replies refused (wrong layout or answer, not finite, beyond the bound); each lowers
+    /// the neighbour's score.
+    pub refused: u64,
+    /// Syncs that got no reply to judge (timeout, no connection, or the neighbour declined):
+    /// not the neighbour's fault, not punished.
+    pub failed: u64,
+    /// The distance bound a reply must meet now (see [`crate::sync_guard`]).
+    pub bound: f64,
+    /// The largest distance accepted since start: what `sync.max_sync_distance` must leave
+    /// room for.
+    pub largest_accepted: Option<f64>,
+    /// The latest refusal.
+    pub last_refusal: Option<SyncRefusalInfo>,
+}
+
+/// A refused full sync, as status shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SyncRefusalInfo {
+    /// The neighbour.
+    pub peer: String,
+    /// Why, in words.
+    pub reason: String,
+    /// Its relative distance, when one was measured.
+    pub distance: Option<f64>,
+    /// The bound in force.
+    pub bound: f64,
+    /// Seconds since the Unix epoch.
+    pub at: u64,
+}
+
+/// The mesh's part of the status report.
+#[derive(Debug, Clone, Default)]
+pub struct MeshStatus {
+    /// Current neighbours.
+    pub neighbours: Vec<String>,
+    /// Update counters (`applied` is filled from the trainer's count).
+    pub updates: UpdateCounters,
+    /// Rejected updates by author.
+    pub rejected_by_peer: BTreeMap<String, u64>,
+    /// The latest neighbour sync.
+    pub last_sync: Option<SyncInfo>,
+    /// Relative L2 distance to the last synced neighbour, measured before averaging.
+    pub consensus_distance: Option<f64>,
+    /// Full syncs judged, refused and failed.
+    pub full_syncs: FullSyncCounters,
+    /// Refused full-sync replies by neighbour.
+    pub sync_refusals: BTreeMap<String, u64>,
+    /// Latest heartbeat of each peer.
+    pub progress: BTreeMap<String, Heartbeat>,
+    /// Member peers connected now.
+    pub members: Vec<PeerId>,
+    /// L2 norm of what error feedback still owes the mesh, after the last update.
+    pub residual_norm: f64,
+    /// Bytes of the own update messages published (our framing, before gossipsub's), once
+    /// per update.
+    pub payload_bytes_sent: u64,
+    /// Neighbours' updates the sync policy dropped as too stale (`sync.drop_after`).
+    pub dropped_stale: u64,
+    /// How many steps this node is ahead of its slowest live neighbour, when SSP knows one.
+    pub lead_over_slowest: Option<u64>,
+}

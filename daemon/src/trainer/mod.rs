@@ -1,0 +1,726 @@
+//! The trainer: one OS thread that owns the model, the optimizer, the data and the device, and
+//! only computes.
+//!
+//! Candle compute never runs on a tokio worker (a training step would stall every socket the
+//! runtime drives). The async side talks to this thread through a bounded command channel that
+//! the loop polls between steps, reads its progress from a `watch` channel, and receives
+//! periodic snapshots for checkpointing through another bounded channel. The loop never
+//! blocks on any of them: a full snapshot channel means the writer is behind, and that
+//! checkpoint is skipped rather than stalling training.
+//!
+//! It holds no peer logic. The mesh core ([`crate::mesh_core`]) decides; the trainer answers its
+//! typed [`TrainerCommand`]s (take the delta since the last one, apply values with a weight,
+//! average with given parameters within a bound), reports its steps as [`TrainerEvent`]s, and
+//! takes a step only while its step is below the [`StepLimit`] the core sets (SSP). The one
+//! piece of bookkeeping it keeps about the mesh is the base of the next delta (`anchor`, and
+//! `foreign`: what came from elsewhere since), because it is about its own parameters; a
+//! restore resets it and tells the core, which resets what it keeps.
+
+mod state;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use p2ptrain_models::data::{Sampler, Split};
+use p2ptrain_models::params::l2_norm;
+use p2ptrain_models::train::{evaluate, train_step};
+use p2ptrain_models::{Model, Optimizer};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::checkpoint::Snapshot;
+use crate::mesh_core::{AverageOutcome, TrainerCommand, TrainerEvent};
+use crate::store::Loaded;
+use crate::sync_guard;
+
+pub use state::build;
+
+/// Capacity of the command channel: commands are handled between two steps, and the mesh
+/// keeps a few slots free for its own (see [`MESH_RESERVED`]).
+pub const COMMAND_CAP: usize = 16;
+/// Command slots the mesh leaves free when it hands over neighbours' updates, so a delta
+/// request, an average or a control command always fits.
+pub const MESH_RESERVED: usize = 4;
+/// Capacity of the trainer's event channel to the mesh.
+pub const EVENT_CAP: usize = 64;
+/// Event slots a step report leaves free, so a delta, an average's answer or a restore is
+/// never refused for lack of room.
+const EVENT_RESERVED: usize = 8;
+/// Capacity of the automatic-snapshot channel; a second pending snapshot means the disk is
+/// slower than the checkpoint interval, and the newer one is dropped.
+pub const SNAPSHOT_CAP: usize = 1;
+/// How often progress is published to the `watch` channel.
+const PUBLISH_EVERY: Duration = Duration::from_millis(100);
+/// Steps averaged into the reported recent loss.
+const LOSS_WINDOW: usize = 50;
+/// Least time between two evaluation lines in the log.
+const EVAL_LOG_EVERY: Duration = Duration::from_secs(10);
+/// How often a node held back by the step limit looks again.
+const HELD_POLL: Duration = Duration::from_millis(5);
+/// Samples per evaluation batch.
+const EVAL_BATCH: usize = 1000;
+
+/// Why the trainer failed or refused a restore.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    /// A model, data or optimizer operation failed.
+    #[error(transparent)]
+    Model(#[from] p2ptrain_models::Error),
+    /// A tensor operation failed outside the models crate.
+    #[error("tensor operation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// A checkpoint of another run or layout, or with non-finite values: nothing was changed.
+    #[error("{0}")]
+    Refused(String),
+    /// The loss became NaN or infinite.
+    #[error(
+        "training diverged at step {step} (loss {loss}); the last checkpoint is kept untouched"
+    )]
+    Diverged {
+        /// The step at which it happened.
+        step: u64,
+        /// The loss.
+        loss: f32,
+    },
+}
+
+/// The highest step the mesh lets the trainer reach (SSP's staleness bound), shared without
+/// a lock: the mesh writes it, the trainer reads it before every step. [`StepLimit::NONE`]
+/// when nothing holds the trainer back.
+#[derive(Debug, Clone, Default)]
+pub struct StepLimit(Arc<AtomicU64>);
+
+impl StepLimit {
+    /// No limit.
+    pub const NONE: u64 = u64::MAX;
+
+    /// A limit that holds nothing back.
+    pub fn new() -> StepLimit {
+        StepLimit(Arc::new(AtomicU64::new(Self::NONE)))
+    }
+
+    /// Sets the limit (`None`: no limit).
+    pub fn set(&self, limit: Option<u64>) {
+        self.0.store(limit.unwrap_or(Self::NONE), Ordering::Relaxed);
+    }
+
+    /// Whether a step from `step` is allowed now.
+    pub fn allows(&self, step: u64) -> bool {
+        step < self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A request to the trainer thread, handled between two steps.
+#[derive(Debug)]
+pub enum Command {
+    /// Copy the current state for a checkpoint.
+    Snapshot(oneshot::Sender<Snapshot>),
+    /// Replace the state with a verified checkpoint.
+    Restore(Box<Loaded>, oneshot::Sender<Result<(), TrainerError>>),
+    /// Finish the current step, then stop and hand back the final state.
+    Stop,
+    /// Begin training: a joiner starts paused until its state has been downloaded.
+    Start,
+    /// The current step and flat parameters, for a neighbour that syncs with this node.
+    Params(oneshot::Sender<(u64, Vec<f32>)>),
+    /// Work the mesh core asks for.
+    Mesh(TrainerCommand),
+}
+
+/// What the trainer is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Building the model or loading state.
+    #[default]
+    Starting,
+    /// Taking steps.
+    Training,
+    /// Stopped (max steps reached or asked to stop).
+    Stopped,
+}
+
+/// The latest evaluation on the held-out set.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EvalStats {
+    /// Fraction correct.
+    pub accuracy: f64,
+    /// Mean cross-entropy.
+    pub loss: f64,
+    /// Step at which it was taken.
+    pub step: u64,
+}
+
+/// Progress the trainer publishes; read by the status API.
+#[derive(Debug, Clone, PartialEq, Serialize, Default)]
+pub struct Stats {
+    /// What the trainer is doing.
+    pub phase: Phase,
+    /// Training steps taken (including those restored from a checkpoint).
+    pub step: u64,
+    /// Samples trained on (including those restored).
+    pub samples_seen: u64,
+    /// Mean loss over the last steps.
+    pub loss: Option<f64>,
+    /// Latest evaluation.
+    pub eval: Option<EvalStats>,
+    /// Recent throughput.
+    pub samples_per_sec: f64,
+    /// Steps taken since this process started.
+    pub steps_this_run: u64,
+    /// Seconds spent in the training loop since this process started (evaluation included).
+    pub train_secs: f64,
+    /// Of those, seconds spent evaluating on the held-out set.
+    pub eval_secs: f64,
+    /// Neighbours' updates applied.
+    pub updates_applied: u64,
+    /// Own deltas handed to the mesh.
+    pub updates_published: u64,
+    /// L2 norm of the parameters at the last publish or evaluation; the mesh bounds
+    /// neighbours' updates relative to it.
+    pub param_norm: f64,
+    /// Whether the mesh's step limit (the staleness bound) holds this node back now.
+    pub held: bool,
+    /// Seconds spent held back by the staleness bound.
+    pub held_secs: f64,
+}
+
+/// Everything the trainer thread needs, prepared (and validated) before it starts.
+pub struct Setup {
+    /// The built model, already holding the initial or restored parameters.
+    pub model: Model,
+    /// Its optimizer, already holding restored state if any.
+    pub optimizer: Optimizer,
+    /// Training and held-out data.
+    pub split: Arc<Split>,
+    /// Where tensors live.
+    pub device: Device,
+    /// Samples per step.
+    pub batch_size: usize,
+    /// Steps between evaluations (0: never).
+    pub eval_every: u64,
+    /// Stop at this step (0: never).
+    pub max_steps: u64,
+    /// Seed of this node's data order.
+    pub node_seed: u64,
+    /// Automatic checkpoint every this many steps (0: off).
+    pub checkpoint_every_steps: u64,
+    /// ... or after this long (zero: off).
+    pub checkpoint_every: Duration,
+    /// Identities recorded in snapshots.
+    pub identity: Identity,
+    /// Counters restored from a checkpoint (zero for a fresh start).
+    pub start: Counters,
+    /// Whether this node publishes deltas at all (`sync.publish_every > 0`): without, it keeps
+    /// no anchor (a copy of the parameters).
+    pub publishes: bool,
+    /// Whether to measure ‖pending delta‖ / ‖parameters‖ after each step, for the policy's
+    /// early-publish rule (it costs a copy of the parameters).
+    pub measure_pending_ratio: bool,
+    /// Wait for [`Command::Start`] (or a restore) before the first step.
+    pub start_paused: bool,
+    /// Debug throttle: sleep this long after every step.
+    pub step_delay: Duration,
+}
+
+/// Identities stamped on every snapshot.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// Run id.
+    pub run_id: String,
+    /// Full configuration hash.
+    pub config_hash: String,
+}
+
+/// Step and sample counters.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counters {
+    /// Training steps.
+    pub step: u64,
+    /// Samples trained on.
+    pub samples_seen: u64,
+}
+
+/// Why the trainer stopped, with its final state.
+#[derive(Debug)]
+pub struct Finish {
+    /// The state at the moment it stopped.
+    pub snapshot: Snapshot,
+    /// True when `max_steps` was reached, false when it was asked to stop.
+    pub reached_max_steps: bool,
+    /// Final progress.
+    pub stats: Stats,
+}
+
+/// Handles to a running trainer thread.
+pub struct Handle {
+    /// Commands to the thread.
+    pub cmd_tx: mpsc::Sender<Command>,
+    /// Its progress.
+    pub stats_rx: watch::Receiver<Stats>,
+    /// What it tells the mesh.
+    pub events_rx: mpsc::Receiver<TrainerEvent>,
+    /// Resolves when the thread ends: its final state, or why it failed.
+    pub done_rx: oneshot::Receiver<Result<Finish, TrainerError>>,
+}
+
+/// Starts the trainer thread; it steps only while `limit` allows.
+pub fn spawn(
+    setup: Setup,
+    snapshot_tx: mpsc::Sender<Snapshot>,
+    limit: StepLimit,
+) -> std::io::Result<Handle> {
+    let (cmd_tx, cmd_rx) = mpsc::channel(COMMAND_CAP);
+    let (events_tx, events_rx) = mpsc::channel(EVENT_CAP);
+    let (stats_tx, stats_rx) = watch::channel(Stats::default());
+    let (done_tx, done_rx) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("trainer".into())
+        .spawn(move || {
+            let mut lp = Loop::new(setup, stats_tx, snapshot_tx, events_tx, limit);
+            let result = lp.run(cmd_rx);
+            let _ = done_tx.send(result);
+        })?;
+    Ok(Handle {
+        cmd_tx,
+        stats_rx,
+        events_rx,
+        done_rx,
+    })
+}
+
+struct Loop {
+    s: Setup,
+    sampler: Sampler,
+    counters: Counters,
+    stats: Stats,
+    stats_tx: watch::Sender<Stats>,
+    snapshot_tx: mpsc::Sender<Snapshot>,
+    events_tx: mpsc::Sender<TrainerEvent>,
+    limit: StepLimit,
+    losses: VecDeque<f32>,
+    last_checkpoint_step: u64,
+    last_checkpoint_at: Instant,
+    last_eval_log: Option<Instant>,
+    /// Parameters when the last delta was handed over.
+    anchor: Vec<f32>,
+    /// Changes since then that were not this node's own steps (neighbours' updates, syncs).
+    foreign: Vec<f32>,
+    last_delta_step: u64,
+    paused: bool,
+    held_since: Option<Instant>,
+}
+
+impl Loop {
+    fn new(
+        s: Setup,
+        stats_tx: watch::Sender<Stats>,
+        snapshot_tx: mpsc::Sender<Snapshot>,
+        events_tx: mpsc::Sender<TrainerEvent>,
+        limit: StepLimit,
+    ) -> Loop {
+        let mut sampler = Sampler::new(s.split.train.len(), s.node_seed);
+        sampler.seek(s.start.samples_seen);
+        let counters = s.start;
+        Loop {
+            sampler,
+            counters,
+            stats: Stats {
+                step: counters.step,
+                samples_seen: counters.samples_seen,
+                ..Stats::default()
+            },
+            stats_tx,
+            snapshot_tx,
+            events_tx,
+            limit,
+            losses: VecDeque::with_capacity(LOSS_WINDOW),
+            last_checkpoint_step: counters.step,
+            last_checkpoint_at: Instant::now(),
+            last_eval_log: None,
+            anchor: Vec::new(),
+            foreign: Vec::new(),
+            last_delta_step: counters.step,
+            paused: s.start_paused,
+            held_since: None,
+            s,
+        }
+    }
+
+    fn snapshot(&self) -> Result<Snapshot, TrainerError> {
+        state::snapshot(
+            &self.s.model,
+            &self.s.optimizer,
+            &self.s.identity,
+            self.counters,
+        )
+    }
+
+    fn flat(&self) -> Result<Vec<f32>, TrainerError> {
+        Ok(self.s.model.params().flatten()?)
+    }
+
+    fn evaluate(&mut self) -> Result<(), TrainerError> {
+        let started = Instant::now();
+        let e = evaluate(
+            &self.s.model,
+            &self.s.split.test,
+            EVAL_BATCH,
+            &self.s.device,
+        )?;
+        self.stats.eval_secs += started.elapsed().as_secs_f64();
+        // Evaluations can come many times a second on small models: log at info only now and
+        // then, so the log stays readable; status always has the latest.
+        if self
+            .last_eval_log
+            .is_none_or(|t| t.elapsed() >= EVAL_LOG_EVERY)
+        {
+            tracing::info!(
+                step = self.counters.step,
+                accuracy = format!("{:.4}", e.accuracy),
+                loss = format!("{:.4}", e.loss),
+                samples_per_sec = format!("{:.0}", self.stats.samples_per_sec),
+                "evaluated on held-out set"
+            );
+            self.last_eval_log = Some(Instant::now());
+        } else {
+            tracing::debug!(
+                step = self.counters.step,
+                accuracy = e.accuracy,
+                loss = e.loss,
+                "evaluated on held-out set"
+            );
+        }
+        self.stats.eval = Some(EvalStats {
+            accuracy: e.accuracy,
+            loss: e.loss,
+            step: self.counters.step,
+        });
+        Ok(())
+    }
+
+    fn publish(&mut self) {
+        self.stats.step = self.counters.step;
+        self.stats.samples_seen = self.counters.samples_seen;
+        if !self.losses.is_empty() {
+            self.stats.loss = Some(
+                self.losses.iter().map(|&l| f64::from(l)).sum::<f64>() / self.losses.len() as f64,
+            );
+        }
+        self.stats_tx.send_replace(self.stats.clone());
+    }
+
+    /// Tells the mesh something it must not miss; the reserved room makes a refusal mean the
+    /// mesh is gone.
+    fn tell(&self, ev: TrainerEvent) {
+        let _ = self.events_tx.try_send(ev);
+    }
+
+    /// Handles pending commands; returns true when asked to stop.
+    fn handle_commands(
+        &mut self,
+        cmd_rx: &mut mpsc::Receiver<Command>,
+    ) -> Result<bool, TrainerError> {
+        while let Ok(cmd) = cmd_rx.try_recv() {
+            if self.handle(cmd)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Handles one command; returns true when asked to stop.
+    fn handle(&mut self, cmd: Command) -> Result<bool, TrainerError> {
+        match cmd {
+            Command::Stop => return Ok(true),
+            Command::Snapshot(reply) => {
+                let _ = reply.send(self.snapshot()?);
+            }
+            Command::Restore(loaded, reply) => {
+                let result = state::restore_into(
+                    &self.s.model,
+                    &mut self.s.optimizer,
+                    &self.s.identity,
+                    &loaded,
+                );
+                match result {
+                    Ok(c) => {
+                        self.counters = c;
+                        self.sampler.seek(c.samples_seen);
+                        self.losses.clear();
+                        self.last_delta_step = c.step;
+                        self.reset_anchor()?;
+                        self.tell(TrainerEvent::Restored { step: c.step });
+                        tracing::info!(id = loaded.meta.id, step = c.step, "restored state");
+                        // The first evaluation right away shows what the restored state is worth.
+                        self.evaluate()?;
+                        self.paused = false;
+                        self.publish();
+                        let _ = reply.send(Ok(()));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
+            Command::Start => self.paused = false,
+            Command::Params(reply) => {
+                let _ = reply.send((self.counters.step, self.flat()?));
+            }
+            Command::Mesh(TrainerCommand::TakeDelta) => self.take_delta()?,
+            Command::Mesh(TrainerCommand::Apply { values, weight }) => {
+                self.apply(&values, weight)?
+            }
+            Command::Mesh(TrainerCommand::Average { seq, theirs, bound }) => {
+                let outcome = match self.average(&theirs, bound) {
+                    Ok(outcome) => outcome,
+                    Err(e) => AverageOutcome::Failed(e.to_string()),
+                };
+                self.tell(TrainerEvent::Averaged { seq, outcome });
+            }
+        }
+        Ok(false)
+    }
+
+    /// Takes the current parameters as the base of the next delta.
+    fn reset_anchor(&mut self) -> Result<(), TrainerError> {
+        let flat = self.flat()?;
+        self.stats.param_norm = l2_norm(&flat);
+        if self.s.publishes {
+            self.foreign = vec![0.0; flat.len()];
+            self.anchor = flat;
+        } else {
+            self.foreign.clear();
+            self.anchor.clear();
+        }
+        Ok(())
+    }
+
+    /// Adds `weight * values` to the parameters.
+    fn apply(&mut self, values: &[f32], weight: f32) -> Result<(), TrainerError> {
+        let mut flat = self.flat()?;
+        if values.len() != flat.len() {
+            tracing::warn!(
+                got = values.len(),
+                expected = flat.len(),
+                "update of the wrong size dropped"
+            );
+            return Ok(());
+        }
+        for (p, v) in flat.iter_mut().zip(values) {
+            *p += weight * v;
+        }
+        if let Err(e) = self.s.model.params().write_back(&flat) {
+            tracing::warn!("update not applied: {e}");
+            return Ok(());
+        }
+        if self.foreign.len() == values.len() {
+            for (f, v) in self.foreign.iter_mut().zip(values) {
+                *f += weight * v;
+            }
+        }
+        self.stats.updates_applied += 1;
+        Ok(())
+    }
+
+    /// Averages with a neighbour's parameters if they pass [`sync_guard::judge`] against
+    /// `bound`: the outcome carries the relative distance measured before averaging, or why
+    /// they were refused (nothing is changed then).
+    fn average(&mut self, theirs: &[f32], bound: f64) -> Result<AverageOutcome, TrainerError> {
+        let mine = self.flat()?;
+        let distance = match sync_guard::judge(&mine, theirs, bound) {
+            Ok(d) => d,
+            Err(refusal) => return Ok(AverageOutcome::Refused(refusal)),
+        };
+        let merged: Vec<f32> = mine
+            .iter()
+            .zip(theirs)
+            .map(|(a, b)| 0.5 * (a + b))
+            .collect();
+        self.s.model.params().write_back(&merged)?;
+        if self.foreign.len() == merged.len() {
+            for ((f, m), a) in self.foreign.iter_mut().zip(&merged).zip(&mine) {
+                *f += m - a;
+            }
+        }
+        Ok(AverageOutcome::Averaged(distance))
+    }
+
+    /// ‖own change since the last delta‖ / ‖parameters‖, for the policy's early-publish rule;
+    /// measured only when that rule is on (it costs a copy of the parameters).
+    fn pending_ratio(&self) -> Result<f64, TrainerError> {
+        if !self.s.measure_pending_ratio || self.anchor.is_empty() {
+            return Ok(0.0);
+        }
+        let now = self.flat()?;
+        let (mut d, mut n) = (0.0f64, 0.0f64);
+        for ((x, a), f) in now.iter().zip(&self.anchor).zip(&self.foreign) {
+            d += f64::from(x - a - f).powi(2);
+            n += f64::from(*x).powi(2);
+        }
+        Ok(d.sqrt() / n.sqrt().max(f64::MIN_POSITIVE))
+    }
+
+    /// Hands the mesh this node's own change since the last delta (neighbours' updates and
+    /// syncs excluded, so nothing echoes back through the mesh).
+    fn take_delta(&mut self) -> Result<(), TrainerError> {
+        let now = self.flat()?;
+        self.stats.param_norm = l2_norm(&now);
+        if self.anchor.len() != now.len() {
+            self.anchor = now;
+            self.foreign = vec![0.0; self.anchor.len()];
+            return Ok(());
+        }
+        let delta: Vec<f32> = now
+            .iter()
+            .zip(&self.anchor)
+            .zip(&self.foreign)
+            .map(|((n, a), f)| n - a - f)
+            .collect();
+        let step = self.counters.step;
+        let sent = self.events_tx.try_send(TrainerEvent::Delta {
+            base_step: self.last_delta_step,
+            step,
+            delta,
+        });
+        if sent.is_ok() {
+            self.anchor = now;
+            self.foreign.iter_mut().for_each(|f| *f = 0.0);
+            self.stats.updates_published += 1;
+            self.last_delta_step = step;
+        }
+        Ok(())
+    }
+
+    /// Waits on the step limit, keeping the held time.
+    fn wait_for_limit(&mut self) {
+        if self.held_since.is_none() {
+            self.held_since = Some(Instant::now());
+            self.stats.held = true;
+            self.publish();
+        }
+        std::thread::sleep(HELD_POLL);
+    }
+
+    fn released(&mut self) {
+        if let Some(t) = self.held_since.take() {
+            self.stats.held_secs += t.elapsed().as_secs_f64();
+            self.stats.held = false;
+        }
+    }
+
+    fn finish(&mut self, reached_max_steps: bool) -> Result<Finish, TrainerError> {
+        self.stats.phase = Phase::Stopped;
+        self.publish();
+        Ok(Finish {
+            snapshot: self.snapshot()?,
+            reached_max_steps,
+            stats: self.stats.clone(),
+        })
+    }
+
+    fn run(&mut self, mut cmd_rx: mpsc::Receiver<Command>) -> Result<Finish, TrainerError> {
+        self.reset_anchor()?;
+        // The parameters' norm, which bounds neighbours' updates, is known from the start.
+        self.publish();
+        // A joiner waits here for its downloaded state (or the word to start without one).
+        while self.paused {
+            match cmd_rx.blocking_recv() {
+                None | Some(Command::Stop) => return self.finish(false),
+                Some(other) => {
+                    if self.handle(other)? {
+                        return self.finish(false);
+                    }
+                }
+            }
+        }
+        let started = Instant::now();
+        let mut rate_mark = (Instant::now(), self.counters.samples_seen);
+        let mut last_publish = Instant::now();
+        self.stats.phase = Phase::Training;
+        self.publish();
+        let mut reached_max_steps = false;
+        loop {
+            if self.handle_commands(&mut cmd_rx)? {
+                break;
+            }
+            if self.s.max_steps > 0 && self.counters.step >= self.s.max_steps {
+                reached_max_steps = true;
+                break;
+            }
+            if !self.limit.allows(self.counters.step) {
+                // The staleness bound: wait for the slowest neighbour (or its timeout).
+                self.wait_for_limit();
+                continue;
+            }
+            self.released();
+            let indices = self.sampler.next_batch(self.s.batch_size);
+            let (xs, ys) = self.s.split.train.batch(&indices, &self.s.device)?;
+            let loss = train_step(&self.s.model, &mut self.s.optimizer, &xs, &ys)?;
+            if !loss.is_finite() {
+                return Err(TrainerError::Diverged {
+                    step: self.counters.step,
+                    loss,
+                });
+            }
+            self.counters.step += 1;
+            self.counters.samples_seen += indices.len() as u64;
+            self.stats.steps_this_run += 1;
+            if self.losses.len() == LOSS_WINDOW {
+                self.losses.pop_front();
+            }
+            self.losses.push_back(loss);
+
+            if self.s.eval_every > 0 && self.counters.step.is_multiple_of(self.s.eval_every) {
+                self.evaluate()?;
+            }
+            // A step report is the one event that may be dropped (the next one carries a
+            // newer step); it leaves room for those that may not.
+            if self.events_tx.capacity() > EVENT_RESERVED {
+                let pending_ratio = self.pending_ratio()?;
+                self.tell(TrainerEvent::Stepped {
+                    step: self.counters.step,
+                    pending_ratio,
+                });
+            }
+            if !self.s.step_delay.is_zero() {
+                std::thread::sleep(self.s.step_delay);
+            }
+            let by_steps = self.s.checkpoint_every_steps > 0
+                && self.counters.step - self.last_checkpoint_step >= self.s.checkpoint_every_steps;
+            let by_time = !self.s.checkpoint_every.is_zero()
+                && self.last_checkpoint_at.elapsed() >= self.s.checkpoint_every;
+            if by_steps || by_time {
+                if self.snapshot_tx.try_send(self.snapshot()?).is_err() {
+                    tracing::debug!(
+                        step = self.counters.step,
+                        "checkpoint writer busy; skipping this checkpoint"
+                    );
+                }
+                self.last_checkpoint_step = self.counters.step;
+                self.last_checkpoint_at = Instant::now();
+            }
+            let now = Instant::now();
+            if now.duration_since(last_publish) >= PUBLISH_EVERY {
+                let dt = now.duration_since(rate_mark.0).as_secs_f64();
+                if dt >= 1.0 {
+                    self.stats.samples_per_sec =
+                        (self.counters.samples_seen - rate_mark.1) as f64 / dt;
+                    rate_mark = (now, self.counters.samples_seen);
+                }
+                self.stats.train_secs = started.elapsed().as_secs_f64();
+                self.publish();
+                last_publish = now;
+            }
+        }
+        self.released();
+        self.stats.train_secs = started.elapsed().as_secs_f64();
+        if self.s.eval_every > 0 && self.stats.eval.map(|e| e.step) != Some(self.counters.step) {
+            self.evaluate()?;
+        }
+        self.finish(reached_max_steps)
+    }
+}

@@ -111,6 +111,8 @@ impl Rogue {
         let numel = model.params().numel();
         let random = model.params().flatten().expect("flatten");
         let layout_hash = layout.hash();
+        let dense_layout = layout.clone();
+        let run = run_id.clone();
         let answers = answers.to_vec();
         let rt = tokio::runtime::Runtime::new().expect("runtime");
         let key = Keypair::generate_ed25519();
@@ -176,33 +178,40 @@ impl Rogue {
                     let net = responder.clone();
                     let random = random.clone();
                     let layout = layout_hash.clone();
+                    let dense = dense_layout.clone();
+                    let header = UpdateHeader {
+                        run_id: codec::id_bytes(&run),
+                        layout: codec::id_bytes(&layout_hash),
+                        sender: codec::sender_bytes(&id.to_bytes()),
+                        base_step: 1_000_000,
+                        step: 1_000_000,
+                        codec: Codec::Dense,
+                        numel: numel as u32,
+                    };
                     tokio::spawn(async move {
+                        // Parameters travel in the codec's dense format: the rogue's are well
+                        // formed and of the right layout, only their values are hostile.
                         let values = match answer {
                             Some(SyncAnswer::Random) => Some(random),
                             Some(SyncAnswer::Scaled(k)) => {
                                 match net.request(peer, BulkRequest::Params).await {
-                                    Ok(BulkResponse::Params { values, .. }) => Some(
-                                        values
-                                            .chunks_exact(4)
-                                            .map(|c| {
-                                                k * f32::from_le_bytes([c[0], c[1], c[2], c[3]])
-                                            })
-                                            .collect(),
-                                    ),
+                                    Ok(BulkResponse::Params { values, .. }) => {
+                                        codec::decode(&values, &dense).ok().map(|(_, v)| {
+                                            v.iter().map(|x| k * x).collect::<Vec<f32>>()
+                                        })
+                                    }
                                     _ => None,
                                 }
                             }
                             None => None,
                         };
-                        let response = match values {
-                            Some(v) => BulkResponse::Params {
+                        let encoded =
+                            values.and_then(|v| codec::encode(&header, &dense, &v, 1.0).ok());
+                        let response = match encoded {
+                            Some(e) => BulkResponse::Params {
                                 step: 1_000_000,
                                 layout,
-                                values: ByteBuf::from(
-                                    v.iter()
-                                        .flat_map(|x: &f32| x.to_le_bytes())
-                                        .collect::<Vec<u8>>(),
-                                ),
+                                values: ByteBuf::from(e.bytes),
                             },
                             None => BulkResponse::Refused("rogue".into()),
                         };

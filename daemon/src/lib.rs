@@ -22,5 +22,6 @@ pub mod store;
 pub mod sync_guard;
 pub mod trainer;
 pub mod transfer;
+pub mod wire;
 
 pub use config::Config;

@@ -1001,7 +1001,7 @@ impl SyncTask {
             .net
             .request(peer, BulkRequest::Params)
             .await
-            .map_err(SyncError::Failed)?;
+            .map_err(|e| SyncError::Failed(e.to_string()))?;
         let (values, their_step) = match answer {
             BulkResponse::Params {
                 step,

@@ -76,7 +76,7 @@ pub struct EventLoop {
     /// Members that offer the relay service (identify lists the hop protocol): the only
     /// ones a private node asks to relay for it.
     relay_capable: HashSet<PeerId>,
-    /// Refused full syncs per peer, behind their application score.
+    /// Refused bulk replies per peer, behind their application score.
     sync_refusals: scoring::Refusals<PeerId>,
 }
 

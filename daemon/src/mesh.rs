@@ -272,7 +272,12 @@ impl MeshActor {
                 let results = self.results_tx.clone();
                 let started = self.spawn_bounded(async move {
                     let answer = net.request(peer, BulkRequest::Params).await;
-                    let _ = results.send(Input::ParamsReply { peer, answer }).await;
+                    let _ = results
+                        .send(Input::ParamsReply {
+                            peer,
+                            answer: answer.map_err(|e| e.to_string()),
+                        })
+                        .await;
                 });
                 if started.is_err() {
                     return Some(Input::ParamsReply {

@@ -496,7 +496,7 @@ async fn fetch(
             }
             Ok(BulkResponse::StateChunk(_)) => "chunk failed verification".to_string(),
             Ok(r) => format!("unexpected answer {r:?}"),
-            Err(e) => e,
+            Err(e) => e.to_string(),
         };
         tracing::warn!(peer = %peer, chunk = index, "state source failed ({why}); continuing with the others");
         if sources.contains(&peer) {

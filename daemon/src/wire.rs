@@ -1,16 +1,96 @@
-//! What p2ptrain nodes say to each other, byte for byte: the framing of update messages on a
-//! node's gossip topic, the heartbeats every member publishes, and (re-exported) the bulk
-//! requests and replies. Every format a peer parses is here, so a change to one is a change
-//! to this file and to [`WIRE_VERSION`].
+//! What p2ptrain nodes say to each other, byte for byte: the bulk channel's requests and
+//! replies (a state to join from, parameters to sync with, a large update) with the size
+//! limits both sides enforce, the framing of update messages on a node's gossip topic, and the
+//! heartbeats every member publishes. It owns the formats and their version, not the
+//! transport: the network carries them and never looks inside.
+//!
+//! [`WIRE_VERSION`] is part of the bulk protocol name and of the identify protocol version
+//! (see `network::protocol_version`), so nodes whose wire formats differ refuse each other
+//! at the handshake instead of failing to decode each other's messages. Bump it whenever a
+//! type here changes in a way an older node cannot read.
 
 use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
 
-pub use crate::network::{BulkRequest, BulkResponse, StateManifest};
-
-/// Version of the formats in this module. Bumped when a message changes meaning: version 2
-/// carries a full sync's parameters in the codec's dense format (header, checksum) instead of
-/// raw little-endian floats.
+/// Version of this wire format. Peers compare it through the protocol names below, so it
+/// changes only together with an incompatible change to these types.
+/// Version 2: a full sync's parameters travel in the codec's dense format (header naming run,
+/// layout, sender and step; checksum) instead of raw little-endian floats.
 pub const WIRE_VERSION: u32 = 2;
+
+/// Largest request on the bulk channel: requests are small (a hash and an index at most).
+pub const BULK_REQUEST_MAX: u64 = 64 * 1024;
+/// Largest response on the bulk channel (a state chunk or a full model).
+pub const BULK_RESPONSE_MAX: u64 = 64 * 1024 * 1024;
+
+/// The bulk channel's protocol name; peers negotiate it, so it carries [`WIRE_VERSION`].
+pub fn bulk_protocol() -> String {
+    format!("/p2ptrain/bulk/{WIRE_VERSION}")
+}
+
+/// A request on the bulk channel.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum BulkRequest {
+    /// Freeze your current state for download and describe it.
+    StateManifest,
+    /// One chunk of a frozen state.
+    StateChunk {
+        /// SHA-256 of the whole state.
+        state: ByteBuf,
+        /// Chunk index.
+        index: u32,
+    },
+    /// Your current parameters, for a neighbour sync.
+    Params,
+    /// A large update you announced.
+    Update {
+        /// Its content hash, from the announcement.
+        hash: ByteBuf,
+    },
+}
+
+/// A frozen state on offer to a joiner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StateManifest {
+    /// SHA-256 of the whole state (a checkpoint file's bytes).
+    pub hash: ByteBuf,
+    /// The donor's step when it froze the state.
+    pub step: u64,
+    /// Total bytes.
+    pub total: u64,
+    /// Bytes per chunk (the last may be shorter).
+    pub chunk_size: u32,
+    /// SHA-256 of each chunk.
+    pub chunk_hashes: Vec<ByteBuf>,
+    /// Transfers the donor is serving now: joiners prefer less loaded donors.
+    pub load: u32,
+    /// Other states (by hash) the donor can serve chunks of, e.g. one it downloaded itself.
+    #[serde(default)]
+    pub cached: Vec<ByteBuf>,
+}
+
+/// An answer on the bulk channel.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum BulkResponse {
+    /// See [`BulkRequest::StateManifest`].
+    StateManifest(StateManifest),
+    /// See [`BulkRequest::StateChunk`].
+    StateChunk(ByteBuf),
+    /// See [`BulkRequest::Params`]: the step and the parameters as one dense message of
+    /// `p2ptrain_models::codec` (header naming run, layout, sender and step).
+    Params {
+        /// The donor's step.
+        step: u64,
+        /// Its parameter layout hash.
+        layout: String,
+        /// The dense message.
+        values: ByteBuf,
+    },
+    /// See [`BulkRequest::Update`]: the encoded update.
+    Update(ByteBuf),
+    /// The peer cannot or will not answer.
+    Refused(String),
+}
 
 /// First byte of an update message that carries the encoded update itself.
 const INLINE: u8 = b'U';
@@ -102,6 +182,13 @@ pub fn decode_heartbeat(data: &[u8]) -> Result<Heartbeat, serde_json::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bulk_protocol_name_carries_the_wire_version() {
+        // Peers negotiate exactly this name: one of another wire version is not spoken to.
+        assert_eq!(bulk_protocol(), format!("/p2ptrain/bulk/{WIRE_VERSION}"));
+        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/2");
+    }
 
     #[test]
     fn update_frames_round_trip_and_odd_bytes_are_refused() {

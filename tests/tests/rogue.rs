@@ -312,7 +312,7 @@ impl Rogue {
             for msg in msgs {
                 tokio::time::sleep(gap).await;
                 if let Err(e) = self.client.publish(self.topic.clone(), msg.clone()).await {
-                    result = Err(e);
+                    result = Err(e.to_string());
                 }
             }
             result

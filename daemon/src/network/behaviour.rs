@@ -1,0 +1,258 @@
+//! Assembly of the swarm: the transport (TCP with a user timeout, the optional pre-shared
+//! key, noise, yamux, relayed circuits, byte counting) and the composed behaviour with each
+//! protocol's configuration. Nothing here runs: [`build`] returns a ready swarm for the event
+//! loop to drive.
+
+use std::time::Duration;
+
+use libp2p::core::muxing::StreamMuxerBox;
+use libp2p::core::transport::Boxed;
+use libp2p::core::Transport as _;
+use libp2p::gossipsub::{self, MessageId};
+use libp2p::identity::Keypair;
+use libp2p::pnet::PreSharedKey;
+use libp2p::request_response::{self, ProtocolSupport};
+use libp2p::swarm::behaviour::toggle::Toggle;
+use libp2p::swarm::NetworkBehaviour;
+use libp2p::{
+    allow_block_list, autonat, dcutr, identify, kad, mdns, noise, ping, relay, tcp, upnp, yamux,
+    PeerId, StreamProtocol, Swarm,
+};
+use sha2::{Digest, Sha256};
+
+use super::metrics::Bandwidth;
+
+/// What the swarm builder accepts from a transport or behaviour constructor.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use super::{agent_version, NetConfig, NetError, MAX_TRANSMIT_SIZE, PING_INTERVAL, PING_TIMEOUT};
+use crate::nat;
+use crate::scoring;
+use crate::wire::{self, BulkRequest, BulkResponse};
+
+/// Time a bulk request may take before it fails (and the caller tries another peer).
+pub const BULK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long data sent on a connection may stay unacknowledged before the kernel aborts it.
+/// Without it, a connection into a partition (or to a box whose cable was pulled) lingers for
+/// minutes: closing it waits on TCP's retransmission backoff, and meanwhile requests and gossip
+/// to that peer may still be routed into it (measured: the halves of a healed 30 s split took
+/// ~25 s to sync again). Pings every second keep data in flight, so a dead link is cut after
+/// this long.
+pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(8);
+
+// The derive generates an event enum without docs; keep it in a module that allows that.
+#[allow(missing_docs)]
+mod composed {
+    use super::*;
+
+    /// The composed behaviour.
+    #[derive(NetworkBehaviour)]
+    pub struct Behaviour {
+        pub(in crate::network) identify: identify::Behaviour,
+        pub(in crate::network) ping: ping::Behaviour,
+        pub(in crate::network) kad: kad::Behaviour<kad::store::MemoryStore>,
+        pub(in crate::network) gossipsub: gossipsub::Behaviour,
+        pub(in crate::network) bulk: request_response::cbor::Behaviour<BulkRequest, BulkResponse>,
+        pub(in crate::network) mdns: Toggle<mdns::tokio::Behaviour>,
+        pub(in crate::network) allow:
+            Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
+        pub(in crate::network) banned: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
+        pub(in crate::network) relay_gate: nat::RelayGate,
+        pub(in crate::network) autonat: autonat::Behaviour,
+        pub(in crate::network) relay_client: relay::client::Behaviour,
+        pub(in crate::network) relay: Toggle<relay::Behaviour>,
+        pub(in crate::network) dcutr: dcutr::Behaviour,
+        pub(in crate::network) upnp: Toggle<upnp::tokio::Behaviour>,
+    }
+}
+pub use composed::{Behaviour, BehaviourEvent};
+
+fn message_id(m: &gossipsub::Message) -> MessageId {
+    // Content addressed: the same update republished or replayed is one message.
+    let mut h = Sha256::new();
+    h.update(m.topic.as_str().as_bytes());
+    h.update([0]);
+    h.update(&m.data);
+    MessageId::from(h.finalize()[..20].to_vec())
+}
+
+/// Sets [`TCP_USER_TIMEOUT`] on a fresh connection's socket (Linux; a no-op elsewhere).
+fn abort_when_unacked(stream: &tokio::net::TcpStream) {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    if let Err(e) = socket2::SockRef::from(stream).set_tcp_user_timeout(Some(TCP_USER_TIMEOUT)) {
+        tracing::debug!("cannot set TCP_USER_TIMEOUT: {e}");
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let _ = stream;
+}
+
+/// TCP with [`TCP_USER_TIMEOUT`], then (on a private network) the pre-shared-key layer, then
+/// noise and yamux; or a relayed circuit with noise and yamux on top. Every connection's
+/// substreams count into `bandwidth`. The PSK layer sits below noise, so without the key not
+/// even the peer id is exchanged. There is no QUIC transport: pnet can only wrap a stream
+/// transport, and TCP alone keeps a private network private.
+fn transport(
+    key: &Keypair,
+    psk: Option<PreSharedKey>,
+    relay: relay::client::Transport,
+    bandwidth: Bandwidth,
+) -> Result<Boxed<(PeerId, StreamMuxerBox)>, BoxError> {
+    let noise = noise::Config::new(key)?;
+    let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true)).map(|stream, _| {
+        abort_when_unacked(&stream.0);
+        stream
+    });
+    let private = tcp.and_then(move |socket, _| async move {
+        match psk {
+            Some(psk) => libp2p::pnet::PnetConfig::new(psk)
+                .handshake(socket)
+                .await
+                .map(futures::future::Either::Left),
+            None => Ok(futures::future::Either::Right(socket)),
+        }
+    });
+    let direct = private
+        .upgrade(libp2p::core::upgrade::Version::V1Lazy)
+        .authenticate(noise)
+        .multiplex(yamux::Config::default())
+        .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)));
+    // As libp2p's `with_relay_client` builds it: the circuit first, then the direct stack.
+    let relayed = relay
+        .upgrade(libp2p::core::upgrade::Version::V1Lazy)
+        .authenticate(noise::Config::new(key)?)
+        .multiplex(yamux::Config::default())
+        .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)));
+    Ok(relayed
+        .or_transport(direct)
+        .map(move |either, _| {
+            let (peer, muxer) = either.into_inner();
+            (peer, bandwidth.count(muxer))
+        })
+        .boxed())
+}
+
+/// The gossipsub behaviour: strict signing, every message held until the node's verdict,
+/// content-hash ids, peer scoring, and the size limit every node shares.
+fn gossipsub(key: &Keypair) -> Result<gossipsub::Behaviour, BoxError> {
+    let gossip_cfg = gossipsub::ConfigBuilder::default()
+        .heartbeat_interval(Duration::from_millis(700))
+        .validation_mode(gossipsub::ValidationMode::Strict)
+        .validate_messages()
+        .max_transmit_size(MAX_TRANSMIT_SIZE)
+        .message_id_fn(message_id)
+        .duplicate_cache_time(Duration::from_secs(120))
+        .build()
+        .map_err(|e| e.to_string())?;
+    let mut gossipsub = gossipsub::Behaviour::new(
+        gossipsub::MessageAuthenticity::Signed(key.clone()),
+        gossip_cfg,
+    )
+    .map_err(|e| e.to_string())?;
+    gossipsub.with_peer_score(scoring::peer_params(), scoring::thresholds())?;
+    Ok(gossipsub)
+}
+
+/// Every protocol of a node, configured from `cfg`.
+fn behaviour(
+    key: &Keypair,
+    cfg: &NetConfig,
+    protocol_version: String,
+    relay_client: relay::client::Behaviour,
+) -> Result<Behaviour, BoxError> {
+    let peer_id = key.public().to_peer_id();
+    let mut kad_cfg = kad::Config::new(StreamProtocol::new("/p2ptrain/kad/1"));
+    kad_cfg.set_query_timeout(Duration::from_secs(30));
+    // The event loop walks the DHT itself once it has a peer; kad's own start-up
+    // bootstrap would only warn that a founder knows nobody yet.
+    kad_cfg.set_periodic_bootstrap_interval(None);
+    let kad = kad::Behaviour::with_config(peer_id, kad::store::MemoryStore::new(peer_id), kad_cfg);
+    let codec = request_response::cbor::codec::Codec::<BulkRequest, BulkResponse>::default()
+        .set_request_size_maximum(wire::BULK_REQUEST_MAX)
+        .set_response_size_maximum(wire::BULK_RESPONSE_MAX);
+    let bulk_protocol =
+        StreamProtocol::try_from_owned(wire::bulk_protocol()).map_err(|e| e.to_string())?;
+    let bulk = request_response::Behaviour::with_codec(
+        codec,
+        [(bulk_protocol, ProtocolSupport::Full)],
+        request_response::Config::default().with_request_timeout(BULK_TIMEOUT),
+    );
+    let mdns = if cfg.mdns {
+        Some(
+            mdns::tokio::Behaviour::new(mdns::Config::default(), peer_id)
+                .map_err(|e| e.to_string())?,
+        )
+    } else {
+        None
+    };
+    let allow = cfg.allow.as_ref().map(|peers| {
+        let mut b = allow_block_list::Behaviour::<allow_block_list::AllowedPeers>::default();
+        for p in peers {
+            b.allow_peer(*p);
+        }
+        b
+    });
+    let autonat = autonat::Behaviour::new(
+        peer_id,
+        autonat::Config {
+            // Home labs are private address ranges; the default only probes and
+            // serves global addresses.
+            only_global_ips: false,
+            boot_delay: Duration::from_secs(3),
+            retry_interval: Duration::from_secs(15),
+            refresh_interval: Duration::from_secs(5 * 60),
+            throttle_server_period: Duration::from_secs(10),
+            ..Default::default()
+        },
+    );
+    let relay = cfg
+        .relay_server
+        .then(|| relay::Behaviour::new(peer_id, relay::Config::default()));
+    Ok(Behaviour {
+        mdns: Toggle::from(mdns),
+        allow: Toggle::from(allow),
+        banned: allow_block_list::Behaviour::default(),
+        relay_gate: nat::RelayGate::default(),
+        autonat,
+        relay_client,
+        relay: Toggle::from(relay),
+        dcutr: dcutr::Behaviour::new(peer_id),
+        upnp: Toggle::from(cfg.upnp.then(upnp::tokio::Behaviour::default)),
+        identify: identify::Behaviour::new(
+            identify::Config::new(protocol_version, key.public())
+                .with_agent_version(agent_version())
+                // Relay addresses appear after the connection is up; peers need them.
+                .with_push_listen_addr_updates(true),
+        ),
+        ping: ping::Behaviour::new(
+            ping::Config::new()
+                .with_interval(PING_INTERVAL)
+                .with_timeout(PING_TIMEOUT),
+        ),
+        kad,
+        gossipsub: gossipsub(key)?,
+        bulk,
+    })
+}
+
+/// Builds the swarm of a node with identity `key` speaking `protocol_version`; its
+/// connections count their bytes into `bandwidth`. It neither listens nor dials yet.
+pub fn build(
+    key: Keypair,
+    cfg: &NetConfig,
+    protocol_version: String,
+    bandwidth: Bandwidth,
+) -> Result<Swarm<Behaviour>, NetError> {
+    let (relay_transport, relay_client) = relay::client::new(key.public().to_peer_id());
+    let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key)
+        .with_tokio()
+        .with_other_transport(|key| transport(key, cfg.psk, relay_transport, bandwidth))
+        .map_err(|e| NetError::Build(e.to_string()))?
+        .with_behaviour(|key| behaviour(key, cfg, protocol_version, relay_client))
+        .map_err(|e| NetError::Build(e.to_string()))?
+        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+        .build();
+    // On loopback no external address is ever confirmed, so Kademlia would stay a client and
+    // never answer the lookups that let nodes find each other.
+    swarm.behaviour_mut().kad.set_mode(Some(kad::Mode::Server));
+    Ok(swarm)
+}

@@ -1,0 +1,451 @@
+//! The task that owns the `Swarm`: it runs commands from [`super::Client`]s, turns swarm
+//! events into [`Event`]s for the node, and once a second drops silent members, bans
+//! graylisted ones, redials lost ones and looks for a relay. Peer memory lives in the
+//! [`PeerBook`], byte counts in [`super::metrics`]; the reactions to swarm and protocol
+//! events are in `swarm_events`.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use libp2p::gossipsub::IdentTopic;
+use libp2p::request_response::OutboundRequestId;
+use libp2p::{Multiaddr, PeerId, Swarm};
+use tokio::sync::{mpsc, oneshot};
+
+use super::behaviour::Behaviour;
+use super::metrics::{Bandwidth, Envelope, TopicSent};
+use super::peer_book::PeerBook;
+use super::{
+    BulkResponse, Command, Event, NetConfig, NetError, NetSnapshot, PeerInfo, KAD_WALK_EVERY,
+    SILENT_AFTER,
+};
+use crate::nat::{self, Links, Nat};
+use crate::scoring;
+
+mod swarm_events;
+
+/// Delay between refusing a peer and closing its connection.
+const HANG_UP_AFTER: Duration = Duration::from_millis(500);
+
+/// Owns the swarm; see the module docs.
+pub struct EventLoop {
+    swarm: Swarm<Behaviour>,
+    cmd_rx: mpsc::Receiver<Command>,
+    event_tx: mpsc::Sender<Event>,
+    /// Bytes through every connection, counted by the transport.
+    bandwidth: Bandwidth,
+    /// Gossip this node published, per topic.
+    topic_sent: TopicSent,
+    /// The wire size of this node's gossip messages, for [`TopicSent`].
+    envelope: Envelope,
+    protocol_version: String,
+    members: HashMap<PeerId, PeerInfo>,
+    refused: HashSet<PeerId>,
+    refused_count: u64,
+    listen_addrs: Vec<Multiaddr>,
+    pending_requests: HashMap<OutboundRequestId, oneshot::Sender<Result<BulkResponse, NetError>>>,
+    topics: HashSet<String>,
+    last_walk: Instant,
+    /// Refused peers to disconnect, and when.
+    hang_up: Vec<(PeerId, Instant)>,
+    /// Peers named in bootstrap addresses, whose dial failures the user needs to see.
+    bootstrap_peers: HashSet<PeerId>,
+    /// When each member was last heard from: a ping answer, a gossip message or a bulk
+    /// message (or when it joined). Any of them proves the peer alive, so a ping queued
+    /// behind bulk traffic on a slow link does not make an honest peer look dead.
+    last_heard: HashMap<PeerId, Instant>,
+    /// Members seen (to redial when lost), bans and offences.
+    book: PeerBook,
+    /// The private network key's fingerprint, if any.
+    psk_fingerprint: Option<String>,
+    /// Size of the allowlist, if one is in force.
+    allowlist: Option<usize>,
+    /// Connections that failed in the security handshake (a wrong or missing network key).
+    handshake_failures: u64,
+    /// See [`NetSnapshot::peer_drops`].
+    peer_drops: u64,
+    /// Connections refused (or not dialled) because of the allowlist.
+    denied_connections: u64,
+    /// Open connections, direct or relayed.
+    links: Links,
+    /// Peers of this run connected only through a relay: shown in status, never synced with.
+    relayed_members: HashMap<PeerId, PeerInfo>,
+    /// Reachability and relays.
+    nat: Nat,
+    /// Members that offer the relay service (identify lists the hop protocol): the only
+    /// ones a private node asks to relay for it.
+    relay_capable: HashSet<PeerId>,
+    /// Refused bulk replies per peer, behind their application score.
+    sync_refusals: scoring::Refusals<PeerId>,
+}
+
+/// Hands an event to the node. Backpressure: the node drains this channel; if it falls
+/// behind, the swarm waits.
+async fn emit(tx: &mpsc::Sender<Event>, event: Event) {
+    let _ = tx.send(event).await;
+}
+
+/// Seconds since the Unix epoch, for ban ends shown to operators.
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl EventLoop {
+    /// The loop for a built `swarm` (already listening and dialling).
+    pub(super) fn new(
+        swarm: Swarm<Behaviour>,
+        cfg: &NetConfig,
+        protocol_version: String,
+        cmd_rx: mpsc::Receiver<Command>,
+        event_tx: mpsc::Sender<Event>,
+        bandwidth: Bandwidth,
+        envelope: Envelope,
+    ) -> Self {
+        EventLoop {
+            swarm,
+            cmd_rx,
+            event_tx,
+            bandwidth,
+            topic_sent: TopicSent::default(),
+            envelope,
+            protocol_version,
+            members: HashMap::new(),
+            refused: HashSet::new(),
+            refused_count: 0,
+            listen_addrs: Vec::new(),
+            pending_requests: HashMap::new(),
+            topics: HashSet::new(),
+            last_walk: Instant::now(),
+            hang_up: Vec::new(),
+            bootstrap_peers: cfg
+                .bootstrap
+                .iter()
+                .filter_map(|a| {
+                    a.iter().find_map(|p| match p {
+                        libp2p::multiaddr::Protocol::P2p(id) => Some(id),
+                        _ => None,
+                    })
+                })
+                .collect(),
+            last_heard: HashMap::new(),
+            book: PeerBook::default(),
+            psk_fingerprint: cfg.psk.map(|k| k.fingerprint().to_string()),
+            allowlist: cfg.allow.as_ref().map(HashSet::len),
+            handshake_failures: 0,
+            peer_drops: 0,
+            denied_connections: 0,
+            links: Links::default(),
+            relayed_members: HashMap::new(),
+            nat: Nat::new(cfg.relay_server, cfg.upnp),
+            relay_capable: HashSet::new(),
+            sync_refusals: scoring::Refusals::default(),
+        }
+    }
+
+    /// Runs until every [`super::Client`] is dropped. Pending bulk requests are answered
+    /// with [`NetError::Stopped`] when the swarm goes with it.
+    pub async fn run(mut self) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                event = self.swarm.select_next_some() => self.on_swarm_event(event).await,
+                cmd = self.cmd_rx.recv() => match cmd {
+                    Some(cmd) => self.on_command(cmd),
+                    None => return,
+                },
+                _ = tick.tick() => self.on_tick().await,
+            }
+        }
+    }
+
+    async fn on_tick(&mut self) {
+        let now = Instant::now();
+        let silent: Vec<PeerId> = self
+            .members
+            .keys()
+            .filter(|p| {
+                self.last_heard
+                    .get(p)
+                    .is_some_and(|t| now.duration_since(*t) > SILENT_AFTER)
+            })
+            .copied()
+            .collect();
+        for peer in silent {
+            tracing::info!(peer = %peer, "nothing heard (no ping answer, gossip or bulk message) for {SILENT_AFTER:?}; dropping the peer");
+            self.drop_member(peer).await;
+        }
+        let gossip = &mut self.swarm.behaviour_mut().gossipsub;
+        for (peer, score) in self.sync_refusals.decay() {
+            gossip.set_application_score(&peer, score);
+        }
+        self.ban_graylisted(now).await;
+        self.redial_lost(now);
+        self.find_relay(now);
+        let due: Vec<PeerId> = self
+            .hang_up
+            .iter()
+            .filter(|(_, t)| *t <= now)
+            .map(|(p, _)| *p)
+            .collect();
+        self.hang_up.retain(|(_, t)| *t > now);
+        for peer in due {
+            let _ = self.swarm.disconnect_peer_id(peer);
+        }
+        if self.last_walk.elapsed() >= KAD_WALK_EVERY && !self.members.is_empty() {
+            let _ = self.swarm.behaviour_mut().kad.bootstrap();
+            self.last_walk = Instant::now();
+        }
+    }
+
+    /// Dials members lost without saying goodbye, with backoff: after a partition heals or a
+    /// crashed box comes back on the same address, the mesh joins up again without waiting for
+    /// a Kademlia walk (which may have dropped the unreachable peers from its table).
+    fn redial_lost(&mut self, now: Instant) {
+        let members = &self.members;
+        let refused = &self.refused;
+        let due = self
+            .book
+            .redial_due(now, |p| members.contains_key(p), |p| refused.contains(p));
+        for (peer, addrs) in due {
+            // The relay gate would refuse such a circuit, but only after the relay opened
+            // it: this loop runs every few seconds, so it leaves circuits out itself.
+            let relay_ok = self.swarm.behaviour().relay_gate.allows(&peer, now);
+            let addrs: Vec<Multiaddr> = addrs
+                .into_iter()
+                .filter(|a| relay_ok || !nat::is_circuit(a))
+                .collect();
+            if addrs.is_empty() {
+                continue;
+            }
+            tracing::debug!(peer = %peer, "redialling a lost member");
+            let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+                .condition(libp2p::swarm::dial_opts::PeerCondition::DisconnectedAndNotDialing)
+                .addresses(addrs)
+                .build();
+            let _ = self.swarm.dial(opts);
+        }
+    }
+
+    /// A private node listens through a member it reached directly (see [`nat::Nat::pick_relay`]),
+    /// so peers that cannot dial it can reach it through the relay and hole-punch from there.
+    fn find_relay(&mut self, now: Instant) {
+        let candidates: Vec<(PeerId, Multiaddr)> = self
+            .members
+            .keys()
+            .filter(|p| self.relay_capable.contains(p))
+            .filter_map(|p| self.links.dialed_addr(p).map(|a| (*p, a)))
+            .collect();
+        let Some((relay, addr)) = self.nat.pick_relay(now, candidates) else {
+            return;
+        };
+        match self.swarm.listen_on(addr.clone()) {
+            Ok(id) => {
+                tracing::info!(relay = %relay, "this node is not reachable (AutoNAT); asking {addr} to relay for it");
+                self.nat.relay_listening(id, relay);
+            }
+            Err(e) => tracing::warn!(relay = %relay, "cannot listen through relay {addr}: {e}"),
+        }
+    }
+
+    /// Disconnects members whose gossip score fell below the graylist threshold and refuses
+    /// them for [`scoring::BAN_FOR`]: gossipsub already ignores what they send, and the ban
+    /// also frees the neighbour slot and the bulk channel they hold.
+    async fn ban_graylisted(&mut self, now: Instant) {
+        for peer in self.book.end_expired_bans(now) {
+            tracing::info!(peer = %peer, "ban ended; the peer may connect again");
+            self.swarm.behaviour_mut().banned.unblock_peer(peer);
+        }
+        let gossip = &self.swarm.behaviour().gossipsub;
+        let graylisted: Vec<(PeerId, f64)> = self
+            .members
+            .keys()
+            .filter_map(|p| gossip.peer_score(p).map(|s| (*p, s)))
+            .filter(|(_, s)| *s < scoring::GRAYLIST_THRESHOLD)
+            .collect();
+        for (peer, score) in graylisted {
+            let seen_at = self
+                .members
+                .get(&peer)
+                .and_then(|m| m.address.parse::<Multiaddr>().ok());
+            let reason = self.book.ban(peer, score, now, unix_now(), seen_at);
+            tracing::warn!(peer = %peer, "banned for {:?}: {reason}", scoring::BAN_FOR);
+            // The block list refuses the peer's connections, either way, until the ban ends:
+            // refused at the connection level, it is never mistaken for a failed handshake.
+            self.swarm.behaviour_mut().banned.block_peer(peer);
+            self.swarm.behaviour_mut().kad.remove_peer(&peer);
+            self.drop_member(peer).await;
+        }
+    }
+
+    /// Notes that `peer` showed signs of life, if it is a member.
+    fn heard_from(&mut self, peer: PeerId) {
+        if let Some(t) = self.last_heard.get_mut(&peer) {
+            *t = Instant::now();
+        }
+    }
+
+    /// Disconnects a peer and tells the mesh at once: a hung peer's connections can take many
+    /// seconds more to finish closing.
+    async fn drop_member(&mut self, peer: PeerId) {
+        let _ = self.swarm.disconnect_peer_id(peer);
+        self.last_heard.remove(&peer);
+        if self.members.remove(&peer).is_some() {
+            self.peer_drops += 1;
+            emit(&self.event_tx, Event::PeerDown(peer)).await;
+        }
+    }
+
+    /// Publishes on `topic` and counts the copies: with flood publishing (gossipsub's
+    /// default) a message goes to every peer subscribed to the topic whose score is above
+    /// the publish threshold.
+    fn publish(&mut self, topic: String, data: Vec<u8>) -> Result<(), NetError> {
+        let bytes = self.envelope.len(&topic, data.len()) as u64;
+        let topic = IdentTopic::new(topic);
+        let gossip = &mut self.swarm.behaviour_mut().gossipsub;
+        gossip.publish(topic.clone(), data)?;
+        let hash = topic.hash();
+        let threshold = scoring::thresholds().publish_threshold;
+        let copies = gossip
+            .all_peers()
+            .filter(|(_, topics)| topics.contains(&&hash))
+            .filter(|(p, _)| gossip.peer_score(p).is_none_or(|s| s >= threshold))
+            .count() as u64;
+        self.topic_sent.record(hash.as_str(), copies, bytes);
+        Ok(())
+    }
+
+    fn on_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Publish { topic, data, reply } => {
+                let _ = reply.send(self.publish(topic, data));
+            }
+            Command::Subscribe(topic) => {
+                if let Err(e) = self
+                    .swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .subscribe(&IdentTopic::new(topic.clone()))
+                {
+                    tracing::warn!(%topic, "cannot subscribe: {e}");
+                } else {
+                    let gossip = &mut self.swarm.behaviour_mut().gossipsub;
+                    if let Err(e) = gossip
+                        .set_topic_params(IdentTopic::new(topic.clone()), scoring::topic_params())
+                    {
+                        tracing::warn!(%topic, "cannot score the topic: {e}");
+                    }
+                    self.topics.insert(topic);
+                }
+            }
+            Command::Unsubscribe(topic) => {
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .unsubscribe(&IdentTopic::new(topic.clone()));
+                self.topics.remove(&topic);
+            }
+            Command::Offence { peer, why } => self.book.note_offence(peer, why),
+            Command::Validate {
+                id,
+                source,
+                verdict,
+            } => {
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .report_message_validation_result(&id, &source, verdict);
+            }
+            Command::Request {
+                peer,
+                request,
+                reply,
+            } => {
+                // Members always have a direct connection (see `on_swarm_event`).
+                if !self.members.contains_key(&peer) {
+                    let why = if self.relayed_members.contains_key(&peer) {
+                        NetError::RelayedOnly(peer)
+                    } else {
+                        NetError::NotConnected(peer)
+                    };
+                    let _ = reply.send(Err(why));
+                    return;
+                }
+                let id = self.swarm.behaviour_mut().bulk.send_request(&peer, request);
+                self.pending_requests.insert(id, reply);
+            }
+            Command::Respond { channel, response } => {
+                let _ = self
+                    .swarm
+                    .behaviour_mut()
+                    .bulk
+                    .send_response(channel, response);
+            }
+            Command::Snapshot(reply) => {
+                let _ = reply.send(self.snapshot());
+            }
+            Command::Forget(peer) => {
+                self.book.forget(&peer);
+                self.relayed_members.remove(&peer);
+                // It said goodbye (the mesh already let it go): not a drop.
+                self.members.remove(&peer);
+                self.last_heard.remove(&peer);
+                let _ = self.swarm.disconnect_peer_id(peer);
+            }
+            Command::SyncRefused(peer) => {
+                let score = self.sync_refusals.add(peer);
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .set_application_score(&peer, score);
+            }
+        }
+    }
+
+    /// The network's state, for [`Command::Snapshot`].
+    fn snapshot(&self) -> NetSnapshot {
+        let me = *self.swarm.local_peer_id();
+        let mut listen: Vec<&Multiaddr> = self.listen_addrs.iter().collect();
+        // Addresses other machines can reach first; loopback last.
+        listen.sort_by_key(|a| {
+            a.to_string().starts_with("/ip4/127.") || a.to_string().starts_with("/ip6/::1")
+        });
+        let gossip = &self.swarm.behaviour().gossipsub;
+        let mut peers: Vec<PeerInfo> = self
+            .members
+            .iter()
+            .chain(self.relayed_members.iter())
+            .map(|(id, p)| PeerInfo {
+                score: gossip.peer_score(id),
+                path: self.links.path(id).map(str::to_string),
+                remote: self.links.remote(id),
+                ..p.clone()
+            })
+            .collect();
+        peers.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
+        let mut topics: Vec<String> = self.topics.iter().cloned().collect();
+        topics.sort();
+        NetSnapshot {
+            peers,
+            listen_addrs: listen
+                .into_iter()
+                .map(|a| format!("{a}/p2p/{me}"))
+                .collect(),
+            bytes_sent: self.bandwidth.sent(),
+            bytes_received: self.bandwidth.received(),
+            refused_peers: self.refused_count,
+            topics,
+            topic_sent: self.topic_sent.by_topic(),
+            banned: self.book.banned(Instant::now()),
+            psk_fingerprint: self.psk_fingerprint.clone(),
+            allowlist: self.allowlist,
+            handshake_failures: self.handshake_failures,
+            peer_drops: self.peer_drops,
+            denied_connections: self.denied_connections,
+            nat: self.nat.report(&self.listen_addrs),
+        }
+    }
+}

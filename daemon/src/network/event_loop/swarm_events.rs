@@ -1,0 +1,507 @@
+//! How the event loop reacts to what the swarm reports: connections opening and closing
+//! (direct or relayed), dial and listen failures (told apart for the log: a ban, the
+//! allowlist, a handshake that most likely failed on the network key), and each protocol's
+//! events (identify admits members of this run and refuses the rest; ping, gossip and bulk
+//! messages prove a member alive; AutoNAT, relay, DCUtR and UPnP feed the NAT state).
+
+use std::time::Instant;
+
+use libp2p::swarm::SwarmEvent;
+use libp2p::{
+    allow_block_list, autonat, dcutr, gossipsub, identify, kad, mdns, ping, relay,
+    request_response, upnp, PeerId,
+};
+
+use super::{emit, EventLoop, HANG_UP_AFTER};
+use crate::nat;
+use crate::network::behaviour::BehaviourEvent;
+use crate::network::peer_book::ip_of;
+use crate::network::{BulkResponse, Event, NetError, PeerInfo};
+
+/// Whether a connection error happened in the handshake (pnet, noise or protocol
+/// negotiation) rather than in reaching the address.
+fn looks_like_handshake_failure(text: &str) -> bool {
+    let t = text.to_ascii_lowercase();
+    [
+        "handshake",
+        "noise",
+        "decrypt",
+        "multistream",
+        "negotiat",
+        "invalid",
+        "unexpected eof",
+        "connection reset",
+    ]
+    .iter()
+    .any(|k| t.contains(k))
+        && !t.contains("timeout")
+        && !t.contains("connection refused")
+        && !t.contains("unreachable")
+        && !t.contains("no route to host")
+}
+
+impl EventLoop {
+    /// What a failed handshake most likely means, for the log: the commonest cause on a
+    /// private network is a key mismatch, which pnet itself cannot detect (both sides just
+    /// see garbage once the nonces are exchanged).
+    fn key_hint(&self) -> String {
+        match &self.psk_fingerprint {
+            Some(f) => format!(
+                "this node is on a private network (PSK fingerprint {f}): the peer may use another key, or none"
+            ),
+            None => "this node has no network key (--psk): if the peer runs a private network, this node needs its key".into(),
+        }
+    }
+
+    /// Tracks which connections are relayed and keeps the relay for signalling only: a
+    /// relayed connection is closed once a direct one to the same peer exists.
+    fn on_connection_opened(
+        &mut self,
+        peer: PeerId,
+        id: libp2p::swarm::ConnectionId,
+        endpoint: &libp2p::core::ConnectedPoint,
+    ) {
+        self.links.opened(peer, id, endpoint);
+        if endpoint.is_relayed() {
+            self.nat.relayed_connections += 1;
+            tracing::info!(peer = %peer, "relayed connection via {}", endpoint.get_remote_address());
+            if self.links.has_direct(&peer) {
+                let _ = self.swarm.close_connection(id);
+            }
+        } else {
+            for relayed in self.links.relayed(&peer) {
+                tracing::debug!(peer = %peer, "direct connection up; closing the relayed one");
+                let _ = self.swarm.close_connection(relayed);
+            }
+        }
+    }
+
+    pub(super) async fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match &event {
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                endpoint,
+                ..
+            } => self.on_connection_opened(*peer_id, *connection_id, endpoint),
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                connection_id,
+                ..
+            } => {
+                let was_relayed = self.links.is_relayed(peer_id, *connection_id);
+                self.links.closed(peer_id, *connection_id);
+                if was_relayed && !self.links.has_direct(peer_id) {
+                    // Hole punching failed (on the side that dialled through the relay it
+                    // shows only as this), or the relay's limits cut the circuit.
+                    self.swarm
+                        .behaviour_mut()
+                        .relay_gate
+                        .avoid(*peer_id, Instant::now());
+                }
+            }
+            _ => {}
+        }
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => {
+                if self.listen_addrs.contains(&address) {
+                    // A renewed relay reservation announces its address again.
+                    return;
+                }
+                if nat::is_circuit(&address) {
+                    tracing::info!("reachable through a relay at {address}");
+                } else {
+                    tracing::info!("listening on {address}/p2p/{}", self.swarm.local_peer_id());
+                }
+                self.listen_addrs.push(address);
+            }
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason,
+                addresses,
+            } => {
+                self.listen_addrs.retain(|a| !addresses.contains(a));
+                if let Some(relay) = self.nat.listener_closed(listener_id, Instant::now()) {
+                    match reason {
+                        Ok(()) => {
+                            tracing::info!(relay = %relay, "no longer listening through relay")
+                        }
+                        Err(e) => {
+                            tracing::warn!(relay = %relay, "relay reservation failed or ended: {e}")
+                        }
+                    }
+                }
+            }
+            SwarmEvent::ExternalAddrConfirmed { address } => {
+                tracing::info!("peers reach this node at {address}");
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                self.listen_addrs.retain(|a| a != &address)
+            }
+            SwarmEvent::ConnectionEstablished { peer_id, .. }
+                if self.refused.contains(&peer_id) =>
+            {
+                let _ = self.swarm.disconnect_peer_id(peer_id);
+            }
+            SwarmEvent::ConnectionClosed { peer_id, .. } => {
+                if !self.links.connected(&peer_id) {
+                    self.relayed_members.remove(&peer_id);
+                }
+                if !self.links.has_direct(&peer_id) {
+                    if let Some(info) = self.members.remove(&peer_id) {
+                        self.last_heard.remove(&peer_id);
+                        tracing::info!(peer = %peer_id, "peer gone");
+                        self.peer_drops += 1;
+                        if self.links.connected(&peer_id) {
+                            self.relayed_members.insert(peer_id, info);
+                        }
+                        emit(&self.event_tx, Event::PeerDown(peer_id)).await;
+                    }
+                }
+            }
+            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+                let text = error.to_string();
+                if let libp2p::swarm::DialError::Denied { cause, .. } = &error {
+                    if cause.downcast_ref::<nat::RelayGated>().is_some() {
+                        tracing::debug!(peer = ?peer_id, "not connecting through a relay: hole punching failed recently");
+                        return;
+                    }
+                }
+                if let libp2p::swarm::DialError::Denied { cause, .. } = &error {
+                    if cause.downcast_ref::<allow_block_list::Blocked>().is_some() {
+                        tracing::debug!(peer = ?peer_id, "not connecting: the peer is banned");
+                        return;
+                    }
+                }
+                if matches!(error, libp2p::swarm::DialError::Denied { .. }) {
+                    self.denied_connections += 1;
+                    tracing::warn!(peer = ?peer_id, "not connecting: the peer is not on network.allow");
+                } else if looks_like_handshake_failure(&text) {
+                    self.handshake_failures += 1;
+                    tracing::warn!(peer = ?peer_id, "handshake with a peer failed: {text}; {}", self.key_hint());
+                } else if peer_id.is_some_and(|p| self.bootstrap_peers.contains(&p))
+                    || peer_id.is_none()
+                {
+                    // A PSK mismatch can also look like a timeout (one side waits for a
+                    // protocol answer the other cannot decrypt), so the hint goes here too.
+                    tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {text}; {}", self.key_hint());
+                } else {
+                    tracing::debug!(peer = ?peer_id, "dial failed: {text}");
+                }
+            }
+            SwarmEvent::IncomingConnectionError {
+                send_back_addr,
+                error,
+                ..
+            } => {
+                let text = error.to_string();
+                if let libp2p::swarm::ListenError::Denied { cause } = &error {
+                    if cause.downcast_ref::<nat::RelayGated>().is_some() {
+                        tracing::debug!(from = %send_back_addr, "refused a relayed connection: hole punching failed recently");
+                        return;
+                    }
+                }
+                if let libp2p::swarm::ListenError::Denied { cause } = &error {
+                    if let Some(b) = cause.downcast_ref::<allow_block_list::Blocked>() {
+                        let why = self.book.ban_text(&b.to_string(), Instant::now());
+                        tracing::info!(from = %send_back_addr, "refused a connection: {why}");
+                        return;
+                    }
+                }
+                let banned_there = ip_of(&send_back_addr).and_then(|ip| self.book.banned_at(ip));
+                if matches!(error, libp2p::swarm::ListenError::Denied { .. }) {
+                    self.denied_connections += 1;
+                    tracing::warn!(from = %send_back_addr, "refused a connection: the peer is not on network.allow");
+                } else if let (true, Some(p)) = (looks_like_handshake_failure(&text), banned_there)
+                {
+                    tracing::info!(from = %send_back_addr, "an incoming connection broke off during the handshake ({text}): most likely banned peer {p} redialling, whose connections are refused for the ban");
+                } else if looks_like_handshake_failure(&text) {
+                    self.handshake_failures += 1;
+                    tracing::warn!(from = %send_back_addr, "handshake with an incoming peer failed: {text}; {}", self.key_hint());
+                } else {
+                    tracing::debug!(from = %send_back_addr, "incoming connection failed: {text}");
+                }
+            }
+            SwarmEvent::Behaviour(event) => self.on_behaviour_event(event).await,
+            _ => {}
+        }
+    }
+
+    async fn on_behaviour_event(&mut self, event: BehaviourEvent) {
+        match event {
+            BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                connection_id,
+            }) => {
+                if info.protocol_version != self.protocol_version {
+                    if self.refused.insert(peer_id) {
+                        self.refused_count += 1;
+                        tracing::warn!(
+                            peer = %peer_id,
+                            "refused peer: it speaks {:?} ({}), this node speaks {:?}; a different run id (model, optimizer, data spec or seed) or gossip size limit cannot train together",
+                            info.protocol_version,
+                            info.agent_version,
+                            self.protocol_version
+                        );
+                    }
+                    self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
+                    // Hang up a moment later, so the stranger receives our identify too and
+                    // can say why it was turned away instead of seeing a bare disconnect.
+                    self.hang_up.push((peer_id, Instant::now() + HANG_UP_AFTER));
+                    return;
+                }
+                if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
+                    self.relay_capable.insert(peer_id);
+                } else {
+                    self.relay_capable.remove(&peer_id);
+                }
+                for addr in &info.listen_addrs {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer_id, addr.clone());
+                }
+                let address = self
+                    .swarm
+                    .connected_peers()
+                    .find(|p| **p == peer_id)
+                    .map(|_| {
+                        info.listen_addrs
+                            .first()
+                            .map(|a| a.to_string())
+                            .unwrap_or_default()
+                    })
+                    .unwrap_or_default();
+                let _ = connection_id;
+                let now = Instant::now();
+                if !self.links.has_direct(&peer_id) {
+                    // Known and shown, but not a member: the mesh syncs only over direct
+                    // connections, and hole punching may still make one.
+                    tracing::debug!(peer = %peer_id, "identified over a relay");
+                    self.relayed_members.insert(
+                        peer_id,
+                        PeerInfo {
+                            peer_id: peer_id.to_string(),
+                            address,
+                            rtt_ms: None,
+                            agent: Some(info.agent_version.clone()),
+                            score: None,
+                            path: None,
+                            remote: None,
+                        },
+                    );
+                    return;
+                }
+                self.relayed_members.remove(&peer_id);
+                self.book.seen(peer_id, info.listen_addrs.clone(), now);
+                let is_new = !self.members.contains_key(&peer_id);
+                self.last_heard.entry(peer_id).or_insert_with(Instant::now);
+                let entry = self.members.entry(peer_id).or_insert_with(|| PeerInfo {
+                    peer_id: peer_id.to_string(),
+                    address: address.clone(),
+                    rtt_ms: None,
+                    agent: None,
+                    score: None,
+                    path: None,
+                    remote: None,
+                });
+                entry.agent = Some(info.agent_version.clone());
+                if entry.address.is_empty() {
+                    entry.address = address;
+                }
+                if is_new {
+                    tracing::info!(peer = %peer_id, "peer joined");
+                    if self.members.len() == 1 {
+                        let _ = self.swarm.behaviour_mut().kad.bootstrap();
+                    }
+                    emit(&self.event_tx, Event::PeerUp(peer_id)).await;
+                }
+            }
+            BehaviourEvent::Ping(ping::Event { peer, result, .. }) => match result {
+                Ok(rtt) => {
+                    if let Some(p) = self.members.get_mut(&peer) {
+                        p.rtt_ms = Some(rtt.as_secs_f64() * 1000.0);
+                        self.last_heard.insert(peer, Instant::now());
+                    }
+                }
+                // A failed ping alone drops nobody: on a saturated box or link a ping can
+                // wait seconds behind bulk traffic while the peer is busy answering. Silence
+                // of every kind for `SILENT_AFTER` is what drops a peer (see `on_tick`).
+                Err(e) => tracing::debug!(peer = %peer, "ping failed ({e})"),
+            },
+            BehaviourEvent::Kad(kad::Event::RoutingUpdated {
+                peer, addresses, ..
+            }) if !self.swarm.is_connected(&peer)
+                && !self.refused.contains(&peer)
+                && peer != *self.swarm.local_peer_id() =>
+            {
+                // A circuit to a peer behind the relay gate is refused by the gate.
+                let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+                    .addresses(addresses.into_vec())
+                    .build();
+                let _ = self.swarm.dial(opts);
+            }
+            BehaviourEvent::Mdns(mdns::Event::Discovered(found)) => {
+                for (peer, addr) in found {
+                    if !self.swarm.is_connected(&peer) && !self.refused.contains(&peer) {
+                        tracing::info!(peer = %peer, %addr, "found on the local network (mDNS)");
+                        let _ = self.swarm.dial(addr);
+                    }
+                }
+            }
+            BehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message_id,
+                message,
+            }) => {
+                self.heard_from(propagation_source);
+                emit(
+                    &self.event_tx,
+                    Event::Gossip {
+                        source: propagation_source,
+                        author: message.source,
+                        id: message_id,
+                        topic: message.topic.into_string(),
+                        data: message.data,
+                    },
+                )
+                .await;
+            }
+            BehaviourEvent::Gossipsub(gossipsub::Event::Subscribed { peer_id, topic }) => {
+                emit(
+                    &self.event_tx,
+                    Event::Subscribed {
+                        peer: peer_id,
+                        topic: topic.into_string(),
+                    },
+                )
+                .await;
+            }
+            BehaviourEvent::Bulk(request_response::Event::Message {
+                peer,
+                message,
+                connection_id,
+            }) => match message {
+                request_response::Message::Request {
+                    request, channel, ..
+                } => {
+                    self.heard_from(peer);
+                    if self.links.is_relayed(&peer, connection_id) {
+                        self.nat.relayed_requests_refused += 1;
+                        let _ = self.swarm.behaviour_mut().bulk.send_response(
+                            channel,
+                            BulkResponse::Refused(
+                                "bulk requests are not served over a relayed connection".into(),
+                            ),
+                        );
+                    } else if self.members.contains_key(&peer) {
+                        emit(
+                            &self.event_tx,
+                            Event::Request {
+                                peer,
+                                request,
+                                channel,
+                            },
+                        )
+                        .await;
+                    } else {
+                        let _ = self.swarm.behaviour_mut().bulk.send_response(
+                            channel,
+                            BulkResponse::Refused("not a member of this run".into()),
+                        );
+                    }
+                }
+                request_response::Message::Response {
+                    request_id,
+                    response,
+                } => {
+                    self.heard_from(peer);
+                    if let Some(reply) = self.pending_requests.remove(&request_id) {
+                        let _ = reply.send(Ok(response));
+                    }
+                }
+            },
+            BehaviourEvent::Bulk(request_response::Event::OutboundFailure {
+                request_id,
+                error,
+                peer,
+                ..
+            }) => {
+                if let Some(reply) = self.pending_requests.remove(&request_id) {
+                    let _ = reply.send(Err(NetError::Request { peer, error }));
+                }
+            }
+            BehaviourEvent::Autonat(autonat::Event::StatusChanged { old, new }) => {
+                tracing::info!("reachability: {old:?} -> {new:?} (AutoNAT)");
+                for id in self.nat.set_status(new) {
+                    self.swarm.remove_listener(id);
+                }
+            }
+            BehaviourEvent::RelayClient(relay::client::Event::ReservationReqAccepted {
+                relay_peer_id,
+                renewal: false,
+                ..
+            }) => {
+                tracing::info!(relay = %relay_peer_id, "relay reservation accepted");
+            }
+            BehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result,
+            }) => match result {
+                Ok(_) => {
+                    self.nat.hole_punches += 1;
+                    tracing::info!(peer = %remote_peer_id, "hole punched: direct connection");
+                }
+                Err(e) => {
+                    // Closing the relayed connection engages the relay gate (see
+                    // `on_swarm_event`).
+                    self.nat.hole_punch_failures += 1;
+                    tracing::info!(peer = %remote_peer_id, "{e}; the relayed connection is closed and the peer is reached through the gossip mesh");
+                    for id in self.links.relayed(&remote_peer_id) {
+                        let _ = self.swarm.close_connection(id);
+                    }
+                }
+            },
+            BehaviourEvent::Upnp(event) => match event {
+                upnp::Event::NewExternalAddr { external_addr, .. } => {
+                    tracing::info!("UPnP mapped {external_addr} on the gateway");
+                    self.nat.set_upnp_addr(Some(external_addr));
+                }
+                upnp::Event::ExpiredExternalAddr { external_addr, .. } => {
+                    tracing::info!("UPnP mapping {external_addr} expired");
+                    self.nat.set_upnp_addr(None);
+                }
+                upnp::Event::GatewayNotFound => {
+                    tracing::warn!("UPnP: no gateway answered; no port mapping")
+                }
+                upnp::Event::NonRoutableGateway => {
+                    tracing::warn!(
+                        "UPnP: the gateway is not on the public internet; no port mapping"
+                    )
+                }
+            },
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::looks_like_handshake_failure;
+
+    #[test]
+    fn handshake_failures_are_told_from_unreachable_peers() {
+        assert!(looks_like_handshake_failure(
+            "Noise handshake failed: decrypt error"
+        ));
+        assert!(looks_like_handshake_failure(
+            "Multistream select failed: unexpected EOF"
+        ));
+        assert!(!looks_like_handshake_failure(
+            "Failed to negotiate transport protocol(s): Connection refused (os error 111)"
+        ));
+        assert!(!looks_like_handshake_failure("handshake timeout"));
+        assert!(!looks_like_handshake_failure("No route to host"));
+    }
+}

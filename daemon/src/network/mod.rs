@@ -1,0 +1,459 @@
+//! The libp2p side of a node: one task (the [`EventLoop`]) owns the `Swarm` and is driven by
+//! [`Command`]s from cloneable [`Client`]s over a bounded channel; what it learns comes back as
+//! [`Event`]s. It knows nothing about training: gossip payloads are opaque bytes, and the bulk
+//! channel carries [`crate::wire`] types it never looks inside.
+//!
+//! This file owns the public face: the handle, commands, events, settings, errors, status
+//! types and the constants peers must agree on. Behind it: `behaviour` assembles the
+//! transport and protocols, `event_loop` drives the swarm, `peer_book` remembers peers
+//! (redials, bans, offences) and `metrics` counts bytes.
+//!
+//! Protocols: TCP + noise + yamux; identify (whose protocol version carries the wire version,
+//! the run id and the gossip size limit, so a peer of another run or with another limit is
+//! refused instead of silently deafened); ping (a crashed peer is dropped after a few
+//! seconds); Kademlia in server mode (discovery from one bootstrap address); gossipsub
+//! (signed, strict, every message validated by the node before it is forwarded, content-hash
+//! ids); and a request-response channel ("bulk") for what is too big for gossip.
+//!
+//! NAT traversal: AutoNAT (peers dial back to tell a node whether it is reachable), a relay
+//! client (a private node listens through up to two members that are) and relay server (with
+//! libp2p's default limits), DCUtR hole punching over relayed connections, and optional UPnP.
+//! What may use a relay is decided in [`crate::nat`].
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use libp2p::gossipsub::{MessageAcceptance, MessageId};
+use libp2p::identity::Keypair;
+pub use libp2p::pnet::PreSharedKey;
+use libp2p::request_response::{OutboundFailure, ResponseChannel};
+use libp2p::{Multiaddr, PeerId};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+mod behaviour;
+mod event_loop;
+mod metrics;
+mod peer_book;
+
+pub use behaviour::{Behaviour, BehaviourEvent, BULK_TIMEOUT, TCP_USER_TIMEOUT};
+pub use event_loop::EventLoop;
+pub use peer_book::{BannedPeer, FORGET_AFTER, REDIAL_MAX, REDIAL_MIN};
+// The bulk types live in `wire`, versioned; re-exported so users of the network need not care.
+pub use crate::wire::{
+    BulkRequest, BulkResponse, StateManifest, BULK_REQUEST_MAX, BULK_RESPONSE_MAX,
+};
+
+use crate::nat::NatReport;
+use crate::wire::WIRE_VERSION;
+
+/// Largest gossip message (the whole RPC) any p2ptrain node sends or accepts. It is part of the
+/// protocol version peers compare, because a node with a smaller limit silently stops
+/// hearing a sender after one oversized message.
+pub const MAX_TRANSMIT_SIZE: usize = 2 * 1024 * 1024;
+/// Capacity of the command channel into the event loop.
+pub const COMMAND_CAP: usize = 64;
+/// Capacity of the event channel out of the event loop.
+pub const EVENT_CAP: usize = 256;
+/// How often peers ping each other, and how long a ping may take before the peer is dropped.
+pub const PING_INTERVAL: Duration = Duration::from_secs(1);
+/// See [`PING_INTERVAL`].
+pub const PING_TIMEOUT: Duration = Duration::from_secs(3);
+/// A member with no successful ping for this long is dropped. libp2p's ping reports only the
+/// second failure in a row, and a hung peer's next ping stream waits out a 10 s negotiation
+/// timeout first (measured: a SIGSTOPped peer was dropped after 14.6 s), so the event loop
+/// keeps its own clock of the last answer.
+pub const SILENT_AFTER: Duration = Duration::from_secs(4);
+/// Kademlia random walk interval, so nodes keep learning peers beyond their bootstrap.
+pub const KAD_WALK_EVERY: Duration = Duration::from_secs(30);
+
+/// The identify protocol version of a node of run `run_id`: equal strings, and only equal
+/// strings, can train together.
+pub fn protocol_version(run_id: &str) -> String {
+    format!("/p2ptrain/{WIRE_VERSION}/run/{run_id}/gossip-max/{MAX_TRANSMIT_SIZE}")
+}
+
+/// The agent string other peers see.
+pub fn agent_version() -> String {
+    format!("p2ptrain/{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// What the node asks of the network.
+#[derive(Debug)]
+pub enum Command {
+    /// Publish bytes on a topic.
+    Publish {
+        /// Topic name.
+        topic: String,
+        /// Message bytes.
+        data: Vec<u8>,
+        /// Ok, or why not (no subscribed peer is a normal answer at start-up).
+        reply: oneshot::Sender<Result<(), NetError>>,
+    },
+    /// Start receiving a topic.
+    Subscribe(String),
+    /// Stop receiving a topic.
+    Unsubscribe(String),
+    /// The mesh caught `peer` at something only a broken or hostile peer does; remembered so
+    /// that a ban can name it.
+    Offence {
+        /// The peer.
+        peer: PeerId,
+        /// What it did.
+        why: String,
+    },
+    /// Accept or reject a gossip message after validation.
+    Validate {
+        /// Message id.
+        id: MessageId,
+        /// The peer that forwarded it.
+        source: PeerId,
+        /// The verdict.
+        verdict: MessageAcceptance,
+    },
+    /// Send a bulk request.
+    Request {
+        /// To whom.
+        peer: PeerId,
+        /// What.
+        request: BulkRequest,
+        /// The answer, or why there is none.
+        reply: oneshot::Sender<Result<BulkResponse, NetError>>,
+    },
+    /// Answer an inbound bulk request.
+    Respond {
+        /// The channel from [`Event::Request`].
+        channel: ResponseChannel<BulkResponse>,
+        /// The answer.
+        response: BulkResponse,
+    },
+    /// Report the network's state.
+    Snapshot(oneshot::Sender<NetSnapshot>),
+    /// A peer left for good: close its connections and stop redialling it.
+    Forget(PeerId),
+    /// This node refused a bulk reply of the peer's: lower its application score (see
+    /// [`crate::scoring::Refusals`]), which takes a peer that keeps doing it to the graylist and the ban.
+    SyncRefused(PeerId),
+}
+
+/// What the network tells the node.
+#[derive(Debug)]
+pub enum Event {
+    /// A peer of our run is connected and identified.
+    PeerUp(PeerId),
+    /// A member peer has no connection left.
+    PeerDown(PeerId),
+    /// A gossip message awaiting validation.
+    Gossip {
+        /// The peer that forwarded it (penalised on reject).
+        source: PeerId,
+        /// The signed author.
+        author: Option<PeerId>,
+        /// Message id for the verdict.
+        id: MessageId,
+        /// Topic name.
+        topic: String,
+        /// Payload.
+        data: Vec<u8>,
+    },
+    /// A peer asks something on the bulk channel.
+    Request {
+        /// Who asks.
+        peer: PeerId,
+        /// What.
+        request: BulkRequest,
+        /// Where the answer goes.
+        channel: ResponseChannel<BulkResponse>,
+    },
+    /// A peer subscribed to a topic.
+    Subscribed {
+        /// The peer.
+        peer: PeerId,
+        /// The topic name.
+        topic: String,
+    },
+}
+
+/// A connected peer as the network sees it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PeerInfo {
+    /// Peer id.
+    pub peer_id: String,
+    /// Address of the first connection.
+    pub address: String,
+    /// Latest ping round trip, in milliseconds.
+    pub rtt_ms: Option<f64>,
+    /// Its agent string.
+    pub agent: Option<String>,
+    /// Its gossipsub score as this node sees it (negative after rejected messages).
+    #[serde(default)]
+    pub score: Option<f64>,
+    /// "direct", or "relayed" while the only connection runs through a relay.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Where the connection runs to: for a peer behind a NAT, its gateway's address.
+    #[serde(default)]
+    pub remote: Option<String>,
+}
+
+/// The network's state for status reports.
+#[derive(Debug, Clone, Default)]
+pub struct NetSnapshot {
+    /// Member peers (same run), connected.
+    pub peers: Vec<PeerInfo>,
+    /// Our listen addresses, with `/p2p/<id>`.
+    pub listen_addrs: Vec<String>,
+    /// Bytes sent on every connection's substreams since start.
+    pub bytes_sent: u64,
+    /// Bytes received, likewise.
+    pub bytes_received: u64,
+    /// Peers refused for belonging to another run (or speaking another protocol version).
+    pub refused_peers: u64,
+    /// Topics we are subscribed to.
+    pub topics: Vec<String>,
+    /// Gossip this node published, per topic: `(messages, bytes)`, each message counted once
+    /// per peer it was sent to at publication, with gossipsub's envelope (signature, author,
+    /// topic, sequence number). Copies re-sent later on a peer's request are not counted.
+    pub topic_sent: BTreeMap<String, (u64, u64)>,
+    /// Peers banned for a graylisting score.
+    pub banned: Vec<BannedPeer>,
+    /// Fingerprint of the private network key, if the node is on one.
+    pub psk_fingerprint: Option<String>,
+    /// Number of peers on the allowlist, if one is in force.
+    pub allowlist: Option<usize>,
+    /// Connections that failed in the handshake (most often a network key mismatch).
+    pub handshake_failures: u64,
+    /// Times a member was lost without saying goodbye: silent too long, its last direct
+    /// connection closed, or banned. An honest mesh on a healthy box never loses one.
+    pub peer_drops: u64,
+    /// Connections refused or not dialled because of the allowlist.
+    pub denied_connections: u64,
+    /// Reachability, relays and hole punching.
+    pub nat: NatReport,
+}
+
+/// Network settings of one node.
+#[derive(Debug, Clone)]
+pub struct NetConfig {
+    /// Addresses to listen on.
+    pub listen: Vec<Multiaddr>,
+    /// Addresses to dial at start.
+    pub bootstrap: Vec<Multiaddr>,
+    /// The run id, compared with every peer's.
+    pub run_id: String,
+    /// Discover peers on the local network with mDNS. Off by default: it multicasts on every
+    /// interface of the machine.
+    pub mdns: bool,
+    /// A private network's pre-shared key: every connection is encrypted with it below
+    /// noise, so a node without the key cannot complete a handshake or see any topic.
+    pub psk: Option<PreSharedKey>,
+    /// If given, only these peers may connect (either way).
+    pub allow: Option<HashSet<PeerId>>,
+    /// Relay for other members once AutoNAT confirms this node reachable.
+    pub relay_server: bool,
+    /// Ask the gateway for a port mapping with UPnP. Off by default: it talks to the real
+    /// router of the network the machine is on.
+    pub upnp: bool,
+}
+
+/// Why the network could not start, or could not do what a [`Client`] asked. Callers tell
+/// "the network is gone" ([`NetError::Stopped`]) from "this peer or message failed".
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The swarm could not be built.
+    #[error("cannot build the libp2p swarm: {0}")]
+    Build(String),
+    /// A listen address was refused.
+    #[error("cannot listen on {addr}: {msg}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// Why.
+        msg: String,
+    },
+    /// A bootstrap address is not dialable.
+    #[error("cannot dial bootstrap address {addr}: {msg}")]
+    Dial {
+        /// The address.
+        addr: String,
+        /// Why.
+        msg: String,
+    },
+    /// The event loop has stopped (the node is shutting down): nothing can be sent.
+    #[error("the network task has stopped")]
+    Stopped,
+    /// Gossipsub would not publish (no subscribed peer is a normal answer at start-up).
+    #[error(transparent)]
+    Publish(#[from] libp2p::gossipsub::PublishError),
+    /// A bulk request names a peer with no connection.
+    #[error("peer {0} is not connected")]
+    NotConnected(PeerId),
+    /// A bulk request names a peer reached only through a relay, which carries no bulk
+    /// traffic (relays are for signalling and hole punching).
+    #[error("peer {0} is reachable only through a relay, which carries no bulk traffic")]
+    RelayedOnly(PeerId),
+    /// A bulk request went out but no answer came back (timeout, closed connection, refused
+    /// protocol): the caller tries another peer.
+    #[error("request to {peer} failed: {error}")]
+    Request {
+        /// The peer asked.
+        peer: PeerId,
+        /// What went wrong.
+        #[source]
+        error: OutboundFailure,
+    },
+}
+
+/// A cloneable handle that sends commands to the event loop.
+#[derive(Clone)]
+pub struct Client {
+    cmd_tx: mpsc::Sender<Command>,
+}
+
+impl Client {
+    async fn send(&self, cmd: Command) -> Result<(), NetError> {
+        self.cmd_tx.send(cmd).await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Publishes `data` on `topic`.
+    pub async fn publish(&self, topic: String, data: Vec<u8>) -> Result<(), NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Publish { topic, data, reply }).await?;
+        rx.await.map_err(|_| NetError::Stopped)?
+    }
+
+    /// Subscribes to a topic.
+    pub async fn subscribe(&self, topic: String) -> Result<(), NetError> {
+        self.send(Command::Subscribe(topic)).await
+    }
+
+    /// Unsubscribes from a topic.
+    pub async fn unsubscribe(&self, topic: String) -> Result<(), NetError> {
+        self.send(Command::Unsubscribe(topic)).await
+    }
+
+    /// Records an offence of `peer` for the reason a later ban gives. Never waits: under
+    /// back-pressure the note is dropped (the score, kept by gossipsub, is what bans).
+    pub fn report_offence(&self, peer: PeerId, why: String) {
+        let _ = self.cmd_tx.try_send(Command::Offence { peer, why });
+    }
+
+    /// Reports the verdict on a gossip message.
+    pub async fn validate(
+        &self,
+        id: MessageId,
+        source: PeerId,
+        verdict: MessageAcceptance,
+    ) -> Result<(), NetError> {
+        self.send(Command::Validate {
+            id,
+            source,
+            verdict,
+        })
+        .await
+    }
+
+    /// Sends a bulk request and waits for the answer (at most [`BULK_TIMEOUT`]).
+    pub async fn request(
+        &self,
+        peer: PeerId,
+        request: BulkRequest,
+    ) -> Result<BulkResponse, NetError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Request {
+            peer,
+            request,
+            reply,
+        })
+        .await?;
+        rx.await.map_err(|_| NetError::Stopped)?
+    }
+
+    /// Answers an inbound bulk request.
+    pub async fn respond(
+        &self,
+        channel: ResponseChannel<BulkResponse>,
+        response: BulkResponse,
+    ) -> Result<(), NetError> {
+        self.send(Command::Respond { channel, response }).await
+    }
+
+    /// The network's state.
+    pub async fn snapshot(&self) -> Result<NetSnapshot, NetError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Snapshot(tx)).await?;
+        rx.await.map_err(|_| NetError::Stopped)
+    }
+
+    /// Drops a peer.
+    pub async fn forget(&self, peer: PeerId) -> Result<(), NetError> {
+        self.send(Command::Forget(peer)).await
+    }
+
+    /// Lowers a peer's score for a refused bulk reply.
+    pub async fn sync_refused(&self, peer: PeerId) -> Result<(), NetError> {
+        self.send(Command::SyncRefused(peer)).await
+    }
+}
+
+/// Builds the swarm and starts listening and dialing; returns the handle, the event stream,
+/// and the loop to spawn.
+pub fn new(
+    key: Keypair,
+    cfg: &NetConfig,
+) -> Result<(Client, mpsc::Receiver<Event>, EventLoop), NetError> {
+    let envelope = metrics::Envelope::of(&key);
+    let bandwidth = metrics::Bandwidth::default();
+    let protocol_version = protocol_version(&cfg.run_id);
+    let mut swarm = behaviour::build(key, cfg, protocol_version.clone(), bandwidth.clone())?;
+    for addr in &cfg.listen {
+        swarm
+            .listen_on(addr.clone())
+            .map_err(|e| NetError::Listen {
+                addr: addr.to_string(),
+                msg: e.to_string(),
+            })?;
+    }
+    for addr in &cfg.bootstrap {
+        swarm.dial(addr.clone()).map_err(|e| NetError::Dial {
+            addr: addr.to_string(),
+            msg: e.to_string(),
+        })?;
+    }
+    let (cmd_tx, cmd_rx) = mpsc::channel(COMMAND_CAP);
+    let (event_tx, event_rx) = mpsc::channel(EVENT_CAP);
+    let event_loop = EventLoop::new(
+        swarm,
+        cfg,
+        protocol_version,
+        cmd_rx,
+        event_tx,
+        bandwidth,
+        envelope,
+    );
+    Ok((Client { cmd_tx }, event_rx, event_loop))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn protocol_version_names_wire_version_run_and_gossip_limit() {
+        // Nodes compare exactly this string: a node of wire version 1 is refused at identify.
+        assert_eq!(
+            protocol_version("abc"),
+            "/p2ptrain/2/run/abc/gossip-max/2097152"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_client_of_a_stopped_loop_says_so() {
+        let (cmd_tx, cmd_rx) = mpsc::channel(1);
+        drop(cmd_rx);
+        let client = Client { cmd_tx };
+        let err = client.subscribe("t".into()).await.expect_err("stopped");
+        assert!(matches!(err, NetError::Stopped), "{err}");
+        assert_eq!(err.to_string(), "the network task has stopped");
+    }
+}

@@ -1077,4 +1077,104 @@ mod tests {
             assert!(e.contains("sync.max_sync_distance"), "{bad}: {e}");
         }
     }
+
+    #[test]
+    fn defaults_come_from_the_section_defaults() {
+        let c = Config::load(None).expect("default");
+        assert_eq!(c.api, ApiConfig::default());
+        assert_eq!(c.api.listen.to_string(), "127.0.0.1:7070");
+        assert_eq!(c.network, NetworkConfig::default());
+        assert_eq!(c.network.listen[0].to_string(), "/ip4/0.0.0.0/tcp/4001");
+        assert_eq!(c.sync, SyncConfig::default());
+        assert_eq!(c.debug, DebugConfig::default());
+        assert_eq!(c.train.device, DeviceSpec::Cpu);
+    }
+
+    #[test]
+    fn typed_values_are_parsed_at_load_and_errors_name_the_key() {
+        let with = |section: &str| {
+            Config::parse(&format!("{DEFAULT_CONFIG_TOML}\n{section}\n"), "x", None)
+        };
+        let c = with("[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/4001\"]").expect("valid");
+        assert_eq!(c.network.bootstrap[0].to_string(), "/ip4/10.0.0.1/tcp/4001");
+        for (bad, key) in [
+            ("[network]\nlisten = [\"nope\"]", "network.listen"),
+            ("[network]\nbootstrap = [\"nope\"]", "network.bootstrap"),
+            ("[network]\nallow = [\"nope\"]", "network.allow"),
+            ("[sync]\ncodec = \"nope\"", "sync.codec"),
+        ] {
+            let e = with(bad).expect_err(bad).to_string();
+            assert!(e.contains(key) && e.contains("line"), "{bad}: {e}");
+        }
+        let e = Config::parse(
+            &DEFAULT_CONFIG_TOML.replace("device = \"cpu\"", "device = \"tpu\""),
+            "x",
+            None,
+        )
+        .expect_err("tpu")
+        .to_string();
+        assert!(e.contains("train.device") && e.contains("tpu"), "{e}");
+    }
+
+    #[test]
+    fn overrides_replace_or_extend_as_documented() {
+        let text = format!(
+            "{DEFAULT_CONFIG_TOML}\n[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/1\"]\nlisten = [\"/ip4/0.0.0.0/tcp/5\"]\n"
+        );
+        let mut c = Config::parse(&text, "x", None).expect("valid");
+        c.apply(&Overrides {
+            device: Some("cuda".into()),
+            threads: Some(3),
+            max_steps: Some(7),
+            api: Some("127.0.0.1:0".parse().expect("addr")),
+            listen: vec!["/ip4/127.0.0.1/tcp/0".into()],
+            bootstrap: vec!["/ip4/10.0.0.2/tcp/2".into()],
+            mdns: true,
+            psk: Some("k".into()),
+        })
+        .expect("apply");
+        assert_eq!(c.train.device, DeviceSpec::Cuda(0));
+        assert_eq!((c.train.threads, c.train.max_steps), (3, 7));
+        assert_eq!(c.api.listen.port(), 0);
+        let addrs = |v: &[Multiaddr]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+        assert_eq!(addrs(&c.network.listen), ["/ip4/127.0.0.1/tcp/0"]);
+        assert_eq!(
+            addrs(&c.network.bootstrap),
+            ["/ip4/10.0.0.1/tcp/1", "/ip4/10.0.0.2/tcp/2"]
+        );
+        assert!(c.network.mdns);
+        assert_eq!(c.network.psk.as_deref(), Some(Path::new("k")));
+
+        // No flags: nothing changes.
+        let before = c.clone();
+        c.apply(&Overrides::default()).expect("apply");
+        assert_eq!(c, before);
+
+        for (o, needle) in [
+            (
+                Overrides {
+                    device: Some("tpu".into()),
+                    ..Overrides::default()
+                },
+                "--device: unknown device \"tpu\"",
+            ),
+            (
+                Overrides {
+                    threads: Some(0),
+                    ..Overrides::default()
+                },
+                "--threads",
+            ),
+            (
+                Overrides {
+                    bootstrap: vec!["nope".into()],
+                    ..Overrides::default()
+                },
+                "--bootstrap: \"nope\" is not a multiaddr",
+            ),
+        ] {
+            let e = c.apply(&o).expect_err(needle).to_string();
+            assert!(e.contains(needle), "{e}");
+        }
+    }
 }

@@ -405,3 +405,62 @@ pub struct ApiErrorBody {
     /// One line saying what went wrong.
     pub error: String,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sections are flattened: the JSON stays one flat object, and reads back.
+    #[test]
+    fn status_json_is_flat_and_round_trips() {
+        let s = Status {
+            node: NodeStatus {
+                version: "0".into(),
+                peer_id: "p".into(),
+                run_id: "r".into(),
+                model: ModelInfo {
+                    name: "m".into(),
+                    params: 1,
+                },
+                optimizer: "sgd".into(),
+                device: "cpu".into(),
+                uptime_s: 1.0,
+                data_dir: "d".into(),
+                data: "digits".into(),
+                api: "http://127.0.0.1:1".into(),
+            },
+            training: TrainingStatus::from(&Stats::default()),
+            checkpoints: CheckpointStatus::default(),
+            peers: Peers::default(),
+            network: NetworkStatus::default(),
+            mesh: MeshReport::default(),
+            state_serving: 0,
+            sync: SyncStatus::default(),
+        };
+        let v = serde_json::to_value(&s).expect("json");
+        for key in [
+            "version",
+            "peer_id",
+            "device",
+            "phase",
+            "step",
+            "last_checkpoint",
+            "peers",
+            "bytes_sent",
+            "banned_peers",
+            "nat",
+            "neighbours",
+            "updates",
+            "state_download",
+            "state_serving",
+            "sync",
+        ] {
+            assert!(v.get(key).is_some(), "status lacks {key}: {v}");
+        }
+        for section in ["node", "training", "checkpoints", "network", "mesh"] {
+            assert!(v.get(section).is_none(), "{section} must be flattened");
+        }
+        let back: Status = serde_json::from_value(v).expect("read back");
+        assert_eq!(back, s);
+    }
+}

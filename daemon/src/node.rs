@@ -1,5 +1,7 @@
-//! The node: wires the trainer thread, the checkpoint store and the control API together, and
-//! owns start-up and shutdown.
+//! The node: prepares a validated [`Config`] (data, model, device), starts the actors (network
+//! event loop, mesh, trainer thread, checkpoint writer, control API), wires them together
+//! through a [`NodeHandle`], and owns start-up and shutdown. It reads no flags and writes no
+//! defaults: both are settled in [`crate::config`] before it runs.
 //!
 //! Start-up order matters for "bad input writes nothing": the configuration, data and device
 //! are checked and the API port is bound before the data directory is touched. Shutdown (Ctrl-C,

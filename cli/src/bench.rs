@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use p2ptrain_daemon::config::Overrides;
 use p2ptrain_daemon::node::{self, Options, Prepared};
 use p2ptrain_daemon::Config;
 use p2ptrain_models::data::Sampler;
@@ -93,7 +94,12 @@ fn bare_loop(p: &Prepared, steps: u64) -> Result<f64> {
 /// Runs a real node for `steps` steps; returns its steps/s without and with evaluation time.
 fn daemon_run(p: &Prepared, steps: u64, rt: &tokio::runtime::Runtime) -> Result<(f64, f64)> {
     let mut p = p.clone();
-    p.config.train.max_steps = steps;
+    p.config.apply(&Overrides {
+        max_steps: Some(steps),
+        api: Some("127.0.0.1:0".parse().context("address")?),
+        listen: vec!["/ip4/127.0.0.1/tcp/0".into()],
+        ..Overrides::default()
+    })?;
     let dir = std::env::temp_dir().join(format!(
         "p2ptrain-bench-{}-{}",
         std::process::id(),
@@ -102,12 +108,7 @@ fn daemon_run(p: &Prepared, steps: u64, rt: &tokio::runtime::Runtime) -> Result<
     let _ = std::fs::remove_dir_all(&dir);
     let opts = Options {
         data_dir: dir.clone(),
-        api: "127.0.0.1:0".parse().context("address")?,
         api_token: None,
-        listen: vec!["/ip4/127.0.0.1/tcp/0".into()],
-        bootstrap: Vec::new(),
-        mdns: false,
-        psk: None,
     };
     let summary = rt.block_on(node::run(p, opts, std::future::pending()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -295,7 +295,11 @@ fn summarise(
             .map(|st| st.sync.dropped_stale)
             .collect(),
         steps: s.per_node.iter().map(|n| n.step).collect(),
-        total_samples: s.final_status.iter().map(|st| st.samples_seen).sum(),
+        total_samples: s
+            .final_status
+            .iter()
+            .map(|st| st.training.samples_seen)
+            .sum(),
         wall_secs: s.wall_secs,
         accuracy_over_time: curves,
     }

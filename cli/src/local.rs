@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use p2ptrain_daemon::config::Overrides;
 use p2ptrain_daemon::status::Status;
 use p2ptrain_daemon::Config;
 use serde::Serialize;
@@ -117,6 +118,12 @@ pub struct LocalSummary {
     pub final_status: Vec<Status>,
 }
 
+/// Every local node's control API: loopback, a port the OS picks.
+const LOCAL_API: &str = "127.0.0.1:0";
+
+/// Every local node's libp2p address: loopback, a port the OS picks.
+const LOCAL_LISTEN: &str = "/ip4/127.0.0.1/tcp/0";
+
 /// Child processes that are killed if this guard drops before they exit.
 struct Children(Vec<Child>);
 
@@ -140,12 +147,10 @@ fn spawn_node(
         std::fs::File::create(dir.with_extension("log")).context("cannot create a node log")?;
     let exe = std::env::current_exe().context("cannot find this executable")?;
     let mut cmd = Command::new(exe);
-    cmd.arg("join").arg("--data-dir").arg(dir).args([
-        "--api",
-        "127.0.0.1:0",
-        "--listen",
-        "/ip4/127.0.0.1/tcp/0",
-    ]);
+    cmd.arg("join")
+        .arg("--data-dir")
+        .arg(dir)
+        .args(["--api", LOCAL_API, "--listen", LOCAL_LISTEN]);
     if let Some(c) = config {
         cmd.arg("--config").arg(c);
     }
@@ -217,8 +222,14 @@ pub fn run(args: LocalArgs) -> Result<LocalSummary> {
     if args.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
-    // Fail on a bad config here, once, rather than in N children.
-    Config::load(args.config.as_deref())?;
+    // Fail on a bad config here, once, rather than in N children; they get the same
+    // overrides as flags (see `spawn_node`).
+    Config::load(args.config.as_deref())?.apply(&Overrides {
+        max_steps: args.steps,
+        api: Some(LOCAL_API.parse()?),
+        listen: vec![LOCAL_LISTEN.into()],
+        ..Overrides::default()
+    })?;
     let temp = args.data_dir.is_none();
     let base = args.data_dir.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!(
@@ -266,7 +277,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let s: Status = first.get("/v1/status").await?;
-            if let Some(a) = s.listen_addrs.first() {
+            if let Some(a) = s.network.listen_addrs.first() {
                 break a.clone();
             }
             if Instant::now() > deadline {
@@ -307,11 +318,11 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
                     trace.push(TracePoint {
                         t: started.elapsed().as_secs_f64(),
                         node: i,
-                        step: s.step,
-                        samples_seen: s.samples_seen,
-                        accuracy: s.eval.map(|e| e.accuracy),
-                        bytes_sent: s.bytes_sent,
-                        consensus_distance: s.consensus_distance,
+                        step: s.training.step,
+                        samples_seen: s.training.samples_seen,
+                        accuracy: s.training.eval.map(|e| e.accuracy),
+                        bytes_sent: s.network.bytes_sent,
+                        consensus_distance: s.mesh.consensus_distance,
                     });
                 }
                 last.insert(i, s);
@@ -320,18 +331,19 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         if !args.json && last_print.elapsed() >= Duration::from_secs(2) {
             for (i, s) in &last {
                 let acc = s
+                    .training
                     .eval
                     .map(|e| format!("{:.2}%", e.accuracy * 100.0))
                     .unwrap_or_else(|| "-".into());
                 eprintln!(
                     "node {i}  step {:>7}  loss {:>7}  acc {:>7}  peers {}  updates in {:>5} out {:>5}  {:>8.0} samples/s",
-                    s.step,
-                    s.loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
+                    s.training.step,
+                    s.training.loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
                     acc,
                     s.peers.count,
-                    s.updates.applied,
-                    s.updates.sent,
-                    s.samples_per_sec
+                    s.mesh.updates.applied,
+                    s.mesh.updates.sent,
+                    s.training.samples_per_sec
                 );
             }
             eprintln!();
@@ -382,22 +394,22 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
                 finals.push(flat);
                 (Some(e.0.accuracy), Some(e.0.loss), e.1)
             }
-            None => (None, None, s.step),
+            None => (None, None, s.training.step),
         };
         per_node.push(NodeSummary {
             index: i,
-            peer_id: s.peer_id.clone(),
+            peer_id: s.node.peer_id.clone(),
             step,
             accuracy,
             loss,
             peers: s.peers.count,
-            bytes_sent: s.bytes_sent,
-            bytes_received: s.bytes_received,
-            updates: s.updates.clone(),
-            samples_per_sec: s.samples_per_sec,
-            state_download_secs: s.state_download.as_ref().map(|d| d.secs),
-            peer_drops: s.peer_drops,
-            banned: s.banned_peers.clone(),
+            bytes_sent: s.network.bytes_sent,
+            bytes_received: s.network.bytes_received,
+            updates: s.mesh.updates.clone(),
+            samples_per_sec: s.training.samples_per_sec,
+            state_download_secs: s.mesh.state_download.as_ref().map(|d| d.secs),
+            peer_drops: s.network.peer_drops,
+            banned: s.network.banned_peers.clone(),
         });
     }
     let mut distances = Vec::new();

@@ -18,15 +18,13 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use p2ptrain_daemon::config::{Overrides, DEFAULT_API, DEFAULT_DATA_DIR};
 use p2ptrain_daemon::control::TOKEN_ENV;
 use p2ptrain_daemon::node::{self, Options};
 use p2ptrain_daemon::status::{CheckpointView, Status};
 use p2ptrain_daemon::Config;
 
 use crate::client::Client;
-
-/// Default control API address.
-const DEFAULT_API: &str = "127.0.0.1:7070";
 
 #[derive(Parser)]
 #[command(
@@ -75,7 +73,7 @@ struct KeygenArgs {
 #[derive(Args, Clone)]
 struct ApiArgs {
     /// Control API address of the node.
-    #[arg(long, env = "P2PTRAIN_API", default_value = DEFAULT_API)]
+    #[arg(long, env = "P2PTRAIN_API", default_value_t = DEFAULT_API.to_string())]
     api: String,
     /// Access token for the control API.
     #[arg(long, env = TOKEN_ENV, hide_env_values = true)]
@@ -88,7 +86,7 @@ struct JoinArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Directory for identity, checkpoints and index.
-    #[arg(long, default_value = "p2ptrain-data")]
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
     data_dir: PathBuf,
     /// Control API address (default: from the config, else 127.0.0.1:7070).
     #[arg(long)]
@@ -313,36 +311,31 @@ fn keygen(path: &Path) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+impl JoinArgs {
+    /// The flags that override the config file, for [`Config::apply`].
+    fn overrides(&self) -> Overrides {
+        Overrides {
+            device: self.device.clone(),
+            threads: self.threads,
+            max_steps: self.max_steps,
+            api: self.api,
+            listen: self.listen.clone(),
+            bootstrap: self.bootstrap.clone(),
+            mdns: self.mdns,
+            psk: self.psk.clone(),
+        }
+    }
+}
+
 fn join(args: JoinArgs) -> Result<ExitCode> {
     let mut config = Config::load(args.config.as_deref())?;
-    if let Some(d) = args.device {
-        p2ptrain_daemon::device::parse(&d).map_err(|e| anyhow!("--device: {e}"))?;
-        config.train.device = d;
-    }
-    if let Some(t) = args.threads {
-        if t == 0 {
-            bail!("--threads must be at least 1");
-        }
-        config.train.threads = t;
-    }
-    if let Some(m) = args.max_steps {
-        config.train.max_steps = m;
-    }
+    config.apply(&args.overrides())?;
     set_compute_threads(config.train.threads);
-    let api = args
-        .api
-        .or(config.api_listen)
-        .unwrap_or_else(|| DEFAULT_API.parse().expect("valid default address"));
     let prepared = node::prepare(config)?;
     init_logging();
     let opts = Options {
         data_dir: args.data_dir,
-        api,
         api_token: args.api_token.filter(|t| !t.is_empty()),
-        listen: args.listen,
-        bootstrap: args.bootstrap,
-        mdns: args.mdns,
-        psk: args.psk,
     };
     let rt = runtime()?;
     let summary = rt.block_on(node::run(prepared, opts, shutdown_signal()))?;

@@ -19,21 +19,24 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 /// The multi-line report of `p2ptrain status`.
 pub fn status_text(s: &Status) -> String {
     let mut out = String::new();
-    out.push_str(&format!("node      {}\n", s.peer_id));
-    out.push_str(&format!("run       {}  ({:?})\n", s.run_id, s.phase));
+    out.push_str(&format!("node      {}\n", s.node.peer_id));
+    out.push_str(&format!(
+        "run       {}  ({:?})\n",
+        s.node.run_id, s.training.phase
+    ));
     out.push_str(&format!(
         "model     {} ({} parameters, {}) on {}\n",
-        s.model.name, s.model.params, s.optimizer, s.device
+        s.node.model.name, s.node.model.params, s.node.optimizer, s.node.device
     ));
-    out.push_str(&format!("data      {}\n", s.data));
+    out.push_str(&format!("data      {}\n", s.node.data));
     out.push_str(&format!(
         "progress  step {}, {} samples, loss {}, {:.0} samples/s\n",
-        s.step,
-        s.samples_seen,
-        opt(s.loss, 4),
-        s.samples_per_sec
+        s.training.step,
+        s.training.samples_seen,
+        opt(s.training.loss, 4),
+        s.training.samples_per_sec
     ));
-    match &s.eval {
+    match &s.training.eval {
         Some(e) => out.push_str(&format!(
             "eval      accuracy {:.2}%, loss {:.4} (step {})\n",
             e.accuracy * 100.0,
@@ -42,14 +45,14 @@ pub fn status_text(s: &Status) -> String {
         )),
         None => out.push_str("eval      none yet\n"),
     }
-    match &s.last_checkpoint {
+    match &s.checkpoints.last_checkpoint {
         Some(c) => out.push_str(&format!(
             "checkpoint {} at step {}: {}\n",
             c.id, c.step, c.path
         )),
         None => out.push_str("checkpoint none yet\n"),
     }
-    if let Some(r) = &s.resumed_from {
+    if let Some(r) = &s.checkpoints.resumed_from {
         out.push_str(&format!(
             "resumed   from checkpoint {} (step {})\n",
             r.id, r.step
@@ -58,78 +61,82 @@ pub fn status_text(s: &Status) -> String {
     out.push_str(&format!(
         "mesh      {} peers ({} neighbours), updates sent {} received {} applied {} rejected {}\n",
         s.peers.count,
-        s.neighbours.len(),
-        s.updates.sent,
-        s.updates.received,
-        s.updates.applied,
-        s.updates.rejected
+        s.mesh.neighbours.len(),
+        s.mesh.updates.sent,
+        s.mesh.updates.received,
+        s.mesh.updates.applied,
+        s.mesh.updates.rejected
     ));
     out.push_str(&format!(
         "traffic   {} bytes sent, {} received{}\n",
-        s.bytes_sent,
-        s.bytes_received,
-        s.consensus_distance
+        s.network.bytes_sent,
+        s.network.bytes_received,
+        s.mesh
+            .consensus_distance
             .map(|d| format!(", consensus distance {:.2}%", d * 100.0))
             .unwrap_or_default()
     ));
-    let f = &s.full_syncs;
+    let f = &s.mesh.full_syncs;
     if f.accepted + f.refused + f.failed > 0 {
         out.push_str(&format!(
             "syncs     {} accepted, {} refused (bound {:.2}), {} without a reply\n",
             f.accepted, f.refused, f.bound, f.failed
         ));
     }
-    for a in &s.listen_addrs {
+    for a in &s.network.listen_addrs {
         out.push_str(&format!("listen    {a}\n"));
     }
-    if !s.nat.reachability.is_empty() {
-        out.push_str(&format!("reach     {}", s.nat.reachability));
-        if let Some(a) = &s.nat.public_addr {
+    if !s.network.nat.reachability.is_empty() {
+        out.push_str(&format!("reach     {}", s.network.nat.reachability));
+        if let Some(a) = &s.network.nat.public_addr {
             out.push_str(&format!(" at {a}"));
         }
-        for a in &s.nat.relay_addrs {
+        for a in &s.network.nat.relay_addrs {
             out.push_str(&format!(", through relay {a}"));
         }
         out.push_str(&format!(
             "; {} relayed connections, {} hole punches ({} failed)\n",
-            s.nat.relayed_connections, s.nat.hole_punches, s.nat.hole_punch_failures
+            s.network.nat.relayed_connections,
+            s.network.nat.hole_punches,
+            s.network.nat.hole_punch_failures
         ));
     }
-    if let Some(f) = &s.psk_fingerprint {
+    if let Some(f) = &s.network.psk_fingerprint {
         out.push_str(&format!(
             "private   PSK fingerprint {f}, {} failed handshakes\n",
-            s.handshake_failures
+            s.network.handshake_failures
         ));
     }
-    if let Some(n) = s.allowlist {
+    if let Some(n) = s.network.allowlist {
         out.push_str(&format!(
             "allowlist {n} peers, {} connections refused\n",
-            s.denied_connections
+            s.network.denied_connections
         ));
     }
-    for b in &s.banned_peers {
+    for b in &s.network.banned_peers {
         out.push_str(&format!("banned    {}\n", banned_line(b)));
     }
-    out.push_str(&format!("uptime    {}\n", duration(s.uptime_s)));
-    out.push_str(&format!("data dir  {}\n", s.data_dir));
-    out.push_str(&format!("api       {}\n", s.api));
+    out.push_str(&format!("uptime    {}\n", duration(s.node.uptime_s)));
+    out.push_str(&format!("data dir  {}\n", s.node.data_dir));
+    out.push_str(&format!("api       {}\n", s.node.api));
     out
 }
 
 /// One line for `p2ptrain status --watch`.
 pub fn status_line(s: &Status) -> String {
     let acc = s
+        .training
         .eval
         .map(|e| format!("{:.2}%", e.accuracy * 100.0))
         .unwrap_or_else(|| "-".into());
     format!(
         "{:>8}  step {:>8}  loss {:>7}  acc {:>7}  {:>8.0} samples/s  {:?}",
-        duration(s.uptime_s),
-        s.step,
-        opt(s.loss, 4),
+        duration(s.node.uptime_s),
+        s.training.step,
+        opt(s.training.loss, 4),
         acc,
-        s.samples_per_sec,
-        s.phase
+        s.training.samples_per_sec,
+        s.training.phase
     )
 }
 
@@ -173,9 +180,9 @@ pub fn peers_table(s: &Status) -> String {
             p.remote.as_deref().unwrap_or(&p.address)
         ));
     }
-    if !s.banned_peers.is_empty() {
+    if !s.network.banned_peers.is_empty() {
         out.push_str("\nbanned:\n");
-        for b in &s.banned_peers {
+        for b in &s.network.banned_peers {
             out.push_str(&format!("  {}\n", banned_line(b)));
         }
     }

@@ -233,3 +233,11 @@ fn eval_of_a_corrupt_checkpoint() {
         "{err}"
     );
 }
+
+#[test]
+fn bad_bootstrap_address_is_refused_before_anything_is_written() {
+    join_fails(
+        &["--bootstrap", "not-a-multiaddr"],
+        &["--bootstrap", "\"not-a-multiaddr\" is not a multiaddr"],
+    );
+}

@@ -1,18 +1,28 @@
-//! The node's configuration: a TOML file read strictly (unknown keys are errors) and turned
-//! into validated values, with errors that name the file and the key.
+//! The node's configuration: a TOML file read strictly (unknown keys are errors), command-line
+//! overrides merged in ([`Config::apply`]), and the result validated into typed values, with
+//! errors that name the file and the key, or the flag. It owns every default of a setting; it
+//! does not open devices, files or sockets.
 //!
-//! Two layers, as in ripgrep: `Raw*` structs mirror the file; [`Config`] holds checked values
-//! the rest of the daemon can trust. Relative paths in a file are relative to that file, so a
-//! config works from any working directory.
+//! Most sections deserialize straight into their checked types: each has a `Default` impl
+//! (the one place its defaults are written) and `#[serde(default)]`, and typed values
+//! (multiaddrs, peer ids, the device, the codec) are parsed as the file is read. Model,
+//! optimizer and data go through `Raw*` structs first because what they require depends on
+//! their `kind` or `source`. Relative paths in a file are relative to that file, so a config
+//! works from any working directory.
 
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
+use libp2p::multiaddr::Protocol;
+use libp2p::{Multiaddr, PeerId};
 use p2ptrain_models::codec::Codec;
 use p2ptrain_models::data::{self, Split};
 use p2ptrain_models::{ModelSpec, OptimizerSpec};
-use serde::{Deserialize, Serialize};
+use serde::{de, Deserialize, Deserializer, Serialize};
 use sha2::{Digest, Sha256};
+
+use crate::device::DeviceSpec;
 
 /// The default configuration (`configs/digits-mlp.toml`), compiled in so that `p2ptrain join`
 /// works with no file at all.
@@ -21,14 +31,21 @@ pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/digits-mlp.tom
 /// Name shown for the compiled-in default configuration.
 pub const DEFAULT_CONFIG_NAME: &str = "<built-in configs/digits-mlp.toml>";
 
-/// A configuration problem, in one line: the file, then the key or line, then the cause.
+/// A configuration problem, in one line: the file, then the key or line, then the cause; or
+/// the command-line flag and the cause.
 #[derive(Debug, thiserror::Error)]
-#[error("{file}: {msg}")]
-pub struct ConfigError {
-    /// The config file (or the built-in default's name).
-    pub file: String,
-    /// What is wrong, naming the key.
-    pub msg: String,
+pub enum ConfigError {
+    /// A problem in a config file (or the built-in default).
+    #[error("{file}: {msg}")]
+    File {
+        /// The config file (or the built-in default's name).
+        file: String,
+        /// What is wrong, naming the key.
+        msg: String,
+    },
+    /// A command-line override that cannot be applied; the message names the flag.
+    #[error("{0}")]
+    Override(String),
 }
 
 /// Where a data set comes from.
@@ -43,6 +60,10 @@ pub enum DataSource {
     Synthetic,
 }
 
+/// The file as serde reads it: the sections with defaults are the checked types themselves
+/// (each with `#[serde(default)]` and a `Default` impl, the one place its defaults live);
+/// model, optimizer and data are raw because what they require depends on their `kind` or
+/// `source`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
@@ -50,57 +71,17 @@ struct RawConfig {
     optimizer: RawOptimizer,
     data: RawData,
     #[serde(default)]
-    train: RawTrain,
+    train: TrainConfig,
     #[serde(default)]
-    checkpoint: RawCheckpoint,
+    checkpoint: CheckpointConfig,
     #[serde(default)]
-    api: RawApi,
+    api: ApiConfig,
     #[serde(default)]
-    network: RawNetwork,
+    network: NetworkConfig,
     #[serde(default)]
-    sync: RawSync,
+    sync: SyncConfig,
     #[serde(default)]
-    debug: RawDebug,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawNetwork {
-    listen: Option<Vec<String>>,
-    bootstrap: Option<Vec<String>>,
-    mdns: Option<bool>,
-    psk: Option<PathBuf>,
-    allow: Option<Vec<String>>,
-    relay_server: Option<bool>,
-    upnp: Option<bool>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawSync {
-    degree: Option<usize>,
-    publish_every: Option<u64>,
-    full_sync_every: Option<u64>,
-    inline_max_bytes: Option<usize>,
-    max_update_ratio: Option<f64>,
-    update_weight: Option<f64>,
-    codec: Option<String>,
-    density: Option<f64>,
-    error_feedback: Option<bool>,
-    staleness_bound: Option<u64>,
-    stale_after: Option<u64>,
-    publish_early_ratio: Option<f64>,
-    outlier_factor: Option<f64>,
-    max_updates_per_sec: Option<f64>,
-    clip_value: Option<f32>,
-    max_sync_distance: Option<f64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawDebug {
-    serve_chunk_delay_ms: Option<u64>,
-    step_delay_ms: Option<u64>,
+    debug: DebugConfig,
 }
 
 #[derive(Debug, Deserialize)]
@@ -138,33 +119,6 @@ struct RawData {
     classes: Option<usize>,
     seed: Option<u64>,
     standardize: Option<bool>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawTrain {
-    batch_size: Option<usize>,
-    init_seed: Option<u64>,
-    node_seed: Option<u64>,
-    shard: Option<String>,
-    eval_every: Option<u64>,
-    max_steps: Option<u64>,
-    threads: Option<usize>,
-    device: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawCheckpoint {
-    every_steps: Option<u64>,
-    every_secs: Option<u64>,
-    keep: Option<usize>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawApi {
-    listen: Option<SocketAddr>,
 }
 
 /// The model section, before the data set fills in input size and classes for a CNN.
@@ -210,8 +164,9 @@ pub struct DataConfig {
     pub standardize: bool,
 }
 
-/// The train section, checked.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// The train section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
     /// Samples per step.
     pub batch_size: usize,
@@ -221,7 +176,8 @@ pub struct TrainConfig {
     pub node_seed: Option<u64>,
     /// `(k, n)`: train only on shard `k` of `n` of the training set (every n-th sample from
     /// k), for boxes that each own part of the data. Absent: the whole set. A local setting,
-    /// not part of the run id.
+    /// not part of the run id. Written `"k/n"` in the file.
+    #[serde(deserialize_with = "de_shard")]
     pub shard: Option<(usize, usize)>,
     /// Steps between evaluations on the held-out set (0: never).
     pub eval_every: u64,
@@ -229,12 +185,42 @@ pub struct TrainConfig {
     pub max_steps: u64,
     /// Compute threads Candle may use.
     pub threads: usize,
-    /// `cpu`, `cuda` or `cuda:N`.
-    pub device: String,
+    /// The compute device, parsed from `cpu`, `cuda` or `cuda:N`.
+    #[serde(deserialize_with = "de_device")]
+    pub device: DeviceSpec,
 }
 
-/// The checkpoint section, checked.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+impl Default for TrainConfig {
+    fn default() -> TrainConfig {
+        TrainConfig {
+            batch_size: 32,
+            init_seed: 42,
+            node_seed: None,
+            shard: None,
+            eval_every: 500,
+            max_steps: 0,
+            threads: 1,
+            device: DeviceSpec::Cpu,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// What serde cannot check: values out of range.
+    fn check(&self) -> Result<(), String> {
+        if self.batch_size == 0 {
+            return Err("train.batch_size must be at least 1".into());
+        }
+        if self.threads == 0 {
+            return Err("train.threads must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// The checkpoint section.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct CheckpointConfig {
     /// Write a checkpoint every this many steps (0: not by steps).
     pub every_steps: u64,
@@ -244,20 +230,59 @@ pub struct CheckpointConfig {
     pub keep: usize,
 }
 
-/// The network section, checked.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+impl Default for CheckpointConfig {
+    fn default() -> CheckpointConfig {
+        CheckpointConfig {
+            every_steps: 5000,
+            every_secs: 60,
+            keep: 5,
+        }
+    }
+}
+
+/// Default control API address: loopback, so the API needs no token by default.
+pub const DEFAULT_API: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7070));
+
+/// Default data directory of `p2ptrain join`, relative to the working directory.
+pub const DEFAULT_DATA_DIR: &str = "p2ptrain-data";
+
+/// Default libp2p port: a stable one, for firewall rules.
+pub const DEFAULT_LISTEN_PORT: u16 = 4001;
+
+/// The api section: where the control API listens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApiConfig {
+    /// The address (`--api` wins); default [`DEFAULT_API`].
+    pub listen: SocketAddr,
+}
+
+impl Default for ApiConfig {
+    fn default() -> ApiConfig {
+        ApiConfig {
+            listen: DEFAULT_API,
+        }
+    }
+}
+
+/// The network section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct NetworkConfig {
     /// Addresses to listen on (default `/ip4/0.0.0.0/tcp/4001`).
-    pub listen: Vec<String>,
+    #[serde(deserialize_with = "de_listen")]
+    pub listen: Vec<Multiaddr>,
     /// Members to join through.
-    pub bootstrap: Vec<String>,
+    #[serde(deserialize_with = "de_bootstrap")]
+    pub bootstrap: Vec<Multiaddr>,
     /// Find peers on the local network with mDNS (off by default).
     pub mdns: bool,
     /// The private network's key file (`p2ptrain keygen --psk`): only nodes with the same key
     /// can connect. Relative paths are taken from the working directory.
     pub psk: Option<PathBuf>,
     /// If given, the only peers allowed to connect.
-    pub allow: Option<Vec<libp2p::PeerId>>,
+    #[serde(deserialize_with = "de_allow")]
+    pub allow: Option<Vec<PeerId>>,
     /// Relay for members behind NATs once AutoNAT finds this node reachable (on by default;
     /// libp2p's default limits of 128 KiB and two minutes per circuit keep bulk traffic off).
     pub relay_server: bool,
@@ -266,8 +291,25 @@ pub struct NetworkConfig {
     pub upnp: bool,
 }
 
-/// The sync section, checked.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+impl Default for NetworkConfig {
+    fn default() -> NetworkConfig {
+        NetworkConfig {
+            listen: vec![Multiaddr::empty()
+                .with(Protocol::Ip4(Ipv4Addr::UNSPECIFIED))
+                .with(Protocol::Tcp(DEFAULT_LISTEN_PORT))],
+            bootstrap: Vec::new(),
+            mdns: false,
+            psk: None,
+            allow: None,
+            relay_server: true,
+            upnp: false,
+        }
+    }
+}
+
+/// The sync section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct SyncConfig {
     /// Neighbours each node keeps.
     pub degree: usize,
@@ -283,7 +325,7 @@ pub struct SyncConfig {
     /// times its staleness discount).
     pub update_weight: Option<f64>,
     /// How own updates are encoded.
-    #[serde(serialize_with = "codec_name")]
+    #[serde(serialize_with = "codec_name", deserialize_with = "de_codec")]
     pub codec: Codec,
     /// Fraction of values top-k keeps.
     pub density: f64,
@@ -311,8 +353,91 @@ pub struct SyncConfig {
     pub max_sync_distance: f64,
 }
 
+impl Default for SyncConfig {
+    fn default() -> SyncConfig {
+        SyncConfig {
+            degree: 4,
+            publish_every: 20,
+            full_sync_every: 500,
+            inline_max_bytes: 1024 * 1024,
+            max_update_ratio: 1.0,
+            update_weight: None,
+            codec: Codec::Dense,
+            density: 0.01,
+            error_feedback: true,
+            staleness_bound: None,
+            stale_after: 100,
+            publish_early_ratio: 0.0,
+            outlier_factor: 10.0,
+            max_updates_per_sec: 200.0,
+            clip_value: 0.0,
+            max_sync_distance: crate::sync_guard::DEFAULT_MAX_SYNC_DISTANCE,
+        }
+    }
+}
+
 fn codec_name<S: serde::Serializer>(c: &Codec, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(c.name())
+}
+
+// Each typed value is parsed by serde, with an error that names its key (toml adds the line).
+fn de_codec<'de, D: Deserializer<'de>>(d: D) -> Result<Codec, D::Error> {
+    let text = String::deserialize(d)?;
+    text.parse()
+        .map_err(|e| de::Error::custom(format!("sync.codec: {e}")))
+}
+
+fn de_device<'de, D: Deserializer<'de>>(d: D) -> Result<DeviceSpec, D::Error> {
+    let text = String::deserialize(d)?;
+    text.parse()
+        .map_err(|e| de::Error::custom(format!("train.device: {e}")))
+}
+
+fn de_shard<'de, D: Deserializer<'de>>(d: D) -> Result<Option<(usize, usize)>, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_shard(&text).map(Some).map_err(de::Error::custom)
+}
+
+fn de_listen<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Multiaddr>, D::Error> {
+    parse_all("network.listen", Vec::<String>::deserialize(d)?).map_err(de::Error::custom)
+}
+
+fn de_bootstrap<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Multiaddr>, D::Error> {
+    parse_all("network.bootstrap", Vec::<String>::deserialize(d)?).map_err(de::Error::custom)
+}
+
+fn de_allow<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<PeerId>>, D::Error> {
+    parse_all("network.allow", Vec::<String>::deserialize(d)?)
+        .map(Some)
+        .map_err(de::Error::custom)
+}
+
+/// Parses every item, naming the key (or flag) and the item that fails.
+fn parse_all<T>(key: &str, items: Vec<String>) -> Result<Vec<T>, String>
+where
+    T: FromStr + Describe,
+    T::Err: std::fmt::Display,
+{
+    items
+        .iter()
+        .map(|text| {
+            text.parse::<T>()
+                .map_err(|e| format!("{key}: {text:?} is not {} ({e})", T::WHAT))
+        })
+        .collect()
+}
+
+/// What a parsed value is called in messages.
+trait Describe {
+    const WHAT: &'static str;
+}
+
+impl Describe for Multiaddr {
+    const WHAT: &'static str = "a multiaddr";
+}
+
+impl Describe for PeerId {
+    const WHAT: &'static str = "a peer id";
 }
 
 impl SyncConfig {
@@ -337,10 +462,68 @@ impl SyncConfig {
             clip_value: self.clip_value,
         }
     }
+
+    /// What serde cannot check: values out of range.
+    fn check(&self) -> Result<(), String> {
+        // At 1 or beyond, a neighbour could replace the model with zeros, random values or
+        // its own copy scaled by 2 and still be averaged in.
+        if !(self.max_sync_distance > 0.0 && self.max_sync_distance < 1.0) {
+            return Err(format!(
+                "sync.max_sync_distance = {} must be a number in (0, 1): a reply of zeros or scaled by 2 is at 1",
+                self.max_sync_distance
+            ));
+        }
+        if !(self.clip_value >= 0.0 && self.clip_value.is_finite()) {
+            return Err("sync.clip_value must be 0 (off) or a positive number".into());
+        }
+        for (key, v) in [
+            ("sync.outlier_factor", self.outlier_factor),
+            ("sync.max_updates_per_sec", self.max_updates_per_sec),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(format!("{key} must be 0 (off) or a positive number"));
+            }
+        }
+        if self.outlier_factor > 0.0 && self.outlier_factor < 2.0 {
+            return Err(
+                "sync.outlier_factor below 2 would reject honest updates (0 turns it off)".into(),
+            );
+        }
+        if !(self.density > 0.0 && self.density <= 1.0) {
+            return Err(format!("sync.density = {} must be in (0, 1]", self.density));
+        }
+        if self.staleness_bound == Some(0) {
+            return Err(
+                "sync.staleness_bound must be at least 1 (0 would make neighbours wait for each other forever)".into(),
+            );
+        }
+        if !(self.publish_early_ratio >= 0.0 && self.publish_early_ratio.is_finite()) {
+            return Err("sync.publish_early_ratio must be 0 or a positive number".into());
+        }
+        if let Some(w) = self.update_weight {
+            if !(w > 0.0 && w <= 1.0) {
+                return Err(format!("sync.update_weight = {w} must be in (0, 1]"));
+            }
+        }
+        if self.degree == 0 {
+            return Err("sync.degree must be at least 1".into());
+        }
+        if self.inline_max_bytes > crate::network::MAX_TRANSMIT_SIZE - 4096 {
+            return Err(format!(
+                "sync.inline_max_bytes must stay below the gossip limit ({} bytes) minus framing",
+                crate::network::MAX_TRANSMIT_SIZE
+            ));
+        }
+        if !(self.max_update_ratio > 0.0 && self.max_update_ratio.is_finite()) {
+            return Err("sync.max_update_ratio must be a positive number".into());
+        }
+        Ok(())
+    }
 }
 
-/// Debug knobs (for tests and experiments).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// Debug knobs (for tests and experiments); all off by default.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct DebugConfig {
     /// Delay before serving each state chunk, to make transfers slow on purpose.
     pub serve_chunk_delay_ms: u64,
@@ -348,8 +531,27 @@ pub struct DebugConfig {
     pub step_delay_ms: u64,
 }
 
-/// Default listen address: a stable port, for firewall rules.
-pub const DEFAULT_LISTEN: &str = "/ip4/0.0.0.0/tcp/4001";
+/// Settings given on the command line. Every CLI command that loads a config hands its flags
+/// to [`Config::apply`], the one place they are merged into the file's values.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    /// `--device`: replaces `train.device`.
+    pub device: Option<String>,
+    /// `--threads`: replaces `train.threads`.
+    pub threads: Option<usize>,
+    /// `--max-steps`: replaces `train.max_steps`.
+    pub max_steps: Option<u64>,
+    /// `--api`: replaces `api.listen`.
+    pub api: Option<SocketAddr>,
+    /// `--listen`: replaces `network.listen` when given.
+    pub listen: Vec<String>,
+    /// `--bootstrap`: added to `network.bootstrap`.
+    pub bootstrap: Vec<String>,
+    /// `--mdns`: turns mDNS on (it cannot turn the file's `mdns = true` off).
+    pub mdns: bool,
+    /// `--psk`: replaces `network.psk`.
+    pub psk: Option<PathBuf>,
+}
 
 /// A validated configuration.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -367,8 +569,8 @@ pub struct Config {
     pub train: TrainConfig,
     /// Checkpoint policy.
     pub checkpoint: CheckpointConfig,
-    /// Control API address from the file, if any (the CLI's `--api` wins).
-    pub api_listen: Option<SocketAddr>,
+    /// Control API.
+    pub api: ApiConfig,
     /// Networking.
     pub network: NetworkConfig,
     /// Update exchange and neighbour sync.
@@ -384,7 +586,7 @@ impl Config {
             None => Config::parse(DEFAULT_CONFIG_TOML, DEFAULT_CONFIG_NAME, None),
             Some(p) => {
                 let name = p.display().to_string();
-                let text = std::fs::read_to_string(p).map_err(|e| ConfigError {
+                let text = std::fs::read_to_string(p).map_err(|e| ConfigError::File {
                     file: name.clone(),
                     msg: format!("cannot read config: {e}"),
                 })?;
@@ -395,7 +597,7 @@ impl Config {
 
     /// Parses TOML text; `base` is the directory relative paths are resolved against.
     pub fn parse(text: &str, origin: &str, base: Option<&Path>) -> Result<Config, ConfigError> {
-        let err = |msg: String| ConfigError {
+        let err = |msg: String| ConfigError::File {
             file: origin.to_string(),
             msg,
         };
@@ -496,17 +698,18 @@ impl Config {
         optimizer.validate().map_err(|e| err(e.to_string()))?;
 
         let d = raw.data;
+        let def = DataConfig::default();
         let data = DataConfig {
             source: d.source,
             path: d.path.map(resolve),
             dir: d.dir.map(resolve),
-            test_fraction: d.test_fraction.unwrap_or(0.2),
-            split_seed: d.split_seed.unwrap_or(1),
-            samples: d.samples.unwrap_or(2000),
-            dim: d.dim.unwrap_or(32),
-            classes: d.classes.unwrap_or(4),
-            seed: d.seed.unwrap_or(1),
-            standardize: d.standardize.unwrap_or(true),
+            test_fraction: d.test_fraction.unwrap_or(def.test_fraction),
+            split_seed: d.split_seed.unwrap_or(def.split_seed),
+            samples: d.samples.unwrap_or(def.samples),
+            dim: d.dim.unwrap_or(def.dim),
+            classes: d.classes.unwrap_or(def.classes),
+            seed: d.seed.unwrap_or(def.seed),
+            standardize: d.standardize.unwrap_or(def.standardize),
         };
         if !(0.0..1.0).contains(&data.test_fraction) {
             return Err(err(format!(
@@ -539,175 +742,62 @@ impl Config {
             _ => {}
         }
 
-        let t = raw.train;
-        let train = TrainConfig {
-            batch_size: t.batch_size.unwrap_or(32),
-            init_seed: t.init_seed.unwrap_or(42),
-            node_seed: t.node_seed,
-            shard: t
-                .shard
-                .as_deref()
-                .map(parse_shard)
-                .transpose()
-                .map_err(err)?,
-            eval_every: t.eval_every.unwrap_or(500),
-            max_steps: t.max_steps.unwrap_or(0),
-            threads: t.threads.unwrap_or(1),
-            device: t.device.unwrap_or_else(|| "cpu".into()),
-        };
-        if train.batch_size == 0 {
-            return Err(err("train.batch_size must be at least 1".into()));
-        }
-        if train.threads == 0 {
-            return Err(err("train.threads must be at least 1".into()));
-        }
-        crate::device::parse(&train.device).map_err(|e| err(format!("train.device: {e}")))?;
-
-        let c = raw.checkpoint;
-        let checkpoint = CheckpointConfig {
-            every_steps: c.every_steps.unwrap_or(5000),
-            every_secs: c.every_secs.unwrap_or(60),
-            keep: c.keep.unwrap_or(5),
-        };
-        if checkpoint.keep == 0 {
+        raw.train.check().map_err(err)?;
+        if raw.checkpoint.keep == 0 {
             return Err(err("checkpoint.keep must be at least 1".into()));
         }
-
-        let n = raw.network;
-        let network = NetworkConfig {
-            listen: n.listen.unwrap_or_else(|| vec![DEFAULT_LISTEN.to_string()]),
-            bootstrap: n.bootstrap.unwrap_or_default(),
-            mdns: n.mdns.unwrap_or(false),
-            psk: n.psk,
-            allow: n
-                .allow
-                .map(|ids| {
-                    ids.iter()
-                        .map(|id| {
-                            id.parse::<libp2p::PeerId>().map_err(|e| {
-                                err(format!("network.allow: {id:?} is not a peer id ({e})"))
-                            })
-                        })
-                        .collect::<Result<Vec<_>, _>>()
-                })
-                .transpose()?,
-            relay_server: n.relay_server.unwrap_or(true),
-            upnp: n.upnp.unwrap_or(false),
-        };
-        for (key, addrs) in [
-            ("network.listen", &network.listen),
-            ("network.bootstrap", &network.bootstrap),
-        ] {
-            for a in addrs {
-                a.parse::<libp2p::Multiaddr>()
-                    .map_err(|e| err(format!("{key}: {a:?} is not a multiaddr ({e})")))?;
-            }
-        }
-        let y = raw.sync;
-        let sync = SyncConfig {
-            degree: y.degree.unwrap_or(4),
-            publish_every: y.publish_every.unwrap_or(20),
-            full_sync_every: y.full_sync_every.unwrap_or(500),
-            inline_max_bytes: y.inline_max_bytes.unwrap_or(1024 * 1024),
-            max_update_ratio: y.max_update_ratio.unwrap_or(1.0),
-            update_weight: y.update_weight,
-            codec: match &y.codec {
-                Some(c) => c.parse().map_err(|e| err(format!("sync.codec: {e}")))?,
-                None => Codec::Dense,
-            },
-            density: y.density.unwrap_or(0.01),
-            error_feedback: y.error_feedback.unwrap_or(true),
-            staleness_bound: y.staleness_bound,
-            stale_after: y.stale_after.unwrap_or(100),
-            publish_early_ratio: y.publish_early_ratio.unwrap_or(0.0),
-            outlier_factor: y.outlier_factor.unwrap_or(10.0),
-            max_updates_per_sec: y.max_updates_per_sec.unwrap_or(200.0),
-            clip_value: y.clip_value.unwrap_or(0.0),
-            max_sync_distance: y
-                .max_sync_distance
-                .unwrap_or(crate::sync_guard::DEFAULT_MAX_SYNC_DISTANCE),
-        };
-        // At 1 or beyond, a neighbour could replace the model with zeros, random values or
-        // its own copy scaled by 2 and still be averaged in.
-        if !(sync.max_sync_distance > 0.0 && sync.max_sync_distance < 1.0) {
-            return Err(err(format!(
-                "sync.max_sync_distance = {} must be a number in (0, 1): a reply of zeros or scaled by 2 is at 1",
-                sync.max_sync_distance
-            )));
-        }
-        if !(sync.clip_value >= 0.0 && sync.clip_value.is_finite()) {
-            return Err(err(
-                "sync.clip_value must be 0 (off) or a positive number".into()
-            ));
-        }
-        for (key, v) in [
-            ("sync.outlier_factor", sync.outlier_factor),
-            ("sync.max_updates_per_sec", sync.max_updates_per_sec),
-        ] {
-            if !(v >= 0.0 && v.is_finite()) {
-                return Err(err(format!("{key} must be 0 (off) or a positive number")));
-            }
-        }
-        if sync.outlier_factor > 0.0 && sync.outlier_factor < 2.0 {
-            return Err(err(
-                "sync.outlier_factor below 2 would reject honest updates (0 turns it off)".into(),
-            ));
-        }
-        if !(sync.density > 0.0 && sync.density <= 1.0) {
-            return Err(err(format!(
-                "sync.density = {} must be in (0, 1]",
-                sync.density
-            )));
-        }
-        if sync.staleness_bound == Some(0) {
-            return Err(err(
-                "sync.staleness_bound must be at least 1 (0 would make neighbours wait for each other forever)".into(),
-            ));
-        }
-        if !(sync.publish_early_ratio >= 0.0 && sync.publish_early_ratio.is_finite()) {
-            return Err(err(
-                "sync.publish_early_ratio must be 0 or a positive number".into(),
-            ));
-        }
-        if let Some(w) = sync.update_weight {
-            if !(w > 0.0 && w <= 1.0) {
-                return Err(err(format!("sync.update_weight = {w} must be in (0, 1]")));
-            }
-        }
-        if sync.degree == 0 {
-            return Err(err("sync.degree must be at least 1".into()));
-        }
-        if sync.inline_max_bytes > crate::network::MAX_TRANSMIT_SIZE - 4096 {
-            return Err(err(format!(
-                "sync.inline_max_bytes must stay below the gossip limit ({} bytes) minus framing",
-                crate::network::MAX_TRANSMIT_SIZE
-            )));
-        }
-        if !(sync.max_update_ratio > 0.0 && sync.max_update_ratio.is_finite()) {
-            return Err(err("sync.max_update_ratio must be a positive number".into()));
-        }
-        let debug = DebugConfig {
-            serve_chunk_delay_ms: raw.debug.serve_chunk_delay_ms.unwrap_or(0),
-            step_delay_ms: raw.debug.step_delay_ms.unwrap_or(0),
-        };
+        raw.sync.check().map_err(err)?;
 
         Ok(Config {
             origin: origin.to_string(),
-            network,
-            sync,
-            debug,
             model,
             optimizer,
             data,
-            train,
-            checkpoint,
-            api_listen: raw.api.listen,
+            train: raw.train,
+            checkpoint: raw.checkpoint,
+            api: raw.api,
+            network: raw.network,
+            sync: raw.sync,
+            debug: raw.debug,
         })
+    }
+
+    /// Merges command-line settings into this configuration, parsing and checking each, so
+    /// that what the node runs with is one validated [`Config`]. Every CLI command that takes
+    /// such flags calls this, and only this.
+    pub fn apply(&mut self, o: &Overrides) -> Result<(), ConfigError> {
+        let err = ConfigError::Override;
+        if let Some(d) = &o.device {
+            self.train.device = d.parse().map_err(|e| err(format!("--device: {e}")))?;
+        }
+        if let Some(t) = o.threads {
+            if t == 0 {
+                return Err(err("--threads must be at least 1".into()));
+            }
+            self.train.threads = t;
+        }
+        if let Some(m) = o.max_steps {
+            self.train.max_steps = m;
+        }
+        if let Some(a) = o.api {
+            self.api.listen = a;
+        }
+        if !o.listen.is_empty() {
+            self.network.listen = parse_all("--listen", o.listen.clone()).map_err(err)?;
+        }
+        let bootstrap: Vec<Multiaddr> =
+            parse_all("--bootstrap", o.bootstrap.clone()).map_err(err)?;
+        self.network.bootstrap.extend(bootstrap);
+        self.network.mdns |= o.mdns;
+        if let Some(p) = &o.psk {
+            self.network.psk = Some(p.clone());
+        }
+        Ok(())
     }
 
     /// Builds the model spec for a loaded data set, checking that the two fit.
     pub fn model_spec(&self, split: &Split) -> Result<ModelSpec, ConfigError> {
-        let err = |msg: String| ConfigError {
+        let err = |msg: String| ConfigError::File {
             file: self.origin.clone(),
             msg,
         };
@@ -809,6 +899,25 @@ impl Config {
             split.standardize();
         }
         Ok(split)
+    }
+}
+
+// `data.source` has no default (the file must say which set), so the data section is read raw
+// and only its other keys fall back to these.
+impl Default for DataConfig {
+    fn default() -> DataConfig {
+        DataConfig {
+            source: DataSource::Digits,
+            path: None,
+            dir: None,
+            test_fraction: 0.2,
+            split_seed: 1,
+            samples: 2000,
+            dim: 32,
+            classes: 4,
+            seed: 1,
+            standardize: true,
+        }
     }
 }
 
@@ -966,6 +1075,106 @@ mod tests {
         for bad in ["0", "-0.5", "1", "1.5", "nan", "inf"] {
             let e = with(bad).expect_err(bad).to_string();
             assert!(e.contains("sync.max_sync_distance"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn defaults_come_from_the_section_defaults() {
+        let c = Config::load(None).expect("default");
+        assert_eq!(c.api, ApiConfig::default());
+        assert_eq!(c.api.listen.to_string(), "127.0.0.1:7070");
+        assert_eq!(c.network, NetworkConfig::default());
+        assert_eq!(c.network.listen[0].to_string(), "/ip4/0.0.0.0/tcp/4001");
+        assert_eq!(c.sync, SyncConfig::default());
+        assert_eq!(c.debug, DebugConfig::default());
+        assert_eq!(c.train.device, DeviceSpec::Cpu);
+    }
+
+    #[test]
+    fn typed_values_are_parsed_at_load_and_errors_name_the_key() {
+        let with = |section: &str| {
+            Config::parse(&format!("{DEFAULT_CONFIG_TOML}\n{section}\n"), "x", None)
+        };
+        let c = with("[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/4001\"]").expect("valid");
+        assert_eq!(c.network.bootstrap[0].to_string(), "/ip4/10.0.0.1/tcp/4001");
+        for (bad, key) in [
+            ("[network]\nlisten = [\"nope\"]", "network.listen"),
+            ("[network]\nbootstrap = [\"nope\"]", "network.bootstrap"),
+            ("[network]\nallow = [\"nope\"]", "network.allow"),
+            ("[sync]\ncodec = \"nope\"", "sync.codec"),
+        ] {
+            let e = with(bad).expect_err(bad).to_string();
+            assert!(e.contains(key) && e.contains("line"), "{bad}: {e}");
+        }
+        let e = Config::parse(
+            &DEFAULT_CONFIG_TOML.replace("device = \"cpu\"", "device = \"tpu\""),
+            "x",
+            None,
+        )
+        .expect_err("tpu")
+        .to_string();
+        assert!(e.contains("train.device") && e.contains("tpu"), "{e}");
+    }
+
+    #[test]
+    fn overrides_replace_or_extend_as_documented() {
+        let text = format!(
+            "{DEFAULT_CONFIG_TOML}\n[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/1\"]\nlisten = [\"/ip4/0.0.0.0/tcp/5\"]\n"
+        );
+        let mut c = Config::parse(&text, "x", None).expect("valid");
+        c.apply(&Overrides {
+            device: Some("cuda".into()),
+            threads: Some(3),
+            max_steps: Some(7),
+            api: Some("127.0.0.1:0".parse().expect("addr")),
+            listen: vec!["/ip4/127.0.0.1/tcp/0".into()],
+            bootstrap: vec!["/ip4/10.0.0.2/tcp/2".into()],
+            mdns: true,
+            psk: Some("k".into()),
+        })
+        .expect("apply");
+        assert_eq!(c.train.device, DeviceSpec::Cuda(0));
+        assert_eq!((c.train.threads, c.train.max_steps), (3, 7));
+        assert_eq!(c.api.listen.port(), 0);
+        let addrs = |v: &[Multiaddr]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+        assert_eq!(addrs(&c.network.listen), ["/ip4/127.0.0.1/tcp/0"]);
+        assert_eq!(
+            addrs(&c.network.bootstrap),
+            ["/ip4/10.0.0.1/tcp/1", "/ip4/10.0.0.2/tcp/2"]
+        );
+        assert!(c.network.mdns);
+        assert_eq!(c.network.psk.as_deref(), Some(Path::new("k")));
+
+        // No flags: nothing changes.
+        let before = c.clone();
+        c.apply(&Overrides::default()).expect("apply");
+        assert_eq!(c, before);
+
+        for (o, needle) in [
+            (
+                Overrides {
+                    device: Some("tpu".into()),
+                    ..Overrides::default()
+                },
+                "--device: unknown device \"tpu\"",
+            ),
+            (
+                Overrides {
+                    threads: Some(0),
+                    ..Overrides::default()
+                },
+                "--threads",
+            ),
+            (
+                Overrides {
+                    bootstrap: vec!["nope".into()],
+                    ..Overrides::default()
+                },
+                "--bootstrap: \"nope\" is not a multiaddr",
+            ),
+        ] {
+            let e = c.apply(&o).expect_err(needle).to_string();
+            assert!(e.contains(needle), "{e}");
         }
     }
 }

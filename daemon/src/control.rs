@@ -1,7 +1,8 @@
 //! The local control API: HTTP + JSON, so the CLI, `curl`, and later a status page or metrics
 //! scraper all speak to the daemon the same way.
 //!
-//! It only reads shared state and sends commands; it never touches the model itself. Bound to
+//! It only reads the node's state and sends commands, through a [`NodeHandle`]; it never
+//! touches the model itself and knows nothing of how the node is wired. Bound to
 //! loopback by default; any other address requires an access token (checked on every request
 //! whenever one is set), because this API can stop the node and read out its weights.
 
@@ -17,7 +18,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use tokio::net::TcpListener;
 
-use crate::node::Shared;
+use crate::handle::NodeHandle;
 use crate::status::{ApiErrorBody, CheckpointView, Status};
 
 /// Environment variable the daemon and CLI read the access token from.
@@ -33,26 +34,47 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Binds the API socket, refusing a non-loopback address without a token. Binding happens
-/// before the node writes anything, so a busy port fails fast and leaves no trace.
-pub async fn bind(addr: SocketAddr, token: Option<&str>) -> Result<TcpListener, String> {
-    if !addr.ip().is_loopback() && token.is_none_or(str::is_empty) {
-        return Err(format!(
-            "refusing to serve the control API on non-loopback address {addr} without an access token; set {TOKEN_ENV} or --api-token"
-        ));
-    }
-    TcpListener::bind(addr).await.map_err(|e| {
-        let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
-            " (is another p2ptrain node running? pick another port with --api)"
-        } else {
-            ""
-        };
-        format!("cannot listen on {addr} for the control API: {e}{hint}")
-    })
+/// Why the control API could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// A non-loopback address without an access token: anyone on the network could stop the
+    /// node or read its weights.
+    #[error("refusing to serve the control API on non-loopback address {0} without an access token; set {TOKEN_ENV} or --api-token")]
+    NoToken(SocketAddr),
+    /// The socket could not be bound.
+    #[error("cannot listen on {addr} for the control API: {source}{hint}", hint = in_use_hint(source))]
+    Listen {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The OS's reason.
+        source: std::io::Error,
+    },
+    /// The bound socket has no local address.
+    #[error("control API socket: {0}")]
+    Socket(std::io::Error),
 }
 
-/// The API's routes over the node's shared state.
-pub fn router(shared: Arc<Shared>) -> Router {
+fn in_use_hint(e: &std::io::Error) -> &'static str {
+    if e.kind() == std::io::ErrorKind::AddrInUse {
+        " (is another p2ptrain node running? pick another port with --api)"
+    } else {
+        ""
+    }
+}
+
+/// Binds the API socket, refusing a non-loopback address without a token. Binding happens
+/// before the node writes anything, so a busy port fails fast and leaves no trace.
+pub async fn bind(addr: SocketAddr, token: Option<&str>) -> Result<TcpListener, BindError> {
+    if !addr.ip().is_loopback() && token.is_none_or(str::is_empty) {
+        return Err(BindError::NoToken(addr));
+    }
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| BindError::Listen { addr, source })
+}
+
+/// The API's routes over the node's handle.
+pub fn router(shared: Arc<NodeHandle>) -> Router {
     Router::new()
         .route("/v1/status", get(status))
         .route(
@@ -74,7 +96,11 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn require_token(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+async fn require_token(
+    State(shared): State<Arc<NodeHandle>>,
+    req: Request,
+    next: Next,
+) -> Response {
     if let Some(token) = shared.api_token.as_deref() {
         let given = req
             .headers()
@@ -93,27 +119,27 @@ async fn require_token(State(shared): State<Arc<Shared>>, req: Request, next: Ne
     next.run(req).await
 }
 
-async fn status(State(shared): State<Arc<Shared>>) -> Json<Status> {
+async fn status(State(shared): State<Arc<NodeHandle>>) -> Json<Status> {
     Json(shared.status().await)
 }
 
-async fn list_checkpoints(State(shared): State<Arc<Shared>>) -> Json<Vec<CheckpointView>> {
+async fn list_checkpoints(State(shared): State<Arc<NodeHandle>>) -> Json<Vec<CheckpointView>> {
     let store = shared.store.clone();
     let list = store.list().into_iter().map(|m| shared.view(m)).collect();
     Json(list)
 }
 
 async fn save_checkpoint(
-    State(shared): State<Arc<Shared>>,
+    State(shared): State<Arc<NodeHandle>>,
 ) -> Result<Json<CheckpointView>, ApiError> {
     let meta = shared
         .checkpoint_now()
         .await
-        .map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e))?;
+        .map_err(|e| ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
     Ok(Json(shared.view(meta)))
 }
 
-fn parse_id(shared: &Shared, id: &str) -> Result<u64, ApiError> {
+fn parse_id(shared: &NodeHandle, id: &str) -> Result<u64, ApiError> {
     if id == "latest" {
         return shared
             .store
@@ -131,7 +157,7 @@ fn parse_id(shared: &Shared, id: &str) -> Result<u64, ApiError> {
 }
 
 async fn download_checkpoint(
-    State(shared): State<Arc<Shared>>,
+    State(shared): State<Arc<NodeHandle>>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let id = parse_id(&shared, &id)?;
@@ -160,18 +186,18 @@ async fn download_checkpoint(
 }
 
 async fn restore_checkpoint(
-    State(shared): State<Arc<Shared>>,
+    State(shared): State<Arc<NodeHandle>>,
     Path(id): Path<String>,
 ) -> Result<Json<CheckpointView>, ApiError> {
     let id = parse_id(&shared, &id)?;
     let meta = shared
         .restore(id)
         .await
-        .map_err(|e| ApiError(StatusCode::CONFLICT, e))?;
+        .map_err(|e| ApiError(StatusCode::CONFLICT, e.to_string()))?;
     Ok(Json(shared.view(meta)))
 }
 
-async fn stop(State(shared): State<Arc<Shared>>) -> Json<serde_json::Value> {
+async fn stop(State(shared): State<Arc<NodeHandle>>) -> Json<serde_json::Value> {
     shared.request_stop();
     Json(serde_json::json!({ "stopping": true }))
 }

@@ -1,15 +1,26 @@
-//! The p2ptrain node runtime.
+//! The p2ptrain node runtime: everything `p2ptrain join` runs, as a library the CLI in `cli/`
+//! is a thin layer over.
 //!
-//! A node trains a model on its own OS thread ([`trainer`]), keeps checkpoints on disk
-//! ([`store`], in the format of [`checkpoint`]), and answers a local HTTP + JSON control API
-//! ([`control`]); [`node`] wires them together. Configuration is read and validated by
-//! [`config`]. The CLI in `cli/` is a thin layer over this library.
+//! The path through it is config → node → actors:
+//!
+//! - [`config`] reads the TOML file, merges the command line's overrides and validates the
+//!   result into one typed [`Config`]; [`device`] parses and opens the compute device.
+//! - [`node`] prepares data, model and device, then starts the actors and owns start-up and
+//!   shutdown order; the state they share is a [`handle::NodeHandle`].
+//! - The actors: the [`network`] event loop (owns the libp2p swarm; [`nat`] for reachability),
+//!   the [`mesh`] (membership, neighbours, update routing and validation with [`guard`],
+//!   [`scoring`] and [`sync_guard`], the sync [`policy`], state [`transfer`] for joiners), the
+//!   [`trainer`] thread (model, optimizer, data, device), the checkpoint writer ([`store`],
+//!   in the file format of [`checkpoint`]), and the [`control`] API (HTTP + JSON, speaking
+//!   the shapes of [`status`]).
+//! - [`identity`] keeps the node's key, and so its peer id, across restarts.
 
 pub mod checkpoint;
 pub mod config;
 pub mod control;
 pub mod device;
 pub mod guard;
+pub mod handle;
 pub mod identity;
 pub mod mesh;
 pub mod mesh_core;

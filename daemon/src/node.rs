@@ -1,5 +1,7 @@
-//! The node: wires the trainer thread, the checkpoint store and the control API together, and
-//! owns start-up and shutdown.
+//! The node: prepares a validated [`Config`] (data, model, device), starts the actors (network
+//! event loop, mesh, trainer thread, checkpoint writer, control API), wires them together
+//! through a [`NodeHandle`], and owns start-up and shutdown. It reads no flags and writes no
+//! defaults: both are settled in [`crate::config`] before it runs.
 //!
 //! Start-up order matters for "bad input writes nothing": the configuration, data and device
 //! are checked and the API port is bound before the data directory is touched. Shutdown (Ctrl-C,
@@ -8,7 +10,6 @@
 
 use std::fs::File;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,16 +20,15 @@ use p2ptrain_models::ModelSpec;
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::checkpoint::{CheckpointMeta, Snapshot};
+use crate::checkpoint::CheckpointMeta;
 use crate::config::Config;
+use crate::handle::NodeHandle;
 use crate::mesh::{MeshActor, MeshConfig, MeshStatus};
 use crate::mesh_core::{CoreConfig, MeshCore};
-use crate::status::{
-    CheckpointRef, CheckpointView, ModelInfo, PeerStatus, Peers, Status, SyncStatus,
-};
+use crate::status::{ModelInfo, SyncSettings};
 use crate::store::Store;
 use crate::trainer::{self, Command, Stats};
-use crate::{control, device, identity, network, store, transfer};
+use crate::{control, identity, network, store, transfer};
 
 /// Why a node could not start or stopped with an error; one line each.
 #[derive(Debug, thiserror::Error)]
@@ -40,8 +40,8 @@ pub enum NodeError {
     #[error("cannot load data: {0}")]
     Data(p2ptrain_models::Error),
     /// Device unavailable.
-    #[error("{0}")]
-    Device(String),
+    #[error(transparent)]
+    Device(#[from] crate::device::DeviceError),
     /// The data shard asked for is empty.
     #[error("{0}")]
     Shard(String),
@@ -49,8 +49,11 @@ pub enum NodeError {
     #[error("{0}")]
     Psk(String),
     /// Control API could not be served.
-    #[error("{0}")]
-    Api(String),
+    #[error(transparent)]
+    Api(#[from] control::BindError),
+    /// The node's identity key could not be loaded or created.
+    #[error(transparent)]
+    Identity(#[from] identity::IdentityError),
     /// The data directory is unusable.
     #[error("{0}")]
     DataDir(String),
@@ -65,23 +68,15 @@ pub enum NodeError {
     Network(#[from] crate::network::NetError),
 }
 
-/// Settings that belong to this node, not to the run.
+/// Settings that belong to this node's process, not to the run, and are no config key (the
+/// config's own settings, command-line overrides included, are in [`Config`]).
 #[derive(Debug, Clone)]
 pub struct Options {
     /// Where identity, checkpoints and index live.
     pub data_dir: PathBuf,
-    /// Control API address.
-    pub api: SocketAddr,
-    /// Access token for the API (required off loopback).
+    /// Access token for the API (required off loopback); kept out of [`Config`] so that it is
+    /// never serialised or hashed.
     pub api_token: Option<String>,
-    /// libp2p listen addresses (the config's when empty).
-    pub listen: Vec<String>,
-    /// Members to join through (added to the config's).
-    pub bootstrap: Vec<String>,
-    /// Turn mDNS discovery on (it is off unless this or the config says so).
-    pub mdns: bool,
-    /// The private network's key file; overrides the config's `network.psk`.
-    pub psk: Option<PathBuf>,
 }
 
 /// Reads a private network key file (the format `p2ptrain keygen --psk` writes, which is
@@ -122,16 +117,13 @@ pub struct Prepared {
     pub split: Arc<Split>,
     /// The model to build.
     pub spec: ModelSpec,
-    /// The opened device.
+    /// The opened device (`config.train.device`).
     pub device: Device,
-    /// Its canonical name.
-    pub device_name: String,
 }
 
 /// Loads the data, builds the model spec and opens the device, touching no file but the data.
 pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
-    let choice = device::parse(&config.train.device).map_err(NodeError::Device)?;
-    let dev = device::open(choice).map_err(NodeError::Device)?;
+    let dev = config.train.device.open()?;
     let mut split = config.load_data().map_err(NodeError::Data)?;
     let spec = config.model_spec(&split)?;
     if let Some((k, n)) = config.train.shard {
@@ -148,7 +140,6 @@ pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
         split: Arc::new(split),
         spec,
         device: dev,
-        device_name: device::name(choice),
     })
 }
 
@@ -161,238 +152,6 @@ pub struct Summary {
     pub final_checkpoint: Option<CheckpointMeta>,
     /// True when it stopped because `max_steps` was reached.
     pub reached_max_steps: bool,
-}
-
-/// The parts of the sync status fixed at start.
-pub struct SyncInfoStatic {
-    /// The `[sync]` settings.
-    pub config: crate::config::SyncConfig,
-    /// This node's update topic.
-    pub topic: String,
-    /// Bytes of a dense update of this model.
-    pub dense_bytes: u64,
-}
-
-/// State shared between the node task and the API handlers.
-pub struct Shared {
-    /// Peer id, printed and reported.
-    pub peer_id: String,
-    /// Run id.
-    pub run_id: String,
-    /// Model description.
-    pub model: ModelInfo,
-    /// Optimizer kind.
-    pub optimizer: String,
-    /// Device name.
-    pub device: String,
-    /// Data directory.
-    pub data_dir: PathBuf,
-    /// Data set description.
-    pub data: String,
-    /// Actual API address.
-    pub api_addr: SocketAddr,
-    /// Access token, if any.
-    pub api_token: Option<String>,
-    /// Checkpoints.
-    pub store: Arc<Store>,
-    /// How many checkpoints to keep.
-    pub keep: usize,
-    /// When the node started.
-    pub started: Instant,
-    /// Trainer progress.
-    pub stats_rx: watch::Receiver<Stats>,
-    /// Commands to the trainer.
-    pub cmd_tx: mpsc::Sender<Command>,
-    /// The newest checkpoint written by this process.
-    pub last_checkpoint: Mutex<Option<CheckpointMeta>>,
-    /// The checkpoint this process resumed from.
-    pub resumed_from: Option<CheckpointMeta>,
-    /// Set to true to ask the node to stop.
-    pub stop_tx: watch::Sender<bool>,
-    /// The network.
-    pub net: network::Client,
-    /// The mesh's view (neighbours, updates, syncs).
-    pub mesh: Arc<Mutex<MeshStatus>>,
-    /// Frozen states this node serves to joiners.
-    pub cache: Arc<Mutex<transfer::Cache>>,
-    /// The state download this node started with, if any.
-    pub download: Mutex<Option<transfer::DownloadReport>>,
-    /// The update settings and this node's update topic, for status.
-    pub sync: SyncInfoStatic,
-}
-
-impl Shared {
-    fn reference(&self, meta: &CheckpointMeta) -> CheckpointRef {
-        CheckpointRef {
-            id: meta.id,
-            step: meta.info.step,
-            path: self.store.path_of(meta).display().to_string(),
-        }
-    }
-
-    /// The index entry plus its path, as the API returns it.
-    pub fn view(&self, meta: CheckpointMeta) -> CheckpointView {
-        let path = self.store.path_of(&meta).display().to_string();
-        CheckpointView { meta, path }
-    }
-
-    /// The status report.
-    pub async fn status(&self) -> Status {
-        let net = self.net.snapshot().await.unwrap_or_default();
-        let mesh = self.mesh.lock().map(|m| m.clone()).unwrap_or_default();
-        let stats = self.stats_rx.borrow().clone();
-        let mut updates = mesh.updates.clone();
-        updates.applied = stats.updates_applied;
-        let list: Vec<PeerStatus> = net
-            .peers
-            .iter()
-            .map(|p| {
-                let hb = mesh.progress.get(&p.peer_id);
-                PeerStatus {
-                    peer_id: p.peer_id.clone(),
-                    address: p.address.clone(),
-                    rtt_ms: p.rtt_ms,
-                    neighbour: mesh.neighbours.contains(&p.peer_id),
-                    step: hb.map(|h| h.step),
-                    loss: hb.and_then(|h| h.loss),
-                    samples_per_sec: hb.map(|h| h.samples_per_sec),
-                    accuracy: hb.and_then(|h| h.accuracy),
-                    score: p.score,
-                    path: p.path.clone(),
-                    remote: p.remote.clone(),
-                }
-            })
-            .collect();
-        let last = self
-            .last_checkpoint
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        Status {
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            peer_id: self.peer_id.clone(),
-            run_id: self.run_id.clone(),
-            model: self.model.clone(),
-            optimizer: self.optimizer.clone(),
-            device: self.device.clone(),
-            phase: stats.phase,
-            step: stats.step,
-            samples_seen: stats.samples_seen,
-            loss: stats.loss,
-            eval: stats.eval,
-            samples_per_sec: stats.samples_per_sec,
-            uptime_s: self.started.elapsed().as_secs_f64(),
-            last_checkpoint: last
-                .or_else(|| self.store.list().pop())
-                .map(|m| self.reference(&m)),
-            resumed_from: self.resumed_from.as_ref().map(|m| self.reference(m)),
-            data_dir: self.data_dir.display().to_string(),
-            data: self.data.clone(),
-            api: format!("http://{}", self.api_addr),
-            peers: Peers {
-                count: list.len(),
-                list,
-            },
-            neighbours: mesh.neighbours,
-            bytes_sent: net.bytes_sent,
-            bytes_received: net.bytes_received,
-            updates,
-            rejected_by_peer: mesh.rejected_by_peer,
-            last_sync: mesh.last_sync,
-            consensus_distance: mesh.consensus_distance,
-            full_syncs: mesh.full_syncs,
-            sync_refusals: mesh.sync_refusals,
-            listen_addrs: net.listen_addrs,
-            topics: net.topics,
-            refused_peers: net.refused_peers,
-            banned_peers: net.banned,
-            psk_fingerprint: net.psk_fingerprint,
-            allowlist: net.allowlist,
-            handshake_failures: net.handshake_failures,
-            peer_drops: net.peer_drops,
-            denied_connections: net.denied_connections,
-            nat: net.nat,
-            state_download: self.download.lock().ok().and_then(|d| d.clone()),
-            state_serving: self.cache.lock().map(|mut c| c.load()).unwrap_or(0),
-            sync: {
-                let (copies, bytes) = net
-                    .topic_sent
-                    .get(&self.sync.topic)
-                    .copied()
-                    .unwrap_or_default();
-                SyncStatus {
-                    codec: self.sync.config.codec.name().to_string(),
-                    density: self.sync.config.density,
-                    error_feedback: self.sync.config.error_feedback,
-                    update_copies_sent: copies,
-                    update_bytes_sent: bytes,
-                    bytes_per_update: (copies > 0).then(|| bytes as f64 / copies as f64),
-                    dense_update_bytes: self.sync.dense_bytes,
-                    payload_bytes_per_update: (mesh.updates.sent > 0)
-                        .then(|| mesh.payload_bytes_sent as f64 / mesh.updates.sent as f64),
-                    residual_norm: mesh.residual_norm,
-                    dropped_stale: mesh.dropped_stale,
-                    staleness_bound: self.sync.config.staleness_bound,
-                    held: stats.held,
-                    held_secs: stats.held_secs,
-                    lead_over_slowest: mesh.lead_over_slowest,
-                }
-            },
-        }
-    }
-
-    /// Writes a snapshot as a checkpoint on a blocking thread and records it as the latest.
-    pub async fn save(&self, snapshot: Snapshot) -> Result<CheckpointMeta, String> {
-        let store = self.store.clone();
-        let keep = self.keep;
-        let meta = tokio::task::spawn_blocking(move || store.save(&snapshot, keep))
-            .await
-            .map_err(|e| format!("checkpoint writer failed: {e}"))?
-            .map_err(|e| e.to_string())?;
-        tracing::info!(id = meta.id, step = meta.info.step, file = %meta.file, "checkpoint written");
-        *self
-            .last_checkpoint
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(meta.clone());
-        Ok(meta)
-    }
-
-    /// Asks the trainer for its state now and writes it.
-    pub async fn checkpoint_now(&self) -> Result<CheckpointMeta, String> {
-        let (tx, rx) = oneshot::channel();
-        self.cmd_tx
-            .send(Command::Snapshot(tx))
-            .await
-            .map_err(|_| "the trainer has stopped".to_string())?;
-        let snapshot = rx
-            .await
-            .map_err(|_| "the trainer has stopped".to_string())?;
-        self.save(snapshot).await
-    }
-
-    /// Loads a checkpoint (verified) into the trainer.
-    pub async fn restore(&self, id: u64) -> Result<CheckpointMeta, String> {
-        let store = self.store.clone();
-        let loaded = tokio::task::spawn_blocking(move || store.load(id))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
-        let meta = loaded.meta.clone();
-        let (tx, rx) = oneshot::channel();
-        self.cmd_tx
-            .send(Command::Restore(Box::new(loaded), tx))
-            .await
-            .map_err(|_| "the trainer has stopped".to_string())?;
-        rx.await
-            .map_err(|_| "the trainer has stopped".to_string())?
-            .map_err(|e| e.to_string())?;
-        Ok(meta)
-    }
-
-    /// Asks the node to stop gracefully.
-    pub fn request_stop(&self) {
-        self.stop_tx.send_replace(true);
-    }
 }
 
 /// Holds an exclusive lock on the data directory for the node's lifetime, so two nodes never
@@ -434,21 +193,16 @@ pub async fn run(
         split,
         spec,
         device: dev,
-        device_name,
     } = prepared;
-    let listener = control::bind(opts.api, opts.api_token.as_deref())
-        .await
-        .map_err(NodeError::Api)?;
-    let api_addr = listener
-        .local_addr()
-        .map_err(|e| NodeError::Api(format!("control API socket: {e}")))?;
+    let listener = control::bind(config.api.listen, opts.api_token.as_deref()).await?;
+    let api_addr = listener.local_addr().map_err(control::BindError::Socket)?;
 
     // From here on the node writes to its data directory.
     let data_dir = opts.data_dir.clone();
     std::fs::create_dir_all(&data_dir)
         .map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
     let _lock = lock_data_dir(&data_dir)?;
-    let key = identity::load_or_create(&data_dir).map_err(NodeError::DataDir)?;
+    let key = identity::load_or_create(&data_dir)?;
     let local_peer = identity::peer_id(&key);
     let peer_id = local_peer.to_string();
     let (store, notes) = Store::open(&data_dir)?;
@@ -499,23 +253,7 @@ pub async fn run(
         p2ptrain_models::OptimizerSpec::Adamw { .. } => "adamw",
     };
     // The network: listen, dial the bootstrap members.
-    let listen = if opts.listen.is_empty() {
-        config.network.listen.clone()
-    } else {
-        opts.listen.clone()
-    };
-    let mut bootstrap = config.network.bootstrap.clone();
-    bootstrap.extend(opts.bootstrap.iter().cloned());
-    let parse = |what: &str, addrs: &[String]| -> Result<Vec<libp2p::Multiaddr>, NodeError> {
-        addrs
-            .iter()
-            .map(|a| {
-                a.parse()
-                    .map_err(|e| NodeError::Api(format!("{what} {a:?} is not a multiaddr: {e}")))
-            })
-            .collect()
-    };
-    let psk = match opts.psk.as_ref().or(config.network.psk.as_ref()) {
+    let psk = match &config.network.psk {
         Some(path) => Some(read_psk(path)?),
         None => None,
     };
@@ -531,10 +269,10 @@ pub async fn run(
         );
     }
     let net_cfg = network::NetConfig {
-        listen: parse("listen address", &listen)?,
-        bootstrap: parse("bootstrap address", &bootstrap)?,
+        listen: config.network.listen.clone(),
+        bootstrap: config.network.bootstrap.clone(),
         run_id: ident.run_id.clone(),
-        mdns: config.network.mdns || opts.mdns,
+        mdns: config.network.mdns,
         psk,
         allow,
         relay_server: config.network.relay_server,
@@ -583,12 +321,12 @@ pub async fn run(
         mut done_rx,
     } = handle;
     let (stop_tx, mut stop_rx) = watch::channel(false);
-    let shared = Arc::new(Shared {
+    let shared = Arc::new(NodeHandle {
         peer_id: peer_id.clone(),
         run_id: ident.run_id.clone(),
         model: model_info,
         optimizer: optimizer_kind.into(),
-        device: device_name,
+        device: config.train.device,
         data_dir: data_dir.clone(),
         data: config.data.describe(),
         api_addr,
@@ -605,7 +343,7 @@ pub async fn run(
         mesh: Arc::new(Mutex::new(MeshStatus::default())),
         cache: Arc::new(Mutex::new(transfer::Cache::default())),
         download: Mutex::new(None),
-        sync: SyncInfoStatic {
+        sync: SyncSettings {
             config: config.sync.clone(),
             topic: crate::mesh::update_topic(&ident.run_id, &local_peer),
             dense_bytes: p2ptrain_models::codec::dense_len(&layout) as u64,
@@ -758,7 +496,7 @@ async fn print_listen_addrs(net: &network::Client, peer_id: &str) {
 const JOIN_WAIT: Duration = Duration::from_secs(20);
 
 /// A joiner's start: wait for members, download the state, load it, then let the trainer go.
-async fn join_mesh(shared: Arc<Shared>, cache: Arc<Mutex<transfer::Cache>>) {
+async fn join_mesh(shared: Arc<NodeHandle>, cache: Arc<Mutex<transfer::Cache>>) {
     let start = Instant::now();
     let members = loop {
         let members = shared
@@ -837,11 +575,13 @@ async fn join_mesh(shared: Arc<Shared>, cache: Arc<Mutex<transfer::Cache>>) {
 const JOIN_ATTEMPTS: usize = 3;
 
 async fn download_state(
-    shared: &Shared,
+    shared: &NodeHandle,
     members: &[libp2p::PeerId],
     limits: &transfer::Limits,
 ) -> Result<(store::Loaded, transfer::DownloadReport, Vec<u8>), String> {
-    let (bytes, report) = transfer::download(&shared.net, members, limits).await?;
+    let (bytes, report) = transfer::download(&shared.net, members, limits)
+        .await
+        .map_err(|e| e.to_string())?;
     let decoded = {
         let bytes = bytes.clone();
         tokio::task::spawn_blocking(move || crate::checkpoint::decode(&bytes, "downloaded state"))

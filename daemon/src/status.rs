@@ -1,13 +1,19 @@
 //! The shapes the control API speaks, shared by the daemon (which serialises them) and the CLI
 //! (which reads them back), so the two cannot drift apart.
+//!
+//! [`Status`] is composed of sections, each built from the state of the part that owns it
+//! (the trainer's [`Stats`], the network's [`NetSnapshot`], the mesh's [`MeshStatus`], the
+//! checkpoint store) and flattened into one JSON object. This module only shapes; it reads no
+//! live state itself (see [`crate::handle`]).
 
 use serde::{Deserialize, Serialize};
 
 use std::collections::BTreeMap;
 
 use crate::checkpoint::CheckpointMeta;
-use crate::mesh::{FullSyncCounters, SyncInfo, UpdateCounters};
-use crate::trainer::{EvalStats, Phase};
+use crate::mesh::{FullSyncCounters, MeshStatus, SyncInfo, UpdateCounters};
+use crate::network::{BannedPeer, NetSnapshot, PeerInfo};
+use crate::trainer::{EvalStats, Phase, Stats};
 use crate::transfer::DownloadReport;
 
 /// A connected peer of the same run.
@@ -70,9 +76,40 @@ pub struct CheckpointRef {
     pub path: String,
 }
 
-/// Everything `p2ptrain status` shows.
+/// Everything `p2ptrain status` shows, composed of one section per owner. Each section is
+/// flattened into the one JSON object the API has always served, so the wire shape does not
+/// depend on how the parts are grouped here.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Status {
+    /// Who this node is and what it trains: fixed at start.
+    #[serde(flatten)]
+    pub node: NodeStatus,
+    /// The trainer's progress.
+    #[serde(flatten)]
+    pub training: TrainingStatus,
+    /// Checkpoints written and resumed from.
+    #[serde(flatten)]
+    pub checkpoints: CheckpointStatus,
+    /// Connected peers of this run.
+    #[serde(default)]
+    pub peers: Peers,
+    /// The libp2p side: traffic, addresses, bans, private network, NAT.
+    #[serde(flatten)]
+    pub network: NetworkStatus,
+    /// The mesh's side: neighbours, updates, syncs, the state download.
+    #[serde(flatten)]
+    pub mesh: MeshReport,
+    /// Joiners downloading this node's state now.
+    #[serde(default)]
+    pub state_serving: u32,
+    /// How updates are compressed and paced, and what they cost on the wire.
+    #[serde(default)]
+    pub sync: SyncStatus,
+}
+
+/// The part of the status fixed when the node starts (plus its uptime).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
     /// p2ptrain version of the daemon.
     pub version: String,
     /// The node's libp2p peer id.
@@ -85,6 +122,19 @@ pub struct Status {
     pub optimizer: String,
     /// Compute device, e.g. `cpu` or `cuda:0`.
     pub device: String,
+    /// Seconds since the daemon started.
+    pub uptime_s: f64,
+    /// The node's data directory.
+    pub data_dir: String,
+    /// The data set, described.
+    pub data: String,
+    /// Control API address.
+    pub api: String,
+}
+
+/// The trainer's progress, as status shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainingStatus {
     /// What the trainer is doing.
     pub phase: Phase,
     /// Training steps taken.
@@ -97,48 +147,39 @@ pub struct Status {
     pub eval: Option<EvalStats>,
     /// Recent throughput.
     pub samples_per_sec: f64,
-    /// Seconds since the daemon started.
-    pub uptime_s: f64,
+}
+
+impl From<&Stats> for TrainingStatus {
+    fn from(s: &Stats) -> TrainingStatus {
+        TrainingStatus {
+            phase: s.phase,
+            step: s.step,
+            samples_seen: s.samples_seen,
+            loss: s.loss,
+            eval: s.eval,
+            samples_per_sec: s.samples_per_sec,
+        }
+    }
+}
+
+/// Checkpoints, as status shows them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointStatus {
     /// The newest checkpoint written.
     pub last_checkpoint: Option<CheckpointRef>,
     /// The checkpoint this process resumed from, if any.
     pub resumed_from: Option<CheckpointRef>,
-    /// The node's data directory.
-    pub data_dir: String,
-    /// The data set, described.
-    pub data: String,
-    /// Control API address.
-    pub api: String,
-    /// Connected peers of this run.
-    #[serde(default)]
-    pub peers: Peers,
-    /// Peer ids of the current neighbours.
-    #[serde(default)]
-    pub neighbours: Vec<String>,
+}
+
+/// The network's part of the status: what libp2p knows.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NetworkStatus {
     /// Bytes sent on all connections (libp2p bandwidth counters).
     #[serde(default)]
     pub bytes_sent: u64,
     /// Bytes received on all connections.
     #[serde(default)]
     pub bytes_received: u64,
-    /// Update counters.
-    #[serde(default)]
-    pub updates: UpdateCounters,
-    /// Rejected updates by author.
-    #[serde(default)]
-    pub rejected_by_peer: BTreeMap<String, u64>,
-    /// The latest neighbour sync.
-    #[serde(default)]
-    pub last_sync: Option<SyncInfo>,
-    /// Relative L2 distance to the last synced neighbour, before averaging.
-    #[serde(default)]
-    pub consensus_distance: Option<f64>,
-    /// Full neighbour syncs: accepted, refused, failed, the distance bound in force.
-    #[serde(default)]
-    pub full_syncs: FullSyncCounters,
-    /// Refused full-sync replies by neighbour.
-    #[serde(default)]
-    pub sync_refusals: BTreeMap<String, u64>,
     /// Addresses to join this node through.
     #[serde(default)]
     pub listen_addrs: Vec<String>,
@@ -151,7 +192,7 @@ pub struct Status {
     /// Peers disconnected and refused for a while after their score fell below the graylist
     /// threshold.
     #[serde(default)]
-    pub banned_peers: Vec<crate::network::BannedPeer>,
+    pub banned_peers: Vec<BannedPeer>,
     /// Fingerprint of the private network key (`--psk`), if the node is on a private network.
     #[serde(default)]
     pub psk_fingerprint: Option<String>,
@@ -171,15 +212,106 @@ pub struct Status {
     /// Reachability (AutoNAT), relays and hole punching.
     #[serde(default)]
     pub nat: crate::nat::NatReport,
+}
+
+impl From<NetSnapshot> for NetworkStatus {
+    fn from(n: NetSnapshot) -> NetworkStatus {
+        NetworkStatus {
+            bytes_sent: n.bytes_sent,
+            bytes_received: n.bytes_received,
+            listen_addrs: n.listen_addrs,
+            topics: n.topics,
+            refused_peers: n.refused_peers,
+            banned_peers: n.banned,
+            psk_fingerprint: n.psk_fingerprint,
+            allowlist: n.allowlist,
+            handshake_failures: n.handshake_failures,
+            denied_connections: n.denied_connections,
+            peer_drops: n.peer_drops,
+            nat: n.nat,
+        }
+    }
+}
+
+/// The mesh's part of the status: neighbours, updates, syncs, the state download.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MeshReport {
+    /// Peer ids of the current neighbours.
+    #[serde(default)]
+    pub neighbours: Vec<String>,
+    /// Update counters.
+    #[serde(default)]
+    pub updates: UpdateCounters,
+    /// Rejected updates by author.
+    #[serde(default)]
+    pub rejected_by_peer: BTreeMap<String, u64>,
+    /// The latest neighbour sync.
+    #[serde(default)]
+    pub last_sync: Option<SyncInfo>,
+    /// Relative L2 distance to the last synced neighbour, before averaging.
+    #[serde(default)]
+    pub consensus_distance: Option<f64>,
+    /// Full neighbour syncs: accepted, refused, failed, the distance bound in force.
+    #[serde(default)]
+    pub full_syncs: FullSyncCounters,
+    /// Refused full-sync replies by neighbour.
+    #[serde(default)]
+    pub sync_refusals: BTreeMap<String, u64>,
     /// The state download this node started with, if it joined a running mesh.
     #[serde(default)]
     pub state_download: Option<DownloadReport>,
-    /// Joiners downloading this node's state now.
-    #[serde(default)]
-    pub state_serving: u32,
-    /// How updates are compressed and paced, and what they cost on the wire.
-    #[serde(default)]
-    pub sync: SyncStatus,
+}
+
+impl MeshReport {
+    /// The mesh's view, with the applied-update count taken from the trainer (which is the one
+    /// that applies them).
+    pub fn new(
+        mesh: MeshStatus,
+        stats: &Stats,
+        state_download: Option<DownloadReport>,
+    ) -> MeshReport {
+        let mut updates = mesh.updates;
+        updates.applied = stats.updates_applied;
+        MeshReport {
+            neighbours: mesh.neighbours,
+            updates,
+            rejected_by_peer: mesh.rejected_by_peer,
+            last_sync: mesh.last_sync,
+            consensus_distance: mesh.consensus_distance,
+            full_syncs: mesh.full_syncs,
+            sync_refusals: mesh.sync_refusals,
+            state_download,
+        }
+    }
+}
+
+impl Peers {
+    /// Connected peers as the network sees them, with what their heartbeats told the mesh.
+    pub fn new(peers: &[PeerInfo], mesh: &MeshStatus) -> Peers {
+        let list: Vec<PeerStatus> = peers
+            .iter()
+            .map(|p| {
+                let hb = mesh.progress.get(&p.peer_id);
+                PeerStatus {
+                    peer_id: p.peer_id.clone(),
+                    address: p.address.clone(),
+                    rtt_ms: p.rtt_ms,
+                    neighbour: mesh.neighbours.contains(&p.peer_id),
+                    step: hb.map(|h| h.step),
+                    loss: hb.and_then(|h| h.loss),
+                    samples_per_sec: hb.map(|h| h.samples_per_sec),
+                    accuracy: hb.and_then(|h| h.accuracy),
+                    score: p.score,
+                    path: p.path.clone(),
+                    remote: p.remote.clone(),
+                }
+            })
+            .collect();
+        Peers {
+            count: list.len(),
+            list,
+        }
+    }
 }
 
 /// The update exchange as status shows it: what a user tunes `[sync]` by.
@@ -216,6 +348,52 @@ pub struct SyncStatus {
     pub lead_over_slowest: Option<u64>,
 }
 
+/// The parts of the sync status fixed at start.
+#[derive(Debug, Clone)]
+pub struct SyncSettings {
+    /// The `[sync]` settings.
+    pub config: crate::config::SyncConfig,
+    /// This node's update topic.
+    pub topic: String,
+    /// Bytes of a dense update of this model.
+    pub dense_bytes: u64,
+}
+
+impl SyncStatus {
+    /// The settings, with what the network counted on this node's topic, the mesh's payload
+    /// and residual, the mesh core's staleness bookkeeping and the trainer's
+    /// time held by it.
+    pub fn new(
+        settings: &SyncSettings,
+        net: &NetSnapshot,
+        mesh: &MeshStatus,
+        stats: &Stats,
+    ) -> SyncStatus {
+        let (copies, bytes) = net
+            .topic_sent
+            .get(&settings.topic)
+            .copied()
+            .unwrap_or_default();
+        SyncStatus {
+            codec: settings.config.codec.name().to_string(),
+            density: settings.config.density,
+            error_feedback: settings.config.error_feedback,
+            update_copies_sent: copies,
+            update_bytes_sent: bytes,
+            bytes_per_update: (copies > 0).then(|| bytes as f64 / copies as f64),
+            dense_update_bytes: settings.dense_bytes,
+            payload_bytes_per_update: (mesh.updates.sent > 0)
+                .then(|| mesh.payload_bytes_sent as f64 / mesh.updates.sent as f64),
+            residual_norm: mesh.residual_norm,
+            dropped_stale: mesh.dropped_stale,
+            staleness_bound: settings.config.staleness_bound,
+            held: stats.held,
+            held_secs: stats.held_secs,
+            lead_over_slowest: mesh.lead_over_slowest,
+        }
+    }
+}
+
 /// A checkpoint as the API lists it: the index entry plus its full path.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointView {
@@ -231,4 +409,63 @@ pub struct CheckpointView {
 pub struct ApiErrorBody {
     /// One line saying what went wrong.
     pub error: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sections are flattened: the JSON stays one flat object, and reads back.
+    #[test]
+    fn status_json_is_flat_and_round_trips() {
+        let s = Status {
+            node: NodeStatus {
+                version: "0".into(),
+                peer_id: "p".into(),
+                run_id: "r".into(),
+                model: ModelInfo {
+                    name: "m".into(),
+                    params: 1,
+                },
+                optimizer: "sgd".into(),
+                device: "cpu".into(),
+                uptime_s: 1.0,
+                data_dir: "d".into(),
+                data: "digits".into(),
+                api: "http://127.0.0.1:1".into(),
+            },
+            training: TrainingStatus::from(&Stats::default()),
+            checkpoints: CheckpointStatus::default(),
+            peers: Peers::default(),
+            network: NetworkStatus::default(),
+            mesh: MeshReport::default(),
+            state_serving: 0,
+            sync: SyncStatus::default(),
+        };
+        let v = serde_json::to_value(&s).expect("json");
+        for key in [
+            "version",
+            "peer_id",
+            "device",
+            "phase",
+            "step",
+            "last_checkpoint",
+            "peers",
+            "bytes_sent",
+            "banned_peers",
+            "nat",
+            "neighbours",
+            "updates",
+            "state_download",
+            "state_serving",
+            "sync",
+        ] {
+            assert!(v.get(key).is_some(), "status lacks {key}: {v}");
+        }
+        for section in ["node", "training", "checkpoints", "network", "mesh"] {
+            assert!(v.get(section).is_none(), "{section} must be flattened");
+        }
+        let back: Status = serde_json::from_value(v).expect("read back");
+        assert_eq!(back, s);
+    }
 }

@@ -226,7 +226,7 @@ pub async fn download(
     net: &Client,
     peers: &[PeerId],
     limits: &Limits,
-) -> Result<(Vec<u8>, DownloadReport), String> {
+) -> Result<(Vec<u8>, DownloadReport), DownloadError> {
     let started = Instant::now();
     let mut manifests: Vec<(PeerId, StateManifest)> = Vec::new();
     let mut refused_manifests = 0;
@@ -249,7 +249,7 @@ pub async fn download(
         }
     }
     if manifests.is_empty() {
-        return Err("no peer offered a valid state".into());
+        return Err(DownloadError::NoValidState);
     }
     // Most advanced first; among those within 10% of the best step, the one most peers hold
     // (its chunks come from all of them at once, and no single donor carries the crowd), then
@@ -336,7 +336,18 @@ pub async fn download(
             }
         }
     }
-    Err("every donor failed".into())
+    Err(DownloadError::EveryDonorFailed)
+}
+
+/// Why a joiner got no state at all (each donor's own failure is logged as it happens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DownloadError {
+    /// No peer answered with a manifest this node would accept.
+    #[error("no peer offered a valid state")]
+    NoValidState,
+    /// Every donor tried failed or vanished mid-transfer.
+    #[error("every donor failed")]
+    EveryDonorFailed,
 }
 
 /// Why a manifest cannot describe a state of this run, if it cannot.

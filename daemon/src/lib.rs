@@ -7,12 +7,13 @@
 //!   result into one typed [`Config`]; [`device`] parses and opens the compute device.
 //! - [`node`] prepares data, model and device, then starts the actors and owns start-up and
 //!   shutdown order; the state they share is a [`handle::NodeHandle`].
-//! - The actors: the [`network`] event loop (owns the libp2p swarm; [`nat`] for reachability),
-//!   the [`mesh`] (membership, neighbours, update routing and validation with [`guard`],
-//!   [`scoring`] and [`sync_guard`], the sync [`policy`], state [`transfer`] for joiners), the
-//!   [`trainer`] thread (model, optimizer, data, device), the checkpoint writer ([`store`],
-//!   in the file format of [`checkpoint`]), and the [`control`] API (HTTP + JSON, speaking
-//!   the shapes of [`status`]).
+//! - The actors: the [`network`] event loop (owns the libp2p swarm; [`nat`] for reachability;
+//!   the byte formats in [`wire`]), the [`mesh`] actor (carries out what the IO-less
+//!   [`mesh_core`] decides: membership, neighbours, the sync [`policy`], update and sync
+//!   guards ([`guard`], [`sync_guard`]), offences for [`scoring`]; and serves state
+//!   [`transfer`]s to joiners), the [`trainer`] thread (model, optimizer, data, device; it only
+//!   computes), the checkpoint writer ([`store`], in the file format of [`checkpoint`]), and
+//!   the [`control`] API (HTTP + JSON, speaking the shapes of [`status`]).
 //! - [`identity`] keeps the node's key, and so its peer id, across restarts.
 
 pub mod checkpoint;

@@ -13,8 +13,12 @@
 //! Peers are keyed by libp2p's [`PeerId`] throughout. Nothing in here panics, whatever the
 //! inputs and instants.
 
+#[cfg(test)]
+mod sim;
 pub mod status;
 mod syncs;
+#[cfg(test)]
+mod tests;
 mod updates;
 
 use std::collections::{BTreeSet, HashMap, VecDeque};

@@ -232,12 +232,14 @@ impl MeshCore {
                     let weight = self.cfg.update_weight.unwrap_or(weight);
                     let full = self.pending_apply.len() >= PENDING_CAP;
                     match self.pending_apply.back_mut() {
-                        Some((queued, w)) if full && *w != 0.0 => {
-                            let k = weight / *w;
-                            queued
-                                .iter_mut()
-                                .zip(&values)
-                                .for_each(|(a, b)| *a += k * b);
+                        Some((queued, w)) if full => {
+                            if *w == 0.0 {
+                                queued.clone_from(&values);
+                                *w = weight;
+                            } else {
+                                let k = weight / *w;
+                                queued.iter_mut().zip(&values).for_each(|(a, b)| *a += k * b);
+                            }
                         }
                         _ => self.pending_apply.push_back((values.clone(), weight)),
                     }

@@ -1,0 +1,647 @@
+//! A seeded, deterministic simulation that drives the daemon's own [`MeshCore`] with many
+//! nodes: virtual time, links with delays, churn, a partition that heals, slow boxes and
+//! hostile peers. Each node's "trainer" is a few lines here (a quadratic objective towards a
+//! target of its own, so the nodes disagree and only the mesh brings them together); every
+//! decision about peers, updates and syncs is the core's, byte for byte as in the daemon:
+//! updates are encoded with the real codec, syncs answered in the real dense format.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use libp2p::gossipsub::{MessageAcceptance, MessageId};
+use libp2p::identity::Keypair;
+use libp2p::PeerId;
+use p2ptrain_models::codec::{self, Codec, UpdateHeader};
+use p2ptrain_models::params::{l2_norm, Layout};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_bytes::ByteBuf;
+
+use super::{
+    AverageOutcome, CoreConfig, Input, MeshConfig, MeshCore, Output, Progress, TrainerCommand,
+    TrainerEvent,
+};
+use crate::guard::GuardConfig;
+use crate::policy::PolicyConfig;
+use crate::sync_guard;
+use crate::trainer::Phase;
+use crate::wire::BulkResponse;
+
+const RUN: &str = "00112233445566778899aabbccddeeff";
+/// How long a silent peer takes to be noticed (the network's `SILENT_AFTER`).
+const SILENT_MS: u64 = 4_000;
+const TICK_MS: u64 = 50;
+
+/// What a simulation is asked to do.
+#[derive(Debug, Clone)]
+pub struct SimParams {
+    pub seed: u64,
+    pub nodes: usize,
+    pub hostile: usize,
+    pub secs: u64,
+    pub dim: usize,
+    pub policy: PolicyConfig,
+    /// Kill a random honest node and start a joiner this often (0: no churn).
+    pub churn_every_ms: u64,
+    /// Split the mesh in two during this window (virtual ms).
+    pub partition: Option<(u64, u64)>,
+}
+
+/// What it measured.
+#[derive(Debug, Clone, Default)]
+pub struct SimReport {
+    /// Mean relative distance of the live honest nodes from their mean, at the end.
+    pub consensus: f64,
+    /// Offences (rejections, refused syncs) an honest node blamed on an honest peer.
+    pub honest_blamed: u64,
+    /// Offences blamed on hostile peers.
+    pub hostile_blamed: u64,
+    /// Steps taken while ahead of a known, reachable neighbour by the staleness bound or more.
+    pub ssp_violations: u64,
+    /// Steps an SSP hold cost.
+    pub held_steps: u64,
+    /// Largest parameter norm of an honest node relative to the targets' norm.
+    pub worst_norm_ratio: f64,
+    /// All honest parameters finite.
+    pub finite: bool,
+    /// Syncs accepted, updates applied, over all honest nodes.
+    pub syncs: u64,
+    pub applied: u64,
+    /// Largest per-peer map and apply queue seen in any core's status.
+    pub largest_map: usize,
+    pub largest_queue: usize,
+    pub nodes_started: usize,
+}
+
+struct SimNode {
+    id: PeerId,
+    core: MeshCore,
+    x: Vec<f32>,
+    anchor: Vec<f32>,
+    foreign: Vec<f32>,
+    last_delta_step: u64,
+    target: Vec<f32>,
+    step: u64,
+    alive: bool,
+    hostile: bool,
+    step_ms: u64,
+    side: u8,
+    subs: BTreeSet<String>,
+    heard: BTreeSet<usize>,
+}
+
+enum Ev {
+    Step(usize),
+    Tick,
+    Churn,
+    Deliver(usize, Input),
+}
+
+pub struct Sim {
+    p: SimParams,
+    rng: StdRng,
+    base: Instant,
+    t: u64,
+    seq: u64,
+    queue: BTreeMap<(u64, u64), Ev>,
+    nodes: Vec<SimNode>,
+    index: BTreeMap<PeerId, usize>,
+    layout: Layout,
+    partitioned: bool,
+    report: SimReport,
+    msg_ids: u64,
+}
+
+fn mesh_config() -> MeshConfig {
+    MeshConfig {
+        degree: 3,
+        inline_max: 1 << 20,
+        max_update_ratio: 2.0,
+        serve_chunk_delay: Duration::ZERO,
+        codec: Codec::Dense,
+        density: 1.0,
+        error_feedback: true,
+        guard: GuardConfig {
+            outlier_factor: 10.0,
+            max_updates_per_sec: 200.0,
+            burst: 400.0,
+            clip_value: 0.0,
+        },
+        max_sync_distance: sync_guard::DEFAULT_MAX_SYNC_DISTANCE,
+    }
+}
+
+impl Sim {
+    pub fn new(p: SimParams) -> Sim {
+        let layout = Layout {
+            entries: vec![("w".into(), vec![p.dim])],
+        };
+        let mut sim = Sim {
+            rng: StdRng::seed_from_u64(p.seed),
+            base: Instant::now(),
+            t: 0,
+            seq: 0,
+            queue: BTreeMap::new(),
+            nodes: Vec::new(),
+            index: BTreeMap::new(),
+            layout,
+            partitioned: false,
+            report: SimReport::default(),
+            msg_ids: 0,
+            p,
+        };
+        let init: Vec<f32> = (0..sim.p.dim).map(|_| sim.rng.random_range(-1.0..1.0)).collect();
+        for i in 0..sim.p.nodes {
+            let hostile = i < sim.p.hostile;
+            sim.add_node(init.clone(), 0, hostile);
+        }
+        let n = sim.nodes.len();
+        for i in 0..n {
+            for j in 0..n {
+                if i != j {
+                    let id = sim.nodes[j].id;
+                    sim.at(sim.rng.random_range(0..200), Ev::Deliver(i, Input::PeerUp(id)));
+                }
+            }
+        }
+        sim.at(0, Ev::Tick);
+        if sim.p.churn_every_ms > 0 {
+            sim.at(sim.p.churn_every_ms, Ev::Churn);
+        }
+        sim
+    }
+
+    fn at(&mut self, dt: u64, ev: Ev) {
+        self.seq += 1;
+        self.queue.insert((self.t + dt, self.seq), ev);
+    }
+
+    fn now(&self) -> Instant {
+        self.base + Duration::from_millis(self.t)
+    }
+
+    fn add_node(&mut self, x: Vec<f32>, step: u64, hostile: bool) -> usize {
+        let i = self.nodes.len();
+        let mut secret = [0u8; 32];
+        self.rng.fill(&mut secret);
+        let id = Keypair::ed25519_from_bytes(secret)
+            .expect("ed25519 key")
+            .public()
+            .to_peer_id();
+        let core = MeshCore::new(CoreConfig {
+            me: id,
+            run_id: RUN.into(),
+            layout: self.layout.clone(),
+            mesh: mesh_config(),
+            policy: self.p.policy.clone(),
+            update_weight: None,
+            start_step: step,
+            seed: self.rng.random(),
+        });
+        let target: Vec<f32> = (0..self.p.dim)
+            .map(|_| self.rng.random_range(-1.0..1.0))
+            .collect();
+        // One box in eight is four times slower, as on a mixed home lab.
+        let step_ms = if self.rng.random_range(0..8) == 0 { 40 } else { 10 };
+        let side = (i % 2) as u8;
+        self.nodes.push(SimNode {
+            id,
+            core,
+            anchor: x.clone(),
+            foreign: vec![0.0; x.len()],
+            x,
+            last_delta_step: step,
+            target,
+            step,
+            alive: true,
+            hostile,
+            step_ms,
+            side,
+            subs: BTreeSet::new(),
+            heard: BTreeSet::new(),
+        });
+        self.index.insert(id, i);
+        self.report.nodes_started += 1;
+        let start = self.nodes[i].core.start();
+        self.carry_out(i, start);
+        let first = self.rng.random_range(1..step_ms + 1);
+        self.at(first, Ev::Step(i));
+        i
+    }
+
+    fn connected(&self, a: usize, b: usize) -> bool {
+        self.nodes[a].alive
+            && self.nodes[b].alive
+            && (!self.partitioned || self.nodes[a].side == self.nodes[b].side)
+    }
+
+    /// One-way delay: slow boxes sit behind slow links.
+    fn delay(&mut self, a: usize, b: usize) -> u64 {
+        let slow = self.nodes[a].step_ms > 10 || self.nodes[b].step_ms > 10;
+        let base = if slow { 80 } else { 5 };
+        base + self.rng.random_range(0..base)
+    }
+
+    pub fn run(mut self) -> SimReport {
+        let end = self.p.secs * 1000;
+        while let Some(((t, seq), ev)) = self.queue.pop_first() {
+            if t > end {
+                break;
+            }
+            let _ = seq;
+            self.t = t;
+            self.partition_edges();
+            match ev {
+                Ev::Tick => {
+                    for i in 0..self.nodes.len() {
+                        if self.nodes[i].alive {
+                            self.input(i, Input::Tick);
+                        }
+                    }
+                    self.at(TICK_MS, Ev::Tick);
+                }
+                Ev::Step(i) => self.step(i),
+                Ev::Churn => self.churn(),
+                Ev::Deliver(i, input) => {
+                    if self.nodes[i].alive {
+                        self.input(i, input);
+                    }
+                }
+            }
+        }
+        self.finish()
+    }
+
+    /// Starts and ends the partition; each side notices the other's silence after a while.
+    fn partition_edges(&mut self) {
+        let Some((from, to)) = self.p.partition else {
+            return;
+        };
+        let want = self.t >= from && self.t < to;
+        if want == self.partitioned {
+            return;
+        }
+        self.partitioned = want;
+        let n = self.nodes.len();
+        for i in 0..n {
+            for j in 0..n {
+                if i == j || !self.nodes[i].alive || !self.nodes[j].alive {
+                    continue;
+                }
+                if self.nodes[i].side != self.nodes[j].side {
+                    let id = self.nodes[j].id;
+                    if want {
+                        self.at(SILENT_MS, Ev::Deliver(i, Input::PeerDown(id)));
+                    } else {
+                        let d = 500 + self.rng.random_range(0..1000);
+                        self.at(d, Ev::Deliver(i, Input::PeerUp(id)));
+                    }
+                }
+            }
+        }
+    }
+
+    fn churn(&mut self) {
+        let honest: Vec<usize> = (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].alive && !self.nodes[i].hostile)
+            .collect();
+        if honest.len() > 2 {
+            let victim = honest[self.rng.random_range(0..honest.len())];
+            self.nodes[victim].alive = false;
+            let id = self.nodes[victim].id;
+            for i in 0..self.nodes.len() {
+                if self.nodes[i].alive {
+                    self.at(SILENT_MS, Ev::Deliver(i, Input::PeerDown(id)));
+                }
+            }
+            // A joiner takes a random survivor's state, as a state download would.
+            let donor = loop {
+                let d = honest[self.rng.random_range(0..honest.len())];
+                if d != victim {
+                    break d;
+                }
+            };
+            let (x, step) = (self.nodes[donor].x.clone(), self.nodes[donor].step);
+            let j = self.add_node(x, step, false);
+            for i in 0..self.nodes.len() {
+                if i != j && self.nodes[i].alive {
+                    let (a, b) = (self.nodes[i].id, self.nodes[j].id);
+                    self.at(100, Ev::Deliver(j, Input::PeerUp(a)));
+                    self.at(100, Ev::Deliver(i, Input::PeerUp(b)));
+                }
+            }
+        }
+        self.at(self.p.churn_every_ms, Ev::Churn);
+    }
+
+    fn step(&mut self, i: usize) {
+        if !self.nodes[i].alive {
+            return;
+        }
+        let ms = self.nodes[i].step_ms;
+        self.at(ms, Ev::Step(i));
+        let now = self.now();
+        let limit = self.nodes[i].core.step_limit(now);
+        if limit.is_some_and(|l| self.nodes[i].step >= l) {
+            self.report.held_steps += 1;
+            return;
+        }
+        // The staleness bound, checked against the truth: neighbours this node has heard of
+        // and can reach.
+        if let Some(bound) = self.p.policy.staleness_bound {
+            let me = self.nodes[i].step;
+            let neighbours: Vec<usize> = self.nodes[i]
+                .core
+                .neighbours()
+                .iter()
+                .filter_map(|p| self.index.get(p).copied())
+                .filter(|&j| self.connected(i, j) && self.nodes[i].heard.contains(&j))
+                .collect();
+            if neighbours
+                .iter()
+                .any(|&j| me >= self.nodes[j].step + bound.max(1) + self.lag_allowance(j))
+            {
+                self.report.ssp_violations += 1;
+            }
+        }
+        let n = &mut self.nodes[i];
+        let mut noise = StdRng::seed_from_u64(self.p.seed ^ n.step ^ (i as u64) << 32);
+        for (x, t) in n.x.iter_mut().zip(&n.target) {
+            *x -= 0.01 * (*x - t) + 0.001 * noise.random_range(-1.0f32..1.0);
+        }
+        n.step += 1;
+        let progress = Progress {
+            phase: Phase::Training,
+            step: n.step,
+            param_norm: l2_norm(&n.x),
+            loss: None,
+            samples_per_sec: 0.0,
+            accuracy: None,
+        };
+        let step = n.step;
+        self.input(i, Input::Progress(progress));
+        self.input(
+            i,
+            Input::Trainer(TrainerEvent::Stepped {
+                step,
+                pending_ratio: 0.0,
+            }),
+        );
+    }
+
+    /// Steps a neighbour may have taken since its last heartbeat reached us: the bound is
+    /// enforced against what the node knows, which lags the truth by one heartbeat period and
+    /// a link's delay.
+    fn lag_allowance(&self, j: usize) -> u64 {
+        (super::HEARTBEAT_EVERY.as_millis() as u64 + 200) / self.nodes[j].step_ms + 1
+    }
+
+    fn input(&mut self, i: usize, input: Input) {
+        let mut work = vec![input];
+        while let Some(input) = work.pop() {
+            let now = self.now();
+            let outs = self.nodes[i].core.handle(input, now);
+            work.extend(self.carry_out(i, outs));
+            while let Some(TrainerCommand::Apply { values, weight }) =
+                self.nodes[i].core.next_apply()
+            {
+                let n = &mut self.nodes[i];
+                for ((x, f), v) in n.x.iter_mut().zip(n.foreign.iter_mut()).zip(&values) {
+                    *x += weight * v;
+                    *f += weight * v;
+                }
+                self.report.applied += 1;
+            }
+            let s = self.nodes[i].core.status();
+            self.report.largest_map = self
+                .report
+                .largest_map
+                .max(s.rejected_by_peer.len())
+                .max(s.sync_refusals.len())
+                .max(s.progress.len());
+            self.report.largest_queue = self
+                .report
+                .largest_queue
+                .max(self.nodes[i].core.pending_applies());
+        }
+    }
+
+    fn blame(&mut self, i: usize, peer: &PeerId) {
+        if self.nodes[i].hostile {
+            return;
+        }
+        match self.index.get(peer) {
+            Some(&j) if self.nodes[j].hostile => self.report.hostile_blamed += 1,
+            _ => self.report.honest_blamed += 1,
+        }
+    }
+
+    fn deliver_to_subscribers(&mut self, i: usize, topic: &str, data: Vec<u8>) {
+        self.msg_ids += 1;
+        let id = MessageId::from(self.msg_ids.to_le_bytes().to_vec());
+        for j in 0..self.nodes.len() {
+            if j != i && self.connected(i, j) && self.nodes[j].subs.contains(topic) {
+                let d = self.delay(i, j);
+                let input = Input::Gossip {
+                    source: self.nodes[i].id,
+                    author: Some(self.nodes[i].id),
+                    id: id.clone(),
+                    topic: topic.to_string(),
+                    data: data.clone(),
+                };
+                if topic.ends_with("heartbeat") {
+                    self.nodes[j].heard.insert(i);
+                }
+                self.at(d, Ev::Deliver(j, input));
+            }
+        }
+    }
+
+    /// What a hostile node publishes instead of its update: garbage, or a huge update.
+    fn hostile_update(&mut self, i: usize, data: Vec<u8>) -> Vec<u8> {
+        match self.rng.random_range(0..3) {
+            0 => (0..64).map(|_| self.rng.random()).collect(),
+            1 => {
+                let values: Vec<f32> = self.nodes[i].x.iter().map(|v| v * 1000.0).collect();
+                let header = self.header(i, self.nodes[i].step);
+                let bytes = codec::encode(&header, &self.layout, &values, 1.0)
+                    .expect("encode")
+                    .bytes;
+                crate::wire::encode_update_frame(&crate::wire::UpdateFrame::Inline(&bytes))
+            }
+            _ => data,
+        }
+    }
+
+    fn header(&self, i: usize, step: u64) -> UpdateHeader {
+        UpdateHeader {
+            run_id: codec::id_bytes(RUN),
+            layout: codec::id_bytes(&self.layout.hash()),
+            sender: codec::sender_bytes(&self.nodes[i].id.to_bytes()),
+            base_step: step,
+            step,
+            codec: Codec::Dense,
+            numel: self.p.dim as u32,
+        }
+    }
+
+    fn carry_out(&mut self, i: usize, outs: Vec<Output>) -> Vec<Input> {
+        let mut back = Vec::new();
+        for out in outs {
+            match out {
+                Output::Subscribe(t) => {
+                    self.nodes[i].subs.insert(t);
+                }
+                Output::Unsubscribe(t) => {
+                    self.nodes[i].subs.remove(&t);
+                }
+                Output::PublishUpdate { topic, data } => {
+                    let payload = data.len() as u64;
+                    let data = if self.nodes[i].hostile {
+                        self.hostile_update(i, data)
+                    } else {
+                        data
+                    };
+                    self.deliver_to_subscribers(i, &topic, data);
+                    back.push(Input::UpdatePublished { payload, ok: true });
+                }
+                Output::Publish { topic, data } => self.deliver_to_subscribers(i, &topic, data),
+                Output::Validate { acceptance, .. } => {
+                    let _ = acceptance == MessageAcceptance::Reject;
+                }
+                Output::Offence { peer, .. } => self.blame(i, &peer),
+                Output::SyncRefused(_) | Output::Forget(_) => {}
+                Output::Fetch {
+                    owner,
+                    source,
+                    id,
+                    hash,
+                } => back.push(Input::Fetched {
+                    owner,
+                    source,
+                    id,
+                    hash,
+                    answer: super::FetchAnswer::Unavailable,
+                }),
+                Output::RequestParams(peer) => self.answer_sync(i, peer),
+                Output::Trainer(cmd) => back.extend(self.train(i, cmd)),
+            }
+        }
+        back
+    }
+
+    fn answer_sync(&mut self, i: usize, peer: PeerId) {
+        let Some(&j) = self.index.get(&peer) else {
+            return;
+        };
+        if !self.connected(i, j) {
+            let answer = Err("unreachable".to_string());
+            self.at(1_000, Ev::Deliver(i, Input::ParamsReply { peer, answer }));
+            return;
+        }
+        let scale = if self.nodes[j].hostile { 10.0 } else { 1.0 };
+        let values: Vec<f32> = self.nodes[j].x.iter().map(|v| v * scale).collect();
+        let step = self.nodes[j].step;
+        let bytes = self.nodes[j]
+            .core
+            .params_encoder()
+            .encode(step, &values)
+            .expect("encode params");
+        let answer = Ok(BulkResponse::Params {
+            step,
+            layout: self.layout.hash(),
+            values: ByteBuf::from(bytes),
+        });
+        let d = self.delay(i, j) + self.delay(j, i);
+        self.at(d, Ev::Deliver(i, Input::ParamsReply { peer, answer }));
+    }
+
+    /// The node's trainer, as `trainer.rs` does it.
+    fn train(&mut self, i: usize, cmd: TrainerCommand) -> Option<Input> {
+        let n = &mut self.nodes[i];
+        match cmd {
+            TrainerCommand::TakeDelta => {
+                let delta: Vec<f32> = n
+                    .x
+                    .iter()
+                    .zip(&n.anchor)
+                    .zip(&n.foreign)
+                    .map(|((x, a), f)| x - a - f)
+                    .collect();
+                n.anchor.clone_from(&n.x);
+                n.foreign.iter_mut().for_each(|f| *f = 0.0);
+                let base_step = n.last_delta_step;
+                n.last_delta_step = n.step;
+                Some(Input::Trainer(TrainerEvent::Delta {
+                    base_step,
+                    step: n.step,
+                    delta,
+                }))
+            }
+            TrainerCommand::Apply { values, weight } => {
+                for ((x, f), v) in n.x.iter_mut().zip(n.foreign.iter_mut()).zip(&values) {
+                    *x += weight * v;
+                    *f += weight * v;
+                }
+                self.report.applied += 1;
+                None
+            }
+            TrainerCommand::Average { seq, theirs, bound } => {
+                let outcome = match sync_guard::judge(&n.x, &theirs, bound) {
+                    Ok(d) => {
+                        for ((x, f), t) in n.x.iter_mut().zip(n.foreign.iter_mut()).zip(&theirs) {
+                            let m = 0.5 * (*x + t);
+                            *f += m - *x;
+                            *x = m;
+                        }
+                        if !n.hostile {
+                            self.report.syncs += 1;
+                        }
+                        AverageOutcome::Averaged(d)
+                    }
+                    Err(r) => AverageOutcome::Refused(r),
+                };
+                Some(Input::Trainer(TrainerEvent::Averaged { seq, outcome }))
+            }
+        }
+    }
+
+    fn finish(mut self) -> SimReport {
+        let honest: Vec<&SimNode> = self
+            .nodes
+            .iter()
+            .filter(|n| n.alive && !n.hostile)
+            .collect();
+        let dim = self.p.dim;
+        let mut mean = vec![0.0f64; dim];
+        for n in &honest {
+            for (m, x) in mean.iter_mut().zip(&n.x) {
+                *m += f64::from(*x) / honest.len() as f64;
+            }
+        }
+        let mean_norm = mean.iter().map(|m| m * m).sum::<f64>().sqrt().max(1e-9);
+        self.report.consensus = honest
+            .iter()
+            .map(|n| {
+                n.x.iter()
+                    .zip(&mean)
+                    .map(|(x, m)| (f64::from(*x) - m).powi(2))
+                    .sum::<f64>()
+                    .sqrt()
+                    / mean_norm
+            })
+            .sum::<f64>()
+            / honest.len().max(1) as f64;
+        let target_norm = honest
+            .iter()
+            .map(|n| l2_norm(&n.target))
+            .fold(0.0, f64::max)
+            .max(1e-9);
+        self.report.finite = honest.iter().all(|n| n.x.iter().all(|v| v.is_finite()));
+        self.report.worst_norm_ratio = honest
+            .iter()
+            .map(|n| l2_norm(&n.x) / target_norm)
+            .fold(0.0, f64::max);
+        self.report
+    }
+}

@@ -1,0 +1,252 @@
+//! The core's tests: the seeded simulation of many nodes ([`super::sim`]) and a property test
+//! that throws arbitrary inputs at one core.
+
+use std::time::{Duration, Instant};
+
+use libp2p::gossipsub::MessageId;
+use libp2p::PeerId;
+use p2ptrain_models::params::Layout;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_bytes::ByteBuf;
+
+use super::sim::{Sim, SimParams, SimReport};
+use super::*;
+use crate::guard::GuardConfig;
+use crate::policy::PolicyConfig;
+
+fn policy(full_sync_every: u64, staleness_bound: Option<u64>) -> PolicyConfig {
+    PolicyConfig {
+        publish_every: 20,
+        full_sync_every,
+        staleness_bound,
+        ..PolicyConfig::default()
+    }
+}
+
+fn params(seed: u64, policy: PolicyConfig) -> SimParams {
+    SimParams {
+        seed,
+        nodes: 64,
+        hostile: 2,
+        secs: 60,
+        dim: 32,
+        policy,
+        churn_every_ms: 5_000,
+        partition: Some((20_000, 30_000)),
+    }
+}
+
+fn run(p: SimParams) -> SimReport {
+    let started = Instant::now();
+    let label = format!(
+        "sync every {}, bound {:?}",
+        p.policy.full_sync_every, p.policy.staleness_bound
+    );
+    let r = Sim::new(p).run();
+    eprintln!(
+        "sim ({label}): consensus {:.4}, honest blamed {}, hostile blamed {}, ssp violations {}, held steps {}, syncs {}, applied {}, worst norm ratio {:.2}, largest map {}, largest queue {}, nodes started {}, {:.1} s",
+        r.consensus,
+        r.honest_blamed,
+        r.hostile_blamed,
+        r.ssp_violations,
+        r.held_steps,
+        r.syncs,
+        r.applied,
+        r.worst_norm_ratio,
+        r.largest_map,
+        r.largest_queue,
+        r.nodes_started,
+        started.elapsed().as_secs_f64()
+    );
+    r
+}
+
+#[test]
+fn sixty_four_nodes_with_churn_a_partition_and_hostile_peers_stay_together() {
+    let with = run(params(7, policy(50, None)));
+    let without = run(params(7, policy(0, None)));
+    for r in [&with, &without] {
+        // Only the hostile peers were ever blamed, and they were.
+        assert_eq!(r.honest_blamed, 0, "{r:?}");
+        assert!(r.hostile_blamed > 0, "{r:?}");
+        assert!(r.finite, "{r:?}");
+        assert!(r.worst_norm_ratio < 3.0, "{r:?}");
+        assert!(r.applied > 10_000, "updates flowed: {r:?}");
+        assert!(r.largest_map <= 70 && r.largest_queue <= 8, "{r:?}");
+        assert!(r.nodes_started > 70, "churn started joiners: {r:?}");
+    }
+    assert!(with.syncs > 100, "{with:?}");
+    assert_eq!(without.syncs, 0, "{without:?}");
+    // Syncs are what pull replicas with different data together.
+    assert!(
+        with.consensus < 0.8 * without.consensus,
+        "with syncs {:.4}, without {:.4}",
+        with.consensus,
+        without.consensus
+    );
+}
+
+#[test]
+fn the_staleness_bound_holds_in_a_sixty_four_node_mesh_with_slow_boxes() {
+    let r = run(params(11, policy(50, Some(20))));
+    assert_eq!(r.ssp_violations, 0, "{r:?}");
+    assert!(r.held_steps > 0, "the fast boxes waited for the slow ones: {r:?}");
+    assert_eq!(r.honest_blamed, 0, "{r:?}");
+}
+
+#[test]
+fn the_simulation_is_deterministic() {
+    let small = |seed| SimParams {
+        nodes: 12,
+        secs: 15,
+        ..params(seed, policy(50, Some(20)))
+    };
+    let a = Sim::new(small(3)).run();
+    let b = Sim::new(small(3)).run();
+    assert_eq!(a.consensus, b.consensus);
+    assert_eq!(a.applied, b.applied);
+    assert_eq!(a.held_steps, b.held_steps);
+}
+
+fn fuzz_core(seed: u64) -> MeshCore {
+    let me = PeerId::random();
+    MeshCore::new(CoreConfig {
+        me,
+        run_id: "00aa".into(),
+        layout: Layout {
+            entries: vec![("w".into(), vec![8])],
+        },
+        mesh: MeshConfig {
+            degree: 3,
+            inline_max: 64,
+            max_update_ratio: 2.0,
+            serve_chunk_delay: Duration::ZERO,
+            codec: Codec::Dense,
+            density: 1.0,
+            error_feedback: true,
+            guard: GuardConfig {
+                outlier_factor: 10.0,
+                max_updates_per_sec: 1e6,
+                burst: 1e6,
+                clip_value: 0.0,
+            },
+            max_sync_distance: 0.85,
+        },
+        policy: PolicyConfig {
+            publish_every: 2,
+            full_sync_every: 3,
+            staleness_bound: Some(4),
+            ..PolicyConfig::default()
+        },
+        update_weight: None,
+        start_step: 0,
+        seed,
+    })
+}
+
+fn random_bytes(rng: &mut StdRng) -> Vec<u8> {
+    let n = rng.random_range(0..200);
+    (0..n).map(|_| rng.random()).collect()
+}
+
+fn random_values(rng: &mut StdRng) -> Vec<f32> {
+    let n = [0, 7, 8, 9, 1000][rng.random_range(0..5)];
+    (0..n)
+        .map(|_| match rng.random_range(0..20) {
+            0 => f32::NAN,
+            1 => f32::INFINITY,
+            _ => rng.random_range(-1e6..1e6),
+        })
+        .collect()
+}
+
+/// A property test: whatever arrives in whatever order, at whatever instants (backwards
+/// included), the core neither panics nor grows without bound.
+#[test]
+fn arbitrary_inputs_never_panic_and_memory_stays_bounded() {
+    for seed in 0..40u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut core = fuzz_core(seed);
+        let pool: Vec<PeerId> = (0..300).map(|_| PeerId::random()).collect();
+        let base = Instant::now() + Duration::from_secs(3600);
+        let mut t: i64 = 0;
+        for k in 0..3_000u64 {
+            t += rng.random_range(-500..2_000);
+            let now = base + Duration::from_millis(t.max(0) as u64);
+            let now = if t < 0 { base - Duration::from_millis((-t) as u64) } else { now };
+            let peer = pool[rng.random_range(0..pool.len())];
+            let topic = match rng.random_range(0..4) {
+                0 => heartbeat_topic("00aa"),
+                1 => update_topic("00aa", &peer),
+                2 => update_topic("00aa", &pool[0]),
+                _ => "junk".into(),
+            };
+            let input = match rng.random_range(0..12) {
+                0 => Input::PeerUp(peer),
+                1 => Input::PeerDown(peer),
+                2 | 3 => Input::Gossip {
+                    source: peer,
+                    author: if rng.random() { Some(peer) } else { None },
+                    id: MessageId::from(k.to_le_bytes().to_vec()),
+                    topic,
+                    data: random_bytes(&mut rng),
+                },
+                4 => Input::Fetched {
+                    owner: peer,
+                    source: peer,
+                    id: MessageId::from(k.to_le_bytes().to_vec()),
+                    hash: [0; 32],
+                    answer: FetchAnswer::Bytes(random_bytes(&mut rng)),
+                },
+                5 => Input::ParamsReply {
+                    peer,
+                    answer: if rng.random() {
+                        Ok(BulkResponse::Params {
+                            step: rng.random(),
+                            layout: "x".into(),
+                            values: ByteBuf::from(random_bytes(&mut rng)),
+                        })
+                    } else {
+                        Err("gone".into())
+                    },
+                },
+                6 => Input::Progress(Progress {
+                    phase: Phase::Training,
+                    step: rng.random_range(0..1_000),
+                    param_norm: rng.random_range(0.0..10.0),
+                    ..Progress::default()
+                }),
+                7 => Input::Trainer(TrainerEvent::Stepped {
+                    step: rng.random_range(0..1_000),
+                    pending_ratio: rng.random(),
+                }),
+                8 => Input::Trainer(TrainerEvent::Delta {
+                    base_step: rng.random(),
+                    step: rng.random(),
+                    delta: random_values(&mut rng),
+                }),
+                9 => Input::Trainer(TrainerEvent::Averaged {
+                    seq: rng.random_range(0..5),
+                    outcome: AverageOutcome::Averaged(rng.random()),
+                }),
+                10 => Input::Trainer(TrainerEvent::Restored {
+                    step: rng.random_range(0..1_000),
+                }),
+                _ => Input::Tick,
+            };
+            let _ = core.handle(input, now);
+            if rng.random_range(0..4) == 0 {
+                let _ = core.next_apply();
+            }
+            let s = core.status();
+            assert!(s.members.len() <= pool.len());
+            assert!(s.neighbours.len() <= 3);
+            assert!(s.rejected_by_peer.len() <= pool.len());
+            assert!(s.progress.len() <= pool.len());
+            assert!(core.pending_applies() <= PENDING_CAP);
+            assert!(core.large.len() <= LARGE_UPDATE_CAP);
+            assert!(core.seen_steps.len() <= pool.len());
+        }
+    }
+}

@@ -651,6 +651,12 @@ impl MeshCore {
             tracing::info!(peer = %peer, "new neighbour");
             out.push(Output::Subscribe(update_topic(&self.cfg.run_id, &peer)));
             self.feed(PolicyEvent::NeighbourUp { peer }, now, out);
+            // Its last heartbeat, heard while it was only a member, is what SSP knows of its
+            // step until the next one: without it a new neighbour did not count for up to a
+            // heartbeat period (the simulator caught a node running 76 steps ahead so).
+            if let Some(step) = self.status.progress.get(&peer.to_string()).map(|h| h.step) {
+                self.feed(PolicyEvent::Heard { peer, step }, now, out);
+            }
         }
         self.status.neighbours = self.neighbours.iter().map(|p| p.to_string()).collect();
     }

@@ -54,6 +54,8 @@ pub struct SimReport {
     pub consensus: f64,
     /// Offences (rejections, refused syncs) an honest node blamed on an honest peer.
     pub honest_blamed: u64,
+    /// The first few of those offences, in words.
+    pub honest_why: Vec<String>,
     /// Offences blamed on hostile peers.
     pub hostile_blamed: u64,
     /// Steps taken while ahead of a known, reachable neighbour by the staleness bound or more.
@@ -88,13 +90,16 @@ struct SimNode {
     side: u8,
     subs: BTreeSet<String>,
     heard: BTreeSet<usize>,
+    last_advanced: u64,
 }
 
 enum Ev {
     Step(usize),
     Tick,
     Churn,
-    Deliver(usize, Input),
+    Deliver(usize, Box<Input>),
+    /// A sync request from the first node reaches the second, which answers.
+    Serve(usize, usize),
 }
 
 pub struct Sim {
@@ -110,6 +115,7 @@ pub struct Sim {
     partitioned: bool,
     report: SimReport,
     msg_ids: u64,
+    common: Vec<f32>,
 }
 
 fn mesh_config() -> MeshConfig {
@@ -148,9 +154,15 @@ impl Sim {
             partitioned: false,
             report: SimReport::default(),
             msg_ids: 0,
+            common: Vec::new(),
             p,
         };
-        let init: Vec<f32> = (0..sim.p.dim).map(|_| sim.rng.random_range(-1.0..1.0)).collect();
+        sim.common = (0..sim.p.dim)
+            .map(|_| sim.rng.random_range(-1.0..1.0))
+            .collect();
+        let init: Vec<f32> = (0..sim.p.dim)
+            .map(|_| sim.rng.random_range(-1.0..1.0))
+            .collect();
         for i in 0..sim.p.nodes {
             let hostile = i < sim.p.hostile;
             sim.add_node(init.clone(), 0, hostile);
@@ -160,7 +172,8 @@ impl Sim {
             for j in 0..n {
                 if i != j {
                     let id = sim.nodes[j].id;
-                    sim.at(sim.rng.random_range(0..200), Ev::Deliver(i, Input::PeerUp(id)));
+                    let d = sim.rng.random_range(0..200);
+                    sim.at(d, Ev::Deliver(i, Box::new(Input::PeerUp(id))));
                 }
             }
         }
@@ -198,11 +211,20 @@ impl Sim {
             start_step: step,
             seed: self.rng.random(),
         });
-        let target: Vec<f32> = (0..self.p.dim)
-            .map(|_| self.rng.random_range(-1.0..1.0))
+        // Every node pulls towards the run's common optimum plus a skew of its own, as nodes
+        // with different data do.
+        let target: Vec<f32> = self
+            .common
+            .clone()
+            .iter()
+            .map(|c| c + 0.2 * self.rng.random_range(-1.0f32..1.0))
             .collect();
         // One box in eight is four times slower, as on a mixed home lab.
-        let step_ms = if self.rng.random_range(0..8) == 0 { 40 } else { 10 };
+        let step_ms = if self.rng.random_range(0..8) == 0 {
+            40
+        } else {
+            10
+        };
         let side = (i % 2) as u8;
         self.nodes.push(SimNode {
             id,
@@ -219,6 +241,7 @@ impl Sim {
             side,
             subs: BTreeSet::new(),
             heard: BTreeSet::new(),
+            last_advanced: self.t,
         });
         self.index.insert(id, i);
         self.report.nodes_started += 1;
@@ -262,9 +285,11 @@ impl Sim {
                 }
                 Ev::Step(i) => self.step(i),
                 Ev::Churn => self.churn(),
+                Ev::Serve(i, j) => self.serve_sync(i, j),
                 Ev::Deliver(i, input) => {
                     if self.nodes[i].alive {
-                        self.input(i, input);
+                        self.note_heard(i, &input);
+                        self.input(i, *input);
                     }
                 }
             }
@@ -291,10 +316,10 @@ impl Sim {
                 if self.nodes[i].side != self.nodes[j].side {
                     let id = self.nodes[j].id;
                     if want {
-                        self.at(SILENT_MS, Ev::Deliver(i, Input::PeerDown(id)));
+                        self.at(SILENT_MS, Ev::Deliver(i, Box::new(Input::PeerDown(id))));
                     } else {
                         let d = 500 + self.rng.random_range(0..1000);
-                        self.at(d, Ev::Deliver(i, Input::PeerUp(id)));
+                        self.at(d, Ev::Deliver(i, Box::new(Input::PeerUp(id))));
                     }
                 }
             }
@@ -311,7 +336,7 @@ impl Sim {
             let id = self.nodes[victim].id;
             for i in 0..self.nodes.len() {
                 if self.nodes[i].alive {
-                    self.at(SILENT_MS, Ev::Deliver(i, Input::PeerDown(id)));
+                    self.at(SILENT_MS, Ev::Deliver(i, Box::new(Input::PeerDown(id))));
                 }
             }
             // A joiner takes a random survivor's state, as a state download would.
@@ -326,8 +351,8 @@ impl Sim {
             for i in 0..self.nodes.len() {
                 if i != j && self.nodes[i].alive {
                     let (a, b) = (self.nodes[i].id, self.nodes[j].id);
-                    self.at(100, Ev::Deliver(j, Input::PeerUp(a)));
-                    self.at(100, Ev::Deliver(i, Input::PeerUp(b)));
+                    self.at(100, Ev::Deliver(j, Box::new(Input::PeerUp(a))));
+                    self.at(100, Ev::Deliver(i, Box::new(Input::PeerUp(b))));
                 }
             }
         }
@@ -357,19 +382,20 @@ impl Sim {
                 .filter_map(|p| self.index.get(p).copied())
                 .filter(|&j| self.connected(i, j) && self.nodes[i].heard.contains(&j))
                 .collect();
-            if neighbours
-                .iter()
-                .any(|&j| me >= self.nodes[j].step + bound.max(1) + self.lag_allowance(j))
-            {
-                self.report.ssp_violations += 1;
+            for &j in &neighbours {
+                if me >= self.nodes[j].step + bound.max(1) + self.lag_allowance(j) {
+                    self.report.ssp_violations += 1;
+                    break;
+                }
             }
         }
         let n = &mut self.nodes[i];
         let mut noise = StdRng::seed_from_u64(self.p.seed ^ n.step ^ (i as u64) << 32);
         for (x, t) in n.x.iter_mut().zip(&n.target) {
-            *x -= 0.01 * (*x - t) + 0.001 * noise.random_range(-1.0f32..1.0);
+            *x -= 0.002 * (*x - t) + 0.0005 * noise.random_range(-1.0f32..1.0);
         }
         n.step += 1;
+        n.last_advanced = self.t;
         let progress = Progress {
             phase: Phase::Training,
             step: n.step,
@@ -387,6 +413,28 @@ impl Sim {
                 pending_ratio: 0.0,
             }),
         );
+    }
+
+    /// Keeps, for the staleness check, which peers' heartbeats reached node `i` since it last
+    /// lost them.
+    fn note_heard(&mut self, i: usize, input: &Input) {
+        match input {
+            Input::Gossip {
+                author: Some(a),
+                topic,
+                ..
+            } if topic.ends_with("heartbeat") => {
+                if let Some(&j) = self.index.get(a) {
+                    self.nodes[i].heard.insert(j);
+                }
+            }
+            Input::PeerDown(p) => {
+                if let Some(&j) = self.index.get(p) {
+                    self.nodes[i].heard.remove(&j);
+                }
+            }
+            _ => {}
+        }
     }
 
     /// Steps a neighbour may have taken since its last heartbeat reached us: the bound is
@@ -426,13 +474,20 @@ impl Sim {
         }
     }
 
-    fn blame(&mut self, i: usize, peer: &PeerId) {
+    fn blame(&mut self, i: usize, peer: &PeerId, why: &str) {
         if self.nodes[i].hostile {
             return;
         }
         match self.index.get(peer) {
             Some(&j) if self.nodes[j].hostile => self.report.hostile_blamed += 1,
-            _ => self.report.honest_blamed += 1,
+            _ => {
+                self.report.honest_blamed += 1;
+                if self.report.honest_why.len() < 5 {
+                    self.report
+                        .honest_why
+                        .push(format!("t={} ms: {why}", self.t));
+                }
+            }
         }
     }
 
@@ -449,10 +504,7 @@ impl Sim {
                     topic: topic.to_string(),
                     data: data.clone(),
                 };
-                if topic.ends_with("heartbeat") {
-                    self.nodes[j].heard.insert(i);
-                }
-                self.at(d, Ev::Deliver(j, input));
+                self.at(d, Ev::Deliver(j, Box::new(input)));
             }
         }
     }
@@ -509,7 +561,7 @@ impl Sim {
                 Output::Validate { acceptance, .. } => {
                     let _ = acceptance == MessageAcceptance::Reject;
                 }
-                Output::Offence { peer, .. } => self.blame(i, &peer),
+                Output::Offence { peer, why } => self.blame(i, &peer, &why),
                 Output::SyncRefused(_) | Output::Forget(_) => {}
                 Output::Fetch {
                     owner,
@@ -536,7 +588,26 @@ impl Sim {
         };
         if !self.connected(i, j) {
             let answer = Err("unreachable".to_string());
-            self.at(1_000, Ev::Deliver(i, Input::ParamsReply { peer, answer }));
+            self.at(
+                1_000,
+                Ev::Deliver(i, Box::new(Input::ParamsReply { peer, answer })),
+            );
+            return;
+        }
+        let d = self.delay(i, j);
+        self.at(d, Ev::Serve(i, j));
+    }
+
+    /// Node `j` answers node `i`'s sync request with its parameters as they are now (a hostile
+    /// node with ten times them).
+    fn serve_sync(&mut self, i: usize, j: usize) {
+        let peer = self.nodes[j].id;
+        if !self.connected(i, j) {
+            let answer = Err("unreachable".to_string());
+            self.at(
+                1_000,
+                Ev::Deliver(i, Box::new(Input::ParamsReply { peer, answer })),
+            );
             return;
         }
         let scale = if self.nodes[j].hostile { 10.0 } else { 1.0 };
@@ -552,8 +623,11 @@ impl Sim {
             layout: self.layout.hash(),
             values: ByteBuf::from(bytes),
         });
-        let d = self.delay(i, j) + self.delay(j, i);
-        self.at(d, Ev::Deliver(i, Input::ParamsReply { peer, answer }));
+        let d = self.delay(j, i);
+        self.at(
+            d,
+            Ev::Deliver(i, Box::new(Input::ParamsReply { peer, answer })),
+        );
     }
 
     /// The node's trainer, as `trainer.rs` does it.
@@ -561,13 +635,12 @@ impl Sim {
         let n = &mut self.nodes[i];
         match cmd {
             TrainerCommand::TakeDelta => {
-                let delta: Vec<f32> = n
-                    .x
-                    .iter()
-                    .zip(&n.anchor)
-                    .zip(&n.foreign)
-                    .map(|((x, a), f)| x - a - f)
-                    .collect();
+                let delta: Vec<f32> =
+                    n.x.iter()
+                        .zip(&n.anchor)
+                        .zip(&n.foreign)
+                        .map(|((x, a), f)| x - a - f)
+                        .collect();
                 n.anchor.clone_from(&n.x);
                 n.foreign.iter_mut().for_each(|f| *f = 0.0);
                 let base_step = n.last_delta_step;

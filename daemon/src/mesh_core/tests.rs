@@ -91,7 +91,10 @@ fn sixty_four_nodes_with_churn_a_partition_and_hostile_peers_stay_together() {
 fn the_staleness_bound_holds_in_a_sixty_four_node_mesh_with_slow_boxes() {
     let r = run(params(11, policy(50, Some(20))));
     assert_eq!(r.ssp_violations, 0, "{r:?}");
-    assert!(r.held_steps > 0, "the fast boxes waited for the slow ones: {r:?}");
+    assert!(
+        r.held_steps > 0,
+        "the fast boxes waited for the slow ones: {r:?}"
+    );
     assert_eq!(r.honest_blamed, 0, "{r:?}");
 }
 
@@ -174,7 +177,11 @@ fn arbitrary_inputs_never_panic_and_memory_stays_bounded() {
         for k in 0..3_000u64 {
             t += rng.random_range(-500..2_000);
             let now = base + Duration::from_millis(t.max(0) as u64);
-            let now = if t < 0 { base - Duration::from_millis((-t) as u64) } else { now };
+            let now = if t < 0 {
+                base - Duration::from_millis((-t) as u64)
+            } else {
+                now
+            };
             let peer = pool[rng.random_range(0..pool.len())];
             let topic = match rng.random_range(0..4) {
                 0 => heartbeat_topic("00aa"),

@@ -238,7 +238,10 @@ impl MeshCore {
                                 *w = weight;
                             } else {
                                 let k = weight / *w;
-                                queued.iter_mut().zip(&values).for_each(|(a, b)| *a += k * b);
+                                queued
+                                    .iter_mut()
+                                    .zip(&values)
+                                    .for_each(|(a, b)| *a += k * b);
                             }
                         }
                         _ => self.pending_apply.push_back((values.clone(), weight)),

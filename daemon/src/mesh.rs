@@ -123,12 +123,7 @@ impl MeshActor {
                     },
                     None => break,
                 },
-                Some(ev) = self.trainer_rx.recv() => {
-                    if matches!(ev, TrainerEvent::Stepped { .. }) {
-                        self.limit.report_taken();
-                    }
-                    Input::Trainer(ev)
-                }
+                Some(ev) = self.trainer_rx.recv() => Input::Trainer(ev),
                 Some(input) = self.results_rx.recv() => input,
                 Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => continue,
                 _ = tick.tick() => {

@@ -344,8 +344,7 @@ pub struct MeshCore {
     compressor: ErrorFeedback,
     large: VecDeque<([u8; 32], Arc<Vec<u8>>)>,
     pending_apply: VecDeque<(Vec<f32>, f32)>,
-    /// The policy's step when it asked the trainer for a delta, until the delta arrives.
-    delta_asked: Option<u64>,
+    delta_asked: bool,
     sync: Option<SyncInFlight>,
     sync_seq: u64,
     /// A declined sync reported to the policy only after [`SYNC_RETRY_PAUSE`].
@@ -394,7 +393,7 @@ impl MeshCore {
             compressor: ErrorFeedback::new(numel, cfg.mesh.error_feedback),
             large: VecDeque::new(),
             pending_apply: VecDeque::new(),
-            delta_asked: None,
+            delta_asked: false,
             sync: None,
             sync_seq: 0,
             sync_finish_at: None,
@@ -546,10 +545,8 @@ impl MeshCore {
                 step,
                 delta,
             } => {
-                // The policy counts the next publish from when it asked, not from when the
-                // trainer answered, so the round trip does not stretch the cadence.
-                let asked = self.delta_asked.take().unwrap_or(step).min(step);
-                self.feed(PolicyEvent::Published { step: asked }, now, out);
+                self.delta_asked = false;
+                self.feed(PolicyEvent::Published { step }, now, out);
                 self.publish_update(base_step, step, &delta, out);
             }
             TrainerEvent::Averaged { seq, outcome } => self.on_averaged(seq, outcome, now, out),
@@ -560,7 +557,7 @@ impl MeshCore {
     fn on_trainer_busy(&mut self, cmd: TrainerCommand, now: Instant, out: &mut Vec<Output>) {
         match cmd {
             // Asked again at the next step the policy finds a publish due.
-            TrainerCommand::TakeDelta => self.delta_asked = None,
+            TrainerCommand::TakeDelta => self.delta_asked = false,
             TrainerCommand::Apply { values, weight } => {
                 self.pending_apply.push_front((values, weight));
             }
@@ -579,7 +576,7 @@ impl MeshCore {
         self.compressor.reset();
         self.status.residual_norm = 0.0;
         self.pending_apply.clear();
-        self.delta_asked = None;
+        self.delta_asked = false;
         self.progress.step = step;
         let mut policy = SyncPolicy::new(self.cfg.policy.clone(), step);
         for peer in &self.neighbours {
@@ -602,8 +599,8 @@ impl MeshCore {
     fn act(&mut self, action: Action<PeerId>, now: Instant, out: &mut Vec<Output>) {
         match action {
             Action::Publish => {
-                if self.delta_asked.is_none() {
-                    self.delta_asked = Some(self.policy.step());
+                if !self.delta_asked {
+                    self.delta_asked = true;
                     out.push(Output::Trainer(TrainerCommand::TakeDelta));
                 }
             }

@@ -19,7 +19,7 @@
 mod state;
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -87,23 +87,11 @@ pub enum TrainerError {
     },
 }
 
-/// What the trainer thread and the mesh actor share without a channel: the highest step the
-/// mesh lets the trainer reach (SSP's staleness bound), which the trainer reads before every
-/// step, and whether a step report is still on its way to the mesh. The trainer sends a new
-/// [`TrainerEvent::Stepped`] only once the mesh took the last one, so a busy mesh gets one
-/// report with the newest step instead of one per step (the policy's rules compare steps with
-/// `>=`, so none is missed).
-#[derive(Debug, Clone)]
-pub struct StepLimit {
-    limit: Arc<AtomicU64>,
-    report_pending: Arc<AtomicBool>,
-}
-
-impl Default for StepLimit {
-    fn default() -> Self {
-        StepLimit::new()
-    }
-}
+/// The highest step the mesh lets the trainer reach (SSP's staleness bound), shared without
+/// a lock: the mesh writes it, the trainer reads it before every step. [`StepLimit::NONE`]
+/// when nothing holds the trainer back.
+#[derive(Debug, Clone, Default)]
+pub struct StepLimit(Arc<AtomicU64>);
 
 impl StepLimit {
     /// No limit.
@@ -111,36 +99,17 @@ impl StepLimit {
 
     /// A limit that holds nothing back.
     pub fn new() -> StepLimit {
-        StepLimit {
-            limit: Arc::new(AtomicU64::new(Self::NONE)),
-            report_pending: Arc::new(AtomicBool::new(false)),
-        }
+        StepLimit(Arc::new(AtomicU64::new(Self::NONE)))
     }
 
     /// Sets the limit (`None`: no limit).
     pub fn set(&self, limit: Option<u64>) {
-        self.limit
-            .store(limit.unwrap_or(Self::NONE), Ordering::Relaxed);
+        self.0.store(limit.unwrap_or(Self::NONE), Ordering::Relaxed);
     }
 
     /// Whether a step from `step` is allowed now.
     pub fn allows(&self, step: u64) -> bool {
-        step < self.limit.load(Ordering::Relaxed)
-    }
-
-    /// The trainer may send a step report: none is outstanding (it is marked sent).
-    fn claim_report(&self) -> bool {
-        !self.report_pending.swap(true, Ordering::AcqRel)
-    }
-
-    /// The trainer could not send the report it claimed.
-    fn unclaim_report(&self) {
-        self.report_pending.store(false, Ordering::Release);
-    }
-
-    /// The mesh took a step report: the next step may send another.
-    pub fn report_taken(&self) {
-        self.report_pending.store(false, Ordering::Release);
+        step < self.0.load(Ordering::Relaxed)
     }
 }
 
@@ -708,17 +677,14 @@ impl Loop {
             if self.s.eval_every > 0 && self.counters.step.is_multiple_of(self.s.eval_every) {
                 self.evaluate()?;
             }
-            // A step report is the one event that may be skipped (the next one carries a
-            // newer step): one at a time, leaving room for those that may not.
-            if self.events_tx.capacity() > EVENT_RESERVED && self.limit.claim_report() {
+            // A step report is the one event that may be dropped (the next one carries a
+            // newer step); it leaves room for those that may not.
+            if self.events_tx.capacity() > EVENT_RESERVED {
                 let pending_ratio = self.pending_ratio()?;
-                let sent = self.events_tx.try_send(TrainerEvent::Stepped {
+                self.tell(TrainerEvent::Stepped {
                     step: self.counters.step,
                     pending_ratio,
                 });
-                if sent.is_err() {
-                    self.limit.unclaim_report();
-                }
             }
             if !self.s.step_delay.is_zero() {
                 std::thread::sleep(self.s.step_delay);

@@ -1,0 +1,373 @@
+//! The sections of the configuration file that serde reads directly (`[train]`,
+//! `[checkpoint]`, `[api]`, `[network]`, `[sync]`, `[debug]`): their fields, the one place
+//! their defaults are written, and how their typed values (device, codec, shard, multiaddrs,
+//! peer ids) are parsed while the file is read.
+
+use super::*;
+
+/// The train section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Samples per step.
+    pub batch_size: usize,
+    /// Seed of the initial weights: identical on every node of a run.
+    pub init_seed: u64,
+    /// Seed of this node's data order; absent, it is derived from the node's peer id.
+    pub node_seed: Option<u64>,
+    /// `(k, n)`: train only on shard `k` of `n` of the training set (every n-th sample from
+    /// k), for boxes that each own part of the data. Absent: the whole set. A local setting,
+    /// not part of the run id. Written `"k/n"` in the file.
+    #[serde(deserialize_with = "de_shard")]
+    pub shard: Option<(usize, usize)>,
+    /// Steps between evaluations on the held-out set (0: never).
+    pub eval_every: u64,
+    /// Stop after this many steps (0: train until stopped).
+    pub max_steps: u64,
+    /// Compute threads Candle may use.
+    pub threads: usize,
+    /// The compute device, parsed from `cpu`, `cuda` or `cuda:N`.
+    #[serde(deserialize_with = "de_device")]
+    pub device: DeviceSpec,
+}
+
+impl Default for TrainConfig {
+    fn default() -> TrainConfig {
+        TrainConfig {
+            batch_size: 32,
+            init_seed: 42,
+            node_seed: None,
+            shard: None,
+            eval_every: 500,
+            max_steps: 0,
+            threads: 1,
+            device: DeviceSpec::Cpu,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// What serde cannot check: values out of range.
+    pub(super) fn check(&self) -> Result<(), String> {
+        if self.batch_size == 0 {
+            return Err("train.batch_size must be at least 1".into());
+        }
+        if self.threads == 0 {
+            return Err("train.threads must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// The checkpoint section.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Write a checkpoint every this many steps (0: not by steps).
+    pub every_steps: u64,
+    /// ... or when this many seconds have passed since the last one (0: not by time).
+    pub every_secs: u64,
+    /// How many checkpoints to keep on disk (the oldest go first).
+    pub keep: usize,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> CheckpointConfig {
+        CheckpointConfig {
+            every_steps: 5000,
+            every_secs: 60,
+            keep: 5,
+        }
+    }
+}
+
+/// Default control API address: loopback, so the API needs no token by default.
+pub const DEFAULT_API: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7070));
+
+/// Default data directory of `p2ptrain join`, relative to the working directory.
+pub const DEFAULT_DATA_DIR: &str = "p2ptrain-data";
+
+/// Default libp2p port: a stable one, for firewall rules.
+pub const DEFAULT_LISTEN_PORT: u16 = 4001;
+
+/// The api section: where the control API listens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApiConfig {
+    /// The address (`--api` wins); default [`DEFAULT_API`].
+    pub listen: SocketAddr,
+}
+
+impl Default for ApiConfig {
+    fn default() -> ApiConfig {
+        ApiConfig {
+            listen: DEFAULT_API,
+        }
+    }
+}
+
+/// The network section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// Addresses to listen on (default `/ip4/0.0.0.0/tcp/4001`).
+    #[serde(deserialize_with = "de_listen")]
+    pub listen: Vec<Multiaddr>,
+    /// Members to join through.
+    #[serde(deserialize_with = "de_bootstrap")]
+    pub bootstrap: Vec<Multiaddr>,
+    /// Find peers on the local network with mDNS (off by default).
+    pub mdns: bool,
+    /// The private network's key file (`p2ptrain keygen --psk`): only nodes with the same key
+    /// can connect. Relative paths are taken from the working directory.
+    pub psk: Option<PathBuf>,
+    /// If given, the only peers allowed to connect.
+    #[serde(deserialize_with = "de_allow")]
+    pub allow: Option<Vec<PeerId>>,
+    /// Relay for members behind NATs once AutoNAT finds this node reachable (on by default;
+    /// libp2p's default limits of 128 KiB and two minutes per circuit keep bulk traffic off).
+    pub relay_server: bool,
+    /// Ask the router for a port mapping with UPnP (off by default: it talks to the real
+    /// router of the machine's network).
+    pub upnp: bool,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> NetworkConfig {
+        NetworkConfig {
+            listen: vec![Multiaddr::empty()
+                .with(Protocol::Ip4(Ipv4Addr::UNSPECIFIED))
+                .with(Protocol::Tcp(DEFAULT_LISTEN_PORT))],
+            bootstrap: Vec::new(),
+            mdns: false,
+            psk: None,
+            allow: None,
+            relay_server: true,
+            upnp: false,
+        }
+    }
+}
+
+/// The sync section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SyncConfig {
+    /// Neighbours each node keeps.
+    pub degree: usize,
+    /// Steps between published updates (0: never).
+    pub publish_every: u64,
+    /// Steps between neighbour syncs (0: never).
+    pub full_sync_every: u64,
+    /// Updates up to this size travel inline in gossip.
+    pub inline_max_bytes: usize,
+    /// Reject a neighbour's update whose norm exceeds this times our parameters' norm.
+    pub max_update_ratio: f64,
+    /// Fixed weight of a neighbour's update (default: the policy's `1 / (neighbours + 1)`
+    /// times its staleness discount).
+    pub update_weight: Option<f64>,
+    /// How own updates are encoded.
+    #[serde(serialize_with = "codec_name", deserialize_with = "de_codec")]
+    pub codec: Codec,
+    /// Fraction of values top-k keeps.
+    pub density: f64,
+    /// Keep what a lossy codec did not send and add it to the next update.
+    pub error_feedback: bool,
+    /// SSP: run at most this many steps ahead of the slowest neighbour (`None`: no bound).
+    pub staleness_bound: Option<u64>,
+    /// Staleness scale: an update `t` of its sender's steps behind the sender's latest known
+    /// progress is weighted by `1 / (1 + t / stale_after)` (0: no discount).
+    pub stale_after: u64,
+    /// Publish before `publish_every` steps once the pending update's norm exceeds this
+    /// fraction of the parameters' norm (0: off).
+    pub publish_early_ratio: f64,
+    /// Reject a neighbour's update whose norm exceeds this times the median of recently
+    /// accepted ones (0: off).
+    pub outlier_factor: f64,
+    /// Sustained updates per second accepted from one neighbour, with a burst of twice that;
+    /// beyond it updates are dropped unread (0: no limit).
+    pub max_updates_per_sec: f64,
+    /// Clamp every value of a neighbour's update to `[-clip_value, clip_value]` (0: off).
+    pub clip_value: f32,
+    /// Cap on the relative distance `|mine - theirs| / |mine|` of a full-sync reply that is
+    /// averaged; below it the bound follows recent accepted syncs (see
+    /// [`crate::sync_guard`]). In (0, 1): a reply scaled by 2, or zeros, is at 1.
+    pub max_sync_distance: f64,
+}
+
+impl Default for SyncConfig {
+    fn default() -> SyncConfig {
+        SyncConfig {
+            degree: 4,
+            publish_every: 20,
+            full_sync_every: 500,
+            inline_max_bytes: 1024 * 1024,
+            max_update_ratio: 1.0,
+            update_weight: None,
+            codec: Codec::Dense,
+            density: 0.01,
+            error_feedback: true,
+            staleness_bound: None,
+            stale_after: 100,
+            publish_early_ratio: 0.0,
+            outlier_factor: 10.0,
+            max_updates_per_sec: 200.0,
+            clip_value: 0.0,
+            max_sync_distance: crate::sync_guard::DEFAULT_MAX_SYNC_DISTANCE,
+        }
+    }
+}
+
+fn codec_name<S: serde::Serializer>(c: &Codec, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(c.name())
+}
+
+// Each typed value is parsed by serde, with an error that names its key (toml adds the line).
+fn de_codec<'de, D: Deserializer<'de>>(d: D) -> Result<Codec, D::Error> {
+    let text = String::deserialize(d)?;
+    text.parse()
+        .map_err(|e| de::Error::custom(format!("sync.codec: {e}")))
+}
+
+fn de_device<'de, D: Deserializer<'de>>(d: D) -> Result<DeviceSpec, D::Error> {
+    let text = String::deserialize(d)?;
+    text.parse()
+        .map_err(|e| de::Error::custom(format!("train.device: {e}")))
+}
+
+fn de_shard<'de, D: Deserializer<'de>>(d: D) -> Result<Option<(usize, usize)>, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_shard(&text).map(Some).map_err(de::Error::custom)
+}
+
+fn de_listen<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Multiaddr>, D::Error> {
+    parse_all("network.listen", Vec::<String>::deserialize(d)?).map_err(de::Error::custom)
+}
+
+fn de_bootstrap<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Multiaddr>, D::Error> {
+    parse_all("network.bootstrap", Vec::<String>::deserialize(d)?).map_err(de::Error::custom)
+}
+
+fn de_allow<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<PeerId>>, D::Error> {
+    parse_all("network.allow", Vec::<String>::deserialize(d)?)
+        .map(Some)
+        .map_err(de::Error::custom)
+}
+
+/// Parses every item, naming the key (or flag) and the item that fails.
+pub(super) fn parse_all<T>(key: &str, items: Vec<String>) -> Result<Vec<T>, String>
+where
+    T: FromStr + Describe,
+    T::Err: std::fmt::Display,
+{
+    items
+        .iter()
+        .map(|text| {
+            text.parse::<T>()
+                .map_err(|e| format!("{key}: {text:?} is not {} ({e})", T::WHAT))
+        })
+        .collect()
+}
+
+/// What a parsed value is called in messages.
+pub(super) trait Describe {
+    const WHAT: &'static str;
+}
+
+impl Describe for Multiaddr {
+    const WHAT: &'static str = "a multiaddr";
+}
+
+impl Describe for PeerId {
+    const WHAT: &'static str = "a peer id";
+}
+
+impl SyncConfig {
+    /// The policy settings these give.
+    pub fn policy(&self) -> crate::policy::PolicyConfig {
+        crate::policy::PolicyConfig {
+            publish_every: self.publish_every,
+            publish_early_ratio: self.publish_early_ratio,
+            full_sync_every: self.full_sync_every,
+            staleness_bound: self.staleness_bound,
+            stale_after: self.stale_after,
+            ..crate::policy::PolicyConfig::default()
+        }
+    }
+
+    /// The update guard's settings these give.
+    pub fn guard(&self) -> crate::guard::GuardConfig {
+        crate::guard::GuardConfig {
+            outlier_factor: self.outlier_factor,
+            max_updates_per_sec: self.max_updates_per_sec,
+            burst: 2.0 * self.max_updates_per_sec,
+            clip_value: self.clip_value,
+        }
+    }
+
+    /// What serde cannot check: values out of range.
+    pub(super) fn check(&self) -> Result<(), String> {
+        // At 1 or beyond, a neighbour could replace the model with zeros, random values or
+        // its own copy scaled by 2 and still be averaged in.
+        if !(self.max_sync_distance > 0.0 && self.max_sync_distance < 1.0) {
+            return Err(format!(
+                "sync.max_sync_distance = {} must be a number in (0, 1): a reply of zeros or scaled by 2 is at 1",
+                self.max_sync_distance
+            ));
+        }
+        if !(self.clip_value >= 0.0 && self.clip_value.is_finite()) {
+            return Err("sync.clip_value must be 0 (off) or a positive number".into());
+        }
+        for (key, v) in [
+            ("sync.outlier_factor", self.outlier_factor),
+            ("sync.max_updates_per_sec", self.max_updates_per_sec),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(format!("{key} must be 0 (off) or a positive number"));
+            }
+        }
+        if self.outlier_factor > 0.0 && self.outlier_factor < 2.0 {
+            return Err(
+                "sync.outlier_factor below 2 would reject honest updates (0 turns it off)".into(),
+            );
+        }
+        if !(self.density > 0.0 && self.density <= 1.0) {
+            return Err(format!("sync.density = {} must be in (0, 1]", self.density));
+        }
+        if self.staleness_bound == Some(0) {
+            return Err(
+                "sync.staleness_bound must be at least 1 (0 would make neighbours wait for each other forever)".into(),
+            );
+        }
+        if !(self.publish_early_ratio >= 0.0 && self.publish_early_ratio.is_finite()) {
+            return Err("sync.publish_early_ratio must be 0 or a positive number".into());
+        }
+        if let Some(w) = self.update_weight {
+            if !(w > 0.0 && w <= 1.0) {
+                return Err(format!("sync.update_weight = {w} must be in (0, 1]"));
+            }
+        }
+        if self.degree == 0 {
+            return Err("sync.degree must be at least 1".into());
+        }
+        if self.inline_max_bytes > crate::network::MAX_TRANSMIT_SIZE - 4096 {
+            return Err(format!(
+                "sync.inline_max_bytes must stay below the gossip limit ({} bytes) minus framing",
+                crate::network::MAX_TRANSMIT_SIZE
+            ));
+        }
+        if !(self.max_update_ratio > 0.0 && self.max_update_ratio.is_finite()) {
+            return Err("sync.max_update_ratio must be a positive number".into());
+        }
+        Ok(())
+    }
+}
+
+/// Debug knobs (for tests and experiments); all off by default.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DebugConfig {
+    /// Delay before serving each state chunk, to make transfers slow on purpose.
+    pub serve_chunk_delay_ms: u64,
+    /// Sleep after every training step: a throttle for tests (pacing, stragglers).
+    pub step_delay_ms: u64,
+}

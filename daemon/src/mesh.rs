@@ -23,7 +23,9 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::checkpoint;
-use crate::mesh_core::{FetchAnswer, Input, MeshCore, Output, Progress, TrainerEvent};
+use crate::mesh_core::{
+    FetchAnswer, Input, MeshCore, Output, Progress, RequestFailed, TrainerEvent,
+};
 use crate::network::{Client, Event};
 use crate::trainer::{self, Command, Stats, StepLimit};
 use crate::transfer::{self, Frozen};
@@ -275,14 +277,14 @@ impl MeshActor {
                     let _ = results
                         .send(Input::ParamsReply {
                             peer,
-                            answer: answer.map_err(|e| e.to_string()),
+                            answer: answer.map_err(|e| RequestFailed::Network(e.to_string())),
                         })
                         .await;
                 });
                 if started.is_err() {
                     return Some(Input::ParamsReply {
                         peer,
-                        answer: Err("too many requests under way".into()),
+                        answer: Err(RequestFailed::TooManyUnderWay),
                     });
                 }
             }

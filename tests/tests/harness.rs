@@ -191,12 +191,25 @@ impl Node {
         cli_in(self.netns.as_deref(), &all, timeout)
     }
 
-    /// Resident memory of the process in KiB (Linux `/proc`).
+    /// Resident memory of the process in KiB (Linux `/proc`), all of it (`VmRSS`).
     pub fn rss_kib(&self) -> Option<u64> {
+        self.proc_status_kib("VmRSS")
+    }
+
+    /// The process's own resident memory in KiB (`RssAnon`: heap and stacks), without the
+    /// pages of its mapped binary. Those are a third of a node's `VmRSS`, and the kernel pages
+    /// the cold ones out and back in as code paths come and go (this box runs DAMON's
+    /// proactive reclaim), so only this part shows whether the node itself holds more.
+    pub fn anon_kib(&self) -> Option<u64> {
+        self.proc_status_kib("RssAnon")
+    }
+
+    /// One `kB` field of the process's `/proc/PID/status`.
+    fn proc_status_kib(&self, field: &str) -> Option<u64> {
         let pid = self.child.as_ref()?.id();
         let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         text.lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
     }
 

@@ -18,8 +18,8 @@ use rand::{Rng, SeedableRng};
 use serde_bytes::ByteBuf;
 
 use super::{
-    AverageOutcome, CoreConfig, Input, MeshConfig, MeshCore, Output, Progress, TrainerCommand,
-    TrainerEvent,
+    AverageOutcome, CoreConfig, Input, MeshConfig, MeshCore, Output, Progress, RequestFailed,
+    TrainerCommand, TrainerEvent,
 };
 use crate::guard::GuardConfig;
 use crate::policy::PolicyConfig;
@@ -587,7 +587,7 @@ impl Sim {
             return;
         };
         if !self.connected(i, j) {
-            let answer = Err("unreachable".to_string());
+            let answer = Err(RequestFailed::Network("unreachable".into()));
             self.at(
                 1_000,
                 Ev::Deliver(i, Box::new(Input::ParamsReply { peer, answer })),
@@ -603,7 +603,7 @@ impl Sim {
     fn serve_sync(&mut self, i: usize, j: usize) {
         let peer = self.nodes[j].id;
         if !self.connected(i, j) {
-            let answer = Err("unreachable".to_string());
+            let answer = Err(RequestFailed::Network("unreachable".into()));
             self.at(
                 1_000,
                 Ev::Deliver(i, Box::new(Input::ParamsReply { peer, answer })),

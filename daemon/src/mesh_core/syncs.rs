@@ -10,8 +10,8 @@ use p2ptrain_models::codec::{self, Codec, UpdateHeader};
 use p2ptrain_models::params::Layout;
 
 use super::{
-    count_for, AverageOutcome, MeshCore, Output, SyncInFlight, SyncInfo, SyncRefusalInfo,
-    TrainerCommand, SYNC_RETRY_PAUSE,
+    count_for, AverageOutcome, MeshCore, Output, RequestFailed, SyncInFlight, SyncInfo,
+    SyncRefusalInfo, TrainerCommand, SYNC_RETRY_PAUSE,
 };
 use crate::policy::PolicyEvent;
 use crate::sync_guard::SyncRefusal;
@@ -89,7 +89,7 @@ impl MeshCore {
     pub(super) fn on_params_reply(
         &mut self,
         peer: PeerId,
-        answer: Result<BulkResponse, String>,
+        answer: Result<BulkResponse, RequestFailed>,
         now: Instant,
         out: &mut Vec<Output>,
     ) {
@@ -98,7 +98,7 @@ impl MeshCore {
             return;
         };
         let values = match answer {
-            Err(e) => return self.end_sync(peer, SyncEnd::Failed(e), now, out),
+            Err(e) => return self.end_sync(peer, SyncEnd::Failed(e.to_string()), now, out),
             // An honest neighbour declines while it has no state or is stopping.
             Ok(BulkResponse::Refused(why)) => {
                 return self.end_sync(peer, SyncEnd::Declined(why), now, out)

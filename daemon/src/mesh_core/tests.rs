@@ -14,6 +14,7 @@ use super::sim::{Sim, SimParams, SimReport};
 use super::*;
 use crate::guard::GuardConfig;
 use crate::policy::PolicyConfig;
+use crate::wire::BulkResponse;
 
 fn policy(full_sync_every: u64, staleness_bound: Option<u64>) -> PolicyConfig {
     PolicyConfig {
@@ -215,7 +216,7 @@ fn arbitrary_inputs_never_panic_and_memory_stays_bounded() {
                             values: ByteBuf::from(random_bytes(&mut rng)),
                         })
                     } else {
-                        Err("gone".into())
+                        Err(RequestFailed::Network("gone".into()))
                     },
                 },
                 6 => Input::Progress(Progress {

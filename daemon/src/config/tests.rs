@@ -1,0 +1,215 @@
+//! Unit tests of loading, checking and overriding the configuration.
+
+use super::*;
+
+#[test]
+fn default_config_is_valid() {
+    let c = Config::load(None).expect("default");
+    assert_eq!(
+        c.model,
+        ModelConfig::Mlp {
+            widths: vec![64, 128, 10]
+        }
+    );
+    assert_eq!(c.run_id().len(), 16);
+}
+
+#[test]
+fn relaying_is_on_and_upnp_off_unless_the_config_says_otherwise() {
+    let c = Config::load(None).expect("default");
+    assert!(c.network.relay_server);
+    assert!(!c.network.upnp);
+    let text = format!("{DEFAULT_CONFIG_TOML}\n[network]\nrelay_server = false\nupnp = true\n");
+    let c = Config::parse(&text, "x.toml", None).expect("parse");
+    assert!(!c.network.relay_server);
+    assert!(c.network.upnp);
+    let bad = format!("{DEFAULT_CONFIG_TOML}\n[network]\nupnp = \"yes\"\n");
+    let e = Config::parse(&bad, "x.toml", None)
+        .expect_err("must fail")
+        .to_string();
+    assert!(e.contains("line") && e.contains("boolean"), "{e}");
+}
+
+#[test]
+fn unknown_key_names_key_and_line() {
+    let text = DEFAULT_CONFIG_TOML.replace("[train]", "[train]\nbatchsize = 3");
+    let e = Config::parse(&text, "x.toml", None)
+        .expect_err("must fail")
+        .to_string();
+    assert!(e.starts_with("x.toml: line"), "{e}");
+    assert!(e.contains("batchsize"), "{e}");
+    assert!(!e.contains('\n'));
+}
+
+#[test]
+fn run_id_covers_model_and_seed_but_not_local_settings() {
+    let base = Config::load(None).expect("default");
+    let other_seed = Config::parse(
+        &DEFAULT_CONFIG_TOML.replace("init_seed = 42", "init_seed = 43"),
+        "x",
+        None,
+    )
+    .expect("c");
+    let other_threads = Config::parse(
+        &DEFAULT_CONFIG_TOML.replace("threads = 1", "threads = 2"),
+        "x",
+        None,
+    )
+    .expect("c");
+    assert_ne!(base.run_id(), other_seed.run_id());
+    assert_eq!(base.run_id(), other_threads.run_id());
+}
+
+#[test]
+fn widths_must_fit_data() {
+    let c = Config::parse(
+        &DEFAULT_CONFIG_TOML.replace("[64, 128, 10]", "[784, 128, 10]"),
+        "x",
+        None,
+    )
+    .expect("c");
+    let split = c.load_data().expect("data");
+    let e = c.model_spec(&split).expect_err("must fail").to_string();
+    assert!(
+        e.contains("model.widths") && e.contains("64 features"),
+        "{e}"
+    );
+}
+
+#[test]
+fn shard_is_parsed_checked_and_local() {
+    let with = |v: &str| {
+        Config::parse(
+            &DEFAULT_CONFIG_TOML.replace("threads = 1", &format!("threads = 1\nshard = \"{v}\"")),
+            "x",
+            None,
+        )
+    };
+    let c = with("1/3").expect("valid");
+    assert_eq!(c.train.shard, Some((1, 3)));
+    assert_eq!(c.run_id(), Config::load(None).expect("default").run_id());
+    for bad in ["3/3", "1/0", "x/2", "2", "-1/2"] {
+        let e = with(bad).expect_err(bad).to_string();
+        assert!(e.contains("train.shard"), "{bad}: {e}");
+    }
+}
+
+#[test]
+fn max_sync_distance_defaults_and_must_lie_between_0_and_1() {
+    let with = |v: &str| {
+        Config::parse(
+            &format!("{DEFAULT_CONFIG_TOML}\n[sync]\nmax_sync_distance = {v}\n"),
+            "x",
+            None,
+        )
+    };
+    let c = Config::load(None).expect("default");
+    assert_eq!(
+        c.sync.max_sync_distance,
+        crate::sync_guard::DEFAULT_MAX_SYNC_DISTANCE
+    );
+    assert_eq!(with("0.3").expect("valid").sync.max_sync_distance, 0.3);
+    for bad in ["0", "-0.5", "1", "1.5", "nan", "inf"] {
+        let e = with(bad).expect_err(bad).to_string();
+        assert!(e.contains("sync.max_sync_distance"), "{bad}: {e}");
+    }
+}
+
+#[test]
+fn defaults_come_from_the_section_defaults() {
+    let c = Config::load(None).expect("default");
+    assert_eq!(c.api, ApiConfig::default());
+    assert_eq!(c.api.listen.to_string(), "127.0.0.1:7070");
+    assert_eq!(c.network, NetworkConfig::default());
+    assert_eq!(c.network.listen[0].to_string(), "/ip4/0.0.0.0/tcp/4001");
+    assert_eq!(c.sync, SyncConfig::default());
+    assert_eq!(c.debug, DebugConfig::default());
+    assert_eq!(c.train.device, DeviceSpec::Cpu);
+}
+
+#[test]
+fn typed_values_are_parsed_at_load_and_errors_name_the_key() {
+    let with =
+        |section: &str| Config::parse(&format!("{DEFAULT_CONFIG_TOML}\n{section}\n"), "x", None);
+    let c = with("[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/4001\"]").expect("valid");
+    assert_eq!(c.network.bootstrap[0].to_string(), "/ip4/10.0.0.1/tcp/4001");
+    for (bad, key) in [
+        ("[network]\nlisten = [\"nope\"]", "network.listen"),
+        ("[network]\nbootstrap = [\"nope\"]", "network.bootstrap"),
+        ("[network]\nallow = [\"nope\"]", "network.allow"),
+        ("[sync]\ncodec = \"nope\"", "sync.codec"),
+    ] {
+        let e = with(bad).expect_err(bad).to_string();
+        assert!(e.contains(key) && e.contains("line"), "{bad}: {e}");
+    }
+    let e = Config::parse(
+        &DEFAULT_CONFIG_TOML.replace("device = \"cpu\"", "device = \"tpu\""),
+        "x",
+        None,
+    )
+    .expect_err("tpu")
+    .to_string();
+    assert!(e.contains("train.device") && e.contains("tpu"), "{e}");
+}
+
+#[test]
+fn overrides_replace_or_extend_as_documented() {
+    let text = format!(
+        "{DEFAULT_CONFIG_TOML}\n[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/1\"]\nlisten = [\"/ip4/0.0.0.0/tcp/5\"]\n"
+    );
+    let mut c = Config::parse(&text, "x", None).expect("valid");
+    c.apply(&Overrides {
+        device: Some("cuda".into()),
+        threads: Some(3),
+        max_steps: Some(7),
+        api: Some("127.0.0.1:0".parse().expect("addr")),
+        listen: vec!["/ip4/127.0.0.1/tcp/0".into()],
+        bootstrap: vec!["/ip4/10.0.0.2/tcp/2".into()],
+        mdns: true,
+        psk: Some("k".into()),
+    })
+    .expect("apply");
+    assert_eq!(c.train.device, DeviceSpec::Cuda(0));
+    assert_eq!((c.train.threads, c.train.max_steps), (3, 7));
+    assert_eq!(c.api.listen.port(), 0);
+    let addrs = |v: &[Multiaddr]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    assert_eq!(addrs(&c.network.listen), ["/ip4/127.0.0.1/tcp/0"]);
+    assert_eq!(
+        addrs(&c.network.bootstrap),
+        ["/ip4/10.0.0.1/tcp/1", "/ip4/10.0.0.2/tcp/2"]
+    );
+    assert!(c.network.mdns);
+    assert_eq!(c.network.psk.as_deref(), Some(Path::new("k")));
+
+    // No flags: nothing changes.
+    let before = c.clone();
+    c.apply(&Overrides::default()).expect("apply");
+    assert_eq!(c, before);
+
+    for (o, needle) in [
+        (
+            Overrides {
+                device: Some("tpu".into()),
+                ..Overrides::default()
+            },
+            "--device: unknown device \"tpu\"",
+        ),
+        (
+            Overrides {
+                threads: Some(0),
+                ..Overrides::default()
+            },
+            "--threads",
+        ),
+        (
+            Overrides {
+                bootstrap: vec!["nope".into()],
+                ..Overrides::default()
+            },
+            "--bootstrap: \"nope\" is not a multiaddr",
+        ),
+    ] {
+        let e = c.apply(&o).expect_err(needle).to_string();
+        assert!(e.contains(needle), "{e}");
+    }
+}

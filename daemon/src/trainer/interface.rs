@@ -1,0 +1,221 @@
+//! What the rest of the daemon sees of the trainer: the commands it takes, the progress it
+//! publishes, what it needs to start, how it ends, and the step limit the mesh sets. The loop
+//! that answers them is in the parent module.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::Device;
+use p2ptrain_models::data::Split;
+use p2ptrain_models::{Model, Optimizer};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::checkpoint::Snapshot;
+use crate::mesh_core::{TrainerCommand, TrainerEvent};
+use crate::store::Loaded;
+
+/// Why the trainer failed or refused a restore.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    /// A model, data or optimizer operation failed.
+    #[error(transparent)]
+    Model(#[from] p2ptrain_models::Error),
+    /// A tensor operation failed outside the models crate.
+    #[error("tensor operation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// A checkpoint of another run or layout, or with non-finite values: nothing was changed.
+    #[error("{0}")]
+    Refused(String),
+    /// The loss became NaN or infinite.
+    #[error(
+        "training diverged at step {step} (loss {loss}); the last checkpoint is kept untouched"
+    )]
+    Diverged {
+        /// The step at which it happened.
+        step: u64,
+        /// The loss.
+        loss: f32,
+    },
+}
+
+/// The highest step the mesh lets the trainer reach (SSP's staleness bound), shared without
+/// a lock: the mesh writes it, the trainer reads it before every step. [`StepLimit::NONE`]
+/// when nothing holds the trainer back.
+#[derive(Debug, Clone, Default)]
+pub struct StepLimit(Arc<AtomicU64>);
+
+impl StepLimit {
+    /// No limit.
+    pub const NONE: u64 = u64::MAX;
+
+    /// A limit that holds nothing back.
+    pub fn new() -> StepLimit {
+        StepLimit(Arc::new(AtomicU64::new(Self::NONE)))
+    }
+
+    /// Sets the limit (`None`: no limit).
+    pub fn set(&self, limit: Option<u64>) {
+        self.0.store(limit.unwrap_or(Self::NONE), Ordering::Relaxed);
+    }
+
+    /// Whether a step from `step` is allowed now.
+    pub fn allows(&self, step: u64) -> bool {
+        step < self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A request to the trainer thread, handled between two steps.
+#[derive(Debug)]
+pub enum Command {
+    /// Copy the current state for a checkpoint.
+    Snapshot(oneshot::Sender<Snapshot>),
+    /// Replace the state with a verified checkpoint.
+    Restore(Box<Loaded>, oneshot::Sender<Result<(), TrainerError>>),
+    /// Finish the current step, then stop and hand back the final state.
+    Stop,
+    /// Begin training: a joiner starts paused until its state has been downloaded.
+    Start,
+    /// The current step and flat parameters, for a neighbour that syncs with this node.
+    Params(oneshot::Sender<(u64, Vec<f32>)>),
+    /// Work the mesh core asks for.
+    Mesh(TrainerCommand),
+}
+
+/// What the trainer is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Building the model or loading state.
+    #[default]
+    Starting,
+    /// Taking steps.
+    Training,
+    /// Stopped (max steps reached or asked to stop).
+    Stopped,
+}
+
+/// The latest evaluation on the held-out set.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EvalStats {
+    /// Fraction correct.
+    pub accuracy: f64,
+    /// Mean cross-entropy.
+    pub loss: f64,
+    /// Step at which it was taken.
+    pub step: u64,
+}
+
+/// Progress the trainer publishes; read by the status API.
+#[derive(Debug, Clone, PartialEq, Serialize, Default)]
+pub struct Stats {
+    /// What the trainer is doing.
+    pub phase: Phase,
+    /// Training steps taken (including those restored from a checkpoint).
+    pub step: u64,
+    /// Samples trained on (including those restored).
+    pub samples_seen: u64,
+    /// Mean loss over the last steps.
+    pub loss: Option<f64>,
+    /// Latest evaluation.
+    pub eval: Option<EvalStats>,
+    /// Recent throughput.
+    pub samples_per_sec: f64,
+    /// Steps taken since this process started.
+    pub steps_this_run: u64,
+    /// Seconds spent in the training loop since this process started (evaluation included).
+    pub train_secs: f64,
+    /// Of those, seconds spent evaluating on the held-out set.
+    pub eval_secs: f64,
+    /// Neighbours' updates applied.
+    pub updates_applied: u64,
+    /// Own deltas handed to the mesh.
+    pub updates_published: u64,
+    /// L2 norm of the parameters at the last publish or evaluation; the mesh bounds
+    /// neighbours' updates relative to it.
+    pub param_norm: f64,
+    /// Whether the mesh's step limit (the staleness bound) holds this node back now.
+    pub held: bool,
+    /// Seconds spent held back by the staleness bound.
+    pub held_secs: f64,
+}
+
+/// Everything the trainer thread needs, prepared (and validated) before it starts.
+pub struct Setup {
+    /// The built model, already holding the initial or restored parameters.
+    pub model: Model,
+    /// Its optimizer, already holding restored state if any.
+    pub optimizer: Optimizer,
+    /// Training and held-out data.
+    pub split: Arc<Split>,
+    /// Where tensors live.
+    pub device: Device,
+    /// Samples per step.
+    pub batch_size: usize,
+    /// Steps between evaluations (0: never).
+    pub eval_every: u64,
+    /// Stop at this step (0: never).
+    pub max_steps: u64,
+    /// Seed of this node's data order.
+    pub node_seed: u64,
+    /// Automatic checkpoint every this many steps (0: off).
+    pub checkpoint_every_steps: u64,
+    /// ... or after this long (zero: off).
+    pub checkpoint_every: Duration,
+    /// Identities recorded in snapshots.
+    pub identity: Identity,
+    /// Counters restored from a checkpoint (zero for a fresh start).
+    pub start: Counters,
+    /// Whether this node publishes deltas at all (`sync.publish_every > 0`): without, it keeps
+    /// no anchor (a copy of the parameters).
+    pub publishes: bool,
+    /// Whether to measure ‖pending delta‖ / ‖parameters‖ after each step, for the policy's
+    /// early-publish rule (it costs a copy of the parameters).
+    pub measure_pending_ratio: bool,
+    /// Wait for [`Command::Start`] (or a restore) before the first step.
+    pub start_paused: bool,
+    /// Debug throttle: sleep this long after every step.
+    pub step_delay: Duration,
+}
+
+/// Identities stamped on every snapshot.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// Run id.
+    pub run_id: String,
+    /// Full configuration hash.
+    pub config_hash: String,
+}
+
+/// Step and sample counters.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counters {
+    /// Training steps.
+    pub step: u64,
+    /// Samples trained on.
+    pub samples_seen: u64,
+}
+
+/// Why the trainer stopped, with its final state.
+#[derive(Debug)]
+pub struct Finish {
+    /// The state at the moment it stopped.
+    pub snapshot: Snapshot,
+    /// True when `max_steps` was reached, false when it was asked to stop.
+    pub reached_max_steps: bool,
+    /// Final progress.
+    pub stats: Stats,
+}
+
+/// Handles to a running trainer thread.
+pub struct Handle {
+    /// Commands to the thread.
+    pub cmd_tx: mpsc::Sender<Command>,
+    /// Its progress.
+    pub stats_rx: watch::Receiver<Stats>,
+    /// What it tells the mesh.
+    pub events_rx: mpsc::Receiver<TrainerEvent>,
+    /// Resolves when the thread ends: its final state, or why it failed.
+    pub done_rx: oneshot::Receiver<Result<Finish, TrainerError>>,
+}

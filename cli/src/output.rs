@@ -28,7 +28,21 @@ pub fn status_text(s: &Status) -> String {
         "model     {} ({} parameters, {}) on {}\n",
         s.node.model.name, s.node.model.params, s.node.optimizer, s.node.device
     ));
-    out.push_str(&format!("data      {}\n", s.node.data));
+    out.push_str(&format!("data      {}", s.node.data));
+    let classes = &s.node.train_classes;
+    if !classes.is_empty() {
+        let held: Vec<String> = (0..classes.len())
+            .filter(|&c| classes[c] > 0)
+            .map(|c| c.to_string())
+            .collect();
+        out.push_str(&format!(
+            "; trains on {} samples of classes {} (of {})",
+            classes.iter().sum::<u64>(),
+            held.join(" "),
+            classes.len()
+        ));
+    }
+    out.push('\n');
     out.push_str(&format!(
         "progress  step {}, {} samples, loss {}, {:.0} samples/s\n",
         s.training.step,

@@ -56,6 +56,8 @@ pub struct NodeHandle {
     pub data_dir: PathBuf,
     /// Data set description.
     pub data: String,
+    /// Training samples of each class this node holds.
+    pub train_classes: Vec<u64>,
     /// Actual API address.
     pub api_addr: SocketAddr,
     /// Access token, if any.
@@ -115,6 +117,7 @@ impl NodeHandle {
             uptime_s: self.started.elapsed().as_secs_f64(),
             data_dir: self.data_dir.display().to_string(),
             data: self.data.clone(),
+            train_classes: self.train_classes.clone(),
             api: format!("http://{}", self.api_addr),
         }
     }

@@ -24,7 +24,7 @@ use crate::checkpoint::CheckpointMeta;
 use crate::config::Config;
 use crate::handle::NodeHandle;
 use crate::mesh::{MeshActor, MeshConfig, MeshStatus};
-use crate::mesh_core::{CoreConfig, MeshCore};
+use crate::mesh_core::{CoreConfig, MeshCore, WallClock};
 use crate::status::{ModelInfo, SyncSettings};
 use crate::store::Store;
 use crate::trainer::{self, Command, Stats};
@@ -127,13 +127,23 @@ pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
     let mut split = config.load_data().map_err(NodeError::Data)?;
     let spec = config.model_spec(&split)?;
     if let Some((k, n)) = config.train.shard {
-        split.train = split.train.shard(k, n);
+        let cut = config.data.cut(n, split.train.classes);
+        split.train = split
+            .train
+            .part(cut, k, n, config.data.split_seed)
+            .map_err(|e| NodeError::Shard(format!("train.shard {k}/{n}: {e}")))?;
         if split.train.is_empty() {
             return Err(NodeError::Shard(format!(
-                "train.shard {k}/{n} leaves no training sample"
+                "train.shard {k}/{n} with data.partition = \"{}\" leaves no training sample",
+                config.data.partition.as_str()
             )));
         }
-        tracing::info!("training on shard {k}/{n}: {} samples", split.train.len());
+        tracing::info!(
+            partition = config.data.partition.as_str(),
+            classes = ?split.train.class_counts(),
+            "training on shard {k}/{n}: {} samples",
+            split.train.len()
+        );
     }
     Ok(Prepared {
         config,
@@ -194,6 +204,7 @@ pub async fn run(
         spec,
         device: dev,
     } = prepared;
+    let train_classes = split.train.class_counts();
     let listener = control::bind(config.api.listen, opts.api_token.as_deref()).await?;
     let api_addr = listener.local_addr().map_err(control::BindError::Socket)?;
 
@@ -329,6 +340,7 @@ pub async fn run(
         device: config.train.device,
         data_dir: data_dir.clone(),
         data: config.data.describe(),
+        train_classes,
         api_addr,
         api_token: opts.api_token.clone(),
         store: store.clone(),
@@ -370,6 +382,7 @@ pub async fn run(
         update_weight: config.sync.update_weight.map(|w| w as f32),
         start_step: start.step,
         seed: node_seed,
+        wall_clock: WallClock::now(),
     });
     let mesh = MeshActor::new(
         net.clone(),

@@ -128,6 +128,10 @@ pub struct NodeStatus {
     pub data_dir: String,
     /// The data set, described.
     pub data: String,
+    /// How many training samples of each class this node holds (indexed by class): with a
+    /// skewed `data.partition`, which classes only its neighbours can teach it.
+    #[serde(default)]
+    pub train_classes: Vec<u64>,
     /// Control API address.
     pub api: String,
 }
@@ -432,6 +436,7 @@ mod tests {
                 uptime_s: 1.0,
                 data_dir: "d".into(),
                 data: "digits".into(),
+                train_classes: vec![3, 0, 1],
                 api: "http://127.0.0.1:1".into(),
             },
             training: TrainingStatus::from(&Stats::default()),

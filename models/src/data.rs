@@ -64,11 +64,85 @@ impl Dataset {
         }
     }
 
-    /// Shard `k` of `n`: every `n`-th sample starting at `k`. Boxes that each own part of the
-    /// data train on disjoint shards (as PyTorch's `DistributedSampler` gives ranks).
-    pub fn shard(&self, k: usize, n: usize) -> Dataset {
-        let indices: Vec<usize> = (k..self.len()).step_by(n.max(1)).collect();
-        self.subset(&indices)
+    /// Part `k` of `n` of this set, cut as `how` says, for boxes that each own part of the
+    /// data. Every node computes the same cut from the same `seed` (the run's split seed), so
+    /// the parts are disjoint. A part may come out empty (a class nobody owns, or a Dirichlet
+    /// draw that gives a node nothing); the caller decides whether that is an error.
+    pub fn part(&self, how: Partition, k: usize, n: usize, seed: u64) -> Result<Dataset> {
+        if n == 0 || k >= n {
+            return Err(Error::Spec(format!("part {k} of {n} does not exist")));
+        }
+        let by_class = || {
+            let mut of_class = vec![Vec::new(); self.classes];
+            for (i, &label) in self.labels.iter().enumerate() {
+                if let Some(v) = of_class.get_mut(label as usize) {
+                    v.push(i);
+                }
+            }
+            of_class
+        };
+        let mut indices: Vec<usize> = match how {
+            Partition::Iid => (k..self.len()).step_by(n).collect(),
+            Partition::ByLabel { classes_per_part } => {
+                if classes_per_part == 0 || classes_per_part > self.classes {
+                    return Err(Error::Spec(format!(
+                        "classes per part must be 1..={}, got {classes_per_part}",
+                        self.classes
+                    )));
+                }
+                let mut mine = Vec::new();
+                for (class, samples) in by_class().into_iter().enumerate() {
+                    let owners: Vec<usize> = (0..n)
+                        .filter(|&part| {
+                            Partition::label_owned(class, part, classes_per_part, self.classes)
+                        })
+                        .collect();
+                    if let Some(slot) = owners.iter().position(|&o| o == k) {
+                        mine.extend(samples.into_iter().skip(slot).step_by(owners.len()));
+                    }
+                }
+                mine
+            }
+            Partition::Dirichlet { alpha } => {
+                let gamma = rand_distr::Gamma::new(alpha, 1.0).map_err(|e| {
+                    Error::Spec(format!("dirichlet alpha must be > 0, got {alpha}: {e}"))
+                })?;
+                let mut rng = ChaCha8Rng::seed_from_u64(seed ^ DIRICHLET_SEED_SALT);
+                let mut mine = Vec::new();
+                for mut samples in by_class() {
+                    samples.shuffle(&mut rng);
+                    let draws: Vec<f64> = (0..n).map(|_| gamma.sample(&mut rng)).collect();
+                    let total: f64 = draws.iter().sum();
+                    // Cumulative proportions cut the class's samples; a draw that underflows
+                    // everywhere (tiny alpha) hands the whole class to part 0.
+                    let share = |upto: usize| -> usize {
+                        if total > 0.0 && total.is_finite() {
+                            let p: f64 = draws[..upto].iter().sum::<f64>() / total;
+                            ((p * samples.len() as f64).round() as usize).min(samples.len())
+                        } else if upto == 0 {
+                            0
+                        } else {
+                            samples.len()
+                        }
+                    };
+                    mine.extend_from_slice(&samples[share(k)..share(k + 1)]);
+                }
+                mine
+            }
+        };
+        indices.sort_unstable();
+        Ok(self.subset(&indices))
+    }
+
+    /// How many samples of each class the set holds, indexed by class.
+    pub fn class_counts(&self) -> Vec<u64> {
+        let mut counts = vec![0u64; self.classes];
+        for &label in &self.labels {
+            if let Some(c) = counts.get_mut(label as usize) {
+                *c += 1;
+            }
+        }
+        counts
     }
 
     /// Gathers the given samples into a `(batch, dim)` feature tensor and a `(batch,)` label
@@ -83,6 +157,46 @@ impl Dataset {
         let xs = Tensor::from_vec(xs, (indices.len(), self.dim), dev)?;
         let ys = Tensor::from_vec(ys, indices.len(), dev)?;
         Ok((xs, ys))
+    }
+}
+
+/// Salt of the Dirichlet partition's generator, so it draws apart from the split's shuffle,
+/// which uses the same run seed.
+const DIRICHLET_SEED_SALT: u64 = 0x5041_5254_4954_494f;
+
+/// How a training set is cut between boxes that each own part of it: uniformly, or skewed
+/// the way federated users' data is (each box sees only some classes, or a random mix).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Partition {
+    /// Every `n`-th sample: each part a uniform sample of the whole (as PyTorch's
+    /// `DistributedSampler` gives ranks).
+    Iid,
+    /// Part `k` holds only classes `k·c … k·c + c − 1` (modulo the class count); a class
+    /// several parts hold is dealt round-robin between them, and one no part holds is unused.
+    ByLabel {
+        /// `c`, the classes each part holds.
+        classes_per_part: usize,
+    },
+    /// Each class is spread over the parts in proportions drawn from a symmetric Dirichlet
+    /// distribution: the smaller `alpha`, the fewer classes dominate each part.
+    Dirichlet {
+        /// Concentration, > 0 (0.1: nearly one class per part; 100: nearly uniform).
+        alpha: f64,
+    },
+}
+
+impl Partition {
+    /// Whether part `part` holds `class` under [`Partition::ByLabel`] with `per_part` classes
+    /// each, out of `classes`.
+    fn label_owned(class: usize, part: usize, per_part: usize, classes: usize) -> bool {
+        let first = (part * per_part) % classes;
+        (class + classes - first) % classes < per_part
+    }
+
+    /// Classes per part that gives every class an owner when `parts` parts share `classes`.
+    pub fn covering_classes_per_part(classes: usize, parts: usize) -> usize {
+        classes.div_ceil(parts.max(1)).max(1)
     }
 }
 
@@ -482,13 +596,98 @@ mod tests {
     #[test]
     fn shards_are_disjoint_and_cover_the_set() {
         let d = synthetic(103, 3, 2, 1).expect("data");
-        let shards: Vec<Dataset> = (0..4).map(|k| d.shard(k, 4)).collect();
+        let shards: Vec<Dataset> = (0..4)
+            .map(|k| d.part(Partition::Iid, k, 4, 9).expect("part"))
+            .collect();
         assert_eq!(shards.iter().map(Dataset::len).sum::<usize>(), 103);
         assert_eq!(shards[0].len(), 26);
         assert_eq!(shards[3].len(), 25);
         // Sample 5 is shard 1's second.
         assert_eq!(shards[1].features[3..6], d.features[15..18]);
         assert_eq!(shards[1].labels[1], d.labels[5]);
+        assert!(d.part(Partition::Iid, 4, 4, 9).is_err());
+    }
+
+    #[test]
+    fn by_label_parts_hold_only_their_classes_and_share_the_rest_disjointly() {
+        let d = load_digits(None).expect("digits");
+        let c = Partition::covering_classes_per_part(10, 3);
+        assert_eq!(c, 4);
+        let how = Partition::ByLabel {
+            classes_per_part: c,
+        };
+        let parts: Vec<Dataset> = (0..3)
+            .map(|k| d.part(how, k, 3, 1).expect("part"))
+            .collect();
+        let held: Vec<Vec<usize>> = parts
+            .iter()
+            .map(|p| {
+                let counts = p.class_counts();
+                (0..10).filter(|&c| counts[c] > 0).collect()
+            })
+            .collect();
+        assert_eq!(held[0], vec![0, 1, 2, 3]);
+        assert_eq!(held[1], vec![4, 5, 6, 7]);
+        assert_eq!(held[2], vec![0, 1, 8, 9]);
+        // Classes 0 and 1 are dealt between parts 0 and 2; every sample lands exactly once.
+        assert_eq!(parts.iter().map(Dataset::len).sum::<usize>(), d.len());
+        let whole = d.class_counts();
+        let zero: u64 = parts.iter().map(|p| p.class_counts()[0]).sum();
+        assert_eq!(zero, whole[0]);
+        assert!(parts[0].class_counts()[0].abs_diff(parts[2].class_counts()[0]) <= 1);
+        assert!(d
+            .part(
+                Partition::ByLabel {
+                    classes_per_part: 11
+                },
+                0,
+                3,
+                1
+            )
+            .is_err());
+    }
+
+    #[test]
+    fn dirichlet_parts_are_seeded_disjoint_and_skewed_when_alpha_is_small() {
+        let d = load_digits(None).expect("digits");
+        let cut = |alpha, seed| -> Vec<Vec<u64>> {
+            (0..4)
+                .map(|k| {
+                    d.part(Partition::Dirichlet { alpha }, k, 4, seed)
+                        .expect("part")
+                        .class_counts()
+                })
+                .collect()
+        };
+        let a = cut(0.1, 7);
+        assert_eq!(a, cut(0.1, 7), "the same seed cuts the same parts");
+        assert_ne!(a, cut(0.1, 8));
+        for class in 0..10 {
+            let total: u64 = a.iter().map(|p| p[class]).sum();
+            assert_eq!(
+                total,
+                d.class_counts()[class],
+                "class {class} split disjointly"
+            );
+        }
+        // The largest class of a part, as a share of it: near 1/10 when uniform.
+        let top_share = |parts: &[Vec<u64>]| -> f64 {
+            let shares: Vec<f64> = parts
+                .iter()
+                .filter(|p| p.iter().sum::<u64>() > 0)
+                .map(|p| *p.iter().max().expect("a class") as f64 / p.iter().sum::<u64>() as f64)
+                .collect();
+            shares.iter().sum::<f64>() / shares.len() as f64
+        };
+        let skewed = top_share(&a);
+        let uniform = top_share(&cut(1000.0, 7));
+        assert!(skewed > 0.3 && uniform < 0.15, "{skewed} vs {uniform}");
+        assert!(d
+            .part(Partition::Dirichlet { alpha: 0.0 }, 0, 4, 1)
+            .is_err());
+        assert!(d
+            .part(Partition::Dirichlet { alpha: f64::NAN }, 0, 4, 1)
+            .is_err());
     }
 
     #[test]

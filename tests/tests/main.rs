@@ -12,4 +12,5 @@ mod partition;
 mod private;
 mod rogue;
 mod single_node;
+mod skewed;
 mod soak;

@@ -68,6 +68,30 @@ pub enum DataSource {
     Synthetic,
 }
 
+/// How `train.shard` cuts the training set between the boxes that each own part of it
+/// (`data.partition`); see [`data::Partition`] for the cuts themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PartitionKind {
+    /// Uniform parts: every n-th sample.
+    Iid,
+    /// Each part holds a few classes (`data.classes_per_node`), as federated users' data does.
+    ByLabel,
+    /// Classes spread over parts by a Dirichlet draw (`data.alpha`).
+    Dirichlet,
+}
+
+impl PartitionKind {
+    /// The name the config file uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PartitionKind::Iid => "iid",
+            PartitionKind::ByLabel => "by_label",
+            PartitionKind::Dirichlet => "dirichlet",
+        }
+    }
+}
+
 /// The file as serde reads it: the sections with defaults are the checked types themselves
 /// (each with `#[serde(default)]` and a `Default` impl, the one place its defaults live);
 /// model, optimizer and data are raw because what they require depends on their `kind` or
@@ -127,6 +151,9 @@ struct RawData {
     classes: Option<usize>,
     seed: Option<u64>,
     standardize: Option<bool>,
+    partition: Option<PartitionKind>,
+    alpha: Option<f64>,
+    classes_per_node: Option<usize>,
 }
 
 /// The model section, before the data set fills in input size and classes for a CNN.
@@ -170,6 +197,12 @@ pub struct DataConfig {
     pub seed: u64,
     /// Shift and scale features by the training set's mean and standard deviation.
     pub standardize: bool,
+    /// How `train.shard = "k/n"` cuts the training set (a local setting, like the shard).
+    pub partition: PartitionKind,
+    /// `dirichlet`: the concentration; small values give few classes per node.
+    pub alpha: f64,
+    /// `by_label`: classes per node; absent, just enough that every class has a node.
+    pub classes_per_node: Option<usize>,
 }
 
 /// Settings given on the command line. Every CLI command that loads a config hands its flags
@@ -351,6 +384,9 @@ impl Config {
             classes: d.classes.unwrap_or(def.classes),
             seed: d.seed.unwrap_or(def.seed),
             standardize: d.standardize.unwrap_or(def.standardize),
+            partition: d.partition.unwrap_or(def.partition),
+            alpha: d.alpha.unwrap_or(def.alpha),
+            classes_per_node: d.classes_per_node,
         };
         if !(0.0..1.0).contains(&data.test_fraction) {
             return Err(err(format!(
@@ -384,6 +420,19 @@ impl Config {
         }
 
         raw.train.check().map_err(err)?;
+        if data.partition != PartitionKind::Iid && raw.train.shard.is_none() {
+            return Err(err(format!(
+                "data.partition = \"{}\" cuts the set between nodes, so it needs \
+                 train.shard = \"k/n\" (which part this node holds)",
+                data.partition.as_str()
+            )));
+        }
+        if !(data.alpha.is_finite() && data.alpha > 0.0) {
+            return Err(err(format!("data.alpha = {} must be > 0", data.alpha)));
+        }
+        if data.classes_per_node == Some(0) {
+            return Err(err("data.classes_per_node must be at least 1".into()));
+        }
         if raw.checkpoint.keep == 0 {
             return Err(err("checkpoint.keep must be at least 1".into()));
         }
@@ -558,11 +607,27 @@ impl Default for DataConfig {
             classes: 4,
             seed: 1,
             standardize: true,
+            partition: PartitionKind::Iid,
+            alpha: 0.5,
+            classes_per_node: None,
         }
     }
 }
 
 impl DataConfig {
+    /// The cut that `train.shard = "k/n"` makes, with `parts` = n, of a set of `classes`.
+    pub fn cut(&self, parts: usize, classes: usize) -> data::Partition {
+        match self.partition {
+            PartitionKind::Iid => data::Partition::Iid,
+            PartitionKind::ByLabel => data::Partition::ByLabel {
+                classes_per_part: self
+                    .classes_per_node
+                    .unwrap_or_else(|| data::Partition::covering_classes_per_part(classes, parts)),
+            },
+            PartitionKind::Dirichlet => data::Partition::Dirichlet { alpha: self.alpha },
+        }
+    }
+
     /// A short description for messages, e.g. `mnist (../shared/data/mnist)`.
     pub fn describe(&self) -> String {
         match self.source {

@@ -95,6 +95,62 @@ fn shard_is_parsed_checked_and_local() {
 }
 
 #[test]
+fn partition_needs_a_shard_is_checked_and_local() {
+    let with = |shard: Option<&str>, data: &str| {
+        let mut text =
+            DEFAULT_CONFIG_TOML.replace("split_seed = 1", &format!("split_seed = 1\n{data}"));
+        if let Some(k_n) = shard {
+            text = text.replace("threads = 1", &format!("threads = 1\nshard = \"{k_n}\""));
+        }
+        Config::parse(&text, "x", None)
+    };
+    let c = with(Some("1/3"), "partition = \"by_label\"").expect("valid");
+    assert_eq!(c.data.partition, PartitionKind::ByLabel);
+    assert_eq!(
+        c.data.cut(3, 10),
+        data::Partition::ByLabel {
+            classes_per_part: 4
+        }
+    );
+    assert_eq!(c.run_id(), Config::load(None).expect("default").run_id());
+    let c = with(Some("0/4"), "partition = \"dirichlet\"\nalpha = 0.1").expect("valid");
+    assert_eq!(c.data.cut(4, 10), data::Partition::Dirichlet { alpha: 0.1 });
+    let c = with(
+        Some("0/2"),
+        "partition = \"by_label\"\nclasses_per_node = 2",
+    )
+    .expect("valid");
+    assert_eq!(
+        c.data.cut(2, 10),
+        data::Partition::ByLabel {
+            classes_per_part: 2
+        }
+    );
+    for (shard, bad, says) in [
+        (None, "partition = \"by_label\"", "train.shard"),
+        (
+            Some("0/2"),
+            "partition = \"by_class\"",
+            "expected one of `iid`, `by_label`",
+        ),
+        (
+            Some("0/2"),
+            "partition = \"dirichlet\"\nalpha = 0.0",
+            "data.alpha",
+        ),
+        (
+            Some("0/2"),
+            "partition = \"dirichlet\"\nalpha = nan",
+            "data.alpha",
+        ),
+        (Some("0/2"), "classes_per_node = 0", "classes_per_node"),
+    ] {
+        let e = with(shard, bad).expect_err(bad).to_string();
+        assert!(e.contains(says), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn max_sync_distance_defaults_and_must_lie_between_0_and_1() {
     let with = |v: &str| {
         Config::parse(

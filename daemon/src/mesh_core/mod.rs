@@ -104,6 +104,34 @@ pub struct CoreConfig {
     pub start_step: u64,
     /// Seeds neighbour choice, so a simulation replays exactly.
     pub seed: u64,
+    /// Dates what the status records (syncs, refusals) from the instants the core is handed.
+    pub wall_clock: WallClock,
+}
+
+/// The Unix time at one instant. The core dates what it records from the instants it is
+/// handed, never from the system clock, so a simulation in virtual time dates in it too.
+#[derive(Debug, Clone, Copy)]
+pub struct WallClock {
+    /// Seconds since the Unix epoch at `at`.
+    pub unix_secs: u64,
+    /// The instant those seconds were read.
+    pub at: Instant,
+}
+
+impl WallClock {
+    /// The system's clock now: what a running node hands its core.
+    pub fn now() -> WallClock {
+        WallClock {
+            unix_secs: crate::store::unix_now(),
+            at: Instant::now(),
+        }
+    }
+
+    /// Unix seconds at `now` (at `at` for an instant before it).
+    pub fn unix_at(&self, now: Instant) -> u64 {
+        self.unix_secs
+            .saturating_add(now.saturating_duration_since(self.at).as_secs())
+    }
 }
 
 /// One neighbour sync under way.

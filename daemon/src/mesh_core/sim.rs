@@ -19,7 +19,7 @@ use serde_bytes::ByteBuf;
 
 use super::{
     AverageOutcome, CoreConfig, Input, MeshConfig, MeshCore, Output, Progress, RequestFailed,
-    TrainerCommand, TrainerEvent,
+    TrainerCommand, TrainerEvent, WallClock,
 };
 use crate::guard::GuardConfig;
 use crate::policy::PolicyConfig;
@@ -210,6 +210,10 @@ impl Sim {
             update_weight: None,
             start_step: step,
             seed: self.rng.random(),
+            wall_clock: WallClock {
+                unix_secs: 0,
+                at: self.base,
+            },
         });
         // Every node pulls towards the run's common optimum plus a skew of its own, as nodes
         // with different data do.

@@ -179,7 +179,7 @@ impl MeshCore {
                 s.last_sync = Some(SyncInfo {
                     peer: sync.peer.to_string(),
                     step: sync.step,
-                    at: crate::store::unix_now(),
+                    at: self.cfg.wall_clock.unix_at(now),
                 });
                 self.sync = None;
                 self.feed(
@@ -230,7 +230,7 @@ impl MeshCore {
                     reason: why.to_string(),
                     distance: why.distance(),
                     bound,
-                    at: crate::store::unix_now(),
+                    at: self.cfg.wall_clock.unix_at(now),
                 });
                 out.push(Output::Offence {
                     peer,

@@ -146,6 +146,7 @@ fn fuzz_core(seed: u64) -> MeshCore {
         update_weight: None,
         start_step: 0,
         seed,
+        wall_clock: WallClock::now(),
     })
 }
 

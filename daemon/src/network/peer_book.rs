@@ -14,6 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::scoring;
 
+/// Addresses kept per peer found by mDNS (a LAN host may announce several; a hostile one many).
+const DISCOVERED_ADDRS_MAX: usize = 8;
 /// First wait before redialling a member that was lost (crashed, hung, or cut off by a
 /// partition); it doubles per failed attempt up to [`REDIAL_MAX`].
 pub const REDIAL_MIN: Duration = Duration::from_secs(1);
@@ -116,6 +118,22 @@ impl PeerBook {
                 backoff: REDIAL_MIN,
             },
         );
+    }
+
+    /// A peer found on the local network (mDNS) before any connection: remember where, so a
+    /// first dial that fails is retried like a lost member's. mDNS announces a peer once, not
+    /// again until its record expires, so without this one lost dial kept two boxes on one
+    /// LAN apart for minutes. At most [`DISCOVERED_ADDRS_MAX`] addresses are kept per peer.
+    pub fn discovered(&mut self, peer: PeerId, addr: Multiaddr, now: Instant) {
+        let known = self.known.entry(peer).or_insert_with(|| KnownPeer {
+            addrs: Vec::new(),
+            last_seen: now,
+            next_dial: now + REDIAL_MIN,
+            backoff: REDIAL_MIN,
+        });
+        if !known.addrs.contains(&addr) && known.addrs.len() < DISCOVERED_ADDRS_MAX {
+            known.addrs.push(addr);
+        }
     }
 
     /// The peer left for good: never redial it.
@@ -349,6 +367,26 @@ mod tests {
             .redial_due(t0 + FORGET_AFTER, |_| false, |_| false)
             .is_empty());
         assert!(!book.knows(&p));
+    }
+
+    #[test]
+    fn a_peer_found_on_the_lan_is_redialled_until_it_connects() {
+        let mut book = PeerBook::default();
+        let t0 = Instant::now();
+        let a = PeerId::random();
+        for i in 0..20 {
+            let addr: Multiaddr = format!("/ip4/10.77.0.2/tcp/{}", 4000 + i)
+                .parse()
+                .expect("addr");
+            book.discovered(a, addr, t0);
+        }
+        let due = book.redial_due(t0 + REDIAL_MIN, |_| false, |_| false);
+        assert_eq!(due.len(), 1);
+        assert_eq!(due[0].1.len(), DISCOVERED_ADDRS_MAX);
+        // Once connected it is a member like any other: no more dials.
+        assert!(book
+            .redial_due(t0 + REDIAL_MAX * 2, |_| true, |_| false)
+            .is_empty());
     }
 
     #[test]

@@ -343,10 +343,18 @@ impl EventLoop {
                 let _ = self.swarm.dial(opts);
             }
             BehaviourEvent::Mdns(mdns::Event::Discovered(found)) => {
+                let now = Instant::now();
                 for (peer, addr) in found {
                     if !self.swarm.is_connected(&peer) && !self.refused.contains(&peer) {
                         tracing::info!(peer = %peer, %addr, "found on the local network (mDNS)");
-                        let _ = self.swarm.dial(addr);
+                        self.book.discovered(peer, addr.clone(), now);
+                        let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+                            .condition(
+                                libp2p::swarm::dial_opts::PeerCondition::DisconnectedAndNotDialing,
+                            )
+                            .addresses(vec![addr])
+                            .build();
+                        let _ = self.swarm.dial(opts);
                     }
                 }
             }

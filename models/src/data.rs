@@ -166,8 +166,7 @@ const DIRICHLET_SEED_SALT: u64 = 0x5041_5254_4954_494f;
 
 /// How a training set is cut between boxes that each own part of it: uniformly, or skewed
 /// the way federated users' data is (each box sees only some classes, or a random mix).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Partition {
     /// Every `n`-th sample: each part a uniform sample of the whole (as PyTorch's
     /// `DistributedSampler` gives ranks).

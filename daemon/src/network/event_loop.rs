@@ -222,12 +222,18 @@ impl EventLoop {
                 continue;
             }
             tracing::debug!(peer = %peer, "redialling a lost member");
-            let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
-                .condition(libp2p::swarm::dial_opts::PeerCondition::DisconnectedAndNotDialing)
-                .addresses(addrs)
-                .build();
-            let _ = self.swarm.dial(opts);
+            self.dial_unless_connected(peer, addrs);
         }
+    }
+
+    /// Dials `peer` at `addrs` unless it is connected or already being dialled; a failure
+    /// shows up as a swarm event, and the redial loop tries again later.
+    fn dial_unless_connected(&mut self, peer: PeerId, addrs: Vec<Multiaddr>) {
+        let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+            .condition(libp2p::swarm::dial_opts::PeerCondition::DisconnectedAndNotDialing)
+            .addresses(addrs)
+            .build();
+        let _ = self.swarm.dial(opts);
     }
 
     /// A private node listens through a member it reached directly (see [`nat::Nat::pick_relay`]),

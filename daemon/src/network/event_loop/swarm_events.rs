@@ -348,13 +348,7 @@ impl EventLoop {
                     if !self.swarm.is_connected(&peer) && !self.refused.contains(&peer) {
                         tracing::info!(peer = %peer, %addr, "found on the local network (mDNS)");
                         self.book.discovered(peer, addr.clone(), now);
-                        let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
-                            .condition(
-                                libp2p::swarm::dial_opts::PeerCondition::DisconnectedAndNotDialing,
-                            )
-                            .addresses(vec![addr])
-                            .build();
-                        let _ = self.swarm.dial(opts);
+                        self.dial_unless_connected(peer, vec![addr]);
                     }
                 }
             }

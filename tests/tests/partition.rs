@@ -105,8 +105,9 @@ const FULL_SYNC_EVERY: u64 = 1000;
 
 /// Four nodes split 2|2 for 30 s, then healed. Both halves must keep training apart; once
 /// healed, the halves must find each other again (lost members are redialled) and, from then
-/// on, the mesh's consensus distance must fall back below its level before the split within
-/// three full-sync intervals, counted in steps of the node that trained most.
+/// on, the mesh's consensus distance must lose three quarters of what the split added (or fall
+/// below its level before the split, if that is higher) within three full-sync intervals,
+/// counted in steps of the node that trained most.
 #[test]
 fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
     let Some(lab) = lab_or_skip("partition and heal", 4) else {
@@ -136,15 +137,33 @@ fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
             step(s) > 200 && s["updates"]["applied"].as_u64().unwrap_or(0) > 3
         });
     }
-    // The mesh's own fluctuation: between full syncs each node drifts towards its shard.
-    let before: Vec<f64> = (0..6)
-        .map(|_| {
-            std::thread::sleep(Duration::from_millis(300));
-            consensus_distance(&nodes)
-        })
-        .collect();
+    // The mesh's own fluctuation: between full syncs each node drifts towards its shard, so
+    // the distance is a sawtooth whose period is one full-sync interval. Its level is the
+    // highest sample over a whole period: a shorter window (six samples in 1.8 s, about 500
+    // steps, was the first version) can miss the peak and then call the healed mesh's
+    // ordinary sawtooth a failure to reconverge.
+    let steps_now = |nodes: &[Node]| -> Vec<u64> {
+        nodes
+            .iter()
+            .map(|n| step(&n.status().expect("status")))
+            .collect()
+    };
+    let start = steps_now(&nodes);
+    let mut before = Vec::new();
+    while before.len() < 60
+        && steps_now(&nodes)
+            .iter()
+            .zip(&start)
+            .any(|(s, s0)| *s < s0 + FULL_SYNC_EVERY)
+    {
+        std::thread::sleep(Duration::from_millis(300));
+        before.push(consensus_distance(&nodes));
+    }
     let level = before.iter().cloned().fold(0.0, f64::max);
-    eprintln!("consensus distance before the split: {before:?}");
+    eprintln!(
+        "consensus distance over one full-sync interval before the split ({} samples): {before:?}",
+        before.len()
+    );
 
     let t_split = Instant::now();
     lab.partition(&[2, 3]);
@@ -194,10 +213,20 @@ fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
         })
         .collect();
     let reconnected = t_heal.elapsed().as_secs_f64();
+    // Gossiped deltas add each node's progress to the others but do not pull two replicas
+    // together: the offset the split left is removed only by full syncs, which average one
+    // pair at a time, halving that pair's offset. Removing three quarters of it takes about
+    // seven such pairings among four nodes (random pairwise averaging shrinks the spread by
+    // about sqrt(2/3) per pairing); three intervals give twelve. The level before the split
+    // is no target on its own: late in training the shards' gradients disagree more than
+    // early on, so the healed mesh's own sawtooth peaks higher (0.10-0.14 against 0.06 in
+    // the runs that first set this bound) and the distance dips below the early level only
+    // by chance (after 3.2k to 9.2k steps in three runs).
+    let target = level.max(apart / 4.0);
     let mut trace = Vec::new();
     let (recovered, steps_after) = eventually(
         Duration::from_secs(90),
-        "consensus back below its level before the split",
+        "consensus back below a quarter of its level apart",
         || {
             let d = consensus_distance(&nodes);
             let steps: Vec<u64> = nodes
@@ -205,7 +234,7 @@ fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
                 .filter_map(|n| n.status().map(|s| step(&s)))
                 .collect();
             trace.push((t_heal.elapsed().as_secs_f64(), d));
-            (d < level).then(|| {
+            (d < target).then(|| {
                 // The most any node has trained since the mesh was whole again.
                 let since = steps
                     .iter()
@@ -218,7 +247,7 @@ fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
         },
     );
     eprintln!(
-        "healed: all reconnected after {reconnected:.1} s; consensus below {level:.4} after {recovered:.1} s \
+        "healed: all reconnected after {reconnected:.1} s; consensus below {target:.4} after {recovered:.1} s \
          and {steps_after} steps (full sync every {FULL_SYNC_EVERY}); trace {trace:?}"
     );
     assert!(

@@ -118,6 +118,10 @@ struct JoinArgs {
     /// can connect. Overrides `network.psk`.
     #[arg(long)]
     psk: Option<PathBuf>,
+    /// How the members combine their training: gossip (default), allreduce, diloco or fedavg
+    /// (see the README's table of frameworks). Overrides `sync.mode`.
+    #[arg(long)]
+    sync_mode: Option<String>,
 }
 
 #[derive(Args)]
@@ -323,6 +327,7 @@ impl JoinArgs {
             bootstrap: self.bootstrap.clone(),
             mdns: self.mdns,
             psk: self.psk.clone(),
+            sync_mode: self.sync_mode.clone(),
         }
     }
 }

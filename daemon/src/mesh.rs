@@ -288,12 +288,42 @@ impl MeshActor {
                     });
                 }
             }
+            Output::SendRing { peer, msg } => {
+                let (round, attempt) = (msg.round, msg.attempt);
+                let undelivered = Input::RingUndelivered {
+                    peer,
+                    round,
+                    attempt,
+                };
+                let net = self.net.clone();
+                let results = self.results_tx.clone();
+                let started = self.spawn_bounded(async move {
+                    match net.request(peer, BulkRequest::Ring(msg)).await {
+                        Ok(BulkResponse::RingTaken) => {}
+                        other => {
+                            tracing::debug!(peer = %peer, "ring hop not delivered: {other:?}");
+                            let _ = results
+                                .send(Input::RingUndelivered {
+                                    peer,
+                                    round,
+                                    attempt,
+                                })
+                                .await;
+                        }
+                    }
+                });
+                if started.is_err() {
+                    return Some(undelivered);
+                }
+            }
             Output::Trainer(cmd) => {
                 if let Err(e) = self.trainer_tx.try_send(Command::Mesh(cmd)) {
                     if let Command::Mesh(cmd) = e.into_inner() {
                         return Some(Input::TrainerBusy(cmd));
                     }
                 }
+                // A trainer held at a round's boundary waits for exactly this.
+                self.limit.wake();
             }
         }
         None
@@ -331,6 +361,15 @@ impl MeshActor {
                 topic,
                 data,
             }),
+            // A ring hop is the round's to judge; taking it is all the answer says.
+            Event::Request {
+                peer,
+                request: BulkRequest::Ring(msg),
+                channel,
+            } => {
+                let _ = self.net.respond(channel, BulkResponse::RingTaken).await;
+                Some(Input::Ring { peer, msg })
+            }
             Event::Request {
                 peer,
                 request,
@@ -378,6 +417,9 @@ impl MeshActor {
                             Err(e) => BulkResponse::Refused(format!("cannot encode: {e}")),
                         }
                     })
+                }
+                BulkRequest::Ring(_) => {
+                    Box::pin(async { BulkResponse::Refused("ring hops are taken apart".into()) })
                 }
                 BulkRequest::Update { hash } => {
                     let response = match self.core.large_update(&hash) {

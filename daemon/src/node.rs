@@ -302,6 +302,14 @@ pub async fn run(
         .node_seed
         .unwrap_or_else(|| seed_from(&peer_id));
     let policy = config.sync.policy();
+    let rounds = config
+        .sync
+        .rounds(split.train.len(), config.train.batch_size)
+        .map(|rc| (rc, !joining && resume.is_none()));
+    let outer_velocity = resume
+        .as_ref()
+        .map(trainer::outer_velocity)
+        .unwrap_or_default();
     let handle = trainer::spawn(
         trainer::Setup {
             model,
@@ -320,6 +328,8 @@ pub async fn run(
             measure_pending_ratio: policy.publish_every > 0 && policy.publish_early_ratio > 0.0,
             start_paused: joining,
             step_delay: Duration::from_millis(config.debug.step_delay_ms),
+            outer: config.sync.outer(),
+            outer_velocity,
         },
         snapshot_tx,
         limit.clone(),
@@ -383,6 +393,7 @@ pub async fn run(
         start_step: start.step,
         seed: node_seed,
         wall_clock: WallClock::now(),
+        rounds,
     });
     let mesh = MeshActor::new(
         net.clone(),

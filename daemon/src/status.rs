@@ -264,6 +264,9 @@ pub struct MeshReport {
     /// The state download this node started with, if it joined a running mesh.
     #[serde(default)]
     pub state_download: Option<DownloadReport>,
+    /// Synchronous rounds (sync modes `allreduce`, `diloco`, `fedavg`).
+    #[serde(default)]
+    pub rounds: Option<crate::mesh_core::rounds::RoundStatus>,
 }
 
 impl MeshReport {
@@ -285,6 +288,7 @@ impl MeshReport {
             full_syncs: mesh.full_syncs,
             sync_refusals: mesh.sync_refusals,
             state_download,
+            rounds: mesh.rounds,
         }
     }
 }
@@ -321,6 +325,9 @@ impl Peers {
 /// The update exchange as status shows it: what a user tunes `[sync]` by.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SyncStatus {
+    /// How the members combine their training (`sync.mode`).
+    #[serde(default)]
+    pub mode: String,
     /// Codec of this node's own updates.
     pub codec: String,
     /// Fraction kept by top-k.
@@ -379,6 +386,7 @@ impl SyncStatus {
             .copied()
             .unwrap_or_default();
         SyncStatus {
+            mode: settings.config.mode.name().to_string(),
             codec: settings.config.codec.name().to_string(),
             density: settings.config.density,
             error_feedback: settings.config.error_feedback,

@@ -16,10 +16,13 @@ use serde_bytes::ByteBuf;
 /// changes only together with an incompatible change to these types.
 /// Version 2: a full sync's parameters travel in the codec's dense format (header naming run,
 /// layout, sender and step; checksum) instead of raw little-endian floats.
-pub const WIRE_VERSION: u32 = 2;
+/// Version 3: ring messages of the synchronous sync modes ([`RingMessage`]); heartbeats say
+/// whether their node takes part in rounds.
+pub const WIRE_VERSION: u32 = 3;
 
-/// Largest request on the bulk channel: requests are small (a hash and an index at most).
-pub const BULK_REQUEST_MAX: u64 = 64 * 1024;
+/// Largest request on the bulk channel: a ring message carries one chunk of a model (a share
+/// of its parameters), so requests may be as large as responses.
+pub const BULK_REQUEST_MAX: u64 = BULK_RESPONSE_MAX;
 /// Largest response on the bulk channel (a state chunk or a full model).
 pub const BULK_RESPONSE_MAX: u64 = 64 * 1024 * 1024;
 
@@ -47,6 +50,25 @@ pub enum BulkRequest {
         /// Its content hash, from the announcement.
         hash: ByteBuf,
     },
+    /// One hop of a synchronous round's ring (answered with [`BulkResponse::RingTaken`]).
+    Ring(RingMessage),
+}
+
+/// One hop of a round's ring all-reduce: a chunk of the sender's running sums (reduce-scatter)
+/// or of the finished sums (all-gather). See `mesh_core::rounds`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RingMessage {
+    /// The round (rounds completed before it, mesh-wide).
+    pub round: u64,
+    /// The attempt at that round: an aborted attempt is retried with the next number.
+    pub attempt: u32,
+    /// Digest of the sorted member list the sender built its ring from: members whose lists
+    /// differ cannot combine, and abort.
+    pub members: u64,
+    /// The hop, `0..2(N-1)`: the first `N-1` reduce, the rest gather.
+    pub hop: u32,
+    /// The chunk's values, little-endian `f32`.
+    pub values: ByteBuf,
 }
 
 /// A frozen state on offer to a joiner.
@@ -88,6 +110,8 @@ pub enum BulkResponse {
     },
     /// See [`BulkRequest::Update`]: the encoded update.
     Update(ByteBuf),
+    /// See [`BulkRequest::Ring`]: the hop was handed to the round (which judges it).
+    RingTaken,
     /// The peer cannot or will not answer.
     Refused(String),
 }
@@ -167,6 +191,18 @@ pub struct Heartbeat {
     /// Set in the last heartbeat of a node that leaves gracefully.
     #[serde(default)]
     pub leaving: bool,
+    /// Set by a node of a synchronous sync mode that is ready for rounds: its peers put it in
+    /// their rings.
+    #[serde(default)]
+    pub in_rounds: bool,
+    /// The round that node works on, once it knows it.
+    #[serde(default)]
+    pub round: Option<u64>,
+    /// Counts the node's heartbeats. Gossip addresses messages by content and drops one it has
+    /// seen in the last two minutes: without it, a node whose progress stands still (held at a
+    /// round's boundary, stopped) went unheard.
+    #[serde(default)]
+    pub seq: u64,
 }
 
 /// A heartbeat's bytes (JSON: small, rare, and readable in a packet capture).
@@ -187,7 +223,7 @@ mod tests {
     fn bulk_protocol_name_carries_the_wire_version() {
         // Peers negotiate exactly this name: one of another wire version is not spoken to.
         assert_eq!(bulk_protocol(), format!("/p2ptrain/bulk/{WIRE_VERSION}"));
-        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/2");
+        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/3");
     }
 
     #[test]
@@ -217,6 +253,9 @@ mod tests {
             samples_per_sec: 10.0,
             accuracy: None,
             leaving: true,
+            in_rounds: true,
+            round: Some(3),
+            seq: 9,
         };
         assert_eq!(
             decode_heartbeat(&encode_heartbeat(&hb)).expect("round trip"),

@@ -6,6 +6,7 @@ mod harness;
 mod hostile_sync;
 mod join;
 mod mesh;
+mod modes;
 mod nat;
 mod netlab;
 mod partition;

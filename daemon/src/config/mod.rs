@@ -28,8 +28,8 @@ mod sections;
 
 use sections::parse_all;
 pub use sections::{
-    ApiConfig, CheckpointConfig, DebugConfig, NetworkConfig, SyncConfig, TrainConfig, DEFAULT_API,
-    DEFAULT_DATA_DIR, DEFAULT_LISTEN_PORT,
+    ApiConfig, CheckpointConfig, DebugConfig, NetworkConfig, SyncConfig, SyncMode, TrainConfig,
+    DEFAULT_API, DEFAULT_DATA_DIR, DEFAULT_LISTEN_PORT,
 };
 
 /// The default configuration (`configs/digits-mlp.toml`), compiled in so that `p2ptrain join`
@@ -225,6 +225,8 @@ pub struct Overrides {
     pub mdns: bool,
     /// `--psk`: replaces `network.psk`.
     pub psk: Option<PathBuf>,
+    /// `--sync-mode`: replaces `sync.mode`.
+    pub sync_mode: Option<String>,
 }
 
 /// A validated configuration.
@@ -481,6 +483,9 @@ impl Config {
         self.network.mdns |= o.mdns;
         if let Some(p) = &o.psk {
             self.network.psk = Some(p.clone());
+        }
+        if let Some(m) = &o.sync_mode {
+            self.sync.mode = m.parse().map_err(|e| err(format!("--sync-mode: {e}")))?;
         }
         Ok(())
     }

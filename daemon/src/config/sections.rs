@@ -148,10 +148,67 @@ impl Default for NetworkConfig {
     }
 }
 
+/// How the members combine what they learn (see the README's table of frameworks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncMode {
+    /// Asynchronous: updates gossiped to neighbours, full syncs now and then (Distributed
+    /// Hogwild; SSP with `staleness_bound`).
+    #[default]
+    Gossip,
+    /// Synchronous data parallelism: every `every` steps the members average in a ring and
+    /// end with bit-identical parameters.
+    Allreduce,
+    /// `inner_steps` local steps, then an outer Nesterov step on the members' mean change.
+    Diloco,
+    /// `local_epochs` epochs over the node's own data, then a sample-weighted average.
+    Fedavg,
+}
+
+impl SyncMode {
+    /// The name used in configs and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            SyncMode::Gossip => "gossip",
+            SyncMode::Allreduce => "allreduce",
+            SyncMode::Diloco => "diloco",
+            SyncMode::Fedavg => "fedavg",
+        }
+    }
+}
+
+impl std::str::FromStr for SyncMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<SyncMode, String> {
+        [
+            SyncMode::Gossip,
+            SyncMode::Allreduce,
+            SyncMode::Diloco,
+            SyncMode::Fedavg,
+        ]
+        .into_iter()
+        .find(|m| m.name() == s)
+        .ok_or_else(|| format!("unknown sync mode {s:?}: one of gossip, allreduce, diloco, fedavg"))
+    }
+}
+
 /// The sync section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SyncConfig {
+    /// How the members combine their training.
+    pub mode: SyncMode,
+    /// `allreduce`: steps between two rounds.
+    pub every: u64,
+    /// `diloco`: local steps between two outer steps (H).
+    pub inner_steps: u64,
+    /// `diloco`: the outer Nesterov step's learning rate.
+    pub outer_lr: f64,
+    /// `diloco`: the outer step's momentum.
+    pub outer_momentum: f64,
+    /// `fedavg`: epochs over the node's own data between two averages (E).
+    pub local_epochs: u64,
     /// Neighbours each node keeps.
     pub degree: usize,
     /// Steps between published updates (0: never).
@@ -197,6 +254,12 @@ pub struct SyncConfig {
 impl Default for SyncConfig {
     fn default() -> SyncConfig {
         SyncConfig {
+            mode: SyncMode::Gossip,
+            every: 1,
+            inner_steps: 100,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
+            local_epochs: 1,
             degree: 4,
             publish_every: 20,
             full_sync_every: 500,
@@ -284,14 +347,51 @@ impl Describe for PeerId {
 impl SyncConfig {
     /// The policy settings these give.
     pub fn policy(&self) -> crate::policy::PolicyConfig {
+        // The synchronous modes neither gossip updates nor sync with neighbours: the rounds
+        // do both.
+        let gossip = self.mode == SyncMode::Gossip;
         crate::policy::PolicyConfig {
-            publish_every: self.publish_every,
-            publish_early_ratio: self.publish_early_ratio,
-            full_sync_every: self.full_sync_every,
-            staleness_bound: self.staleness_bound,
+            publish_every: if gossip { self.publish_every } else { 0 },
+            publish_early_ratio: if gossip {
+                self.publish_early_ratio
+            } else {
+                0.0
+            },
+            full_sync_every: if gossip { self.full_sync_every } else { 0 },
+            staleness_bound: if gossip { self.staleness_bound } else { None },
             stale_after: self.stale_after,
             ..crate::policy::PolicyConfig::default()
         }
+    }
+
+    /// The rounds of a synchronous mode, for a node with `train_samples` training samples and
+    /// batches of `batch_size`; `None` in `gossip`.
+    pub fn rounds(
+        &self,
+        train_samples: usize,
+        batch_size: usize,
+    ) -> Option<crate::mesh_core::rounds::RoundConfig> {
+        let (steps, weight) = match self.mode {
+            SyncMode::Gossip => return None,
+            SyncMode::Allreduce => (self.every, 1.0),
+            SyncMode::Diloco => (self.inner_steps, 1.0),
+            SyncMode::Fedavg => {
+                let per_epoch = train_samples.div_ceil(batch_size.max(1)) as u64;
+                (self.local_epochs * per_epoch, train_samples as f32)
+            }
+        };
+        Some(crate::mesh_core::rounds::RoundConfig {
+            steps: steps.max(1),
+            weight,
+        })
+    }
+
+    /// DiLoCo's outer optimizer; `None` in the other modes.
+    pub fn outer(&self) -> Option<crate::trainer::OuterSgd> {
+        (self.mode == SyncMode::Diloco).then_some(crate::trainer::OuterSgd {
+            lr: self.outer_lr as f32,
+            momentum: self.outer_momentum as f32,
+        })
     }
 
     /// The update guard's settings these give.
@@ -357,6 +457,27 @@ impl SyncConfig {
         }
         if !(self.max_update_ratio > 0.0 && self.max_update_ratio.is_finite()) {
             return Err("sync.max_update_ratio must be a positive number".into());
+        }
+        for (key, v) in [
+            ("sync.every", self.every),
+            ("sync.inner_steps", self.inner_steps),
+            ("sync.local_epochs", self.local_epochs),
+        ] {
+            if v == 0 {
+                return Err(format!("{key} must be at least 1"));
+            }
+        }
+        if !(self.outer_lr > 0.0 && self.outer_lr.is_finite()) {
+            return Err(format!(
+                "sync.outer_lr = {} must be a positive number",
+                self.outer_lr
+            ));
+        }
+        if !(0.0..1.0).contains(&self.outer_momentum) {
+            return Err(format!(
+                "sync.outer_momentum = {} must be in [0, 1)",
+                self.outer_momentum
+            ));
         }
         Ok(())
     }

@@ -223,8 +223,23 @@ fn overrides_replace_or_extend_as_documented() {
         bootstrap: vec!["/ip4/10.0.0.2/tcp/2".into()],
         mdns: true,
         psk: Some("k".into()),
+        sync_mode: Some("fedavg".into()),
     })
     .expect("apply");
+    assert_eq!(c.sync.mode, SyncMode::Fedavg);
+    // Federated averaging's round is one epoch over the node's own data, weighted by it.
+    let rc = c.sync.rounds(100, 32).expect("rounds");
+    assert_eq!((rc.steps, rc.weight), (4, 100.0));
+    let bad = c.apply(&Overrides {
+        sync_mode: Some("ring".into()),
+        ..Overrides::default()
+    });
+    assert!(
+        bad.is_err_and(|e| e
+            .to_string()
+            .contains("--sync-mode: unknown sync mode \"ring\"")),
+        "a bad mode must name the flag and the choices"
+    );
     assert_eq!(c.train.device, DeviceSpec::Cuda(0));
     assert_eq!((c.train.threads, c.train.max_steps), (3, 7));
     assert_eq!(c.api.listen.port(), 0);

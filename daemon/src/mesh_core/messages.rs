@@ -7,7 +7,7 @@ use libp2p::PeerId;
 
 use crate::sync_guard::SyncRefusal;
 use crate::trainer::Phase;
-use crate::wire::BulkResponse;
+use crate::wire::{BulkResponse, RingMessage};
 
 /// What the trainer last published about itself, as the core needs it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -74,6 +74,23 @@ pub enum TrainerEvent {
         /// What happened.
         outcome: AverageOutcome,
     },
+    /// The parameters asked for with [`TrainerCommand::TakeParams`].
+    Params {
+        /// The step they were taken at.
+        step: u64,
+        /// Flat, in canonical order.
+        values: Vec<f32>,
+    },
+    /// The answer to [`TrainerCommand::Combine`]: the digest of the parameters it left
+    /// (see `rounds::params_digest`), or why it could not combine.
+    Combined {
+        /// The round.
+        round: u64,
+        /// The trainer's step.
+        step: u64,
+        /// The parameters' digest, or the failure.
+        outcome: Result<String, String>,
+    },
     /// The parameters were replaced by a checkpoint at `step`: everything that referred to
     /// the old ones is void.
     Restored {
@@ -85,6 +102,17 @@ pub enum TrainerEvent {
 /// What the core asks of the trainer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TrainerCommand {
+    /// Hand over the current parameters ([`TrainerEvent::Params`]): a round's boundary.
+    TakeParams,
+    /// Take the members' weighted mean of round `round` (an outer optimizer step towards it,
+    /// in `diloco`); an empty `mean` keeps the parameters. Answer with
+    /// [`TrainerEvent::Combined`].
+    Combine {
+        /// The round.
+        round: u64,
+        /// The mean, flat in canonical order.
+        mean: Vec<f32>,
+    },
     /// Hand over the own change since the last delta ([`TrainerEvent::Delta`]).
     TakeDelta,
     /// Add `weight * values` to the parameters.
@@ -153,6 +181,22 @@ pub enum Input {
         /// Whether gossip took it.
         ok: bool,
     },
+    /// A hop of a synchronous round's ring.
+    Ring {
+        /// Its sender.
+        peer: PeerId,
+        /// The hop.
+        msg: RingMessage,
+    },
+    /// A hop could not be delivered to `peer`.
+    RingUndelivered {
+        /// The intended receiver.
+        peer: PeerId,
+        /// The hop's round.
+        round: u64,
+        /// The hop's attempt.
+        attempt: u32,
+    },
     /// The trainer's latest progress.
     Progress(Progress),
     /// News from the trainer.
@@ -219,6 +263,13 @@ pub enum Output {
     },
     /// Ask a neighbour for its parameters, then report [`Input::ParamsReply`].
     RequestParams(PeerId),
+    /// Send a ring hop; if it cannot be delivered, report [`Input::RingUndelivered`].
+    SendRing {
+        /// The successor in the ring.
+        peer: PeerId,
+        /// The hop.
+        msg: RingMessage,
+    },
     /// Hand the trainer a command; if its queue is full, report [`Input::TrainerBusy`].
     Trainer(TrainerCommand),
 }

@@ -14,6 +14,7 @@
 //! inputs and instants.
 
 mod messages;
+pub mod rounds;
 #[cfg(test)]
 mod sim;
 pub mod status;
@@ -39,6 +40,7 @@ use crate::policy::{Action, PolicyConfig, PolicyEvent, SyncPolicy};
 use crate::sync_guard::SyncGuard;
 use crate::trainer::Phase;
 use crate::wire::{self, Heartbeat};
+use rounds::{RoundConfig, Rounds};
 
 pub use messages::{
     AverageOutcome, FetchAnswer, Input, Output, Progress, RequestFailed, TrainerCommand,
@@ -106,6 +108,10 @@ pub struct CoreConfig {
     pub seed: u64,
     /// Dates what the status records (syncs, refusals) from the instants the core is handed.
     pub wall_clock: WallClock,
+    /// Synchronous rounds instead of gossip (sync modes `allreduce`, `diloco`, `fedavg`), and
+    /// whether this node starts with the mesh's parameters (a founder) or must adopt them (a
+    /// joiner, a resumed node).
+    pub rounds: Option<(RoundConfig, bool)>,
 }
 
 /// The Unix time at one instant. The core dates what it records from the instants it is
@@ -170,6 +176,10 @@ pub struct MeshCore {
     sync_finish_at: Option<(PeerId, Instant)>,
     next_refresh: Option<Instant>,
     next_heartbeat: Option<Instant>,
+    rounds: Option<Rounds>,
+    /// A round's trainer command the trainer's full queue refused, sent again at the next tick.
+    round_command: Option<TrainerCommand>,
+    heartbeats_sent: u64,
     status: MeshStatus,
 }
 
@@ -218,6 +228,11 @@ impl MeshCore {
             sync_finish_at: None,
             next_refresh: None,
             next_heartbeat: None,
+            rounds: cfg
+                .rounds
+                .map(|(rc, synced)| Rounds::new(rc, cfg.me, cfg.start_step, synced)),
+            round_command: None,
+            heartbeats_sent: 0,
             status,
             cfg,
         }
@@ -239,6 +254,24 @@ impl MeshCore {
                 }
             }
             Input::PeerDown(peer) => self.drop_member(peer, now, &mut out),
+            Input::Ring { peer, msg } => {
+                if let Some(r) = self
+                    .rounds
+                    .as_mut()
+                    .filter(|_| self.members.contains(&peer))
+                {
+                    r.message(peer, msg, now, &mut out);
+                }
+            }
+            Input::RingUndelivered {
+                peer,
+                round,
+                attempt,
+            } => {
+                if let Some(r) = &mut self.rounds {
+                    r.undelivered(peer, round, attempt, now);
+                }
+            }
             Input::Gossip {
                 source,
                 author,
@@ -281,6 +314,11 @@ impl MeshCore {
             Input::Leave => out.push(self.heartbeat(true)),
         }
         self.status.lead_over_slowest = self.policy.lead_over_slowest(now);
+        if let Some(r) = &self.rounds {
+            if self.status.rounds.as_ref() != Some(r.status()) {
+                self.status.rounds = Some(r.status().clone());
+            }
+        }
         out
     }
 
@@ -288,7 +326,11 @@ impl MeshCore {
     /// (SSP); `None` when nothing holds it back. The trainer may take a step while its step is
     /// below this.
     pub fn step_limit(&self, now: Instant) -> Option<u64> {
-        self.policy.step_limit(now)
+        let ssp = self.policy.step_limit(now);
+        match &self.rounds {
+            Some(r) => Some(ssp.map_or(r.step_limit(), |l| l.min(r.step_limit()))),
+            None => ssp,
+        }
     }
 
     /// The next update waiting for the trainer, with its weight.
@@ -334,6 +376,13 @@ impl MeshCore {
             self.next_heartbeat = Some(now + HEARTBEAT_EVERY);
             out.push(self.heartbeat(false));
         }
+        if let Some(cmd) = self.round_command.take() {
+            out.push(Output::Trainer(cmd));
+        }
+        if let Some(r) = &mut self.rounds {
+            let training = self.progress.phase == Phase::Training;
+            r.tick(self.progress.step, training, now, out);
+        }
         if let Some((peer, at)) = self.sync_finish_at {
             if now >= at {
                 self.sync_finish_at = None;
@@ -350,6 +399,9 @@ impl MeshCore {
                 pending_ratio,
             } => {
                 self.progress.step = self.progress.step.max(step);
+                if let Some(r) = &mut self.rounds {
+                    r.stepped(step, out);
+                }
                 self.feed(
                     PolicyEvent::Stepped {
                         step,
@@ -369,6 +421,30 @@ impl MeshCore {
                 self.publish_update(base_step, step, &delta, out);
             }
             TrainerEvent::Averaged { seq, outcome } => self.on_averaged(seq, outcome, now, out),
+            TrainerEvent::Params { step, values } => {
+                self.progress.step = self.progress.step.max(step);
+                if let Some(r) = &mut self.rounds {
+                    r.params(values, now, out);
+                }
+            }
+            TrainerEvent::Combined {
+                round,
+                step,
+                outcome,
+            } => {
+                if let Some(r) = &mut self.rounds {
+                    match outcome {
+                        Ok(digest) => r.combined(round, step, digest),
+                        Err(e) => {
+                            tracing::warn!(
+                                round,
+                                "the trainer could not take the round's mean: {e}"
+                            );
+                            r.combine_failed(now);
+                        }
+                    }
+                }
+            }
             TrainerEvent::Restored { step } => self.on_restored(step, now, out),
         }
     }
@@ -386,6 +462,9 @@ impl MeshCore {
                 now,
                 out,
             ),
+            cmd @ (TrainerCommand::TakeParams | TrainerCommand::Combine { .. }) => {
+                self.round_command = Some(cmd);
+            }
         }
     }
 
@@ -405,6 +484,10 @@ impl MeshCore {
         // A sync under way measured the old parameters: its answer is ignored.
         self.sync = None;
         self.sync_finish_at = None;
+        if let Some(r) = &mut self.rounds {
+            r.restored(step);
+        }
+        self.round_command = None;
         let _ = out;
     }
 
@@ -433,6 +516,9 @@ impl MeshCore {
 
     fn drop_member(&mut self, peer: PeerId, now: Instant, out: &mut Vec<Output>) {
         self.members.remove(&peer);
+        if let Some(r) = &mut self.rounds {
+            r.peer_down(peer, now);
+        }
         // A member that comes back may have restarted from an older checkpoint: its step
         // numbers repeat, and its updates are news again.
         self.seen_steps.remove(&peer);
@@ -480,13 +566,17 @@ impl MeshCore {
         self.status.neighbours = self.neighbours.iter().map(|p| p.to_string()).collect();
     }
 
-    fn heartbeat(&self, leaving: bool) -> Output {
+    fn heartbeat(&mut self, leaving: bool) -> Output {
+        self.heartbeats_sent += 1;
         let hb = Heartbeat {
             step: self.progress.step,
             loss: self.progress.loss,
             samples_per_sec: self.progress.samples_per_sec,
             accuracy: self.progress.accuracy,
             leaving,
+            in_rounds: self.rounds.is_some() && self.is_training() && !leaving,
+            round: self.rounds.as_ref().and_then(|r| r.status().round),
+            seq: self.heartbeats_sent,
         };
         Output::Publish {
             topic: self.heartbeat_topic.clone(),
@@ -510,6 +600,9 @@ impl MeshCore {
                 MessageAcceptance::Accept
             }
             (Some(a), Ok(hb)) => {
+                if let Some(r) = self.rounds.as_mut().filter(|_| self.members.contains(&a)) {
+                    r.heard(a, hb.in_rounds, hb.round, now);
+                }
                 if self.neighbours.contains(&a) {
                     self.feed(
                         PolicyEvent::Heard {

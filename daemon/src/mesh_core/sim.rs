@@ -214,6 +214,7 @@ impl Sim {
                 unix_secs: 0,
                 at: self.base,
             },
+            rounds: None,
         });
         // Every node pulls towards the run's common optimum plus a skew of its own, as nodes
         // with different data do.
@@ -545,6 +546,9 @@ impl Sim {
         let mut back = Vec::new();
         for out in outs {
             match out {
+                // The simulated nodes run the gossip mode; rounds have their own tests
+                // (`rounds::tests`) and the integration suite's `modes`.
+                Output::SendRing { .. } => {}
                 Output::Subscribe(t) => {
                     self.nodes[i].subs.insert(t);
                 }
@@ -680,6 +684,8 @@ impl Sim {
                 };
                 Some(Input::Trainer(TrainerEvent::Averaged { seq, outcome }))
             }
+            // Only the synchronous modes ask for these; the simulated nodes gossip.
+            TrainerCommand::TakeParams | TrainerCommand::Combine { .. } => None,
         }
     }
 

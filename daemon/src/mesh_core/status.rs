@@ -126,4 +126,6 @@ pub struct MeshStatus {
     pub dropped_stale: u64,
     /// How many steps this node is ahead of its slowest live neighbour, when SSP knows one.
     pub lead_over_slowest: Option<u64>,
+    /// Synchronous rounds, in the sync modes that have them.
+    pub rounds: Option<super::rounds::RoundStatus>,
 }

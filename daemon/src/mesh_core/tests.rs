@@ -147,6 +147,7 @@ fn fuzz_core(seed: u64) -> MeshCore {
         start_step: 0,
         seed,
         wall_clock: WallClock::now(),
+        rounds: None,
     })
 }
 

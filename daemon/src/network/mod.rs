@@ -443,7 +443,7 @@ mod tests {
         // Nodes compare exactly this string: a node of wire version 1 is refused at identify.
         assert_eq!(
             protocol_version("abc"),
-            "/p2ptrain/2/run/abc/gossip-max/2097152"
+            "/p2ptrain/3/run/abc/gossip-max/2097152"
         );
     }
 

@@ -3,7 +3,8 @@
 //! that answers them is in the parent module.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::thread::Thread;
 use std::time::Duration;
 
 use candle_core::Device;
@@ -40,11 +41,16 @@ pub enum TrainerError {
     },
 }
 
-/// The highest step the mesh lets the trainer reach (SSP's staleness bound), shared without
-/// a lock: the mesh writes it, the trainer reads it before every step. [`StepLimit::NONE`]
-/// when nothing holds the trainer back.
+/// The highest step the mesh lets the trainer reach (SSP's staleness bound, a round's
+/// boundary), shared without a lock: the mesh writes it, the trainer reads it before every
+/// step. [`StepLimit::NONE`] when nothing holds the trainer back. A trainer held by it parks,
+/// and the mesh wakes it when it raises the limit or hands it a command, so a synchronous
+/// round does not wait out a polling interval.
 #[derive(Debug, Clone, Default)]
-pub struct StepLimit(Arc<AtomicU64>);
+pub struct StepLimit {
+    limit: Arc<AtomicU64>,
+    trainer: Arc<Mutex<Option<Thread>>>,
+}
 
 impl StepLimit {
     /// No limit.
@@ -52,17 +58,37 @@ impl StepLimit {
 
     /// A limit that holds nothing back.
     pub fn new() -> StepLimit {
-        StepLimit(Arc::new(AtomicU64::new(Self::NONE)))
+        StepLimit {
+            limit: Arc::new(AtomicU64::new(Self::NONE)),
+            trainer: Arc::new(Mutex::new(None)),
+        }
     }
 
-    /// Sets the limit (`None`: no limit).
+    /// Sets the limit (`None`: no limit), waking the trainer when it rises.
     pub fn set(&self, limit: Option<u64>) {
-        self.0.store(limit.unwrap_or(Self::NONE), Ordering::Relaxed);
+        let new = limit.unwrap_or(Self::NONE);
+        if self.limit.swap(new, Ordering::Relaxed) < new {
+            self.wake();
+        }
     }
 
     /// Whether a step from `step` is allowed now.
     pub fn allows(&self, step: u64) -> bool {
-        step < self.0.load(Ordering::Relaxed)
+        step < self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Makes the calling thread the one [`StepLimit::wake`] wakes.
+    pub fn register_trainer(&self) {
+        if let Ok(mut t) = self.trainer.lock() {
+            *t = Some(std::thread::current());
+        }
+    }
+
+    /// Wakes the trainer if it is parked (and makes its next park return at once if not).
+    pub fn wake(&self) {
+        if let Some(t) = self.trainer.lock().ok().and_then(|t| t.clone()) {
+            t.unpark();
+        }
     }
 }
 
@@ -177,6 +203,20 @@ pub struct Setup {
     pub start_paused: bool,
     /// Debug throttle: sleep this long after every step.
     pub step_delay: Duration,
+    /// DiLoCo's outer optimizer, applied when a round's mean is combined; `None`: the mean
+    /// is taken as it is (`allreduce`, `fedavg`).
+    pub outer: Option<OuterSgd>,
+    /// The outer optimizer's velocity restored from a checkpoint (empty: zeros).
+    pub outer_velocity: Vec<f32>,
+}
+
+/// DiLoCo's outer optimizer: Nesterov SGD on the pseudo-gradient `start of round - mean`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OuterSgd {
+    /// Outer learning rate (DiLoCo uses 0.7).
+    pub lr: f32,
+    /// Nesterov momentum (DiLoCo uses 0.9).
+    pub momentum: f32,
 }
 
 /// Identities stamped on every snapshot.

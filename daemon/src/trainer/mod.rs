@@ -32,10 +32,10 @@ use crate::mesh_core::{AverageOutcome, TrainerCommand, TrainerEvent};
 use crate::sync_guard;
 
 pub use interface::{
-    Command, Counters, EvalStats, Finish, Handle, Identity, Phase, Setup, Stats, StepLimit,
-    TrainerError,
+    Command, Counters, EvalStats, Finish, Handle, Identity, OuterSgd, Phase, Setup, Stats,
+    StepLimit, TrainerError,
 };
-pub use state::build;
+pub use state::{build, outer_velocity};
 
 /// Capacity of the command channel: commands are handled between two steps, and the mesh
 /// keeps a few slots free for its own (see [`MESH_RESERVED`]).
@@ -75,6 +75,7 @@ pub fn spawn(
     std::thread::Builder::new()
         .name("trainer".into())
         .spawn(move || {
+            limit.register_trainer();
             let mut lp = Loop::new(setup, stats_tx, snapshot_tx, events_tx, limit);
             let result = lp.run(cmd_rx);
             let _ = done_tx.send(result);
@@ -105,6 +106,10 @@ struct Loop {
     /// Changes since then that were not this node's own steps (neighbours' updates, syncs).
     foreign: Vec<f32>,
     last_delta_step: u64,
+    /// The parameters at the start of the round (DiLoCo's outer step starts from them).
+    round_anchor: Vec<f32>,
+    /// The outer optimizer's velocity (checkpointed).
+    outer_velocity: Vec<f32>,
     paused: bool,
     held_since: Option<Instant>,
 }
@@ -139,6 +144,8 @@ impl Loop {
             anchor: Vec::new(),
             foreign: Vec::new(),
             last_delta_step: counters.step,
+            round_anchor: Vec::new(),
+            outer_velocity: s.outer_velocity.clone(),
             paused: s.start_paused,
             held_since: None,
             s,
@@ -151,6 +158,7 @@ impl Loop {
             &self.s.optimizer,
             &self.s.identity,
             self.counters,
+            &self.outer_velocity,
         )
     }
 
@@ -248,6 +256,8 @@ impl Loop {
                         self.losses.clear();
                         self.last_delta_step = c.step;
                         self.reset_anchor()?;
+                        self.outer_velocity = state::outer_velocity(&loaded);
+                        self.round_anchor.clear();
                         self.tell(TrainerEvent::Restored { step: c.step });
                         tracing::info!(id = loaded.meta.id, step = c.step, "restored state");
                         // The first evaluation right away shows what the restored state is worth.
@@ -266,6 +276,24 @@ impl Loop {
                 let _ = reply.send((self.counters.step, self.flat()?));
             }
             Command::Mesh(TrainerCommand::TakeDelta) => self.take_delta()?,
+            Command::Mesh(TrainerCommand::TakeParams) => {
+                let values = self.flat()?;
+                if self.round_anchor.len() != values.len() {
+                    self.round_anchor = values.clone();
+                }
+                self.tell(TrainerEvent::Params {
+                    step: self.counters.step,
+                    values,
+                });
+            }
+            Command::Mesh(TrainerCommand::Combine { round, mean }) => {
+                let outcome = self.combine(&mean).map_err(|e| e.to_string());
+                self.tell(TrainerEvent::Combined {
+                    round,
+                    step: self.counters.step,
+                    outcome,
+                });
+            }
             Command::Mesh(TrainerCommand::Apply { values, weight }) => {
                 self.apply(&values, weight)?
             }
@@ -344,6 +372,49 @@ impl Loop {
         Ok(AverageOutcome::Averaged(distance))
     }
 
+    /// Takes a round's mean (an empty one keeps the parameters): as it is, or, with an outer
+    /// optimizer (DiLoCo), by a Nesterov step along `round start - mean` from the round's
+    /// start. Answers the parameters' digest, so members can show they hold the same bits.
+    fn combine(&mut self, mean: &[f32]) -> Result<String, TrainerError> {
+        let mine = self.flat()?;
+        if mean.is_empty() {
+            self.round_anchor = mine.clone();
+            return Ok(crate::mesh_core::rounds::params_digest(&mine));
+        }
+        if mean.len() != mine.len() {
+            return Err(TrainerError::Refused(format!(
+                "a round's mean of {} values for {} parameters",
+                mean.len(),
+                mine.len()
+            )));
+        }
+        let next = match self.s.outer {
+            None => mean.to_vec(),
+            Some(outer) => {
+                let start = if self.round_anchor.len() == mine.len() {
+                    &self.round_anchor
+                } else {
+                    &mine
+                };
+                if self.outer_velocity.len() != mine.len() {
+                    self.outer_velocity = vec![0.0; mine.len()];
+                }
+                let mut next = Vec::with_capacity(mine.len());
+                for ((s, m), v) in start.iter().zip(mean).zip(self.outer_velocity.iter_mut()) {
+                    let g = s - m;
+                    *v = outer.momentum * *v + g;
+                    next.push(s - outer.lr * (g + outer.momentum * *v));
+                }
+                next
+            }
+        };
+        self.s.model.params().write_back(&next)?;
+        self.stats.param_norm = l2_norm(&next);
+        let digest = crate::mesh_core::rounds::params_digest(&next);
+        self.round_anchor = next;
+        Ok(digest)
+    }
+
     /// ‖own change since the last delta‖ / ‖parameters‖, for the policy's early-publish rule;
     /// measured only when that rule is on (it costs a copy of the parameters).
     fn pending_ratio(&self) -> Result<f64, TrainerError> {
@@ -397,7 +468,8 @@ impl Loop {
             self.stats.held = true;
             self.publish();
         }
-        std::thread::sleep(HELD_POLL);
+        // The mesh wakes it when it raises the limit or sends a command.
+        std::thread::park_timeout(HELD_POLL);
     }
 
     fn released(&mut self) {

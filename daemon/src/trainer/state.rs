@@ -81,6 +81,18 @@ pub(super) fn restore_into(
     })
 }
 
+/// The checkpoint's name for DiLoCo's outer velocity (flat, in canonical order).
+pub const OUTER_VELOCITY: &str = "optim.outer_velocity";
+
+/// The outer optimizer's velocity a checkpoint holds (empty when it holds none).
+pub fn outer_velocity(loaded: &Loaded) -> Vec<f32> {
+    loaded
+        .tensors
+        .get(OUTER_VELOCITY)
+        .map(|t| t.values.clone())
+        .unwrap_or_default()
+}
+
 fn to_device(
     tensors: &BTreeMap<String, HostTensor>,
     dev: &Device,
@@ -113,9 +125,19 @@ pub(super) fn snapshot(
     optimizer: &Optimizer,
     identity: &Identity,
     counters: Counters,
+    outer_velocity: &[f32],
 ) -> Result<Snapshot, TrainerError> {
     let params = model.params();
     let mut tensors = BTreeMap::new();
+    if !outer_velocity.is_empty() {
+        tensors.insert(
+            OUTER_VELOCITY.to_string(),
+            HostTensor {
+                shape: vec![outer_velocity.len()],
+                values: outer_velocity.to_vec(),
+            },
+        );
+    }
     for (name, var) in params.vars() {
         tensors.insert(name.clone(), host(var.as_tensor())?);
     }

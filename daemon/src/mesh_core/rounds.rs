@@ -1,0 +1,905 @@
+//! Synchronous rounds, for the sync modes `allreduce`, `diloco` and `fedavg`: every `steps`
+//! steps each member stops at the round's boundary, the members sum a weighted copy of their
+//! parameters in a bandwidth-optimal ring (reduce-scatter, then all-gather: each member sends
+//! `2(N-1)/N` of the model per round), and every member hands its trainer the same mean, bit
+//! for bit, because each chunk is summed once, by one member, and then copied around the ring.
+//! What the trainer makes of the mean (take it, or an outer Nesterov step towards it) is the
+//! trainer's business ([`super::TrainerCommand::Combine`]).
+//!
+//! No member leads. The ring of an attempt is the sorted list of members each node holds ready
+//! (heard saying so within [`READY_FRESH`]); every hop carries a digest of the sender's list,
+//! and lists that differ abort the attempt, which is retried with the next number after
+//! [`RETRY_PAUSE`] (by then heartbeats have made the lists agree). A member that dies aborts
+//! the attempt at once when its connection closes or a hop to it cannot be delivered, and
+//! after [`STALL_TIMEOUT`] without progress otherwise; the retry leaves it out. A joiner (or a
+//! node restored from a checkpoint) holds before its first step, takes the round number of the
+//! first hop that reaches it, and contributes with weight 0: it leaves the round with the
+//! members' mean, that is the current state, at a round boundary.
+//!
+//! Pure state: the core feeds it and carries out what it returns.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use libp2p::PeerId;
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+use sha2::{Digest, Sha256};
+
+use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
+use crate::wire::RingMessage;
+
+/// A member heard ready within this long is put in the ring: three heartbeats, so one lost
+/// heartbeat does not drop it, while a hung member falls out of the next attempt.
+pub const READY_FRESH: Duration = Duration::from_secs(3 * HEARTBEAT_EVERY.as_secs());
+/// An attempt that made no progress for this long is aborted and retried (a member that hung
+/// without closing its connection). An honest member still training towards the boundary
+/// costs only a retry, never a punishment.
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(20);
+/// Pause before an aborted attempt is retried, so the members' lists can settle.
+pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
+/// A node that has no round number yet (it resumed from a checkpoint) and hears no ring for
+/// this long while ready starts the rounds itself, at round 0: a whole mesh restarted from
+/// checkpoints must not wait for each other forever.
+pub const ADOPT_WAIT: Duration = Duration::from_secs(5);
+/// Hops kept for an attempt this node has not reached yet.
+const INBOX_CAP: usize = 256;
+/// Digests of recent rounds kept in status.
+const DIGESTS_KEPT: usize = 32;
+
+/// How this node takes part in rounds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RoundConfig {
+    /// Steps between two rounds (at least 1).
+    pub steps: u64,
+    /// This node's weight in the mean: 1, or its training samples for `fedavg`.
+    pub weight: f32,
+}
+
+/// Rounds as status shows them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundStatus {
+    /// Rounds completed mesh-wide before the one under way (`None`: not yet known, a joiner
+    /// waiting for its first ring).
+    pub round: Option<u64>,
+    /// The attempt at it.
+    pub attempt: u32,
+    /// Members in the last ring this node built.
+    pub ring_size: usize,
+    /// Rounds this node completed.
+    pub completed: u64,
+    /// Attempts aborted, by reason.
+    pub aborted: BTreeMap<String, u64>,
+    /// Milliseconds from this node's contribution to the mean, in the last round.
+    pub last_round_ms: f64,
+    /// Bytes of ring hops this node sent.
+    pub bytes_sent: u64,
+    /// The step of the next boundary.
+    pub boundary: u64,
+    /// Whether this node's parameters come from a completed round (a joiner's do not, and it
+    /// contributes with weight 0 until they do).
+    pub synced: bool,
+    /// Digest of the parameters after recent rounds (`round`, first 8 bytes of SHA-256 of the
+    /// little-endian values, hex): equal digests for a round mean bit-identical parameters.
+    pub digests: Vec<(u64, String)>,
+}
+
+/// A hop's place: (round, attempt, hop).
+type HopKey = (u64, u32, u32);
+/// A hop waiting in the inbox: (sender, member-list digest, values).
+type Hop = (PeerId, u64, Vec<f32>);
+
+/// One attempt's ring under way.
+#[derive(Debug)]
+struct Ring {
+    members: Vec<PeerId>,
+    digest: u64,
+    me: usize,
+    /// The running sums, then the finished ones.
+    acc: Vec<f32>,
+    /// The hop expected next from the predecessor.
+    next_hop: u32,
+    last_progress: Instant,
+}
+
+impl Ring {
+    fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    fn hops(&self) -> u32 {
+        2 * (self.len() as u32 - 1)
+    }
+
+    fn successor(&self) -> PeerId {
+        self.members[(self.me + 1) % self.len()]
+    }
+
+    fn predecessor(&self) -> PeerId {
+        self.members[(self.me + self.len() - 1) % self.len()]
+    }
+
+    /// The value range of chunk `c`.
+    fn chunk(&self, c: usize) -> std::ops::Range<usize> {
+        let (n, total) = (self.len(), self.acc.len());
+        (c * total / n)..((c + 1) * total / n)
+    }
+
+    /// The chunk sent at `hop`: reduce-scatter sends chunk `me - hop`, all-gather chunk
+    /// `me + 1 - (hop - (N-1))`.
+    fn sent_chunk(&self, hop: u32) -> usize {
+        let n = self.len() as i64;
+        let (me, hop) = (self.me as i64, i64::from(hop));
+        let c = if hop < n - 1 {
+            me - hop
+        } else {
+            me + 1 - (hop - (n - 1))
+        };
+        c.rem_euclid(n) as usize
+    }
+
+    /// The chunk received at `hop`: the one the predecessor sent.
+    fn received_chunk(&self, hop: u32) -> usize {
+        let n = self.len() as i64;
+        let (pred, hop) = ((self.me as i64 - 1).rem_euclid(n), i64::from(hop));
+        let c = if hop < n - 1 {
+            pred - hop
+        } else {
+            pred + 1 - (hop - (n - 1))
+        };
+        c.rem_euclid(n) as usize
+    }
+}
+
+/// Where this node is in the round.
+#[derive(Debug)]
+enum Stage {
+    /// Training towards the boundary.
+    Training,
+    /// Its parameters were asked of the trainer.
+    Asked,
+    /// Holding its contribution, with an attempt under way or waiting to be retried.
+    Reducing {
+        contribution: Vec<f32>,
+        ring: Option<Ring>,
+        since: Instant,
+    },
+    /// The mean went to the trainer.
+    Combining,
+}
+
+/// The rounds of one node; see the module docs.
+#[derive(Debug)]
+pub struct Rounds {
+    cfg: RoundConfig,
+    me: PeerId,
+    round: Option<u64>,
+    attempt: u32,
+    boundary: u64,
+    synced: bool,
+    stage: Stage,
+    /// Hops for attempts this node has not reached: (round, attempt, hop) -> (sender, digest,
+    /// values).
+    inbox: BTreeMap<HopKey, Hop>,
+    retry_at: Option<Instant>,
+    ready: HashMap<PeerId, Instant>,
+    /// Since when this node, ready, has waited for a round number.
+    waiting_since: Option<Instant>,
+    /// When a ready member last said it knows the round: then rounds are running, and a
+    /// node without a round waits for their hops instead of starting its own.
+    rounds_heard: Option<Instant>,
+    status: RoundStatus,
+}
+
+impl Rounds {
+    /// Rounds for a node at `step`. A founder (`synced`) starts at round 0 and trains to the
+    /// first boundary; a joiner or a resumed node holds at once and adopts the mesh's round.
+    pub fn new(cfg: RoundConfig, me: PeerId, step: u64, synced: bool) -> Rounds {
+        let cfg = RoundConfig {
+            steps: cfg.steps.max(1),
+            ..cfg
+        };
+        let boundary = if synced { step + cfg.steps } else { step };
+        Rounds {
+            cfg,
+            me,
+            round: synced.then_some(0),
+            attempt: 0,
+            boundary,
+            synced,
+            stage: Stage::Training,
+            inbox: BTreeMap::new(),
+            retry_at: None,
+            ready: HashMap::new(),
+            waiting_since: None,
+            rounds_heard: None,
+            status: RoundStatus {
+                round: synced.then_some(0),
+                boundary,
+                synced,
+                ..RoundStatus::default()
+            },
+        }
+    }
+
+    /// The highest step the trainer may reach: the round's boundary.
+    pub fn step_limit(&self) -> u64 {
+        self.boundary
+    }
+
+    /// What status shows.
+    pub fn status(&self) -> &RoundStatus {
+        &self.status
+    }
+
+    /// A member's heartbeat said whether it is ready for rounds.
+    pub fn heard(&mut self, peer: PeerId, in_rounds: bool, round: Option<u64>, now: Instant) {
+        if in_rounds {
+            self.ready.insert(peer, now);
+            if round.is_some() {
+                self.rounds_heard = Some(now);
+            }
+        } else {
+            self.ready.remove(&peer);
+        }
+    }
+
+    /// A member went away: an attempt it was part of cannot finish.
+    pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
+        self.ready.remove(&peer);
+        self.inbox.retain(|_, (from, _, _)| *from != peer);
+        if self.ring_has(&peer) {
+            self.abort("member left", now);
+        }
+    }
+
+    /// A hop to `peer` could not be delivered.
+    pub fn undelivered(&mut self, peer: PeerId, round: u64, attempt: u32, now: Instant) {
+        if Some(round) == self.round && attempt == self.attempt && self.ring_has(&peer) {
+            self.ready.remove(&peer);
+            self.abort("hop undelivered", now);
+        }
+    }
+
+    fn ring_has(&self, peer: &PeerId) -> bool {
+        matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.members.contains(peer))
+    }
+
+    /// Time passed; `step` is the trainer's, `training` whether it trains (a joiner still
+    /// downloading does not, and is not asked for parameters).
+    pub fn tick(&mut self, step: u64, training: bool, now: Instant, out: &mut Vec<Output>) {
+        match &self.stage {
+            Stage::Training if training && step >= self.boundary => {
+                self.stage = Stage::Asked;
+                out.push(Output::Trainer(TrainerCommand::TakeParams));
+            }
+            Stage::Reducing { ring: Some(r), .. }
+                if now.saturating_duration_since(r.last_progress) >= STALL_TIMEOUT =>
+            {
+                self.abort("stalled", now);
+            }
+            Stage::Reducing { ring: None, .. } => {
+                if self.round.is_none() {
+                    let running = self
+                        .rounds_heard
+                        .is_some_and(|t| now.saturating_duration_since(t) < READY_FRESH);
+                    if running {
+                        self.waiting_since = None;
+                    }
+                    let since = *self.waiting_since.get_or_insert(now);
+                    if !running && now.saturating_duration_since(since) >= ADOPT_WAIT {
+                        tracing::info!("no ring heard; starting the rounds at round 0");
+                        self.round = Some(0);
+                        self.synced = true;
+                    }
+                }
+                if self.retry_at.is_none_or(|t| now >= t) {
+                    self.start(now, out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The trainer reached a step: at the boundary, its parameters are asked for.
+    pub fn stepped(&mut self, step: u64, out: &mut Vec<Output>) {
+        if matches!(self.stage, Stage::Training) && step >= self.boundary {
+            self.stage = Stage::Asked;
+            out.push(Output::Trainer(TrainerCommand::TakeParams));
+        }
+    }
+
+    /// The trainer's parameters at the boundary: this node's contribution is `weight * θ`,
+    /// with the weight itself appended, so the ring's sum divides into the weighted mean.
+    pub fn params(&mut self, values: Vec<f32>, now: Instant, out: &mut Vec<Output>) {
+        if !matches!(self.stage, Stage::Asked) {
+            return;
+        }
+        let w = if self.synced { self.cfg.weight } else { 0.0 };
+        let mut contribution: Vec<f32> = values.iter().map(|v| w * v).collect();
+        contribution.push(w);
+        self.stage = Stage::Reducing {
+            contribution,
+            ring: None,
+            since: now,
+        };
+        self.retry_at = None;
+        self.start(now, out);
+    }
+
+    /// Starts an attempt with the members ready now, if the round is known.
+    fn start(&mut self, now: Instant, out: &mut Vec<Output>) {
+        let Some(round) = self.round else {
+            return;
+        };
+        let Stage::Reducing {
+            contribution, ring, ..
+        } = &mut self.stage
+        else {
+            return;
+        };
+        // Someone may already be at a later attempt of this round: join it.
+        if let Some(a) = self
+            .inbox
+            .range((round, 0, 0)..=(round, u32::MAX, u32::MAX))
+            .map(|((_, a, _), _)| *a)
+            .max()
+        {
+            self.attempt = self.attempt.max(a);
+        }
+        let mut members: Vec<PeerId> = self
+            .ready
+            .iter()
+            .filter(|(_, at)| now.saturating_duration_since(**at) < READY_FRESH)
+            .map(|(p, _)| *p)
+            .collect();
+        members.push(self.me);
+        members.sort();
+        let me = members.iter().position(|p| *p == self.me).unwrap_or(0);
+        let r = Ring {
+            digest: members_digest(&members),
+            members,
+            me,
+            acc: contribution.clone(),
+            next_hop: 0,
+            last_progress: now,
+        };
+        self.status.ring_size = r.len();
+        self.status.attempt = self.attempt;
+        self.retry_at = None;
+        if r.len() == 1 {
+            let acc = r.acc;
+            self.finish(round, acc, now, out);
+            return;
+        }
+        let first = hop_message(round, self.attempt, &r, 0);
+        self.status.bytes_sent += first.values.len() as u64;
+        out.push(Output::SendRing {
+            peer: r.successor(),
+            msg: first,
+        });
+        *ring = Some(r);
+        self.drain(now, out);
+    }
+
+    /// A hop from `from`. Hops of a later attempt make this node join it; hops of attempts
+    /// it has not reached wait in the inbox; stale ones are dropped. A hop that cannot be
+    /// honest (wrong size, not finite) is an offence and aborts the attempt.
+    pub fn message(&mut self, from: PeerId, msg: RingMessage, now: Instant, out: &mut Vec<Output>) {
+        let Some(values) = decode_values(&msg.values) else {
+            out.push(Output::Offence {
+                peer: from,
+                why: "ring hop of odd length".into(),
+            });
+            return;
+        };
+        if values.iter().any(|v| !v.is_finite()) {
+            out.push(Output::Offence {
+                peer: from,
+                why: "ring hop with NaN or infinite values".into(),
+            });
+            return;
+        }
+        let key = (msg.round, msg.attempt, msg.hop);
+        match self.round {
+            // A node without a round number takes the first one a ready node offers.
+            None if matches!(self.stage, Stage::Reducing { .. }) => {
+                self.round = Some(msg.round);
+                self.attempt = msg.attempt;
+                self.status.round = self.round;
+                self.keep(key, from, msg.members, values);
+                self.start(now, out);
+                return;
+            }
+            None => {}
+            Some(r) if msg.round < r => return,
+            Some(r) if msg.round > r + 1 && matches!(self.stage, Stage::Reducing { .. }) => {
+                // The mesh is rounds ahead (this node was cut off): take its round, as a
+                // joiner would, and contribute nothing until synced again.
+                tracing::info!(
+                    mine = r,
+                    theirs = msg.round,
+                    "the mesh is rounds ahead; adopting its round"
+                );
+                self.round = Some(msg.round);
+                self.attempt = msg.attempt;
+                self.synced = false;
+                if let Stage::Reducing {
+                    contribution, ring, ..
+                } = &mut self.stage
+                {
+                    contribution.iter_mut().for_each(|v| *v = 0.0);
+                    *ring = None;
+                }
+                self.keep(key, from, msg.members, values);
+                self.start(now, out);
+                return;
+            }
+            Some(r) if msg.round == r && msg.attempt < self.attempt => return,
+            Some(r) if msg.round == r && msg.attempt > self.attempt => {
+                self.attempt = msg.attempt;
+                self.keep(key, from, msg.members, values);
+                if let Stage::Reducing { ring, .. } = &mut self.stage {
+                    *ring = None;
+                    self.start(now, out);
+                }
+                return;
+            }
+            Some(_) => {}
+        }
+        self.keep(key, from, msg.members, values);
+        self.drain(now, out);
+    }
+
+    fn keep(&mut self, key: HopKey, from: PeerId, digest: u64, values: Vec<f32>) {
+        if self.inbox.len() >= INBOX_CAP {
+            self.inbox.pop_first();
+        }
+        self.inbox.insert(key, (from, digest, values));
+    }
+
+    /// Takes the hops the running attempt expects, in order, from the inbox.
+    fn drain(&mut self, now: Instant, out: &mut Vec<Output>) {
+        loop {
+            let Some(round) = self.round else {
+                return;
+            };
+            let attempt = self.attempt;
+            let Stage::Reducing {
+                ring: Some(ring), ..
+            } = &mut self.stage
+            else {
+                return;
+            };
+            // Hops of older attempts of this round, or of older rounds, are no use any more.
+            let stale: Vec<_> = self
+                .inbox
+                .keys()
+                .filter(|(r, a, _)| *r < round || (*r == round && *a < attempt))
+                .copied()
+                .collect();
+            for k in stale {
+                self.inbox.remove(&k);
+            }
+            let key = (round, attempt, ring.next_hop);
+            let Some((from, digest, values)) = self.inbox.remove(&key) else {
+                // A hop of this attempt with another member list means the lists differ.
+                let differs = self
+                    .inbox
+                    .range((round, attempt, 0)..=(round, attempt, u32::MAX))
+                    .any(|(_, (_, d, _))| *d != ring.digest);
+                if differs {
+                    self.abort("member lists differ", now);
+                }
+                return;
+            };
+            if digest != ring.digest {
+                self.abort("member lists differ", now);
+                return;
+            }
+            if from != ring.predecessor() {
+                // The same list puts the sender elsewhere: cannot be honest.
+                out.push(Output::Offence {
+                    peer: from,
+                    why: "ring hop out of turn".into(),
+                });
+                self.abort("hop out of turn", now);
+                return;
+            }
+            let hop = ring.next_hop;
+            let range = ring.chunk(ring.received_chunk(hop));
+            if values.len() != range.len() {
+                out.push(Output::Offence {
+                    peer: from,
+                    why: format!(
+                        "ring hop of {} values where {} belong",
+                        values.len(),
+                        range.len()
+                    ),
+                });
+                self.abort("hop of the wrong size", now);
+                return;
+            }
+            let reducing = hop < ring.len() as u32 - 1;
+            for (a, v) in ring.acc[range].iter_mut().zip(&values) {
+                if reducing {
+                    *a += v;
+                } else {
+                    *a = *v;
+                }
+            }
+            ring.next_hop += 1;
+            ring.last_progress = now;
+            if ring.next_hop == ring.hops() {
+                let acc = std::mem::take(&mut ring.acc);
+                self.finish(round, acc, now, out);
+                return;
+            }
+            let msg = hop_message(round, attempt, ring, ring.next_hop);
+            let peer = ring.successor();
+            self.status.bytes_sent += msg.values.len() as u64;
+            out.push(Output::SendRing { peer, msg });
+        }
+    }
+
+    /// The sums are complete: the weighted mean goes to the trainer.
+    fn finish(&mut self, round: u64, mut acc: Vec<f32>, now: Instant, out: &mut Vec<Output>) {
+        let since = match &self.stage {
+            Stage::Reducing { since, .. } => *since,
+            _ => now,
+        };
+        self.status.last_round_ms = now.saturating_duration_since(since).as_secs_f64() * 1e3;
+        let total = acc.pop().unwrap_or(0.0);
+        self.stage = Stage::Combining;
+        if total > 0.0 {
+            acc.iter_mut().for_each(|v| *v /= total);
+            out.push(Output::Trainer(TrainerCommand::Combine {
+                round,
+                mean: acc,
+            }));
+        } else {
+            // Nobody in the ring had parameters from a round (joiners only): each keeps its
+            // own and they are synced from the next round on.
+            out.push(Output::Trainer(TrainerCommand::Combine {
+                round,
+                mean: Vec::new(),
+            }));
+        }
+    }
+
+    /// The trainer took round `round`'s mean at `step`; `digest` is its parameters' digest.
+    pub fn combined(&mut self, round: u64, step: u64, digest: String) {
+        if !matches!(self.stage, Stage::Combining) || self.round != Some(round) {
+            return;
+        }
+        self.round = Some(round + 1);
+        self.attempt = 0;
+        self.synced = true;
+        self.boundary = step + self.cfg.steps;
+        self.stage = Stage::Training;
+        self.waiting_since = None;
+        self.status.completed += 1;
+        self.status.round = self.round;
+        self.status.attempt = 0;
+        self.status.boundary = self.boundary;
+        self.status.synced = true;
+        if self.status.digests.len() >= DIGESTS_KEPT {
+            self.status.digests.remove(0);
+        }
+        self.status.digests.push((round, digest));
+    }
+
+    /// The trainer could not take the mean: hold, and let the round be retried. The trainer
+    /// keeps its parameters, which are no longer the members': it is unsynced.
+    pub fn combine_failed(&mut self, now: Instant) {
+        if matches!(self.stage, Stage::Combining) {
+            self.synced = false;
+            self.stage = Stage::Training;
+            self.abort_counter("trainer failed");
+            let _ = now;
+        }
+    }
+
+    /// The parameters were replaced (a checkpoint, a downloaded state): they are no longer the
+    /// mesh's; hold and adopt the mesh's round.
+    pub fn restored(&mut self, step: u64) {
+        self.round = None;
+        self.attempt = 0;
+        self.synced = false;
+        self.boundary = step;
+        self.stage = Stage::Training;
+        self.waiting_since = None;
+        self.status.round = None;
+        self.status.synced = false;
+        self.status.boundary = step;
+    }
+
+    fn abort(&mut self, why: &str, now: Instant) {
+        if let Stage::Reducing { ring, .. } = &mut self.stage {
+            if ring.take().is_some() {
+                tracing::info!(round = ?self.round, attempt = self.attempt, why, "round attempt aborted; retrying");
+                self.attempt += 1;
+                self.retry_at = Some(now + RETRY_PAUSE);
+                self.abort_counter(why);
+            }
+        }
+    }
+
+    fn abort_counter(&mut self, why: &str) {
+        *self.status.aborted.entry(why.to_string()).or_default() += 1;
+    }
+}
+
+/// The message of `hop`: the chunk the ring sends then, little-endian.
+fn hop_message(round: u64, attempt: u32, ring: &Ring, hop: u32) -> RingMessage {
+    let values = &ring.acc[ring.chunk(ring.sent_chunk(hop))];
+    let mut bytes = Vec::with_capacity(values.len() * 4);
+    for v in values {
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    RingMessage {
+        round,
+        attempt,
+        members: ring.digest,
+        hop,
+        values: ByteBuf::from(bytes),
+    }
+}
+
+/// Digest of a sorted member list.
+fn members_digest(members: &[PeerId]) -> u64 {
+    let mut h = Sha256::new();
+    for m in members {
+        h.update(m.to_bytes());
+    }
+    let d = h.finalize();
+    u64::from_le_bytes(d[..8].try_into().unwrap_or_default())
+}
+
+/// A hop's values; `None` when the bytes are not whole `f32`s.
+fn decode_values(bytes: &[u8]) -> Option<Vec<f32>> {
+    if !bytes.len().is_multiple_of(4) {
+        return None;
+    }
+    Some(
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+    )
+}
+
+/// The digest status shows for a parameter vector: the first 8 bytes of SHA-256 over its
+/// little-endian values, in hex.
+pub fn params_digest(values: &[f32]) -> String {
+    let mut h = Sha256::new();
+    for v in values {
+        h.update(v.to_le_bytes());
+    }
+    hex::encode(&h.finalize()[..8])
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use super::*;
+
+    /// Nodes of one mesh, their outputs carried in order (a perfect network).
+    struct Ring {
+        ids: Vec<PeerId>,
+        nodes: Vec<Rounds>,
+        params: Vec<Vec<f32>>,
+        means: Vec<Option<Vec<f32>>>,
+        offences: usize,
+    }
+
+    impl Ring {
+        fn new(n: usize, weights: &[f32], synced: &[bool]) -> Ring {
+            let ids: Vec<PeerId> = (0..n).map(|_| PeerId::random()).collect();
+            let nodes = (0..n)
+                .map(|i| {
+                    Rounds::new(
+                        RoundConfig {
+                            steps: 5,
+                            weight: weights[i],
+                        },
+                        ids[i],
+                        0,
+                        synced[i],
+                    )
+                })
+                .collect();
+            let params = (0..n)
+                .map(|i| (0..10).map(|j| (i * 10 + j) as f32 * 0.37).collect())
+                .collect();
+            Ring {
+                ids,
+                nodes,
+                params,
+                means: vec![None; n],
+                offences: 0,
+            }
+        }
+
+        fn hear_all(&mut self, now: Instant) {
+            for i in 0..self.nodes.len() {
+                for j in 0..self.nodes.len() {
+                    if i != j {
+                        let round = self.nodes[j].status().round;
+                        self.nodes[i].heard(self.ids[j], true, round, now);
+                    }
+                }
+            }
+        }
+
+        /// Runs every node to its boundary and carries messages until none is left.
+        fn run(&mut self, now: Instant, alive: &[bool]) {
+            let mut queue: VecDeque<(usize, Output)> = VecDeque::new();
+            for (i, _) in alive.iter().enumerate().filter(|(_, a)| **a) {
+                let mut out = Vec::new();
+                let step = self.nodes[i].step_limit();
+                self.nodes[i].tick(step, true, now, &mut out);
+                queue.extend(out.into_iter().map(|o| (i, o)));
+            }
+            while let Some((i, o)) = queue.pop_front() {
+                let mut out = Vec::new();
+                match o {
+                    Output::Trainer(TrainerCommand::TakeParams) => {
+                        self.nodes[i].params(self.params[i].clone(), now, &mut out)
+                    }
+                    Output::Trainer(TrainerCommand::Combine { mean, .. }) => {
+                        self.means[i] = Some(mean)
+                    }
+                    Output::SendRing { peer, msg } => {
+                        let j = self.ids.iter().position(|p| *p == peer).expect("peer");
+                        if alive[j] {
+                            self.nodes[j].message(self.ids[i], msg, now, &mut out);
+                            queue.extend(out.drain(..).map(|o| (j, o)));
+                        }
+                    }
+                    Output::Offence { .. } => self.offences += 1,
+                    _ => {}
+                }
+                queue.extend(out.into_iter().map(|o| (i, o)));
+            }
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn every_member_ends_a_round_with_the_same_bits_of_the_weighted_mean() {
+        for n in [2, 3, 4, 7] {
+            let weights: Vec<f32> = (0..n).map(|i| 1.0 + i as f32).collect();
+            let mut ring = Ring::new(n, &weights, &vec![true; n]);
+            let now = Instant::now();
+            ring.hear_all(now);
+            ring.run(now, &vec![true; n]);
+            let first = ring.means[0].clone().expect("a mean");
+            for m in &ring.means {
+                assert_eq!(bits(m.as_ref().expect("a mean")), bits(&first), "n = {n}");
+            }
+            // It is the weighted mean.
+            let total: f32 = weights.iter().sum();
+            for (j, got) in first.iter().enumerate() {
+                let want: f32 = (0..n).map(|i| weights[i] * ring.params[i][j]).sum::<f32>() / total;
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "{got} vs {want}"
+                );
+            }
+            // Each member sent 2(N-1)/N of the model (and the weight), no more.
+            let per_member = ring.nodes[0].status().bytes_sent as f64;
+            let model = 11.0 * 4.0;
+            let optimal = 2.0 * (n as f64 - 1.0) / n as f64 * model;
+            assert!(
+                per_member <= optimal + 8.0 * n as f64,
+                "{per_member} vs {optimal}"
+            );
+            assert_eq!(ring.offences, 0);
+        }
+    }
+
+    #[test]
+    fn a_member_that_dies_aborts_the_round_and_the_retry_leaves_it_out() {
+        let mut ring = Ring::new(3, &[1.0; 3], &[true; 3]);
+        let now = Instant::now();
+        ring.hear_all(now);
+        // The third never answers: the others wait, then learn it is gone.
+        ring.run(now, &[true, true, false]);
+        assert!(ring.means.iter().all(Option::is_none));
+        let dead = ring.ids[2];
+        for node in &mut ring.nodes[..2] {
+            node.peer_down(dead, now);
+            assert_eq!(node.status().aborted.get("member left"), Some(&1));
+        }
+        // After the pause the retry, without it, completes.
+        let later = now + RETRY_PAUSE;
+        ring.run(later, &[true, true, false]);
+        let (a, b) = (ring.means[0].clone(), ring.means[1].clone());
+        let a = a.expect("a mean after the retry");
+        assert_eq!(bits(&a), bits(&b.expect("a mean")));
+        let want: Vec<f32> = (0..10)
+            .map(|j| (ring.params[0][j] + ring.params[1][j]) / 2.0)
+            .collect();
+        assert_eq!(bits(&a), bits(&want));
+        assert_eq!(ring.nodes[0].status().ring_size, 2);
+    }
+
+    #[test]
+    fn a_joiner_adopts_the_round_and_leaves_it_with_the_members_mean() {
+        let mut ring = Ring::new(3, &[1.0; 3], &[true, true, false]);
+        let now = Instant::now();
+        assert_eq!(ring.nodes[2].step_limit(), 0, "a joiner holds at once");
+        ring.hear_all(now);
+        ring.run(now, &[true; 3]);
+        let means: Vec<Vec<f32>> = ring
+            .means
+            .iter()
+            .map(|m| m.clone().expect("mean"))
+            .collect();
+        assert_eq!(bits(&means[2]), bits(&means[0]));
+        // Weight 0: its own parameters are not in the mean.
+        let want: Vec<f32> = (0..10)
+            .map(|j| (ring.params[0][j] + ring.params[1][j]) / 2.0)
+            .collect();
+        assert_eq!(bits(&means[0]), bits(&want));
+        assert_eq!(ring.nodes[2].status().round, Some(0));
+        ring.nodes[2].combined(0, 0, "x".into());
+        assert!(ring.nodes[2].status().synced);
+        assert_eq!(ring.nodes[2].status().round, Some(1));
+        assert_eq!(ring.nodes[2].step_limit(), 5);
+    }
+
+    #[test]
+    fn hostile_hops_are_offences_and_never_reach_the_mean() {
+        let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+        let now = Instant::now();
+        ring.hear_all(now);
+        let mut out = Vec::new();
+        ring.nodes[0].tick(5, true, now, &mut out);
+        ring.nodes[0].params(ring.params[0].clone(), now, &mut out);
+        let digest = members_digest(&{
+            let mut m = ring.ids.clone();
+            m.sort();
+            m
+        });
+        let from = ring.ids[1];
+        for values in [vec![1, 2, 3], f32::NAN.to_le_bytes().repeat(5)] {
+            let mut out = Vec::new();
+            let msg = RingMessage {
+                round: 0,
+                attempt: 0,
+                members: digest,
+                hop: 0,
+                values: ByteBuf::from(values),
+            };
+            ring.nodes[0].message(from, msg, now, &mut out);
+            assert!(
+                out.iter().any(|o| matches!(o, Output::Offence { .. })),
+                "{out:?}"
+            );
+            assert!(!out
+                .iter()
+                .any(|o| matches!(o, Output::Trainer(TrainerCommand::Combine { .. }))));
+        }
+        // A hop of the wrong size aborts the attempt.
+        let mut out = Vec::new();
+        let msg = RingMessage {
+            round: 0,
+            attempt: 0,
+            members: digest,
+            hop: 0,
+            values: ByteBuf::from(1.0f32.to_le_bytes().repeat(2)),
+        };
+        ring.nodes[0].message(from, msg, now, &mut out);
+        assert!(out.iter().any(|o| matches!(o, Output::Offence { .. })));
+        assert_eq!(
+            ring.nodes[0].status().aborted.get("hop of the wrong size"),
+            Some(&1)
+        );
+    }
+}

@@ -90,6 +90,23 @@ pub fn status_text(s: &Status) -> String {
             .map(|d| format!(", consensus distance {:.2}%", d * 100.0))
             .unwrap_or_default()
     ));
+    if let Some(r) = &s.mesh.rounds {
+        let aborted: u64 = r.aborted.values().sum();
+        out.push_str(&format!(
+            "rounds    {} ({}): round {}, ring of {}, {} completed, {} attempts aborted, last {:.1} ms{}\n",
+            s.sync.mode,
+            if r.synced { "synced" } else { "joining" },
+            r.round.map_or_else(|| "-".to_string(), |n| n.to_string()),
+            r.ring_size,
+            r.completed,
+            aborted,
+            r.last_round_ms,
+            r.digests
+                .last()
+                .map(|(n, d)| format!(", parameters {d} after round {n}"))
+                .unwrap_or_default()
+        ));
+    }
     let f = &s.mesh.full_syncs;
     if f.accepted + f.refused + f.failed > 0 {
         out.push_str(&format!(

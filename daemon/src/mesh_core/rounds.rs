@@ -327,8 +327,38 @@ impl Rounds {
         self.start(now, out);
     }
 
+    /// Takes the newest round the inbox holds hops of, when it is past this node's (or this
+    /// node has none): the mesh completed rounds without it. Its parameters are then not
+    /// the mesh's, so it contributes with weight 0 and leaves the round with the mean.
+    fn adopt_newer_round(&mut self) {
+        let Some(&(newest, attempt, _)) = self.inbox.keys().next_back() else {
+            return;
+        };
+        let Stage::Reducing { contribution, .. } = &mut self.stage else {
+            return;
+        };
+        match self.round {
+            Some(mine) if newest <= mine => return,
+            Some(mine) => {
+                tracing::info!(
+                    mine,
+                    theirs = newest,
+                    "the mesh is rounds ahead; adopting its round"
+                );
+                self.synced = false;
+                contribution.iter_mut().for_each(|v| *v = 0.0);
+            }
+            None => {}
+        }
+        self.round = Some(newest);
+        self.attempt = attempt;
+        self.status.round = self.round;
+        self.status.synced = self.synced;
+    }
+
     /// Starts an attempt with the members ready now, if the round is known.
     fn start(&mut self, now: Instant, out: &mut Vec<Output>) {
+        self.adopt_newer_round();
         let Some(round) = self.round else {
             return;
         };
@@ -400,48 +430,38 @@ impl Rounds {
             });
             return;
         }
+        // A hop is proof that its sender takes part in rounds now.
+        self.ready.insert(from, now);
         let key = (msg.round, msg.attempt, msg.hop);
+        let reducing = matches!(self.stage, Stage::Reducing { .. });
         match self.round {
-            // A node without a round number takes the first one a ready node offers.
-            None if matches!(self.stage, Stage::Reducing { .. }) => {
-                self.round = Some(msg.round);
-                self.attempt = msg.attempt;
-                self.status.round = self.round;
+            // A round this node has not reached. Right after a round, a faster member may
+            // already be in the next one while this node waits for its last hop: that hop
+            // waits. Otherwise the mesh went on without this node (it joined, was cut off, or
+            // aborted an attempt the others completed): `start` takes the mesh's round.
+            Some(r) if msg.round > r => {
+                let finishing = msg.round == r + 1
+                    && matches!(self.stage, Stage::Reducing { ring: Some(_), .. });
                 self.keep(key, from, msg.members, values);
-                self.start(now, out);
-                return;
-            }
-            None => {}
-            Some(r) if msg.round < r => return,
-            Some(r) if msg.round > r + 1 && matches!(self.stage, Stage::Reducing { .. }) => {
-                // The mesh is rounds ahead (this node was cut off): take its round, as a
-                // joiner would, and contribute nothing until synced again.
-                tracing::info!(
-                    mine = r,
-                    theirs = msg.round,
-                    "the mesh is rounds ahead; adopting its round"
-                );
-                self.round = Some(msg.round);
-                self.attempt = msg.attempt;
-                self.synced = false;
-                if let Stage::Reducing {
-                    contribution, ring, ..
-                } = &mut self.stage
-                {
-                    contribution.iter_mut().for_each(|v| *v = 0.0);
-                    *ring = None;
+                if reducing && !finishing {
+                    self.restart(now, out);
                 }
-                self.keep(key, from, msg.members, values);
-                self.start(now, out);
                 return;
             }
-            Some(r) if msg.round == r && msg.attempt < self.attempt => return,
-            Some(r) if msg.round == r && msg.attempt > self.attempt => {
+            None => {
+                self.keep(key, from, msg.members, values);
+                if reducing {
+                    self.restart(now, out);
+                }
+                return;
+            }
+            Some(r) if msg.round < r => return,
+            Some(_) if msg.attempt < self.attempt => return,
+            Some(_) if msg.attempt > self.attempt => {
                 self.attempt = msg.attempt;
                 self.keep(key, from, msg.members, values);
-                if let Stage::Reducing { ring, .. } = &mut self.stage {
-                    *ring = None;
-                    self.start(now, out);
+                if reducing {
+                    self.restart(now, out);
                 }
                 return;
             }
@@ -449,6 +469,15 @@ impl Rounds {
         }
         self.keep(key, from, msg.members, values);
         self.drain(now, out);
+    }
+
+    /// Drops the attempt under way (if any) and starts again at once, with what the inbox
+    /// says of the mesh's round and attempt.
+    fn restart(&mut self, now: Instant, out: &mut Vec<Output>) {
+        if let Stage::Reducing { ring, .. } = &mut self.stage {
+            *ring = None;
+        }
+        self.start(now, out);
     }
 
     fn keep(&mut self, key: HopKey, from: PeerId, digest: u64, values: Vec<f32>) {
@@ -852,6 +881,50 @@ mod tests {
         assert!(ring.nodes[2].status().synced);
         assert_eq!(ring.nodes[2].status().round, Some(1));
         assert_eq!(ring.nodes[2].step_limit(), 5);
+    }
+
+    #[test]
+    fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
+        let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+        let now = Instant::now();
+        ring.hear_all(now);
+        // Node 0 reaches its boundary and its attempt is aborted (a hop failed) ...
+        let mut out = Vec::new();
+        ring.nodes[0].tick(5, true, now, &mut out);
+        ring.nodes[0].params(ring.params[0].clone(), now, &mut out);
+        ring.nodes[0].undelivered(ring.ids[1], 0, 0, now);
+        assert_eq!(
+            ring.nodes[0].status().aborted.get("hop undelivered"),
+            Some(&1)
+        );
+        // ... while the mesh went on: node 1 is at round 3 and sends it its first hop.
+        let mut sorted = ring.ids.clone();
+        sorted.sort();
+        let sender_index = sorted.iter().position(|p| *p == ring.ids[1]).expect("in");
+        let len = if sender_index == 0 { 5 } else { 6 };
+        let msg = RingMessage {
+            round: 3,
+            attempt: 2,
+            members: members_digest(&sorted),
+            hop: 0,
+            values: ByteBuf::from(0.5f32.to_le_bytes().repeat(len)),
+        };
+        let mut out = Vec::new();
+        ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
+        let st = ring.nodes[0].status();
+        assert_eq!((st.round, st.attempt, st.synced), (Some(3), 2, false));
+        // It joined that attempt at once, contributing nothing of its own.
+        let sent: Vec<&RingMessage> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::SendRing { msg, .. } => Some(msg),
+                _ => None,
+            })
+            .collect();
+        assert!(!sent.is_empty(), "{out:?}");
+        assert!(sent.iter().all(|m| m.round == 3 && m.attempt == 2));
+        let own = sent.iter().find(|m| m.hop == 0).expect("its own first hop");
+        assert!(own.values.iter().all(|b| *b == 0), "weight 0: zeros");
     }
 
     #[test]

@@ -134,27 +134,35 @@ fn write_config(
     sync: &[(&str, toml::Value)],
     step_delay_ms: u64,
 ) -> Result<PathBuf> {
-    let mut table: toml::Table = toml::from_str(base).context("base config")?;
-    let section = |t: &mut toml::Table, name: &str| -> Result<toml::Table> {
-        Ok(match t.remove(name) {
-            Some(toml::Value::Table(s)) => s,
-            Some(_) => bail!("[{name}] is not a table"),
-            None => toml::Table::new(),
-        })
-    };
-    let mut s = section(&mut table, "sync")?;
-    for (k, v) in sync {
-        s.insert((*k).to_string(), v.clone());
-    }
-    table.insert("sync".into(), toml::Value::Table(s));
-    let mut d = section(&mut table, "debug")?;
+    let mut settings: Vec<(&str, &str, toml::Value)> =
+        sync.iter().map(|(k, v)| ("sync", *k, v.clone())).collect();
     if step_delay_ms > 0 {
-        d.insert(
-            "step_delay_ms".into(),
+        settings.push((
+            "debug",
+            "step_delay_ms",
             toml::Value::Integer(step_delay_ms as i64),
-        );
+        ));
     }
-    table.insert("debug".into(), toml::Value::Table(d));
+    write_run_config(base, out, name, &settings)
+}
+
+/// Writes `out/configs/NAME.toml`: the base config with each `(section, key, value)` set.
+pub(crate) fn write_run_config(
+    base: &str,
+    out: &Path,
+    name: &str,
+    settings: &[(&str, &str, toml::Value)],
+) -> Result<PathBuf> {
+    let mut table: toml::Table = toml::from_str(base).context("base config")?;
+    for (section, key, value) in settings {
+        let entry = table
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let toml::Value::Table(t) = entry else {
+            bail!("[{section}] is not a table");
+        };
+        t.insert(key.to_string(), value.clone());
+    }
     let path = out.join("configs").join(format!("{name}.toml"));
     std::fs::create_dir_all(out.join("configs"))?;
     std::fs::write(&path, toml::to_string(&table)?)
@@ -164,7 +172,7 @@ fn write_config(
 
 /// Reads the base config's text, making relative paths in it absolute (the run configs live
 /// elsewhere).
-fn base_text(config: Option<&Path>) -> Result<(String, String)> {
+pub(crate) fn base_text(config: Option<&Path>) -> Result<(String, String)> {
     match config {
         None => Ok((
             p2ptrain_daemon::config::DEFAULT_CONFIG_TOML.to_string(),
@@ -365,6 +373,7 @@ pub fn run(args: MeshArgs) -> Result<()> {
             json: true,
             node_configs,
             trace: true,
+            stop_at_mean_accuracy: None,
         })?;
         let density = matches!(codec, Codec::TopK(_))
             .then(|| args.density.unwrap_or(base_config.sync.density));
@@ -393,6 +402,7 @@ pub fn run(args: MeshArgs) -> Result<()> {
                 json: true,
                 node_configs: BTreeMap::new(),
                 trace: true,
+                stop_at_mean_accuracy: None,
             })?;
             let r = summarise("single-node", false, None, params, &summary);
             eprintln!(

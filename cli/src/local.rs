@@ -43,6 +43,10 @@ pub struct LocalArgs {
     /// Record every node's status over time in the summary.
     #[arg(skip)]
     pub trace: bool,
+    /// Stop the nodes once every node has evaluated and their mean held-out accuracy reached
+    /// this (a race to a target).
+    #[arg(skip)]
+    pub stop_at_mean_accuracy: Option<f64>,
 }
 
 /// One node's status at one moment, for curves over time.
@@ -356,13 +360,19 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         if all_exited {
             break;
         }
-        if let Some(d) = duration {
-            if started.elapsed() >= d {
-                for c in &clients {
-                    let _ = c.post::<serde_json::Value>("/v1/stop").await;
-                }
-                break;
+        let target_reached = args.stop_at_mean_accuracy.is_some_and(|target| {
+            let accs: Vec<f64> = last
+                .values()
+                .filter_map(|s| s.training.eval.map(|e| e.accuracy))
+                .collect();
+            accs.len() == args.nodes && accs.iter().sum::<f64>() / accs.len() as f64 >= target
+        });
+        let out_of_time = duration.is_some_and(|d| started.elapsed() >= d);
+        if out_of_time || target_reached {
+            for c in &clients {
+                let _ = c.post::<serde_json::Value>("/v1/stop").await;
             }
+            break;
         }
         if started.elapsed() > Duration::from_secs(3600) {
             bail!("the mesh ran for an hour without finishing");

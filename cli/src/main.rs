@@ -6,6 +6,7 @@
 
 mod bench;
 mod bench_mesh;
+mod bench_race;
 mod client;
 mod local;
 mod output;
@@ -203,6 +204,9 @@ enum BenchCmd {
     /// A local mesh per update codec: bytes per update, accuracy, throughput, consensus;
     /// writes report.json and report.svg.
     Mesh(bench_mesh::MeshArgs),
+    /// Time to a target accuracy: each sync mode's local mesh against PyTorch DDP (gloo);
+    /// writes report.json and report.svg.
+    Race(bench_race::RaceArgs),
 }
 
 fn main() -> ExitCode {
@@ -273,6 +277,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Bench(BenchCmd::Trainer(args)) => bench::trainer(args),
         Cmd::Bench(BenchCmd::Mesh(args)) => {
             bench_mesh::run(args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench(BenchCmd::Race(args)) => {
+            bench_race::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Keygen(args) => keygen(&args.psk),

@@ -1,0 +1,338 @@
+//! `p2ptrain bench race`: time to a target accuracy, each sync mode against PyTorch DDP.
+//!
+//! For each run (a sync mode with its codec, on each partition asked for), a local mesh of
+//! `--nodes` daemons trains the configured model, node `k` on its own part `k/N` of the data,
+//! until the mean of the nodes' latest held-out accuracies reaches the target or the timeout
+//! passes. Then the same model, batch, optimizer and parts train under PyTorch DDP with the gloo
+//! backend (`bench/ddp_race.py`, run with the Python of a virtual environment holding torch;
+//! `bench/setup_torch.sh` makes one). `DIR/report.json` holds per run `mode`, `codec`,
+//! `partition`, `time_to_target_s`, `bytes_sent_per_node`, `final_accuracy` and the curve, and
+//! the DDP runs under `ddp`; `DIR/report.svg` plots mean accuracy against wall time.
+//!
+//! Links: loopback. The 10 Mbit/s links between namespace hosts are not built by this
+//! command yet (see the README's Benchmarks section).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Serialize;
+
+use crate::bench_mesh::{base_text, write_run_config};
+use crate::local::{self, LocalArgs, LocalSummary};
+
+/// Arguments of `bench race`.
+#[derive(Args)]
+pub struct RaceArgs {
+    /// Where `report.json`, `report.svg`, the run configs and DDP's outputs go.
+    #[arg(long)]
+    out: PathBuf,
+    /// Nodes (and DDP processes).
+    #[arg(long, default_value_t = 4)]
+    nodes: usize,
+    /// Base configuration.
+    #[arg(long, default_value = "configs/mnist-mlp.toml")]
+    config: PathBuf,
+    /// Mean held-out accuracy to reach.
+    #[arg(long, default_value_t = 0.97)]
+    target: f64,
+    /// Give up on a run after this many seconds.
+    #[arg(long, default_value_t = 300.0)]
+    timeout: f64,
+    /// Runs, comma-separated `mode:codec` (codec ignored by the synchronous modes).
+    #[arg(
+        long,
+        default_value = "gossip:onebit,allreduce:dense,diloco:dense,fedavg:dense"
+    )]
+    runs: String,
+    /// Data partitions, comma-separated (`iid`, `by_label`).
+    #[arg(long, default_value = "iid")]
+    partitions: String,
+    /// Steps between evaluations, for p2ptrain and DDP alike.
+    #[arg(long, default_value_t = 250)]
+    eval_every: u64,
+    /// Python with torch for the DDP runs.
+    #[arg(long, default_value = "bench/.venv/bin/python")]
+    python: PathBuf,
+    /// Leave DDP out.
+    #[arg(long)]
+    no_ddp: bool,
+}
+
+/// One p2ptrain run of the race.
+#[derive(Debug, Serialize)]
+struct RaceRun {
+    mode: String,
+    codec: String,
+    partition: String,
+    links: &'static str,
+    nodes: usize,
+    /// Seconds from the first node's start until the nodes' mean accuracy reached the
+    /// target; `None` when it did not within the timeout.
+    time_to_target_s: Option<f64>,
+    /// Mean over nodes of all bytes each sent (libp2p's counters: updates, rounds, syncs,
+    /// state transfer, control).
+    bytes_sent_per_node: f64,
+    /// Mean of the nodes' final accuracies.
+    final_accuracy: f64,
+    steps: Vec<u64>,
+    wall_s: f64,
+    /// `[seconds, mean accuracy of the nodes that have evaluated]`.
+    accuracy_over_time: Vec<[f64; 2]>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    benchmark: &'static str,
+    config: String,
+    target: f64,
+    nodes: usize,
+    timeout_s: f64,
+    runs: Vec<RaceRun>,
+    ddp: Vec<serde_json::Value>,
+}
+
+/// The nodes' mean accuracy over time (once all have evaluated), and when it first reached
+/// `target`.
+fn mean_curve(s: &LocalSummary, nodes: usize, target: f64) -> (Vec<[f64; 2]>, Option<f64>) {
+    let mut latest: BTreeMap<usize, f64> = BTreeMap::new();
+    let mut curve = Vec::new();
+    let mut reached = None;
+    for p in &s.trace {
+        if let Some(a) = p.accuracy {
+            latest.insert(p.node, a);
+        }
+        if latest.len() == nodes && p.node == nodes - 1 {
+            let mean = latest.values().sum::<f64>() / nodes as f64;
+            curve.push([p.t, mean]);
+            if reached.is_none() && mean >= target {
+                reached = Some(p.t);
+            }
+        }
+    }
+    (curve, reached)
+}
+
+/// Runs the benchmark.
+pub fn run(args: RaceArgs) -> Result<()> {
+    if args.nodes < 2 {
+        bail!("--nodes must be at least 2: a race of one is no mesh");
+    }
+    if !(args.target > 0.0 && args.target <= 1.0) {
+        bail!("--target {} must be in (0, 1]", args.target);
+    }
+    let runs: Vec<(String, String)> = args
+        .runs
+        .split(',')
+        .map(|r| {
+            let (mode, codec) = r.trim().split_once(':').unwrap_or((r.trim(), "dense"));
+            mode.parse::<p2ptrain_daemon::config::SyncMode>()
+                .map_err(anyhow::Error::msg)?;
+            codec
+                .parse::<p2ptrain_models::codec::Codec>()
+                .map_err(anyhow::Error::msg)?;
+            Ok((mode.to_string(), codec.to_string()))
+        })
+        .collect::<Result<_>>()?;
+    let partitions: Vec<String> = args
+        .partitions
+        .split(',')
+        .map(|p| p.trim().to_string())
+        .collect();
+    for p in &partitions {
+        if !["iid", "by_label"].contains(&p.as_str()) {
+            bail!("--partitions: {p:?} is not iid or by_label");
+        }
+    }
+    if !args.no_ddp && !args.python.exists() {
+        bail!(
+            "no Python with torch at {}: run bench/setup_torch.sh (it makes bench/.venv), pass --python, or --no-ddp",
+            args.python.display()
+        );
+    }
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let (base, config_name) = base_text(Some(&args.config))?;
+    let base_table: toml::Table = toml::from_str(&base)?;
+    let mnist_dir = base_table
+        .get("data")
+        .and_then(|d| d.get("dir"))
+        .and_then(|d| d.as_str())
+        .map(PathBuf::from);
+    let optimizer = base_table.get("optimizer").cloned();
+    let mut report = Report {
+        benchmark: "race",
+        config: config_name,
+        target: args.target,
+        nodes: args.nodes,
+        timeout_s: args.timeout,
+        runs: Vec::new(),
+        ddp: Vec::new(),
+    };
+    for partition in &partitions {
+        for (mode, codec) in &runs {
+            let name = format!("{mode}-{codec}-{partition}");
+            let mut node_configs = BTreeMap::new();
+            for k in 0..args.nodes {
+                let settings = [
+                    ("sync", "mode", toml::Value::String(mode.clone())),
+                    ("sync", "codec", toml::Value::String(codec.clone())),
+                    (
+                        "train",
+                        "shard",
+                        toml::Value::String(format!("{k}/{}", args.nodes)),
+                    ),
+                    (
+                        "train",
+                        "eval_every",
+                        toml::Value::Integer(args.eval_every as i64),
+                    ),
+                    ("data", "partition", toml::Value::String(partition.clone())),
+                    ("checkpoint", "every_steps", toml::Value::Integer(0)),
+                    ("checkpoint", "every_secs", toml::Value::Integer(0)),
+                ];
+                node_configs.insert(
+                    k,
+                    write_run_config(&base, &args.out, &format!("{name}-{k}"), &settings)?,
+                );
+            }
+            eprintln!(
+                "bench race: {} nodes, {name}, until {:.0}% or {:.0} s",
+                args.nodes,
+                args.target * 100.0,
+                args.timeout
+            );
+            let summary = local::run(LocalArgs {
+                nodes: args.nodes,
+                config: node_configs.get(&0).cloned(),
+                duration: Some(args.timeout),
+                steps: None,
+                data_dir: None,
+                json: true,
+                node_configs,
+                trace: true,
+                stop_at_mean_accuracy: Some(args.target),
+            })?;
+            let (curve, reached) = mean_curve(&summary, args.nodes, args.target);
+            let n = summary.per_node.len().max(1) as f64;
+            let r = RaceRun {
+                mode: mode.clone(),
+                codec: if mode == "gossip" {
+                    codec.clone()
+                } else {
+                    "dense".into()
+                },
+                partition: partition.clone(),
+                links: "loopback",
+                nodes: args.nodes,
+                time_to_target_s: reached,
+                bytes_sent_per_node: summary
+                    .per_node
+                    .iter()
+                    .map(|p| p.bytes_sent as f64)
+                    .sum::<f64>()
+                    / n,
+                final_accuracy: summary.mean_accuracy,
+                steps: summary.per_node.iter().map(|p| p.step).collect(),
+                wall_s: summary.wall_secs,
+                accuracy_over_time: curve,
+            };
+            eprintln!(
+                "  {name}: {} , {:.1} MB sent per node, final mean accuracy {:.2}%",
+                r.time_to_target_s
+                    .map_or("target not reached".into(), |t| format!(
+                        "{t:.1} s to target"
+                    )),
+                r.bytes_sent_per_node / 1e6,
+                r.final_accuracy * 100.0
+            );
+            report.runs.push(r);
+        }
+        if !args.no_ddp {
+            let Some(dir) = &mnist_dir else {
+                bail!("the DDP run reads MNIST: the config has no data.dir");
+            };
+            let out = args.out.join(format!("ddp-{partition}.json"));
+            let (lr, momentum) = match &optimizer {
+                Some(o) => (
+                    o.get("lr").and_then(toml::Value::as_float).unwrap_or(0.01),
+                    o.get("momentum")
+                        .and_then(toml::Value::as_float)
+                        .unwrap_or(0.0),
+                ),
+                None => (0.01, 0.0),
+            };
+            eprintln!(
+                "bench race: PyTorch DDP (gloo), {} processes, {partition}",
+                args.nodes
+            );
+            let status = Command::new(&args.python)
+                .arg("bench/ddp_race.py")
+                .args(["--mnist", &dir.display().to_string()])
+                .args(["--nodes", &args.nodes.to_string()])
+                .args(["--target", &args.target.to_string()])
+                .args(["--timeout", &args.timeout.to_string()])
+                .args(["--lr", &lr.to_string(), "--momentum", &momentum.to_string()])
+                .args(["--eval-every", &args.eval_every.to_string()])
+                .args(["--partition", partition])
+                .args(["--out", &out.display().to_string()])
+                .status()
+                .with_context(|| format!("cannot run {}", args.python.display()))?;
+            if !status.success() {
+                bail!("bench/ddp_race.py failed ({status})");
+            }
+            let mut v: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(&out)
+                    .with_context(|| format!("cannot read {}", out.display()))?,
+            )?;
+            v["links"] = "loopback".into();
+            eprintln!("  DDP {partition}: {} s to target", v["time_to_target_s"]);
+            report.ddp.push(v);
+        }
+    }
+    let json = serde_json::to_string_pretty(&report)?;
+    std::fs::write(args.out.join("report.json"), &json)?;
+    let mut lines: Vec<(String, Vec<(f64, f64)>)> = report
+        .runs
+        .iter()
+        .map(|r| {
+            (
+                format!("{} {} {}", r.mode, r.codec, r.partition),
+                r.accuracy_over_time.iter().map(|p| (p[0], p[1])).collect(),
+            )
+        })
+        .collect();
+    for d in &report.ddp {
+        let points = d["accuracy_over_time"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|p| Some((p[0].as_f64()?, p[1].as_f64()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        lines.push((
+            format!("DDP gloo {}", d["partition"].as_str().unwrap_or("")),
+            points,
+        ));
+    }
+    let svg = crate::plot::render_race_svg(
+        &format!(
+            "p2ptrain bench race: {} nodes, time to {:.0}%",
+            args.nodes,
+            args.target * 100.0
+        ),
+        &lines,
+        args.target,
+    )?;
+    std::fs::write(args.out.join("report.svg"), svg)?;
+    println!("{json}");
+    eprintln!(
+        "wrote {} and {}",
+        args.out.join("report.json").display(),
+        args.out.join("report.svg").display()
+    );
+    Ok(())
+}

@@ -440,7 +440,7 @@ impl MeshCore {
                                 round,
                                 "the trainer could not take the round's mean: {e}"
                             );
-                            r.combine_failed(now);
+                            r.combine_failed();
                         }
                     }
                 }

@@ -620,12 +620,12 @@ impl Rounds {
 
     /// The trainer could not take the mean: hold, and let the round be retried. The trainer
     /// keeps its parameters, which are no longer the members': it is unsynced.
-    pub fn combine_failed(&mut self, now: Instant) {
+    pub fn combine_failed(&mut self) {
         if matches!(self.stage, Stage::Combining) {
             self.synced = false;
+            self.status.synced = false;
             self.stage = Stage::Training;
             self.abort_counter("trainer failed");
-            let _ = now;
         }
     }
 

@@ -423,7 +423,6 @@ pub fn run(args: MeshArgs) -> Result<()> {
         runs,
     };
     let json = serde_json::to_string_pretty(&report)?;
-    std::fs::write(args.out.join("report.json"), &json)?;
     let series: Vec<RunSeries> = report
         .runs
         .iter()
@@ -443,12 +442,18 @@ pub fn run(args: MeshArgs) -> Result<()> {
         })
         .collect();
     let svg = plot::render_svg(&format!("p2ptrain bench mesh: {config_name}"), &series)?;
-    std::fs::write(args.out.join("report.svg"), svg)?;
+    write_report(&args.out, &json, &svg)
+}
+
+/// Writes `DIR/report.json` and `DIR/report.svg`, prints the JSON and says where both went.
+pub(crate) fn write_report(out: &Path, json: &str, svg: &str) -> Result<()> {
+    std::fs::write(out.join("report.json"), json)?;
+    std::fs::write(out.join("report.svg"), svg)?;
     println!("{json}");
     eprintln!(
         "wrote {} and {}",
-        args.out.join("report.json").display(),
-        args.out.join("report.svg").display()
+        out.join("report.json").display(),
+        out.join("report.svg").display()
     );
     Ok(())
 }

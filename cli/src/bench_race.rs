@@ -20,7 +20,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 
-use crate::bench_mesh::{base_text, write_run_config};
+use crate::bench_mesh::{base_text, write_report, write_run_config};
 use crate::local::{self, LocalArgs, LocalSummary};
 
 /// Arguments of `bench race`.
@@ -293,7 +293,6 @@ pub fn run(args: RaceArgs) -> Result<()> {
         }
     }
     let json = serde_json::to_string_pretty(&report)?;
-    std::fs::write(args.out.join("report.json"), &json)?;
     let mut lines: Vec<(String, Vec<(f64, f64)>)> = report
         .runs
         .iter()
@@ -327,12 +326,5 @@ pub fn run(args: RaceArgs) -> Result<()> {
         &lines,
         args.target,
     )?;
-    std::fs::write(args.out.join("report.svg"), svg)?;
-    println!("{json}");
-    eprintln!(
-        "wrote {} and {}",
-        args.out.join("report.json").display(),
-        args.out.join("report.svg").display()
-    );
-    Ok(())
+    write_report(&args.out, &json, &svg)
 }

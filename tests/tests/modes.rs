@@ -89,7 +89,6 @@ fn assert_identical(nodes: &[&Node]) -> u64 {
 #[test]
 fn allreduce_members_hold_identical_parameters_through_a_kill_and_a_join() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let cfg = mode_config(tmp.path(), "allreduce", 0, "iid", "");
     // Every node the same config but its own third of the data.
     let cfgs: Vec<PathBuf> = (0..3)
         .map(|k| mode_config(tmp.path(), "allreduce", k, "iid", ""))
@@ -148,7 +147,8 @@ fn allreduce_members_hold_identical_parameters_through_a_kill_and_a_join() {
     assert_identical(&[&a, &b]);
 
     // A newcomer joins through a survivor.
-    let d = start(tmp.path(), "d", &cfg, Some(&listen_addr(&b)), &[]);
+    // The newcomer takes the dead member's third.
+    let d = start(tmp.path(), "d", &cfgs[2], Some(&listen_addr(&b)), &[]);
     d.wait_status("the newcomer in the rounds", Duration::from_secs(60), |s| {
         completed(s) > 10 && rounds(s)["ring_size"].as_u64() == Some(3)
     });

@@ -246,6 +246,7 @@ impl MeshCore {
     /// Handles one input at `now` and says what to do about it.
     pub fn handle(&mut self, input: Input, now: Instant) -> Vec<Output> {
         let mut out = Vec::new();
+        let tick = matches!(input, Input::Tick);
         match input {
             Input::PeerUp(peer) => {
                 if peer != self.cfg.me {
@@ -314,10 +315,9 @@ impl MeshCore {
             Input::Leave => out.push(self.heartbeat(true)),
         }
         self.status.lead_over_slowest = self.policy.lead_over_slowest(now);
-        if let Some(r) = &self.rounds {
-            if self.status.rounds.as_ref() != Some(r.status()) {
-                self.status.rounds = Some(r.status().clone());
-            }
+        // Status leaves the core on ticks; the rounds' part is read off then.
+        if let (true, Some(r)) = (tick, &self.rounds) {
+            self.status.rounds = Some(r.status());
         }
         out
     }
@@ -575,7 +575,7 @@ impl MeshCore {
             accuracy: self.progress.accuracy,
             leaving,
             in_rounds: self.rounds.is_some() && self.is_training() && !leaving,
-            round: self.rounds.as_ref().and_then(|r| r.status().round),
+            round: self.rounds.as_ref().and_then(Rounds::round),
             seq: self.heartbeats_sent,
         };
         Output::Publish {

@@ -18,7 +18,7 @@
 //!
 //! Pure state: the core feeds it and carries out what it returns.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
@@ -188,7 +188,13 @@ pub struct Rounds {
     /// When a ready member last said it knows the round: then rounds are running, and a
     /// node without a round waits for their hops instead of starting its own.
     rounds_heard: Option<Instant>,
-    status: RoundStatus,
+    /// What status counts; the rest of [`RoundStatus`] is read off the fields above.
+    ring_size: usize,
+    completed: u64,
+    aborted: BTreeMap<String, u64>,
+    last_round_ms: f64,
+    bytes_sent: u64,
+    digests: VecDeque<(u64, String)>,
 }
 
 impl Rounds {
@@ -213,12 +219,12 @@ impl Rounds {
             ready: HashMap::new(),
             waiting_since: None,
             rounds_heard: None,
-            status: RoundStatus {
-                round: synced.then_some(0),
-                boundary,
-                synced,
-                ..RoundStatus::default()
-            },
+            ring_size: 0,
+            completed: 0,
+            aborted: BTreeMap::new(),
+            last_round_ms: 0.0,
+            bytes_sent: 0,
+            digests: VecDeque::new(),
         }
     }
 
@@ -227,9 +233,25 @@ impl Rounds {
         self.boundary
     }
 
+    /// The round under way, once this node knows it.
+    pub fn round(&self) -> Option<u64> {
+        self.round
+    }
+
     /// What status shows.
-    pub fn status(&self) -> &RoundStatus {
-        &self.status
+    pub fn status(&self) -> RoundStatus {
+        RoundStatus {
+            round: self.round,
+            attempt: self.attempt,
+            ring_size: self.ring_size,
+            completed: self.completed,
+            aborted: self.aborted.clone(),
+            last_round_ms: self.last_round_ms,
+            bytes_sent: self.bytes_sent,
+            boundary: self.boundary,
+            synced: self.synced,
+            digests: self.digests.iter().cloned().collect(),
+        }
     }
 
     /// A member's heartbeat said whether it is ready for rounds.
@@ -269,10 +291,8 @@ impl Rounds {
     /// downloading does not, and is not asked for parameters).
     pub fn tick(&mut self, step: u64, training: bool, now: Instant, out: &mut Vec<Output>) {
         match &self.stage {
-            Stage::Training if training && step >= self.boundary => {
-                self.stage = Stage::Asked;
-                out.push(Output::Trainer(TrainerCommand::TakeParams));
-            }
+            // A step report at the boundary may have been dropped: the tick asks instead.
+            Stage::Training if training => self.stepped(step, out),
             Stage::Reducing { ring: Some(r), .. }
                 if now.saturating_duration_since(r.last_progress) >= STALL_TIMEOUT =>
             {
@@ -352,8 +372,6 @@ impl Rounds {
         }
         self.round = Some(newest);
         self.attempt = attempt;
-        self.status.round = self.round;
-        self.status.synced = self.synced;
     }
 
     /// Starts an attempt with the members ready now, if the round is known.
@@ -394,8 +412,7 @@ impl Rounds {
             next_hop: 0,
             last_progress: now,
         };
-        self.status.ring_size = r.len();
-        self.status.attempt = self.attempt;
+        self.ring_size = r.len();
         self.retry_at = None;
         if r.len() == 1 {
             let acc = r.acc;
@@ -403,7 +420,7 @@ impl Rounds {
             return;
         }
         let first = hop_message(round, self.attempt, &r, 0);
-        self.status.bytes_sent += first.values.len() as u64;
+        self.bytes_sent += first.values.len() as u64;
         out.push(Output::SendRing {
             peer: r.successor(),
             msg: first,
@@ -566,7 +583,7 @@ impl Rounds {
             }
             let msg = hop_message(round, attempt, ring, ring.next_hop);
             let peer = ring.successor();
-            self.status.bytes_sent += msg.values.len() as u64;
+            self.bytes_sent += msg.values.len() as u64;
             out.push(Output::SendRing { peer, msg });
         }
     }
@@ -577,7 +594,7 @@ impl Rounds {
             Stage::Reducing { since, .. } => *since,
             _ => now,
         };
-        self.status.last_round_ms = now.saturating_duration_since(since).as_secs_f64() * 1e3;
+        self.last_round_ms = now.saturating_duration_since(since).as_secs_f64() * 1e3;
         let total = acc.pop().unwrap_or(0.0);
         self.stage = Stage::Combining;
         if total > 0.0 {
@@ -607,15 +624,11 @@ impl Rounds {
         self.boundary = step + self.cfg.steps;
         self.stage = Stage::Training;
         self.waiting_since = None;
-        self.status.completed += 1;
-        self.status.round = self.round;
-        self.status.attempt = 0;
-        self.status.boundary = self.boundary;
-        self.status.synced = true;
-        if self.status.digests.len() >= DIGESTS_KEPT {
-            self.status.digests.remove(0);
+        self.completed += 1;
+        if self.digests.len() >= DIGESTS_KEPT {
+            self.digests.pop_front();
         }
-        self.status.digests.push((round, digest));
+        self.digests.push_back((round, digest));
     }
 
     /// The trainer could not take the mean: hold, and let the round be retried. The trainer
@@ -623,7 +636,6 @@ impl Rounds {
     pub fn combine_failed(&mut self) {
         if matches!(self.stage, Stage::Combining) {
             self.synced = false;
-            self.status.synced = false;
             self.stage = Stage::Training;
             self.abort_counter("trainer failed");
         }
@@ -638,9 +650,6 @@ impl Rounds {
         self.boundary = step;
         self.stage = Stage::Training;
         self.waiting_since = None;
-        self.status.round = None;
-        self.status.synced = false;
-        self.status.boundary = step;
     }
 
     fn abort(&mut self, why: &str, now: Instant) {
@@ -655,7 +664,7 @@ impl Rounds {
     }
 
     fn abort_counter(&mut self, why: &str) {
-        *self.status.aborted.entry(why.to_string()).or_default() += 1;
+        *self.aborted.entry(why.to_string()).or_default() += 1;
     }
 }
 
@@ -760,6 +769,22 @@ mod tests {
                     }
                 }
             }
+        }
+
+        /// Brings node `i` to its boundary with its parameters handed over, outputs dropped.
+        fn bring_to_boundary(&mut self, i: usize, now: Instant) {
+            let mut out = Vec::new();
+            let step = self.nodes[i].step_limit();
+            self.nodes[i].tick(step, true, now, &mut out);
+            self.nodes[i].params(self.params[i].clone(), now, &mut out);
+        }
+
+        /// The members' sorted list and its digest, as every node builds them.
+        fn sorted(&self) -> (Vec<PeerId>, u64) {
+            let mut ids = self.ids.clone();
+            ids.sort();
+            let digest = members_digest(&ids);
+            (ids, digest)
         }
 
         /// Runs every node to its boundary and carries messages until none is left.
@@ -889,23 +914,20 @@ mod tests {
         let now = Instant::now();
         ring.hear_all(now);
         // Node 0 reaches its boundary and its attempt is aborted (a hop failed) ...
-        let mut out = Vec::new();
-        ring.nodes[0].tick(5, true, now, &mut out);
-        ring.nodes[0].params(ring.params[0].clone(), now, &mut out);
+        ring.bring_to_boundary(0, now);
         ring.nodes[0].undelivered(ring.ids[1], 0, 0, now);
         assert_eq!(
             ring.nodes[0].status().aborted.get("hop undelivered"),
             Some(&1)
         );
         // ... while the mesh went on: node 1 is at round 3 and sends it its first hop.
-        let mut sorted = ring.ids.clone();
-        sorted.sort();
+        let (sorted, digest) = ring.sorted();
         let sender_index = sorted.iter().position(|p| *p == ring.ids[1]).expect("in");
         let len = if sender_index == 0 { 5 } else { 6 };
         let msg = RingMessage {
             round: 3,
             attempt: 2,
-            members: members_digest(&sorted),
+            members: digest,
             hop: 0,
             values: ByteBuf::from(0.5f32.to_le_bytes().repeat(len)),
         };
@@ -932,14 +954,8 @@ mod tests {
         let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
         let now = Instant::now();
         ring.hear_all(now);
-        let mut out = Vec::new();
-        ring.nodes[0].tick(5, true, now, &mut out);
-        ring.nodes[0].params(ring.params[0].clone(), now, &mut out);
-        let digest = members_digest(&{
-            let mut m = ring.ids.clone();
-            m.sort();
-            m
-        });
+        ring.bring_to_boundary(0, now);
+        let (_, digest) = ring.sorted();
         let from = ring.ids[1];
         for values in [vec![1, 2, 3], f32::NAN.to_le_bytes().repeat(5)] {
             let mut out = Vec::new();

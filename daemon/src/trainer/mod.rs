@@ -106,7 +106,8 @@ struct Loop {
     /// Changes since then that were not this node's own steps (neighbours' updates, syncs).
     foreign: Vec<f32>,
     last_delta_step: u64,
-    /// The parameters at the start of the round (DiLoCo's outer step starts from them).
+    /// The parameters at the start of the round (DiLoCo's outer step starts from them); empty
+    /// without an outer optimizer.
     round_anchor: Vec<f32>,
     /// The outer optimizer's velocity (checkpointed).
     outer_velocity: Vec<f32>,
@@ -257,7 +258,7 @@ impl Loop {
                         self.last_delta_step = c.step;
                         self.reset_anchor()?;
                         self.outer_velocity = state::outer_velocity(&loaded);
-                        self.round_anchor.clear();
+                        self.reset_round_anchor()?;
                         self.tell(TrainerEvent::Restored { step: c.step });
                         tracing::info!(id = loaded.meta.id, step = c.step, "restored state");
                         // The first evaluation right away shows what the restored state is worth.
@@ -277,13 +278,9 @@ impl Loop {
             }
             Command::Mesh(TrainerCommand::TakeDelta) => self.take_delta()?,
             Command::Mesh(TrainerCommand::TakeParams) => {
-                let values = self.flat()?;
-                if self.round_anchor.len() != values.len() {
-                    self.round_anchor = values.clone();
-                }
                 self.tell(TrainerEvent::Params {
                     step: self.counters.step,
-                    values,
+                    values: self.flat()?,
                 });
             }
             Command::Mesh(TrainerCommand::Combine { round, mean }) => {
@@ -376,31 +373,26 @@ impl Loop {
     /// optimizer (DiLoCo), by a Nesterov step along `round start - mean` from the round's
     /// start. Answers the parameters' digest, so members can show they hold the same bits.
     fn combine(&mut self, mean: &[f32]) -> Result<String, TrainerError> {
-        let mine = self.flat()?;
         if mean.is_empty() {
-            self.round_anchor = mine.clone();
-            return Ok(crate::mesh_core::rounds::params_digest(&mine));
+            self.reset_round_anchor()?;
+            return Ok(crate::mesh_core::rounds::params_digest(&self.flat()?));
         }
-        if mean.len() != mine.len() {
+        let numel = self.s.model.params().numel();
+        if mean.len() != numel {
             return Err(TrainerError::Refused(format!(
-                "a round's mean of {} values for {} parameters",
-                mean.len(),
-                mine.len()
+                "a round's mean of {} values for {numel} parameters",
+                mean.len()
             )));
         }
         let next = match self.s.outer {
             None => mean.to_vec(),
             Some(outer) => {
-                let start = if self.round_anchor.len() == mine.len() {
-                    &self.round_anchor
-                } else {
-                    &mine
-                };
-                if self.outer_velocity.len() != mine.len() {
-                    self.outer_velocity = vec![0.0; mine.len()];
+                if self.outer_velocity.len() != numel {
+                    self.outer_velocity = vec![0.0; numel];
                 }
-                let mut next = Vec::with_capacity(mine.len());
-                for ((s, m), v) in start.iter().zip(mean).zip(self.outer_velocity.iter_mut()) {
+                let mut next = Vec::with_capacity(numel);
+                let start = self.round_anchor.iter().zip(mean);
+                for ((s, m), v) in start.zip(self.outer_velocity.iter_mut()) {
                     let g = s - m;
                     *v = outer.momentum * *v + g;
                     next.push(s - outer.lr * (g + outer.momentum * *v));
@@ -411,8 +403,19 @@ impl Loop {
         self.s.model.params().write_back(&next)?;
         self.stats.param_norm = l2_norm(&next);
         let digest = crate::mesh_core::rounds::params_digest(&next);
-        self.round_anchor = next;
+        if self.s.outer.is_some() {
+            self.round_anchor = next;
+        }
         Ok(digest)
+    }
+
+    /// With an outer optimizer, takes the current parameters as the start of the round
+    /// (DiLoCo's pseudo-gradient is measured from it); without one, keeps no copy.
+    fn reset_round_anchor(&mut self) -> Result<(), TrainerError> {
+        if self.s.outer.is_some() {
+            self.round_anchor = self.flat()?;
+        }
+        Ok(())
     }
 
     /// ‖own change since the last delta‖ / ‖parameters‖, for the policy's early-publish rule;
@@ -491,6 +494,7 @@ impl Loop {
 
     fn run(&mut self, mut cmd_rx: mpsc::Receiver<Command>) -> Result<Finish, TrainerError> {
         self.reset_anchor()?;
+        self.reset_round_anchor()?;
         // The parameters' norm, which bounds neighbours' updates, is known from the start.
         self.publish();
         // A joiner waits here for its downloaded state (or the word to start without one).

@@ -374,6 +374,7 @@ pub fn run(args: MeshArgs) -> Result<()> {
             node_configs,
             trace: true,
             stop_at_mean_accuracy: None,
+            hosts: Vec::new(),
         })?;
         let density = matches!(codec, Codec::TopK(_))
             .then(|| args.density.unwrap_or(base_config.sync.density));
@@ -403,6 +404,7 @@ pub fn run(args: MeshArgs) -> Result<()> {
                 node_configs: BTreeMap::new(),
                 trace: true,
                 stop_at_mean_accuracy: None,
+                hosts: Vec::new(),
             })?;
             let r = summarise("single-node", false, None, params, &summary);
             eprintln!(

@@ -9,8 +9,10 @@
 //! `partition`, `time_to_target_s`, `bytes_sent_per_node`, `final_accuracy` and the curve, and
 //! the DDP runs under `ddp`; `DIR/report.svg` plots mean accuracy against wall time.
 //!
-//! Links: loopback. The 10 Mbit/s links between namespace hosts are not built by this
-//! command yet (see the README's Benchmarks section).
+//! Links: loopback, or with `--link RATE` (root only) a host each in a namespace lab
+//! (`p2ptrain-netlab`) whose outgoing link `tc` limits to RATE, for p2ptrain's nodes and DDP's
+//! processes alike. With `--eval-secs`, both sides also evaluate on a clock, since a
+//! synchronous step over a slow link can take a second.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -21,7 +23,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::bench_mesh::{base_text, write_report, write_run_config};
-use crate::local::{self, LocalArgs, LocalSummary};
+use crate::local::{self, LabHost, LocalArgs, LocalSummary};
 
 /// Arguments of `bench race`.
 #[derive(Args)]
@@ -59,7 +61,18 @@ pub struct RaceArgs {
     /// Leave DDP out.
     #[arg(long)]
     no_ddp: bool,
+    /// Run every node and DDP process on a host of a namespace lab whose outgoing link is
+    /// limited to this rate (`tc` syntax, e.g. `10mbit`); needs root. Default: loopback.
+    #[arg(long)]
+    link: Option<String>,
+    /// Also evaluate once this many seconds passed since the last evaluation, for p2ptrain
+    /// and DDP alike (0: by steps only).
+    #[arg(long, default_value_t = 10.0)]
+    eval_secs: f64,
 }
+
+/// DDP's rendezvous port on the first lab host.
+const DDP_MASTER_PORT: u16 = 29517;
 
 /// One p2ptrain run of the race.
 #[derive(Debug, Serialize)]
@@ -67,7 +80,7 @@ struct RaceRun {
     mode: String,
     codec: String,
     partition: String,
-    links: &'static str,
+    links: String,
     nodes: usize,
     /// Seconds from the first node's start until the nodes' mean accuracy reached the
     /// target; `None` when it did not within the timeout.
@@ -90,6 +103,8 @@ struct Report {
     target: f64,
     nodes: usize,
     timeout_s: f64,
+    /// What links joined the nodes: loopback, or the lab's shaping.
+    links: String,
     runs: Vec<RaceRun>,
     ddp: Vec<serde_json::Value>,
 }
@@ -115,6 +130,42 @@ fn mean_curve(s: &LocalSummary, nodes: usize, target: f64) -> (Vec<[f64; 2]>, Op
     (curve, reached)
 }
 
+/// Waits for every DDP rank to finish. A rank that fails would leave the others waiting
+/// for it in a collective, so the first failure (or the deadline) kills them all.
+fn wait_for_ranks(mut ranks: Vec<std::process::Child>, deadline_s: f64) -> Result<()> {
+    let started = std::time::Instant::now();
+    let mut exited: Vec<Option<std::process::ExitStatus>> = vec![None; ranks.len()];
+    let failure = loop {
+        for (rank, child) in ranks.iter_mut().enumerate() {
+            if exited[rank].is_none() {
+                exited[rank] = child.try_wait()?;
+            }
+        }
+        let failed = exited
+            .iter()
+            .enumerate()
+            .find_map(|(rank, s)| s.filter(|s| !s.success()).map(|s| (rank, s)));
+        if let Some((rank, status)) = failed {
+            break Some(format!("rank {rank}: {status}"));
+        }
+        if exited.iter().all(Option::is_some) {
+            break None;
+        }
+        if started.elapsed().as_secs_f64() > deadline_s {
+            break Some(format!("the ranks ran past {deadline_s:.0} s"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    if let Some(why) = failure {
+        for child in &mut ranks {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        bail!("bench/ddp_race.py failed: {why}");
+    }
+    Ok(())
+}
+
 /// Runs the benchmark.
 pub fn run(args: RaceArgs) -> Result<()> {
     if args.nodes < 2 {
@@ -122,6 +173,9 @@ pub fn run(args: RaceArgs) -> Result<()> {
     }
     if !(args.target > 0.0 && args.target <= 1.0) {
         bail!("--target {} must be in (0, 1]", args.target);
+    }
+    if !(args.eval_secs.is_finite() && args.eval_secs >= 0.0) {
+        bail!("--eval-secs {} must be 0 or more", args.eval_secs);
     }
     let runs: Vec<(String, String)> = args
         .runs
@@ -154,6 +208,31 @@ pub fn run(args: RaceArgs) -> Result<()> {
     }
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
+    // The lab lives until the race ends; dropping it deletes its namespaces.
+    let lab = match &args.link {
+        None => None,
+        Some(rate) => {
+            let lab =
+                p2ptrain_netlab::Lab::new(args.nodes).context("--link needs a namespace lab")?;
+            let shaping = lab.shape(rate, "0ms", "0%")?;
+            eprintln!("bench race: {} lab hosts, {shaping}", args.nodes);
+            Some((lab, shaping))
+        }
+    };
+    let links = lab
+        .as_ref()
+        .map_or_else(|| "loopback".to_string(), |(_, s)| s.clone());
+    let hosts: Vec<LabHost> = lab
+        .as_ref()
+        .map(|(lab, _)| {
+            (0..args.nodes)
+                .map(|i| LabHost {
+                    netns: lab.ns(i).to_string(),
+                    listen: lab.listen(i),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     let (base, config_name) = base_text(Some(&args.config))?;
     let base_table: toml::Table = toml::from_str(&base)?;
     let mnist_dir = base_table
@@ -168,6 +247,7 @@ pub fn run(args: RaceArgs) -> Result<()> {
         target: args.target,
         nodes: args.nodes,
         timeout_s: args.timeout,
+        links: links.clone(),
         runs: Vec::new(),
         ddp: Vec::new(),
     };
@@ -188,6 +268,11 @@ pub fn run(args: RaceArgs) -> Result<()> {
                         "train",
                         "eval_every",
                         toml::Value::Integer(args.eval_every as i64),
+                    ),
+                    (
+                        "train",
+                        "eval_every_secs",
+                        toml::Value::Float(args.eval_secs),
                     ),
                     ("data", "partition", toml::Value::String(partition.clone())),
                     ("checkpoint", "every_steps", toml::Value::Integer(0)),
@@ -214,6 +299,7 @@ pub fn run(args: RaceArgs) -> Result<()> {
                 node_configs,
                 trace: true,
                 stop_at_mean_accuracy: Some(args.target),
+                hosts: hosts.clone(),
             })?;
             let (curve, reached) = mean_curve(&summary, args.nodes, args.target);
             let n = summary.per_node.len().max(1) as f64;
@@ -225,7 +311,7 @@ pub fn run(args: RaceArgs) -> Result<()> {
                     "dense".into()
                 },
                 partition: partition.clone(),
-                links: "loopback",
+                links: links.clone(),
                 nodes: args.nodes,
                 time_to_target_s: reached,
                 bytes_sent_per_node: summary
@@ -268,26 +354,52 @@ pub fn run(args: RaceArgs) -> Result<()> {
                 "bench race: PyTorch DDP (gloo), {} processes, {partition}",
                 args.nodes
             );
-            let status = Command::new(&args.python)
-                .arg("bench/ddp_race.py")
-                .args(["--mnist", &dir.display().to_string()])
-                .args(["--nodes", &args.nodes.to_string()])
-                .args(["--target", &args.target.to_string()])
-                .args(["--timeout", &args.timeout.to_string()])
-                .args(["--lr", &lr.to_string(), "--momentum", &momentum.to_string()])
-                .args(["--eval-every", &args.eval_every.to_string()])
-                .args(["--partition", partition])
-                .args(["--out", &out.display().to_string()])
-                .status()
-                .with_context(|| format!("cannot run {}", args.python.display()))?;
-            if !status.success() {
-                bail!("bench/ddp_race.py failed ({status})");
+            let ddp_args = |c: &mut Command| {
+                c.arg("bench/ddp_race.py")
+                    .args(["--mnist", &dir.display().to_string()])
+                    .args(["--nodes", &args.nodes.to_string()])
+                    .args(["--target", &args.target.to_string()])
+                    .args(["--timeout", &args.timeout.to_string()])
+                    .args(["--lr", &lr.to_string(), "--momentum", &momentum.to_string()])
+                    .args(["--eval-every", &args.eval_every.to_string()])
+                    .args(["--eval-secs", &args.eval_secs.to_string()])
+                    .args(["--partition", partition])
+                    .args(["--out", &out.display().to_string()]);
+            };
+            match &lab {
+                None => {
+                    let mut c = Command::new(&args.python);
+                    ddp_args(&mut c);
+                    let status = c
+                        .status()
+                        .with_context(|| format!("cannot run {}", args.python.display()))?;
+                    if !status.success() {
+                        bail!("bench/ddp_race.py failed ({status})");
+                    }
+                }
+                Some((lab, _)) => {
+                    // One process per lab host; rank 0 (on host 0) is the rendezvous and
+                    // writes the result.
+                    let master = format!("{}:{DDP_MASTER_PORT}", lab.addr(0));
+                    let mut ranks = Vec::new();
+                    for rank in 0..args.nodes {
+                        let mut c = lab.command(rank, &args.python);
+                        ddp_args(&mut c);
+                        c.args(["--rank", &rank.to_string(), "--master", &master])
+                            .args(["--iface", "eth0"]);
+                        ranks
+                            .push(c.spawn().with_context(|| {
+                                format!("cannot run {}", args.python.display())
+                            })?);
+                    }
+                    wait_for_ranks(ranks, args.timeout + 300.0)?;
+                }
             }
             let mut v: serde_json::Value = serde_json::from_str(
                 &std::fs::read_to_string(&out)
                     .with_context(|| format!("cannot read {}", out.display()))?,
             )?;
-            v["links"] = "loopback".into();
+            v["links"] = links.clone().into();
             eprintln!("  DDP {partition}: {} s to target", v["time_to_target_s"]);
             report.ddp.push(v);
         }
@@ -319,9 +431,10 @@ pub fn run(args: RaceArgs) -> Result<()> {
     }
     let svg = crate::plot::render_race_svg(
         &format!(
-            "p2ptrain bench race: {} nodes, time to {:.0}%",
+            "p2ptrain bench race: {} nodes, time to {:.0}%, {}",
             args.nodes,
-            args.target * 100.0
+            args.target * 100.0,
+            links
         ),
         &lines,
         args.target,

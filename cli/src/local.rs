@@ -1,6 +1,10 @@
 //! `p2ptrain local`: a whole mesh on this machine, for demos and benchmarks. Starts N daemons
 //! as child processes on 127.0.0.1 (OS-chosen ports, a data directory each), wires them into one
 //! mesh through the first, shows their progress, stops them, and summarises.
+//!
+//! The slow-link races instead put each node on a host of a namespace lab
+//! ([`LocalArgs::hosts`]); this process cannot reach a node's API on that host's loopback, so it
+//! asks through `p2ptrain status` and `stop` run on the host ([`NodeApi`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -47,6 +51,79 @@ pub struct LocalArgs {
     /// this (a race to a target).
     #[arg(skip)]
     pub stop_at_mean_accuracy: Option<f64>,
+    /// Where each node runs, by index (empty: all here, on loopback).
+    #[arg(skip)]
+    pub hosts: Vec<LabHost>,
+}
+
+/// A host of a namespace lab for one node: its network namespace and its listen address.
+#[derive(Debug, Clone)]
+pub struct LabHost {
+    /// The network namespace (`ip netns exec` runs the node in it).
+    pub netns: String,
+    /// The libp2p listen multiaddr on the host's lab address.
+    pub listen: String,
+}
+
+/// How this process reaches one node's control API.
+enum NodeApi {
+    /// Over HTTP: the node shares this process's network namespace.
+    Direct(Client),
+    /// Through this binary's `status --json` and `stop`, run on the node's lab host, whose
+    /// loopback this process cannot reach.
+    OnHost { netns: String, api: String },
+}
+
+impl NodeApi {
+    fn new(api: String, host: Option<&LabHost>) -> Result<NodeApi> {
+        Ok(match host {
+            None => NodeApi::Direct(Client::new(&api, None)?),
+            Some(h) => NodeApi::OnHost {
+                netns: h.netns.clone(),
+                api,
+            },
+        })
+    }
+
+    /// Runs this binary with `args` on the node's host; its stdout.
+    async fn on_host(netns: &str, args: &[&str]) -> Result<Vec<u8>> {
+        let exe = std::env::current_exe().context("cannot find this executable")?;
+        let out = tokio::process::Command::new("ip")
+            .args(["netns", "exec", netns])
+            .arg(exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .context("cannot run ip netns exec")?;
+        if !out.status.success() {
+            bail!(
+                "p2ptrain {} on {netns}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(out.stdout)
+    }
+
+    async fn status(&self) -> Result<Status> {
+        match self {
+            NodeApi::Direct(c) => c.get("/v1/status").await,
+            NodeApi::OnHost { netns, api } => {
+                let out = Self::on_host(netns, &["status", "--json", "--api", api]).await?;
+                Ok(serde_json::from_slice(&out)?)
+            }
+        }
+    }
+
+    async fn stop(&self) -> Result<()> {
+        match self {
+            NodeApi::Direct(c) => c.post::<serde_json::Value>("/v1/stop").await.map(drop),
+            NodeApi::OnHost { netns, api } => Self::on_host(netns, &["stop", "--api", api])
+                .await
+                .map(drop),
+        }
+    }
 }
 
 /// One node's status at one moment, for curves over time.
@@ -145,16 +222,25 @@ fn spawn_node(
     config: Option<&Path>,
     steps: Option<u64>,
     bootstrap: Option<&str>,
+    host: Option<&LabHost>,
 ) -> Result<Child> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let log =
         std::fs::File::create(dir.with_extension("log")).context("cannot create a node log")?;
     let exe = std::env::current_exe().context("cannot find this executable")?;
-    let mut cmd = Command::new(exe);
+    // `ip netns exec` execs the node, so the child is the node itself.
+    let (mut cmd, listen) = match host {
+        None => (Command::new(exe), LOCAL_LISTEN),
+        Some(h) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &h.netns]).arg(exe);
+            (c, h.listen.as_str())
+        }
+    };
     cmd.arg("join")
         .arg("--data-dir")
         .arg(dir)
-        .args(["--api", LOCAL_API, "--listen", LOCAL_LISTEN]);
+        .args(["--api", LOCAL_API, "--listen", listen]);
     if let Some(c) = config {
         cmd.arg("--config").arg(c);
     }
@@ -272,15 +358,23 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
             .map(PathBuf::as_path)
             .or(config.as_deref())
     };
-    children
-        .0
-        .push(spawn_node(&dirs[0], config_of(0), args.steps, None)?);
+    if !args.hosts.is_empty() && args.hosts.len() != args.nodes {
+        bail!("{} lab hosts for {} nodes", args.hosts.len(), args.nodes);
+    }
+    let host_of = |i: usize| args.hosts.get(i);
+    children.0.push(spawn_node(
+        &dirs[0],
+        config_of(0),
+        args.steps,
+        None,
+        host_of(0),
+    )?);
     let first_api = wait_api(&dirs[0], &mut children.0[0]).await?;
-    let first = Client::new(&first_api, None)?;
+    let first = NodeApi::new(first_api, host_of(0))?;
     let bootstrap = {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let s: Status = first.get("/v1/status").await?;
+            let s: Status = first.status().await?;
             if let Some(a) = s.network.listen_addrs.first() {
                 break a.clone();
             }
@@ -294,18 +388,19 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         eprintln!("node 0 founded the mesh at {bootstrap}");
     }
     for (i, dir) in dirs.iter().enumerate().skip(1) {
-        children
-            .0
-            .push(spawn_node(dir, config_of(i), args.steps, Some(&bootstrap))?);
+        children.0.push(spawn_node(
+            dir,
+            config_of(i),
+            args.steps,
+            Some(&bootstrap),
+            host_of(i),
+        )?);
     }
-    let mut apis = vec![first_api];
+    let mut clients = vec![first];
     for (i, dir) in dirs.iter().enumerate().skip(1) {
-        apis.push(wait_api(dir, &mut children.0[i]).await?);
+        let api = wait_api(dir, &mut children.0[i]).await?;
+        clients.push(NodeApi::new(api, host_of(i))?);
     }
-    let clients: Vec<Client> = apis
-        .iter()
-        .map(|a| Client::new(a, None))
-        .collect::<Result<_>>()?;
 
     let duration = match (args.steps, args.duration) {
         (Some(_), _) => None,
@@ -317,7 +412,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
     let mut last_print = Instant::now() - Duration::from_secs(10);
     loop {
         for (i, c) in clients.iter().enumerate() {
-            if let Ok(s) = c.get::<Status>("/v1/status").await {
+            if let Ok(s) = c.status().await {
                 if args.trace {
                     trace.push(TracePoint {
                         t: started.elapsed().as_secs_f64(),
@@ -370,7 +465,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         let out_of_time = duration.is_some_and(|d| started.elapsed() >= d);
         if out_of_time || target_reached {
             for c in &clients {
-                let _ = c.post::<serde_json::Value>("/v1/stop").await;
+                let _ = c.stop().await;
             }
             break;
         }

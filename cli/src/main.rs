@@ -27,6 +27,18 @@ use p2ptrain_daemon::Config;
 
 use crate::client::Client;
 
+/// The system allocator, counting what is allocated and released: status reports the live
+/// heap from it (`node.memory.heap_bytes`), the only memory figure that shows a leak apart from
+/// what the allocator keeps after a peak.
+#[global_allocator]
+static ALLOCATOR: &stats_alloc::StatsAlloc<std::alloc::System> = &stats_alloc::INSTRUMENTED_SYSTEM;
+
+/// Bytes allocated and not yet released, by [`ALLOCATOR`]'s count.
+fn live_heap_bytes() -> u64 {
+    let s = ALLOCATOR.stats();
+    s.bytes_allocated.saturating_sub(s.bytes_deallocated) as u64
+}
+
 #[derive(Parser)]
 #[command(
     name = "p2ptrain",
@@ -210,6 +222,7 @@ enum BenchCmd {
 }
 
 fn main() -> ExitCode {
+    p2ptrain_daemon::memory::count_heap_with(live_heap_bytes);
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,

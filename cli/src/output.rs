@@ -148,6 +148,13 @@ pub fn status_text(s: &Status) -> String {
         out.push_str(&format!("banned    {}\n", banned_line(b)));
     }
     out.push_str(&format!("uptime    {}\n", duration(s.node.uptime_s)));
+    if let (Some(heap), Some(rss)) = (s.node.memory.heap_bytes, s.node.memory.resident_bytes) {
+        out.push_str(&format!(
+            "memory    heap {:.1} MB, resident {:.1} MB\n",
+            heap as f64 / 1e6,
+            rss as f64 / 1e6
+        ));
+    }
     out.push_str(&format!("data dir  {}\n", s.node.data_dir));
     out.push_str(&format!("api       {}\n", s.node.api));
     out

@@ -119,6 +119,10 @@ impl NodeHandle {
             data: self.data.clone(),
             train_classes: self.train_classes.clone(),
             api: format!("http://{}", self.api_addr),
+            memory: crate::status::MemoryStatus {
+                heap_bytes: crate::memory::heap_bytes(),
+                resident_bytes: crate::memory::resident_bytes(),
+            },
         }
     }
 

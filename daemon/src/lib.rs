@@ -23,6 +23,7 @@ pub mod device;
 pub mod guard;
 pub mod handle;
 pub mod identity;
+pub mod memory;
 pub mod mesh;
 pub mod mesh_core;
 pub mod nat;

@@ -318,6 +318,7 @@ pub async fn run(
             device: dev,
             batch_size: config.train.batch_size,
             eval_every: config.train.eval_every,
+            eval_every_time: Duration::from_secs_f64(config.train.eval_every_secs),
             max_steps: config.train.max_steps,
             node_seed,
             checkpoint_every_steps: config.checkpoint.every_steps,

@@ -134,6 +134,20 @@ pub struct NodeStatus {
     pub train_classes: Vec<u64>,
     /// Control API address.
     pub api: String,
+    /// What the node's memory holds now.
+    #[serde(default)]
+    pub memory: MemoryStatus,
+}
+
+/// The node's memory (see [`crate::memory`] for why both counts are shown).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryStatus {
+    /// Bytes its allocations hold: what grows if the node leaks. `None` when the binary
+    /// does not count allocations.
+    pub heap_bytes: Option<u64>,
+    /// Bytes resident (`VmRSS`): the heap plus what the allocator keeps, stacks and the
+    /// mapped binary.
+    pub resident_bytes: Option<u64>,
 }
 
 /// The trainer's progress, as status shows it.
@@ -446,6 +460,7 @@ mod tests {
                 data: "digits".into(),
                 train_classes: vec![3, 0, 1],
                 api: "http://127.0.0.1:1".into(),
+                memory: MemoryStatus::default(),
             },
             training: TrainingStatus::from(&Stats::default()),
             checkpoints: CheckpointStatus::default(),

@@ -148,22 +148,6 @@ impl Node {
 
     /// [`Node::start`] inside network namespace `netns` (if given), listening on `listen`.
     pub fn start_in(netns: Option<&str>, listen: &str, data_dir: &Path, extra: &[&str]) -> Node {
-        Node::start_in_env(netns, listen, data_dir, extra, &[])
-    }
-
-    /// [`Node::start`] with extra environment variables for the process.
-    pub fn start_env(data_dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Node {
-        Node::start_in_env(None, "/ip4/127.0.0.1/tcp/0", data_dir, extra, env)
-    }
-
-    /// [`Node::start_in`] with extra environment variables for the process.
-    pub fn start_in_env(
-        netns: Option<&str>,
-        listen: &str,
-        data_dir: &Path,
-        extra: &[&str],
-        env: &[(&str, &str)],
-    ) -> Node {
         let logs = tempfile::tempdir().expect("log dir");
         let log = logs.path().join("stderr.log");
         // A stale address file from a killed predecessor must not be mistaken for ours.
@@ -180,7 +164,6 @@ impl Node {
         args.extend_from_slice(extra);
         let child = command_in(netns)
             .args(&args)
-            .envs(env.iter().copied())
             .env(
                 "RUST_LOG",
                 std::env::var("P2PTRAIN_TEST_LOG").unwrap_or_else(|_| "info".into()),
@@ -213,25 +196,18 @@ impl Node {
         self.proc_status_kib("VmRSS")
     }
 
-    /// The process's own resident memory in KiB (`RssAnon`: heap and stacks), without the
-    /// pages of its mapped binary. Those are a third of a node's `VmRSS`, and the kernel pages
-    /// the cold ones out and back in as code paths come and go (this box runs DAMON's
-    /// proactive reclaim), so only this part shows whether the node itself holds more.
-    pub fn anon_kib(&self) -> Option<u64> {
-        self.proc_status_kib("RssAnon")
-    }
-
-    /// The floor of [`Node::anon_kib`]: its least value over 10 samples 0.2 s apart. One
-    /// sample also counts whatever buffers are in flight at that instant (the allocator hands
-    /// large freed blocks straight back to the kernel); memory the node keeps shows in the
-    /// floor, transients do not.
-    pub fn anon_floor_kib(&self) -> Option<u64> {
+    /// The floor of the node's live heap (status `memory.heap_bytes`, counted by its
+    /// allocator): the least of 10 samples 0.2 s apart. One sample also counts whatever
+    /// buffers are in flight at that instant (a state being served, queued messages); what the
+    /// node keeps shows in the floor, transients do not. Resident memory cannot show a leak:
+    /// it also holds what the allocator keeps after a peak.
+    pub fn heap_floor_bytes(&self) -> Option<u64> {
         let mut floor: Option<u64> = None;
         for i in 0..10 {
             if i > 0 {
                 std::thread::sleep(Duration::from_millis(200));
             }
-            let v = self.anon_kib()?;
+            let v = self.status()?["memory"]["heap_bytes"].as_u64()?;
             floor = Some(floor.map_or(v, |f| f.min(v)));
         }
         floor

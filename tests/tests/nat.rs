@@ -68,7 +68,7 @@ impl NatMesh {
         let behind = match (lab.behind_nat(2, firewall), lab.behind_nat(3, firewall)) {
             (Ok(a), Ok(b)) => [a, b],
             (Err(why), _) | (_, Err(why)) => {
-                crate::harness::skip_or_fail(test, &why);
+                crate::harness::skip_or_fail(test, &why.to_string());
                 return None;
             }
         };

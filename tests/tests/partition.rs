@@ -166,7 +166,7 @@ fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
     );
 
     let t_split = Instant::now();
-    lab.partition(&[2, 3]);
+    lab.partition(&[2, 3]).expect("partition");
     let steps_at_split: Vec<u64> = nodes
         .iter()
         .map(|n| step(&n.status().expect("status")))
@@ -194,7 +194,7 @@ fn a_mesh_split_in_two_trains_on_and_reconverges_after_healing() {
     );
 
     let t_heal = Instant::now();
-    lab.heal();
+    lab.heal().expect("heal");
     let steps_at_reconnect: Vec<u64> = nodes
         .iter()
         .map(|n| {
@@ -314,7 +314,7 @@ fn training_goes_on_over_10_mbit_links() {
             return;
         };
         if shaped {
-            shaping = lab.shape("10mbit", "20ms", "0.5%");
+            shaping = lab.shape("10mbit", "20ms", "0.5%").expect("tc");
         }
         let tmp = tempfile::tempdir().expect("tmp");
         let cfg = config(tmp.path(), "c.toml", &[], "\n[sync]\ndegree = 2\n");

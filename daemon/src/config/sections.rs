@@ -22,6 +22,9 @@ pub struct TrainConfig {
     pub shard: Option<(usize, usize)>,
     /// Steps between evaluations on the held-out set (0: never).
     pub eval_every: u64,
+    /// Also evaluate once this many seconds passed since the last evaluation (0: by steps
+    /// only): where rounds cross slow links, `eval_every` steps can take minutes.
+    pub eval_every_secs: f64,
     /// Stop after this many steps (0: train until stopped).
     pub max_steps: u64,
     /// Compute threads Candle may use.
@@ -39,6 +42,7 @@ impl Default for TrainConfig {
             node_seed: None,
             shard: None,
             eval_every: 500,
+            eval_every_secs: 0.0,
             max_steps: 0,
             threads: 1,
             device: DeviceSpec::Cpu,
@@ -54,6 +58,12 @@ impl TrainConfig {
         }
         if self.threads == 0 {
             return Err("train.threads must be at least 1".into());
+        }
+        if !(self.eval_every_secs.is_finite() && self.eval_every_secs >= 0.0) {
+            return Err(format!(
+                "train.eval_every_secs must be a number of seconds, 0 or more (got {})",
+                self.eval_every_secs
+            ));
         }
         Ok(())
     }

@@ -181,6 +181,8 @@ pub struct Setup {
     pub batch_size: usize,
     /// Steps between evaluations (0: never).
     pub eval_every: u64,
+    /// ... or time since the last one (zero: by steps only).
+    pub eval_every_time: Duration,
     /// Stop at this step (0: never).
     pub max_steps: u64,
     /// Seed of this node's data order.

@@ -100,6 +100,8 @@ struct Loop {
     losses: VecDeque<f32>,
     last_checkpoint_step: u64,
     last_checkpoint_at: Instant,
+    /// When the held-out set was last evaluated (or training started).
+    last_eval_at: Instant,
     last_eval_log: Option<Instant>,
     /// Parameters when the last delta was handed over.
     anchor: Vec<f32>,
@@ -141,6 +143,7 @@ impl Loop {
             losses: VecDeque::with_capacity(LOSS_WINDOW),
             last_checkpoint_step: counters.step,
             last_checkpoint_at: Instant::now(),
+            last_eval_at: Instant::now(),
             last_eval_log: None,
             anchor: Vec::new(),
             foreign: Vec::new(),
@@ -176,6 +179,7 @@ impl Loop {
             &self.s.device,
         )?;
         self.stats.eval_secs += started.elapsed().as_secs_f64();
+        self.last_eval_at = Instant::now();
         // Evaluations can come many times a second on small models: log at info only now and
         // then, so the log stays readable; status always has the latest.
         if self
@@ -545,7 +549,11 @@ impl Loop {
             }
             self.losses.push_back(loss);
 
-            if self.s.eval_every > 0 && self.counters.step.is_multiple_of(self.s.eval_every) {
+            let eval_by_steps =
+                self.s.eval_every > 0 && self.counters.step.is_multiple_of(self.s.eval_every);
+            let eval_by_time = !self.s.eval_every_time.is_zero()
+                && self.last_eval_at.elapsed() >= self.s.eval_every_time;
+            if eval_by_steps || eval_by_time {
                 self.evaluate()?;
             }
             // A step report is the one event that may be dropped (the next one carries a
@@ -589,7 +597,8 @@ impl Loop {
         }
         self.released();
         self.stats.train_secs = started.elapsed().as_secs_f64();
-        if self.s.eval_every > 0 && self.stats.eval.map(|e| e.step) != Some(self.counters.step) {
+        let evaluates = self.s.eval_every > 0 || !self.s.eval_every_time.is_zero();
+        if evaluates && self.stats.eval.map(|e| e.step) != Some(self.counters.step) {
             self.evaluate()?;
         }
         self.finish(reached_max_steps)

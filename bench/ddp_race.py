@@ -16,8 +16,9 @@ counters), steps and samples per second.
 
 Run by `p2ptrain bench race`; by hand:
   bench/ddp_race.py --mnist ../shared/data/mnist --nodes 4 --out ddp.json
-With --rank R and --master HOST:PORT it runs one process of a multi-host run (the 10 Mbit/s
-lab); without, it spawns all N here on 127.0.0.1.
+With --rank R and --master HOST:PORT it runs one process of a multi-host run (`bench race
+--link` runs one per namespace-lab host, with --iface naming the host's interface for gloo);
+without, it spawns all N here on 127.0.0.1.
 """
 
 import argparse
@@ -128,7 +129,8 @@ def worker(rank, args, result_path):
         step += 1
         if rank == 0:
             by_clock = args.eval_secs > 0 and time.time() - last_eval >= args.eval_secs
-            if step % args.eval_every == 0 or by_clock:
+            by_steps = args.eval_every > 0 and step % args.eval_every == 0
+            if by_steps or by_clock:
                 with torch.no_grad():
                     acc = (model(tx).argmax(1) == ty).float().mean().item()
                 last_eval = time.time()

@@ -23,7 +23,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::bench_mesh::{base_text, write_report, write_run_config};
-use crate::local::{self, LabHost, LocalArgs, LocalSummary};
+use crate::local::{self, Children, LabHost, LocalArgs, LocalSummary};
 
 /// Arguments of `bench race`.
 #[derive(Args)]
@@ -131,12 +131,13 @@ fn mean_curve(s: &LocalSummary, nodes: usize, target: f64) -> (Vec<[f64; 2]>, Op
 }
 
 /// Waits for every DDP rank to finish. A rank that fails would leave the others waiting
-/// for it in a collective, so the first failure (or the deadline) kills them all.
-fn wait_for_ranks(mut ranks: Vec<std::process::Child>, deadline_s: f64) -> Result<()> {
+/// for it in a collective, so the first failure (or the deadline) ends the wait, and dropping
+/// `ranks` kills them all.
+fn wait_for_ranks(mut ranks: Children, deadline_s: f64) -> Result<()> {
     let started = std::time::Instant::now();
-    let mut exited: Vec<Option<std::process::ExitStatus>> = vec![None; ranks.len()];
+    let mut exited: Vec<Option<std::process::ExitStatus>> = vec![None; ranks.0.len()];
     let failure = loop {
-        for (rank, child) in ranks.iter_mut().enumerate() {
+        for (rank, child) in ranks.0.iter_mut().enumerate() {
             if exited[rank].is_none() {
                 exited[rank] = child.try_wait()?;
             }
@@ -157,10 +158,6 @@ fn wait_for_ranks(mut ranks: Vec<std::process::Child>, deadline_s: f64) -> Resul
         std::thread::sleep(std::time::Duration::from_millis(200));
     };
     if let Some(why) = failure {
-        for child in &mut ranks {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
         bail!("bench/ddp_race.py failed: {why}");
     }
     Ok(())
@@ -174,8 +171,14 @@ pub fn run(args: RaceArgs) -> Result<()> {
     if !(args.target > 0.0 && args.target <= 1.0) {
         bail!("--target {} must be in (0, 1]", args.target);
     }
-    if !(args.eval_secs.is_finite() && args.eval_secs >= 0.0) {
-        bail!("--eval-secs {} must be 0 or more", args.eval_secs);
+    if std::time::Duration::try_from_secs_f64(args.eval_secs).is_err() {
+        bail!(
+            "--eval-secs {} must be a number of seconds, 0 or more",
+            args.eval_secs
+        );
+    }
+    if args.eval_every == 0 && args.eval_secs == 0.0 {
+        bail!("--eval-every 0 with --eval-secs 0 never evaluates: no run could reach the target");
     }
     let runs: Vec<(String, String)> = args
         .runs
@@ -381,13 +384,16 @@ pub fn run(args: RaceArgs) -> Result<()> {
                     // One process per lab host; rank 0 (on host 0) is the rendezvous and
                     // writes the result.
                     let master = format!("{}:{DDP_MASTER_PORT}", lab.addr(0));
-                    let mut ranks = Vec::new();
+                    // Killed if anything below fails: a rank left alone would wait in its
+                    // rendezvous for gloo's 30 minutes.
+                    let mut ranks = Children(Vec::new());
                     for rank in 0..args.nodes {
                         let mut c = lab.command(rank, &args.python);
                         ddp_args(&mut c);
                         c.args(["--rank", &rank.to_string(), "--master", &master])
                             .args(["--iface", "eth0"]);
                         ranks
+                            .0
                             .push(c.spawn().with_context(|| {
                                 format!("cannot run {}", args.python.display())
                             })?);

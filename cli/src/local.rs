@@ -206,7 +206,7 @@ const LOCAL_API: &str = "127.0.0.1:0";
 const LOCAL_LISTEN: &str = "/ip4/127.0.0.1/tcp/0";
 
 /// Child processes that are killed if this guard drops before they exit.
-struct Children(Vec<Child>);
+pub(crate) struct Children(pub(crate) Vec<Child>);
 
 impl Drop for Children {
     fn drop(&mut self) {

@@ -148,12 +148,15 @@ pub fn status_text(s: &Status) -> String {
         out.push_str(&format!("banned    {}\n", banned_line(b)));
     }
     out.push_str(&format!("uptime    {}\n", duration(s.node.uptime_s)));
-    if let (Some(heap), Some(rss)) = (s.node.memory.heap_bytes, s.node.memory.resident_bytes) {
-        out.push_str(&format!(
-            "memory    heap {:.1} MB, resident {:.1} MB\n",
-            heap as f64 / 1e6,
-            rss as f64 / 1e6
-        ));
+    let memory: Vec<String> = [
+        ("heap", s.node.memory.heap_bytes),
+        ("resident", s.node.memory.resident_bytes),
+    ]
+    .iter()
+    .filter_map(|(what, bytes)| Some(format!("{what} {:.1} MB", (*bytes)? as f64 / 1e6)))
+    .collect();
+    if !memory.is_empty() {
+        out.push_str(&format!("memory    {}\n", memory.join(", ")));
     }
     out.push_str(&format!("data dir  {}\n", s.node.data_dir));
     out.push_str(&format!("api       {}\n", s.node.api));

@@ -14,7 +14,8 @@
 //!   [`transfer`]s to joiners), the [`trainer`] thread (model, optimizer, data, device; it only
 //!   computes), the checkpoint writer ([`store`], in the file format of [`checkpoint`]), and
 //!   the [`control`] API (HTTP + JSON, speaking the shapes of [`status`]).
-//! - [`identity`] keeps the node's key, and so its peer id, across restarts.
+//! - [`identity`] keeps the node's key, and so its peer id, across restarts; [`memory`] reports
+//!   the node's own memory.
 
 pub mod checkpoint;
 pub mod config;

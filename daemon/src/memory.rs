@@ -6,10 +6,12 @@
 //! only once touched), so a step in it does not say the node holds more. The heap count does:
 //! the binary counts every allocation and release in its global allocator and registers that
 //! count here with [`count_heap_with`] (a library does not choose the process's allocator).
+//! It covers what Rust allocates through the global allocator: not the allocator's own
+//! overhead, nor what C code allocates with `malloc` directly.
 
 use std::sync::OnceLock;
 
-/// Bytes the binary's allocator counts as allocated and not yet released.
+/// The binary's count of bytes allocated and not yet released.
 static HEAP_COUNTER: OnceLock<fn() -> u64> = OnceLock::new();
 
 /// Registers the binary's live-heap count. Only the first registration counts.

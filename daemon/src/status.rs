@@ -107,7 +107,7 @@ pub struct Status {
     pub sync: SyncStatus,
 }
 
-/// The part of the status fixed when the node starts (plus its uptime).
+/// The part of the status fixed when the node starts (plus its uptime and memory).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeStatus {
     /// p2ptrain version of the daemon.
@@ -146,7 +146,7 @@ pub struct MemoryStatus {
     /// does not count allocations.
     pub heap_bytes: Option<u64>,
     /// Bytes resident (`VmRSS`): the heap plus what the allocator keeps, stacks and the
-    /// mapped binary.
+    /// mapped binary. `None` where `/proc` does not say (not Linux).
     pub resident_bytes: Option<u64>,
 }
 

@@ -197,20 +197,19 @@ impl Node {
     }
 
     /// The floor of the node's live heap (status `memory.heap_bytes`, counted by its
-    /// allocator): the least of 10 samples 0.2 s apart. One sample also counts whatever
-    /// buffers are in flight at that instant (a state being served, queued messages); what the
-    /// node keeps shows in the floor, transients do not. Resident memory cannot show a leak:
-    /// it also holds what the allocator keeps after a peak.
+    /// allocator): the least of 10 samples 0.2 s apart (a sample that fails is skipped). One
+    /// sample also counts whatever buffers are in flight at that instant (a state being served,
+    /// queued messages); what the node keeps shows in the floor, transients do not. Resident
+    /// memory cannot tell a leak from what the allocator keeps after a peak.
     pub fn heap_floor_bytes(&self) -> Option<u64> {
-        let mut floor: Option<u64> = None;
-        for i in 0..10 {
-            if i > 0 {
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            let v = self.status()?["memory"]["heap_bytes"].as_u64()?;
-            floor = Some(floor.map_or(v, |f| f.min(v)));
-        }
-        floor
+        (0..10)
+            .filter_map(|i| {
+                if i > 0 {
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                self.status_http()?["memory"]["heap_bytes"].as_u64()
+            })
+            .min()
     }
 
     /// One `kB` field of the process's `/proc/PID/status`.

@@ -1,11 +1,11 @@
-//! A small network lab: test hosts in network namespaces this test creates, each with one veth
+//! A small network lab: hosts in network namespaces the lab creates, each with one veth
 //! into a bridge inside a hub namespace of its own. Nothing touches the machine's own
 //! interfaces or addresses; the only addresses used are 10.77.0.0/24 inside the lab. Every
 //! namespace (and with it every veth and bridge) is deleted when the `Lab` drops.
 //!
 //! Partitions move hosts' hub-side ports onto a second, unconnected bridge; healing moves them
 //! back. Link limits are `tc` queueing disciplines on each host's interface: `tbf` for rate,
-//! plus `netem` delay and loss where the kernel has netem (this machine's has not).
+//! plus `netem` delay and loss where the kernel has netem (many CI kernels have not).
 //!
 //! A host can be put behind a NAT ([`Lab::behind_nat`]): its namespace becomes a home router
 //! (keeping the lab address as its public side, masquerading with `iptables`) and a new
@@ -13,7 +13,9 @@
 //! route to those private networks, so nothing can dial in: as behind a real home router.
 //!
 //! The fault tests use it for partitions and NATs; `p2ptrain bench race --link` for slow links.
-//! Building a lab needs root and `ip` (and `tc`, `iptables` for what uses them).
+//! Building a lab needs root and `ip` (and `tc`, `iptables` for what uses them). A process
+//! killed before the lab drops leaves its namespaces (`p2pt<pid>x<n>...`) behind;
+//! `ip netns list` shows them and `ip netns del NAME` removes them.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};

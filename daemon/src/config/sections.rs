@@ -20,7 +20,7 @@ pub struct TrainConfig {
     /// not part of the run id. Written `"k/n"` in the file.
     #[serde(deserialize_with = "de_shard")]
     pub shard: Option<(usize, usize)>,
-    /// Steps between evaluations on the held-out set (0: never).
+    /// Steps between evaluations on the held-out set (0: not by steps).
     pub eval_every: u64,
     /// Also evaluate once this many seconds passed since the last evaluation (0: by steps
     /// only): where rounds cross slow links, `eval_every` steps can take minutes.
@@ -59,7 +59,7 @@ impl TrainConfig {
         if self.threads == 0 {
             return Err("train.threads must be at least 1".into());
         }
-        if !(self.eval_every_secs.is_finite() && self.eval_every_secs >= 0.0) {
+        if std::time::Duration::try_from_secs_f64(self.eval_every_secs).is_err() {
             return Err(format!(
                 "train.eval_every_secs must be a number of seconds, 0 or more (got {})",
                 self.eval_every_secs

@@ -284,3 +284,18 @@ fn overrides_replace_or_extend_as_documented() {
         assert!(e.contains(needle), "{e}");
     }
 }
+
+#[test]
+fn evaluation_on_a_clock_takes_seconds_and_refuses_what_is_not() {
+    let at = |secs: &str| {
+        let text =
+            DEFAULT_CONFIG_TOML.replace("[train]", &format!("[train]\neval_every_secs = {secs}"));
+        Config::parse(&text, "x.toml", None)
+    };
+    assert_eq!(at("2.5").expect("2.5 s").train.eval_every_secs, 2.5);
+    assert_eq!(at("0").expect("off").train.eval_every_secs, 0.0);
+    for bad in ["-1", "1e30", "nan", "inf"] {
+        let e = at(bad).expect_err(bad).to_string();
+        assert!(e.contains("train.eval_every_secs"), "{bad}: {e}");
+    }
+}

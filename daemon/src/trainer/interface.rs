@@ -179,7 +179,7 @@ pub struct Setup {
     pub device: Device,
     /// Samples per step.
     pub batch_size: usize,
-    /// Steps between evaluations (0: never).
+    /// Steps between evaluations (0: not by steps).
     pub eval_every: u64,
     /// ... or time since the last one (zero: by steps only).
     pub eval_every_time: Duration,

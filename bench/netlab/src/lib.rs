@@ -261,23 +261,21 @@ impl Lab {
 
     /// Cuts `side` off from the other hosts (they can still reach each other).
     pub fn partition(&self, side: &[usize]) -> Result<(), LabError> {
-        for i in side {
-            let port = format!("p{i}");
-            run(
-                "ip",
-                &["-n", &self.hub, "link", "set", &port, "master", "br1"],
-            )?;
-        }
-        Ok(())
+        self.attach(side.iter().copied(), "br1")
     }
 
     /// Joins every host to one bridge again.
     pub fn heal(&self) -> Result<(), LabError> {
-        for i in 0..self.hosts.len() {
+        self.attach(0..self.hosts.len(), "br0")
+    }
+
+    /// Moves the hub-side ports of `hosts` onto `bridge`.
+    fn attach(&self, hosts: impl Iterator<Item = usize>, bridge: &str) -> Result<(), LabError> {
+        for i in hosts {
             let port = format!("p{i}");
             run(
                 "ip",
-                &["-n", &self.hub, "link", "set", &port, "master", "br0"],
+                &["-n", &self.hub, "link", "set", &port, "master", bridge],
             )?;
         }
         Ok(())

@@ -324,10 +324,26 @@ impl Node {
 }
 
 impl Drop for Node {
+    /// Kills the node; when the test is failing, its log's tail goes to the test's output
+    /// first (the log's directory goes away with the node, and CI keeps only that output).
     fn drop(&mut self) {
         self.kill9();
+        if std::thread::panicking() {
+            let log = self.log_text();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
+            eprintln!(
+                "---- log of the node in {} (last {} lines) ----\n{}",
+                self.data_dir.display(),
+                tail.len(),
+                tail.join("\n")
+            );
+        }
     }
 }
+
+/// Lines of a node's log a failing test prints.
+const LOG_TAIL_LINES: usize = 60;
 
 /// A checkpoint as an independent reader sees it: metadata, and tensors as (shape, values).
 pub type CheckpointContents = (

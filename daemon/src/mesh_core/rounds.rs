@@ -36,6 +36,11 @@ pub const READY_FRESH: Duration = Duration::from_secs(3 * HEARTBEAT_EVERY.as_sec
 /// without closing its connection). An honest member still training towards the boundary
 /// costs only a retry, never a punishment.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(20);
+/// An attempt that made no progress for this long while a member already sends hops of a
+/// later round is aborted, and the retry takes the mesh's round: the last hop this node waited
+/// for is not coming (the mesh finished the round in an attempt this node left, or its sender
+/// died after the others had theirs).
+pub const LATE_ROUND_WAIT: Duration = Duration::from_secs(2);
 /// Pause before an aborted attempt is retried, so the members' lists can settle.
 pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
 /// A node that has no round number yet (it resumed from a checkpoint) and hears no ring for
@@ -298,6 +303,12 @@ impl Rounds {
             {
                 self.abort("stalled", now);
             }
+            Stage::Reducing { ring: Some(r), .. }
+                if now.saturating_duration_since(r.last_progress) >= LATE_ROUND_WAIT
+                    && self.mesh_is_past_this_round() =>
+            {
+                self.abort("the mesh went on", now);
+            }
             Stage::Reducing { ring: None, .. } => {
                 if self.round.is_none() {
                     let running = self
@@ -319,6 +330,12 @@ impl Rounds {
             }
             _ => {}
         }
+    }
+
+    /// Whether the inbox holds hops of a round after this node's.
+    fn mesh_is_past_this_round(&self) -> bool {
+        let newest = self.inbox.keys().next_back().map(|(round, _, _)| *round);
+        matches!((newest, self.round), (Some(n), Some(mine)) if n > mine)
     }
 
     /// The trainer reached a step: at the boundary, its parameters are asked for.
@@ -454,11 +471,13 @@ impl Rounds {
         match self.round {
             // A round this node has not reached. Right after a round, a faster member may
             // already be in the next one while this node waits for its last hop: that hop
-            // waits. Otherwise the mesh went on without this node (it joined, was cut off, or
-            // aborted an attempt the others completed): `start` takes the mesh's round.
+            // waits. A member can only have finished an attempt this node took part in once
+            // this node had hops of it, so an attempt without any is not finishing. Otherwise
+            // the mesh went on without this node (it joined, was cut off, or aborted an
+            // attempt the others completed): `start` takes the mesh's round.
             Some(r) if msg.round > r => {
                 let finishing = msg.round == r + 1
-                    && matches!(self.stage, Stage::Reducing { ring: Some(_), .. });
+                    && matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. } if ring.next_hop > 0);
                 self.keep(key, from, msg.members, values);
                 if reducing && !finishing {
                     self.restart(now, out);
@@ -947,6 +966,78 @@ mod tests {
         assert!(sent.iter().all(|m| m.round == 3 && m.attempt == 2));
         let own = sent.iter().find(|m| m.hop == 0).expect("its own first hop");
         assert!(own.values.iter().all(|b| *b == 0), "weight 0: zeros");
+    }
+
+    /// A hop of the next round (node 1's, to node 0) as the members' list makes it.
+    fn next_round_hop(ring: &Ring, round: u64) -> RingMessage {
+        let (sorted, digest) = ring.sorted();
+        let sender_index = sorted.iter().position(|p| *p == ring.ids[1]).expect("in");
+        let len = if sender_index == 0 { 5 } else { 6 };
+        RingMessage {
+            round,
+            attempt: 0,
+            members: digest,
+            hop: 0,
+            values: ByteBuf::from(0.5f32.to_le_bytes().repeat(len)),
+        }
+    }
+
+    #[test]
+    fn an_attempt_without_hops_gives_way_to_a_member_already_in_the_next_round() {
+        // The CI case: a third member died after node 1 had its last hop of round 0 and
+        // before node 0 had its own; node 0 retried round 0 while node 1 went on to round 1.
+        let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+        let now = Instant::now();
+        ring.hear_all(now);
+        ring.bring_to_boundary(0, now);
+        assert_eq!(ring.nodes[0].status().ring_size, 2);
+        let msg = next_round_hop(&ring, 1);
+        let mut out = Vec::new();
+        ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
+        let st = ring.nodes[0].status();
+        assert_eq!((st.round, st.synced), (Some(1), false), "{st:?}");
+        assert!(out
+            .iter()
+            .any(|o| matches!(o, Output::SendRing { msg, .. } if msg.round == 1 && msg.hop == 0)));
+    }
+
+    #[test]
+    fn a_last_hop_that_never_comes_gives_way_to_the_next_round_soon() {
+        let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+        let now = Instant::now();
+        ring.hear_all(now);
+        ring.bring_to_boundary(0, now);
+        // Node 0 had a hop of this attempt (so node 1 may have finished it with node 0)...
+        let (sorted, digest) = ring.sorted();
+        let sender_index = sorted.iter().position(|p| *p == ring.ids[1]).expect("in");
+        let msg = RingMessage {
+            round: 0,
+            attempt: 0,
+            members: digest,
+            hop: 0,
+            values: ByteBuf::from(0.5f32.to_le_bytes().repeat(if sender_index == 0 {
+                5
+            } else {
+                6
+            })),
+        };
+        let mut out = Vec::new();
+        ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
+        // ... and a hop of the next round waits for the last hop of this one ...
+        let next = next_round_hop(&ring, 1);
+        ring.nodes[0].message(ring.ids[1], next, now, &mut out);
+        assert_eq!(ring.nodes[0].status().round, Some(0));
+        // ... but not for long.
+        let mut out = Vec::new();
+        ring.nodes[0].tick(5, true, now + LATE_ROUND_WAIT / 2, &mut out);
+        assert_eq!(ring.nodes[0].status().round, Some(0));
+        let later = now + LATE_ROUND_WAIT;
+        ring.nodes[0].tick(5, true, later, &mut out);
+        let st = ring.nodes[0].status();
+        assert_eq!(st.aborted.get("the mesh went on"), Some(&1), "{st:?}");
+        ring.nodes[0].tick(5, true, later + RETRY_PAUSE, &mut out);
+        let st = ring.nodes[0].status();
+        assert_eq!((st.round, st.synced), (Some(1), false), "{st:?}");
     }
 
     #[test]

@@ -80,12 +80,13 @@ pub(crate) fn median(v: &[f64]) -> f64 {
 fn bare_loop(p: &Prepared, steps: u64) -> Result<f64> {
     let config = &p.config;
     let model = Model::new(&p.spec, config.train.init_seed, &p.device)?;
-    let mut opt = Optimizer::new(&config.optimizer, model.params())?;
-    let mut sampler = Sampler::new(p.split.train.len(), 1);
+    let mut opt =
+        Optimizer::new(&config.optimizer, model.params())?.with_schedule(config.schedule)?;
+    let mut sampler = Sampler::new(p.data.train().len(), 1);
     let start = Instant::now();
     for _ in 0..steps {
         let idx = sampler.next_batch(config.train.batch_size);
-        let (xs, ys) = p.split.train.batch(&idx, &p.device)?;
+        let (xs, ys) = p.data.train().batch(&idx, &p.device)?;
         train_step(&model, &mut opt, &xs, &ys)?;
     }
     Ok(steps as f64 / start.elapsed().as_secs_f64())

@@ -139,6 +139,9 @@ pub struct TracePoint {
     pub samples_seen: u64,
     /// Its latest held-out accuracy.
     pub accuracy: Option<f64>,
+    /// Its latest held-out bits per byte (a language model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits_per_byte: Option<f64>,
     /// Bytes it has sent.
     pub bytes_sent: u64,
     /// Its distance to the neighbour it last synced with, before averaging.
@@ -158,6 +161,9 @@ pub struct NodeSummary {
     pub accuracy: Option<f64>,
     /// Held-out loss of its final checkpoint.
     pub loss: Option<f64>,
+    /// Held-out bits per byte of its final checkpoint (a language model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits_per_byte: Option<f64>,
     /// Peers it saw at the end.
     pub peers: usize,
     /// Bytes sent (libp2p counters).
@@ -191,6 +197,9 @@ pub struct LocalSummary {
     pub consensus_distance_mean: f64,
     /// Mean final accuracy.
     pub mean_accuracy: f64,
+    /// Mean final bits per byte (a language model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mean_bits_per_byte: Option<f64>,
     /// Every node's status every half second (only when asked for).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub trace: Vec<TracePoint>,
@@ -420,6 +429,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
                         step: s.training.step,
                         samples_seen: s.training.samples_seen,
                         accuracy: s.training.eval.map(|e| e.accuracy),
+                        bits_per_byte: s.training.eval.and_then(|e| e.bits_per_byte),
                         bytes_sent: s.network.bytes_sent,
                         consensus_distance: s.mesh.consensus_distance,
                     });
@@ -432,7 +442,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
                 let acc = s
                     .training
                     .eval
-                    .map(|e| format!("{:.2}%", e.accuracy * 100.0))
+                    .map(|e| e.headline())
                     .unwrap_or_else(|| "-".into());
                 eprintln!(
                     "node {i}  step {:>7}  loss {:>7}  acc {:>7}  peers {}  updates in {:>5} out {:>5}  {:>8.0} samples/s",
@@ -493,20 +503,21 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         let s = last
             .get(&i)
             .ok_or_else(|| anyhow!("node {i} never answered"))?;
-        let (accuracy, loss, step) = match final_params(dir) {
+        let (eval, step) = match final_params(dir) {
             Some((file, flat)) => {
-                let e = crate::evaluate_file(&file, &prepared)?;
+                let (e, step) = crate::evaluate_file(&file, &prepared)?;
                 finals.push(flat);
-                (Some(e.0.accuracy), Some(e.0.loss), e.1)
+                (Some(e), step)
             }
-            None => (None, None, s.training.step),
+            None => (None, s.training.step),
         };
         per_node.push(NodeSummary {
             index: i,
             peer_id: s.node.peer_id.clone(),
             step,
-            accuracy,
-            loss,
+            accuracy: eval.map(|e| e.accuracy),
+            loss: eval.map(|e| e.loss),
+            bits_per_byte: eval.and_then(|e| e.bits_per_byte),
             peers: s.peers.count,
             bytes_sent: s.network.bytes_sent,
             bytes_received: s.network.bytes_received,
@@ -524,6 +535,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         }
     }
     let accs: Vec<f64> = per_node.iter().filter_map(|n| n.accuracy).collect();
+    let bpbs: Vec<f64> = per_node.iter().filter_map(|n| n.bits_per_byte).collect();
     Ok(LocalSummary {
         nodes: args.nodes,
         wall_secs,
@@ -538,6 +550,8 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         } else {
             accs.iter().sum::<f64>() / accs.len() as f64
         },
+        mean_bits_per_byte: (!bpbs.is_empty())
+            .then(|| bpbs.iter().sum::<f64>() / bpbs.len() as f64),
         per_node,
         trace,
         final_status: last.into_values().collect(),
@@ -566,9 +580,11 @@ pub fn print_summary(s: &LocalSummary) {
             "{:>4} {:>8} {:>9} {:>6} {:>12} {:>12} {:>6}/{:<6} {:>8} {:>6} {:>5}",
             n.index,
             n.step,
-            n.accuracy
-                .map(|a| format!("{:.2}%", a * 100.0))
-                .unwrap_or_else(|| "-".into()),
+            match (n.bits_per_byte, n.accuracy) {
+                (Some(bpb), _) => format!("{bpb:.3} bpb"),
+                (None, Some(a)) => format!("{:.2}%", a * 100.0),
+                (None, None) => "-".into(),
+            },
             n.peers,
             n.bytes_sent,
             n.bytes_received,
@@ -582,9 +598,12 @@ pub fn print_summary(s: &LocalSummary) {
             println!("     banned {}: {}", b.peer_id, b.reason);
         }
     }
+    let quality = match s.mean_bits_per_byte {
+        Some(bpb) => format!("mean {bpb:.3} bits per byte"),
+        None => format!("mean accuracy {:.2}%", s.mean_accuracy * 100.0),
+    };
     println!(
-        "mean accuracy {:.2}%, consensus distance max {:.3}% mean {:.3}%",
-        s.mean_accuracy * 100.0,
+        "{quality}, consensus distance max {:.3}% mean {:.3}%",
         s.consensus_distance_max * 100.0,
         s.consensus_distance_mean * 100.0
     );

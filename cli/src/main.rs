@@ -11,6 +11,7 @@ mod client;
 mod local;
 mod output;
 mod plot;
+mod sample;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -32,6 +33,9 @@ use crate::client::Client;
 /// what the allocator keeps after a peak.
 #[global_allocator]
 static ALLOCATOR: &stats_alloc::StatsAlloc<std::alloc::System> = &stats_alloc::INSTRUMENTED_SYSTEM;
+
+/// Held-out samples per evaluation batch.
+const EVAL_BATCH: usize = 256;
 
 /// Bytes allocated and not yet released, by [`ALLOCATOR`]'s count.
 fn live_heap_bytes() -> u64 {
@@ -69,6 +73,8 @@ enum Cmd {
     Peers(PeersArgs),
     /// Run a mesh of N nodes on this machine (127.0.0.1), show progress, summarise.
     Local(local::LocalArgs),
+    /// Generate text with a language model (gpt) from a checkpoint or a running node.
+    Sample(sample::SampleArgs),
     /// Benchmarks that write JSON.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -258,7 +264,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
-fn client_runtime() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn client_runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -271,6 +277,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Status(args) => client_runtime()?.block_on(status(args)),
         Cmd::Checkpoint(cmd) => client_runtime()?.block_on(checkpoint(cmd)),
         Cmd::Eval(args) => eval(args),
+        Cmd::Sample(args) => {
+            sample::run(args)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Stop(api) | Cmd::Leave(api) => client_runtime()?.block_on(async {
             let client = Client::new(&api.api, api.api_token)?;
             let _: serde_json::Value = client.post("/v1/stop").await?;
@@ -548,6 +558,7 @@ fn evaluate_loaded(
     let (model, _, _) = p2ptrain_daemon::trainer::build(
         &prepared.spec,
         &prepared.config.optimizer,
+        prepared.config.schedule,
         prepared.config.train.init_seed,
         &prepared.device,
         &ident,
@@ -556,8 +567,8 @@ fn evaluate_loaded(
     .map_err(|e| anyhow!("{file}: {e}"))?;
     Ok(p2ptrain_models::train::evaluate(
         &model,
-        &prepared.split.test,
-        1000,
+        prepared.data.test(),
+        EVAL_BATCH,
         &prepared.device,
     )?)
 }
@@ -597,8 +608,20 @@ fn eval(args: EvalArgs) -> Result<ExitCode> {
             "accuracy": e.accuracy,
             "loss": e.loss,
             "samples": e.samples,
+            "bits_per_byte": e.bits_per_byte,
+            "perplexity": e.bits_per_byte.map(|_| e.loss.exp()),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
+    } else if let Some(bpb) = e.bits_per_byte {
+        println!(
+            "{file}: step {}, {} on {}: {bpb:.3} bits per byte, perplexity {:.2} ({} held-out windows), next-byte accuracy {:.2}%",
+            loaded.meta.info.step,
+            prepared.spec.name(),
+            prepared.config.data.describe(),
+            e.loss.exp(),
+            e.samples,
+            e.accuracy * 100.0
+        );
     } else {
         println!(
             "{file}: step {}, {} on {}: accuracy {:.2}% ({} held-out samples), loss {:.4}",

@@ -51,12 +51,20 @@ pub fn status_text(s: &Status) -> String {
         s.training.samples_per_sec
     ));
     match &s.training.eval {
-        Some(e) => out.push_str(&format!(
-            "eval      accuracy {:.2}%, loss {:.4} (step {})\n",
-            e.accuracy * 100.0,
-            e.loss,
-            e.step
-        )),
+        Some(e) => match (e.bits_per_byte, e.perplexity) {
+            (Some(bpb), Some(ppl)) => out.push_str(&format!(
+                "eval      {bpb:.3} bits per byte, perplexity {ppl:.2}, next-byte accuracy {:.2}%, loss {:.4} (step {})\n",
+                e.accuracy * 100.0,
+                e.loss,
+                e.step
+            )),
+            _ => out.push_str(&format!(
+                "eval      accuracy {:.2}%, loss {:.4} (step {})\n",
+                e.accuracy * 100.0,
+                e.loss,
+                e.step
+            )),
+        },
         None => out.push_str("eval      none yet\n"),
     }
     match &s.checkpoints.last_checkpoint {
@@ -168,10 +176,10 @@ pub fn status_line(s: &Status) -> String {
     let acc = s
         .training
         .eval
-        .map(|e| format!("{:.2}%", e.accuracy * 100.0))
+        .map(|e| e.headline())
         .unwrap_or_else(|| "-".into());
     format!(
-        "{:>8}  step {:>8}  loss {:>7}  acc {:>7}  {:>8.0} samples/s  {:?}",
+        "{:>8}  step {:>8}  loss {:>7}  eval {:>9}  {:>8.0} samples/s  {:?}",
         duration(s.node.uptime_s),
         s.training.step,
         opt(s.training.loss, 4),

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use p2ptrain_models::data::Split;
+use p2ptrain_models::data::{Data, Samples};
 use p2ptrain_models::ModelSpec;
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -114,7 +114,7 @@ pub struct Prepared {
     /// The validated configuration.
     pub config: Config,
     /// Training and held-out data.
-    pub split: Arc<Split>,
+    pub data: Arc<Data>,
     /// The model to build.
     pub spec: ModelSpec,
     /// The opened device (`config.train.device`).
@@ -124,9 +124,24 @@ pub struct Prepared {
 /// Loads the data, builds the model spec and opens the device, touching no file but the data.
 pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
     let dev = config.train.device.open()?;
-    let mut split = config.load_data().map_err(NodeError::Data)?;
-    let spec = config.model_spec(&split)?;
-    if let Some((k, n)) = config.train.shard {
+    let mut data = config.load_data().map_err(NodeError::Data)?;
+    let spec = config.model_spec(&data)?;
+    if let (Some((k, n)), Data::Text(text)) = (config.train.shard, &mut data) {
+        text.train = text
+            .train
+            .part(k, n)
+            .map_err(|e| NodeError::Shard(format!("train.shard {k}/{n}: {e}")))?;
+        if text.train.is_empty() {
+            return Err(NodeError::Shard(format!(
+                "train.shard {k}/{n} leaves too little text for one window"
+            )));
+        }
+        tracing::info!(
+            "training on shard {k}/{n}: {} bytes of text",
+            text.train.bytes().len()
+        );
+    }
+    if let (Some((k, n)), Data::Labeled(split)) = (config.train.shard, &mut data) {
         let cut = config.data.cut(n, split.train.classes);
         split.train = split
             .train
@@ -147,7 +162,7 @@ pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
     }
     Ok(Prepared {
         config,
-        split: Arc::new(split),
+        data: Arc::new(data),
         spec,
         device: dev,
     })
@@ -200,11 +215,14 @@ pub async fn run(
 ) -> Result<Summary, NodeError> {
     let Prepared {
         config,
-        split,
+        data,
         spec,
         device: dev,
     } = prepared;
-    let train_classes = split.train.class_counts();
+    let train_classes = data
+        .labeled()
+        .map(|s| s.train.class_counts())
+        .unwrap_or_default();
     let listener = control::bind(config.api.listen, opts.api_token.as_deref()).await?;
     let api_addr = listener.local_addr().map_err(control::BindError::Socket)?;
 
@@ -242,6 +260,7 @@ pub async fn run(
     let (model, optimizer, start) = trainer::build(
         &spec,
         &config.optimizer,
+        config.schedule,
         config.train.init_seed,
         &dev,
         &ident,
@@ -304,7 +323,7 @@ pub async fn run(
     let policy = config.sync.policy();
     let rounds = config
         .sync
-        .rounds(split.train.len(), config.train.batch_size)
+        .rounds(data.train().len(), config.train.batch_size)
         .map(|rc| (rc, !joining && resume.is_none()));
     let outer_velocity = resume
         .as_ref()
@@ -314,7 +333,7 @@ pub async fn run(
         trainer::Setup {
             model,
             optimizer,
-            split,
+            data,
             device: dev,
             batch_size: config.train.batch_size,
             eval_every: config.train.eval_every,

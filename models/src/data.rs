@@ -1,5 +1,7 @@
 //! Data sets: the bundled handwritten digits, MNIST in IDX format, and a seeded synthetic set;
-//! fixed train/test splits and per-node sampling.
+//! fixed train/test splits and per-node sampling; and [`Data`], which is either such a split or
+//! a text ([`crate::text`]), with the one view of samples ([`Samples`]) training and evaluation
+//! read through.
 //!
 //! Everything is held in memory as `f32` features (in `[0, 1]` as loaded) and `u32` labels: the largest set
 //! we train on (MNIST, 60,000 x 784) is about 190 MB as `f32`, which every node can afford, and
@@ -160,6 +162,72 @@ impl Dataset {
     }
 }
 
+/// Samples a model trains or is evaluated on, as a trainer reads them: how many there are, and
+/// a batch of them as an input and a target tensor.
+pub trait Samples {
+    /// Number of samples.
+    fn len(&self) -> usize;
+
+    /// Whether there is no sample.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The inputs and targets of the given samples, on `dev`.
+    fn batch(&self, indices: &[usize], dev: &Device) -> Result<(Tensor, Tensor)>;
+
+    /// Whether each target is the next byte of a text (losses are then per byte).
+    fn predicts_bytes(&self) -> bool {
+        false
+    }
+}
+
+impl Samples for Dataset {
+    fn len(&self) -> usize {
+        Dataset::len(self)
+    }
+
+    fn batch(&self, indices: &[usize], dev: &Device) -> Result<(Tensor, Tensor)> {
+        Dataset::batch(self, indices, dev)
+    }
+}
+
+/// What a node trains and evaluates on: labelled samples (a classifier's), or a text (a
+/// language model's).
+#[derive(Debug, Clone)]
+pub enum Data {
+    /// Features and labels, split into training and held-out samples.
+    Labeled(Split),
+    /// A text, split into a training head and a held-out tail.
+    Text(crate::text::TextSplit),
+}
+
+impl Data {
+    /// The training samples.
+    pub fn train(&self) -> &dyn Samples {
+        match self {
+            Data::Labeled(s) => &s.train,
+            Data::Text(t) => &t.train,
+        }
+    }
+
+    /// The held-out samples.
+    pub fn test(&self) -> &dyn Samples {
+        match self {
+            Data::Labeled(s) => &s.test,
+            Data::Text(t) => &t.test,
+        }
+    }
+
+    /// The labelled split, when the data is one.
+    pub fn labeled(&self) -> Option<&Split> {
+        match self {
+            Data::Labeled(s) => Some(s),
+            Data::Text(_) => None,
+        }
+    }
+}
+
 /// Salt of the Dirichlet partition's generator, so it draws apart from the split's shuffle,
 /// which uses the same run seed.
 const DIRICHLET_SEED_SALT: u64 = 0x5041_5254_4954_494f;
@@ -257,7 +325,7 @@ pub fn split_seeded(data: &Dataset, test_fraction: f64, seed: u64) -> Result<Spl
 
 /// Reads the bytes of a file, transparently gunzipping when the content starts with the gzip
 /// magic (so `.gz` and raw copies both work, whatever their names).
-fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
+pub(crate) fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
     let raw = std::fs::read(path).map_err(|source| Error::Io {
         path: path.to_owned(),
         source,
@@ -265,7 +333,7 @@ fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
     gunzip_if_needed(raw, path)
 }
 
-fn gunzip_if_needed(raw: Vec<u8>, path: &Path) -> Result<Vec<u8>> {
+pub(crate) fn gunzip_if_needed(raw: Vec<u8>, path: &Path) -> Result<Vec<u8>> {
     if raw.starts_with(&[0x1f, 0x8b]) {
         let mut out = Vec::new();
         flate2::read::MultiGzDecoder::new(&raw[..])

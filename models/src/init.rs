@@ -68,6 +68,24 @@ fn uniform(seed: u64, name: &str, shape: &[usize], bound: f32, dev: &Device) -> 
     Ok(Var::from_tensor(&Tensor::from_vec(values, shape, dev)?)?)
 }
 
+/// A weight tensor drawn from a normal distribution of mean 0 and standard deviation `std`
+/// (the transformer's initialisation).
+pub fn normal(seed: u64, name: &str, shape: &[usize], std: f32, dev: &Device) -> Result<Var> {
+    let mut rng = rng_for(seed, name);
+    let dist = rand_distr::Normal::new(0.0f32, std)
+        .map_err(|e| crate::Error::Spec(format!("normal init of {name} with std {std}: {e}")))?;
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|_| rand_distr::Distribution::sample(&dist, &mut rng))
+        .collect();
+    Ok(Var::from_tensor(&Tensor::from_vec(values, shape, dev)?)?)
+}
+
+/// A tensor of ones (layer norms' gains start at one).
+pub fn ones(shape: &[usize], dev: &Device) -> Result<Var> {
+    Ok(Var::ones(shape, candle_core::DType::F32, dev)?)
+}
+
 /// A zero tensor (biases start at zero).
 pub fn zeros(shape: &[usize], dev: &Device) -> Result<Var> {
     Ok(Var::zeros(shape, candle_core::DType::F32, dev)?)

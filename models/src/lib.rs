@@ -9,10 +9,12 @@
 pub mod codec;
 pub mod data;
 pub mod error;
+pub mod gpt;
 pub mod init;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod text;
 pub mod train;
 
 pub use error::{Error, Result};

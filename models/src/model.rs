@@ -1,5 +1,5 @@
-//! The two model families: a multilayer perceptron of configurable widths and a LeNet-style
-//! convolutional network for small one-channel images.
+//! The model families: a multilayer perceptron of configurable widths, a LeNet-style
+//! convolutional network for small one-channel images, and a byte-level GPT ([`crate::gpt`]).
 //!
 //! Weights are created by [`crate::init`] from the run's seed (never by Candle's RNG), so two
 //! nodes that build the same [`ModelSpec`] with the same seed hold bit-identical parameters.
@@ -8,6 +8,7 @@ use candle_core::{Device, Module, Tensor};
 use candle_nn::{Conv2d, Conv2dConfig, Linear};
 use serde::Serialize;
 
+use crate::gpt::{Gpt, GptSpec};
 use crate::params::Params;
 use crate::{init, Error, Result};
 
@@ -33,6 +34,9 @@ pub enum ModelSpec {
         /// Number of classes.
         classes: usize,
     },
+    /// A decoder-only transformer over bytes: its input is `context` bytes, its output a
+    /// distribution over the next byte at every position.
+    Gpt(GptSpec),
 }
 
 const KERNEL: usize = 5;
@@ -53,6 +57,7 @@ impl ModelSpec {
                 all.push(*classes);
                 format!("cnn-{}", join(&all))
             }
+            ModelSpec::Gpt(g) => g.name(),
         }
     }
 
@@ -61,6 +66,7 @@ impl ModelSpec {
         match self {
             ModelSpec::Mlp { widths } => widths.first().copied().unwrap_or(0),
             ModelSpec::Cnn { image, .. } => image.0 * image.1,
+            ModelSpec::Gpt(g) => g.context,
         }
     }
 
@@ -69,6 +75,7 @@ impl ModelSpec {
         match self {
             ModelSpec::Mlp { widths } => widths.last().copied().unwrap_or(0),
             ModelSpec::Cnn { classes, .. } => *classes,
+            ModelSpec::Gpt(_) => crate::gpt::VOCAB,
         }
     }
 
@@ -100,6 +107,7 @@ impl ModelSpec {
                     )));
                 }
             }
+            ModelSpec::Gpt(g) => g.validate()?,
         }
         Ok(())
     }
@@ -125,6 +133,7 @@ pub struct Model {
     params: Params,
     convs: Vec<Conv2d>,
     linears: Vec<Linear>,
+    gpt: Option<Gpt>,
 }
 
 impl Model {
@@ -135,6 +144,16 @@ impl Model {
         let mut fc_widths = Vec::new();
         let mut convs = Vec::new();
         match spec {
+            ModelSpec::Gpt(g) => {
+                let gpt = Gpt::new(g, seed, dev, &mut vars)?;
+                return Ok(Model {
+                    spec: spec.clone(),
+                    params: Params::new(vars)?,
+                    convs,
+                    linears: Vec::new(),
+                    gpt: Some(gpt),
+                });
+            }
             ModelSpec::Mlp { widths } => fc_widths.extend(widths),
             ModelSpec::Cnn {
                 image,
@@ -198,6 +217,7 @@ impl Model {
             params: Params::new(vars)?,
             convs,
             linears,
+            gpt: None,
         })
     }
 
@@ -211,8 +231,17 @@ impl Model {
         &self.params
     }
 
-    /// Logits `(batch, classes)` for features `(batch, input_dim)`.
+    /// The GPT's layers, when this model is one (for generating text).
+    pub fn gpt(&self) -> Option<&Gpt> {
+        self.gpt.as_ref()
+    }
+
+    /// Logits `(batch, classes)` for features `(batch, input_dim)`; for a GPT, logits
+    /// `(batch, time, 256)` for bytes `(batch, time)`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        if let Some(gpt) = &self.gpt {
+            return gpt.forward(xs);
+        }
         let mut xs = xs.clone();
         if let ModelSpec::Cnn { image, .. } = &self.spec {
             let batch = xs.dim(0)?;

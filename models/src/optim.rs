@@ -1,14 +1,20 @@
-//! Optimizers whose whole state can be saved, restored and sent to another node.
+//! Optimizers whose whole state can be saved, restored and sent to another node, and the
+//! learning-rate schedule they follow.
 //!
 //! candle-nn's `SGD` has no momentum and its `AdamW` keeps its moments private, so a joining
 //! peer could not inherit them and a checkpoint could not hold them. These two keep every
 //! buffer in the open, named after the parameter it belongs to, in the canonical parameter
-//! order.
+//! order. The schedule's position is the optimizer's step count, which checkpoints and state
+//! transfers carry, so a restarted or joining node resumes the schedule where it was.
+//!
+//! On the CPU, AdamW updates its moments and the parameters in place, in three passes over
+//! memory and without allocating ([`MomentUpdate`], [`AdamwUpdate`]); elsewhere it falls back
+//! to tensor ops.
 
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor};
 use serde::Serialize;
 
 use crate::params::{ensure_finite, Params};
@@ -107,6 +113,75 @@ impl OptimizerSpec {
     }
 }
 
+/// How the learning rate moves with the optimizer's step count `t` (1 on the first step): the
+/// configured rate times [`Schedule::factor`]. Part of the run identity.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Schedule {
+    /// The configured rate throughout.
+    Constant,
+    /// Linear warm-up from 0 over `warmup_steps`, then a cosine from the full rate down to
+    /// `min_factor` of it at step `total_steps`, and that floor after.
+    Cosine {
+        /// Steps of linear warm-up.
+        warmup_steps: u64,
+        /// The step at which the cosine reaches its floor (counted from the first step).
+        total_steps: u64,
+        /// The floor, as a fraction of the rate, in `[0, 1]`.
+        min_factor: f64,
+    },
+}
+
+impl Schedule {
+    /// Whether this is the constant schedule (left out of run identities, so runs configured
+    /// before schedules existed keep theirs).
+    pub fn is_constant(&self) -> bool {
+        matches!(self, Schedule::Constant)
+    }
+
+    /// The factor on the learning rate at step `t` (1-based).
+    pub fn factor(&self, t: u64) -> f64 {
+        match *self {
+            Schedule::Constant => 1.0,
+            Schedule::Cosine {
+                warmup_steps,
+                total_steps,
+                min_factor,
+            } => {
+                if t < warmup_steps {
+                    return t as f64 / warmup_steps as f64;
+                }
+                let span = total_steps.saturating_sub(warmup_steps).max(1) as f64;
+                let progress = ((t - warmup_steps) as f64 / span).min(1.0);
+                min_factor
+                    + (1.0 - min_factor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
+        }
+    }
+
+    /// Checks the numbers; errors name the offending one.
+    pub fn validate(&self) -> Result<()> {
+        if let Schedule::Cosine {
+            warmup_steps,
+            total_steps,
+            min_factor,
+        } = *self
+        {
+            if !(0.0..=1.0).contains(&min_factor) {
+                return Err(Error::Spec(format!(
+                    "schedule min_factor = {min_factor} must be in [0, 1]"
+                )));
+            }
+            if total_steps <= warmup_steps {
+                return Err(Error::Spec(format!(
+                    "schedule total_steps = {total_steps} must exceed warmup_steps = {warmup_steps}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Prefix of SGD's momentum buffers in checkpoints: `optim.momentum.fc0.weight`, ...
 pub const SGD_MOMENTUM: &str = "optim.momentum.";
 /// Prefix of AdamW's first-moment buffers in checkpoints.
@@ -119,6 +194,7 @@ pub const ADAM_V: &str = "optim.adam_v.";
 #[derive(Debug)]
 pub struct Optimizer {
     spec: OptimizerSpec,
+    schedule: Schedule,
     /// Optimizer steps taken so far; AdamW's bias correction depends on it.
     steps: u64,
     /// `buffers[k][i]`: buffer kind `k` (see `buffer_prefixes`) of parameter `i`.
@@ -142,9 +218,30 @@ impl Optimizer {
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Optimizer {
             spec: spec.clone(),
+            schedule: Schedule::Constant,
             steps: 0,
             buffers,
         })
+    }
+
+    /// The same optimizer following `schedule`.
+    pub fn with_schedule(mut self, schedule: Schedule) -> Result<Optimizer> {
+        schedule.validate()?;
+        self.schedule = schedule;
+        Ok(self)
+    }
+
+    /// The schedule it follows.
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+    }
+
+    /// The learning rate of the next step, after the schedule.
+    pub fn current_lr(&self) -> f64 {
+        let lr = match self.spec {
+            OptimizerSpec::Sgd { lr, .. } | OptimizerSpec::Adamw { lr, .. } => lr,
+        };
+        lr * self.schedule.factor(self.steps + 1)
     }
 
     /// The hyper-parameters.
@@ -161,6 +258,7 @@ impl Optimizer {
     /// created for).
     pub fn step(&mut self, params: &Params, grads: &GradStore) -> Result<()> {
         self.steps += 1;
+        let factor = self.schedule.factor(self.steps);
         for (i, (_, var)) in params.vars().iter().enumerate() {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
@@ -174,6 +272,7 @@ impl Optimizer {
                     nesterov,
                     weight_decay,
                 } => {
+                    let lr = lr * factor;
                     let g = if weight_decay > 0.0 {
                         (g + p.affine(weight_decay, 0.0)?)?
                     } else {
@@ -200,7 +299,37 @@ impl Optimizer {
                     eps,
                     weight_decay,
                 } => {
+                    let lr = lr * factor;
                     let t = self.steps as i32;
+                    let (m, v) = (&self.buffers[0][i], &self.buffers[1][i]);
+                    if in_place_applies(&[p, g, m, v]) {
+                        m.inplace_op2(
+                            g,
+                            &MomentUpdate {
+                                decay: beta1,
+                                squared: false,
+                            },
+                        )?;
+                        v.inplace_op2(
+                            g,
+                            &MomentUpdate {
+                                decay: beta2,
+                                squared: true,
+                            },
+                        )?;
+                        p.inplace_op3(
+                            m,
+                            v,
+                            &AdamwUpdate {
+                                lr,
+                                decay: 1.0 - lr * weight_decay,
+                                m_scale: 1.0 / (1.0 - beta1.powi(t)),
+                                v_scale: 1.0 / (1.0 - beta2.powi(t)),
+                                eps,
+                            },
+                        )?;
+                        continue;
+                    }
                     let m = (self.buffers[0][i].affine(beta1, 0.0)?
                         + g.affine(1.0 - beta1, 0.0)?)?
                     .detach();
@@ -255,7 +384,8 @@ impl Optimizer {
                         var.dims()
                     )));
                 }
-                let t = t.to_device(var.device())?.to_dtype(DType::F32)?;
+                // A copy of its own: the buffers are updated in place.
+                let t = t.to_device(var.device())?.to_dtype(DType::F32)?.copy()?;
                 ensure_finite(&t, &key)?;
                 kind.push(t);
             }
@@ -263,6 +393,110 @@ impl Optimizer {
         }
         self.buffers = staged;
         self.steps = steps;
+        Ok(())
+    }
+}
+
+/// One of AdamW's moment updates in place over CPU `f32` memory, given the gradient:
+/// `m = decay·m + (1 − decay)·g`, or with `squared`, `v = decay·v + (1 − decay)·g²`.
+struct MomentUpdate {
+    decay: f64,
+    squared: bool,
+}
+
+/// AdamW's parameter update in place, given the two moments:
+/// `p = decay·p − lr·(m·m_scale) / (sqrt(v·v_scale) + eps)` (bias-corrected moments, decoupled
+/// weight decay).
+struct AdamwUpdate {
+    lr: f64,
+    decay: f64,
+    m_scale: f64,
+    v_scale: f64,
+    eps: f64,
+}
+
+/// Whether the in-place passes can run: every tensor on the CPU, `f32`, contiguous, one size.
+fn in_place_applies(tensors: &[&Tensor]) -> bool {
+    let n = tensors[0].elem_count();
+    tensors.iter().all(|t| {
+        t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() && t.elem_count() == n
+    })
+}
+
+/// The contiguous `f32` elements of a CPU storage under `layout`.
+fn f32_slice<'a>(s: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
+    let (from, to) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("in-place optimizer: not contiguous".into()))?;
+    Ok(&s.as_slice::<f32>()?[from..to])
+}
+
+/// The same, writable.
+fn f32_slice_mut<'a>(s: &'a mut CpuStorage, layout: &Layout) -> candle_core::Result<&'a mut [f32]> {
+    let (from, to) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("in-place optimizer: not contiguous".into()))?;
+    match s {
+        CpuStorage::F32(v) => Ok(&mut v[from..to]),
+        _ => Err(candle_core::Error::Msg(
+            "in-place optimizer: not f32".into(),
+        )),
+    }
+}
+
+impl InplaceOp2 for MomentUpdate {
+    fn name(&self) -> &'static str {
+        "adamw-moment"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (moment, g) = (f32_slice_mut(dst, dst_l)?, f32_slice(g, g_l)?);
+        let (a, b) = (self.decay as f32, (1.0 - self.decay) as f32);
+        if self.squared {
+            for (v, g) in moment.iter_mut().zip(g) {
+                *v = a * *v + b * g * g;
+            }
+        } else {
+            for (m, g) in moment.iter_mut().zip(g) {
+                *m = a * *m + b * g;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl InplaceOp3 for AdamwUpdate {
+    fn name(&self) -> &'static str {
+        "adamw-step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        m: &CpuStorage,
+        m_l: &Layout,
+        v: &CpuStorage,
+        v_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (lr, decay, m_scale, v_scale, eps) = (
+            self.lr as f32,
+            self.decay as f32,
+            self.m_scale as f32,
+            self.v_scale as f32,
+            self.eps as f32,
+        );
+        let p = f32_slice_mut(dst, dst_l)?;
+        let (m, v) = (f32_slice(m, m_l)?, f32_slice(v, v_l)?);
+        for ((p, m), v) in p.iter_mut().zip(m).zip(v) {
+            *p = decay * *p - lr * (m * m_scale) / ((v * v_scale).sqrt() + eps);
+        }
         Ok(())
     }
 }
@@ -313,6 +547,81 @@ mod tests {
             weight_decay: 0.0,
         };
         assert!(minimise(&adamw, 500) < 1e-2);
+    }
+
+    #[test]
+    fn in_place_adamw_matches_the_tensor_formula() {
+        let spec = OptimizerSpec::Adamw {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let start = [0.5f32, -1.5, 2.0, 0.0];
+        let p = Var::from_slice(&start, 4, &Device::Cpu).expect("var");
+        let params = Params::new(vec![("p".into(), p.clone())]).expect("params");
+        let mut opt = Optimizer::new(&spec, &params).expect("opt");
+        let (mut m, mut v, mut want) = ([0f64; 4], [0f64; 4], start.map(f64::from));
+        for t in 1..=3 {
+            let loss = p.as_tensor().sqr().and_then(|x| x.sum_all()).expect("loss");
+            let grads = loss.backward().expect("grads");
+            opt.step(&params, &grads).expect("step");
+            for i in 0..4 {
+                let g = 2.0 * want[i];
+                m[i] = 0.9 * m[i] + 0.1 * g;
+                v[i] = 0.99 * v[i] + 0.01 * g * g;
+                let (mh, vh) = (
+                    m[i] / (1.0 - 0.9f64.powi(t)),
+                    v[i] / (1.0 - 0.99f64.powi(t)),
+                );
+                want[i] = want[i] * (1.0 - 0.01 * 0.1) - 0.01 * mh / (vh.sqrt() + 1e-8);
+            }
+        }
+        let got = p.as_tensor().to_vec1::<f32>().expect("vec");
+        for (g, w) in got.iter().zip(want) {
+            assert!((f64::from(*g) - w).abs() < 1e-6, "{got:?} vs {want:?}");
+        }
+    }
+
+    #[test]
+    fn the_cosine_schedule_warms_up_decays_and_rests_at_its_floor() {
+        let s = Schedule::Cosine {
+            warmup_steps: 10,
+            total_steps: 110,
+            min_factor: 0.1,
+        };
+        assert!((s.factor(1) - 0.1).abs() < 1e-12);
+        assert!((s.factor(10) - 1.0).abs() < 1e-12);
+        assert!(
+            (s.factor(60) - 0.55).abs() < 1e-9,
+            "half way: {}",
+            s.factor(60)
+        );
+        assert!((s.factor(110) - 0.1).abs() < 1e-12);
+        assert!((s.factor(10_000) - 0.1).abs() < 1e-12);
+        assert!(s.validate().is_ok());
+        let bad = Schedule::Cosine {
+            warmup_steps: 10,
+            total_steps: 10,
+            min_factor: 0.1,
+        };
+        assert!(bad.validate().is_err());
+        // The position is the step count a checkpoint restores.
+        let p = Var::from_slice(&[1.0f32], 1, &Device::Cpu).expect("var");
+        let params = Params::new(vec![("p".into(), p)]).expect("params");
+        let spec = OptimizerSpec::Sgd {
+            lr: 1.0,
+            momentum: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        };
+        let mut opt = Optimizer::new(&spec, &params)
+            .expect("opt")
+            .with_schedule(s)
+            .expect("schedule");
+        opt.load(&params, 59, &HashMap::new()).expect("load");
+        assert!((opt.current_lr() - 0.55).abs() < 1e-9);
     }
 
     #[test]

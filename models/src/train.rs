@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::data::Dataset;
+use crate::data::Samples;
 use crate::model::Model;
 use crate::optim::Optimizer;
 use crate::Result;
@@ -11,34 +11,59 @@ use crate::Result;
 /// Runs forward, cross-entropy loss, backward and one optimizer update on a batch; returns the
 /// batch's mean loss.
 pub fn train_step(model: &Model, opt: &mut Optimizer, xs: &Tensor, ys: &Tensor) -> Result<f32> {
-    let logits = model.forward(xs)?;
-    let loss = candle_nn::loss::cross_entropy(&logits, ys)?;
+    let (logits, ys) = per_prediction(model.forward(xs)?, ys)?;
+    let loss = candle_nn::loss::cross_entropy(&logits, &ys)?;
     let grads = loss.backward()?;
     opt.step(model.params(), &grads)?;
     Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
 }
 
+/// One row of logits per prediction: a classifier's `(batch, classes)` as they are, a
+/// language model's `(batch, time, vocab)` with its `(batch, time)` targets flattened to
+/// `(batch·time, vocab)` and `(batch·time,)`.
+fn per_prediction(logits: Tensor, ys: &Tensor) -> Result<(Tensor, Tensor)> {
+    if logits.rank() == 3 {
+        let (b, t, v) = logits.dims3()?;
+        return Ok((logits.reshape((b * t, v))?, ys.flatten_all()?));
+    }
+    Ok((logits, ys.clone()))
+}
+
 /// Accuracy and mean loss of a model on a data set.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Evaluation {
-    /// Fraction of samples classified correctly, in `[0, 1]`.
+    /// Fraction of predictions that were right, in `[0, 1]` (for text: next bytes guessed).
     pub accuracy: f64,
-    /// Mean cross-entropy loss.
+    /// Mean cross-entropy loss per prediction, in nats.
     pub loss: f64,
     /// Number of samples evaluated.
     pub samples: usize,
+    /// For text, the loss in bits per byte (`loss / ln 2`): what a compressor built on the
+    /// model would spend per byte of held-out text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits_per_byte: Option<f64>,
 }
 
 /// Evaluates `model` on all of `data`, in batches of `batch` samples.
-pub fn evaluate(model: &Model, data: &Dataset, batch: usize, dev: &Device) -> Result<Evaluation> {
+pub fn evaluate(
+    model: &Model,
+    data: &dyn Samples,
+    batch: usize,
+    dev: &Device,
+) -> Result<Evaluation> {
     let mut correct = 0usize;
     let mut loss_sum = 0.0f64;
+    let mut predictions = 0usize;
     let indices: Vec<usize> = (0..data.len()).collect();
     for chunk in indices.chunks(batch.max(1)) {
         let (xs, ys) = data.batch(chunk, dev)?;
-        let logits = model.forward(&xs)?;
-        let loss = candle_nn::loss::cross_entropy(&logits, &ys)?.to_scalar::<f32>()?;
-        loss_sum += f64::from(loss) * chunk.len() as f64;
+        let (logits, ys) = per_prediction(model.forward(&xs)?, &ys)?;
+        let rows = ys.elem_count();
+        let loss = candle_nn::loss::cross_entropy(&logits, &ys)?
+            .to_dtype(DType::F32)?
+            .to_scalar::<f32>()?;
+        loss_sum += f64::from(loss) * rows as f64;
+        predictions += rows;
         let predicted = logits.argmax(1)?;
         correct += predicted
             .eq(&ys)?
@@ -46,11 +71,15 @@ pub fn evaluate(model: &Model, data: &Dataset, batch: usize, dev: &Device) -> Re
             .sum_all()?
             .to_scalar::<u32>()? as usize;
     }
-    let n = data.len().max(1) as f64;
+    let n = predictions.max(1) as f64;
+    let loss = loss_sum / n;
     Ok(Evaluation {
         accuracy: correct as f64 / n,
-        loss: loss_sum / n,
+        loss,
         samples: data.len(),
+        bits_per_byte: data
+            .predicts_bytes()
+            .then_some(loss / std::f64::consts::LN_2),
     })
 }
 

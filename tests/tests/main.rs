@@ -15,3 +15,4 @@ mod rogue;
 mod single_node;
 mod skewed;
 mod soak;
+mod text;

@@ -17,7 +17,10 @@ use std::str::FromStr;
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 use p2ptrain_models::codec::Codec;
-use p2ptrain_models::data::{self, Split};
+use p2ptrain_models::data::{self, Data};
+use p2ptrain_models::gpt::GptSpec;
+use p2ptrain_models::optim::Schedule;
+use p2ptrain_models::text::{self, TextOptions};
 use p2ptrain_models::{ModelSpec, OptimizerSpec};
 use serde::{de, Deserialize, Deserializer, Serialize};
 use sha2::{Digest, Sha256};
@@ -66,6 +69,20 @@ pub enum DataSource {
     Mnist,
     /// A seeded synthetic set.
     Synthetic,
+    /// A text file for a byte-level language model (`data.path`; absent: the bundled Hamlet).
+    Text,
+}
+
+impl DataSource {
+    /// The name the config file uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataSource::Digits => "digits",
+            DataSource::Mnist => "mnist",
+            DataSource::Synthetic => "synthetic",
+            DataSource::Text => "text",
+        }
+    }
 }
 
 /// How `train.shard` cuts the training set between the boxes that each own part of it
@@ -123,6 +140,10 @@ struct RawModel {
     widths: Option<Vec<usize>>,
     channels: Option<Vec<usize>>,
     hidden: Option<Vec<usize>>,
+    context: Option<usize>,
+    layers: Option<usize>,
+    width: Option<usize>,
+    heads: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -136,6 +157,10 @@ struct RawOptimizer {
     beta1: Option<f64>,
     beta2: Option<f64>,
     eps: Option<f64>,
+    schedule: Option<String>,
+    warmup_steps: Option<u64>,
+    total_steps: Option<u64>,
+    min_lr_factor: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -154,6 +179,7 @@ struct RawData {
     partition: Option<PartitionKind>,
     alpha: Option<f64>,
     classes_per_node: Option<usize>,
+    eval_bytes: Option<usize>,
 }
 
 /// The model section, before the data set fills in input size and classes for a CNN.
@@ -172,6 +198,8 @@ pub enum ModelConfig {
         /// Hidden widths of the fully connected part.
         hidden: Vec<usize>,
     },
+    /// A byte-level GPT; it needs `data.source = "text"`.
+    Gpt(GptSpec),
 }
 
 /// The data section, checked.
@@ -203,6 +231,8 @@ pub struct DataConfig {
     pub alpha: f64,
     /// `by_label`: classes per node; absent, just enough that every class has a node.
     pub classes_per_node: Option<usize>,
+    /// Text: held-out bytes each evaluation reads (0: the whole tail).
+    pub eval_bytes: usize,
 }
 
 /// Settings given on the command line. Every CLI command that loads a config hands its flags
@@ -239,6 +269,8 @@ pub struct Config {
     pub model: ModelConfig,
     /// The optimizer.
     pub optimizer: OptimizerSpec,
+    /// Its learning-rate schedule (`optimizer.schedule`).
+    pub schedule: Schedule,
     /// The data set.
     pub data: DataConfig,
     /// Training loop settings.
@@ -292,7 +324,30 @@ impl Config {
             _ => p,
         };
 
+        let gpt_keys_set = [
+            ("context", raw.model.context.is_some()),
+            ("layers", raw.model.layers.is_some()),
+            ("width", raw.model.width.is_some()),
+            ("heads", raw.model.heads.is_some()),
+        ];
         let model = match raw.model.kind.as_str() {
+            "gpt" => {
+                if raw.model.widths.is_some()
+                    || raw.model.channels.is_some()
+                    || raw.model.hidden.is_some()
+                {
+                    return Err(err("model.widths, model.channels and model.hidden are not gpt settings; a gpt takes model.context, layers, width and heads".into()));
+                }
+                let m = &raw.model;
+                let spec = GptSpec {
+                    context: m.context.unwrap_or(64),
+                    layers: m.layers.unwrap_or(4),
+                    width: m.width.unwrap_or(128),
+                    heads: m.heads.unwrap_or(4),
+                };
+                spec.validate().map_err(|e| err(format!("model: {e}")))?;
+                ModelConfig::Gpt(spec)
+            }
             "mlp" => {
                 if raw.model.channels.is_some() || raw.model.hidden.is_some() {
                     return Err(err("model.channels and model.hidden are for kind = \"cnn\"; an mlp takes model.widths".into()));
@@ -328,10 +383,17 @@ impl Config {
             }
             other => {
                 return Err(err(format!(
-                    "model.kind = {other:?} is unknown; use \"mlp\" or \"cnn\""
+                    "model.kind = {other:?} is unknown; use \"mlp\", \"cnn\" or \"gpt\""
                 )))
             }
         };
+        if !matches!(model, ModelConfig::Gpt(_)) {
+            for (k, set) in gpt_keys_set {
+                if set {
+                    return Err(err(format!("model.{k} is a gpt setting")));
+                }
+            }
+        }
 
         let o = &raw.optimizer;
         let optimizer = match o.kind.as_str() {
@@ -372,6 +434,40 @@ impl Config {
             }
         };
         optimizer.validate().map_err(|e| err(e.to_string()))?;
+        let schedule = match o.schedule.as_deref().unwrap_or("constant") {
+            "constant" => {
+                for (k, set) in [
+                    ("warmup_steps", o.warmup_steps.is_some()),
+                    ("total_steps", o.total_steps.is_some()),
+                    ("min_lr_factor", o.min_lr_factor.is_some()),
+                ] {
+                    if set {
+                        return Err(err(format!(
+                            "optimizer.{k} needs optimizer.schedule = \"cosine\""
+                        )));
+                    }
+                }
+                Schedule::Constant
+            }
+            "cosine" => {
+                let total_steps = o.total_steps.ok_or_else(|| {
+                    err("optimizer.schedule = \"cosine\" needs optimizer.total_steps (where the decay ends)".into())
+                })?;
+                Schedule::Cosine {
+                    warmup_steps: o.warmup_steps.unwrap_or(0),
+                    total_steps,
+                    min_factor: o.min_lr_factor.unwrap_or(0.1),
+                }
+            }
+            other => {
+                return Err(err(format!(
+                    "optimizer.schedule = {other:?} is unknown; use \"constant\" or \"cosine\""
+                )))
+            }
+        };
+        schedule
+            .validate()
+            .map_err(|e| err(format!("optimizer: {e}")))?;
 
         let d = raw.data;
         let def = DataConfig::default();
@@ -389,6 +485,7 @@ impl Config {
             partition: d.partition.unwrap_or(def.partition),
             alpha: d.alpha.unwrap_or(def.alpha),
             classes_per_node: d.classes_per_node,
+            eval_bytes: d.eval_bytes.unwrap_or(def.eval_bytes),
         };
         if !(0.0..1.0).contains(&data.test_fraction) {
             return Err(err(format!(
@@ -405,13 +502,32 @@ impl Config {
             }
             DataSource::Mnist if data.path.is_some() => {
                 return Err(err(
-                    "data.path is for source = \"digits\"; mnist takes data.dir".into(),
+                    "data.path is for source = \"digits\" or \"text\"; mnist takes data.dir".into(),
                 ))
             }
-            DataSource::Digits if data.dir.is_some() => {
+            DataSource::Digits | DataSource::Text if data.dir.is_some() => {
+                return Err(err(format!(
+                    "data.dir is for source = \"mnist\"; {} takes data.path",
+                    data.source.as_str()
+                )))
+            }
+            DataSource::Text if !matches!(model, ModelConfig::Gpt(_)) => {
                 return Err(err(
-                    "data.dir is for source = \"mnist\"; digits takes data.path".into(),
+                    "data.source = \"text\" trains a language model: it needs model.kind = \"gpt\""
+                        .into(),
                 ))
+            }
+            DataSource::Text if data.partition != PartitionKind::Iid => {
+                return Err(err(format!(
+                    "data.partition = \"{}\" cuts by class; a text has none (train.shard gives each node a stretch of it)",
+                    data.partition.as_str()
+                )))
+            }
+            _ if data.source != DataSource::Text && matches!(model, ModelConfig::Gpt(_)) => {
+                return Err(err(format!(
+                    "model.kind = \"gpt\" reads bytes of text; data.source = \"{}\" is not text",
+                    data.source.as_str()
+                )))
             }
             DataSource::Synthetic if data.samples == 0 || data.dim == 0 || data.classes < 2 => {
                 return Err(err(
@@ -444,6 +560,7 @@ impl Config {
             origin: origin.to_string(),
             model,
             optimizer,
+            schedule,
             data,
             train: raw.train,
             checkpoint: raw.checkpoint,
@@ -491,10 +608,20 @@ impl Config {
     }
 
     /// Builds the model spec for a loaded data set, checking that the two fit.
-    pub fn model_spec(&self, split: &Split) -> Result<ModelSpec, ConfigError> {
+    pub fn model_spec(&self, data: &Data) -> Result<ModelSpec, ConfigError> {
         let err = |msg: String| ConfigError::File {
             file: self.origin.clone(),
             msg,
+        };
+        let split = match (&self.model, data) {
+            (ModelConfig::Gpt(g), Data::Text(_)) => return Ok(ModelSpec::Gpt(*g)),
+            (_, Data::Labeled(split)) => split,
+            _ => {
+                return Err(err(format!(
+                    "model.kind and {} do not fit: a gpt reads text, the others labelled samples",
+                    self.data.describe()
+                )))
+            }
         };
         let dim = split.train.dim;
         let classes = split.train.classes;
@@ -525,6 +652,7 @@ impl Config {
                     classes,
                 }
             }
+            ModelConfig::Gpt(g) => ModelSpec::Gpt(*g),
         };
         spec.validate()
             .map_err(|e| err(format!("model does not fit {}: {e}", self.data.describe())))?;
@@ -548,6 +676,9 @@ impl Config {
             protocol: &'static str,
             model: &'a ModelConfig,
             optimizer: &'a OptimizerSpec,
+            /// Left out when constant, so runs configured before schedules keep their id.
+            #[serde(skip_serializing_if = "Schedule::is_constant")]
+            schedule: Schedule,
             data: DataIdentity,
             init_seed: u64,
         }
@@ -556,6 +687,7 @@ impl Config {
             protocol: "p2ptrain/1",
             model: &self.model,
             optimizer: &self.optimizer,
+            schedule: self.schedule,
             data: DataIdentity {
                 source: d.source,
                 test_fraction: d.test_fraction,
@@ -575,9 +707,21 @@ impl Config {
     }
 
     /// Loads the configured data set and its train/test split.
-    pub fn load_data(&self) -> Result<Split, p2ptrain_models::Error> {
+    pub fn load_data(&self) -> Result<Data, p2ptrain_models::Error> {
         let d = &self.data;
         let mut split = match d.source {
+            DataSource::Text => {
+                let context = match &self.model {
+                    ModelConfig::Gpt(g) => g.context,
+                    _ => 1,
+                };
+                let opts = TextOptions {
+                    context,
+                    test_fraction: d.test_fraction,
+                    eval_bytes: d.eval_bytes,
+                };
+                return Ok(Data::Text(text::load_text(d.path.as_deref(), opts)?));
+            }
             DataSource::Digits => data::split_seeded(
                 &data::load_digits(d.path.as_deref())?,
                 d.test_fraction,
@@ -593,7 +737,7 @@ impl Config {
         if d.standardize {
             split.standardize();
         }
-        Ok(split)
+        Ok(Data::Labeled(split))
     }
 }
 
@@ -615,6 +759,7 @@ impl Default for DataConfig {
             partition: PartitionKind::Iid,
             alpha: 0.5,
             classes_per_node: None,
+            eval_bytes: 32_768,
         }
     }
 }
@@ -648,6 +793,10 @@ impl DataConfig {
                 "synthetic ({} samples, {} features, {} classes)",
                 self.samples, self.dim, self.classes
             ),
+            DataSource::Text => match &self.path {
+                Some(p) => format!("text ({})", p.display()),
+                None => "text (bundled Hamlet)".into(),
+            },
         }
     }
 }

@@ -299,3 +299,64 @@ fn evaluation_on_a_clock_takes_seconds_and_refuses_what_is_not() {
         assert!(e.contains("train.eval_every_secs"), "{bad}: {e}");
     }
 }
+
+#[test]
+fn the_text_configs_load_and_a_gpt_needs_text_and_text_a_gpt() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    for name in ["text-gpt.toml", "text-gpt-gpu.toml"] {
+        let c = Config::load(Some(&root.join(name))).expect(name);
+        assert!(matches!(c.model, ModelConfig::Gpt(_)), "{name}");
+        assert!(matches!(c.schedule, Schedule::Cosine { .. }), "{name}");
+        assert_eq!(c.data.source, DataSource::Text);
+    }
+    let text = std::fs::read_to_string(root.join("text-gpt.toml")).expect("read");
+    let c = Config::parse(&text, "t.toml", None).expect("parse");
+    let data = c.load_data().expect("the bundled Hamlet");
+    assert_eq!(
+        c.model_spec(&data).expect("spec").name(),
+        "gpt-c64-l4-w128-h4"
+    );
+    let cases = [
+        (
+            text.replace("source = \"text\"", "source = \"digits\""),
+            "is not text",
+        ),
+        (
+            DEFAULT_CONFIG_TOML.replace("source = \"digits\"", "source = \"text\""),
+            "needs model.kind = \"gpt\"",
+        ),
+        (text.replace("heads = 4", "heads = 3"), "multiple"),
+        (
+            text.replace("schedule = \"cosine\"", "schedule = \"constant\""),
+            "needs optimizer.schedule = \"cosine\"",
+        ),
+        (
+            text.replace("total_steps = 10000", "total_steps = 50"),
+            "must exceed warmup_steps",
+        ),
+        (
+            text.replace("[model]", "[model]\nwidths = [1, 2]"),
+            "not gpt settings",
+        ),
+    ];
+    for (bad, want) in cases {
+        let e = Config::parse(&bad, "t.toml", None)
+            .expect_err(want)
+            .to_string();
+        assert!(e.contains(want), "{e} (wanted {want})");
+    }
+}
+
+#[test]
+fn a_constant_schedule_leaves_the_run_id_as_it_was_and_a_cosine_one_changes_it() {
+    let plain = Config::load(None).expect("default");
+    let explicit = DEFAULT_CONFIG_TOML.replace("[data]", "schedule = \"constant\"\n\n[data]");
+    let explicit = Config::parse(&explicit, "x.toml", None).expect("parse");
+    assert_eq!(plain.run_id(), explicit.run_id());
+    let cosine = DEFAULT_CONFIG_TOML.replace(
+        "[data]",
+        "schedule = \"cosine\"\ntotal_steps = 3000\n\n[data]",
+    );
+    let cosine = Config::parse(&cosine, "x.toml", None).expect("parse");
+    assert_ne!(plain.run_id(), cosine.run_id());
+}

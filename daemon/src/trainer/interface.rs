@@ -8,7 +8,7 @@ use std::thread::Thread;
 use std::time::Duration;
 
 use candle_core::Device;
-use p2ptrain_models::data::Split;
+use p2ptrain_models::data::Data;
 use p2ptrain_models::{Model, Optimizer};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -131,6 +131,22 @@ pub struct EvalStats {
     pub loss: f64,
     /// Step at which it was taken.
     pub step: u64,
+    /// For a language model: the held-out loss in bits per byte.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits_per_byte: Option<f64>,
+    /// For a language model: the held-out perplexity per byte, `e^loss`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub perplexity: Option<f64>,
+}
+
+impl EvalStats {
+    /// The figure people read first: bits per byte for a language model, accuracy otherwise.
+    pub fn headline(&self) -> String {
+        match self.bits_per_byte {
+            Some(bpb) => format!("{bpb:.3} bpb"),
+            None => format!("{:.2}%", self.accuracy * 100.0),
+        }
+    }
 }
 
 /// Progress the trainer publishes; read by the status API.
@@ -174,7 +190,7 @@ pub struct Setup {
     /// Its optimizer, already holding restored state if any.
     pub optimizer: Optimizer,
     /// Training and held-out data.
-    pub split: Arc<Split>,
+    pub data: Arc<Data>,
     /// Where tensors live.
     pub device: Device,
     /// Samples per step.

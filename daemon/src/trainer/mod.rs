@@ -60,7 +60,7 @@ const EVAL_LOG_EVERY: Duration = Duration::from_secs(10);
 /// How often a node held back by the step limit looks again.
 const HELD_POLL: Duration = Duration::from_millis(5);
 /// Samples per evaluation batch.
-const EVAL_BATCH: usize = 1000;
+const EVAL_BATCH: usize = 256;
 
 /// Starts the trainer thread; it steps only while `limit` allows.
 pub fn spawn(
@@ -125,7 +125,7 @@ impl Loop {
         events_tx: mpsc::Sender<TrainerEvent>,
         limit: StepLimit,
     ) -> Loop {
-        let mut sampler = Sampler::new(s.split.train.len(), s.node_seed);
+        let mut sampler = Sampler::new(s.data.train().len(), s.node_seed);
         sampler.seek(s.start.samples_seen);
         let counters = s.start;
         Loop {
@@ -174,7 +174,7 @@ impl Loop {
         let started = Instant::now();
         let e = evaluate(
             &self.s.model,
-            &self.s.split.test,
+            self.s.data.test(),
             EVAL_BATCH,
             &self.s.device,
         )?;
@@ -186,13 +186,22 @@ impl Loop {
             .last_eval_log
             .is_none_or(|t| t.elapsed() >= EVAL_LOG_EVERY)
         {
-            tracing::info!(
-                step = self.counters.step,
-                accuracy = format!("{:.4}", e.accuracy),
-                loss = format!("{:.4}", e.loss),
-                samples_per_sec = format!("{:.0}", self.stats.samples_per_sec),
-                "evaluated on held-out set"
-            );
+            match e.bits_per_byte {
+                Some(bpb) => tracing::info!(
+                    step = self.counters.step,
+                    bits_per_byte = format!("{bpb:.3}"),
+                    loss = format!("{:.4}", e.loss),
+                    samples_per_sec = format!("{:.0}", self.stats.samples_per_sec),
+                    "evaluated on held-out text"
+                ),
+                None => tracing::info!(
+                    step = self.counters.step,
+                    accuracy = format!("{:.4}", e.accuracy),
+                    loss = format!("{:.4}", e.loss),
+                    samples_per_sec = format!("{:.0}", self.stats.samples_per_sec),
+                    "evaluated on held-out set"
+                ),
+            }
             self.last_eval_log = Some(Instant::now());
         } else {
             tracing::debug!(
@@ -206,6 +215,8 @@ impl Loop {
             accuracy: e.accuracy,
             loss: e.loss,
             step: self.counters.step,
+            bits_per_byte: e.bits_per_byte,
+            perplexity: e.bits_per_byte.map(|_| e.loss.exp()),
         });
         Ok(())
     }
@@ -533,7 +544,7 @@ impl Loop {
             }
             self.released();
             let indices = self.sampler.next_batch(self.s.batch_size);
-            let (xs, ys) = self.s.split.train.batch(&indices, &self.s.device)?;
+            let (xs, ys) = self.s.data.train().batch(&indices, &self.s.device)?;
             let loss = train_step(&self.s.model, &mut self.s.optimizer, &xs, &ys)?;
             if !loss.is_finite() {
                 return Err(TrainerError::Diverged {

@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{Device, Tensor};
+use p2ptrain_models::optim::Schedule;
 use p2ptrain_models::{Model, ModelSpec, Optimizer, OptimizerSpec};
 
 use super::{Counters, Identity, TrainerError};
@@ -14,13 +15,14 @@ use crate::store::Loaded;
 pub fn build(
     spec: &ModelSpec,
     opt_spec: &OptimizerSpec,
+    schedule: Schedule,
     init_seed: u64,
     device: &Device,
     identity: &Identity,
     resume: Option<&Loaded>,
 ) -> Result<(Model, Optimizer, Counters), TrainerError> {
     let model = Model::new(spec, init_seed, device)?;
-    let mut optimizer = Optimizer::new(opt_spec, model.params())?;
+    let mut optimizer = Optimizer::new(opt_spec, model.params())?.with_schedule(schedule)?;
     let mut counters = Counters::default();
     if let Some(loaded) = resume {
         counters = restore_into(&model, &mut optimizer, identity, loaded)?;
@@ -71,7 +73,8 @@ pub(super) fn restore_into(
     let tensors = to_device(&loaded.tensors, &device)?;
     // Check the optimizer state loads before touching the parameters, so a failure leaves both
     // as they were.
-    let mut staged = Optimizer::new(optimizer.spec(), model.params())?;
+    let mut staged =
+        Optimizer::new(optimizer.spec(), model.params())?.with_schedule(optimizer.schedule())?;
     staged.load(model.params(), info.optimizer_steps, &tensors)?;
     model.params().load(&tensors)?;
     *optimizer = staged;

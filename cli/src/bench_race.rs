@@ -177,6 +177,13 @@ pub fn run(args: RaceArgs) -> Result<()> {
             args.eval_secs
         );
     }
+    let base = p2ptrain_daemon::config::Config::load(Some(&args.config))?;
+    if matches!(base.model, p2ptrain_daemon::config::ModelConfig::Gpt(_)) {
+        bail!(
+            "bench race runs to a held-out accuracy; a gpt is judged by bits per byte \
+             (use `local` or `bench mesh` for it)"
+        );
+    }
     if args.eval_every == 0 && args.eval_secs == 0.0 {
         bail!("--eval-every 0 with --eval-secs 0 never evaluates: no run could reach the target");
     }

@@ -445,7 +445,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
                     .map(|e| e.headline())
                     .unwrap_or_else(|| "-".into());
                 eprintln!(
-                    "node {i}  step {:>7}  loss {:>7}  acc {:>7}  peers {}  updates in {:>5} out {:>5}  {:>8.0} samples/s",
+                    "node {i}  step {:>7}  loss {:>7}  eval {:>9}  peers {}  updates in {:>5} out {:>5}  {:>8.0} samples/s",
                     s.training.step,
                     s.training.loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
                     acc,
@@ -566,7 +566,7 @@ pub fn print_summary(s: &LocalSummary) {
         "{:>4} {:>8} {:>9} {:>6} {:>12} {:>12} {:>13} {:>8} {:>6} {:>5}",
         "node",
         "step",
-        "accuracy",
+        "eval",
         "peers",
         "bytes sent",
         "bytes recv",

@@ -34,9 +34,6 @@ use crate::client::Client;
 #[global_allocator]
 static ALLOCATOR: &stats_alloc::StatsAlloc<std::alloc::System> = &stats_alloc::INSTRUMENTED_SYSTEM;
 
-/// Held-out samples per evaluation batch.
-const EVAL_BATCH: usize = 256;
-
 /// Bytes allocated and not yet released, by [`ALLOCATOR`]'s count.
 fn live_heap_bytes() -> u64 {
     let s = ALLOCATOR.stats();
@@ -378,7 +375,7 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
     let acc = summary
         .stats
         .eval
-        .map(|e| format!(", held-out accuracy {:.2}%", e.accuracy * 100.0))
+        .map(|e| format!(", held-out {}", e.headline()))
         .unwrap_or_default();
     let ck = summary
         .final_checkpoint
@@ -568,7 +565,6 @@ fn evaluate_loaded(
     Ok(p2ptrain_models::train::evaluate(
         &model,
         prepared.data.test(),
-        EVAL_BATCH,
         &prepared.device,
     )?)
 }

@@ -96,6 +96,20 @@ pub fn run(args: SampleArgs) -> Result<()> {
             )
         })?,
     };
+    // The file's parameters must be the spec's before anything is built from the spec: a
+    // checkpoint's model name alone must not decide how much memory this takes.
+    let in_file: usize = tensors
+        .iter()
+        .filter(|(name, _)| !name.starts_with("optim."))
+        .map(|(_, t)| t.values.len())
+        .sum();
+    if in_file != spec.numel() {
+        bail!(
+            "{file} holds {in_file} parameter values; a {} has {}",
+            spec.name(),
+            spec.numel()
+        );
+    }
     let model = Model::new(&ModelSpec::Gpt(spec), 0, &Device::Cpu)?;
     let layout = model.params().layout().hash();
     if layout != info.layout_hash {

@@ -3,7 +3,8 @@
 //! a text ([`crate::text`]), with the one view of samples ([`Samples`]) training and evaluation
 //! read through.
 //!
-//! Everything is held in memory as `f32` features (in `[0, 1]` as loaded) and `u32` labels: the largest set
+//! Labelled sets are held in memory as `f32` features (in `[0, 1]` as loaded) and `u32` labels (a
+//! text as its bytes, see [`crate::text`]): the largest labelled set
 //! we train on (MNIST, 60,000 x 784) is about 190 MB as `f32`, which every node can afford, and
 //! it keeps batching a plain gather.
 
@@ -179,6 +180,11 @@ pub trait Samples {
     /// Whether each target is the next byte of a text (losses are then per byte).
     fn predicts_bytes(&self) -> bool {
         false
+    }
+
+    /// Samples per evaluation batch.
+    fn eval_batch(&self) -> usize {
+        256
     }
 }
 

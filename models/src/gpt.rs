@@ -23,6 +23,13 @@ pub const VOCAB: usize = 256;
 const INIT_STD: f32 = 0.02;
 /// Layer norm's epsilon.
 const LN_EPS: f64 = 1e-5;
+/// Largest context, width, layers and parameter count a spec may ask for: far beyond what a
+/// box trains, and small enough that a corrupt config or checkpoint name cannot make a node
+/// try to allocate without bound.
+const MAX_CONTEXT: usize = 8192;
+const MAX_WIDTH: usize = 16_384;
+const MAX_LAYERS: usize = 256;
+const MAX_PARAMS: usize = 4_000_000_000;
 /// Added to attention scores a position must not see: finite, so no `inf·0` reaches a
 /// gradient, and far below any real score, so its softmax weight is exactly zero.
 const MASKED: f32 = -1e9;
@@ -57,6 +64,18 @@ impl GptSpec {
         if !width.is_multiple_of(heads) {
             return Err(Error::Spec(format!(
                 "gpt width {width} is not a multiple of its {heads} heads"
+            )));
+        }
+        if context > MAX_CONTEXT || width > MAX_WIDTH || layers > MAX_LAYERS {
+            return Err(Error::Spec(format!(
+                "a gpt of context {context}, width {width} and {layers} layers is past the \
+                 limits ({MAX_CONTEXT}, {MAX_WIDTH}, {MAX_LAYERS})"
+            )));
+        }
+        if self.numel() > MAX_PARAMS {
+            return Err(Error::Spec(format!(
+                "a gpt of {} parameters is past the limit of {MAX_PARAMS}",
+                self.numel()
             )));
         }
         Ok(())
@@ -110,7 +129,7 @@ struct Block {
 pub struct Gpt {
     spec: GptSpec,
     tok_emb: Embedding,
-    /// The token embedding's matrix, transposed for the tied output head.
+    /// The token embedding's matrix `(256, width)`, which the tied output head also reads.
     tok_weight: Tensor,
     pos_emb: Tensor,
     blocks: Vec<Block>,
@@ -230,7 +249,7 @@ impl Gpt {
         } else {
             prompt.to_vec()
         };
-        let mut out = Vec::with_capacity(count);
+        let mut out = Vec::with_capacity(count.min(1 << 16));
         for _ in 0..count {
             let start = text.len().saturating_sub(self.spec.context);
             let window: Vec<u32> = text[start..].iter().map(|&b| u32::from(b)).collect();
@@ -429,8 +448,9 @@ mod tests {
             let norm = g
                 .sqr()
                 .and_then(|t| t.sum_all())
-                .and_then(|t| t.to_scalar::<f32>());
-            assert!(norm.expect("norm").is_finite(), "{name}");
+                .and_then(|t| t.to_scalar::<f32>())
+                .expect("norm");
+            assert!(norm.is_finite() && norm > 0.0, "{name}: {norm}");
         }
     }
 
@@ -444,6 +464,9 @@ mod tests {
         assert_eq!(GptSpec::from_name(&tiny().name()), Some(tiny()));
         assert_eq!(GptSpec::from_name("gpt-c8-l2-w16-h5"), None, "16 % 5 != 0");
         assert_eq!(GptSpec::from_name("mlp-64-10"), None);
+        // A name (from a checkpoint) asking for an absurd model is refused before any allocation.
+        assert_eq!(GptSpec::from_name("gpt-c100000000-l2-w16-h4"), None);
+        assert_eq!(GptSpec::from_name("gpt-c64-l200-w16384-h4"), None);
     }
 
     #[test]

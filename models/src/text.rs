@@ -18,9 +18,13 @@ use crate::{Error, Result};
 /// `data/README.md`), so the text demo and tests need no download.
 pub const BUNDLED_HAMLET_GZ: &[u8] = include_bytes!("../../data/hamlet.txt.gz");
 
-/// Training windows start every `context / TRAIN_STRIDE_DIVISOR` bytes: nearly every offset
-/// is seen, while the sampler's permutation stays a quarter-context fraction of the text.
+/// Training windows start every `context / TRAIN_STRIDE_DIVISOR` bytes: windows overlap by
+/// three quarters, and the sampler's permutation holds `4 · len / context` entries, not one
+/// per byte.
 const TRAIN_STRIDE_DIVISOR: usize = 4;
+/// Bytes (inputs) per evaluation batch: the attention scores of a batch grow with its windows
+/// times the context squared, so long contexts evaluate fewer windows at once.
+const EVAL_TOKENS: usize = 8192;
 
 /// Bytes served as windows of `context + 1`.
 #[derive(Debug, Clone)]
@@ -40,10 +44,12 @@ impl TextSet {
         }
     }
 
-    /// Non-overlapping windows over at most `max_bytes` of `bytes` (all when `max_bytes` is 0).
+    /// Non-overlapping windows over at most `max_bytes` of `bytes` (all when `max_bytes` is 0;
+    /// at least one window's worth).
     fn held_out(mut bytes: Vec<u8>, context: usize, max_bytes: usize) -> TextSet {
-        if max_bytes > 0 && bytes.len() > max_bytes + 1 {
-            bytes.truncate(max_bytes + 1);
+        let keep = max_bytes.max(context) + 1;
+        if max_bytes > 0 && bytes.len() > keep {
+            bytes.truncate(keep);
         }
         TextSet {
             bytes,
@@ -101,6 +107,10 @@ impl Samples for TextSet {
     fn predicts_bytes(&self) -> bool {
         true
     }
+
+    fn eval_batch(&self) -> usize {
+        (EVAL_TOKENS / self.context).max(1)
+    }
 }
 
 /// A text cut into the head a node trains on and the tail it evaluates on.
@@ -147,16 +157,16 @@ pub fn split_text(bytes: Vec<u8>, path: &Path, opts: TextOptions) -> Result<Text
             e.valid_up_to()
         )));
     }
-    if !(0.0..1.0).contains(&opts.test_fraction) || opts.test_fraction.is_nan() {
+    if !(opts.test_fraction > 0.0 && opts.test_fraction < 1.0) {
         return Err(Error::Spec(format!(
-            "test_fraction must be in [0, 1), got {}",
+            "a text needs a held-out tail: test_fraction must be in (0, 1), got {}",
             opts.test_fraction
         )));
     }
     let n_test = (bytes.len() as f64 * opts.test_fraction).round() as usize;
     let cut = bytes.len() - n_test;
     let window = opts.context + 1;
-    if cut < window || (opts.test_fraction > 0.0 && n_test < window) {
+    if cut < window || n_test < window {
         return Err(bad(format!(
             "{} bytes are too few for windows of {window} bytes in both the training head and \
              the held-out tail ({:.0}% of the text)",
@@ -233,5 +243,13 @@ mod tests {
         assert!(e.to_string().contains("too few"), "{e}");
         let capped = TextSet::held_out(vec![b'x'; 1000], 10, 100);
         assert_eq!(capped.len(), 10);
+        // A budget below one window still evaluates one; no tail at all is refused.
+        assert_eq!(TextSet::held_out(vec![b'x'; 1000], 10, 3).len(), 1);
+        let none = TextOptions {
+            test_fraction: 0.0,
+            ..opts(4)
+        };
+        let e = split_text(vec![b'a'; 100], Path::new("t"), none).expect_err("no tail");
+        assert!(e.to_string().contains("held-out tail"), "{e}");
     }
 }

@@ -44,18 +44,13 @@ pub struct Evaluation {
     pub bits_per_byte: Option<f64>,
 }
 
-/// Evaluates `model` on all of `data`, in batches of `batch` samples.
-pub fn evaluate(
-    model: &Model,
-    data: &dyn Samples,
-    batch: usize,
-    dev: &Device,
-) -> Result<Evaluation> {
+/// Evaluates `model` on all of `data`, in batches of [`Samples::eval_batch`] samples.
+pub fn evaluate(model: &Model, data: &dyn Samples, dev: &Device) -> Result<Evaluation> {
     let mut correct = 0usize;
     let mut loss_sum = 0.0f64;
     let mut predictions = 0usize;
     let indices: Vec<usize> = (0..data.len()).collect();
-    for chunk in indices.chunks(batch.max(1)) {
+    for chunk in indices.chunks(data.eval_batch().max(1)) {
         let (xs, ys) = data.batch(chunk, dev)?;
         let (logits, ys) = per_prediction(model.forward(&xs)?, &ys)?;
         let rows = ys.elem_count();
@@ -77,8 +72,8 @@ pub fn evaluate(
         accuracy: correct as f64 / n,
         loss,
         samples: data.len(),
-        bits_per_byte: data
-            .predicts_bytes()
+        // Nothing evaluated is no figure, not a perfect one.
+        bits_per_byte: (data.predicts_bytes() && predictions > 0)
             .then_some(loss / std::f64::consts::LN_2),
     })
 }
@@ -109,7 +104,7 @@ mod tests {
             weight_decay: 0.0,
         };
         let mut opt = Optimizer::new(&spec, model.params()).expect("opt");
-        let before = evaluate(&model, &split.test, 512, &dev).expect("eval");
+        let before = evaluate(&model, &split.test, &dev).expect("eval");
         let mut sampler = Sampler::new(split.train.len(), 11);
         for _ in 0..600 {
             let (xs, ys) = split
@@ -119,7 +114,7 @@ mod tests {
             let loss = train_step(&model, &mut opt, &xs, &ys).expect("step");
             assert!(loss.is_finite());
         }
-        let after = evaluate(&model, &split.test, 512, &dev).expect("eval");
+        let after = evaluate(&model, &split.test, &dev).expect("eval");
         assert!(
             after.accuracy > 0.9,
             "accuracy {} after training",

@@ -108,8 +108,8 @@ pub fn cli_in(
     });
     (
         status,
-        std::fs::read_to_string(out).unwrap_or_default(),
-        std::fs::read_to_string(err).unwrap_or_default(),
+        String::from_utf8_lossy(&std::fs::read(out).unwrap_or_default()).into_owned(),
+        String::from_utf8_lossy(&std::fs::read(err).unwrap_or_default()).into_owned(),
     )
 }
 

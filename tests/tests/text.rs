@@ -1,6 +1,6 @@
 //! The byte-level GPT on the bundled Hamlet: a node brings held-out bits per byte below 3.0
 //! (the unigram entropy of English text is about 4.5), alone and in a 2-node mesh whose
-//! updates are 1-bit; `sample` prints text from its checkpoint; the checkpoint reads in a plain
+//! updates are 1-bit (a sign per value, a scale per row); `sample` prints text from its checkpoint; the checkpoint reads in a plain
 //! safetensors reader under the names the README documents.
 
 use std::path::{Path, PathBuf};
@@ -14,11 +14,11 @@ use crate::mesh::{listen_addr, peers, start};
 /// The target: below the unigram entropy by far, above what the model reaches at the end.
 const TARGET_BITS_PER_BYTE: f64 = 3.0;
 /// The test's step budget (each node).
-const STEPS: u64 = 600;
+const STEPS: u64 = 700;
 
 /// `configs/text-gpt.toml` shrunk to a test size (2 layers of width 64, 32 bytes of context:
 /// 0.12 M parameters; 64 windows a step), its schedule fitted to the step budget, plus `extra`
-/// TOML. Alone on this 2-core box it takes about 100 s and ends near 2.9 bits per byte.
+/// TOML. Alone on this 2-core box 600 steps took about 100 s and ended at 2.82 bits per byte.
 fn text_config(dir: &Path, name: &str, extra: &str) -> PathBuf {
     let mut text =
         std::fs::read_to_string(repo_root().join("configs/text-gpt.toml")).expect("config");
@@ -106,14 +106,25 @@ fn a_gpt_alone_goes_below_3_bits_per_byte_and_its_checkpoint_samples_and_reads_p
         "--bytes",
         "150",
     ];
-    let (st, out, err) = cli(&args, Duration::from_secs(60));
-    assert!(st.success(), "{err}");
-    eprintln!("sample:\n{out}");
+    // Its output is read as bytes: a byte model may print any byte.
+    let sample = || {
+        let out = std::process::Command::new(crate::harness::bin())
+            .args(args)
+            .output()
+            .expect("run sample");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    };
+    let out = sample();
+    eprintln!("sample:\n{}", String::from_utf8_lossy(&out));
     assert_eq!(out.len(), prompt.len() + 150 + 1, "{out:?}");
-    assert!(out.starts_with(prompt));
+    assert!(out.starts_with(prompt.as_bytes()));
     // Seeded: the same command gives the same text; a wrong config is refused.
-    let (_, again, _) = cli(&args, Duration::from_secs(60));
-    assert_eq!(again, out);
+    assert_eq!(sample(), out);
     let other = text_config(tmp.path(), "other.toml", "")
         .to_str()
         .map(str::to_owned)
@@ -126,7 +137,7 @@ fn a_gpt_alone_goes_below_3_bits_per_byte_and_its_checkpoint_samples_and_reads_p
         &["sample", "--checkpoint", ck_arg, "--config", &other],
         Duration::from_secs(60),
     );
-    assert!(!st.success() && err.contains("run"), "{err}");
+    assert!(!st.success() && err.contains("is from run"), "{err}");
 
     // A plain safetensors reader sees the documented names and shapes.
     let (_, tensors) = read_checkpoint(&ck);
@@ -150,13 +161,17 @@ fn a_gpt_alone_goes_below_3_bits_per_byte_and_its_checkpoint_samples_and_reads_p
     }
 }
 
+/// 1-bit updates with a scale per row: with one scale per tensor (`onebit`) every byte the
+/// text never uses still receives ±scale in its embedding row, which is also its output
+/// weight, and such meshes ended at 2.85-3.07 bits per byte after 600-700 steps (4 nodes of 2
+/// runs), where `onebit-row` ended at 2.78 and one node alone at 2.82.
 #[test]
-fn two_gpt_nodes_with_onebit_updates_go_below_3_bits_per_byte() {
+fn two_gpt_nodes_with_1_bit_row_updates_go_below_3_bits_per_byte() {
     let tmp = tempfile::tempdir().expect("tmp");
     let cfg = text_config(
         tmp.path(),
         "text.toml",
-        "\n[sync]\ncodec = \"onebit\"\nerror_feedback = true\n",
+        "\n[sync]\ncodec = \"onebit-row\"\nerror_feedback = true\n",
     );
     let steps = STEPS.to_string();
     let a = start(tmp.path(), "a", &cfg, None, &["--max-steps", &steps]);

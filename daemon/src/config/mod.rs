@@ -670,6 +670,9 @@ impl Config {
             standardize: bool,
             /// Only a synthetic set's shape and seed define its content.
             synthetic: Option<(usize, usize, usize, u64)>,
+            /// A text's held-out bytes: nodes that evaluate the same tail compare.
+            #[serde(skip_serializing_if = "Option::is_none")]
+            text_eval_bytes: Option<usize>,
         }
         #[derive(Serialize)]
         struct Identity<'a> {
@@ -695,6 +698,7 @@ impl Config {
                 standardize: d.standardize,
                 synthetic: (d.source == DataSource::Synthetic)
                     .then_some((d.samples, d.dim, d.classes, d.seed)),
+                text_eval_bytes: (d.source == DataSource::Text).then_some(d.eval_bytes),
             },
             init_seed: self.train.init_seed,
         };

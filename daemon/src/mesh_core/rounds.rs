@@ -11,7 +11,10 @@
 //! and lists that differ abort the attempt, which is retried with the next number after
 //! [`RETRY_PAUSE`] (by then heartbeats have made the lists agree). A member that dies aborts
 //! the attempt at once when its connection closes or a hop to it cannot be delivered, and
-//! after [`STALL_TIMEOUT`] without progress otherwise; the retry leaves it out. A joiner (or a
+//! after [`STALL_TIMEOUT`] without progress otherwise; the retry leaves it out. An attempt that
+//! can no longer finish because its members went on to the next round without this node gives
+//! way at once (it had no hop yet) or [`LATE_ROUND_WAIT`] after its predecessor's first hop of
+//! the next round (it had some). A joiner (or a
 //! node restored from a checkpoint) holds before its first step, takes the round number of the
 //! first hop that reaches it, and contributes with weight 0: it leaves the round with the
 //! members' mean, that is the current state, at a round boundary.
@@ -36,10 +39,11 @@ pub const READY_FRESH: Duration = Duration::from_secs(3 * HEARTBEAT_EVERY.as_sec
 /// without closing its connection). An honest member still training towards the boundary
 /// costs only a retry, never a punishment.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(20);
-/// An attempt that made no progress for this long while a member already sends hops of a
-/// later round is aborted, and the retry takes the mesh's round: the last hop this node waited
-/// for is not coming (the mesh finished the round in an attempt this node left, or its sender
-/// died after the others had theirs).
+/// An attempt whose predecessor has sent a hop of the next round, and that made no progress
+/// for this long since that hop came, is aborted; the retry takes the mesh's round. The
+/// predecessor sent its last hop of this round before that one, over the same connection, so
+/// a last hop still missing this long after is not coming (the predecessor finished the
+/// round in an attempt this node left).
 pub const LATE_ROUND_WAIT: Duration = Duration::from_secs(2);
 /// Pause before an aborted attempt is retried, so the members' lists can settle.
 pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
@@ -105,6 +109,9 @@ struct Ring {
     /// The hop expected next from the predecessor.
     next_hop: u32,
     last_progress: Instant,
+    /// When the predecessor's first hop of the next round came, while this attempt still
+    /// waited for one of this round.
+    predecessor_went_on: Option<Instant>,
 }
 
 impl Ring {
@@ -304,8 +311,9 @@ impl Rounds {
                 self.abort("stalled", now);
             }
             Stage::Reducing { ring: Some(r), .. }
-                if now.saturating_duration_since(r.last_progress) >= LATE_ROUND_WAIT
-                    && self.mesh_is_past_this_round() =>
+                if r.predecessor_went_on.is_some_and(|t| {
+                    now.saturating_duration_since(t.max(r.last_progress)) >= LATE_ROUND_WAIT
+                }) =>
             {
                 self.abort("the mesh went on", now);
             }
@@ -330,12 +338,6 @@ impl Rounds {
             }
             _ => {}
         }
-    }
-
-    /// Whether the inbox holds hops of a round after this node's.
-    fn mesh_is_past_this_round(&self) -> bool {
-        let newest = self.inbox.keys().next_back().map(|(round, _, _)| *round);
-        matches!((newest, self.round), (Some(n), Some(mine)) if n > mine)
     }
 
     /// The trainer reached a step: at the boundary, its parameters are asked for.
@@ -428,6 +430,7 @@ impl Rounds {
             acc: contribution.clone(),
             next_hop: 0,
             last_progress: now,
+            predecessor_went_on: None,
         };
         self.ring_size = r.len();
         self.retry_at = None;
@@ -481,6 +484,13 @@ impl Rounds {
                 self.keep(key, from, msg.members, values);
                 if reducing && !finishing {
                     self.restart(now, out);
+                } else if let Stage::Reducing {
+                    ring: Some(ring), ..
+                } = &mut self.stage
+                {
+                    if ring.predecessor() == from {
+                        ring.predecessor_went_on.get_or_insert(now);
+                    }
                 }
                 return;
             }
@@ -1028,7 +1038,6 @@ mod tests {
         ring.nodes[0].message(ring.ids[1], next, now, &mut out);
         assert_eq!(ring.nodes[0].status().round, Some(0));
         // ... but not for long.
-        let mut out = Vec::new();
         ring.nodes[0].tick(5, true, now + LATE_ROUND_WAIT / 2, &mut out);
         assert_eq!(ring.nodes[0].status().round, Some(0));
         let later = now + LATE_ROUND_WAIT;
@@ -1038,6 +1047,41 @@ mod tests {
         ring.nodes[0].tick(5, true, later + RETRY_PAUSE, &mut out);
         let st = ring.nodes[0].status();
         assert_eq!((st.round, st.synced), (Some(1), false), "{st:?}");
+    }
+
+    #[test]
+    fn a_last_hop_that_comes_after_the_next_rounds_first_still_completes_the_round() {
+        let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+        let now = Instant::now();
+        ring.hear_all(now);
+        ring.bring_to_boundary(0, now);
+        let (sorted, digest) = ring.sorted();
+        let me = sorted.iter().position(|p| *p == ring.ids[0]).expect("in");
+        let hop = |h: u32, chunk_of: usize| RingMessage {
+            round: 0,
+            attempt: 0,
+            members: digest,
+            hop: h,
+            values: ByteBuf::from(
+                0.5f32
+                    .to_le_bytes()
+                    .repeat(if chunk_of == 0 { 5 } else { 6 }),
+            ),
+        };
+        let mut out = Vec::new();
+        // Hop 0 brings the sender's chunk (the other one's), hop 1 this node's own, summed.
+        ring.nodes[0].message(ring.ids[1], hop(0, 1 - me), now, &mut out);
+        let next = next_round_hop(&ring, 1);
+        ring.nodes[0].message(ring.ids[1], next, now, &mut out);
+        ring.nodes[0].tick(5, true, now + LATE_ROUND_WAIT / 2, &mut out);
+        ring.nodes[0].message(ring.ids[1], hop(1, me), now + LATE_ROUND_WAIT / 2, &mut out);
+        let st = ring.nodes[0].status();
+        assert!(st.aborted.is_empty(), "{st:?}");
+        assert!(
+            out.iter()
+                .any(|o| matches!(o, Output::Trainer(TrainerCommand::Combine { round: 0, .. }))),
+            "{out:?}"
+        );
     }
 
     #[test]

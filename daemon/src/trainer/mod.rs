@@ -59,8 +59,6 @@ const LOSS_WINDOW: usize = 50;
 const EVAL_LOG_EVERY: Duration = Duration::from_secs(10);
 /// How often a node held back by the step limit looks again.
 const HELD_POLL: Duration = Duration::from_millis(5);
-/// Samples per evaluation batch.
-const EVAL_BATCH: usize = 256;
 
 /// Starts the trainer thread; it steps only while `limit` allows.
 pub fn spawn(
@@ -172,12 +170,7 @@ impl Loop {
 
     fn evaluate(&mut self) -> Result<(), TrainerError> {
         let started = Instant::now();
-        let e = evaluate(
-            &self.s.model,
-            self.s.data.test(),
-            EVAL_BATCH,
-            &self.s.device,
-        )?;
+        let e = evaluate(&self.s.model, self.s.data.test(), &self.s.device)?;
         self.stats.eval_secs += started.elapsed().as_secs_f64();
         self.last_eval_at = Instant::now();
         // Evaluations can come many times a second on small models: log at info only now and

@@ -158,8 +158,11 @@ fn most_held(nodes: &[Node], ids: &[String]) -> (usize, usize) {
 /// (some fall inside a checkpoint write: one is written every 100 steps, several a second) and
 /// restarted on the same data directory each time. Every restart must resume from a checkpoint
 /// at least as new as the newest one the node had reported before the kill, never meet a
-/// corrupt file (writes are atomic), and lose at most the checkpoint interval of steps against
-/// the last step it reported.
+/// corrupt file (writes are atomic), and lose at most two checkpoint intervals of steps
+/// against the last step it reported: the checkpoint of the newest boundary may still be on
+/// its way to disk when the kill lands (the trainer goes on while it is written), and then the
+/// one before it is the newest complete one. CI once lost 101 steps with an interval of 100:
+/// a kill one step after a boundary, on a box loaded by other tests.
 #[test]
 fn thirty_kills_at_random_moments_always_resume_from_a_valid_checkpoint() {
     const EVERY: u64 = 100;
@@ -210,8 +213,8 @@ fn thirty_kills_at_random_moments_always_resume_from_a_valid_checkpoint() {
         lost[lost.len() - 1]
     );
     assert!(
-        lost.iter().all(|&l| l <= EVERY),
-        "lost more than the interval: {lost:?}"
+        lost.iter().all(|&l| l <= 2 * EVERY),
+        "lost more than two intervals: {lost:?}"
     );
     let corrupt = std::fs::read_dir(data.join("checkpoints"))
         .expect("checkpoints dir")

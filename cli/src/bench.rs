@@ -76,10 +76,16 @@ pub(crate) fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// The bare loop: batch, forward, backward, optimizer step; nothing else.
-fn bare_loop(p: &Prepared, steps: u64) -> Result<f64> {
+/// The bare loop on a fresh model: batch, forward, backward, optimizer step; nothing else.
+/// Returns steps per second.
+pub(crate) fn bare_loop(p: &Prepared, steps: u64) -> Result<f64> {
+    let model = Model::new(&p.spec, p.config.train.init_seed, &p.device)?;
+    train_steps(p, &model, steps)
+}
+
+/// Trains `model` for `steps` steps with a fresh optimizer of the config; steps per second.
+pub(crate) fn train_steps(p: &Prepared, model: &Model, steps: u64) -> Result<f64> {
     let config = &p.config;
-    let model = Model::new(&p.spec, config.train.init_seed, &p.device)?;
     let mut opt =
         Optimizer::new(&config.optimizer, model.params())?.with_schedule(config.schedule)?;
     let mut sampler = Sampler::new(p.data.train().len(), 1);
@@ -87,7 +93,7 @@ fn bare_loop(p: &Prepared, steps: u64) -> Result<f64> {
     for _ in 0..steps {
         let idx = sampler.next_batch(config.train.batch_size);
         let (xs, ys) = p.data.train().batch(&idx, &p.device)?;
-        train_step(&model, &mut opt, &xs, &ys)?;
+        train_step(model, &mut opt, &xs, &ys)?;
     }
     Ok(steps as f64 / start.elapsed().as_secs_f64())
 }

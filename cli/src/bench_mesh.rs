@@ -33,7 +33,7 @@ pub struct MeshArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Codecs to compare, comma-separated (dense, f16, bf16, topk, topk-f32, onebit,
-    /// onebit-row); each gets a run of its own.
+    /// onebit-tensor); each gets a run of its own.
     #[arg(long, default_value = "dense")]
     codec: String,
     /// Fraction of values top-k keeps.

@@ -7,6 +7,7 @@
 mod bench;
 mod bench_mesh;
 mod bench_race;
+mod bench_step;
 mod client;
 mod local;
 mod output;
@@ -222,6 +223,9 @@ enum BenchCmd {
     /// Time to a target accuracy: each sync mode's local mesh against PyTorch DDP (gloo);
     /// writes report.json and report.svg.
     Race(bench_race::RaceArgs),
+    /// One training step of each model and optimizer against PyTorch eager on the same CPU
+    /// and thread count, and the codecs' cost per update; writes JSON.
+    Step(bench_step::StepArgs),
 }
 
 fn main() -> ExitCode {
@@ -295,6 +299,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }),
         Cmd::Bench(BenchCmd::Trainer(args)) => bench::trainer(args),
+        Cmd::Bench(BenchCmd::Step(args)) => bench_step::run(args),
         Cmd::Bench(BenchCmd::Mesh(args)) => {
             bench_mesh::run(args)?;
             Ok(ExitCode::SUCCESS)
@@ -386,7 +391,7 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

@@ -94,7 +94,10 @@ impl Codec {
         self != Codec::Dense
     }
 
-    /// The name used in configs and reports.
+    /// The name used in configs and reports. Plain `onebit` has a scale per row: with one
+    /// scale per tensor, rows whose updates are far smaller than the tensor's mean (a byte
+    /// model's embedding rows for bytes the text rarely uses) get that mean as noise on every
+    /// update, and a 2-node GPT mesh ended above one node alone (see the README).
     pub fn name(self) -> &'static str {
         match self {
             Codec::Dense => "dense",
@@ -102,8 +105,8 @@ impl Codec {
             Codec::Bf16 => "bf16",
             Codec::TopK(ValueFormat::F16) => "topk",
             Codec::TopK(ValueFormat::F32) => "topk-f32",
-            Codec::OneBit(ScaleGroup::Tensor) => "onebit",
-            Codec::OneBit(ScaleGroup::Row) => "onebit-row",
+            Codec::OneBit(ScaleGroup::Row) => "onebit",
+            Codec::OneBit(ScaleGroup::Tensor) => "onebit-tensor",
         }
     }
 
@@ -114,8 +117,8 @@ impl Codec {
         Codec::Bf16,
         Codec::TopK(ValueFormat::F16),
         Codec::TopK(ValueFormat::F32),
-        Codec::OneBit(ScaleGroup::Tensor),
         Codec::OneBit(ScaleGroup::Row),
+        Codec::OneBit(ScaleGroup::Tensor),
     ];
 }
 
@@ -129,6 +132,10 @@ impl FromStr for Codec {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Codec, String> {
+        // The name `onebit` had before it took a scale per row; older configs still say it.
+        if s == "onebit-row" {
+            return Ok(Codec::OneBit(ScaleGroup::Row));
+        }
         Codec::ALL
             .into_iter()
             .find(|c| c.name() == s)
@@ -441,14 +448,7 @@ fn encode_topk(x: &[f32], y: &mut [f32], density: f64, format: ValueFormat, out:
         return;
     }
     let k = ((density * x.len() as f64).ceil() as usize).clamp(1, x.len());
-    let mut idx: Vec<u32> = (0..x.len() as u32).collect();
-    if k < x.len() {
-        idx.select_nth_unstable_by(k - 1, |&a, &b| {
-            x[b as usize].abs().total_cmp(&x[a as usize].abs())
-        });
-        idx.truncate(k);
-    }
-    idx.sort_unstable();
+    let idx = top_indices(x, k);
     let mut width = 0;
     let mut prev: Option<u32> = None;
     for &i in &idx {
@@ -483,23 +483,65 @@ fn encode_topk(x: &[f32], y: &mut [f32], density: f64, format: ValueFormat, out:
 }
 
 fn encode_onebit(x: &[f32], y: &mut [f32], groups: usize, out: &mut Vec<u8>) {
-    let per = x.len() / groups.max(1);
+    let per = (x.len() / groups.max(1)).max(1);
     let mut scales = Vec::with_capacity(groups);
     for g in 0..groups {
-        let part = &x[g * per..(g + 1) * per];
+        let part = x.get(g * per..((g + 1) * per).min(x.len())).unwrap_or(&[]);
         let mean = part.iter().map(|v| f64::from(v.abs())).sum::<f64>() / part.len().max(1) as f64;
         let s = bf16::from_f32(mean as f32);
         out.extend_from_slice(&s.to_le_bytes());
         scales.push(s.to_f32());
     }
-    let mut w = BitWriter::new(out);
-    for (i, v) in x.iter().enumerate() {
-        let negative = v.is_sign_negative();
-        w.put(u32::from(negative), 1);
-        let s = scales[(i / per.max(1)).min(groups - 1)];
-        y[i] = if negative { -s } else { s };
+    // What the receiver will decode: each group's scale with each value's sign.
+    for (g, (xs, ys)) in x.chunks(per).zip(y.chunks_mut(per)).enumerate() {
+        let s = scales[g.min(groups - 1)];
+        for (v, o) in xs.iter().zip(ys.iter_mut()) {
+            *o = if v.is_sign_negative() { -s } else { s };
+        }
     }
-    w.finish();
+    // Eight signs a byte, least significant bit first.
+    out.reserve(x.len().div_ceil(8));
+    for xs in x.chunks(8) {
+        let byte = xs.iter().enumerate().fold(0u8, |byte, (b, v)| {
+            byte | (u8::from(v.is_sign_negative()) << b)
+        });
+        out.push(byte);
+    }
+}
+
+/// The indices of the `k` largest magnitudes of `x` (ties broken towards lower indices),
+/// ascending.
+fn top_indices(x: &[f32], k: usize) -> Vec<u32> {
+    if k >= x.len() {
+        return (0..x.len() as u32).collect();
+    }
+    // The k-th largest magnitude, found on a copy of the magnitudes (direct comparisons,
+    // not through an index).
+    let mut mags: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+    let (_, kth, _) = mags.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+    let threshold = *kth;
+    // One ascending pass takes every value at or above it; where more than k tie at it, the
+    // highest-indexed ties go.
+    let mut idx: Vec<u32> = Vec::with_capacity(k + 16);
+    for (i, v) in x.iter().enumerate() {
+        if v.abs().total_cmp(&threshold).is_ge() {
+            idx.push(i as u32);
+        }
+    }
+    if idx.len() > k {
+        let ties = |i: u32| x[i as usize].abs().total_cmp(&threshold).is_eq();
+        let tied = idx.iter().filter(|&&i| ties(i)).count();
+        let mut keep = tied - (idx.len() - k);
+        idx.retain(|&i| {
+            if !ties(i) {
+                return true;
+            }
+            let kept = keep > 0;
+            keep = keep.saturating_sub(1);
+            kept
+        });
+    }
+    idx
 }
 
 /// Reads just the header, checking magic, version, codec and the checksum.
@@ -638,11 +680,16 @@ pub fn decode(bytes: &[u8], layout: &Layout) -> Result<(UpdateHeader, Vec<f32>),
                     .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                     .collect();
                 let signs = take(&mut rest, s.len.div_ceil(8), "1-bit signs")?;
+                // Signs first, then each group times its scale.
+                for (ys, byte) in y.chunks_mut(8).zip(signs) {
+                    for (b, o) in ys.iter_mut().enumerate() {
+                        *o = if byte >> b & 1 == 1 { -1.0 } else { 1.0 };
+                    }
+                }
                 let per = (s.len / groups.max(1)).max(1);
-                for (i, o) in y.iter_mut().enumerate() {
-                    let negative = signs[i / 8] >> (i % 8) & 1 == 1;
-                    let sc = scales[(i / per).min(groups - 1)];
-                    *o = if negative { -sc } else { sc };
+                for (g, ys) in y.chunks_mut(per).enumerate() {
+                    let sc = scales[g.min(groups - 1)];
+                    ys.iter_mut().for_each(|o| *o *= sc);
                 }
             }
         }
@@ -741,6 +788,8 @@ impl ErrorFeedback {
             .zip(&self.residual)
             .map(|(d, r)| d + r)
             .collect();
+        // The residual changes only once the message exists, so a failed encode (a value
+        // that is not finite) leaves it exactly as it was.
         let encoded = encode(header, layout, &wanted, density)?;
         for ((r, w), s) in self.residual.iter_mut().zip(&wanted).zip(&encoded.sent) {
             *r = w - s;
@@ -818,6 +867,10 @@ mod tests {
             assert_eq!(c.name().parse::<Codec>(), Ok(c));
         }
         assert!("gzip".parse::<Codec>().is_err());
+        assert_eq!(
+            "onebit-row".parse::<Codec>(),
+            Ok(Codec::OneBit(ScaleGroup::Row))
+        );
     }
 
     #[test]
@@ -871,7 +924,7 @@ mod tests {
         let onebit_row = dense / size(Codec::OneBit(ScaleGroup::Row), 1.0);
         let topk = dense / size(Codec::TopK(ValueFormat::F16), 0.001);
         let f16r = dense / size(Codec::F16, 1.0);
-        eprintln!("onebit {onebit:.1}x, onebit-row {onebit_row:.1}x, topk 0.1% {topk:.0}x, f16 {f16r:.2}x");
+        eprintln!("onebit-tensor {onebit:.1}x, onebit {onebit_row:.1}x, topk 0.1% {topk:.0}x, f16 {f16r:.2}x");
         assert!(onebit > 31.5, "{onebit}");
         assert!(onebit_row > 31.0, "{onebit_row}");
         assert!(topk > 300.0, "{topk}");

@@ -7,6 +7,7 @@
 //! reading a data file: the daemon wires it to those.
 
 pub mod codec;
+pub mod conv;
 pub mod data;
 pub mod error;
 pub mod gpt;

@@ -231,6 +231,12 @@ impl Model {
         &self.params
     }
 
+    /// The fully connected layers, input first, when this model is an MLP (for the training
+    /// step's hand-written backward pass).
+    pub(crate) fn mlp_layers(&self) -> Option<&[Linear]> {
+        matches!(self.spec, ModelSpec::Mlp { .. }).then_some(self.linears.as_slice())
+    }
+
     /// The GPT's layers, when this model is one (for generating text).
     pub fn gpt(&self) -> Option<&Gpt> {
         self.gpt.as_ref()
@@ -247,7 +253,12 @@ impl Model {
             let batch = xs.dim(0)?;
             xs = xs.reshape((batch, 1, image.0, image.1))?;
             for conv in &self.convs {
-                xs = conv.forward(&xs)?.relu()?.max_pool2d(2)?;
+                let bias = conv
+                    .bias()
+                    .ok_or_else(|| Error::Layout("a convolution without its bias".into()))?;
+                xs = crate::conv::conv2d(&xs, conv.weight(), bias, conv.config().padding)?
+                    .relu()?
+                    .max_pool2d(2)?;
             }
             xs = xs.flatten_from(1)?;
         }

@@ -273,6 +273,30 @@ impl Optimizer {
                     weight_decay,
                 } => {
                     let lr = lr * factor;
+                    if momentum > 0.0 && in_place_applies(&[p, g, &self.buffers[0][i]]) {
+                        self.buffers[0][i].inplace_op3(
+                            g,
+                            p,
+                            &SgdMomentum {
+                                momentum,
+                                weight_decay,
+                            },
+                        )?;
+                        p.inplace_op3(
+                            g,
+                            &self.buffers[0][i],
+                            &SgdStep {
+                                lr,
+                                weight_decay,
+                                nesterov: nesterov.then_some(momentum),
+                            },
+                        )?;
+                        continue;
+                    }
+                    if momentum == 0.0 && in_place_applies(&[p, g]) {
+                        p.inplace_op2(g, &SgdPlain { lr, weight_decay })?;
+                        continue;
+                    }
                     let g = if weight_decay > 0.0 {
                         (g + p.affine(weight_decay, 0.0)?)?
                     } else {
@@ -397,6 +421,29 @@ impl Optimizer {
     }
 }
 
+/// SGD's momentum buffer in place, given the gradient and the parameter:
+/// `v = momentum·v + (g + weight_decay·p)`.
+struct SgdMomentum {
+    momentum: f64,
+    weight_decay: f64,
+}
+
+/// SGD's parameter update in place after [`SgdMomentum`], given the gradient and the new
+/// buffer: `p −= lr·v`, or with Nesterov's look-ahead `p −= lr·((g + weight_decay·p) +
+/// momentum·v)`.
+struct SgdStep {
+    lr: f64,
+    weight_decay: f64,
+    /// Nesterov's form, with its momentum coefficient.
+    nesterov: Option<f64>,
+}
+
+/// SGD without momentum in place, given the gradient: `p −= lr·(g + weight_decay·p)`.
+struct SgdPlain {
+    lr: f64,
+    weight_decay: f64,
+}
+
 /// One of AdamW's moment updates in place over CPU `f32` memory, given the gradient:
 /// `m = decay·m + (1 − decay)·g`, or with `squared`, `v = decay·v + (1 − decay)·g²`.
 struct MomentUpdate {
@@ -441,6 +488,91 @@ fn f32_slice_mut<'a>(s: &'a mut CpuStorage, layout: &Layout) -> candle_core::Res
         _ => Err(candle_core::Error::Msg(
             "in-place optimizer: not f32".into(),
         )),
+    }
+}
+
+impl InplaceOp3 for SgdMomentum {
+    fn name(&self) -> &'static str {
+        "sgd-momentum"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+        p: &CpuStorage,
+        p_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (mu, wd) = (self.momentum as f32, self.weight_decay as f32);
+        let v = f32_slice_mut(dst, dst_l)?;
+        let (g, p) = (f32_slice(g, g_l)?, f32_slice(p, p_l)?);
+        if wd == 0.0 {
+            for (v, g) in v.iter_mut().zip(g) {
+                *v = mu * *v + g;
+            }
+        } else {
+            for ((v, g), p) in v.iter_mut().zip(g).zip(p) {
+                *v = mu * *v + (g + wd * p);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl InplaceOp3 for SgdStep {
+    fn name(&self) -> &'static str {
+        "sgd-step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+        v: &CpuStorage,
+        v_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (lr, wd) = (self.lr as f32, self.weight_decay as f32);
+        let p = f32_slice_mut(dst, dst_l)?;
+        let (g, v) = (f32_slice(g, g_l)?, f32_slice(v, v_l)?);
+        match self.nesterov {
+            Some(mu) => {
+                let mu = mu as f32;
+                for ((p, g), v) in p.iter_mut().zip(g).zip(v) {
+                    *p -= lr * ((g + wd * *p) + mu * v);
+                }
+            }
+            None => {
+                for (p, v) in p.iter_mut().zip(v) {
+                    *p -= lr * v;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl InplaceOp2 for SgdPlain {
+    fn name(&self) -> &'static str {
+        "sgd-plain"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (lr, wd) = (self.lr as f32, self.weight_decay as f32);
+        let p = f32_slice_mut(dst, dst_l)?;
+        for (p, g) in p.iter_mut().zip(f32_slice(g, g_l)?) {
+            *p -= lr * (g + wd * *p);
+        }
+        Ok(())
     }
 }
 
@@ -581,6 +713,47 @@ mod tests {
         let got = p.as_tensor().to_vec1::<f32>().expect("vec");
         for (g, w) in got.iter().zip(want) {
             assert!((f64::from(*g) - w).abs() < 1e-6, "{got:?} vs {want:?}");
+        }
+    }
+
+    /// Plain, heavy-ball and Nesterov SGD with weight decay, in place, against the formula.
+    #[test]
+    fn in_place_sgd_matches_the_formula() {
+        for (momentum, nesterov) in [(0.0, false), (0.9, false), (0.9, true)] {
+            let (lr, wd) = (0.05, 0.1);
+            let spec = OptimizerSpec::Sgd {
+                lr,
+                momentum,
+                nesterov,
+                weight_decay: wd,
+            };
+            let start = [0.5f32, -1.5, 2.0, 0.0];
+            let p = Var::from_slice(&start, 4, &Device::Cpu).expect("var");
+            let params = Params::new(vec![("p".into(), p.clone())]).expect("params");
+            let mut opt = Optimizer::new(&spec, &params).expect("opt");
+            let (mut buf, mut want) = ([0f64; 4], start.map(f64::from));
+            for _ in 0..3 {
+                let loss = p.as_tensor().sqr().and_then(|x| x.sum_all()).expect("loss");
+                let grads = loss.backward().expect("grads");
+                opt.step(&params, &grads).expect("step");
+                for i in 0..4 {
+                    let g = 2.0 * want[i] + wd * want[i];
+                    buf[i] = momentum * buf[i] + g;
+                    let d = match (momentum > 0.0, nesterov) {
+                        (false, _) => g,
+                        (true, false) => buf[i],
+                        (true, true) => g + momentum * buf[i],
+                    };
+                    want[i] -= lr * d;
+                }
+            }
+            let got = p.as_tensor().to_vec1::<f32>().expect("vec");
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    (f64::from(*g) - w).abs() < 1e-6,
+                    "momentum {momentum} nesterov {nesterov}: {got:?} vs {want:?}"
+                );
+            }
         }
     }
 

@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""PyTorch eager's training step on p2ptrain's models: the yardstick of `p2ptrain bench step`.
+
+Builds the model `--spec` describes (the JSON of p2ptrain's `ModelSpec`: an MLP, the LeNet-style
+CNN or the byte-level GPT, layer for layer as models/src builds them), the optimizer `--optim`
+describes (the JSON of p2ptrain's `OptimizerSpec`: SGD with momentum / Nesterov / L2 decay, or
+AdamW), and times `--steps` training steps on batches of `--batch` drawn at random from an
+in-memory set of `--samples` random samples of the model's input shape (p2ptrain's bare loop
+also gathers each batch from an in-memory set). One thread (`--threads`) by default, as
+p2ptrain's nodes. Every step: batch gather, forward, cross-entropy, backward, optimizer step.
+
+Prints one JSON object: steps per second for each of `--runs` timed runs, after one untimed
+warm-up of 50 steps.
+
+Run by `p2ptrain bench step`; by hand:
+  bench/.venv/bin/python bench/step_torch.py --spec '{"kind":"mlp","widths":[784,256,10]}' \
+      --optim '{"kind":"sgd","lr":0.01,"momentum":0.9,"nesterov":true,"weight_decay":0}' \
+      --batch 32 --steps 2000 --runs 3
+"""
+
+import argparse
+import json
+import math
+import time
+
+
+def build(spec, torch):
+    nn = torch.nn
+    F = torch.nn.functional
+    kind = spec["kind"]
+    if kind == "mlp":
+        widths = spec["widths"]
+        layers = []
+        for i in range(len(widths) - 1):
+            layers.append(nn.Linear(widths[i], widths[i + 1]))
+            if i + 2 < len(widths):
+                layers.append(nn.ReLU())
+        return nn.Sequential(*layers), ("features", widths[0])
+    if kind == "cnn":
+        h, w = spec["image"]
+        c1, c2 = spec["channels"]
+        side = lambda s: max(s // 2 - 4, 0) // 2  # noqa: E731 (as models/src/model.rs)
+        widths = [c2 * side(h) * side(w)] + list(spec["hidden"]) + [spec["classes"]]
+        fc = []
+        for i in range(len(widths) - 1):
+            fc.append(nn.Linear(widths[i], widths[i + 1]))
+            if i + 2 < len(widths):
+                fc.append(nn.ReLU())
+        net = nn.Sequential(
+            nn.Unflatten(1, (1, h, w)),
+            nn.Conv2d(1, c1, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c1, c2, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            *fc,
+        )
+        return net, ("features", h * w)
+    if kind == "gpt":
+        return Gpt(spec, torch), ("bytes", spec["context"])
+    raise SystemExit(f"error: unknown model kind {kind!r}")
+
+
+def Gpt(spec, torch):
+    """p2ptrain's GPT: learned positions, pre-norm blocks (causal attention written out, as
+    p2ptrain computes it, then a 4x MLP with SiLU), a final layer norm, a head tied to the
+    byte embedding."""
+    nn = torch.nn
+    F = torch.nn.functional
+    ctx, layers, width, heads = spec["context"], spec["layers"], spec["width"], spec["heads"]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(width)
+            self.qkv = nn.Linear(width, 3 * width)
+            self.proj = nn.Linear(width, width)
+            self.ln2 = nn.LayerNorm(width)
+            self.fc = nn.Linear(width, 4 * width)
+            self.fc_proj = nn.Linear(4 * width, width)
+
+        def forward(self, x, mask):
+            b, t, _ = x.shape
+            hd = width // heads
+            q, k, v = self.qkv(self.ln1(x)).split(width, dim=2)
+            q, k, v = (z.view(b, t, heads, hd).transpose(1, 2) for z in (q, k, v))
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd)) + mask[:t, :t]
+            att = F.softmax(scores, dim=-1) @ v
+            x = x + self.proj(att.transpose(1, 2).reshape(b, t, width))
+            return x + self.fc_proj(F.silu(self.fc(self.ln2(x))))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(256, width)
+            self.pos = nn.Parameter(torch.zeros(ctx, width))
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(width)
+            self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), -1e9), diagonal=1))
+
+        def forward(self, tokens):
+            t = tokens.shape[1]
+            x = self.tok(tokens) + self.pos[:t]
+            for blk in self.blocks:
+                x = blk(x, self.mask)
+            return self.ln_f(x) @ self.tok.weight.t()
+
+    return Model()
+
+
+def optimizer(spec, params, torch):
+    kind = spec["kind"]
+    if kind == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=spec["lr"],
+            momentum=spec["momentum"],
+            nesterov=spec["nesterov"] and spec["momentum"] > 0,
+            weight_decay=spec["weight_decay"],
+        )
+    if kind == "adamw":
+        return torch.optim.AdamW(
+            params,
+            lr=spec["lr"],
+            betas=(spec["beta1"], spec["beta2"]),
+            eps=spec["eps"],
+            weight_decay=spec["weight_decay"],
+        )
+    raise SystemExit(f"error: unknown optimizer kind {kind!r}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--spec", required=True, help="p2ptrain's ModelSpec as JSON")
+    ap.add_argument("--optim", required=True, help="p2ptrain's OptimizerSpec as JSON")
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--samples", type=int, default=8192)
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    spec = json.loads(args.spec)
+    model, (kind, dim) = build(spec, torch)
+    opt = optimizer(json.loads(args.optim), model.parameters(), torch)
+    if kind == "features":
+        inputs = torch.rand(args.samples, dim)
+        classes = spec["widths"][-1] if spec["kind"] == "mlp" else spec["classes"]
+        targets = torch.randint(0, classes, (args.samples,))
+    else:
+        text = torch.randint(0, 256, (args.samples, dim + 1))
+        inputs, targets = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    loss_fn = torch.nn.functional.cross_entropy
+
+    def run(steps):
+        last = float("nan")
+        for _ in range(steps):
+            idx = torch.randint(0, args.samples, (args.batch,))
+            xs, ys = inputs.index_select(0, idx), targets.index_select(0, idx)
+            logits = model(xs)
+            loss = loss_fn(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            last = loss.item()  # p2ptrain's step reads its loss back too
+        return last
+
+    run(50)
+    rates = []
+    for _ in range(args.runs):
+        start = time.perf_counter()
+        run(args.steps)
+        rates.append(args.steps / (time.perf_counter() - start))
+    print(
+        json.dumps(
+            {
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "params": sum(p.numel() for p in model.parameters()),
+                "steps_per_sec": rates,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

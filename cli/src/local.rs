@@ -338,14 +338,7 @@ pub fn run(args: LocalArgs) -> Result<LocalSummary> {
         ))
     });
     let rt = crate::client_runtime()?;
-    // A signal drops the mesh future, and with it the guard that kills the nodes: a
-    // `kill` of this process leaves none running.
-    let result = rt.block_on(async {
-        tokio::select! {
-            result = run_mesh(&args, &base) => result,
-            () = crate::shutdown_signal() => Err(anyhow!("stopped by a signal; the nodes were stopped")),
-        }
-    });
+    let result = rt.block_on(run_mesh(&args, &base));
     if temp {
         let _ = std::fs::remove_dir_all(&base);
     }

@@ -391,7 +391,7 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
-pub(crate) async fn shutdown_signal() {
+async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

@@ -30,6 +30,8 @@ pub fn train_step(model: &Model, opt: &mut Optimizer, xs: &Tensor, ys: &Tensor) 
 /// products and a sum, nothing else. Candle's autograd gives the same numbers (a test checks)
 /// but seeds every node's gradient with a zero tensor and adds into it, which on the MNIST
 /// MLP is two extra passes over every weight matrix per step (about a sixth of the step).
+/// One difference: where a pre-activation is exactly zero, Candle's ReLU passes the gradient
+/// through and this one, like PyTorch's, does not.
 fn mlp_loss_and_grads(layers: &[Linear], xs: &Tensor, ys: &Tensor) -> Result<(Tensor, GradStore)> {
     // Forward, keeping every layer's input; the weights are read detached, so no graph.
     let mut inputs = Vec::with_capacity(layers.len());

@@ -97,7 +97,8 @@ impl Codec {
     /// The name used in configs and reports. Plain `onebit` has a scale per row: with one
     /// scale per tensor, rows whose updates are far smaller than the tensor's mean (a byte
     /// model's embedding rows for bytes the text rarely uses) get that mean as noise on every
-    /// update, and a 2-node GPT mesh ended above one node alone (see the README).
+    /// update: 2-node GPT meshes ended at 3.04-3.07 bits per byte with it, 2.78-2.96 with
+    /// rows' scales (see the README).
     pub fn name(self) -> &'static str {
         match self {
             Codec::Dense => "dense",

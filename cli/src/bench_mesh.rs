@@ -375,6 +375,7 @@ pub fn run(args: MeshArgs) -> Result<()> {
             trace: true,
             stop_at_mean_accuracy: None,
             hosts: Vec::new(),
+            no_alone: true,
         })?;
         let density = matches!(codec, Codec::TopK(_))
             .then(|| args.density.unwrap_or(base_config.sync.density));
@@ -405,6 +406,7 @@ pub fn run(args: MeshArgs) -> Result<()> {
                 trace: true,
                 stop_at_mean_accuracy: None,
                 hosts: Vec::new(),
+                no_alone: true,
             })?;
             let r = summarise("single-node", false, None, params, &summary);
             eprintln!(

@@ -310,6 +310,7 @@ pub fn run(args: RaceArgs) -> Result<()> {
                 trace: true,
                 stop_at_mean_accuracy: Some(args.target),
                 hosts: hosts.clone(),
+                no_alone: true,
             })?;
             let (curve, reached) = mean_curve(&summary, args.nodes, args.target);
             let n = summary.per_node.len().max(1) as f64;

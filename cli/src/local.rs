@@ -2,6 +2,11 @@
 //! as child processes on 127.0.0.1 (OS-chosen ports, a data directory each), wires them into one
 //! mesh through the first, shows their progress, stops them, and summarises.
 //!
+//! Without `--config` it runs the demo (`configs/digits-skewed.toml`, built in): node k of N
+//! holds part k/N of the digits cut by class (`--shard k/N`), and the summary sets what each
+//! node reaches in the mesh beside what a node with the same part reaches alone (trained here,
+//! after the mesh, for as many steps): the number that shows what the mesh adds.
+//!
 //! The slow-link races instead put each node on a host of a namespace lab
 //! ([`LocalArgs::hosts`]); this process cannot reach a node's API on that host's loopback, so it
 //! asks through `p2ptrain status` and `stop` run on the host ([`NodeApi`]).
@@ -26,9 +31,14 @@ pub struct LocalArgs {
     /// Number of nodes.
     #[arg(long, default_value_t = 3)]
     pub nodes: usize,
-    /// Configuration for every node; default: the built-in digits config.
+    /// Configuration for every node; default: the built-in demo, configs/digits-skewed.toml
+    /// (digits, each node a few classes, 1-bit updates). A config whose `data.partition` is
+    /// not `iid` gives node k part k/N unless it names a `train.shard`.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Skip the comparison with nodes trained alone on the same parts.
+    #[arg(long)]
+    pub no_alone: bool,
     /// Stop the nodes after this many seconds (default 30 unless --steps is given).
     #[arg(long, conflicts_with = "steps")]
     pub duration: Option<f64>,
@@ -180,7 +190,34 @@ pub struct NodeSummary {
     pub peer_drops: u64,
     /// Peers it had banned at the end, with why.
     pub banned: Vec<p2ptrain_daemon::network::BannedPeer>,
+    /// The classes its part of the training set holds.
+    pub classes: Vec<usize>,
+    /// Bytes it sent per second of its life.
+    pub sent_bytes_per_sec: f64,
+    /// What a node with the same part of the data reaches alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alone: Option<Alone>,
 }
+
+/// A node's part of the data trained alone, outside any mesh: the control for what the mesh
+/// adds.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Alone {
+    /// Steps it trained (the mesh node's, up to [`ALONE_MAX_STEPS`]).
+    pub steps: u64,
+    /// Held-out accuracy after them.
+    pub accuracy: f64,
+    /// Held-out bits per byte (a language model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits_per_byte: Option<f64>,
+}
+
+/// The most steps a lone control trains: on the demo a lone node's accuracy has levelled
+/// off after a few thousand (it cannot learn the classes it never sees).
+pub const ALONE_MAX_STEPS: u64 = 20_000;
+
+/// The demo `local` runs without `--config`.
+const DEMO_CONFIG: &str = include_str!("../../configs/digits-skewed.toml");
 
 /// The summary of a local run.
 #[derive(Debug, Serialize)]
@@ -200,6 +237,9 @@ pub struct LocalSummary {
     /// Mean final bits per byte (a language model).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mean_bits_per_byte: Option<f64>,
+    /// Mean accuracy of the lone controls (when they ran).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mean_alone_accuracy: Option<f64>,
     /// Every node's status every half second (only when asked for).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub trace: Vec<TracePoint>,
@@ -229,6 +269,7 @@ impl Drop for Children {
 fn spawn_node(
     dir: &Path,
     config: Option<&Path>,
+    shard: Option<&str>,
     steps: Option<u64>,
     bootstrap: Option<&str>,
     host: Option<&LabHost>,
@@ -252,6 +293,9 @@ fn spawn_node(
         .args(["--api", LOCAL_API, "--listen", listen]);
     if let Some(c) = config {
         cmd.arg("--config").arg(c);
+    }
+    if let Some(s) = shard {
+        cmd.args(["--shard", s]);
     }
     if let Some(s) = steps {
         cmd.args(["--max-steps", &s.to_string()]);
@@ -316,19 +360,19 @@ fn final_params(dir: &Path) -> Option<(PathBuf, Vec<f32>)> {
     Some((file, flat))
 }
 
+/// The part node `index` of `nodes` trains on: none for an `iid` config or one that names
+/// its own `train.shard`, else `index/nodes`.
+fn shard_for(config: &Config, index: usize, nodes: usize) -> Option<String> {
+    (config.data.partition != p2ptrain_daemon::config::PartitionKind::Iid
+        && config.train.shard.is_none())
+    .then(|| format!("{index}/{nodes}"))
+}
+
 /// Runs the local mesh.
-pub fn run(args: LocalArgs) -> Result<LocalSummary> {
+pub fn run(mut args: LocalArgs) -> Result<LocalSummary> {
     if args.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
-    // Fail on a bad config here, once, rather than in N children; they get the same
-    // overrides as flags (see `spawn_node`).
-    Config::load(args.config.as_deref())?.apply(&Overrides {
-        max_steps: args.steps,
-        api: Some(LOCAL_API.parse()?),
-        listen: vec![LOCAL_LISTEN.into()],
-        ..Overrides::default()
-    })?;
     let temp = args.data_dir.is_none();
     let base = args.data_dir.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!(
@@ -337,8 +381,32 @@ pub fn run(args: LocalArgs) -> Result<LocalSummary> {
             p2ptrain_daemon::store::unix_now()
         ))
     });
+    if args.config.is_none() {
+        std::fs::create_dir_all(&base)
+            .with_context(|| format!("cannot create {}", base.display()))?;
+        let demo = base.join("digits-skewed.toml");
+        std::fs::write(&demo, DEMO_CONFIG)
+            .with_context(|| format!("cannot write {}", demo.display()))?;
+        args.config = Some(demo);
+    }
+    // Fail on a bad config here, once, rather than in N children; they get the same
+    // overrides as flags (see `spawn_node`).
+    let config = Config::load(args.config.as_deref())?;
+    let mut checked = config.clone();
+    checked.apply(&Overrides {
+        max_steps: args.steps,
+        api: Some(LOCAL_API.parse()?),
+        listen: vec![LOCAL_LISTEN.into()],
+        shard: shard_for(&config, 0, args.nodes),
+        ..Overrides::default()
+    })?;
+    checked.check_shard()?;
     let rt = crate::client_runtime()?;
     let result = rt.block_on(run_mesh(&args, &base));
+    let result = match result {
+        Ok(mut summary) if !args.no_alone => compare_alone(&args, &mut summary).map(|()| summary),
+        other => other,
+    };
     if temp {
         let _ = std::fs::remove_dir_all(&base);
     }
@@ -371,9 +439,13 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         bail!("{} lab hosts for {} nodes", args.hosts.len(), args.nodes);
     }
     let host_of = |i: usize| args.hosts.get(i);
+    let shards = (0..args.nodes)
+        .map(|i| Ok(shard_for(&Config::load(config_of(i))?, i, args.nodes)))
+        .collect::<Result<Vec<_>>>()?;
     children.0.push(spawn_node(
         &dirs[0],
         config_of(0),
+        shards[0].as_deref(),
         args.steps,
         None,
         host_of(0),
@@ -400,6 +472,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         children.0.push(spawn_node(
             dir,
             config_of(i),
+            shards[i].as_deref(),
             args.steps,
             Some(&bootstrap),
             host_of(i),
@@ -526,6 +599,11 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
             state_download_secs: s.mesh.state_download.as_ref().map(|d| d.secs),
             peer_drops: s.network.peer_drops,
             banned: s.network.banned_peers.clone(),
+            classes: (0..s.node.train_classes.len())
+                .filter(|&c| s.node.train_classes[c] > 0)
+                .collect(),
+            sent_bytes_per_sec: s.network.bytes_sent as f64 / s.node.uptime_s.max(1e-3),
+            alone: None,
         });
     }
     let mut distances = Vec::new();
@@ -552,42 +630,112 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         },
         mean_bits_per_byte: (!bpbs.is_empty())
             .then(|| bpbs.iter().sum::<f64>() / bpbs.len() as f64),
+        mean_alone_accuracy: None,
         per_node,
         trace,
         final_status: last.into_values().collect(),
     })
 }
 
-/// Prints a summary for people: the mesh's health (peers, rejections, drops, bans) beside the
-/// model's, since a split mesh still shows a good accuracy on small data.
+/// Trains each node's part of the data alone, here, for as many steps as the node took (at
+/// most [`ALONE_MAX_STEPS`]), from the run's initial weights, and evaluates it on the same
+/// held-out set: the control that shows what the mesh added. Nodes with the same part share
+/// one control.
+fn compare_alone(args: &LocalArgs, summary: &mut LocalSummary) -> Result<()> {
+    let mut done: BTreeMap<(Option<String>, PathBuf), Alone> = BTreeMap::new();
+    for node in &mut summary.per_node {
+        let i = node.index;
+        let path = args
+            .node_configs
+            .get(&i)
+            .or(args.config.as_ref())
+            .cloned()
+            .ok_or_else(|| anyhow!("no config for node {i}"))?;
+        let mut config = Config::load(Some(&path))?;
+        let shard = shard_for(&config, i, args.nodes);
+        let steps = node.step.clamp(1, ALONE_MAX_STEPS);
+        if let Some(a) = done.get(&(shard.clone(), path.clone())) {
+            if a.steps == steps {
+                node.alone = Some(*a);
+                continue;
+            }
+        }
+        config.apply(&Overrides {
+            shard: shard.clone(),
+            ..Overrides::default()
+        })?;
+        crate::set_compute_threads(config.train.threads);
+        let prepared = p2ptrain_daemon::node::prepare(config)?;
+        let model = p2ptrain_models::Model::new(
+            &prepared.spec,
+            prepared.config.train.init_seed,
+            &prepared.device,
+        )?;
+        crate::bench::train_steps(&prepared, &model, steps)?;
+        let e = p2ptrain_models::train::evaluate(&model, prepared.data.test(), &prepared.device)?;
+        let alone = Alone {
+            steps,
+            accuracy: e.accuracy,
+            bits_per_byte: e.bits_per_byte,
+        };
+        done.insert((shard, path), alone);
+        node.alone = Some(alone);
+    }
+    let accs: Vec<f64> = summary
+        .per_node
+        .iter()
+        .filter_map(|n| n.alone.map(|a| a.accuracy))
+        .collect();
+    summary.mean_alone_accuracy =
+        (!accs.is_empty()).then(|| accs.iter().sum::<f64>() / accs.len() as f64);
+    Ok(())
+}
+
+/// Prints a summary for people: what each node reached in the mesh beside what its part of
+/// the data reaches alone, and the mesh's health (peers, rejections, drops, bans), since a
+/// split mesh still shows a good accuracy on small data.
 pub fn print_summary(s: &LocalSummary) {
     println!("{} nodes, {:.1} s", s.nodes, s.wall_secs);
     println!(
-        "{:>4} {:>8} {:>9} {:>6} {:>12} {:>12} {:>13} {:>8} {:>6} {:>5}",
+        "{:>4} {:>10} {:>8} {:>9} {:>9} {:>6} {:>10} {:>13} {:>8} {:>6} {:>5}",
         "node",
+        "classes",
         "step",
-        "eval",
+        "alone",
+        "in mesh",
         "peers",
-        "bytes sent",
-        "bytes recv",
+        "sent/s",
         "updates in/out",
         "rejected",
         "drops",
         "bans"
     );
+    let figure = |bpb: Option<f64>, acc: Option<f64>| match (bpb, acc) {
+        (Some(bpb), _) => format!("{bpb:.3} bpb"),
+        (None, Some(a)) => format!("{:.2}%", a * 100.0),
+        (None, None) => "-".into(),
+    };
     for n in &s.per_node {
+        let classes = if n.classes.len() > 6 {
+            format!("{} classes", n.classes.len())
+        } else {
+            n.classes
+                .iter()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
         println!(
-            "{:>4} {:>8} {:>9} {:>6} {:>12} {:>12} {:>6}/{:<6} {:>8} {:>6} {:>5}",
+            "{:>4} {:>10} {:>8} {:>9} {:>9} {:>6} {:>10} {:>6}/{:<6} {:>8} {:>6} {:>5}",
             n.index,
+            classes,
             n.step,
-            match (n.bits_per_byte, n.accuracy) {
-                (Some(bpb), _) => format!("{bpb:.3} bpb"),
-                (None, Some(a)) => format!("{:.2}%", a * 100.0),
-                (None, None) => "-".into(),
-            },
+            n.alone
+                .map(|a| figure(a.bits_per_byte, Some(a.accuracy)))
+                .unwrap_or_else(|| "-".into()),
+            figure(n.bits_per_byte, n.accuracy),
             n.peers,
-            n.bytes_sent,
-            n.bytes_received,
+            format!("{}/s", human_bytes(n.sent_bytes_per_sec)),
             n.updates.applied,
             n.updates.sent,
             n.updates.rejected,
@@ -598,6 +746,19 @@ pub fn print_summary(s: &LocalSummary) {
             println!("     banned {}: {}", b.peer_id, b.reason);
         }
     }
+    if let (Some(alone), None) = (s.mean_alone_accuracy, s.mean_bits_per_byte) {
+        let steps = s
+            .per_node
+            .iter()
+            .filter_map(|n| n.alone.map(|a| a.steps))
+            .max();
+        println!(
+            "held-out accuracy: {:.2}% alone (each node's part of the data, trained by itself for up to {} steps), {:.2}% in the mesh",
+            alone * 100.0,
+            steps.unwrap_or(0),
+            s.mean_accuracy * 100.0
+        );
+    }
     let quality = match s.mean_bits_per_byte {
         Some(bpb) => format!("mean {bpb:.3} bits per byte"),
         None => format!("mean accuracy {:.2}%", s.mean_accuracy * 100.0),
@@ -607,4 +768,14 @@ pub fn print_summary(s: &LocalSummary) {
         s.consensus_distance_max * 100.0,
         s.consensus_distance_mean * 100.0
     );
+}
+
+/// Bytes in B, kB, MB or GB (powers of 1000), for people.
+pub(crate) fn human_bytes(b: f64) -> String {
+    match b {
+        b if b >= 1e9 => format!("{:.1} GB", b / 1e9),
+        b if b >= 1e6 => format!("{:.1} MB", b / 1e6),
+        b if b >= 1e3 => format!("{:.1} kB", b / 1e3),
+        b => format!("{b:.0} B"),
+    }
 }

@@ -29,16 +29,19 @@ use p2ptrain_daemon::Config;
 
 use crate::client::Client;
 
-/// The system allocator, counting what is allocated and released: status reports the live
-/// heap from it (`node.memory.heap_bytes`), the only memory figure that shows a leak apart from
-/// what the allocator keeps after a peak.
+/// mimalloc, with a count of the bytes it holds for us: status reports the live heap from it
+/// (`node.memory.heap_bytes`), the only memory figure that shows a leak apart from what the
+/// allocator keeps after a peak. mimalloc rather than glibc's malloc because a training step
+/// frees and reallocates megabytes of tensors: glibc gave them back to the kernel and took them
+/// again, so every step paid page faults and freshly zeroed pages (a quarter of a GPT step on
+/// one core). `cap` counts (its limit is left unbounded) because it can wrap another allocator
+/// in a `static`.
 #[global_allocator]
-static ALLOCATOR: &stats_alloc::StatsAlloc<std::alloc::System> = &stats_alloc::INSTRUMENTED_SYSTEM;
+static ALLOCATOR: cap::Cap<mimalloc::MiMalloc> = cap::Cap::new(mimalloc::MiMalloc, usize::MAX);
 
 /// Bytes allocated and not yet released, by [`ALLOCATOR`]'s count.
 fn live_heap_bytes() -> u64 {
-    let s = ALLOCATOR.stats();
-    s.bytes_allocated.saturating_sub(s.bytes_deallocated) as u64
+    ALLOCATOR.allocated() as u64
 }
 
 #[derive(Parser)]
@@ -139,6 +142,19 @@ struct JoinArgs {
     /// (see the README's table of frameworks). Overrides `sync.mode`.
     #[arg(long)]
     sync_mode: Option<String>,
+    /// Train on part K of N of the training set (`data.partition` says how it is cut).
+    /// Overrides `train.shard`.
+    #[arg(long, value_name = "K/N")]
+    shard: Option<String>,
+    /// Write a timeline of the node's work (Chrome trace JSON: open it in ui.perfetto.dev or
+    /// chrome://tracing): spans per step for forward/backward, optimizer, encode, publish,
+    /// validate, apply, full sync, checkpoint and state download.
+    #[arg(long, value_name = "FILE")]
+    timeline: Option<PathBuf>,
+    /// Stop adding to the timeline once the file reaches this many MiB.
+    #[arg(long, default_value_t = 64, value_name = "MIB", requires = "timeline",
+          value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    timeline_max_mib: u64,
 }
 
 #[derive(Args)]
@@ -361,6 +377,7 @@ impl JoinArgs {
             mdns: self.mdns,
             psk: self.psk.clone(),
             sync_mode: self.sync_mode.clone(),
+            shard: self.shard.clone(),
         }
     }
 }
@@ -371,12 +388,31 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
     set_compute_threads(config.train.threads);
     let prepared = node::prepare(config)?;
     init_logging();
+    if let Some(path) = &args.timeline {
+        p2ptrain_daemon::timeline::install(path, args.timeline_max_mib * 1024 * 1024)?;
+    }
     let opts = Options {
         data_dir: args.data_dir,
         api_token: args.api_token.filter(|t| !t.is_empty()),
     };
     let rt = runtime()?;
-    let summary = rt.block_on(node::run(prepared, opts, shutdown_signal()))?;
+    let summary = rt.block_on(node::run(prepared, opts, shutdown_signal()));
+    if let Some(written) = p2ptrain_daemon::timeline::close() {
+        match written {
+            Ok(w) => eprintln!(
+                "timeline: {} spans, {} bytes{}",
+                w.events,
+                w.bytes,
+                if w.over_limit > 0 {
+                    format!(" ({} left out: the file reached its limit)", w.over_limit)
+                } else {
+                    String::new()
+                }
+            ),
+            Err(e) => eprintln!("timeline not finished: {e}"),
+        }
+    }
+    let summary = summary?;
     let acc = summary
         .stats
         .eval

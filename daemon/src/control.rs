@@ -1,10 +1,15 @@
-//! The local control API: HTTP + JSON, so the CLI, `curl`, and later a status page or metrics
-//! scraper all speak to the daemon the same way.
+//! The local control API: HTTP + JSON, so the CLI, `curl`, the live page at `/` and a
+//! Prometheus scraper at `/metrics` all speak to the daemon the same way.
 //!
 //! It only reads the node's state and sends commands, through a [`NodeHandle`]; it never
 //! touches the model itself and knows nothing of how the node is wired. Bound to
 //! loopback by default; any other address requires an access token (checked on every request
-//! whenever one is set), because this API can stop the node and read out its weights.
+//! whenever one is set), because this API can stop the node and read out its weights. A
+//! browser cannot send a header when it opens a page, so the token may also come as
+//! `?token=` in the query string (the page then sends it as a header on its own requests).
+//!
+//! The page (`assets/status.html`) is one self-contained file compiled into the binary:
+//! nothing is fetched from elsewhere, since a lab's boxes may have no internet.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -84,6 +89,8 @@ pub fn router(shared: Arc<NodeHandle>) -> Router {
         .route("/v1/checkpoints/{id}/file", get(download_checkpoint))
         .route("/v1/checkpoints/{id}/restore", post(restore_checkpoint))
         .route("/v1/stop", post(stop))
+        .route("/metrics", get(metrics))
+        .route("/", get(page))
         .layer(middleware::from_fn_with_state(
             shared.clone(),
             require_token,
@@ -107,6 +114,7 @@ async fn require_token(
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| query_token(req.uri().query()))
             .unwrap_or("");
         if !same_secret(given.as_bytes(), token.as_bytes()) {
             return ApiError(
@@ -117,6 +125,42 @@ async fn require_token(
         }
     }
     next.run(req).await
+}
+
+/// The `token` parameter of a query string, if there is one.
+fn query_token(query: Option<&str>) -> Option<&str> {
+    query?
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("token="))
+}
+
+/// The live page: one HTML file with its script and styles inline.
+const PAGE: &str = include_str!("../assets/status.html");
+
+async fn page() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        PAGE,
+    )
+        .into_response()
+}
+
+async fn metrics(State(shared): State<Arc<NodeHandle>>) -> Result<Response, ApiError> {
+    let status = shared.status().await;
+    let text = crate::prometheus::render(&status, &shared.registry).map_err(|e| {
+        ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot render metrics: {e}"),
+        )
+    })?;
+    Ok((
+        [(header::CONTENT_TYPE, crate::prometheus::CONTENT_TYPE)],
+        text,
+    )
+        .into_response())
 }
 
 async fn status(State(shared): State<Arc<NodeHandle>>) -> Json<Status> {

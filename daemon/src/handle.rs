@@ -88,6 +88,8 @@ pub struct NodeHandle {
     pub download: Mutex<Option<transfer::DownloadReport>>,
     /// The update settings and this node's update topic, for status.
     pub sync: SyncSettings,
+    /// libp2p's and gossipsub's Prometheus metrics, served with p2ptrain's own on `/metrics`.
+    pub registry: Arc<network::Registry>,
 }
 
 impl NodeHandle {
@@ -168,7 +170,12 @@ impl NodeHandle {
     pub async fn save(&self, snapshot: Snapshot) -> Result<CheckpointMeta, HandleError> {
         let store = self.store.clone();
         let keep = self.keep;
-        let meta = tokio::task::spawn_blocking(move || store.save(&snapshot, keep)).await??;
+        let meta = tokio::task::spawn_blocking(move || {
+            let _span = crate::timeline::span(crate::timeline::Lane::Checkpoint, "checkpoint")
+                .at_step(snapshot.info.step);
+            store.save(&snapshot, keep)
+        })
+        .await??;
         tracing::info!(id = meta.id, step = meta.info.step, file = %meta.file, "checkpoint written");
         *self
             .last_checkpoint

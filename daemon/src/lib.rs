@@ -13,9 +13,10 @@
 //!   guards ([`guard`], [`sync_guard`]), offences for [`scoring`]; and serves state
 //!   [`transfer`]s to joiners), the [`trainer`] thread (model, optimizer, data, device; it only
 //!   computes), the checkpoint writer ([`store`], in the file format of [`checkpoint`]), and
-//!   the [`control`] API (HTTP + JSON, speaking the shapes of [`status`]).
+//!   the [`control`] API (HTTP + JSON, speaking the shapes of [`status`]; Prometheus metrics
+//!   from [`prometheus`]; a live page).
 //! - [`identity`] keeps the node's key, and so its peer id, across restarts; [`memory`] reports
-//!   the node's own memory.
+//!   the node's own memory; [`timeline`] writes spans of its work as a Chrome trace.
 
 pub mod checkpoint;
 pub mod config;
@@ -31,10 +32,12 @@ pub mod nat;
 pub mod network;
 pub mod node;
 pub mod policy;
+pub mod prometheus;
 pub mod scoring;
 pub mod status;
 pub mod store;
 pub mod sync_guard;
+pub mod timeline;
 pub mod trainer;
 pub mod transfer;
 pub mod wire;

@@ -27,6 +27,7 @@ use crate::mesh_core::{
     FetchAnswer, Input, MeshCore, Output, Progress, RequestFailed, TrainerEvent,
 };
 use crate::network::{Client, Event};
+use crate::timeline::{self, Lane};
 use crate::trainer::{self, Command, Stats, StepLimit};
 use crate::transfer::{self, Frozen};
 use crate::wire::{BulkRequest, BulkResponse};
@@ -168,6 +169,7 @@ impl MeshActor {
     async fn drive(&mut self, input: Input) {
         let mut inputs = VecDeque::from([input]);
         while let Some(input) = inputs.pop_front() {
+            let _span = span_of(&input).map(|name| timeline::span(Lane::Mesh, name));
             for out in self.core.handle(input, Instant::now()) {
                 if let Some(next) = self.carry_out(out).await {
                     inputs.push_back(next);
@@ -204,6 +206,7 @@ impl MeshActor {
                 let _ = self.net.unsubscribe(topic).await;
             }
             Output::PublishUpdate { topic, data } => {
+                let _span = timeline::span(Lane::Mesh, "publish");
                 let payload = data.len() as u64;
                 let result = self.net.publish(topic, data).await;
                 if let Err(e) = &result {
@@ -481,6 +484,21 @@ impl MeshActor {
                     .await;
             }
         }
+    }
+}
+
+/// The timeline's name for the core's handling of `input`, for the inputs whose handling
+/// costs time worth seeing: validating a neighbour's update (decode and checks), encoding an
+/// own update, taking a full sync's reply, a round's hop. Others are not timed.
+fn span_of(input: &Input) -> Option<&'static str> {
+    match input {
+        Input::Gossip { .. } | Input::Fetched { .. } => Some("receive_validate"),
+        Input::Trainer(TrainerEvent::Delta { .. }) => Some("encode"),
+        Input::ParamsReply { .. } | Input::Trainer(TrainerEvent::Averaged { .. }) => {
+            Some("full_sync")
+        }
+        Input::Ring { .. } | Input::Trainer(TrainerEvent::Combined { .. }) => Some("round"),
+        _ => None,
     }
 }
 

@@ -123,6 +123,7 @@ pub struct Prepared {
 
 /// Loads the data, builds the model spec and opens the device, touching no file but the data.
 pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
+    config.check_shard()?;
     let dev = config.train.device.open()?;
     let mut data = config.load_data().map_err(NodeError::Data)?;
     let spec = config.model_spec(&data)?;
@@ -308,7 +309,8 @@ pub async fn run(
         relay_server: config.network.relay_server,
         upnp: config.network.upnp,
     };
-    let (net, net_events, event_loop) = network::new(key, &net_cfg)?;
+    let mut registry = network::Registry::default();
+    let (net, net_events, event_loop) = network::new(key, &net_cfg, &mut registry)?;
     let net_task = tokio::spawn(event_loop.run());
     // A fresh node joining a mesh takes the mesh's state before its first step.
     let joining = resume.is_none() && !net_cfg.bootstrap.is_empty();
@@ -390,6 +392,7 @@ pub async fn run(
             topic: crate::mesh::update_topic(&ident.run_id, &local_peer),
             dense_bytes: p2ptrain_models::codec::dense_len(&layout) as u64,
         },
+        registry: Arc::new(registry),
     });
     drop(resume);
     let cache = shared.cache.clone();
@@ -623,9 +626,16 @@ async fn download_state(
     members: &[libp2p::PeerId],
     limits: &transfer::Limits,
 ) -> Result<(store::Loaded, transfer::DownloadReport, Vec<u8>), String> {
-    let (bytes, report) = transfer::download(&shared.net, members, limits)
-        .await
-        .map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let downloaded = transfer::download(&shared.net, members, limits).await;
+    crate::timeline::record(
+        crate::timeline::Lane::Transfer,
+        "state_download",
+        started,
+        Instant::now(),
+        None,
+    );
+    let (bytes, report) = downloaded.map_err(|e| e.to_string())?;
     let decoded = {
         let bytes = bytes.clone();
         tokio::task::spawn_blocking(move || crate::checkpoint::decode(&bytes, "downloaded state"))

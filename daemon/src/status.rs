@@ -45,6 +45,12 @@ pub struct PeerStatus {
     /// The address the connection runs to (for a peer behind a NAT, its gateway's).
     #[serde(default)]
     pub remote: Option<String>,
+    /// Bytes sent to it over all connections since this node started.
+    #[serde(default)]
+    pub bytes_sent: Option<u64>,
+    /// Bytes received from it.
+    #[serde(default)]
+    pub bytes_received: Option<u64>,
 }
 
 /// The peers part of the status.
@@ -326,6 +332,8 @@ impl Peers {
                     score: p.score,
                     path: p.path.clone(),
                     remote: p.remote.clone(),
+                    bytes_sent: p.bytes_sent,
+                    bytes_received: p.bytes_received,
                 }
             })
             .collect();
@@ -438,13 +446,12 @@ pub struct ApiErrorBody {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// The sections are flattened: the JSON stays one flat object, and reads back.
-    #[test]
-    fn status_json_is_flat_and_round_trips() {
-        let s = Status {
+    /// A status with every section at its default and a few fixed names.
+    pub(crate) fn sample() -> Status {
+        Status {
             node: NodeStatus {
                 version: "0".into(),
                 peer_id: "p".into(),
@@ -469,7 +476,13 @@ mod tests {
             mesh: MeshReport::default(),
             state_serving: 0,
             sync: SyncStatus::default(),
-        };
+        }
+    }
+
+    /// The sections are flattened: the JSON stays one flat object, and reads back.
+    #[test]
+    fn status_json_is_flat_and_round_trips() {
+        let s = sample();
         let v = serde_json::to_value(&s).expect("json");
         for key in [
             "version",

@@ -7,8 +7,11 @@
 //! bias are Candle's ordinary differentiable ops (gemm forward and backward), and `im2col`
 //! is a custom op whose backward (`col2im`) scatters the columns' gradient back onto the
 //! input, only when the input needs one. Off the CPU, Candle's own `conv2d` is used.
+//!
+//! The 2×2 max pool is here too, as one loop each way: Candle 0.11's pooling backward
+//! upsamples, compares and pools again, several passes over the feature maps.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 
 use crate::{Error, Result};
 
@@ -37,9 +40,8 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: &Tensor, padding: usize) -> Res
         )));
     };
     let cols = x.contiguous()?.apply_op1(Im2Col { k, padding })?;
-    let out = cols
-        .matmul(&weight.reshape((out_ch, in_ch * k * k))?.t()?)?
-        .broadcast_add(bias)?;
+    let out = cols.matmul(&weight.reshape((out_ch, in_ch * k * k))?.t()?)?;
+    let out = crate::fused::add_bias(&out, bias)?;
     Ok(out
         .reshape((batch, out_h, out_w, out_ch))?
         .permute((0, 3, 1, 2))?
@@ -88,14 +90,23 @@ impl Im2Col {
         })
     }
 
-    /// Calls `f(column index, input index)` for every patch value inside the image.
-    fn for_each_pair(&self, g: &Geometry, mut f: impl FnMut(usize, usize)) {
+    /// Calls `f(column index, input index, length)` for every run of a patch row that lies
+    /// inside the image: a kernel row's values are adjacent both in a column row and in the
+    /// input, so each run is one slice copy.
+    fn for_each_span(&self, g: &Geometry, mut f: impl FnMut(usize, usize, usize)) {
         let (k, p) = (self.k, self.padding);
         let row_len = g.channels * k * k;
         for b in 0..g.batch {
             for oy in 0..g.out_h {
                 for ox in 0..g.out_w {
                     let row = ((b * g.out_h + oy) * g.out_w + ox) * row_len;
+                    // The kernel columns that land inside the image, and the first one's x.
+                    let first = p.saturating_sub(ox);
+                    let last = (g.width + p).saturating_sub(ox).min(k);
+                    if first >= last {
+                        continue;
+                    }
+                    let ix = ox + first - p;
                     for c in 0..g.channels {
                         let plane = (b * g.channels + c) * g.height;
                         for ky in 0..k {
@@ -103,14 +114,8 @@ impl Im2Col {
                             else {
                                 continue;
                             };
-                            let col = row + (c * k + ky) * k;
-                            let line = (plane + iy) * g.width;
-                            for kx in 0..k {
-                                if let Some(ix) = (ox + kx).checked_sub(p).filter(|&x| x < g.width)
-                                {
-                                    f(col + kx, line + ix);
-                                }
-                            }
+                            let col = row + (c * k + ky) * k + first;
+                            f(col, (plane + iy) * g.width + ix, last - first);
                         }
                     }
                 }
@@ -130,51 +135,197 @@ impl CustomOp1 for Im2Col {
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = self.geometry(layout.dims())?;
-        let (from, to) = layout
-            .contiguous_offsets()
-            .ok_or_else(|| candle_core::Error::Msg("im2col: input not contiguous".into()))?;
-        let x = &storage.as_slice::<f32>()?[from..to];
+        let x = crate::fused::f32_slice("im2col", storage, layout)?;
         let rows = g.batch * g.out_h * g.out_w;
         let row_len = g.channels * self.k * self.k;
         let mut cols = vec![0f32; rows * row_len];
-        self.for_each_pair(&g, |col, input| cols[col] = x[input]);
+        self.for_each_span(&g, |col, input, len| {
+            cols[col..col + len].copy_from_slice(&x[input..input + len]);
+        });
         Ok((CpuStorage::F32(cols), Shape::from((rows, row_len))))
     }
 
-    /// `col2im`: every column value's gradient added back onto the input value it came from.
     fn bwd(
         &self,
         arg: &Tensor,
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        let g = self.geometry(arg.dims())?;
-        let grad = grad_res.flatten_all()?.to_vec1::<f32>()?;
-        let mut grad_x = vec![0f32; arg.elem_count()];
-        self.for_each_pair(&g, |col, input| grad_x[input] += grad[col]);
-        Ok(Some(Tensor::from_vec(grad_x, arg.shape(), arg.device())?))
+        let col2im = Col2Im {
+            im2col: Im2Col {
+                k: self.k,
+                padding: self.padding,
+            },
+            input_dims: arg.dims().to_vec(),
+        };
+        Ok(Some(grad_res.contiguous()?.apply_op1_no_bwd(&col2im)?))
+    }
+}
+
+/// `im2col`'s backward: every column value's gradient added back onto the input value it
+/// came from, giving the input's gradient `(batch, channels, height, width)`.
+struct Col2Im {
+    im2col: Im2Col,
+    input_dims: Vec<usize>,
+}
+
+impl CustomOp1 for Col2Im {
+    fn name(&self) -> &'static str {
+        "col2im"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = self.im2col.geometry(&self.input_dims)?;
+        let grad = crate::fused::f32_slice("col2im", storage, layout)?;
+        let row_len = g.channels * self.im2col.k * self.im2col.k;
+        if grad.len() != g.batch * g.out_h * g.out_w * row_len {
+            return Err(candle_core::Error::Msg(
+                "col2im: gradient of the wrong size".into(),
+            ));
+        }
+        let mut grad_x = vec![0f32; self.input_dims.iter().product()];
+        self.im2col.for_each_span(&g, |col, input, len| {
+            for (gx, g) in grad_x[input..input + len]
+                .iter_mut()
+                .zip(&grad[col..col + len])
+            {
+                *gx += g;
+            }
+        });
+        Ok((
+            CpuStorage::F32(grad_x),
+            Shape::from(self.input_dims.clone()),
+        ))
+    }
+}
+
+/// 2×2 max pooling with stride 2 of `(batch, channels, height, width)`, an odd last row or
+/// column dropped (as Candle's `max_pool2d(2)`). The gradient goes to the first maximum of
+/// each window in row order, as in PyTorch. (Candle 0.11's own backward scales each window's
+/// gradient by its count of maxima over 4: a quarter of it where the maximum is unique.)
+pub fn max_pool2x2(x: &Tensor) -> Result<Tensor> {
+    if !x.device().is_cpu() || x.dtype() != candle_core::DType::F32 {
+        return Ok(x.max_pool2d(2)?);
+    }
+    let (_, _, height, width) = x.dims4()?;
+    if height < 2 || width < 2 {
+        return Err(Error::Layout(format!(
+            "a 2x2 pool does not fit a {height}x{width} image"
+        )));
+    }
+    Ok(x.contiguous()?.apply_op1(MaxPool2x2)?)
+}
+
+struct MaxPool2x2;
+
+impl MaxPool2x2 {
+    /// Calls `f(output index, input index of the window's first maximum)` for every window.
+    fn for_each_window(x: &[f32], dims: &[usize], mut f: impl FnMut(usize, usize)) {
+        let &[batch, channels, height, width] = dims else {
+            return;
+        };
+        let (out_h, out_w) = (height / 2, width / 2);
+        let mut out = 0;
+        for plane in 0..batch * channels {
+            let base = plane * height * width;
+            for oy in 0..out_h {
+                let top = base + 2 * oy * width;
+                for ox in 0..out_w {
+                    let corner = top + 2 * ox;
+                    let mut best = corner;
+                    for at in [corner + 1, corner + width, corner + width + 1] {
+                        if x[at] > x[best] {
+                            best = at;
+                        }
+                    }
+                    f(out, best);
+                    out += 1;
+                }
+            }
+        }
+    }
+
+    fn out_dims(dims: &[usize]) -> candle_core::Result<Vec<usize>> {
+        match *dims {
+            [b, c, h, w] if h >= 2 && w >= 2 => Ok(vec![b, c, h / 2, w / 2]),
+            _ => Err(candle_core::Error::Msg(format!(
+                "max-pool: cannot pool {dims:?}"
+            ))),
+        }
+    }
+}
+
+impl CustomOp1 for MaxPool2x2 {
+    fn name(&self) -> &'static str {
+        "max-pool-2x2"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = crate::fused::f32_slice("max-pool", storage, layout)?;
+        let out_dims = Self::out_dims(layout.dims())?;
+        let mut out = vec![0f32; out_dims.iter().product()];
+        Self::for_each_window(x, layout.dims(), |o, at| out[o] = x[at]);
+        Ok((CpuStorage::F32(out), Shape::from(out_dims)))
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(
+            arg.apply_op2_no_bwd(&grad.contiguous()?, &MaxPool2x2Grad)?,
+        ))
+    }
+}
+
+/// The pool's input gradient from `(input, output gradient)`: each window's gradient at its
+/// first maximum, zeros elsewhere.
+struct MaxPool2x2Grad;
+
+impl CustomOp2 for MaxPool2x2Grad {
+    fn name(&self) -> &'static str {
+        "max-pool-2x2-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = crate::fused::f32_slice("max-pool-grad", s1, l1)?;
+        let grad = crate::fused::f32_slice("max-pool-grad", s2, l2)?;
+        let out_dims = MaxPool2x2::out_dims(l1.dims())?;
+        if grad.len() != out_dims.iter().product::<usize>() {
+            return Err(candle_core::Error::Msg(
+                "max-pool-grad: gradient of the wrong size".into(),
+            ));
+        }
+        let mut grad_x = vec![0f32; x.len()];
+        MaxPool2x2::for_each_window(x, l1.dims(), |o, at| grad_x[at] = grad[o]);
+        Ok((CpuStorage::F32(grad_x), l1.shape().clone()))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::max_diff;
     use candle_core::{Device, Var};
 
     fn seeded(shape: &[usize], seed: u64) -> Var {
-        let n: usize = shape.iter().product();
-        let values: Vec<f32> = (0..n as u64)
-            .map(|i| (((i + 1) * (seed | 1) * 2_654_435_761 % 1000) as f32) / 500.0 - 1.0)
-            .collect();
-        Var::from_vec(values, shape, &Device::Cpu).expect("var")
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .and_then(|d| d.abs())
-            .and_then(|d| d.max_all())
-            .and_then(|d| d.to_scalar::<f32>())
-            .expect("diff")
+        crate::testing::seeded(shape, seed, 1.0)
     }
 
     /// Forward values and the gradients of input, kernel and bias equal Candle's `conv2d`
@@ -213,6 +364,57 @@ mod tests {
                 assert!(max_diff(a, c) < 1e-3, "{name} gradient, padding {padding}");
             }
         }
+    }
+
+    /// Without ties the pool's values equal Candle's `max_pool2d(2)`, odd edges dropped alike,
+    /// and each window's gradient lands whole on its maximum, as in PyTorch. (Candle 0.11's
+    /// own backward scales it by the window's count of maxima over 4, so a quarter when the
+    /// maximum is unique: the CNN's convolutions learned at a quarter of the rate before.)
+    #[test]
+    fn max_pool_matches_candles_values_and_routes_the_gradient_to_the_maximum() {
+        for (h, w) in [(6, 4), (5, 7)] {
+            let n = 2 * 3 * h * w;
+            // Distinct values in a scrambled order: no window has two equal maxima.
+            let values: Vec<f32> = (0..n).map(|i| ((i * 7919) % n) as f32 / n as f32).collect();
+            let x = Var::from_vec(values.clone(), (2, 3, h, w), &Device::Cpu).expect("var");
+            let ours = max_pool2x2(x.as_tensor()).expect("ours");
+            let theirs = x.as_tensor().max_pool2d(2).expect("candle");
+            assert_eq!(ours.dims(), theirs.dims());
+            assert_eq!(max_diff(&ours, &theirs), 0.0, "forward {h}x{w}");
+            let weights = seeded(theirs.dims(), 5);
+            let grads = (&ours * weights.as_tensor())
+                .and_then(|t| t.sum_all())
+                .and_then(|t| t.backward())
+                .expect("backward");
+            let got = grads
+                .get(x.as_tensor())
+                .and_then(|g| g.flatten_all().ok())
+                .and_then(|g| g.to_vec1::<f32>().ok())
+                .expect("gradient");
+            let weights = weights
+                .as_tensor()
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("weights");
+            let mut expected = vec![0f32; n];
+            let (out_h, out_w) = (h / 2, w / 2);
+            for plane in 0..6 {
+                for oy in 0..out_h {
+                    for ox in 0..out_w {
+                        let window = [(0, 0), (0, 1), (1, 0), (1, 1)]
+                            .map(|(dy, dx)| plane * h * w + (2 * oy + dy) * w + 2 * ox + dx);
+                        let at = window
+                            .into_iter()
+                            .max_by(|&a, &b| values[a].total_cmp(&values[b]))
+                            .expect("a window");
+                        expected[at] = weights[(plane * out_h + oy) * out_w + ox];
+                    }
+                }
+            }
+            assert_eq!(got, expected, "gradient {h}x{w}");
+        }
+        let tiny = seeded(&[1, 1, 1, 4], 6);
+        assert!(max_pool2x2(tiny.as_tensor()).is_err());
     }
 
     #[test]

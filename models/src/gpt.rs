@@ -8,14 +8,17 @@
 //!
 //! Weights come from [`crate::init`] (GPT-2's normal(0, 0.02), with the projections into the
 //! residual stream scaled by `1/sqrt(2·layers)`), so every node builds bit-identical
-//! parameters from the run's seed. Only differentiable compositions of Candle's basic ops are
-//! used: candle-nn's fused softmax and layer norm have no backward pass.
+//! parameters from the run's seed. Layer norm, the causal softmax, SiLU and the linear layers
+//! are [`crate::fused`]'s kernels, which carry their own backward passes (candle-nn's fused
+//! softmax and layer norm have none).
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear};
 use serde::{Deserialize, Serialize};
 
-use crate::{init, Error, Result};
+use crate::{fused, init, Error, Result};
+
+mod backward;
 
 /// Byte values: the vocabulary.
 pub const VOCAB: usize = 256;
@@ -30,10 +33,6 @@ const MAX_CONTEXT: usize = 8192;
 const MAX_WIDTH: usize = 16_384;
 const MAX_LAYERS: usize = 256;
 const MAX_PARAMS: usize = 4_000_000_000;
-/// Added to attention scores a position must not see: finite, so no `inf·0` reaches a
-/// gradient, and far below any real score, so its softmax weight is exactly zero.
-const MASKED: f32 = -1e9;
-
 /// The shape of a GPT. Part of the run identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GptSpec {
@@ -134,8 +133,6 @@ pub struct Gpt {
     pos_emb: Tensor,
     blocks: Vec<Block>,
     ln_f: (Tensor, Tensor),
-    /// `(context, context)`: 0 where a position may look, [`MASKED`] above the diagonal.
-    mask: Tensor,
 }
 
 impl Gpt {
@@ -166,10 +163,6 @@ impl Gpt {
         let tok_weight = b.param("tok_emb.weight", &[VOCAB, w], Init::Normal(INIT_STD))?;
         let pos_emb = b.param("pos_emb.weight", &[spec.context, w], Init::Normal(INIT_STD))?;
         let ln_f = b.norm("ln_f", w)?;
-        let n = spec.context;
-        let mask: Vec<f32> = (0..n * n)
-            .map(|k| if k % n > k / n { MASKED } else { 0.0 })
-            .collect();
         Ok(Gpt {
             spec: *spec,
             tok_emb: Embedding::new(tok_weight.clone(), w),
@@ -177,7 +170,6 @@ impl Gpt {
             pos_emb,
             blocks,
             ln_f,
-            mask: Tensor::from_vec(mask, (n, n), dev)?,
         })
     }
 
@@ -199,15 +191,17 @@ impl Gpt {
         let w = self.spec.width;
         let heads = self.spec.heads;
         let head_dim = w / heads;
-        let mut x = self
-            .tok_emb
-            .forward(tokens)?
-            .broadcast_add(&self.pos_emb.narrow(0, 0, time)?)?;
-        let mask = self.mask.narrow(0, 0, time)?.narrow(1, 0, time)?;
+        // The positions' embeddings added to every sequence of the batch, as one bias row.
+        let positions = self.pos_emb.narrow(0, 0, time)?.reshape(time * w)?;
+        let mut x = fused::add_bias(
+            &self.tok_emb.forward(tokens)?.reshape((batch, time * w))?,
+            &positions,
+        )?
+        .reshape((batch, time, w))?;
         let scale = 1.0 / (head_dim as f64).sqrt();
         for b in &self.blocks {
             let h = layer_norm(&x, &b.ln1)?;
-            let qkv = b.qkv.forward(&h)?;
+            let qkv = linear(&h, &b.qkv)?;
             let split = |k: usize| -> candle_core::Result<Tensor> {
                 qkv.narrow(2, k * w, w)?
                     .reshape((batch, time, heads, head_dim))?
@@ -215,15 +209,14 @@ impl Gpt {
                     .contiguous()
             };
             let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-            let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
-            let weights = candle_nn::ops::softmax(&scores, D::Minus1)?;
+            let weights = fused::causal_softmax(&q.matmul(&k.t()?)?, scale)?;
             let attended = weights
                 .matmul(&v)?
                 .transpose(1, 2)?
                 .reshape((batch, time, w))?;
-            x = (x + b.proj.forward(&attended)?)?;
+            x = (x + linear(&attended, &b.proj)?)?;
             let h = layer_norm(&x, &b.ln2)?;
-            let h = b.fc_proj.forward(&b.fc.forward(&h)?.silu()?)?;
+            let h = linear(&fused::silu(&linear(&h, &b.fc)?)?, &b.fc_proj)?;
             x = (x + h)?;
         }
         let x = layer_norm(&x, &self.ln_f)?.reshape((batch * time, w))?;
@@ -336,13 +329,14 @@ impl Builder<'_> {
     }
 }
 
-/// Layer norm over the last dimension, from differentiable ops.
+/// Layer norm over the last dimension.
 fn layer_norm(x: &Tensor, (weight, bias): &(Tensor, Tensor)) -> Result<Tensor> {
-    let width = x.dim(D::Minus1)? as f64;
-    let centred = x.broadcast_sub(&(x.sum_keepdim(D::Minus1)? / width)?)?;
-    let var = (centred.sqr()?.sum_keepdim(D::Minus1)? / width)?;
-    let normed = centred.broadcast_div(&(var + LN_EPS)?.sqrt()?)?;
-    Ok(normed.broadcast_mul(weight)?.broadcast_add(bias)?)
+    fused::layer_norm(x, weight, bias, LN_EPS)
+}
+
+/// A linear layer over the last dimension.
+fn linear(x: &Tensor, layer: &Linear) -> Result<Tensor> {
+    fused::linear(x, layer.weight(), layer.bias())
 }
 
 fn argmax(values: &[f32]) -> usize {

@@ -10,6 +10,7 @@ pub mod codec;
 pub mod conv;
 pub mod data;
 pub mod error;
+pub mod fused;
 pub mod gpt;
 pub mod init;
 pub mod model;
@@ -17,6 +18,9 @@ pub mod optim;
 pub mod params;
 pub mod text;
 pub mod train;
+
+#[cfg(test)]
+mod testing;
 
 pub use error::{Error, Result};
 pub use model::{Model, ModelSpec};

@@ -11,18 +11,33 @@ use crate::optim::Optimizer;
 use crate::Result;
 
 /// Runs forward, cross-entropy loss, backward and one optimizer update on a batch; returns the
-/// batch's mean loss.
+/// batch's mean loss. [`forward_backward`], then the optimizer, then the loss read back: the
+/// daemon's trainer calls the parts one by one to time them for its timeline.
 pub fn train_step(model: &Model, opt: &mut Optimizer, xs: &Tensor, ys: &Tensor) -> Result<f32> {
-    let (loss, grads) = match model.mlp_layers() {
-        Some(layers) => mlp_loss_and_grads(layers, xs, ys)?,
-        None => {
-            let (logits, ys) = per_prediction(model.forward(xs)?, ys)?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &ys)?;
-            let grads = loss.backward()?;
-            (loss, grads)
-        }
-    };
+    let (loss, grads) = forward_backward(model, xs, ys)?;
     opt.step(model.params(), &grads)?;
+    loss_value(&loss)
+}
+
+/// The forward pass, the batch's mean cross-entropy loss and every parameter's gradient. An
+/// MLP, and a GPT on the CPU, take their hand-written backward passes (the same gradients as
+/// autograd, without its zero-seeded accumulation); other models take Candle's autograd.
+pub fn forward_backward(model: &Model, xs: &Tensor, ys: &Tensor) -> Result<(Tensor, GradStore)> {
+    let gpt = model.gpt().filter(|g| g.has_hand_backward());
+    match (model.mlp_layers(), gpt) {
+        (Some(layers), _) => mlp_loss_and_grads(layers, xs, ys),
+        (None, Some(gpt)) => gpt.loss_and_grads(xs, ys),
+        (None, None) => {
+            let (logits, ys) = per_prediction(model.forward(xs)?, ys)?;
+            let loss = crate::fused::cross_entropy(&logits, &ys)?;
+            let grads = loss.backward()?;
+            Ok((loss, grads))
+        }
+    }
+}
+
+/// A scalar loss tensor's value as an `f32` (on a GPU, this waits for the step to finish).
+pub fn loss_value(loss: &Tensor) -> Result<f32> {
     Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
 }
 

@@ -129,7 +129,8 @@ impl Rogue {
         };
         let client = rt.block_on(async {
             let (client, mut events, event_loop) =
-                network::new(key, &net_cfg).expect("rogue network");
+                network::new(key, &net_cfg, &mut network::Registry::default())
+                    .expect("rogue network");
             tokio::spawn(event_loop.run());
             let responder = client.clone();
             let serving = !answers.is_empty();

@@ -257,6 +257,9 @@ pub struct Overrides {
     pub psk: Option<PathBuf>,
     /// `--sync-mode`: replaces `sync.mode`.
     pub sync_mode: Option<String>,
+    /// `--shard k/n`: replaces `train.shard`, so one config file serves every node of a
+    /// skewed mesh.
+    pub shard: Option<String>,
 }
 
 /// A validated configuration.
@@ -538,13 +541,6 @@ impl Config {
         }
 
         raw.train.check().map_err(err)?;
-        if data.partition != PartitionKind::Iid && raw.train.shard.is_none() {
-            return Err(err(format!(
-                "data.partition = \"{}\" cuts the set between nodes, so it needs \
-                 train.shard = \"k/n\" (which part this node holds)",
-                data.partition.as_str()
-            )));
-        }
         if !(data.alpha.is_finite() && data.alpha > 0.0) {
             return Err(err(format!("data.alpha = {} must be > 0", data.alpha)));
         }
@@ -603,6 +599,27 @@ impl Config {
         }
         if let Some(m) = &o.sync_mode {
             self.sync.mode = m.parse().map_err(|e| err(format!("--sync-mode: {e}")))?;
+        }
+        if let Some(s) = &o.shard {
+            self.train.shard = Some(parse_shard(s).map_err(|e| err(format!("--shard: {e}")))?);
+        }
+        Ok(())
+    }
+
+    /// Checks that a partition other than `iid`, which cuts the training set between nodes,
+    /// knows which part this node holds (`train.shard` or `--shard`). Checked when a node is
+    /// prepared rather than when the file is read, since the part may come from the command
+    /// line.
+    pub fn check_shard(&self) -> Result<(), ConfigError> {
+        if self.data.partition != PartitionKind::Iid && self.train.shard.is_none() {
+            return Err(ConfigError::File {
+                file: self.origin.clone(),
+                msg: format!(
+                    "data.partition = \"{}\" cuts the set between nodes, so it needs \
+                     train.shard = \"k/n\" or --shard k/n (which part this node holds)",
+                    self.data.partition.as_str()
+                ),
+            });
         }
         Ok(())
     }

@@ -102,7 +102,7 @@ fn partition_needs_a_shard_is_checked_and_local() {
         if let Some(k_n) = shard {
             text = text.replace("threads = 1", &format!("threads = 1\nshard = \"{k_n}\""));
         }
-        Config::parse(&text, "x", None)
+        Config::parse(&text, "x", None).and_then(|c| c.check_shard().map(|()| c))
     };
     let c = with(Some("1/3"), "partition = \"by_label\"").expect("valid");
     assert_eq!(c.data.partition, PartitionKind::ByLabel);
@@ -224,9 +224,11 @@ fn overrides_replace_or_extend_as_documented() {
         mdns: true,
         psk: Some("k".into()),
         sync_mode: Some("fedavg".into()),
+        shard: Some("2/5".into()),
     })
     .expect("apply");
     assert_eq!(c.sync.mode, SyncMode::Fedavg);
+    assert_eq!(c.train.shard, Some((2, 5)));
     // Federated averaging's round is one epoch over the node's own data, weighted by it.
     let rc = c.sync.rounds(100, 32).expect("rounds");
     assert_eq!((rc.steps, rc.weight), (4, 100.0));
@@ -278,6 +280,13 @@ fn overrides_replace_or_extend_as_documented() {
                 ..Overrides::default()
             },
             "--bootstrap: \"nope\" is not a multiaddr",
+        ),
+        (
+            Overrides {
+                shard: Some("3/3".into()),
+                ..Overrides::default()
+            },
+            "--shard: train.shard must be \"k/n\" with 0 <= k < n",
         ),
     ] {
         let e = c.apply(&o).expect_err(needle).to_string();

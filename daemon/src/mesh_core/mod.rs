@@ -148,6 +148,8 @@ struct SyncInFlight {
     seq: u64,
     /// Our step when it started.
     step: u64,
+    /// When it was asked for: a sync's latency runs from here to the averaging.
+    started: Instant,
 }
 
 /// The mesh core; see the module docs.

@@ -79,6 +79,15 @@ pub struct FullSyncCounters {
     pub largest_accepted: Option<f64>,
     /// The latest refusal.
     pub last_refusal: Option<SyncRefusalInfo>,
+    /// Bytes of neighbours' parameters received for syncs (the messages' payloads).
+    #[serde(default)]
+    pub bytes_received: u64,
+    /// Seconds the latest accepted sync took, from asking to averaged.
+    #[serde(default)]
+    pub last_secs: Option<f64>,
+    /// Seconds all accepted syncs took together (with `accepted`, the mean latency).
+    #[serde(default)]
+    pub secs_total: f64,
 }
 
 /// A refused full sync, as status shows it.

@@ -74,12 +74,12 @@ impl MeshCore {
     }
 
     pub(super) fn start_sync(&mut self, peer: PeerId, now: Instant, out: &mut Vec<Output>) {
-        let _ = now;
         self.sync_seq = self.sync_seq.wrapping_add(1);
         self.sync = Some(SyncInFlight {
             peer,
             seq: self.sync_seq,
             step: self.progress.step,
+            started: now,
         });
         out.push(Output::RequestParams(peer));
     }
@@ -103,10 +103,15 @@ impl MeshCore {
             Ok(BulkResponse::Refused(why)) => {
                 return self.end_sync(peer, SyncEnd::Declined(why), now, out)
             }
-            Ok(BulkResponse::Params { values, .. }) => match self.judge_params(peer, &values) {
-                Ok(v) => v,
-                Err(refusal) => return self.end_sync(peer, SyncEnd::Refused(refusal), now, out),
-            },
+            Ok(BulkResponse::Params { values, .. }) => {
+                self.status.full_syncs.bytes_received += values.len() as u64;
+                match self.judge_params(peer, &values) {
+                    Ok(v) => v,
+                    Err(refusal) => {
+                        return self.end_sync(peer, SyncEnd::Refused(refusal), now, out)
+                    }
+                }
+            }
             Ok(other) => {
                 let what = match other {
                     BulkResponse::StateManifest(_) => "a state manifest",
@@ -176,6 +181,9 @@ impl MeshCore {
                 s.full_syncs.accepted += 1;
                 s.full_syncs.bound = self.sync_guard.bound();
                 s.full_syncs.largest_accepted = self.sync_guard.largest_accepted();
+                let secs = now.saturating_duration_since(sync.started).as_secs_f64();
+                s.full_syncs.last_secs = Some(secs);
+                s.full_syncs.secs_total += secs;
                 s.last_sync = Some(SyncInfo {
                     peer: sync.peer.to_string(),
                     step: sync.step,

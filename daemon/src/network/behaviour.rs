@@ -21,6 +21,7 @@ use libp2p::{
 use sha2::{Digest, Sha256};
 
 use super::metrics::Bandwidth;
+use super::Registry;
 
 /// What the swarm builder accepts from a transport or behaviour constructor.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -126,14 +127,16 @@ fn transport(
         .or_transport(direct)
         .map(move |either, _| {
             let (peer, muxer) = either.into_inner();
-            (peer, bandwidth.count(muxer))
+            let muxer = bandwidth.count(peer, muxer);
+            (peer, muxer)
         })
         .boxed())
 }
 
 /// The gossipsub behaviour: strict signing, every message held until the node's verdict,
 /// content-hash ids, peer scoring, and the size limit every node shares.
-fn gossipsub(key: &Keypair) -> Result<gossipsub::Behaviour, BoxError> {
+/// Its own Prometheus metrics (mesh peers, scores, messages per topic) go into `registry`.
+fn gossipsub(key: &Keypair, registry: &mut Registry) -> Result<gossipsub::Behaviour, BoxError> {
     let gossip_cfg = gossipsub::ConfigBuilder::default()
         .heartbeat_interval(Duration::from_millis(700))
         .validation_mode(gossipsub::ValidationMode::Strict)
@@ -147,7 +150,8 @@ fn gossipsub(key: &Keypair) -> Result<gossipsub::Behaviour, BoxError> {
         gossipsub::MessageAuthenticity::Signed(key.clone()),
         gossip_cfg,
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| e.to_string())?
+    .with_metrics(registry, gossipsub::MetricsConfig::default());
     gossipsub.with_peer_score(scoring::peer_params(), scoring::thresholds())?;
     Ok(gossipsub)
 }
@@ -158,6 +162,7 @@ fn behaviour(
     cfg: &NetConfig,
     protocol_version: String,
     relay_client: relay::client::Behaviour,
+    registry: &mut Registry,
 ) -> Result<Behaviour, BoxError> {
     let peer_id = key.public().to_peer_id();
     let mut kad_cfg = kad::Config::new(StreamProtocol::new("/p2ptrain/kad/1"));
@@ -229,25 +234,27 @@ fn behaviour(
                 .with_timeout(PING_TIMEOUT),
         ),
         kad,
-        gossipsub: gossipsub(key)?,
+        gossipsub: gossipsub(key, registry)?,
         bulk,
     })
 }
 
 /// Builds the swarm of a node with identity `key` speaking `protocol_version`; its
-/// connections count their bytes into `bandwidth`. It neither listens nor dials yet.
+/// connections count their bytes into `bandwidth`, gossipsub registers its metrics in
+/// `registry`. It neither listens nor dials yet.
 pub fn build(
     key: Keypair,
     cfg: &NetConfig,
     protocol_version: String,
     bandwidth: Bandwidth,
+    registry: &mut Registry,
 ) -> Result<Swarm<Behaviour>, NetError> {
     let (relay_transport, relay_client) = relay::client::new(key.public().to_peer_id());
     let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
         .with_other_transport(|key| transport(key, cfg.psk, relay_transport, bandwidth))
         .map_err(|e| NetError::Build(e.to_string()))?
-        .with_behaviour(|key| behaviour(key, cfg, protocol_version, relay_client))
+        .with_behaviour(|key| behaviour(key, cfg, protocol_version, relay_client, registry))
         .map_err(|e| NetError::Build(e.to_string()))?
         .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
         .build();

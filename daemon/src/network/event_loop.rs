@@ -78,6 +78,10 @@ pub struct EventLoop {
     relay_capable: HashSet<PeerId>,
     /// Refused bulk replies per peer, behind their application score.
     sync_refusals: scoring::Refusals<PeerId>,
+    /// libp2p's Prometheus metrics of swarm and protocol events (connections, dials,
+    /// identify, ping round trips, Kademlia, gossip messages), registered in the registry the
+    /// control API serves.
+    libp2p_metrics: libp2p::metrics::Metrics,
 }
 
 /// Hands an event to the node. Backpressure: the node drains this channel; if it falls
@@ -96,6 +100,7 @@ fn unix_now() -> u64 {
 
 impl EventLoop {
     /// The loop for a built `swarm` (already listening and dialling).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         swarm: Swarm<Behaviour>,
         cfg: &NetConfig,
@@ -104,8 +109,10 @@ impl EventLoop {
         event_tx: mpsc::Sender<Event>,
         bandwidth: Bandwidth,
         envelope: Envelope,
+        libp2p_metrics: libp2p::metrics::Metrics,
     ) -> Self {
         EventLoop {
+            libp2p_metrics,
             swarm,
             cmd_rx,
             event_tx,
@@ -426,6 +433,8 @@ impl EventLoop {
             .chain(self.relayed_members.iter())
             .map(|(id, p)| PeerInfo {
                 score: gossip.peer_score(id),
+                bytes_sent: self.bandwidth.of_peer(id).map(|b| b.0),
+                bytes_received: self.bandwidth.of_peer(id).map(|b| b.1),
                 path: self.links.path(id).map(str::to_string),
                 remote: self.links.remote(id),
                 ..p.clone()

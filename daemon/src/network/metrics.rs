@@ -1,54 +1,84 @@
-//! What the network counts for status: bytes through every connection (read from counters
-//! the transport itself increments) and gossip sent per topic (counted when this node
-//! publishes). Nothing here renders or parses Prometheus text: each number is an atomic or a
-//! plain integer read directly.
+//! What the network counts for status: bytes through every connection, in all and per peer
+//! (read from counters the transport itself increments), and gossip sent per topic (counted
+//! when this node publishes). Each number is an atomic or a plain integer read directly;
+//! libp2p's own Prometheus metrics live in the registry the control API serves.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use futures::io::{IoSlice, IoSliceMut};
 use futures::{AsyncRead, AsyncWrite};
 use libp2p::core::muxing::{StreamMuxer, StreamMuxerBox, StreamMuxerEvent, SubstreamBox};
 use libp2p::identity::Keypair;
+use libp2p::PeerId;
 
 /// Bytes sent and received over every connection, counted on the multiplexed substreams as
 /// libp2p's bandwidth metrics count them (payload of every protocol, after noise and
 /// yamux). Cloning shares the counters: the transport increments, the event loop reads.
 #[derive(Debug, Clone, Default)]
 pub struct Bandwidth {
+    total: Counters,
+    /// Each peer's bytes since this node started, over all its connections. A peer that
+    /// leaves keeps its entry (a few bytes) so a reconnecting peer's counts keep growing.
+    per_peer: Arc<Mutex<HashMap<PeerId, Counters>>>,
+}
+
+/// A pair of byte counters, shared between the substreams that add to them and the readers.
+#[derive(Debug, Clone, Default)]
+struct Counters {
     sent: Arc<AtomicU64>,
     received: Arc<AtomicU64>,
+}
+
+impl Counters {
+    fn read(&self) -> (u64, u64) {
+        (
+            self.sent.load(Ordering::Relaxed),
+            self.received.load(Ordering::Relaxed),
+        )
+    }
 }
 
 impl Bandwidth {
     /// Bytes written to substreams so far.
     pub fn sent(&self) -> u64 {
-        self.sent.load(Ordering::Relaxed)
+        self.total.sent.load(Ordering::Relaxed)
     }
 
     /// Bytes read from substreams so far.
     pub fn received(&self) -> u64 {
-        self.received.load(Ordering::Relaxed)
+        self.total.received.load(Ordering::Relaxed)
     }
 
-    /// Wraps a connection's multiplexer so that every substream it opens or accepts counts
-    /// into these counters.
-    pub fn count(&self, muxer: StreamMuxerBox) -> StreamMuxerBox {
+    /// `(sent, received)` bytes of `peer`'s connections so far.
+    pub fn of_peer(&self, peer: &PeerId) -> Option<(u64, u64)> {
+        let map = self.per_peer.lock().ok()?;
+        map.get(peer).map(Counters::read)
+    }
+
+    /// Wraps the multiplexer of a connection to `peer` so that every substream it opens or
+    /// accepts counts into the totals and the peer's counters.
+    pub fn count(&self, peer: PeerId, muxer: StreamMuxerBox) -> StreamMuxerBox {
+        let peer_counters = self
+            .per_peer
+            .lock()
+            .map(|mut m| m.entry(peer).or_default().clone())
+            .unwrap_or_default();
         StreamMuxerBox::new(CountingMuxer {
             inner: muxer,
-            counters: self.clone(),
+            counters: [self.total.clone(), peer_counters],
         })
     }
 }
 
-/// A multiplexer whose substreams count their bytes.
+/// A multiplexer whose substreams count their bytes, into the totals and its peer's.
 struct CountingMuxer {
     inner: StreamMuxerBox,
-    counters: Bandwidth,
+    counters: [Counters; 2],
 }
 
 impl StreamMuxer for CountingMuxer {
@@ -96,15 +126,29 @@ impl StreamMuxer for CountingMuxer {
 /// A substream that adds what passes through it to its connection's [`Bandwidth`].
 struct CountingStream {
     inner: SubstreamBox,
-    counters: Bandwidth,
+    counters: [Counters; 2],
 }
 
-/// Adds `n` bytes to `counter` when an I/O call succeeded.
-fn tally(counter: &AtomicU64, polled: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+/// Adds `n` bytes to the counters `pick` chooses when an I/O call succeeded.
+fn tally(
+    counters: &[Counters; 2],
+    pick: fn(&Counters) -> &AtomicU64,
+    polled: Poll<io::Result<usize>>,
+) -> Poll<io::Result<usize>> {
     if let Poll::Ready(Ok(n)) = &polled {
-        counter.fetch_add(*n as u64, Ordering::Relaxed);
+        for c in counters {
+            pick(c).fetch_add(*n as u64, Ordering::Relaxed);
+        }
     }
     polled
+}
+
+fn sent(c: &Counters) -> &AtomicU64 {
+    &c.sent
+}
+
+fn received(c: &Counters) -> &AtomicU64 {
+    &c.received
 }
 
 impl AsyncRead for CountingStream {
@@ -115,7 +159,8 @@ impl AsyncRead for CountingStream {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         tally(
-            &this.counters.received,
+            &this.counters,
+            received,
             Pin::new(&mut this.inner).poll_read(cx, buf),
         )
     }
@@ -127,7 +172,8 @@ impl AsyncRead for CountingStream {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         tally(
-            &this.counters.received,
+            &this.counters,
+            received,
             Pin::new(&mut this.inner).poll_read_vectored(cx, bufs),
         )
     }
@@ -141,7 +187,8 @@ impl AsyncWrite for CountingStream {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         tally(
-            &this.counters.sent,
+            &this.counters,
+            sent,
             Pin::new(&mut this.inner).poll_write(cx, buf),
         )
     }
@@ -153,7 +200,8 @@ impl AsyncWrite for CountingStream {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         tally(
-            &this.counters.sent,
+            &this.counters,
+            sent,
             Pin::new(&mut this.inner).poll_write_vectored(cx, bufs),
         )
     }
@@ -277,6 +325,30 @@ mod tests {
         let got = sent.by_topic();
         assert_eq!(got["a"], (5, 400));
         assert_eq!(got["b"], (0, 0));
+    }
+
+    #[test]
+    fn bandwidth_counts_in_all_and_per_peer() {
+        let bw = Bandwidth::default();
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let ca = bw
+            .per_peer
+            .lock()
+            .expect("lock")
+            .entry(a)
+            .or_default()
+            .clone();
+        let counters = [bw.total.clone(), ca];
+        let _ = tally(&counters, sent, Poll::Ready(Ok(10)));
+        let _ = tally(&counters, received, Poll::Ready(Ok(3)));
+        let _ = tally(
+            &counters,
+            sent,
+            Poll::Ready(Err(io::ErrorKind::Other.into())),
+        );
+        assert_eq!((bw.sent(), bw.received()), (10, 3));
+        assert_eq!(bw.of_peer(&a), Some((10, 3)));
+        assert_eq!(bw.of_peer(&b), None);
     }
 
     #[test]

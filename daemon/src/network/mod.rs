@@ -47,6 +47,9 @@ pub use crate::wire::{
 use crate::nat::NatReport;
 use crate::wire::WIRE_VERSION;
 
+/// The Prometheus registry libp2p's metrics are kept in (prometheus-client's).
+pub use libp2p::metrics::Registry;
+
 /// Largest gossip message (the whole RPC) any p2ptrain node sends or accepts. It is part of the
 /// protocol version peers compare, because a node with a smaller limit silently stops
 /// hearing a sender after one oversized message.
@@ -194,6 +197,12 @@ pub struct PeerInfo {
     /// Where the connection runs to: for a peer behind a NAT, its gateway's address.
     #[serde(default)]
     pub remote: Option<String>,
+    /// Bytes sent to it over all connections since this node started.
+    #[serde(default)]
+    pub bytes_sent: Option<u64>,
+    /// Bytes received from it.
+    #[serde(default)]
+    pub bytes_received: Option<u64>,
 }
 
 /// The network's state for status reports.
@@ -397,15 +406,24 @@ impl Client {
 }
 
 /// Builds the swarm and starts listening and dialing; returns the handle, the event stream,
-/// and the loop to spawn.
+/// and the loop to spawn. libp2p's metrics (swarm, identify, ping, Kademlia, gossip) and
+/// gossipsub's own (`gossipsub_*`: mesh, scores, messages per topic) go into `registry`.
 pub fn new(
     key: Keypair,
     cfg: &NetConfig,
+    registry: &mut Registry,
 ) -> Result<(Client, mpsc::Receiver<Event>, EventLoop), NetError> {
     let envelope = metrics::Envelope::of(&key);
     let bandwidth = metrics::Bandwidth::default();
     let protocol_version = protocol_version(&cfg.run_id);
-    let mut swarm = behaviour::build(key, cfg, protocol_version.clone(), bandwidth.clone())?;
+    let libp2p_metrics = libp2p::metrics::Metrics::new(registry);
+    let mut swarm = behaviour::build(
+        key,
+        cfg,
+        protocol_version.clone(),
+        bandwidth.clone(),
+        registry.sub_registry_with_prefix("gossipsub"),
+    )?;
     for addr in &cfg.listen {
         swarm
             .listen_on(addr.clone())
@@ -430,6 +448,7 @@ pub fn new(
         event_tx,
         bandwidth,
         envelope,
+        libp2p_metrics,
     );
     Ok((Client { cmd_tx }, event_rx, event_loop))
 }

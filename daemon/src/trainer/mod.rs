@@ -24,12 +24,13 @@ use std::time::{Duration, Instant};
 
 use p2ptrain_models::data::Sampler;
 use p2ptrain_models::params::l2_norm;
-use p2ptrain_models::train::{evaluate, train_step};
+use p2ptrain_models::train::{evaluate, forward_backward, loss_value};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::checkpoint::Snapshot;
 use crate::mesh_core::{AverageOutcome, TrainerCommand, TrainerEvent};
 use crate::sync_guard;
+use crate::timeline::{self, Lane};
 
 pub use interface::{
     Command, Counters, EvalStats, Finish, Handle, Identity, OuterSgd, Phase, Setup, Stats,
@@ -300,9 +301,12 @@ impl Loop {
                 });
             }
             Command::Mesh(TrainerCommand::Apply { values, weight }) => {
+                let _span = timeline::span(Lane::Trainer, "apply").at_step(self.counters.step);
                 self.apply(&values, weight)?
             }
             Command::Mesh(TrainerCommand::Average { seq, theirs, bound }) => {
+                let _span =
+                    timeline::span(Lane::Trainer, "full_sync_average").at_step(self.counters.step);
                 let outcome = match self.average(&theirs, bound) {
                     Ok(outcome) => outcome,
                     Err(e) => AverageOutcome::Failed(e.to_string()),
@@ -538,7 +542,14 @@ impl Loop {
             self.released();
             let indices = self.sampler.next_batch(self.s.batch_size);
             let (xs, ys) = self.s.data.train().batch(&indices, &self.s.device)?;
-            let loss = train_step(&self.s.model, &mut self.s.optimizer, &xs, &ys)?;
+            let step = self.counters.step + 1;
+            let span = timeline::span(Lane::Trainer, "forward_backward").at_step(step);
+            let (loss, grads) = forward_backward(&self.s.model, &xs, &ys)?;
+            drop(span);
+            let span = timeline::span(Lane::Trainer, "optimizer").at_step(step);
+            self.s.optimizer.step(self.s.model.params(), &grads)?;
+            let loss = loss_value(&loss)?;
+            drop(span);
             if !loss.is_finite() {
                 return Err(TrainerError::Diverged {
                     step: self.counters.step,
@@ -577,6 +588,7 @@ impl Loop {
             let by_time = !self.s.checkpoint_every.is_zero()
                 && self.last_checkpoint_at.elapsed() >= self.s.checkpoint_every;
             if by_steps || by_time {
+                let _span = timeline::span(Lane::Trainer, "checkpoint_snapshot").at_step(step);
                 if self.snapshot_tx.try_send(self.snapshot()?).is_err() {
                     tracing::debug!(
                         step = self.counters.step,

@@ -77,6 +77,7 @@ impl EventLoop {
     }
 
     pub(super) async fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        self.record_metrics(&event);
         match &event {
             SwarmEvent::ConnectionEstablished {
                 peer_id,
@@ -227,6 +228,22 @@ impl EventLoop {
         }
     }
 
+    /// Counts the event in libp2p's metrics.
+    fn record_metrics(&self, event: &SwarmEvent<BehaviourEvent>) {
+        use libp2p::metrics::Recorder;
+        let m = &self.libp2p_metrics;
+        m.record(event);
+        match event {
+            SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(e)) => m.record(e),
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(e)) => m.record(e),
+            SwarmEvent::Behaviour(BehaviourEvent::Ping(e)) => m.record(e),
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(e)) => m.record(e),
+            SwarmEvent::Behaviour(BehaviourEvent::Dcutr(e)) => m.record(e),
+            SwarmEvent::Behaviour(BehaviourEvent::Relay(e)) => m.record(e),
+            _ => {}
+        }
+    }
+
     async fn on_behaviour_event(&mut self, event: BehaviourEvent) {
         match event {
             BehaviourEvent::Identify(identify::Event::Received {
@@ -289,6 +306,8 @@ impl EventLoop {
                             score: None,
                             path: None,
                             remote: None,
+                            bytes_sent: None,
+                            bytes_received: None,
                         },
                     );
                     return;
@@ -305,6 +324,8 @@ impl EventLoop {
                     score: None,
                     path: None,
                     remote: None,
+                    bytes_sent: None,
+                    bytes_received: None,
                 });
                 entry.agent = Some(info.agent_version.clone());
                 if entry.address.is_empty() {

@@ -1,0 +1,537 @@
+//! `GET /metrics`: the node in the OpenMetrics text format Prometheus scrapes.
+//!
+//! p2ptrain's own series are read off a [`Status`] at scrape time (the same numbers
+//! `status --json` shows, so the two cannot disagree) into a fresh prometheus-client registry;
+//! libp2p's and gossipsub's metrics follow from the registry the network fills as events
+//! happen. Names follow Prometheus conventions: a `p2ptrain_` prefix, the unit in the name,
+//! `_total` on counters; a peer's id and a reason are labels.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::status::Status;
+
+/// The content type of the exposition.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Labels of a series: name and value pairs.
+type Labels = Vec<(String, String)>;
+
+/// A float gauge.
+type FloatGauge = Gauge<f64, AtomicU64>;
+/// A float counter (seconds).
+type FloatCounter = Counter<f64, AtomicU64>;
+
+/// Adds families to a registry under construction, one call a series.
+struct Builder {
+    reg: Registry,
+}
+
+impl Builder {
+    fn gauge(&mut self, name: &str, help: &str, unit: Option<Unit>, value: f64) {
+        let g = FloatGauge::default();
+        g.set(value);
+        match unit {
+            Some(u) => self.reg.register_with_unit(name, help, u, g),
+            None => self.reg.register(name, help, g),
+        }
+    }
+
+    fn counter(&mut self, name: &str, help: &str, unit: Option<Unit>, value: u64) {
+        let c = Counter::<u64>::default();
+        c.inc_by(value);
+        match unit {
+            Some(u) => self.reg.register_with_unit(name, help, u, c),
+            None => self.reg.register(name, help, c),
+        }
+    }
+
+    fn seconds_counter(&mut self, name: &str, help: &str, value: f64) {
+        let c = FloatCounter::default();
+        c.inc_by(value.max(0.0));
+        self.reg.register_with_unit(name, help, Unit::Seconds, c);
+    }
+
+    /// A labelled counter family, one series per `(labels, value)`.
+    fn counters(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Option<Unit>,
+        series: impl IntoIterator<Item = (Labels, u64)>,
+    ) {
+        let family = Family::<Labels, Counter>::default();
+        for (labels, v) in series {
+            family.get_or_create(&labels).inc_by(v);
+        }
+        match unit {
+            Some(u) => self.reg.register_with_unit(name, help, u, family),
+            None => self.reg.register(name, help, family),
+        }
+    }
+
+    /// A labelled gauge family, one series per `(labels, value)`.
+    fn gauges(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Option<Unit>,
+        series: impl IntoIterator<Item = (Labels, f64)>,
+    ) {
+        let family = Family::<Labels, FloatGauge>::default();
+        for (labels, v) in series {
+            family.get_or_create(&labels).set(v);
+        }
+        match unit {
+            Some(u) => self.reg.register_with_unit(name, help, u, family),
+            None => self.reg.register(name, help, family),
+        }
+    }
+}
+
+fn label(k: &str, v: impl ToString) -> Labels {
+    vec![(k.to_string(), v.to_string())]
+}
+
+/// p2ptrain's own metrics of `s`, as a registry.
+fn own_metrics(s: &Status) -> Registry {
+    let mut b = Builder {
+        reg: Registry::with_prefix("p2ptrain"),
+    };
+    b.reg.register(
+        "node",
+        "Who this node is and what it trains",
+        Info::new(vec![
+            ("version".to_string(), s.node.version.clone()),
+            ("peer_id".to_string(), s.node.peer_id.clone()),
+            ("run_id".to_string(), s.node.run_id.clone()),
+            ("model".to_string(), s.node.model.name.clone()),
+            ("optimizer".to_string(), s.node.optimizer.clone()),
+            ("device".to_string(), s.node.device.clone()),
+            ("sync_mode".to_string(), s.sync.mode.clone()),
+            ("codec".to_string(), s.sync.codec.clone()),
+        ]),
+    );
+    b.gauge(
+        "uptime",
+        "Seconds since the daemon started",
+        Some(Unit::Seconds),
+        s.node.uptime_s,
+    );
+    b.gauge(
+        "model_parameters",
+        "Scalar parameters of the model",
+        None,
+        s.node.model.params as f64,
+    );
+    if let Some(h) = s.node.memory.heap_bytes {
+        b.gauge(
+            "heap",
+            "Bytes the node's allocations hold",
+            Some(Unit::Bytes),
+            h as f64,
+        );
+    }
+    if let Some(r) = s.node.memory.resident_bytes {
+        b.gauge(
+            "resident_memory",
+            "Resident memory (VmRSS)",
+            Some(Unit::Bytes),
+            r as f64,
+        );
+    }
+
+    // Training.
+    let t = &s.training;
+    b.counter("training_steps", "Training steps taken", None, t.step);
+    b.counter(
+        "training_samples",
+        "Samples trained on",
+        None,
+        t.samples_seen,
+    );
+    b.gauge(
+        "training_samples_per_second",
+        "Recent training throughput",
+        None,
+        t.samples_per_sec,
+    );
+    if let Some(loss) = t.loss {
+        b.gauge(
+            "training_loss",
+            "Mean training loss over the last 50 steps",
+            None,
+            loss,
+        );
+    }
+    if let Some(e) = t.eval {
+        b.gauge(
+            "eval_accuracy_ratio",
+            "Held-out accuracy (next-byte accuracy for a language model)",
+            None,
+            e.accuracy,
+        );
+        b.gauge("eval_loss", "Held-out mean cross-entropy", None, e.loss);
+        b.gauge(
+            "eval_step",
+            "The step the latest evaluation was taken at",
+            None,
+            e.step as f64,
+        );
+        if let Some(bpb) = e.bits_per_byte {
+            b.gauge(
+                "eval_bits_per_byte",
+                "Held-out loss of a language model in bits per byte",
+                None,
+                bpb,
+            );
+        }
+    }
+
+    // Updates.
+    let u = &s.mesh.updates;
+    b.counter("updates_sent", "Own updates published", None, u.sent);
+    b.counter(
+        "updates_received",
+        "Neighbours' updates received",
+        None,
+        u.received,
+    );
+    b.counter(
+        "updates_applied",
+        "Neighbours' updates applied to the model",
+        None,
+        u.applied,
+    );
+    b.counters(
+        "updates_rejected",
+        "Neighbours' updates rejected as broken or hostile (each costs the author score), by reason",
+        None,
+        [
+            (label("reason", "outlier_norm"), u.outliers),
+            (label("reason", "invalid"), u.rejected.saturating_sub(u.outliers)),
+        ],
+    );
+    b.counters(
+        "updates_dropped",
+        "Neighbours' updates dropped without blame, by reason",
+        None,
+        [
+            (label("reason", "duplicate"), u.duplicates),
+            (label("reason", "too_old"), u.too_old),
+            (label("reason", "rate_limited"), u.rate_limited),
+            (label("reason", "stale"), s.sync.dropped_stale),
+        ],
+    );
+    b.counter(
+        "updates_late",
+        "Updates accepted although older than their author's newest",
+        None,
+        u.late,
+    );
+    b.counter(
+        "updates_scaled_down",
+        "Updates accepted but scaled down to the outlier bound",
+        None,
+        u.scaled_down,
+    );
+    b.counters(
+        "update_rejections_by_peer",
+        "Rejected updates by author",
+        None,
+        s.mesh
+            .rejected_by_peer
+            .iter()
+            .map(|(p, n)| (label("peer", p), *n)),
+    );
+
+    // Bytes.
+    b.counter(
+        "network_sent",
+        "Bytes sent on all connections",
+        Some(Unit::Bytes),
+        s.network.bytes_sent,
+    );
+    b.counter(
+        "network_received",
+        "Bytes received on all connections",
+        Some(Unit::Bytes),
+        s.network.bytes_received,
+    );
+    let sent_by_kind = [(
+        vec![
+            ("kind".to_string(), "updates".to_string()),
+            ("codec".to_string(), s.sync.codec.clone()),
+        ],
+        s.sync.update_bytes_sent,
+    )];
+    b.counters(
+        "sent",
+        "Bytes this node sent, by kind and codec (updates: gossip copies, envelope included)",
+        Some(Unit::Bytes),
+        sent_by_kind,
+    );
+    let mut received_by_kind = vec![(
+        vec![
+            ("kind".to_string(), "full_sync".to_string()),
+            ("codec".to_string(), "dense".to_string()),
+        ],
+        s.mesh.full_syncs.bytes_received,
+    )];
+    if let Some(d) = &s.mesh.state_download {
+        received_by_kind.push((
+            vec![
+                ("kind".to_string(), "state_transfer".to_string()),
+                ("codec".to_string(), "checkpoint".to_string()),
+            ],
+            d.bytes,
+        ));
+    }
+    b.counters(
+        "received",
+        "Bytes this node received, by kind (full syncs' parameters, the state download)",
+        Some(Unit::Bytes),
+        received_by_kind,
+    );
+    if let Some(bpu) = s.sync.bytes_per_update {
+        b.gauge(
+            "update_message_size",
+            "Mean bytes of one own update message on the wire",
+            Some(Unit::Bytes),
+            bpu,
+        );
+    }
+    b.gauge(
+        "dense_update_size",
+        "Bytes a dense f32 update of this model takes",
+        Some(Unit::Bytes),
+        s.sync.dense_update_bytes as f64,
+    );
+    b.gauge(
+        "residual_norm",
+        "L2 norm of what error feedback still owes the mesh",
+        None,
+        s.sync.residual_norm,
+    );
+
+    // Full syncs.
+    let f = &s.mesh.full_syncs;
+    b.counters(
+        "full_syncs",
+        "Full neighbour syncs, by outcome",
+        None,
+        [
+            (label("outcome", "accepted"), f.accepted),
+            (label("outcome", "refused"), f.refused),
+            (label("outcome", "failed"), f.failed),
+        ],
+    );
+    b.seconds_counter(
+        "full_sync_duration_seconds",
+        "Seconds accepted full syncs took, from asking to averaged (divide by accepted syncs for the mean)",
+        f.secs_total,
+    );
+    if let Some(secs) = f.last_secs {
+        b.gauge(
+            "full_sync_last_duration",
+            "Seconds the latest accepted full sync took",
+            Some(Unit::Seconds),
+            secs,
+        );
+    }
+    if let Some(d) = s.mesh.consensus_distance {
+        b.gauge(
+            "consensus_distance_ratio",
+            "Relative L2 distance to the last synced neighbour, before averaging",
+            None,
+            d,
+        );
+    }
+
+    // Peers.
+    b.gauge(
+        "peers",
+        "Connected peers of this run",
+        None,
+        s.peers.count as f64,
+    );
+    b.gauge(
+        "neighbours",
+        "Current neighbours",
+        None,
+        s.mesh.neighbours.len() as f64,
+    );
+    b.gauge(
+        "banned_peers",
+        "Peers banned now",
+        None,
+        s.network.banned_peers.len() as f64,
+    );
+    b.counter(
+        "peer_drops",
+        "Members lost without a goodbye",
+        None,
+        s.network.peer_drops,
+    );
+    b.counter(
+        "handshake_failures",
+        "Connections that failed in the security handshake",
+        None,
+        s.network.handshake_failures,
+    );
+    let peers = &s.peers.list;
+    b.gauges(
+        "peer_step",
+        "A peer's step, from its last heartbeat",
+        None,
+        peers
+            .iter()
+            .filter_map(|p| Some((label("peer", &p.peer_id), p.step? as f64))),
+    );
+    b.gauges(
+        "peer_training_loss",
+        "A peer's recent training loss, from its last heartbeat",
+        None,
+        peers
+            .iter()
+            .filter_map(|p| Some((label("peer", &p.peer_id), p.loss?))),
+    );
+    b.gauges(
+        "peer_eval_accuracy_ratio",
+        "A peer's latest held-out accuracy, from its last heartbeat",
+        None,
+        peers
+            .iter()
+            .filter_map(|p| Some((label("peer", &p.peer_id), p.accuracy?))),
+    );
+    b.gauges(
+        "peer_rtt",
+        "Latest ping round trip to a peer",
+        Some(Unit::Seconds),
+        peers
+            .iter()
+            .filter_map(|p| Some((label("peer", &p.peer_id), p.rtt_ms? / 1000.0))),
+    );
+    b.gauges(
+        "peer_score",
+        "A peer's gossipsub score here",
+        None,
+        peers
+            .iter()
+            .filter_map(|p| Some((label("peer", &p.peer_id), p.score?))),
+    );
+    b.counters(
+        "peer_sent",
+        "Bytes sent to a peer over all its connections",
+        Some(Unit::Bytes),
+        peers
+            .iter()
+            .filter_map(|p| Some((label("peer", &p.peer_id), p.bytes_sent?))),
+    );
+    b.counters(
+        "peer_received",
+        "Bytes received from a peer over all its connections",
+        Some(Unit::Bytes),
+        peers
+            .iter()
+            .filter_map(|p| Some((label("peer", &p.peer_id), p.bytes_received?))),
+    );
+
+    // State transfer and checkpoints.
+    if let Some(d) = &s.mesh.state_download {
+        b.gauge(
+            "state_download",
+            "Bytes of the state this node downloaded when it joined",
+            Some(Unit::Bytes),
+            d.bytes as f64,
+        );
+        b.gauge(
+            "state_download_duration",
+            "Seconds the state download took",
+            Some(Unit::Seconds),
+            d.secs,
+        );
+    }
+    b.gauge(
+        "state_download_done_ratio",
+        "1 once this node holds the mesh's state (or founded the mesh), 0 while it waits for it",
+        None,
+        if matches!(t.phase, crate::trainer::Phase::Starting) {
+            0.0
+        } else {
+            1.0
+        },
+    );
+    b.gauge(
+        "state_serving",
+        "Joiners downloading this node's state now",
+        None,
+        f64::from(s.state_serving),
+    );
+    if let Some(c) = &s.checkpoints.last_checkpoint {
+        b.gauge(
+            "last_checkpoint_step",
+            "The step the newest checkpoint holds",
+            None,
+            c.step as f64,
+        );
+    }
+    b.reg
+}
+
+/// The exposition: p2ptrain's series for `status`, then those in `libp2p` (the network's
+/// registry), then the end marker.
+pub fn render(status: &Status, libp2p: &Registry) -> Result<String, std::fmt::Error> {
+    let mut out = String::with_capacity(16 * 1024);
+    encode_registry(&mut out, &own_metrics(status))?;
+    encode_registry(&mut out, libp2p)?;
+    encode_eof(&mut out)?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_renders_with_units_and_totals() {
+        let mut s = crate::status::tests::sample();
+        s.training.step = 42;
+        s.mesh.updates.rejected = 5;
+        s.mesh.updates.outliers = 2;
+        s.peers.list.push(crate::status::PeerStatus {
+            peer_id: "peer-a".into(),
+            address: String::new(),
+            rtt_ms: Some(12.5),
+            neighbour: true,
+            step: Some(40),
+            loss: Some(0.5),
+            samples_per_sec: None,
+            accuracy: None,
+            score: Some(-1.0),
+            path: None,
+            remote: None,
+            bytes_sent: Some(1000),
+            bytes_received: Some(2000),
+        });
+        let text = render(&s, &Registry::default()).expect("render");
+        for line in [
+            "p2ptrain_training_steps_total 42",
+            "p2ptrain_updates_rejected_total{reason=\"outlier_norm\"} 2",
+            "p2ptrain_updates_rejected_total{reason=\"invalid\"} 3",
+            "p2ptrain_peer_rtt_seconds{peer=\"peer-a\"} 0.0125",
+            "p2ptrain_peer_sent_bytes_total{peer=\"peer-a\"} 1000",
+            "# TYPE p2ptrain_network_sent_bytes counter",
+        ] {
+            assert!(text.contains(line), "no {line:?} in\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"));
+        assert_eq!(text.matches("# EOF").count(), 1);
+    }
+}

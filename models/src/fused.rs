@@ -1,0 +1,772 @@
+//! Fused CPU kernels, each with its own backward pass, for the element-wise and row-wise
+//! parts of a training step: bias addition, layer norm, causal softmax, SiLU and the
+//! cross-entropy loss.
+//!
+//! Candle 0.11 builds these from its basic ops, so on one core a small GPT's step spent more
+//! time outside the matrix products than in them: each basic op allocates its output, autograd
+//! seeds and sums a gradient for every intermediate, and a bias's gradient (a sum over the rows
+//! of a broadcast) takes Candle's strided reduction, the slowest loop of the step. Here each
+//! composite is one loop over its rows forward and one backward. The numbers are those of the
+//! composition they replace (the tests compare values and gradients against it); off the CPU,
+//! or for other float types, the Candle composition itself runs.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
+
+use crate::{Error, Result};
+
+/// Whether the fused kernels serve this tensor: f32 on the CPU.
+fn fused(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32
+}
+
+/// A contiguous f32 slice of a custom op's input, or an error naming the op.
+pub(crate) fn f32_slice<'a>(
+    op: &str,
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<&'a [f32]> {
+    let (from, to) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: input not contiguous")))?;
+    Ok(&storage.as_slice::<f32>()?[from..to])
+}
+
+/// The last dimension of `dims`, which must be non-zero, and how many rows of it there are.
+fn rows_of(op: &str, dims: &[usize]) -> candle_core::Result<(usize, usize)> {
+    let width = dims.last().copied().unwrap_or(1);
+    if width == 0 {
+        return Err(candle_core::Error::Msg(format!("{op}: empty rows")));
+    }
+    Ok((dims.iter().product::<usize>() / width, width))
+}
+
+/// `x @ weightᵀ + bias` over the last dimension of `x`, any leading dimensions flattened into
+/// one matrix product, so the weight's gradient is one product too (Candle's `Linear`
+/// broadcasts the weight over a 3-D input and then sums the batch of gradients).
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (rows, fan_in) = rows_of("linear", &dims)?;
+    let y = x.reshape((rows, fan_in))?.matmul(&weight.t()?)?;
+    let y = match bias {
+        Some(bias) => add_bias(&y, bias)?,
+        None => y,
+    };
+    let mut out = dims;
+    if let Some(last) = out.last_mut() {
+        *last = y.dim(1)?;
+    }
+    Ok(y.reshape(out)?)
+}
+
+/// `x + bias` with `bias` `(n,)` added to every row of `x` `(…, n)`.
+pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    if !fused(x) {
+        return Ok(x.broadcast_add(bias)?);
+    }
+    Ok(x.contiguous()?.apply_op2(&bias.contiguous()?, AddBias)?)
+}
+
+struct AddBias;
+
+impl CustomOp2 for AddBias {
+    fn name(&self) -> &'static str {
+        "add-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, bias) = (
+            f32_slice("add-bias", s1, l1)?,
+            f32_slice("add-bias", s2, l2)?,
+        );
+        let (_, width) = rows_of("add-bias", l1.dims())?;
+        if bias.len() != width {
+            return Err(candle_core::Error::Msg(format!(
+                "add-bias: {} biases for rows of {width}",
+                bias.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(x.len());
+        for row in x.chunks_exact(width) {
+            out.extend(row.iter().zip(bias).map(|(a, b)| a + b));
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad_bias = grad
+            .contiguous()?
+            .apply_op1_no_bwd(&SumRows)?
+            .reshape(bias.shape())?;
+        Ok((Some(grad.clone()), Some(grad_bias)))
+    }
+}
+
+/// The sum of the rows of `(…, n)`: `(n,)`.
+struct SumRows;
+
+impl CustomOp1 for SumRows {
+    fn name(&self) -> &'static str {
+        "sum-rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_slice("sum-rows", s, l)?;
+        let (_, width) = rows_of("sum-rows", l.dims())?;
+        let mut sum = vec![0f32; width];
+        for row in x.chunks_exact(width) {
+            sum.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+        }
+        Ok((CpuStorage::F32(sum), Shape::from(width)))
+    }
+}
+
+/// Layer norm over the last dimension: `(x − mean) / sqrt(var + eps) · weight + bias`, the
+/// variance the biased one (as in PyTorch's `LayerNorm`).
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if !fused(x) {
+        let width = x.dim(D::Minus1)? as f64;
+        let centred = x.broadcast_sub(&(x.sum_keepdim(D::Minus1)? / width)?)?;
+        let var = (centred.sqr()?.sum_keepdim(D::Minus1)? / width)?;
+        let normed = centred.broadcast_div(&(var + eps)?.sqrt()?)?;
+        return Ok(normed.broadcast_mul(weight)?.broadcast_add(bias)?);
+    }
+    let width = x.dim(D::Minus1)?;
+    if weight.dims() != [width] || bias.dims() != [width] {
+        return Err(Error::Layout(format!(
+            "layer norm over {width} values with weight {:?} and bias {:?}",
+            weight.dims(),
+            bias.dims()
+        )));
+    }
+    Ok(x.contiguous()?.apply_op3(
+        &weight.contiguous()?,
+        &bias.contiguous()?,
+        LayerNorm { eps: eps as f32 },
+    )?)
+}
+
+struct LayerNorm {
+    eps: f32,
+}
+
+/// A row's mean and reciprocal standard deviation.
+fn moments(row: &[f32], eps: f32) -> (f32, f32) {
+    let n = row.len() as f32;
+    let mean = row.iter().sum::<f32>() / n;
+    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_slice("layer-norm", s1, l1)?;
+        let (weight, bias) = (
+            f32_slice("layer-norm", s2, l2)?,
+            f32_slice("layer-norm", s3, l3)?,
+        );
+        let (_, width) = rows_of("layer-norm", l1.dims())?;
+        let mut out = Vec::with_capacity(x.len());
+        for row in x.chunks_exact(width) {
+            let (mean, rstd) = moments(row, self.eps);
+            out.extend(
+                row.iter()
+                    .zip(weight.iter().zip(bias))
+                    .map(|(v, (w, b))| (v - mean) * rstd * w + b),
+            );
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (rows, _) = rows_of("layer-norm", x.dims())?;
+        let packed = x.apply_op3_no_bwd(
+            weight,
+            &grad.contiguous()?,
+            &LayerNormGrad { eps: self.eps },
+        )?;
+        let grad_x = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let grad_weight = packed.narrow(0, rows, 1)?.reshape(weight.shape())?;
+        let grad_bias = packed.narrow(0, rows + 1, 1)?.reshape(weight.shape())?;
+        Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
+    }
+}
+
+/// Layer norm's three gradients from `(x, weight, grad)`, packed as one `(rows + 2, n)`
+/// tensor: the input's rows, then the weight's, then the bias's.
+struct LayerNormGrad {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        "layer-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_slice("layer-norm-grad", s1, l1)?;
+        let weight = f32_slice("layer-norm-grad", s2, l2)?;
+        let grad = f32_slice("layer-norm-grad", s3, l3)?;
+        let (rows, width) = rows_of("layer-norm-grad", l1.dims())?;
+        let n = width as f32;
+        let mut out = vec![0f32; (rows + 2) * width];
+        let (grad_x, sums) = out.split_at_mut(rows * width);
+        let (grad_weight, grad_bias) = sums.split_at_mut(width);
+        let mut scaled = vec![0f32; width];
+        for ((row, g), gx) in x
+            .chunks_exact(width)
+            .zip(grad.chunks_exact(width))
+            .zip(grad_x.chunks_exact_mut(width))
+        {
+            let (mean, rstd) = moments(row, self.eps);
+            // With x̂ = (x − mean)·rstd and ĝ = g·weight:
+            // dx = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)).
+            let (mut sum_g, mut sum_gx) = (0f32, 0f32);
+            for ((((&v, &g), &w), s), (gw, gb)) in row
+                .iter()
+                .zip(g)
+                .zip(weight)
+                .zip(scaled.iter_mut())
+                .zip(grad_weight.iter_mut().zip(grad_bias.iter_mut()))
+            {
+                let x_hat = (v - mean) * rstd;
+                *s = g * w;
+                sum_g += *s;
+                sum_gx += *s * x_hat;
+                *gw += g * x_hat;
+                *gb += g;
+            }
+            let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
+            for ((gx, &v), &s) in gx.iter_mut().zip(row).zip(&scaled) {
+                let x_hat = (v - mean) * rstd;
+                *gx = rstd * (s - mean_g - x_hat * mean_gx);
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows + 2, width))))
+    }
+}
+
+/// Softmax over the last dimension of attention scores `(…, T, T)` times `scale`, each query
+/// `i` seeing only keys `j ≤ i` (later keys get weight exactly 0), as adding a mask far below
+/// any score above the diagonal would. Off the fused path that mask is −1e9: finite, so no
+/// `inf·0` can reach a gradient.
+pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
+    let time = scores.dim(D::Minus1)?;
+    if scores.dim(D::Minus2)? != time {
+        return Err(Error::Layout(format!(
+            "causal softmax over non-square scores {:?}",
+            scores.dims()
+        )));
+    }
+    if !fused(scores) {
+        let mask: Vec<f32> = (0..time * time)
+            .map(|k| {
+                if k % time > k / time {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask =
+            Tensor::from_vec(mask, (time, time), scores.device())?.to_dtype(scores.dtype())?;
+        let masked = (scores * scale)?.broadcast_add(&mask)?;
+        return Ok(candle_nn::ops::softmax(&masked, D::Minus1)?);
+    }
+    Ok(scores.contiguous()?.apply_op1(CausalSoftmax {
+        scale: scale as f32,
+    })?)
+}
+
+struct CausalSoftmax {
+    scale: f32,
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "causal-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_slice("causal-softmax", s, l)?;
+        let (_, time) = rows_of("causal-softmax", l.dims())?;
+        let mut out = vec![0f32; x.len()];
+        for (r, (row, y)) in x
+            .chunks_exact(time)
+            .zip(out.chunks_exact_mut(time))
+            .enumerate()
+        {
+            let seen = r % time + 1;
+            let top = row[..seen]
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &v| m.max(v * self.scale));
+            let mut sum = 0f32;
+            for (y, v) in y[..seen].iter_mut().zip(row) {
+                *y = (v * self.scale - top).exp();
+                sum += *y;
+            }
+            y[..seen].iter_mut().for_each(|y| *y /= sum);
+        }
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _scores: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let op = SoftmaxGrad { scale: self.scale };
+        Ok(Some(res.apply_op2_no_bwd(&grad.contiguous()?, &op)?))
+    }
+}
+
+/// Softmax's input gradient from its output `y` and the output's gradient `g`, per row:
+/// `scale · y · (g − Σ g·y)` (zero where `y` is).
+struct SoftmaxGrad {
+    scale: f32,
+}
+
+impl CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "softmax-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (y, g) = (
+            f32_slice("softmax-grad", s1, l1)?,
+            f32_slice("softmax-grad", s2, l2)?,
+        );
+        let (_, width) = rows_of("softmax-grad", l1.dims())?;
+        let mut out = Vec::with_capacity(y.len());
+        for (y, g) in y.chunks_exact(width).zip(g.chunks_exact(width)) {
+            let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
+            out.extend(y.iter().zip(g).map(|(y, g)| self.scale * y * (g - dot)));
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// SiLU, `x · sigmoid(x)`.
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    if !fused(x) {
+        return Ok(x.silu()?);
+    }
+    Ok(x.contiguous()?.apply_op1(Silu)?)
+}
+
+struct Silu;
+
+impl CustomOp1 for Silu {
+    fn name(&self) -> &'static str {
+        "silu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_slice("silu", s, l)?;
+        let out = x.iter().map(|&v| v / (1.0 + (-v).exp())).collect();
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &SiluGrad)?))
+    }
+}
+
+/// SiLU's input gradient: `g · s · (1 + x · (1 − s))` with `s = sigmoid(x)`.
+struct SiluGrad;
+
+impl CustomOp2 for SiluGrad {
+    fn name(&self) -> &'static str {
+        "silu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, g) = (
+            f32_slice("silu-grad", s1, l1)?,
+            f32_slice("silu-grad", s2, l2)?,
+        );
+        let out = x
+            .iter()
+            .zip(g)
+            .map(|(&x, g)| {
+                let s = 1.0 / (1.0 + (-x).exp());
+                g * s * (1.0 + x * (1.0 - s))
+            })
+            .collect();
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// The mean cross-entropy of `logits` `(n, classes)` against class indices `targets` `(n,)`
+/// (u32 or i64), a scalar: Candle's `cross_entropy` in one pass, and its gradient
+/// `(softmax − one-hot) / n` in one more.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if !fused(logits) {
+        return Ok(candle_nn::loss::cross_entropy(logits, targets)?);
+    }
+    let (n, _) = logits.dims2()?;
+    if targets.dims() != [n] {
+        return Err(Error::Layout(format!(
+            "{n} rows of logits against targets {:?}",
+            targets.dims()
+        )));
+    }
+    let targets = targets.to_dtype(DType::U32)?;
+    Ok(logits.contiguous()?.apply_op2(&targets, CrossEntropy)?)
+}
+
+/// Reads class indices as `usize`, refusing any outside `0..classes`.
+fn class_indices(
+    storage: &CpuStorage,
+    layout: &Layout,
+    classes: usize,
+) -> candle_core::Result<Vec<usize>> {
+    let (from, to) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("cross-entropy: targets not contiguous".into()))?;
+    storage.as_slice::<u32>()?[from..to]
+        .iter()
+        .map(|&t| {
+            let t = t as usize;
+            if t < classes {
+                Ok(t)
+            } else {
+                Err(candle_core::Error::Msg(format!(
+                    "cross-entropy: target {t} outside {classes} classes"
+                )))
+            }
+        })
+        .collect()
+}
+
+/// A row's maximum and the log of its exponentials' sum after subtracting it.
+fn log_sum_exp(row: &[f32]) -> (f32, f32) {
+    let top = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    (top, row.iter().map(|v| (v - top).exp()).sum::<f32>().ln())
+}
+
+struct CrossEntropy;
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let logits = f32_slice("cross-entropy", s1, l1)?;
+        let (rows, classes) = rows_of("cross-entropy", l1.dims())?;
+        let targets = class_indices(s2, l2, classes)?;
+        let total: f64 = logits
+            .chunks_exact(classes)
+            .zip(&targets)
+            .map(|(row, &t)| {
+                let (top, lse) = log_sum_exp(row);
+                f64::from(lse + top - row[t])
+            })
+            .sum();
+        let mean = (total / rows.max(1) as f64) as f32;
+        Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = CrossEntropyGrad {
+            scale: grad.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+        };
+        Ok((Some(logits.apply_op2_no_bwd(targets, &op)?), None))
+    }
+}
+
+/// Cross-entropy's gradient for the logits: `scale · (softmax − one-hot) / n`.
+struct CrossEntropyGrad {
+    scale: f32,
+}
+
+impl CustomOp2 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "cross-entropy-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let logits = f32_slice("cross-entropy-grad", s1, l1)?;
+        let (rows, classes) = rows_of("cross-entropy-grad", l1.dims())?;
+        let targets = class_indices(s2, l2, classes)?;
+        let per_row = self.scale / rows.max(1) as f32;
+        let mut out = Vec::with_capacity(logits.len());
+        for (row, &t) in logits.chunks_exact(classes).zip(&targets) {
+            let (top, lse) = log_sum_exp(row);
+            let start = out.len();
+            out.extend(row.iter().map(|v| (v - top - lse).exp() * per_row));
+            out[start + t] -= per_row;
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// The sum of the rows of `x` `(…, n)`: `(n,)` (a bias's gradient).
+pub(crate) fn sum_rows(x: &Tensor) -> Result<Tensor> {
+    Ok(x.contiguous()?.apply_op1_no_bwd(&SumRows)?)
+}
+
+/// Layer norm's gradients `(input, weight, bias)` for the output gradient `grad`.
+pub(crate) fn layer_norm_grad(
+    x: &Tensor,
+    weight: &Tensor,
+    grad: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (rows, _) = rows_of("layer-norm", x.dims())?;
+    let packed = x.contiguous()?.apply_op3_no_bwd(
+        &weight.contiguous()?,
+        &grad.contiguous()?,
+        &LayerNormGrad { eps: eps as f32 },
+    )?;
+    Ok((
+        packed.narrow(0, 0, rows)?.reshape(x.shape())?,
+        packed.narrow(0, rows, 1)?.reshape(weight.shape())?,
+        packed.narrow(0, rows + 1, 1)?.reshape(weight.shape())?,
+    ))
+}
+
+/// The causal softmax's input gradient from its output `weights` and their gradient.
+pub(crate) fn causal_softmax_grad(weights: &Tensor, grad: &Tensor, scale: f64) -> Result<Tensor> {
+    let op = SoftmaxGrad {
+        scale: scale as f32,
+    };
+    Ok(weights
+        .contiguous()?
+        .apply_op2_no_bwd(&grad.contiguous()?, &op)?)
+}
+
+/// SiLU's input gradient at `x` for the output gradient `grad`.
+pub(crate) fn silu_grad(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    Ok(x.contiguous()?
+        .apply_op2_no_bwd(&grad.contiguous()?, &SiluGrad)?)
+}
+
+/// The mean cross-entropy's gradient for `logits`: `(softmax − one-hot) / n`.
+pub(crate) fn cross_entropy_grad(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let targets = targets.to_dtype(DType::U32)?;
+    Ok(logits
+        .contiguous()?
+        .apply_op2_no_bwd(&targets, &CrossEntropyGrad { scale: 1.0 })?)
+}
+
+/// Whether the fused kernels (and the hand-written backward passes built on them) serve
+/// this tensor: f32 on the CPU.
+pub(crate) fn serves(x: &Tensor) -> bool {
+    fused(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::max_diff;
+    use candle_core::{Device, Var};
+
+    /// Seeded values in [-2, 2): wide enough that SiLU and softmax see both tails.
+    fn seeded(shape: &[usize], seed: u64) -> Var {
+        crate::testing::seeded(shape, seed, 2.0)
+    }
+
+    /// A loss that weighs every output value differently, so a gradient that mixes up
+    /// positions shows.
+    fn weighted_sum(t: &Tensor, seed: u64) -> Tensor {
+        let weights = seeded(t.dims(), seed);
+        (t * weights.as_tensor())
+            .and_then(|t| t.sum_all())
+            .expect("loss")
+    }
+
+    /// Runs `fused` and `reference` on the same variables and compares the outputs and every
+    /// variable's gradient.
+    fn same_as(
+        what: &str,
+        vars: &[&Var],
+        fused: impl Fn() -> Tensor,
+        reference: impl Fn() -> Tensor,
+    ) {
+        let (ours, theirs) = (fused(), reference());
+        assert_eq!(ours.dims(), theirs.dims(), "{what}: shape");
+        assert!(max_diff(&ours, &theirs) < 1e-5, "{what}: forward");
+        let g_ours = weighted_sum(&ours, 9).backward().expect("ours backward");
+        let g_theirs = weighted_sum(&theirs, 9)
+            .backward()
+            .expect("reference backward");
+        for (i, v) in vars.iter().enumerate() {
+            let (a, b) = (
+                g_ours.get(v.as_tensor()).expect("our gradient"),
+                g_theirs.get(v.as_tensor()).expect("reference gradient"),
+            );
+            assert!(max_diff(a, b) < 1e-4, "{what}: gradient of input {i}");
+        }
+    }
+
+    #[test]
+    fn linear_matches_candles_linear() {
+        let x = seeded(&[3, 5, 7], 1);
+        let w = seeded(&[4, 7], 2);
+        let b = seeded(&[4], 3);
+        same_as(
+            "linear",
+            &[&x, &w, &b],
+            || linear(x.as_tensor(), w.as_tensor(), Some(b.as_tensor())).expect("ours"),
+            || {
+                use candle_core::Module;
+                candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()))
+                    .forward(x.as_tensor())
+                    .expect("candle")
+            },
+        );
+    }
+
+    #[test]
+    fn layer_norm_matches_the_composition() {
+        let x = seeded(&[2, 3, 16], 4);
+        let w = seeded(&[16], 5);
+        let b = seeded(&[16], 6);
+        same_as(
+            "layer norm",
+            &[&x, &w, &b],
+            || layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).expect("ours"),
+            || {
+                let composed = || -> candle_core::Result<Tensor> {
+                    let x = x.as_tensor();
+                    let centred = x.broadcast_sub(&(x.sum_keepdim(D::Minus1)? / 16.0)?)?;
+                    let var = (centred.sqr()?.sum_keepdim(D::Minus1)? / 16.0)?;
+                    centred
+                        .broadcast_div(&(var + 1e-5)?.sqrt()?)?
+                        .broadcast_mul(w.as_tensor())?
+                        .broadcast_add(b.as_tensor())
+                };
+                composed().expect("composition")
+            },
+        );
+    }
+
+    #[test]
+    fn causal_softmax_matches_a_masked_softmax() {
+        let scores = seeded(&[2, 3, 6, 6], 7);
+        let scale = 0.35;
+        same_as(
+            "causal softmax",
+            &[&scores],
+            || causal_softmax(scores.as_tensor(), scale).expect("ours"),
+            || {
+                let mask: Vec<f32> = (0..36)
+                    .map(|k| if k % 6 > k / 6 { -1e9 } else { 0.0 })
+                    .collect();
+                let mask = Tensor::from_vec(mask, (6, 6), &Device::Cpu).expect("mask");
+                let masked = (scores.as_tensor() * scale)
+                    .and_then(|s| s.broadcast_add(&mask))
+                    .expect("masked");
+                candle_nn::ops::softmax(&masked, D::Minus1).expect("softmax")
+            },
+        );
+    }
+
+    #[test]
+    fn silu_matches_candles() {
+        let x = seeded(&[4, 9], 8);
+        same_as(
+            "silu",
+            &[&x],
+            || silu(x.as_tensor()).expect("ours"),
+            || x.as_tensor().silu().expect("candle"),
+        );
+    }
+
+    #[test]
+    fn cross_entropy_matches_candles() {
+        let logits = seeded(&[6, 5], 10);
+        let targets = Tensor::new(&[0u32, 4, 2, 2, 1, 3], &Device::Cpu).expect("targets");
+        same_as(
+            "cross-entropy",
+            &[&logits],
+            || cross_entropy(logits.as_tensor(), &targets).expect("ours"),
+            || candle_nn::loss::cross_entropy(logits.as_tensor(), &targets).expect("candle"),
+        );
+    }
+
+    #[test]
+    fn cross_entropy_refuses_a_target_outside_the_classes() {
+        let logits = seeded(&[2, 3], 11);
+        let targets = Tensor::new(&[0u32, 3], &Device::Cpu).expect("targets");
+        assert!(cross_entropy(logits.as_tensor(), &targets).is_err());
+    }
+
+    #[test]
+    fn add_bias_refuses_a_bias_of_the_wrong_width() {
+        let x = seeded(&[2, 3], 12);
+        let b = seeded(&[4], 13);
+        assert!(add_bias(x.as_tensor(), b.as_tensor()).is_err());
+    }
+}

@@ -1,0 +1,25 @@
+//! Helpers the unit tests of the numeric modules share.
+
+use candle_core::{Device, Tensor, Var};
+
+/// A variable of `shape` filled with deterministic values spread over `[-amplitude,
+/// amplitude)`, different for each `seed`.
+pub(crate) fn seeded(shape: &[usize], seed: u64, amplitude: f32) -> Var {
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let unit = ((i + 1) * (seed | 1) * 2_654_435_761 % 1000) as f32 / 1000.0;
+            (2.0 * unit - 1.0) * amplitude
+        })
+        .collect();
+    Var::from_vec(values, shape, &Device::Cpu).expect("var")
+}
+
+/// The largest absolute difference between two tensors of one shape.
+pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .and_then(|d| d.abs())
+        .and_then(|d| d.max_all())
+        .and_then(|d| d.to_scalar::<f32>())
+        .expect("diff")
+}

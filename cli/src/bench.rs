@@ -116,6 +116,7 @@ fn daemon_run(p: &Prepared, steps: u64, rt: &tokio::runtime::Runtime) -> Result<
     let opts = Options {
         data_dir: dir.clone(),
         api_token: None,
+        download_progress: Default::default(),
     };
     let summary = rt.block_on(node::run(p, opts, std::future::pending()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -144,19 +145,23 @@ pub fn trainer(args: TrainerArgs) -> Result<std::process::ExitCode> {
     // One unmeasured warm-up of each, so first-touch costs (page faults, pool start) hit neither.
     bare_loop(&p, args.steps.min(200))?;
     daemon_run(&p, args.steps.min(200), &rt)?;
+    let mut progress = crate::progress::Counted::items("bench trainer", args.runs as u64);
     for run in 0..args.runs {
+        progress.set_quietly(run as u64, "bare loop");
         let b = bare_loop(&p, args.steps)?;
+        progress.set_quietly(run as u64, "daemon");
         let (d, de) = daemon_run(&p, args.steps, &rt)?;
-        eprintln!(
+        progress.println(format!(
             "run {}: bare {b:.1} steps/s, daemon {d:.1} steps/s ({:.1}%), {de:.1} with evaluation ({:.1}%)",
             run + 1,
             100.0 * d / b,
             100.0 * de / b
-        );
+        ));
         bare.push(b);
         daemon.push(d);
         daemon_with_eval.push(de);
     }
+    progress.finish(args.runs as u64);
     let paired: Vec<f64> = bare.iter().zip(&daemon).map(|(b, d)| d / b).collect();
     let report = Report {
         benchmark: "trainer-in-daemon-vs-bare-loop",

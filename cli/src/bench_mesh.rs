@@ -339,7 +339,9 @@ pub fn run(args: MeshArgs) -> Result<()> {
     let (base, config_name) = base_text(args.config.as_deref())?;
     let ef = !args.no_error_feedback;
     let mut runs = Vec::new();
-    for codec in &codecs {
+    let mut progress = crate::progress::Counted::items("bench mesh", codecs.len() as u64);
+    for (done, codec) in codecs.iter().enumerate() {
+        progress.set_quietly(done as u64, codec.name());
         let mut sync = vec![
             ("codec", toml::Value::String(codec.name().into())),
             ("error_feedback", toml::Value::Boolean(ef)),
@@ -360,10 +362,10 @@ pub fn run(args: MeshArgs) -> Result<()> {
             let p = write_config(&base, &args.out, &format!("{name}-straggler"), &sync, delay)?;
             node_configs.insert(args.nodes - 1, p);
         }
-        eprintln!(
+        progress.println(format!(
             "bench mesh: {} nodes, codec {name}, {:.0} s",
             args.nodes, args.duration
-        );
+        ));
         let summary = local::run(LocalArgs {
             nodes: args.nodes,
             config: Some(path),
@@ -380,15 +382,16 @@ pub fn run(args: MeshArgs) -> Result<()> {
         let density = matches!(codec, Codec::TopK(_))
             .then(|| args.density.unwrap_or(base_config.sync.density));
         let r = summarise(&name, ef, density, params, &summary);
-        eprintln!(
+        progress.println(format!(
             "  {name}: mean accuracy {:.2}%, {:.0} bytes/update ({:.1}x), {:.1} bytes/sample",
             r.final_accuracy.mean * 100.0,
             r.bytes_per_update.unwrap_or(0.0),
             r.compression_ratio.unwrap_or(0.0),
             r.bytes_per_sample.iter().sum::<f64>() / r.bytes_per_sample.len().max(1) as f64
-        );
+        ));
         runs.push(r);
     }
+    progress.finish(codecs.len() as u64);
     if args.single_baseline {
         if let Some(first) = runs.first() {
             let batch = base_config.train.batch_size as u64;

@@ -261,9 +261,14 @@ pub fn run(args: RaceArgs) -> Result<()> {
         runs: Vec::new(),
         ddp: Vec::new(),
     };
+    let mut progress =
+        crate::progress::Counted::items("bench race", (partitions.len() * runs.len()) as u64);
+    let mut done = 0;
     for partition in &partitions {
         for (mode, codec) in &runs {
             let name = format!("{mode}-{codec}-{partition}");
+            progress.set_quietly(done, &name);
+            done += 1;
             let mut node_configs = BTreeMap::new();
             for k in 0..args.nodes {
                 let settings = [
@@ -293,12 +298,12 @@ pub fn run(args: RaceArgs) -> Result<()> {
                     write_run_config(&base, &args.out, &format!("{name}-{k}"), &settings)?,
                 );
             }
-            eprintln!(
+            progress.println(format!(
                 "bench race: {} nodes, {name}, until {:.0}% or {:.0} s",
                 args.nodes,
                 args.target * 100.0,
                 args.timeout
-            );
+            ));
             let summary = local::run(LocalArgs {
                 nodes: args.nodes,
                 config: node_configs.get(&0).cloned(),
@@ -336,7 +341,7 @@ pub fn run(args: RaceArgs) -> Result<()> {
                 wall_s: summary.wall_secs,
                 accuracy_over_time: curve,
             };
-            eprintln!(
+            progress.println(format!(
                 "  {name}: {} , {:.1} MB sent per node, final mean accuracy {:.2}%",
                 r.time_to_target_s
                     .map_or("target not reached".into(), |t| format!(
@@ -344,7 +349,7 @@ pub fn run(args: RaceArgs) -> Result<()> {
                     )),
                 r.bytes_sent_per_node / 1e6,
                 r.final_accuracy * 100.0
-            );
+            ));
             report.runs.push(r);
         }
         if !args.no_ddp {
@@ -361,10 +366,10 @@ pub fn run(args: RaceArgs) -> Result<()> {
                 ),
                 None => (0.01, 0.0),
             };
-            eprintln!(
+            progress.println(format!(
                 "bench race: PyTorch DDP (gloo), {} processes, {partition}",
                 args.nodes
-            );
+            ));
             let ddp_args = |c: &mut Command| {
                 c.arg("bench/ddp_race.py")
                     .args(["--mnist", &dir.display().to_string()])
@@ -414,10 +419,14 @@ pub fn run(args: RaceArgs) -> Result<()> {
                     .with_context(|| format!("cannot read {}", out.display()))?,
             )?;
             v["links"] = links.clone().into();
-            eprintln!("  DDP {partition}: {} s to target", v["time_to_target_s"]);
+            progress.println(format!(
+                "  DDP {partition}: {} s to target",
+                v["time_to_target_s"]
+            ));
             report.ddp.push(v);
         }
     }
+    progress.finish(done);
     let json = serde_json::to_string_pretty(&report)?;
     let mut lines: Vec<(String, Vec<(f64, f64)>)> = report
         .runs

@@ -245,7 +245,11 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
     let mut codecs = Vec::new();
     let mut torch_version = None;
     let mut threads = 1;
-    for name in args.models.split(',').map(str::trim) {
+    let models: Vec<&str> = args.models.split(',').map(str::trim).collect();
+    let total_runs = (models.len() * optimizers.len() * args.runs) as u64;
+    let mut progress = crate::progress::Counted::items("bench step", total_runs);
+    let mut runs_done = 0;
+    for name in models {
         let base = load(&args.configs, name)?;
         threads = base.config.train.threads;
         crate::set_compute_threads(threads);
@@ -259,6 +263,8 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
             let steps = ((warm * args.seconds) as u64).clamp(20, 1_000_000);
             let (mut ours, mut theirs) = (Vec::new(), Vec::new());
             for run in 0..args.runs {
+                progress.set_quietly(runs_done, &format!("{name} {opt}"));
+                runs_done += 1;
                 let b = bare_loop(&p, steps)?;
                 ours.push(b);
                 if !args.no_torch {
@@ -266,14 +272,14 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
                     theirs.push(t);
                     torch_version = Some(version);
                 }
-                eprintln!(
+                progress.println(format!(
                     "{name} {opt} run {}: p2ptrain {b:.1} steps/s{}",
                     run + 1,
                     theirs
                         .last()
                         .map(|t| format!(", torch {t:.1} steps/s ({:.2}x)", b / t))
                         .unwrap_or_default()
-                );
+                ));
             }
             let batch = p.config.train.batch_size;
             let ours_median = median(&ours);

@@ -490,6 +490,11 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         (None, None) => Some(Duration::from_secs(30)),
     };
     let mut last: BTreeMap<usize, Status> = BTreeMap::new();
+    let lines = if args.json {
+        None
+    } else {
+        crate::progress::NodeLines::new(args.nodes)
+    };
     let mut trace = Vec::new();
     let mut last_print = Instant::now() - Duration::from_secs(10);
     loop {
@@ -510,26 +515,20 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
                 last.insert(i, s);
             }
         }
-        if !args.json && last_print.elapsed() >= Duration::from_secs(2) {
-            for (i, s) in &last {
-                let acc = s
-                    .training
-                    .eval
-                    .map(|e| e.headline())
-                    .unwrap_or_else(|| "-".into());
-                eprintln!(
-                    "node {i}  step {:>7}  loss {:>7}  eval {:>9}  peers {}  updates in {:>5} out {:>5}  {:>8.0} samples/s",
-                    s.training.step,
-                    s.training.loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
-                    acc,
-                    s.peers.count,
-                    s.mesh.updates.applied,
-                    s.mesh.updates.sent,
-                    s.training.samples_per_sec
-                );
+        match &lines {
+            Some(lines) => {
+                for (i, s) in &last {
+                    lines.set(*i, node_line(s));
+                }
             }
-            eprintln!();
-            last_print = Instant::now();
+            None if !args.json && last_print.elapsed() >= Duration::from_secs(2) => {
+                for (i, s) in &last {
+                    eprintln!("node {i}  {}", node_line(s));
+                }
+                eprintln!();
+                last_print = Instant::now();
+            }
+            None => {}
         }
         let all_exited = children
             .0
@@ -557,6 +556,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    drop(lines);
     // Wait for every node to write its final checkpoint and exit.
     let deadline = Instant::now() + Duration::from_secs(60);
     for c in children.0.iter_mut() {
@@ -569,7 +569,13 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
     }
     let wall_secs = started.elapsed().as_secs_f64();
 
-    let prepared = p2ptrain_daemon::node::prepare(Config::load(config.as_deref())?)?;
+    // The final checkpoints are evaluated on the held-out set, which every part shares.
+    let mut eval_config = Config::load(config.as_deref())?;
+    eval_config.apply(&Overrides {
+        shard: shard_for(&eval_config, 0, args.nodes),
+        ..Overrides::default()
+    })?;
+    let prepared = p2ptrain_daemon::node::prepare(eval_config)?;
     let mut per_node = Vec::new();
     let mut finals = Vec::new();
     for (i, dir) in dirs.iter().enumerate() {
@@ -635,6 +641,40 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         trace,
         final_status: last.into_values().collect(),
     })
+}
+
+/// One node's progress in a line: step, loss, evaluation, peers, updates, speed, traffic, and
+/// the state download while one runs.
+fn node_line(s: &Status) -> String {
+    let acc = s
+        .training
+        .eval
+        .map(|e| e.headline())
+        .unwrap_or_else(|| "-".into());
+    let download = s
+        .mesh
+        .state_download_progress
+        .map(|p| {
+            format!(
+                "  downloading state {:.0}%",
+                100.0 * p.bytes_done as f64 / p.bytes_total.max(1) as f64
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        "step {:>7}  loss {:>7}  eval {:>9}  peers {}  updates in {:>5} out {:>5}  {:>8.0} samples/s  sent {:>9}/s{download}",
+        s.training.step,
+        s.training
+            .loss
+            .map(|l| format!("{l:.4}"))
+            .unwrap_or_else(|| "-".into()),
+        acc,
+        s.peers.count,
+        s.mesh.updates.applied,
+        s.mesh.updates.sent,
+        s.training.samples_per_sec,
+        human_bytes(s.network.bytes_sent as f64 / s.node.uptime_s.max(1e-3)),
+    )
 }
 
 /// Trains each node's part of the data alone, here, for as many steps as the node took (at

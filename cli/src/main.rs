@@ -12,6 +12,7 @@ mod client;
 mod local;
 mod output;
 mod plot;
+mod progress;
 mod sample;
 
 use std::net::SocketAddr;
@@ -151,7 +152,8 @@ struct JoinArgs {
     /// validate, apply, full sync, checkpoint and state download.
     #[arg(long, value_name = "FILE")]
     timeline: Option<PathBuf>,
-    /// Stop adding to the timeline once the file reaches this many MiB.
+    /// Start the timeline afresh once the file reaches this many MiB, the full one moved to
+    /// FILE.1 (so at most twice this on disk, the latest spans kept).
     #[arg(long, default_value_t = 64, value_name = "MIB", requires = "timeline",
           value_parser = clap::value_parser!(u64).range(1..=65_536))]
     timeline_max_mib: u64,
@@ -394,17 +396,28 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
     let opts = Options {
         data_dir: args.data_dir,
         api_token: args.api_token.filter(|t| !t.is_empty()),
+        download_progress: Default::default(),
     };
     let rt = runtime()?;
+    if !args.bootstrap.is_empty() {
+        rt.spawn(show_download(opts.download_progress.clone()));
+    }
     let summary = rt.block_on(node::run(prepared, opts, shutdown_signal()));
     if let Some(written) = p2ptrain_daemon::timeline::close() {
         match written {
             Ok(w) => eprintln!(
-                "timeline: {} spans, {} bytes{}",
+                "timeline: {} spans written; the file holds the latest {} bytes{}",
                 w.events,
                 w.bytes,
-                if w.over_limit > 0 {
-                    format!(" ({} left out: the file reached its limit)", w.over_limit)
+                if w.rotations > 0 {
+                    format!(
+                        " (it reached its limit {} times; the one before is {})",
+                        w.rotations,
+                        p2ptrain_daemon::timeline::rotated_path(
+                            args.timeline.as_deref().unwrap_or(std::path::Path::new(""))
+                        )
+                        .display()
+                    )
                 } else {
                     String::new()
                 }
@@ -424,6 +437,34 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
         .unwrap_or_default();
     eprintln!("stopped at step {}{acc}{ck}", summary.stats.step);
     Ok(ExitCode::SUCCESS)
+}
+
+/// Shows a joiner's state download (a bar on a terminal, lines otherwise) from the moment a
+/// state is chosen until it is all here. A node that resumes from its own checkpoint never
+/// starts one, and this waits quietly until the process ends.
+async fn show_download(progress: std::sync::Arc<p2ptrain_daemon::transfer::DownloadProgress>) {
+    let tick = std::time::Duration::from_millis(100);
+    let total = loop {
+        match progress.bytes() {
+            (_, 0) => tokio::time::sleep(tick).await,
+            (_, total) => break total,
+        }
+    };
+    let mut shown = progress::Counted::bytes("state download", total);
+    loop {
+        let (done, total_now) = progress.bytes();
+        if total_now != total {
+            // Another donor's state was chosen: start the bar again.
+            shown.finish(done);
+            return Box::pin(show_download(progress)).await;
+        }
+        if done >= total {
+            shown.finish(done);
+            return;
+        }
+        shown.set(done, "");
+        tokio::time::sleep(tick).await;
+    }
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

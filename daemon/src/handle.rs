@@ -86,6 +86,8 @@ pub struct NodeHandle {
     pub cache: Arc<Mutex<transfer::Cache>>,
     /// The state download this node started with, if any.
     pub download: Mutex<Option<transfer::DownloadReport>>,
+    /// How far the state download under way has come.
+    pub download_progress: Arc<transfer::DownloadProgress>,
     /// The update settings and this node's update topic, for status.
     pub sync: SyncSettings,
     /// libp2p's and gossipsub's Prometheus metrics, served with p2ptrain's own on `/metrics`.
@@ -160,6 +162,7 @@ impl NodeHandle {
                 mesh,
                 &stats,
                 self.download.lock().ok().and_then(|d| d.clone()),
+                self.download_progress.bytes(),
             ),
             state_serving: self.cache.lock().map(|mut c| c.load()).unwrap_or(0),
             sync,

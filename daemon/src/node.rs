@@ -77,6 +77,8 @@ pub struct Options {
     /// Access token for the API (required off loopback); kept out of [`Config`] so that it is
     /// never serialised or hashed.
     pub api_token: Option<String>,
+    /// Where a joiner's state download reports its progress (the CLI draws a bar from it).
+    pub download_progress: Arc<transfer::DownloadProgress>,
 }
 
 /// Reads a private network key file (the format `p2ptrain keygen --psk` writes, which is
@@ -387,6 +389,7 @@ pub async fn run(
         mesh: Arc::new(Mutex::new(MeshStatus::default())),
         cache: Arc::new(Mutex::new(transfer::Cache::default())),
         download: Mutex::new(None),
+        download_progress: opts.download_progress.clone(),
         sync: SyncSettings {
             config: config.sync.clone(),
             topic: crate::mesh::update_topic(&ident.run_id, &local_peer),
@@ -570,8 +573,10 @@ async fn join_mesh(shared: Arc<NodeHandle>, cache: Arc<Mutex<transfer::Cache>>) 
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let limits =
-        transfer::Limits::for_params(shared.model.params, shared.data_dir.join("download"));
+    let limits = transfer::Limits {
+        progress: shared.download_progress.clone(),
+        ..transfer::Limits::for_params(shared.model.params, shared.data_dir.join("download"))
+    };
     // A state that downloads whole but fails its checks (another run, another layout,
     // non-finite values) rules its donor out; the next donor is tried.
     let mut donors = members;

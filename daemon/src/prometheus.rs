@@ -333,7 +333,7 @@ fn own_metrics(s: &Status) -> Registry {
         ],
     );
     b.seconds_counter(
-        "full_sync_duration_seconds",
+        "full_sync_duration",
         "Seconds accepted full syncs took, from asking to averaged (divide by accepted syncs for the mean)",
         f.secs_total,
     );
@@ -458,15 +458,32 @@ fn own_metrics(s: &Status) -> Registry {
             d.secs,
         );
     }
+    if let Some(p) = s.mesh.state_download_progress {
+        b.gauge(
+            "state_download_done",
+            "Bytes of the state under download verified so far",
+            Some(Unit::Bytes),
+            p.bytes_done as f64,
+        );
+        b.gauge(
+            "state_download_total",
+            "Bytes of the state under download",
+            Some(Unit::Bytes),
+            p.bytes_total as f64,
+        );
+    }
+    let progress = match (&s.mesh.state_download_progress, &s.mesh.state_download) {
+        (Some(p), _) => p.bytes_done as f64 / p.bytes_total.max(1) as f64,
+        (None, Some(_)) => 1.0,
+        // A founder holds its state from the start; a joiner before it chose a state has none.
+        (None, None) if matches!(t.phase, crate::trainer::Phase::Starting) => 0.0,
+        (None, None) => 1.0,
+    };
     b.gauge(
-        "state_download_done_ratio",
-        "1 once this node holds the mesh's state (or founded the mesh), 0 while it waits for it",
+        "state_download_progress_ratio",
+        "How much of the mesh's state this node holds: 1 once downloaded (or for a founder)",
         None,
-        if matches!(t.phase, crate::trainer::Phase::Starting) {
-            0.0
-        } else {
-            1.0
-        },
+        progress,
     );
     b.gauge(
         "state_serving",

@@ -284,6 +284,10 @@ pub struct MeshReport {
     /// The state download this node started with, if it joined a running mesh.
     #[serde(default)]
     pub state_download: Option<DownloadReport>,
+    /// The state download under way: bytes done of the chosen state's (absent before one
+    /// starts and once it is done).
+    #[serde(default)]
+    pub state_download_progress: Option<DownloadProgressView>,
     /// Synchronous rounds (sync modes `allreduce`, `diloco`, `fedavg`).
     #[serde(default)]
     pub rounds: Option<crate::mesh_core::rounds::RoundStatus>,
@@ -296,10 +300,17 @@ impl MeshReport {
         mesh: MeshStatus,
         stats: &Stats,
         state_download: Option<DownloadReport>,
+        (bytes_done, bytes_total): (u64, u64),
     ) -> MeshReport {
         let mut updates = mesh.updates;
         updates.applied = stats.updates_applied;
+        let state_download_progress =
+            (state_download.is_none() && bytes_total > 0).then_some(DownloadProgressView {
+                bytes_done,
+                bytes_total,
+            });
         MeshReport {
+            state_download_progress,
             neighbours: mesh.neighbours,
             updates,
             rejected_by_peer: mesh.rejected_by_peer,
@@ -342,6 +353,15 @@ impl Peers {
             list,
         }
     }
+}
+
+/// A state download under way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DownloadProgressView {
+    /// Bytes verified so far.
+    pub bytes_done: u64,
+    /// Bytes of the state.
+    pub bytes_total: u64,
 }
 
 /// The update exchange as status shows it: what a user tunes `[sync]` by.

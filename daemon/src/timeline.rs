@@ -11,9 +11,11 @@
 //!
 //! Recording never blocks the thread that records: events go through a bounded channel to a
 //! writer thread, and are dropped (and counted) when it is full. The file is bounded too: once
-//! it would pass its byte limit the writer stops adding events and closes the JSON, so a long
-//! run cannot fill the disk. The file is valid JSON after a graceful stop; if the process is
-//! killed, the closing bracket is missing, which the trace viewers accept.
+//! it would pass its byte limit the writer closes it, renames it to `FILE.1` (replacing the
+//! previous one) and starts `FILE` afresh, so a long run keeps its latest spans in at most
+//! twice the limit and cannot fill the disk. Each file is valid JSON once closed (at a
+//! rotation or a graceful stop); if the process is killed, the current file lacks its closing
+//! bracket, which the trace viewers accept.
 //!
 //! Not `tracing-chrome`: it has no size bound, and would trace every `tracing` span of the
 //! daemon rather than these.
@@ -108,16 +110,23 @@ pub enum TimelineError {
 /// What the writer wrote, reported when the timeline is closed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Written {
-    /// Events in the file.
+    /// Events written, in all files.
     pub events: u64,
-    /// Events left out because the file reached its bound.
-    pub over_limit: u64,
-    /// The file's size.
+    /// Times the file reached its bound and was moved to `FILE.1`.
+    pub rotations: u64,
+    /// The last file's size.
     pub bytes: u64,
 }
 
-/// Starts writing the timeline to `path`, at most about `max_bytes` (a few hundred bytes over
-/// at most, for the closing of the JSON). Fails if the file cannot be created.
+/// Where a full timeline file is moved: `FILE.1`.
+pub fn rotated_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_os_string();
+    name.push(".1");
+    PathBuf::from(name)
+}
+
+/// Starts writing the timeline to `path`, each file at most `max_bytes` (see the module docs
+/// for the rotation). Fails if the file cannot be created.
 pub fn install(path: &Path, max_bytes: u64) -> Result<(), TimelineError> {
     let file_error = |source| TimelineError::File {
         path: path.display().to_string(),
@@ -128,13 +137,11 @@ pub fn install(path: &Path, max_bytes: u64) -> Result<(), TimelineError> {
             r.path.display().to_string(),
         ));
     }
-    let mut out = BufWriter::new(File::create(path).map_err(file_error)?);
-    let header = header();
-    out.write_all(header.as_bytes()).map_err(file_error)?;
+    let out = TraceFile::create(path).map_err(file_error)?;
     let (tx, rx) = sync_channel(QUEUE_CAP);
     let writer = std::thread::Builder::new()
         .name("timeline".into())
-        .spawn(move || write_events(out, rx, header.len() as u64, max_bytes))
+        .spawn(move || write_events(out, rx, max_bytes))
         .map_err(file_error)?;
     RECORDER
         .set(Recorder {
@@ -278,33 +285,68 @@ fn line(pid: u32, e: &Event) -> String {
     )
 }
 
-/// The writer thread: appends events until the marker (or every sender is gone), stops
-/// adding once the file would pass `max_bytes`, then closes the array.
+/// The end of the JSON array.
+const END: &str = "\n]\n";
+
+/// The file being written: its path, a buffered writer and the bytes in it so far.
+struct TraceFile {
+    path: PathBuf,
+    out: BufWriter<File>,
+    bytes: u64,
+}
+
+impl TraceFile {
+    /// Creates `path` (truncating it) and writes the header.
+    fn create(path: &Path) -> std::io::Result<TraceFile> {
+        let mut out = BufWriter::new(File::create(path)?);
+        let header = header();
+        out.write_all(header.as_bytes())?;
+        Ok(TraceFile {
+            path: path.to_path_buf(),
+            out,
+            bytes: header.len() as u64,
+        })
+    }
+
+    /// Ends the JSON and flushes; the file's final size.
+    fn close(&mut self) -> std::io::Result<u64> {
+        self.out.write_all(END.as_bytes())?;
+        self.out.flush()?;
+        Ok(self.bytes + END.len() as u64)
+    }
+
+    /// Closes this file, moves it to `FILE.1` and starts a fresh `FILE`.
+    fn rotate(&mut self) -> std::io::Result<()> {
+        self.close()?;
+        std::fs::rename(&self.path, rotated_path(&self.path))?;
+        *self = TraceFile::create(&self.path)?;
+        Ok(())
+    }
+}
+
+/// The writer thread: appends events until the marker (or every sender is gone), rotating
+/// the file before an event would take it past `max_bytes`, then closes the array.
 fn write_events(
-    mut out: BufWriter<File>,
+    mut out: TraceFile,
     rx: Receiver<Event>,
-    mut bytes: u64,
     max_bytes: u64,
 ) -> std::io::Result<Written> {
     let pid = std::process::id();
     let mut written = Written::default();
-    const END: &str = "\n]\n";
     while let Ok(e) = rx.recv() {
         if e.name == CLOSE {
             break;
         }
         let l = line(pid, &e);
-        if bytes + (l.len() + END.len()) as u64 > max_bytes {
-            written.over_limit += 1;
-            continue;
+        if out.bytes + (l.len() + END.len()) as u64 > max_bytes {
+            out.rotate()?;
+            written.rotations += 1;
         }
-        out.write_all(l.as_bytes())?;
-        bytes += l.len() as u64;
+        out.out.write_all(l.as_bytes())?;
+        out.bytes += l.len() as u64;
         written.events += 1;
     }
-    out.write_all(END.as_bytes())?;
-    out.flush()?;
-    written.bytes = bytes + END.len() as u64;
+    written.bytes = out.close()?;
     Ok(written)
 }
 
@@ -312,17 +354,22 @@ fn write_events(
 mod tests {
     use super::*;
 
+    /// The spans of a trace file, which must be valid JSON within `max` bytes.
+    fn spans(path: &Path, max: u64) -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(path).expect("read");
+        assert!(text.len() as u64 <= max, "{} bytes", text.len());
+        let events: Vec<serde_json::Value> = serde_json::from_str(&text).expect("valid json");
+        events.into_iter().filter(|e| e["ph"] == "X").collect()
+    }
+
     #[test]
-    fn the_writer_keeps_the_file_valid_json_and_within_its_bound() {
+    fn the_writer_rotates_valid_json_files_within_their_bound() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("t.json");
-        let out = BufWriter::new(File::create(&path).expect("file"));
-        let mut out = out;
-        let h = header();
-        out.write_all(h.as_bytes()).expect("header");
+        let out = TraceFile::create(&path).expect("file");
         let (tx, rx) = sync_channel(16);
         let max = 2_000;
-        let writer = std::thread::spawn(move || write_events(out, rx, h.len() as u64, max));
+        let writer = std::thread::spawn(move || write_events(out, rx, max));
         for i in 0..100u64 {
             let e = Event {
                 lane: Lane::Mesh,
@@ -335,15 +382,19 @@ mod tests {
         }
         drop(tx);
         let written = writer.join().expect("join").expect("write");
-        let text = std::fs::read_to_string(&path).expect("read");
-        assert!(text.len() as u64 <= max, "{} bytes", text.len());
-        assert_eq!(written.bytes, text.len() as u64);
-        assert!(written.over_limit > 0 && written.events > 0, "{written:?}");
-        let events: Vec<serde_json::Value> = serde_json::from_str(&text).expect("valid json");
-        let spans: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
-        assert_eq!(spans.len() as u64, written.events);
-        assert_eq!(spans[0]["name"], "encode");
-        assert_eq!(spans[0]["args"]["step"], 0);
-        assert_eq!(spans[0]["tid"], Lane::Mesh.id());
+        assert_eq!(written.events, 100);
+        assert!(written.rotations > 0, "{written:?}");
+        let (older, newer) = (spans(&rotated_path(&path), max), spans(&path, max));
+        assert_eq!(std::fs::metadata(&path).expect("file").len(), written.bytes);
+        // The newest spans are kept, in order, with nothing lost at the rotation.
+        let last = newer.last().expect("spans");
+        assert_eq!(last["args"]["step"], 99);
+        let first_newer = newer[0]["args"]["step"].as_u64().expect("step");
+        let last_older = older.last().expect("spans")["args"]["step"]
+            .as_u64()
+            .expect("step");
+        assert_eq!(last_older + 1, first_newer);
+        assert_eq!(newer[0]["name"], "encode");
+        assert_eq!(newer[0]["tid"], Lane::Mesh.id());
     }
 }

@@ -9,6 +9,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -200,6 +201,37 @@ pub struct Limits {
     /// Where verified chunks are kept (one folder per state), so a joiner killed mid-download
     /// fetches only what it lacks when it starts again.
     pub dir: PathBuf,
+    /// Where the download reports how far it has come.
+    pub progress: Arc<DownloadProgress>,
+}
+
+/// How far the state download under way has come, in bytes of the chosen state: read by
+/// status, `/metrics` and the CLI's progress bar while the download runs. Chunks reused from
+/// an interrupted download count as done.
+#[derive(Debug, Default)]
+pub struct DownloadProgress {
+    done: AtomicU64,
+    total: AtomicU64,
+}
+
+impl DownloadProgress {
+    /// `(bytes done, bytes in all)`; `(0, 0)` before a state was chosen.
+    pub fn bytes(&self) -> (u64, u64) {
+        (
+            self.done.load(Ordering::Relaxed),
+            self.total.load(Ordering::Relaxed),
+        )
+    }
+
+    /// A new state of `total` bytes was chosen, `done` of them already at hand.
+    fn start(&self, done: u64, total: u64) {
+        self.total.store(total, Ordering::Relaxed);
+        self.done.store(done, Ordering::Relaxed);
+    }
+
+    fn add(&self, bytes: u64) {
+        self.done.fetch_add(bytes, Ordering::Relaxed);
+    }
 }
 
 impl Limits {
@@ -212,6 +244,7 @@ impl Limits {
                 .saturating_mul(4 * 3)
                 .saturating_add(CHECKPOINT_OVERHEAD),
             dir,
+            progress: Arc::default(),
         }
     }
 }
@@ -309,6 +342,7 @@ pub async fn download(
             &mut sources,
             &mut failed_sources,
             &limits.dir,
+            &limits.progress,
         )
         .await
         {
@@ -422,6 +456,7 @@ async fn fetch(
     sources: &mut Vec<PeerId>,
     failed_sources: &mut usize,
     root: &Path,
+    progress: &DownloadProgress,
 ) -> Result<(Vec<u8>, Vec<PeerId>, usize), String> {
     let n = manifest.chunk_hashes.len();
     let dir = root.join(hex::encode(&manifest.hash));
@@ -450,6 +485,11 @@ async fn fetch(
             }
         }
     }
+    let at_hand = (0..n)
+        .filter(|&i| done[i])
+        .map(|i| chunk_len(manifest, i) as u64)
+        .sum();
+    progress.start(at_hand, manifest.total);
     let mut todo: VecDeque<u32> = (0..n as u32).filter(|i| !done[*i as usize]).collect();
     let mut used = HashSet::new();
     let mut in_flight = futures::stream::FuturesUnordered::new();
@@ -503,6 +543,7 @@ async fn fetch(
                 write_atomic(&chunk_path(&dir, i), &bytes).await?;
                 used.insert(peer);
                 done[i] = true;
+                progress.add(bytes.len() as u64);
                 continue;
             }
             Ok(BulkResponse::StateChunk(_)) => "chunk failed verification".to_string(),

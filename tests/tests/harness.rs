@@ -260,12 +260,18 @@ impl Node {
     /// answer within 5 s: cheap enough to poll a whole mesh every second without adding a
     /// CLI process per poll to the load under test. Only for nodes in the test's namespace.
     pub fn status_http(&self) -> Option<Value> {
+        serde_json::from_str(&self.http_get("/v1/status")?).ok()
+    }
+
+    /// The body of `GET path` on the node's API if it answers 200 within 5 s. Only for nodes
+    /// in the test's namespace.
+    pub fn http_get(&self, path: &str) -> Option<String> {
         use std::io::{Read, Write};
         let api = self.api.as_deref()?;
         let addr: std::net::SocketAddr = api.parse().ok()?;
         let mut conn = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
         conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        conn.write_all(format!("GET /v1/status HTTP/1.0\r\nHost: {api}\r\n\r\n").as_bytes())
+        conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {api}\r\n\r\n").as_bytes())
             .ok()?;
         let mut reply = String::new();
         conn.read_to_string(&mut reply).ok()?;
@@ -273,7 +279,7 @@ impl Node {
         if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
             return None;
         }
-        serde_json::from_str(body).ok()
+        Some(body.to_string())
     }
 
     /// Waits until status satisfies `pred`.

@@ -9,6 +9,7 @@ mod mesh;
 mod modes;
 mod nat;
 mod netlab;
+mod observe;
 mod partition;
 mod private;
 mod rogue;

@@ -151,9 +151,20 @@ fn gossipsub(key: &Keypair, registry: &mut Registry) -> Result<gossipsub::Behavi
         gossip_cfg,
     )
     .map_err(|e| e.to_string())?
-    .with_metrics(registry, gossipsub::MetricsConfig::default());
+    .with_metrics(registry, gossip_metrics_config());
     gossipsub.with_peer_score(scoring::peer_params(), scoring::thresholds())?;
     Ok(gossipsub)
+}
+
+/// Gossipsub's metrics settings: its score histograms with buckets from 0 up only. OpenMetrics
+/// forbids a histogram with negative buckets to carry a `_sum` (prometheus-client always writes
+/// one, and a strict parser refuses the whole exposition), so negative scores all fall in the
+/// first bucket; each peer's own score is in `p2ptrain_peer_score`.
+fn gossip_metrics_config() -> gossipsub::MetricsConfig {
+    gossipsub::MetricsConfig {
+        score_buckets: vec![0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0],
+        ..gossipsub::MetricsConfig::default()
+    }
 }
 
 /// Every protocol of a node, configured from `cfg`.

@@ -203,7 +203,7 @@ pub struct NodeSummary {
 /// adds.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Alone {
-    /// Steps it trained (the mesh node's, up to [`ALONE_MAX_STEPS`]).
+    /// Steps it trained (the most any node with this part took, up to [`ALONE_MAX_STEPS`]).
     pub steps: u64,
     /// Held-out accuracy after them.
     pub accuracy: f64,
@@ -677,13 +677,16 @@ fn node_line(s: &Status) -> String {
     )
 }
 
-/// Trains each node's part of the data alone, here, for as many steps as the node took (at
-/// most [`ALONE_MAX_STEPS`]), from the run's initial weights, and evaluates it on the same
-/// held-out set: the control that shows what the mesh added. Nodes with the same part share
-/// one control.
+/// Trains each node's part of the data alone, here, from the run's initial weights, and
+/// evaluates it on the same held-out set: the control that shows what the mesh added. Nodes
+/// with the same part (the same config and shard) share one control, trained for as many steps
+/// as the furthest of them took (at most [`ALONE_MAX_STEPS`]), so the control never trained
+/// less than a node it is set beside.
 fn compare_alone(args: &LocalArgs, summary: &mut LocalSummary) -> Result<()> {
-    let mut done: BTreeMap<(Option<String>, PathBuf), Alone> = BTreeMap::new();
-    for node in &mut summary.per_node {
+    type Part = (Option<String>, PathBuf);
+    let mut parts: BTreeMap<Part, (Config, u64)> = BTreeMap::new();
+    let mut part_of = Vec::new();
+    for node in &summary.per_node {
         let i = node.index;
         let path = args
             .node_configs
@@ -691,17 +694,17 @@ fn compare_alone(args: &LocalArgs, summary: &mut LocalSummary) -> Result<()> {
             .or(args.config.as_ref())
             .cloned()
             .ok_or_else(|| anyhow!("no config for node {i}"))?;
-        let mut config = Config::load(Some(&path))?;
-        let shard = shard_for(&config, i, args.nodes);
+        let config = Config::load(Some(&path))?;
+        let part = (shard_for(&config, i, args.nodes), path);
         let steps = node.step.clamp(1, ALONE_MAX_STEPS);
-        if let Some(a) = done.get(&(shard.clone(), path.clone())) {
-            if a.steps == steps {
-                node.alone = Some(*a);
-                continue;
-            }
-        }
+        let entry = parts.entry(part.clone()).or_insert((config, steps));
+        entry.1 = entry.1.max(steps);
+        part_of.push(part);
+    }
+    let mut controls: BTreeMap<Part, Alone> = BTreeMap::new();
+    for (part, (mut config, steps)) in parts {
         config.apply(&Overrides {
-            shard: shard.clone(),
+            shard: part.0.clone(),
             ..Overrides::default()
         })?;
         crate::set_compute_threads(config.train.threads);
@@ -713,13 +716,17 @@ fn compare_alone(args: &LocalArgs, summary: &mut LocalSummary) -> Result<()> {
         )?;
         crate::bench::train_steps(&prepared, &model, steps)?;
         let e = p2ptrain_models::train::evaluate(&model, prepared.data.test(), &prepared.device)?;
-        let alone = Alone {
-            steps,
-            accuracy: e.accuracy,
-            bits_per_byte: e.bits_per_byte,
-        };
-        done.insert((shard, path), alone);
-        node.alone = Some(alone);
+        controls.insert(
+            part,
+            Alone {
+                steps,
+                accuracy: e.accuracy,
+                bits_per_byte: e.bits_per_byte,
+            },
+        );
+    }
+    for (node, part) in summary.per_node.iter_mut().zip(&part_of) {
+        node.alone = controls.get(part).copied();
     }
     let accs: Vec<f64> = summary
         .per_node

@@ -169,8 +169,12 @@ impl MeshActor {
     async fn drive(&mut self, input: Input) {
         let mut inputs = VecDeque::from([input]);
         while let Some(input) = inputs.pop_front() {
-            let _span = span_of(&input).map(|name| timeline::span(Lane::Mesh, name));
-            for out in self.core.handle(input, Instant::now()) {
+            // The span covers the core's decision only; carrying it out (a publish) has its own.
+            let outputs = {
+                let _span = span_of(&input).map(|name| timeline::span(Lane::Mesh, name));
+                self.core.handle(input, Instant::now())
+            };
+            for out in outputs {
                 if let Some(next) = self.carry_out(out).await {
                     inputs.push_back(next);
                 }

@@ -84,12 +84,15 @@ fn metrics_parse_and_move_and_the_timeline_stays_valid_and_bounded() {
         ],
         "\n[sync]\nfull_sync_every = 100\ncodec = \"onebit\"\n",
     );
-    let timeline = tmp.path().join("a-timeline.json");
-    let mut a = start(
+    // The joiner writes the timeline: it downloads the state, then trains.
+    let timeline = tmp.path().join("b-timeline.json");
+    let a = start(tmp.path(), "a", &cfg, None, &[]);
+    let addr = listen_addr(&a);
+    let mut b = start(
         tmp.path(),
-        "a",
+        "b",
         &cfg,
-        None,
+        Some(&addr),
         &[
             "--timeline",
             timeline.to_str().expect("utf8"),
@@ -97,8 +100,6 @@ fn metrics_parse_and_move_and_the_timeline_stays_valid_and_bounded() {
             "1",
         ],
     );
-    let addr = listen_addr(&a);
-    let b = start(tmp.path(), "b", &cfg, Some(&addr), &[]);
     a.wait_status(
         "a peer, applied updates and a full sync",
         Duration::from_secs(60),
@@ -186,9 +187,9 @@ fn metrics_parse_and_move_and_the_timeline_stays_valid_and_bounded() {
         || rotated.exists().then_some(()),
     );
     std::thread::sleep(Duration::from_secs(1));
-    let (st, _, err) = a.cli(&["stop"], Duration::from_secs(20));
+    let (st, _, err) = b.cli(&["stop"], Duration::from_secs(20));
     assert!(st.success(), "stop: {err}");
-    a.wait_exit(Duration::from_secs(60));
+    b.wait_exit(Duration::from_secs(60));
     let mut names: BTreeMap<String, usize> = BTreeMap::new();
     for file in [&rotated, &timeline] {
         let text = std::fs::read_to_string(file).expect("timeline written");
@@ -221,10 +222,11 @@ fn metrics_parse_and_move_and_the_timeline_stays_valid_and_bounded() {
         "apply",
         "full_sync",
         "checkpoint",
+        "state_download",
     ] {
         assert!(names.contains_key(span), "no {span} span in {names:?}");
     }
-    let log = a.log_text();
+    let log = b.log_text();
     assert!(
         log.contains("it reached its limit"),
         "the log must say the timeline rotated:\n{log}"

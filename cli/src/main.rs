@@ -444,25 +444,28 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
 /// starts one, and this waits quietly until the process ends.
 async fn show_download(progress: std::sync::Arc<p2ptrain_daemon::transfer::DownloadProgress>) {
     let tick = std::time::Duration::from_millis(100);
-    let total = loop {
-        match progress.bytes() {
-            (_, 0) => tokio::time::sleep(tick).await,
-            (_, total) => break total,
-        }
-    };
-    let mut shown = progress::Counted::bytes("state download", total);
+    let mut shown: Option<(u64, progress::Counted)> = None;
     loop {
-        let (done, total_now) = progress.bytes();
-        if total_now != total {
-            // Another donor's state was chosen: start the bar again.
-            shown.finish(done);
-            return Box::pin(show_download(progress)).await;
+        let (done, total) = progress.bytes();
+        match shown.as_mut() {
+            // No state chosen yet.
+            None if total == 0 => {}
+            None => shown = Some((total, progress::Counted::bytes("state download", total))),
+            // Another donor's state was chosen: the bar starts again.
+            Some((of, _)) if *of != total => {
+                if let Some((_, bar)) = shown.take() {
+                    bar.finish(done);
+                }
+                continue;
+            }
+            Some(_) if done >= total => {
+                if let Some((_, bar)) = shown.take() {
+                    bar.finish(done);
+                }
+                return;
+            }
+            Some((_, bar)) => bar.set(done, ""),
         }
-        if done >= total {
-            shown.finish(done);
-            return;
-        }
-        shown.set(done, "");
         tokio::time::sleep(tick).await;
     }
 }

@@ -13,7 +13,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::info::Info;
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::{Metric, Registry, Unit};
 
 use crate::status::Status;
 
@@ -34,28 +34,30 @@ struct Builder {
 }
 
 impl Builder {
+    /// Registers `metric` under `name`, with `unit` appended to the name when given.
+    fn add(&mut self, name: &str, help: &str, unit: Option<Unit>, metric: impl Metric) {
+        match unit {
+            Some(u) => self.reg.register_with_unit(name, help, u, metric),
+            None => self.reg.register(name, help, metric),
+        }
+    }
+
     fn gauge(&mut self, name: &str, help: &str, unit: Option<Unit>, value: f64) {
         let g = FloatGauge::default();
         g.set(value);
-        match unit {
-            Some(u) => self.reg.register_with_unit(name, help, u, g),
-            None => self.reg.register(name, help, g),
-        }
+        self.add(name, help, unit, g);
     }
 
     fn counter(&mut self, name: &str, help: &str, unit: Option<Unit>, value: u64) {
         let c = Counter::<u64>::default();
         c.inc_by(value);
-        match unit {
-            Some(u) => self.reg.register_with_unit(name, help, u, c),
-            None => self.reg.register(name, help, c),
-        }
+        self.add(name, help, unit, c);
     }
 
     fn seconds_counter(&mut self, name: &str, help: &str, value: f64) {
         let c = FloatCounter::default();
         c.inc_by(value.max(0.0));
-        self.reg.register_with_unit(name, help, Unit::Seconds, c);
+        self.add(name, help, Some(Unit::Seconds), c);
     }
 
     /// A labelled counter family, one series per `(labels, value)`.
@@ -70,10 +72,7 @@ impl Builder {
         for (labels, v) in series {
             family.get_or_create(&labels).inc_by(v);
         }
-        match unit {
-            Some(u) => self.reg.register_with_unit(name, help, u, family),
-            None => self.reg.register(name, help, family),
-        }
+        self.add(name, help, unit, family);
     }
 
     /// A labelled gauge family, one series per `(labels, value)`.
@@ -88,10 +87,7 @@ impl Builder {
         for (labels, v) in series {
             family.get_or_create(&labels).set(v);
         }
-        match unit {
-            Some(u) => self.reg.register_with_unit(name, help, u, family),
-            None => self.reg.register(name, help, family),
-        }
+        self.add(name, help, unit, family);
     }
 }
 

@@ -14,8 +14,9 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Sh
 
 use crate::{Error, Result};
 
-/// Whether the fused kernels serve this tensor: f32 on the CPU.
-fn fused(x: &Tensor) -> bool {
+/// Whether the fused kernels (and the hand-written backward passes built on them) serve this
+/// tensor: f32 on the CPU; elsewhere the Candle composition runs.
+pub(crate) fn serves(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
 }
 
@@ -60,7 +61,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 
 /// `x + bias` with `bias` `(n,)` added to every row of `x` `(…, n)`.
 pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    if !fused(x) {
+    if !serves(x) {
         return Ok(x.broadcast_add(bias)?);
     }
     Ok(x.contiguous()?.apply_op2(&bias.contiguous()?, AddBias)?)
@@ -135,7 +136,7 @@ impl CustomOp1 for SumRows {
 /// Layer norm over the last dimension: `(x − mean) / sqrt(var + eps) · weight + bias`, the
 /// variance the biased one (as in PyTorch's `LayerNorm`).
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    if !fused(x) {
+    if !serves(x) {
         let width = x.dim(D::Minus1)? as f64;
         let centred = x.broadcast_sub(&(x.sum_keepdim(D::Minus1)? / width)?)?;
         let var = (centred.sqr()?.sum_keepdim(D::Minus1)? / width)?;
@@ -209,15 +210,9 @@ impl CustomOp3 for LayerNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (rows, _) = rows_of("layer-norm", x.dims())?;
-        let packed = x.apply_op3_no_bwd(
-            weight,
-            &grad.contiguous()?,
-            &LayerNormGrad { eps: self.eps },
-        )?;
-        let grad_x = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let grad_weight = packed.narrow(0, rows, 1)?.reshape(weight.shape())?;
-        let grad_bias = packed.narrow(0, rows + 1, 1)?.reshape(weight.shape())?;
+        let (grad_x, grad_weight, grad_bias) =
+            layer_norm_grad(x, weight, grad, f64::from(self.eps))
+                .map_err(candle_core::Error::wrap)?;
         Ok((Some(grad_x), Some(grad_weight), Some(grad_bias)))
     }
 }
@@ -296,7 +291,7 @@ pub fn causal_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
             scores.dims()
         )));
     }
-    if !fused(scores) {
+    if !serves(scores) {
         let mask: Vec<f32> = (0..time * time)
             .map(|k| {
                 if k % time > k / time {
@@ -393,7 +388,7 @@ impl CustomOp2 for SoftmaxGrad {
 
 /// SiLU, `x · sigmoid(x)`.
 pub fn silu(x: &Tensor) -> Result<Tensor> {
-    if !fused(x) {
+    if !serves(x) {
         return Ok(x.silu()?);
     }
     Ok(x.contiguous()?.apply_op1(Silu)?)
@@ -452,7 +447,7 @@ impl CustomOp2 for SiluGrad {
 /// (u32 or i64), a scalar: Candle's `cross_entropy` in one pass, and its gradient
 /// `(softmax − one-hot) / n` in one more.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    if !fused(logits) {
+    if !serves(logits) {
         return Ok(candle_nn::loss::cross_entropy(logits, targets)?);
     }
     let (n, _) = logits.dims2()?;
@@ -618,12 +613,6 @@ pub(crate) fn cross_entropy_grad(logits: &Tensor, targets: &Tensor) -> Result<Te
     Ok(logits
         .contiguous()?
         .apply_op2_no_bwd(&targets, &CrossEntropyGrad { scale: 1.0 })?)
-}
-
-/// Whether the fused kernels (and the hand-written backward passes built on them) serve
-/// this tensor: f32 on the CPU.
-pub(crate) fn serves(x: &Tensor) -> bool {
-    fused(x)
 }
 
 #[cfg(test)]

@@ -182,6 +182,9 @@ pub struct NodeSummary {
     pub bytes_received: u64,
     /// Updates sent, received, applied, rejected.
     pub updates: p2ptrain_daemon::mesh::UpdateCounters,
+    /// Why it last rejected an update, if it did ("author: why").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_rejection: Option<String>,
     /// Samples per second (recent).
     pub samples_per_sec: f64,
     /// The state download it joined with (not the founder).
@@ -601,6 +604,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
             bytes_sent: s.network.bytes_sent,
             bytes_received: s.network.bytes_received,
             updates: s.mesh.updates.clone(),
+            last_rejection: s.mesh.last_rejection.clone(),
             samples_per_sec: s.training.samples_per_sec,
             state_download_secs: s.mesh.state_download.as_ref().map(|d| d.secs),
             peer_drops: s.network.peer_drops,
@@ -791,6 +795,9 @@ pub fn print_summary(s: &LocalSummary) {
         );
         for b in &n.banned {
             println!("     banned {}: {}", b.peer_id, b.reason);
+        }
+        if let Some(why) = &n.last_rejection {
+            println!("     last rejected {why}");
         }
     }
     if let (Some(alone), None) = (s.mean_alone_accuracy, s.mean_bits_per_byte) {

@@ -269,6 +269,9 @@ pub struct MeshReport {
     /// Rejected updates by author.
     #[serde(default)]
     pub rejected_by_peer: BTreeMap<String, u64>,
+    /// The latest rejection, "author: why".
+    #[serde(default)]
+    pub last_rejection: Option<String>,
     /// The latest neighbour sync.
     #[serde(default)]
     pub last_sync: Option<SyncInfo>,
@@ -314,6 +317,7 @@ impl MeshReport {
             neighbours: mesh.neighbours,
             updates,
             rejected_by_peer: mesh.rejected_by_peer,
+            last_rejection: mesh.last_rejection,
             last_sync: mesh.last_sync,
             consensus_distance: mesh.consensus_distance,
             full_syncs: mesh.full_syncs,

@@ -92,6 +92,17 @@ pub fn cli_in(
     args: &[&str],
     timeout: Duration,
 ) -> (ExitStatus, String, String) {
+    cli_with(netns, args, timeout, |_| ())
+}
+
+/// [`cli_in`] with `during(pid)` called once the command has started; what it returns is
+/// held until the command ends (a [`Throttle`] on one of its children, say).
+pub fn cli_with<G>(
+    netns: Option<&str>,
+    args: &[&str],
+    timeout: Duration,
+    during: impl FnOnce(u32) -> G,
+) -> (ExitStatus, String, String) {
     let dir = tempfile::tempdir().expect("tmp");
     let (out, err) = (dir.path().join("out"), dir.path().join("err"));
     let mut child = command_in(netns)
@@ -101,16 +112,89 @@ pub fn cli_in(
         .stderr(std::fs::File::create(&err).expect("err"))
         .spawn()
         .expect("spawn p2ptrain");
+    let guard = during(child.id());
     let status = wait_with_timeout(&mut child, timeout).unwrap_or_else(|| {
         let _ = child.kill();
         let _ = child.wait();
         panic!("p2ptrain {args:?} did not finish within {timeout:?}");
     });
+    drop(guard);
     (
         status,
         String::from_utf8_lossy(&std::fs::read(out).unwrap_or_default()).into_owned(),
         String::from_utf8_lossy(&std::fs::read(err).unwrap_or_default()).into_owned(),
     )
+}
+
+/// The pid of a child process of `parent` with `needle` among its arguments, once one runs.
+pub fn child_with_arg(parent: u32, needle: &str) -> Option<u32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            // /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces: split after ')'.
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            let ppid: u32 = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let has = cmdline
+                .split(|b| *b == 0)
+                .any(|arg| String::from_utf8_lossy(arg).contains(needle));
+            (ppid == parent && has).then_some(pid)
+        })
+}
+
+/// A process slowed as on an overloaded box: SIGSTOP for `stopped` of every `period`, then
+/// SIGCONT, from a thread, until dropped (which leaves it running). Its connections stay up;
+/// it just gets a fraction of the CPU.
+pub struct Throttle {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Throttle {
+    /// Starts throttling `pid`.
+    pub fn start(pid: u32, stopped: Duration, period: Duration) -> Throttle {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let done = std::sync::Arc::new(AtomicBool::new(false));
+        let flag = done.clone();
+        let signal = move |sig: &str| {
+            Command::new("kill")
+                .args([sig, &pid.to_string()])
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        let thread = std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                if !signal("-STOP") {
+                    return; // the process is gone
+                }
+                std::thread::sleep(stopped);
+                signal("-CONT");
+                std::thread::sleep(period.saturating_sub(stopped));
+            }
+        });
+        Throttle {
+            done,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Throttle {
+    fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 fn wait_with_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {

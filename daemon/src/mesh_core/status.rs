@@ -114,6 +114,9 @@ pub struct MeshStatus {
     pub updates: UpdateCounters,
     /// Rejected updates by author.
     pub rejected_by_peer: BTreeMap<String, u64>,
+    /// The latest rejection, "author: why", so an operator (or a failing test) sees the
+    /// reason without the node's log.
+    pub last_rejection: Option<String>,
     /// The latest neighbour sync.
     pub last_sync: Option<SyncInfo>,
     /// Relative L2 distance to the last synced neighbour, measured before averaging.

@@ -125,6 +125,7 @@ impl MeshCore {
         self.status.updates.received += 1;
         self.status.updates.rejected += 1;
         count_for(&mut self.status.rejected_by_peer, &author);
+        self.status.last_rejection = Some(format!("{author}: {why}"));
     }
 
     /// Checks an encoded update and, if it passes, weighs it and queues it for the trainer.

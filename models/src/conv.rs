@@ -48,6 +48,34 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: &Tensor, padding: usize) -> Res
         .contiguous()?)
 }
 
+/// `x`'s patches as rows, `(batch·out_h·out_w, channels·k·k)` (see [`Im2Col`]), with no
+/// gradient tracking: for a backward pass written by hand.
+pub(crate) fn im2col(x: &Tensor, k: usize, padding: usize) -> Result<Tensor> {
+    Ok(x.contiguous()?.apply_op1_no_bwd(&Im2Col { k, padding })?)
+}
+
+/// The gradient of [`im2col`]'s input `(batch, channels, height, width)` = `input_dims` from
+/// its output's gradient.
+pub(crate) fn col2im(
+    grad: &Tensor,
+    k: usize,
+    padding: usize,
+    input_dims: &[usize],
+) -> Result<Tensor> {
+    let col2im = Col2Im {
+        im2col: Im2Col { k, padding },
+        input_dims: input_dims.to_vec(),
+    };
+    Ok(grad.contiguous()?.apply_op1_no_bwd(&col2im)?)
+}
+
+/// The gradient of [`max_pool2x2`]'s input from its output's gradient.
+pub(crate) fn max_pool2x2_grad(input: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    Ok(input
+        .contiguous()?
+        .apply_op2_no_bwd(&grad.contiguous()?, &MaxPool2x2Grad)?)
+}
+
 /// `(batch, channels, height, width)` to `(batch·out_h·out_w, channels·k·k)`: row `(b, y, x)`
 /// holds the `k×k` patch of every channel whose top-left corner is `(y − padding, x −
 /// padding)`, zeros outside the image, in the order of a contiguous `(out, channels, k, k)`
@@ -91,8 +119,8 @@ impl Im2Col {
     }
 
     /// Calls `f(column index, input index, length)` for every run of a patch row that lies
-    /// inside the image: a kernel row's values are adjacent both in a column row and in the
-    /// input, so each run is one slice copy.
+    /// inside the image, in increasing column order: a kernel row's values are adjacent both
+    /// in a column row and in the input, so each run is one slice copy.
     fn for_each_span(&self, g: &Geometry, mut f: impl FnMut(usize, usize, usize)) {
         let (k, p) = (self.k, self.padding);
         let row_len = g.channels * k * k;
@@ -138,10 +166,14 @@ impl CustomOp1 for Im2Col {
         let x = crate::fused::f32_slice("im2col", storage, layout)?;
         let rows = g.batch * g.out_h * g.out_w;
         let row_len = g.channels * self.k * self.k;
-        let mut cols = vec![0f32; rows * row_len];
+        // The spans come in increasing column order, so the columns are appended, with zeros
+        // only where the padding is: no pass to zero the whole matrix first.
+        let mut cols = Vec::with_capacity(rows * row_len);
         self.for_each_span(&g, |col, input, len| {
-            cols[col..col + len].copy_from_slice(&x[input..input + len]);
+            cols.resize(col, 0.0);
+            cols.extend_from_slice(&x[input..input + len]);
         });
+        cols.resize(rows * row_len, 0.0);
         Ok((CpuStorage::F32(cols), Shape::from((rows, row_len))))
     }
 

@@ -6,6 +6,7 @@
 //! every node of a run must agree on. It knows nothing about threads, sockets or disks beyond
 //! reading a data file: the daemon wires it to those.
 
+mod cnn;
 pub mod codec;
 pub mod conv;
 pub mod data;

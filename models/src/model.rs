@@ -237,6 +237,19 @@ impl Model {
         matches!(self.spec, ModelSpec::Mlp { .. }).then_some(self.linears.as_slice())
     }
 
+    /// The convolutions and the fully connected layers after them, when this model is a CNN
+    /// (for the training step's hand-written backward pass).
+    pub(crate) fn cnn_layers(&self) -> Option<crate::cnn::CnnLayers<'_>> {
+        match self.spec {
+            ModelSpec::Cnn { image, .. } => Some(crate::cnn::CnnLayers {
+                image,
+                convs: &self.convs,
+                linears: &self.linears,
+            }),
+            _ => None,
+        }
+    }
+
     /// The GPT's layers, when this model is one (for generating text).
     pub fn gpt(&self) -> Option<&Gpt> {
         self.gpt.as_ref()

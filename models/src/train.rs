@@ -20,14 +20,16 @@ pub fn train_step(model: &Model, opt: &mut Optimizer, xs: &Tensor, ys: &Tensor) 
 }
 
 /// The forward pass, the batch's mean cross-entropy loss and every parameter's gradient. An
-/// MLP, and a GPT on the CPU, take their hand-written backward passes (the same gradients as
+/// MLP, and a GPT or a CNN on the CPU, take their hand-written backward passes (the same gradients as
 /// autograd, without its zero-seeded accumulation); other models take Candle's autograd.
 pub fn forward_backward(model: &Model, xs: &Tensor, ys: &Tensor) -> Result<(Tensor, GradStore)> {
     let gpt = model.gpt().filter(|g| g.has_hand_backward());
-    match (model.mlp_layers(), gpt) {
-        (Some(layers), _) => mlp_loss_and_grads(layers, xs, ys),
-        (None, Some(gpt)) => gpt.loss_and_grads(xs, ys),
-        (None, None) => {
+    let cnn = model.cnn_layers().filter(|_| crate::fused::serves(xs));
+    match (model.mlp_layers(), gpt, cnn) {
+        (Some(layers), _, _) => mlp_loss_and_grads(layers, xs, ys),
+        (None, Some(gpt), _) => gpt.loss_and_grads(xs, ys),
+        (None, None, Some(cnn)) => crate::cnn::loss_and_grads(&cnn, xs, ys),
+        (None, None, None) => {
             let (logits, ys) = per_prediction(model.forward(xs)?, ys)?;
             let loss = crate::fused::cross_entropy(&logits, &ys)?;
             let grads = loss.backward()?;
@@ -48,7 +50,23 @@ pub fn loss_value(loss: &Tensor) -> Result<f32> {
 /// One difference: where a pre-activation is exactly zero, Candle's ReLU passes the gradient
 /// through and this one, like PyTorch's, does not.
 fn mlp_loss_and_grads(layers: &[Linear], xs: &Tensor, ys: &Tensor) -> Result<(Tensor, GradStore)> {
-    // Forward, keeping every layer's input; the weights are read detached, so no graph.
+    let (inputs, a) = dense_forward(layers, xs)?;
+    let batch = a.dim(0)?;
+    let classes = a.dim(1)?;
+    let log_probs = candle_nn::ops::log_softmax(&a, D::Minus1)?;
+    let picked = log_probs.gather(&ys.unsqueeze(1)?, 1)?;
+    let loss = (picked.sum_all()? / -(batch as f64))?;
+    // d loss / d logits = (softmax − one-hot) / batch.
+    let one_hot = candle_nn::encoding::one_hot(ys.clone(), classes, 1f32, 0f32)?;
+    let dz = ((log_probs.exp()? - one_hot)? / batch as f64)?;
+    let mut grads = GradStore::default();
+    dense_backward(layers, &inputs, dz, &mut grads, false)?;
+    Ok((loss, grads))
+}
+
+/// Fully connected layers with a ReLU between them, forward, with the weights read detached
+/// (no graph): every layer's input, and the last layer's output.
+pub(crate) fn dense_forward(layers: &[Linear], xs: &Tensor) -> Result<(Vec<Tensor>, Tensor)> {
     let mut inputs = Vec::with_capacity(layers.len());
     let mut a = xs.detach();
     for (i, layer) in layers.iter().enumerate() {
@@ -59,15 +77,19 @@ fn mlp_loss_and_grads(layers: &[Linear], xs: &Tensor, ys: &Tensor) -> Result<(Te
         inputs.push(a);
         a = if i + 1 < layers.len() { z.relu()? } else { z };
     }
-    let batch = a.dim(0)?;
-    let classes = a.dim(1)?;
-    let log_probs = candle_nn::ops::log_softmax(&a, D::Minus1)?;
-    let picked = log_probs.gather(&ys.unsqueeze(1)?, 1)?;
-    let loss = (picked.sum_all()? / -(batch as f64))?;
-    // d loss / d logits = (softmax − one-hot) / batch.
-    let one_hot = candle_nn::encoding::one_hot(ys.clone(), classes, 1f32, 0f32)?;
-    let mut dz = ((log_probs.exp()? - one_hot)? / batch as f64)?;
-    let mut grads = GradStore::default();
+    Ok((inputs, a))
+}
+
+/// [`dense_forward`]'s layers backward from the last output's gradient `dz`, given each
+/// layer's input: the weights' and biases' gradients go into `grads`; with `input_grad`, the
+/// first layer's input's gradient is returned.
+pub(crate) fn dense_backward(
+    layers: &[Linear],
+    inputs: &[Tensor],
+    mut dz: Tensor,
+    grads: &mut GradStore,
+    input_grad: bool,
+) -> Result<Option<Tensor>> {
     for (i, layer) in layers.iter().enumerate().rev() {
         let a = &inputs[i];
         grads.insert(layer.weight(), dz.t()?.matmul(a)?);
@@ -77,10 +99,18 @@ fn mlp_loss_and_grads(layers: &[Linear], xs: &Tensor, ys: &Tensor) -> Result<(Te
         if i > 0 {
             // Through the weights, then through the ReLU that made this layer's input.
             let da = dz.matmul(&layer.weight().detach())?;
-            dz = (da * a.gt(0f32)?.to_dtype(DType::F32)?)?;
+            dz = relu_back(&da, a)?;
+        } else if input_grad {
+            return Ok(Some(dz.matmul(&layer.weight().detach())?));
         }
     }
-    Ok((loss, grads))
+    Ok(None)
+}
+
+/// The gradient `grad` of a ReLU's output passed back where its output `activated` is
+/// positive (zero where the input was exactly zero, as in PyTorch).
+pub(crate) fn relu_back(grad: &Tensor, activated: &Tensor) -> Result<Tensor> {
+    Ok((grad * activated.gt(0f32)?.to_dtype(DType::F32)?)?)
 }
 
 /// One row of logits per prediction: a classifier's `(batch, classes)` as they are, a

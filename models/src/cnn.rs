@@ -3,8 +3,8 @@
 //! Candle's autograd gives the same numbers (a test checks), but it seeds every intermediate's
 //! gradient with a zero tensor and adds into it: on the LeNet-style CNN, zeroing and those
 //! additions were about a quarter of a step. Here the forward pass keeps what the backward
-//! pass reads (each convolution's patch matrix, its output before pooling, each pooled and
-//! rectified map), and the backward pass writes each gradient once: per convolution two
+//! pass reads (each convolution's patch matrix, its output before pooling as the matrix
+//! product's rows, each pooled and rectified map), and the backward pass writes each gradient once: per convolution two
 //! matrix products, the pool's and the ReLU's masks, and `col2im` only where an input
 //! gradient is needed (never for the images).
 
@@ -31,8 +31,11 @@ struct ConvCache {
     input_dims: Vec<usize>,
     /// The input's patches, `(batch·out_h·out_w, channels·k·k)`.
     cols: Tensor,
-    /// The convolution's output before pooling, `(batch, out, out_h, out_w)`.
-    conv_out: Tensor,
+    /// The output's height and width.
+    out_size: (usize, usize),
+    /// The convolution's output before pooling, as the matrix product left it:
+    /// `(batch·out_h·out_w, out)`.
+    rows: Tensor,
     /// The pooled, rectified map: the next layer's input.
     activated: Tensor,
 }
@@ -56,16 +59,15 @@ pub(crate) fn loss_and_grads(
         let (out_h, out_w) = (height + 2 * padding + 1 - k, width + 2 * padding + 1 - k);
         let cols = conv::im2col(&x, k, padding)?;
         let rows = cols.matmul(&weight.detach().reshape((out_ch, in_ch * k * k))?.t()?)?;
-        let conv_out = fused::add_bias(&rows, &bias.detach())?
-            .reshape((batch, out_h, out_w, out_ch))?
-            .permute((0, 3, 1, 2))?
-            .contiguous()?;
-        // Pooling before the ReLU, as in the model's forward pass.
-        let activated = conv::max_pool2x2(&conv_out)?.relu()?;
+        let rows = fused::add_bias(&rows, &bias.detach())?;
+        // Pooled straight off the rows (no permuted copy), before the ReLU, as in the model's
+        // forward pass.
+        let activated = conv::max_pool2x2_rows(&rows, batch, out_h, out_w)?.relu()?;
         caches.push(ConvCache {
             input_dims: x.dims().to_vec(),
+            out_size: (out_h, out_w),
             cols,
-            conv_out,
+            rows,
             activated: activated.clone(),
         });
         x = activated;
@@ -82,12 +84,8 @@ pub(crate) fn loss_and_grads(
         let (weight, bias) = conv_parameters(layer)?;
         let (out_ch, in_ch, k, _) = weight.dims4()?;
         let d_pooled = relu_back(&d_x, &c.activated)?;
-        let d_conv = conv::max_pool2x2_grad(&c.conv_out, &d_pooled)?;
-        // Back to the matrix product's rows, one per output position.
-        let d_rows = d_conv
-            .permute((0, 2, 3, 1))?
-            .contiguous()?
-            .reshape(((), out_ch))?;
+        let (out_h, out_w) = c.out_size;
+        let d_rows = conv::max_pool2x2_rows_grad(&c.rows, &d_pooled, batch, out_h, out_w)?;
         grads.insert(
             weight,
             d_rows.t()?.matmul(&c.cols)?.reshape(weight.shape())?,

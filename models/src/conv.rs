@@ -69,13 +69,6 @@ pub(crate) fn col2im(
     Ok(grad.contiguous()?.apply_op1_no_bwd(&col2im)?)
 }
 
-/// The gradient of [`max_pool2x2`]'s input from its output's gradient.
-pub(crate) fn max_pool2x2_grad(input: &Tensor, grad: &Tensor) -> Result<Tensor> {
-    Ok(input
-        .contiguous()?
-        .apply_op2_no_bwd(&grad.contiguous()?, &MaxPool2x2Grad)?)
-}
-
 /// `(batch, channels, height, width)` to `(batch·out_h·out_w, channels·k·k)`: row `(b, y, x)`
 /// holds the `k×k` patch of every channel whose top-left corner is `(y − padding, x −
 /// padding)`, zeros outside the image, in the order of a contiguous `(out, channels, k, k)`
@@ -346,6 +339,137 @@ impl CustomOp2 for MaxPool2x2Grad {
         }
         let mut grad_x = vec![0f32; x.len()];
         MaxPool2x2::for_each_window(x, l1.dims(), |o, at| grad_x[at] = grad[o]);
+        Ok((CpuStorage::F32(grad_x), l1.shape().clone()))
+    }
+}
+
+/// [`max_pool2x2`] read straight off a convolution's matrix-product rows: `rows`
+/// `(batch·height·width, channels)` (position-major, as `im2col(x) · Wᵀ` leaves them) pooled
+/// into `(batch, channels, height/2, width/2)`, the layout the next layer reads. The same
+/// values, and the same first maximum per window, as permuting the rows to
+/// `(batch, channels, height, width)` and pooling that, without the permuted copy. No
+/// gradient tracking: for a backward pass written by hand ([`max_pool2x2_rows_grad`]).
+pub(crate) fn max_pool2x2_rows(
+    rows: &Tensor,
+    batch: usize,
+    height: usize,
+    width: usize,
+) -> Result<Tensor> {
+    let pool = PoolRows::new(rows, batch, height, width)?;
+    Ok(rows.contiguous()?.apply_op1_no_bwd(&pool)?)
+}
+
+/// The gradient of [`max_pool2x2_rows`]'s input `rows` from its output's gradient `grad`:
+/// each window's gradient at its first maximum, zeros elsewhere, in the rows' layout.
+pub(crate) fn max_pool2x2_rows_grad(
+    rows: &Tensor,
+    grad: &Tensor,
+    batch: usize,
+    height: usize,
+    width: usize,
+) -> Result<Tensor> {
+    let pool = PoolRows::new(rows, batch, height, width)?;
+    Ok(rows
+        .contiguous()?
+        .apply_op2_no_bwd(&grad.contiguous()?, &PoolRowsGrad(pool))?)
+}
+
+/// The geometry of a 2×2 pool over position-major rows.
+#[derive(Clone, Copy)]
+struct PoolRows {
+    batch: usize,
+    height: usize,
+    width: usize,
+    channels: usize,
+}
+
+impl PoolRows {
+    fn new(rows: &Tensor, batch: usize, height: usize, width: usize) -> Result<PoolRows> {
+        let (n, channels) = rows.dims2()?;
+        if n != batch * height * width || height < 2 || width < 2 {
+            return Err(Error::Layout(format!(
+                "cannot pool {n} rows as {batch} images of {height}x{width}"
+            )));
+        }
+        Ok(PoolRows {
+            batch,
+            height,
+            width,
+            channels,
+        })
+    }
+
+    fn out_dims(&self) -> [usize; 4] {
+        [self.batch, self.channels, self.height / 2, self.width / 2]
+    }
+
+    /// Calls `f(output index, input index of the window's first maximum)` for every window,
+    /// the candidates in the order [`MaxPool2x2`] tries them (row by row).
+    fn for_each_window(&self, x: &[f32], mut f: impl FnMut(usize, usize)) {
+        let (c, w) = (self.channels, self.width);
+        let (out_h, out_w) = (self.height / 2, self.width / 2);
+        for b in 0..self.batch {
+            for oy in 0..out_h {
+                for ox in 0..out_w {
+                    let corner = ((b * self.height + 2 * oy) * w + 2 * ox) * c;
+                    let below = corner + w * c;
+                    for ch in 0..c {
+                        let mut best = corner + ch;
+                        for at in [corner + c + ch, below + ch, below + c + ch] {
+                            if x[at] > x[best] {
+                                best = at;
+                            }
+                        }
+                        f(((b * c + ch) * out_h + oy) * out_w + ox, best);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl CustomOp1 for PoolRows {
+    fn name(&self) -> &'static str {
+        "max-pool-2x2-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = crate::fused::f32_slice("max-pool-rows", storage, layout)?;
+        let dims = self.out_dims();
+        let mut out = vec![0f32; dims.iter().product()];
+        self.for_each_window(x, |o, at| out[o] = x[at]);
+        Ok((CpuStorage::F32(out), Shape::from(dims.to_vec())))
+    }
+}
+
+/// [`PoolRows`]' backward, from `(rows, output gradient)`.
+struct PoolRowsGrad(PoolRows);
+
+impl CustomOp2 for PoolRowsGrad {
+    fn name(&self) -> &'static str {
+        "max-pool-2x2-rows-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = crate::fused::f32_slice("max-pool-rows-grad", s1, l1)?;
+        let grad = crate::fused::f32_slice("max-pool-rows-grad", s2, l2)?;
+        if grad.len() != self.0.out_dims().iter().product::<usize>() {
+            return Err(candle_core::Error::Msg(
+                "max-pool-rows-grad: gradient of the wrong size".into(),
+            ));
+        }
+        let mut grad_x = vec![0f32; x.len()];
+        self.0.for_each_window(x, |o, at| grad_x[at] = grad[o]);
         Ok((CpuStorage::F32(grad_x), l1.shape().clone()))
     }
 }

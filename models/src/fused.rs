@@ -31,11 +31,13 @@ pub(crate) fn serves(x: &Tensor) -> bool {
 pub(crate) fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    // Adding and subtracting 1.5·2²³ rounds to the nearest integer without a rounding
-    // instruction the baseline x86-64 target lacks.
+    // Adding 1.5·2²³ rounds to the nearest integer n and leaves it in the low bits of the
+    // sum's mantissa: no rounding instruction (the baseline x86-64 target lacks one) and no
+    // float-to-integer cast (Rust's saturating cast keeps the loop from vectorising).
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let shifted = x * std::f32::consts::LOG2_E + ROUND;
+    let n = shifted - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4f32;
     p = p * r + 1.398_199_9e-3;
@@ -45,7 +47,8 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * r + 5.000_000_1e-1;
     let e_r = p * r * r + r + 1.0;
     // n is in [-126, 127]: 2^n is the normal float with biased exponent n + 127.
-    e_r * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
+    e_r * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
 /// The sum of `v` in eight running partial sums, so it vectorises (the result differs from

@@ -54,12 +54,36 @@ pub(crate) fn exp(x: f32) -> f32 {
 /// The sum of `v` in eight running partial sums, so it vectorises (the result differs from
 /// a left-to-right sum by rounding only).
 pub(crate) fn sum(v: &[f32]) -> f32 {
+    sum_map(v, |x| x)
+}
+
+/// The sum of `f(x)` over `v`, in eight running partial sums (see [`sum`]).
+#[inline(always)]
+fn sum_map(v: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let mut lanes = [0f32; 8];
     let chunks = v.chunks_exact(8);
-    let rest = chunks.remainder().iter().sum::<f32>();
+    let rest = chunks.remainder().iter().map(|&x| f(x)).sum::<f32>();
     for chunk in chunks {
-        for (lane, x) in lanes.iter_mut().zip(chunk) {
-            *lane += x;
+        for (lane, &x) in lanes.iter_mut().zip(chunk) {
+            *lane += f(x);
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
+/// The dot product of `a` and `b` (of one length), in eight running partial sums.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (chunks_a, chunks_b) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest: f32 = chunks_a
+        .remainder()
+        .iter()
+        .zip(chunks_b.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (ca, cb) in chunks_a.zip(chunks_b) {
+        for ((lane, x), y) in lanes.iter_mut().zip(ca).zip(cb) {
+            *lane += x * y;
         }
     }
     lanes.iter().sum::<f32>() + rest
@@ -210,8 +234,8 @@ struct LayerNorm {
 /// A row's mean and reciprocal standard deviation.
 fn moments(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
-    let mean = row.iter().sum::<f32>() / n;
-    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    let mean = sum(row) / n;
+    let var = sum_map(row, |v| (v - mean) * (v - mean)) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -290,7 +314,9 @@ impl CustomOp3 for LayerNormGrad {
         let mut out = vec![0f32; (rows + 2) * width];
         let (grad_x, sums) = out.split_at_mut(rows * width);
         let (grad_weight, grad_bias) = sums.split_at_mut(width);
-        let mut scaled = vec![0f32; width];
+        // Per row, x̂ and ĝ in buffers, so each loop below is element-wise (vectorised) and
+        // the two sums are eight-lane ones.
+        let (mut x_hat, mut scaled) = (vec![0f32; width], vec![0f32; width]);
         for ((row, g), gx) in x
             .chunks_exact(width)
             .zip(grad.chunks_exact(width))
@@ -299,25 +325,26 @@ impl CustomOp3 for LayerNormGrad {
             let (mean, rstd) = moments(row, self.eps);
             // With x̂ = (x − mean)·rstd and ĝ = g·weight:
             // dx = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)).
-            let (mut sum_g, mut sum_gx) = (0f32, 0f32);
-            for ((((&v, &g), &w), s), (gw, gb)) in row
-                .iter()
-                .zip(g)
-                .zip(weight)
+            for (((xh, s), &v), (&g, &w)) in x_hat
+                .iter_mut()
                 .zip(scaled.iter_mut())
-                .zip(grad_weight.iter_mut().zip(grad_bias.iter_mut()))
+                .zip(row)
+                .zip(g.iter().zip(weight))
             {
-                let x_hat = (v - mean) * rstd;
+                *xh = (v - mean) * rstd;
                 *s = g * w;
-                sum_g += *s;
-                sum_gx += *s * x_hat;
-                *gw += g * x_hat;
+            }
+            for ((gw, gb), (&g, &xh)) in grad_weight
+                .iter_mut()
+                .zip(grad_bias.iter_mut())
+                .zip(g.iter().zip(&x_hat))
+            {
+                *gw += g * xh;
                 *gb += g;
             }
-            let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
-            for ((gx, &v), &s) in gx.iter_mut().zip(row).zip(&scaled) {
-                let x_hat = (v - mean) * rstd;
-                *gx = rstd * (s - mean_g - x_hat * mean_gx);
+            let (mean_g, mean_gx) = (sum(&scaled) / n, dot(&scaled, &x_hat) / n);
+            for ((gx, &xh), &s) in gx.iter_mut().zip(&x_hat).zip(&scaled) {
+                *gx = rstd * (s - mean_g - xh * mean_gx);
             }
         }
         Ok((CpuStorage::F32(out), Shape::from((rows + 2, width))))
@@ -423,7 +450,7 @@ impl CustomOp2 for SoftmaxGrad {
         let (_, width) = rows_of("softmax-grad", l1.dims())?;
         let mut out = Vec::with_capacity(y.len());
         for (y, g) in y.chunks_exact(width).zip(g.chunks_exact(width)) {
-            let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
+            let dot = dot(y, g);
             out.extend(y.iter().zip(g).map(|(y, g)| self.scale * y * (g - dot)));
         }
         Ok((CpuStorage::F32(out), l1.shape().clone()))

@@ -44,7 +44,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let e_r = p * r * r + r + 1.0;
     // n is in [-126, 127]: 2^n is the normal float with biased exponent n + 127.
     let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());

@@ -127,14 +127,7 @@ mod tests {
         };
         let model = Model::new(&spec, 3, &Device::Cpu).expect("cnn");
         let params = model.params();
-        let moved: Vec<f32> = params
-            .flatten()
-            .expect("flat")
-            .iter()
-            .enumerate()
-            .map(|(i, v)| v + ((i * 7919 % 101) as f32 / 101.0 - 0.5) * 0.05)
-            .collect();
-        params.write_back(&moved).expect("write back");
+        crate::testing::nudge(params, 0.05);
         let batch = 5;
         let pixels: Vec<f32> = (0..batch * 784)
             .map(|i| ((i * 37 % 255) as f32 / 255.0) - 0.3)

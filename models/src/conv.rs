@@ -236,111 +236,20 @@ pub fn max_pool2x2(x: &Tensor) -> Result<Tensor> {
     if !x.device().is_cpu() || x.dtype() != candle_core::DType::F32 {
         return Ok(x.max_pool2d(2)?);
     }
-    let (_, _, height, width) = x.dims4()?;
+    let (batch, channels, height, width) = x.dims4()?;
     if height < 2 || width < 2 {
         return Err(Error::Layout(format!(
             "a 2x2 pool does not fit a {height}x{width} image"
         )));
     }
-    Ok(x.contiguous()?.apply_op1(MaxPool2x2)?)
-}
-
-struct MaxPool2x2;
-
-impl MaxPool2x2 {
-    /// Calls `f(output index, input index of the window's first maximum)` for every window.
-    fn for_each_window(x: &[f32], dims: &[usize], mut f: impl FnMut(usize, usize)) {
-        let &[batch, channels, height, width] = dims else {
-            return;
-        };
-        let (out_h, out_w) = (height / 2, width / 2);
-        let mut out = 0;
-        for plane in 0..batch * channels {
-            let base = plane * height * width;
-            for oy in 0..out_h {
-                let top = base + 2 * oy * width;
-                for ox in 0..out_w {
-                    let corner = top + 2 * ox;
-                    let mut best = corner;
-                    for at in [corner + 1, corner + width, corner + width + 1] {
-                        if x[at] > x[best] {
-                            best = at;
-                        }
-                    }
-                    f(out, best);
-                    out += 1;
-                }
-            }
-        }
-    }
-
-    fn out_dims(dims: &[usize]) -> candle_core::Result<Vec<usize>> {
-        match *dims {
-            [b, c, h, w] if h >= 2 && w >= 2 => Ok(vec![b, c, h / 2, w / 2]),
-            _ => Err(candle_core::Error::Msg(format!(
-                "max-pool: cannot pool {dims:?}"
-            ))),
-        }
-    }
-}
-
-impl CustomOp1 for MaxPool2x2 {
-    fn name(&self) -> &'static str {
-        "max-pool-2x2"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &CpuStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = crate::fused::f32_slice("max-pool", storage, layout)?;
-        let out_dims = Self::out_dims(layout.dims())?;
-        let mut out = vec![0f32; out_dims.iter().product()];
-        Self::for_each_window(x, layout.dims(), |o, at| out[o] = x[at]);
-        Ok((CpuStorage::F32(out), Shape::from(out_dims)))
-    }
-
-    fn bwd(
-        &self,
-        arg: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(
-            arg.apply_op2_no_bwd(&grad.contiguous()?, &MaxPool2x2Grad)?,
-        ))
-    }
-}
-
-/// The pool's input gradient from `(input, output gradient)`: each window's gradient at its
-/// first maximum, zeros elsewhere.
-struct MaxPool2x2Grad;
-
-impl CustomOp2 for MaxPool2x2Grad {
-    fn name(&self) -> &'static str {
-        "max-pool-2x2-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = crate::fused::f32_slice("max-pool-grad", s1, l1)?;
-        let grad = crate::fused::f32_slice("max-pool-grad", s2, l2)?;
-        let out_dims = MaxPool2x2::out_dims(l1.dims())?;
-        if grad.len() != out_dims.iter().product::<usize>() {
-            return Err(candle_core::Error::Msg(
-                "max-pool-grad: gradient of the wrong size".into(),
-            ));
-        }
-        let mut grad_x = vec![0f32; x.len()];
-        MaxPool2x2::for_each_window(x, l1.dims(), |o, at| grad_x[at] = grad[o]);
-        Ok((CpuStorage::F32(grad_x), l1.shape().clone()))
-    }
+    // Each (image, channel) plane as an image of one channel: a pool over rows.
+    let rows = x
+        .contiguous()?
+        .reshape((batch * channels * height * width, 1))?;
+    let pool = PoolRows::new(&rows, batch * channels, height, width)?;
+    Ok(rows
+        .apply_op1(pool)?
+        .reshape((batch, channels, height / 2, width / 2))?)
 }
 
 /// [`max_pool2x2`] read straight off a convolution's matrix-product rows: `rows`
@@ -404,7 +313,7 @@ impl PoolRows {
     }
 
     /// Calls `f(output index, input index of the window's first maximum)` for every window,
-    /// the candidates in the order [`MaxPool2x2`] tries them (row by row).
+    /// the candidates in row order (top left, top right, bottom left, bottom right).
     fn for_each_window(&self, x: &[f32], mut f: impl FnMut(usize, usize)) {
         let (c, w) = (self.channels, self.width);
         let (out_h, out_w) = (self.height / 2, self.width / 2);
@@ -443,6 +352,18 @@ impl CustomOp1 for PoolRows {
         let mut out = vec![0f32; dims.iter().product()];
         self.for_each_window(x, |o, at| out[o] = x[at]);
         Ok((CpuStorage::F32(out), Shape::from(dims.to_vec())))
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(arg.apply_op2_no_bwd(
+            &grad.contiguous()?,
+            &PoolRowsGrad(*self),
+        )?))
     }
 }
 

@@ -23,3 +23,16 @@ pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .and_then(|d| d.to_scalar::<f32>())
         .expect("diff")
 }
+
+/// Moves every parameter off its initial value by a deterministic amount in
+/// `[-amplitude/2, amplitude/2)` (zero biases and unit norms would hide terms of a gradient).
+pub(crate) fn nudge(params: &crate::Params, amplitude: f32) {
+    let moved: Vec<f32> = params
+        .flatten()
+        .expect("flat")
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v + ((i * 7919 % 101) as f32 / 101.0 - 0.5) * amplitude)
+        .collect();
+    params.write_back(&moved).expect("write back");
+}

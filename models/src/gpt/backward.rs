@@ -227,14 +227,7 @@ mod tests {
         let mut vars = Vec::new();
         let gpt = Gpt::new(&spec, 7, &Device::Cpu, &mut vars).expect("gpt");
         let params = Params::new(vars).expect("params");
-        let moved: Vec<f32> = params
-            .flatten()
-            .expect("flat")
-            .iter()
-            .enumerate()
-            .map(|(i, v)| v + ((i * 7919 % 101) as f32 / 101.0 - 0.5) * 0.2)
-            .collect();
-        params.write_back(&moved).expect("write back");
+        crate::testing::nudge(&params, 0.2);
         for time in [8, 5] {
             let ids = |offset: usize| -> Tensor {
                 let v: Vec<u32> = (0..3 * time)

@@ -6,7 +6,7 @@ CNN or the byte-level GPT, layer for layer as models/src builds them), the optim
 describes (the JSON of p2ptrain's `OptimizerSpec`: SGD with momentum / Nesterov / L2 decay, or
 AdamW), and times `--steps` training steps on batches of `--batch` drawn at random from an
 in-memory set of `--samples` random samples of the model's input shape (p2ptrain's bare loop
-also gathers each batch from an in-memory set). One thread (`--threads`) by default, as
+also gathers each batch from an in-memory set; on `--device`). One thread (`--threads`) by default, as
 p2ptrain's nodes. Every step: batch gather, forward, cross-entropy, backward, optimizer step.
 
 Prints one JSON object: steps per second for each of `--runs` timed runs, after one untimed
@@ -140,6 +140,7 @@ def main():
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--samples", type=int, default=8192)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N for a GPU yardstick")
     args = ap.parse_args()
 
     import torch
@@ -148,6 +149,7 @@ def main():
     torch.manual_seed(0)
     spec = json.loads(args.spec)
     model, (kind, dim) = build(spec, torch)
+    model = model.to(args.device)
     opt = optimizer(json.loads(args.optim), model.parameters(), torch)
     if kind == "features":
         inputs = torch.rand(args.samples, dim)
@@ -156,12 +158,13 @@ def main():
     else:
         text = torch.randint(0, 256, (args.samples, dim + 1))
         inputs, targets = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    inputs, targets = inputs.to(args.device), targets.to(args.device)
     loss_fn = torch.nn.functional.cross_entropy
 
     def run(steps):
         last = float("nan")
         for _ in range(steps):
-            idx = torch.randint(0, args.samples, (args.batch,))
+            idx = torch.randint(0, args.samples, (args.batch,), device=args.device)
             xs, ys = inputs.index_select(0, idx), targets.index_select(0, idx)
             logits = model(xs)
             loss = loss_fn(logits.reshape(-1, logits.shape[-1]), ys.reshape(-1))
@@ -182,6 +185,7 @@ def main():
             {
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
+                "device": args.device,
                 "params": sum(p.numel() for p in model.parameters()),
                 "steps_per_sec": rates,
             }

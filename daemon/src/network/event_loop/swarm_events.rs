@@ -35,9 +35,16 @@ fn looks_like_handshake_failure(text: &str) -> bool {
     .iter()
     .any(|k| t.contains(k))
         && !t.contains("timeout")
-        && !t.contains("connection refused")
-        && !t.contains("unreachable")
-        && !t.contains("no route to host")
+        && !nothing_answers(text)
+}
+
+/// Whether a dial failed because nothing answers at the address (refused, unreachable): a
+/// stopped member, not a key mismatch, so such a failure gets no `--psk` hint.
+fn nothing_answers(text: &str) -> bool {
+    let t = text.to_ascii_lowercase();
+    ["connection refused", "unreachable", "no route to host"]
+        .iter()
+        .any(|k| t.contains(k))
 }
 
 impl EventLoop {
@@ -184,8 +191,14 @@ impl EventLoop {
                     || peer_id.is_none()
                 {
                     // A PSK mismatch can also look like a timeout (one side waits for a
-                    // protocol answer the other cannot decrypt), so the hint goes here too.
-                    tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {text}; {}", self.key_hint());
+                    // protocol answer the other cannot decrypt), so the hint goes here too;
+                    // a refused connection only means nothing listens there any more.
+                    let hint = if nothing_answers(&text) {
+                        "nothing listens there: the member may have stopped".to_string()
+                    } else {
+                        self.key_hint()
+                    };
+                    tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {text}; {hint}");
                 } else {
                     tracing::debug!(peer = ?peer_id, "dial failed: {text}");
                 }
@@ -511,7 +524,7 @@ impl EventLoop {
 
 #[cfg(test)]
 mod tests {
-    use super::looks_like_handshake_failure;
+    use super::{looks_like_handshake_failure, nothing_answers};
 
     #[test]
     fn handshake_failures_are_told_from_unreachable_peers() {
@@ -526,5 +539,18 @@ mod tests {
         ));
         assert!(!looks_like_handshake_failure("handshake timeout"));
         assert!(!looks_like_handshake_failure("No route to host"));
+    }
+
+    #[test]
+    fn a_refused_dial_is_not_blamed_on_the_network_key() {
+        // As logged when a bootstrap member had stopped (the GPU run of 2026-11-24).
+        assert!(nothing_answers(
+            "Failed to negotiate transport protocol(s): [(/ip4/127.0.0.1/tcp/41199: : Connection refused (os error 111))]"
+        ));
+        assert!(nothing_answers("Network is unreachable (os error 101)"));
+        assert!(!nothing_answers("Noise handshake failed: decrypt error"));
+        assert!(!nothing_answers(
+            "Failed to negotiate transport protocol(s): timeout"
+        ));
     }
 }

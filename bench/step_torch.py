@@ -6,8 +6,8 @@ CNN or the byte-level GPT, layer for layer as models/src builds them), the optim
 describes (the JSON of p2ptrain's `OptimizerSpec`: SGD with momentum / Nesterov / L2 decay, or
 AdamW), and times `--steps` training steps on batches of `--batch` drawn at random from an
 in-memory set of `--samples` random samples of the model's input shape (p2ptrain's bare loop
-also gathers each batch from an in-memory set; on `--device`). One thread (`--threads`) by default, as
-p2ptrain's nodes. Every step: batch gather, forward, cross-entropy, backward, optimizer step.
+also gathers each batch from an in-memory set), on `--device` (cpu unless told). One thread
+(`--threads`) by default, as p2ptrain's nodes. Every step: batch gather, forward, cross-entropy, backward, optimizer step.
 
 Prints one JSON object: steps per second for each of `--runs` timed runs, after one untimed
 warm-up of 50 steps.

@@ -13,7 +13,7 @@ use candle_core::Tensor;
 use candle_nn::{Conv2d, Linear};
 
 use crate::train::{dense_backward, dense_forward, relu_back};
-use crate::{conv, fused, Error, Result};
+use crate::{conv, fused, matmul, Error, Result};
 
 /// The layers of a CNN, borrowed from its [`crate::Model`].
 pub(crate) struct CnnLayers<'a> {
@@ -58,8 +58,11 @@ pub(crate) fn loss_and_grads(
         let (_, _, height, width) = x.dims4()?;
         let (out_h, out_w) = (height + 2 * padding + 1 - k, width + 2 * padding + 1 - k);
         let cols = conv::im2col(&x, k, padding)?;
-        let rows = cols.matmul(&weight.detach().reshape((out_ch, in_ch * k * k))?.t()?)?;
-        let rows = fused::add_bias(&rows, &bias.detach())?;
+        let rows = matmul::linear(
+            &cols,
+            &weight.detach().reshape((out_ch, in_ch * k * k))?,
+            Some(&bias.detach()),
+        )?;
         // Pooled straight off the rows (no permuted copy), before the ReLU, as in the model's
         // forward pass.
         let activated = conv::max_pool2x2_rows(&rows, batch, out_h, out_w)?.relu()?;
@@ -88,13 +91,13 @@ pub(crate) fn loss_and_grads(
         let d_rows = conv::max_pool2x2_rows_grad(&c.rows, &d_pooled, batch, out_h, out_w)?;
         grads.insert(
             weight,
-            d_rows.t()?.matmul(&c.cols)?.reshape(weight.shape())?,
+            matmul::matmul(&d_rows.t()?, &c.cols)?.reshape(weight.shape())?,
         );
         grads.insert(bias, fused::sum_rows(&d_rows)?);
         if i == 0 {
             break; // the images need no gradient
         }
-        let d_cols = d_rows.matmul(&weight.detach().reshape((out_ch, in_ch * k * k))?)?;
+        let d_cols = matmul::matmul(&d_rows, &weight.detach().reshape((out_ch, in_ch * k * k))?)?;
         d_x = conv::col2im(&d_cols, k, layer.config().padding, &c.input_dims)?;
     }
     Ok((loss, grads))

@@ -40,8 +40,7 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: &Tensor, padding: usize) -> Res
         )));
     };
     let cols = x.contiguous()?.apply_op1(Im2Col { k, padding })?;
-    let out = cols.matmul(&weight.reshape((out_ch, in_ch * k * k))?.t()?)?;
-    let out = crate::fused::add_bias(&out, bias)?;
+    let out = crate::matmul::linear(&cols, &weight.reshape((out_ch, in_ch * k * k))?, Some(bias))?;
     Ok(out
         .reshape((batch, out_h, out_w, out_ch))?
         .permute((0, 3, 1, 2))?

@@ -14,6 +14,7 @@ pub mod error;
 pub mod fused;
 pub mod gpt;
 pub mod init;
+pub mod matmul;
 pub mod model;
 pub mod optim;
 pub mod params;

@@ -8,7 +8,7 @@ use candle_nn::Linear;
 use crate::data::Samples;
 use crate::model::Model;
 use crate::optim::Optimizer;
-use crate::Result;
+use crate::{matmul, Result};
 
 /// Runs forward, cross-entropy loss, backward and one optimizer update on a batch; returns the
 /// batch's mean loss. [`forward_backward`], then the optimizer, then the loss read back: the
@@ -70,10 +70,8 @@ pub(crate) fn dense_forward(layers: &[Linear], xs: &Tensor) -> Result<(Vec<Tenso
     let mut inputs = Vec::with_capacity(layers.len());
     let mut a = xs.detach();
     for (i, layer) in layers.iter().enumerate() {
-        let mut z = a.matmul(&layer.weight().detach().t()?)?;
-        if let Some(b) = layer.bias() {
-            z = z.broadcast_add(&b.detach())?;
-        }
+        let bias = layer.bias().map(Tensor::detach);
+        let z = matmul::linear(&a, &layer.weight().detach(), bias.as_ref())?;
         inputs.push(a);
         a = if i + 1 < layers.len() { z.relu()? } else { z };
     }
@@ -92,16 +90,16 @@ pub(crate) fn dense_backward(
 ) -> Result<Option<Tensor>> {
     for (i, layer) in layers.iter().enumerate().rev() {
         let a = &inputs[i];
-        grads.insert(layer.weight(), dz.t()?.matmul(a)?);
+        grads.insert(layer.weight(), matmul::matmul(&dz.t()?, a)?);
         if let Some(b) = layer.bias() {
-            grads.insert(b, dz.sum(0)?);
+            grads.insert(b, crate::fused::sum_rows(&dz)?);
         }
         if i > 0 {
             // Through the weights, then through the ReLU that made this layer's input.
-            let da = dz.matmul(&layer.weight().detach())?;
+            let da = matmul::matmul(&dz, &layer.weight().detach())?;
             dz = relu_back(&da, a)?;
         } else if input_grad {
-            return Ok(Some(dz.matmul(&layer.weight().detach())?));
+            return Ok(Some(matmul::matmul(&dz, &layer.weight().detach())?));
         }
     }
     Ok(None)

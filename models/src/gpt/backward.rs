@@ -12,6 +12,7 @@ use candle_core::Tensor;
 use candle_nn::Linear;
 
 use super::{Block, Gpt, LN_EPS, VOCAB};
+use crate::matmul::matmul;
 use crate::{fused, Result};
 
 /// What one block's backward pass reads from its forward pass.
@@ -51,11 +52,11 @@ fn affine_back(
     grad: &Tensor,
     grads: &mut GradStore,
 ) -> Result<Tensor> {
-    grads.insert(layer.weight(), grad.t()?.matmul(input)?);
+    grads.insert(layer.weight(), matmul(&grad.t()?, input)?);
     if let Some(b) = layer.bias() {
         grads.insert(b, fused::sum_rows(grad)?);
     }
-    Ok(grad.matmul(&layer.weight().detach())?)
+    matmul(grad, &layer.weight().detach())
 }
 
 impl Gpt {
@@ -105,9 +106,8 @@ impl Gpt {
                 .permute((2, 0, 3, 1, 4))?
                 .contiguous()?;
             let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
-            let weights = fused::causal_softmax(&q.matmul(&k.t()?)?, scale)?;
-            let attended = weights
-                .matmul(&v)?
+            let weights = fused::causal_softmax(&matmul(&q, &k.t()?)?, scale)?;
+            let attended = matmul(&weights, &v)?
                 .transpose(1, 2)?
                 .contiguous()?
                 .reshape((n, w))?;
@@ -133,15 +133,15 @@ impl Gpt {
         let (ln_w, ln_b) = (self.ln_f.0.detach(), self.ln_f.1.detach());
         let final_in = x;
         let normed = fused::layer_norm(&final_in, &ln_w, &ln_b, LN_EPS)?;
-        let logits = normed.matmul(&tok_weight.t()?)?;
+        let logits = matmul(&normed, &tok_weight.t()?)?;
         let flat_targets = targets.flatten_all()?;
         let loss = fused::cross_entropy(&logits, &flat_targets)?;
 
         // Backward.
         let mut grads = GradStore::default();
         let d_logits = fused::cross_entropy_grad(&logits, &flat_targets)?;
-        let d_tok_head = d_logits.t()?.matmul(&normed)?;
-        let d_normed = d_logits.matmul(&tok_weight)?;
+        let d_tok_head = matmul(&d_logits.t()?, &normed)?;
+        let d_normed = matmul(&d_logits, &tok_weight)?;
         let (mut dx, d_ln_w, d_ln_b) = fused::layer_norm_grad(&final_in, &ln_w, &d_normed, LN_EPS)?;
         grads.insert(&self.ln_f.0, d_ln_w);
         grads.insert(&self.ln_f.1, d_ln_b);
@@ -160,11 +160,11 @@ impl Gpt {
                 .reshape((batch, time, heads, head_dim))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let d_weights = d_out.matmul(&c.v.t()?)?;
-            let d_v = c.weights.t()?.matmul(&d_out)?;
+            let d_weights = matmul(&d_out, &c.v.t()?)?;
+            let d_v = matmul(&c.weights.t()?, &d_out)?;
             let d_scores = fused::causal_softmax_grad(&c.weights, &d_weights, scale)?;
-            let d_q = d_scores.matmul(&c.k)?;
-            let d_k = d_scores.t()?.matmul(&c.q)?;
+            let d_q = matmul(&d_scores, &c.k)?;
+            let d_k = matmul(&d_scores.t()?, &c.q)?;
             let d_qkv = Tensor::stack(&[d_q, d_k, d_v], 0)?
                 .permute((1, 3, 0, 2, 4))?
                 .contiguous()?

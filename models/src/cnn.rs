@@ -29,7 +29,7 @@ pub(crate) struct CnnLayers<'a> {
 struct ConvCache {
     /// The input's dimensions `(batch, channels, height, width)`.
     input_dims: Vec<usize>,
-    /// The input's patches, `(batch·out_h·out_w, channels·k·k)`.
+    /// The input's patches as columns, `(channels·k·k, batch·out_h·out_w)`.
     cols: Tensor,
     /// The output's height and width.
     out_size: (usize, usize),
@@ -59,7 +59,7 @@ pub(crate) fn loss_and_grads(
         let (out_h, out_w) = (height + 2 * padding + 1 - k, width + 2 * padding + 1 - k);
         let cols = conv::im2col(&x, k, padding)?;
         let rows = matmul::linear(
-            &cols,
+            &cols.t()?,
             &weight.detach().reshape((out_ch, in_ch * k * k))?,
             Some(&bias.detach()),
         )?;
@@ -91,13 +91,14 @@ pub(crate) fn loss_and_grads(
         let d_rows = conv::max_pool2x2_rows_grad(&c.rows, &d_pooled, batch, out_h, out_w)?;
         grads.insert(
             weight,
-            matmul::matmul(&d_rows.t()?, &c.cols)?.reshape(weight.shape())?,
+            matmul::matmul(&d_rows.t()?, &c.cols.t()?)?.reshape(weight.shape())?,
         );
         grads.insert(bias, fused::sum_rows(&d_rows)?);
         if i == 0 {
             break; // the images need no gradient
         }
-        let d_cols = matmul::matmul(&d_rows, &weight.detach().reshape((out_ch, in_ch * k * k))?)?;
+        let kernel = weight.detach().reshape((out_ch, in_ch * k * k))?;
+        let d_cols = matmul::matmul(&kernel.t()?, &d_rows.t()?)?;
         d_x = conv::col2im(&d_cols, k, layer.config().padding, &c.input_dims)?;
     }
     Ok((loss, grads))

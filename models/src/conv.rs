@@ -3,10 +3,10 @@
 //! Candle 0.11's `conv2d` backward computes the input's gradient with a direct
 //! `conv_transpose2d` (a dot product per output value), and does so even where no gradient is
 //! wanted, such as for the images themselves: on the LeNet-style CNN that was about 78% of a
-//! training step. Here the convolution is `im2col(x) · Wᵀ + b`: the matrix product and the
-//! bias are Candle's ordinary differentiable ops (gemm forward and backward), and `im2col`
-//! is a custom op whose backward (`col2im`) scatters the columns' gradient back onto the
-//! input, only when the input needs one. Off the CPU, Candle's own `conv2d` is used.
+//! training step. Here the convolution is `im2col(x)ᵀ · Wᵀ + b`: the matrix product with
+//! its bias is [`crate::matmul::linear`] (gemm forward and backward), and `im2col` is a
+//! custom op whose backward (`col2im`) scatters the patches' gradient back onto the input,
+//! only when the input needs one. Off the CPU, Candle's own `conv2d` is used.
 //!
 //! The 2×2 max pool is here too, as one loop each way: Candle 0.11's pooling backward
 //! upsamples, compares and pools again, several passes over the feature maps.
@@ -40,21 +40,25 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: &Tensor, padding: usize) -> Res
         )));
     };
     let cols = x.contiguous()?.apply_op1(Im2Col { k, padding })?;
-    let out = crate::matmul::linear(&cols, &weight.reshape((out_ch, in_ch * k * k))?, Some(bias))?;
+    let out = crate::matmul::linear(
+        &cols.t()?,
+        &weight.reshape((out_ch, in_ch * k * k))?,
+        Some(bias),
+    )?;
     Ok(out
         .reshape((batch, out_h, out_w, out_ch))?
         .permute((0, 3, 1, 2))?
         .contiguous()?)
 }
 
-/// `x`'s patches as rows, `(batch·out_h·out_w, channels·k·k)` (see [`Im2Col`]), with no
+/// `x`'s patches as columns, `(channels·k·k, batch·out_h·out_w)` (see [`Im2Col`]), with no
 /// gradient tracking: for a backward pass written by hand.
 pub(crate) fn im2col(x: &Tensor, k: usize, padding: usize) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op1_no_bwd(&Im2Col { k, padding })?)
 }
 
 /// The gradient of [`im2col`]'s input `(batch, channels, height, width)` = `input_dims` from
-/// its output's gradient.
+/// its output's gradient `(channels·k·k, batch·out_h·out_w)`.
 pub(crate) fn col2im(
     grad: &Tensor,
     k: usize,
@@ -68,10 +72,13 @@ pub(crate) fn col2im(
     Ok(grad.contiguous()?.apply_op1_no_bwd(&col2im)?)
 }
 
-/// `(batch, channels, height, width)` to `(batch·out_h·out_w, channels·k·k)`: row `(b, y, x)`
-/// holds the `k×k` patch of every channel whose top-left corner is `(y − padding, x −
-/// padding)`, zeros outside the image, in the order of a contiguous `(out, channels, k, k)`
-/// kernel's rows.
+/// `(batch, channels, height, width)` to `(channels·k·k, batch·out_h·out_w)`: row
+/// `(c, ky, kx)` (the order of a contiguous `(out, channels, k, k)` kernel's values) holds,
+/// for every output position `(b, y, x)`, the input value at `(b, c, y + ky − padding,
+/// x + kx − padding)`, zero outside the image. Patches as columns rather than rows: each row
+/// is made of whole output rows, each a shifted run of one input row, so the copies here and
+/// the additions of [`Col2Im`] are long runs (with patches as rows they were runs of `k`
+/// values, a call to `memcpy` each, and a fifth of the CNN's step).
 struct Im2Col {
     k: usize,
     padding: usize,
@@ -85,6 +92,16 @@ struct Geometry {
     width: usize,
     out_h: usize,
     out_w: usize,
+}
+
+/// One output row's run within a patch row: where it starts in the patch matrix, and (if
+/// its input row lies inside the image) where its values start in the input and which
+/// output columns `lo..hi` they fill (the rest is padding).
+struct Run {
+    col: usize,
+    input: Option<usize>,
+    lo: usize,
+    hi: usize,
 }
 
 impl Im2Col {
@@ -110,32 +127,25 @@ impl Im2Col {
         })
     }
 
-    /// Calls `f(column index, input index, length)` for every run of a patch row that lies
-    /// inside the image, in increasing column order: a kernel row's values are adjacent both
-    /// in a column row and in the input, so each run is one slice copy.
-    fn for_each_span(&self, g: &Geometry, mut f: impl FnMut(usize, usize, usize)) {
+    /// Calls `f` for every output row of every patch row, in the patch matrix's order.
+    fn for_each_run(&self, g: &Geometry, mut f: impl FnMut(Run)) {
         let (k, p) = (self.k, self.padding);
-        let row_len = g.channels * k * k;
-        for b in 0..g.batch {
-            for oy in 0..g.out_h {
-                for ox in 0..g.out_w {
-                    let row = ((b * g.out_h + oy) * g.out_w + ox) * row_len;
-                    // The kernel columns that land inside the image, and the first one's x.
-                    let first = p.saturating_sub(ox);
-                    let last = (g.width + p).saturating_sub(ox).min(k);
-                    if first >= last {
-                        continue;
-                    }
-                    let ix = ox + first - p;
-                    for c in 0..g.channels {
+        let mut col = 0;
+        for c in 0..g.channels {
+            for ky in 0..k {
+                for kx in 0..k {
+                    // Output columns whose input column x + kx − p lies inside the image.
+                    let lo = p.saturating_sub(kx).min(g.out_w);
+                    let hi = (g.width + p).saturating_sub(kx).clamp(lo, g.out_w);
+                    for b in 0..g.batch {
                         let plane = (b * g.channels + c) * g.height;
-                        for ky in 0..k {
-                            let Some(iy) = (oy + ky).checked_sub(p).filter(|&y| y < g.height)
-                            else {
-                                continue;
-                            };
-                            let col = row + (c * k + ky) * k + first;
-                            f(col, (plane + iy) * g.width + ix, last - first);
+                        for oy in 0..g.out_h {
+                            let input = (oy + ky)
+                                .checked_sub(p)
+                                .filter(|&y| y < g.height && lo < hi)
+                                .map(|iy| (plane + iy) * g.width + lo + kx - p);
+                            f(Run { col, input, lo, hi });
+                            col += g.out_w;
                         }
                     }
                 }
@@ -156,17 +166,20 @@ impl CustomOp1 for Im2Col {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = self.geometry(layout.dims())?;
         let x = crate::fused::f32_slice("im2col", storage, layout)?;
-        let rows = g.batch * g.out_h * g.out_w;
+        let positions = g.batch * g.out_h * g.out_w;
         let row_len = g.channels * self.k * self.k;
-        // The spans come in increasing column order, so the columns are appended, with zeros
-        // only where the padding is: no pass to zero the whole matrix first.
-        let mut cols = Vec::with_capacity(rows * row_len);
-        self.for_each_span(&g, |col, input, len| {
-            cols.resize(col, 0.0);
-            cols.extend_from_slice(&x[input..input + len]);
+        // The runs come in the matrix's order, so they are appended, with zeros only where
+        // the padding is: no pass to zero the whole matrix first.
+        let mut cols = Vec::with_capacity(row_len * positions);
+        self.for_each_run(&g, |run| match run.input {
+            Some(input) => {
+                cols.resize(run.col + run.lo, 0.0);
+                cols.extend_from_slice(&x[input..input + run.hi - run.lo]);
+                cols.resize(run.col + g.out_w, 0.0);
+            }
+            None => cols.resize(run.col + g.out_w, 0.0),
         });
-        cols.resize(rows * row_len, 0.0);
-        Ok((CpuStorage::F32(cols), Shape::from((rows, row_len))))
+        Ok((CpuStorage::F32(cols), Shape::from((row_len, positions))))
     }
 
     fn bwd(
@@ -186,7 +199,7 @@ impl CustomOp1 for Im2Col {
     }
 }
 
-/// `im2col`'s backward: every column value's gradient added back onto the input value it
+/// `im2col`'s backward: every patch value's gradient added back onto the input value it
 /// came from, giving the input's gradient `(batch, channels, height, width)`.
 struct Col2Im {
     im2col: Im2Col,
@@ -212,12 +225,16 @@ impl CustomOp1 for Col2Im {
             ));
         }
         let mut grad_x = vec![0f32; self.input_dims.iter().product()];
-        self.im2col.for_each_span(&g, |col, input, len| {
-            for (gx, g) in grad_x[input..input + len]
-                .iter_mut()
-                .zip(&grad[col..col + len])
-            {
-                *gx += g;
+        self.im2col.for_each_run(&g, |run| {
+            if let Some(input) = run.input {
+                let len = run.hi - run.lo;
+                let from = run.col + run.lo;
+                for (gx, g) in grad_x[input..input + len]
+                    .iter_mut()
+                    .zip(&grad[from..from + len])
+                {
+                    *gx += g;
+                }
             }
         });
         Ok((
@@ -252,7 +269,7 @@ pub fn max_pool2x2(x: &Tensor) -> Result<Tensor> {
 }
 
 /// [`max_pool2x2`] read straight off a convolution's matrix-product rows: `rows`
-/// `(batch·height·width, channels)` (position-major, as `im2col(x) · Wᵀ` leaves them) pooled
+/// `(batch·height·width, channels)` (position-major, as `im2col(x)ᵀ · Wᵀ` leaves them) pooled
 /// into `(batch, channels, height/2, width/2)`, the layout the next layer reads. The same
 /// values, and the same first maximum per window, as permuting the rows to
 /// `(batch, channels, height, width)` and pooling that, without the permuted copy. No
@@ -316,19 +333,27 @@ impl PoolRows {
     fn for_each_window(&self, x: &[f32], mut f: impl FnMut(usize, usize)) {
         let (c, w) = (self.channels, self.width);
         let (out_h, out_w) = (self.height / 2, self.width / 2);
+        let plane = out_h * out_w;
         for b in 0..self.batch {
             for oy in 0..out_h {
                 for ox in 0..out_w {
+                    // The window's four positions, each a run of `c` channel values.
                     let corner = ((b * self.height + 2 * oy) * w + 2 * ox) * c;
                     let below = corner + w * c;
+                    let starts = [corner, corner + c, below, below + c];
+                    let [first, rest @ ..] = starts.map(|s| &x[s..s + c]);
+                    let out = (b * c * out_h + oy) * out_w + ox;
                     for ch in 0..c {
-                        let mut best = corner + ch;
-                        for at in [corner + c + ch, below + ch, below + c + ch] {
-                            if x[at] > x[best] {
-                                best = at;
-                            }
+                        let (mut best, mut top) = (corner + ch, first[ch]);
+                        for (start, values) in starts[1..].iter().zip(rest) {
+                            // Selected, not branched on: which value wins is a coin toss
+                            // the branch predictor loses half the time.
+                            let v = values[ch];
+                            let wins = v > top;
+                            best = if wins { start + ch } else { best };
+                            top = if wins { v } else { top };
                         }
-                        f(((b * c + ch) * out_h + oy) * out_w + ox, best);
+                        f(out + ch * plane, best);
                     }
                 }
             }

@@ -269,11 +269,15 @@ impl CustomOp3 for Linear {
         }
         let bias = crate::fused::f32_slice("linear", s3, l3)?;
         // The bias in every row, for gemm to add the product onto.
-        let mut out = Vec::with_capacity(rows * fan_out);
-        for _ in 0..rows {
-            out.extend_from_slice(bias);
+        let size = rows * fan_out;
+        let mut out = Vec::with_capacity(size);
+        out.extend_from_slice(bias);
+        // Doubling what is there: a few long copies rather than one per (maybe short) row.
+        while out.len() < size {
+            out.extend_from_within(..out.len().min(size - out.len()));
         }
         if rows == 0 || fan_in == 0 || fan_out == 0 {
+            out.truncate(size);
             return Ok((CpuStorage::F32(out), Shape::from((rows, fan_out))));
         }
         let (x, w) = (

@@ -145,19 +145,6 @@ mod tests {
         let reference_grads = reference.backward().expect("autograd");
         let scalar = |t: &Tensor| t.to_scalar::<f32>().expect("scalar");
         assert!((scalar(&loss) - scalar(&reference)).abs() < 1e-5, "loss");
-        for (name, var) in params.vars() {
-            let ours = grads.get(var.as_tensor()).expect(name);
-            let theirs = reference_grads.get(var.as_tensor()).expect(name);
-            let diff = crate::testing::max_diff(ours, theirs);
-            let size = theirs
-                .abs()
-                .and_then(|d| d.max_all())
-                .map(|d| scalar(&d))
-                .expect("size");
-            assert!(
-                diff <= 1e-4 * size.max(1e-3),
-                "{name}: differs by {diff} (largest {size})"
-            );
-        }
+        crate::testing::assert_grads_match(params, &grads, &reference_grads, "cnn");
     }
 }

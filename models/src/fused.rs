@@ -51,16 +51,136 @@ pub(crate) fn exp(x: f32) -> f32 {
     e_r * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
-/// Runs `kernel` compiled for the widest vector instructions this CPU has, picked at run time
-/// (AVX2 with FMA on most x86-64 boxes). The build targets baseline x86-64, whose SSE2 loops
-/// are four lanes wide without fused multiply-add; the kernels below were a fifth of the
-/// GPT's step that way. Only what inlines into `kernel` gets the wider instructions, so each
-/// kernel is a `#[inline(always)]` function of plain loops over slices (the standard
-/// library's `extend` and `collect` stay out of line, compiled for the baseline). The numbers
-/// are the same either way up to the rounding of a fused multiply-add.
-#[inline(always)]
-pub(crate) fn widest<R>(kernel: impl FnOnce() -> R) -> R {
-    pulp::Arch::new().dispatch(kernel)
+/// The fused kernels with their arguments, each run by [`Kernel::run`] compiled for the
+/// widest vector instructions this CPU has, picked at run time (AVX2 with FMA on most x86-64
+/// boxes, through `pulp`). The build targets baseline x86-64, whose SSE2 loops are four lanes
+/// wide without fused multiply-add; these loops were a fifth of the GPT's step that way.
+/// Only code inlined into the dispatched function gets the wider instructions: a closure is
+/// inlined only when the compiler finds it small enough (the larger kernels stayed out of
+/// line), so each kernel is an `#[inline(always)]` function of plain loops over slices (the
+/// standard library's `extend` and `collect` stay out of line too), called from an
+/// `#[inline(always)]` `with_simd`. The numbers are the same either way up to the rounding of
+/// a fused multiply-add.
+enum Kernel<'a> {
+    AddBias {
+        x: &'a [f32],
+        bias: &'a [f32],
+        out: &'a mut [f32],
+    },
+    SumRows {
+        x: &'a [f32],
+        sum: &'a mut [f32],
+    },
+    LayerNorm {
+        x: &'a [f32],
+        weight: &'a [f32],
+        bias: &'a [f32],
+        eps: f32,
+        out: &'a mut [f32],
+    },
+    LayerNormGrad {
+        x: &'a [f32],
+        weight: &'a [f32],
+        grad: &'a [f32],
+        eps: f32,
+        out: &'a mut [f32],
+    },
+    CausalSoftmax {
+        x: &'a [f32],
+        time: usize,
+        scale: f32,
+        out: &'a mut [f32],
+    },
+    SoftmaxGrad {
+        y: &'a [f32],
+        g: &'a [f32],
+        width: usize,
+        scale: f32,
+        out: &'a mut [f32],
+    },
+    Silu {
+        x: &'a [f32],
+        out: &'a mut [f32],
+    },
+    SiluGrad {
+        x: &'a [f32],
+        g: &'a [f32],
+        out: &'a mut [f32],
+    },
+    CrossEntropy {
+        logits: &'a [f32],
+        targets: &'a [usize],
+        classes: usize,
+        total: &'a mut f64,
+    },
+    CrossEntropyGrad {
+        logits: &'a [f32],
+        targets: &'a [usize],
+        classes: usize,
+        per_row: f32,
+        out: &'a mut [f32],
+    },
+}
+
+impl pulp::WithSimd for Kernel<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) {
+        match self {
+            Kernel::AddBias { x, bias, out } => add_bias_rows(x, bias, out),
+            Kernel::SumRows { x, sum } => add_rows_into(x, sum),
+            Kernel::LayerNorm {
+                x,
+                weight,
+                bias,
+                eps,
+                out,
+            } => layer_norm_rows(x, weight, bias, eps, out),
+            Kernel::LayerNormGrad {
+                x,
+                weight,
+                grad,
+                eps,
+                out,
+            } => layer_norm_grad_rows(x, weight, grad, eps, out),
+            Kernel::CausalSoftmax {
+                x,
+                time,
+                scale,
+                out,
+            } => causal_softmax_rows(x, time, scale, out),
+            Kernel::SoftmaxGrad {
+                y,
+                g,
+                width,
+                scale,
+                out,
+            } => softmax_grad_rows(y, g, width, scale, out),
+            Kernel::Silu { x, out } => silu_values(x, out),
+            Kernel::SiluGrad { x, g, out } => silu_grad_values(x, g, out),
+            Kernel::CrossEntropy {
+                logits,
+                targets,
+                classes,
+                total,
+            } => *total = cross_entropy_total(logits, targets, classes),
+            Kernel::CrossEntropyGrad {
+                logits,
+                targets,
+                classes,
+                per_row,
+                out,
+            } => cross_entropy_grad_rows(logits, targets, classes, per_row, out),
+        }
+    }
+}
+
+impl Kernel<'_> {
+    /// Runs the kernel compiled for the widest vector instructions the CPU has.
+    fn run(self) {
+        pulp::Arch::new().dispatch(self)
+    }
 }
 
 /// The sum of `v` in eight running partial sums, so it vectorises (the result differs from
@@ -172,7 +292,12 @@ impl CustomOp2 for AddBias {
             )));
         }
         let mut out = vec![0f32; x.len()];
-        widest(|| add_bias_rows(x, bias, &mut out));
+        Kernel::AddBias {
+            x,
+            bias,
+            out: &mut out,
+        }
+        .run();
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -214,7 +339,7 @@ impl CustomOp1 for SumRows {
         let x = f32_slice("sum-rows", s, l)?;
         let (_, width) = rows_of("sum-rows", l.dims())?;
         let mut sum = vec![0f32; width];
-        widest(|| add_rows_into(x, &mut sum));
+        Kernel::SumRows { x, sum: &mut sum }.run();
         Ok((CpuStorage::F32(sum), Shape::from(width)))
     }
 }
@@ -293,7 +418,14 @@ impl CustomOp3 for LayerNorm {
             ));
         }
         let mut out = vec![0f32; x.len()];
-        widest(|| layer_norm_rows(x, weight, bias, self.eps, &mut out));
+        Kernel::LayerNorm {
+            x,
+            weight,
+            bias,
+            eps: self.eps,
+            out: &mut out,
+        }
+        .run();
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -355,7 +487,14 @@ impl CustomOp3 for LayerNormGrad {
         }
         let mut out = vec![0f32; (rows + 2) * width];
         let eps = self.eps;
-        widest(|| layer_norm_grad_rows(x, weight, grad, eps, &mut out));
+        Kernel::LayerNormGrad {
+            x,
+            weight,
+            grad,
+            eps,
+            out: &mut out,
+        }
+        .run();
         Ok((CpuStorage::F32(out), Shape::from((rows + 2, width))))
     }
 }
@@ -449,7 +588,13 @@ impl CustomOp1 for CausalSoftmax {
         let (_, time) = rows_of("causal-softmax", l.dims())?;
         let mut out = vec![0f32; x.len()];
         let scale = self.scale;
-        widest(|| causal_softmax_rows(x, time, scale, &mut out));
+        Kernel::CausalSoftmax {
+            x,
+            time,
+            scale,
+            out: &mut out,
+        }
+        .run();
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
@@ -516,7 +661,14 @@ impl CustomOp2 for SoftmaxGrad {
         }
         let mut out = vec![0f32; y.len()];
         let scale = self.scale;
-        widest(|| softmax_grad_rows(y, g, width, scale, &mut out));
+        Kernel::SoftmaxGrad {
+            y,
+            g,
+            width,
+            scale,
+            out: &mut out,
+        }
+        .run();
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -554,7 +706,7 @@ impl CustomOp1 for Silu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = f32_slice("silu", s, l)?;
         let mut out = vec![0f32; x.len()];
-        widest(|| silu_values(x, &mut out));
+        Kernel::Silu { x, out: &mut out }.run();
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
@@ -596,7 +748,12 @@ impl CustomOp2 for SiluGrad {
             ));
         }
         let mut out = vec![0f32; x.len()];
-        widest(|| silu_grad_values(x, g, &mut out));
+        Kernel::SiluGrad {
+            x,
+            g,
+            out: &mut out,
+        }
+        .run();
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -722,7 +879,14 @@ impl CustomOp2 for CrossEntropy {
                 targets.len()
             )));
         }
-        let total = widest(|| cross_entropy_total(logits, &targets, classes));
+        let mut total = 0.0;
+        Kernel::CrossEntropy {
+            logits,
+            targets: &targets,
+            classes,
+            total: &mut total,
+        }
+        .run();
         let mean = (total / rows.max(1) as f64) as f32;
         Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
     }
@@ -769,7 +933,14 @@ impl CustomOp2 for CrossEntropyGrad {
         }
         let per_row = self.scale / rows.max(1) as f32;
         let mut out = vec![0f32; logits.len()];
-        widest(|| cross_entropy_grad_rows(logits, &targets, classes, per_row, &mut out));
+        Kernel::CrossEntropyGrad {
+            logits,
+            targets: &targets,
+            classes,
+            per_row,
+            out: &mut out,
+        }
+        .run();
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }

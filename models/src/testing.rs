@@ -1,5 +1,6 @@
 //! Helpers the unit tests of the numeric modules share.
 
+use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
 /// A variable of `shape` filled with deterministic values spread over `[-amplitude,
@@ -35,4 +36,25 @@ pub(crate) fn nudge(params: &crate::Params, amplitude: f32) {
         .map(|(i, v)| v + ((i * 7919 % 101) as f32 / 101.0 - 0.5) * amplitude)
         .collect();
     params.write_back(&moved).expect("write back");
+}
+
+/// Asserts that two gradient stores (a hand-written backward pass's and autograd's) agree on
+/// every parameter to within `1e-4` of the larger gradient's size; `context` names the case.
+pub(crate) fn assert_grads_match(
+    params: &crate::Params,
+    ours: &GradStore,
+    theirs: &GradStore,
+    context: &str,
+) {
+    let scalar = |t: Tensor| t.to_scalar::<f32>().expect("scalar");
+    for (name, var) in params.vars() {
+        let mine = ours.get(var.as_tensor()).expect(name);
+        let reference = theirs.get(var.as_tensor()).expect(name);
+        let diff = max_diff(mine, reference);
+        let size = scalar(reference.abs().and_then(|d| d.max_all()).expect("size"));
+        assert!(
+            diff <= 1e-4 * size.max(1e-3),
+            "{name}, {context}: differs by {diff} (largest {size})"
+        );
+    }
 }

@@ -7,19 +7,26 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Storage, Tensor, Var};
 use sha2::{Digest, Sha256};
 
 use crate::{Error, Result};
 
 /// The L2 norm of a flat vector, summed in `f64` so that 200k `f32` squares lose nothing:
 /// parameter norms bound neighbours' updates, and residual norms show what is still owed.
+/// Eight running partial sums, so the loop vectorises (a lone node's trainer takes the norm
+/// of its parameters at every publish).
 pub fn l2_norm(values: &[f32]) -> f64 {
-    values
-        .iter()
-        .map(|v| f64::from(*v).powi(2))
-        .sum::<f64>()
-        .sqrt()
+    let square = |v: f32| f64::from(v) * f64::from(v);
+    let mut lanes = [0f64; 8];
+    let chunks = values.chunks_exact(8);
+    let rest: f64 = chunks.remainder().iter().map(|&v| square(v)).sum();
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane += square(v);
+        }
+    }
+    (lanes.iter().sum::<f64>() + rest).sqrt()
 }
 
 /// Names and shapes of a model's parameters in canonical (name-sorted) order.
@@ -104,12 +111,19 @@ impl Params {
     pub fn flatten(&self) -> Result<Vec<f32>> {
         let mut out = Vec::with_capacity(self.numel());
         for (_, v) in &self.vars {
-            out.extend(
-                v.as_tensor()
-                    .flatten_all()?
-                    .to_dtype(DType::F32)?
-                    .to_vec1::<f32>()?,
-            );
+            let t = v.as_tensor();
+            // f32 on the CPU and contiguous, as parameters are: straight from the storage, one
+            // copy rather than two (a node flattens its parameters at every publish).
+            if t.dtype() == DType::F32 {
+                let (storage, layout) = t.storage_and_layout();
+                if let (Storage::Cpu(cpu), Some((from, to))) =
+                    (&*storage, layout.contiguous_offsets())
+                {
+                    out.extend_from_slice(&cpu.as_slice::<f32>()?[from..to]);
+                    continue;
+                }
+            }
+            out.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
         }
         Ok(out)
     }

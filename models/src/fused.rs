@@ -54,8 +54,8 @@ pub(crate) fn exp(x: f32) -> f32 {
 /// The fused kernels with their arguments, each run by [`Kernel::run`] compiled for the
 /// widest vector instructions this CPU has, picked at run time (AVX2 with FMA on most x86-64
 /// boxes, through `pulp`). The build targets baseline x86-64, whose SSE2 loops are four lanes
-/// wide without fused multiply-add; these loops were a fifth of the GPT's step that way.
-/// Only code inlined into the dispatched function gets the wider instructions: a closure is
+/// wide without fused multiply-add; these loops were about a seventh of the GPT's step that
+/// way. Only code inlined into the dispatched function gets the wider instructions: a closure is
 /// inlined only when the compiler finds it small enough (the larger kernels stayed out of
 /// line), so each kernel is an `#[inline(always)]` function of plain loops over slices (the
 /// standard library's `extend` and `collect` stay out of line too), called from an

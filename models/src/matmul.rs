@@ -42,7 +42,8 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     Ok(x.apply_op3(weight, &bias.contiguous()?, Linear)?)
 }
 
-/// Gemm's parallelism for Candle's thread count (`RAYON_NUM_THREADS`, as Candle reads it).
+/// Gemm's parallelism for Candle's thread count (`RAYON_NUM_THREADS`, as Candle reads it:
+/// from the environment, so once per op, not per matrix of a batch).
 fn parallelism() -> Parallelism {
     match candle_core::utils::get_num_threads() {
         0 | 1 => Parallelism::None,
@@ -114,6 +115,7 @@ fn gemm_into(
     (m, n, k): (usize, usize, usize),
     lhs: (&[f32], usize, (isize, isize)),
     rhs: (&[f32], usize, (isize, isize)),
+    parallelism: Parallelism,
 ) -> candle_core::Result<()> {
     let (lhs_values, lhs_start, (lhs_rs, lhs_cs)) = lhs;
     let (rhs_values, rhs_start, (rhs_rs, rhs_cs)) = rhs;
@@ -158,7 +160,7 @@ fn gemm_into(
             false,
             false,
             false,
-            parallelism(),
+            parallelism,
         );
         if how == Dst::Append {
             dst.set_len(start + size);
@@ -208,6 +210,7 @@ impl CustomOp2 for MatMul {
             Operand::new("matmul", s2, l2)?,
         );
         let mut out = Vec::with_capacity(len);
+        let threads = parallelism();
         for i in 0..batch {
             gemm_into(
                 &mut out,
@@ -215,6 +218,7 @@ impl CustomOp2 for MatMul {
                 (m, n, k),
                 (a.values, a.matrix_start(batch_dims, i), a.matrix_strides()),
                 (b.values, b.matrix_start(batch_dims, i), b.matrix_strides()),
+                threads,
             )?;
         }
         Ok((CpuStorage::F32(out), Shape::from(out_dims)))
@@ -292,6 +296,7 @@ impl CustomOp3 for Linear {
             (x.values, x.start, x.matrix_strides()),
             // Wᵀ's (row, column) strides are W's (column, row) ones.
             (w.values, w.start, (w_cs, w_rs)),
+            parallelism(),
         )?;
         Ok((CpuStorage::F32(out), Shape::from((rows, fan_out))))
     }

@@ -378,6 +378,9 @@ pub fn run(args: MeshArgs) -> Result<()> {
             stop_at_mean_accuracy: None,
             hosts: Vec::new(),
             no_alone: true,
+            target: None,
+            sync_mode: None,
+            cores_per_node: None,
         })?;
         let density = matches!(codec, Codec::TopK(_))
             .then(|| args.density.unwrap_or(base_config.sync.density));
@@ -410,6 +413,9 @@ pub fn run(args: MeshArgs) -> Result<()> {
                 stop_at_mean_accuracy: None,
                 hosts: Vec::new(),
                 no_alone: true,
+                target: None,
+                sync_mode: None,
+                cores_per_node: None,
             })?;
             let r = summarise("single-node", false, None, params, &summary);
             eprintln!(

@@ -316,6 +316,9 @@ pub fn run(args: RaceArgs) -> Result<()> {
                 stop_at_mean_accuracy: Some(args.target),
                 hosts: hosts.clone(),
                 no_alone: true,
+                target: None,
+                sync_mode: None,
+                cores_per_node: None,
             })?;
             let (curve, reached) = mean_curve(&summary, args.nodes, args.target);
             let n = summary.per_node.len().max(1) as f64;

@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use p2ptrain_daemon::config::Overrides;
+use p2ptrain_daemon::config::{reaches_target, Overrides, PartitionKind};
 use p2ptrain_daemon::status::Status;
+use p2ptrain_daemon::trainer::EvalRecord;
 use p2ptrain_daemon::Config;
 use serde::Serialize;
 
@@ -51,6 +52,21 @@ pub struct LocalArgs {
     /// Print the summary as JSON (and no progress lines).
     #[arg(long)]
     pub json: bool,
+    /// A held-out figure to reach (default: the config's `train.target`): bits per byte for a
+    /// language model, accuracy otherwise. The mesh stops once every node has reached it (or
+    /// after --duration, default 600 s), then one node alone on the whole data trains to it,
+    /// and the summary sets the steps each needed side by side: what the other boxes bought.
+    #[arg(long)]
+    pub target: Option<f64>,
+    /// The sync mode of every mesh node (`gossip`, `allreduce`, `ddp`, `diloco`, `fedavg`),
+    /// replacing the config's `sync.mode`.
+    #[arg(long)]
+    pub sync_mode: Option<String>,
+    /// Pin each node to this many CPU cores of its own (`taskset`), so the times to the
+    /// target compare as if each node were a box: node k gets cores kK..(k+1)K-1, the lone
+    /// control node 0's. More nodes than this machine has core sets is an error.
+    #[arg(long)]
+    pub cores_per_node: Option<usize>,
     /// A different configuration for some nodes (by index), e.g. a throttled straggler.
     #[arg(skip)]
     pub node_configs: BTreeMap<usize, PathBuf>,
@@ -200,6 +216,48 @@ pub struct NodeSummary {
     /// What a node with the same part of the data reaches alone.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub alone: Option<Alone>,
+    /// With a target: when its evaluations first reached it (none: never did).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at_target: Option<Reached>,
+}
+
+/// When a node's evaluation first reached the target: its step and the seconds since its run
+/// (the mesh, or the lone control) started.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Reached {
+    /// The evaluated step.
+    pub step: u64,
+    /// Seconds since the run started, from the node's own evaluation log.
+    pub secs: f64,
+}
+
+/// One node alone on the whole data, trained to the target: the control of a race.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LoneControl {
+    /// When it reached the target (none: not within `cap` steps or the time limit).
+    pub reached: Option<Reached>,
+    /// The most steps it could train.
+    pub cap: u64,
+    /// Its last evaluated step and figure.
+    pub last: Option<(u64, f64)>,
+}
+
+/// A run to a target: each mesh node's steps beside one node alone on the whole data.
+#[derive(Debug, Serialize)]
+pub struct TargetSummary {
+    /// The held-out figure: bits per byte (at or below) for a language model, else accuracy
+    /// (at or above).
+    pub target: f64,
+    /// `"bits_per_byte"` or `"accuracy"`.
+    pub metric: &'static str,
+    /// Cores each node was pinned to (none: not pinned, so times do not compare).
+    pub cores_per_node: Option<usize>,
+    /// The lone control (none with `--no-alone`).
+    pub alone: Option<LoneControl>,
+    /// The lone control's steps ÷ the slowest mesh node's: steps per node the mesh saved.
+    pub steps_ratio: Option<f64>,
+    /// The lone control's seconds ÷ the mesh's (every node there): the speed-up, when pinned.
+    pub speedup: Option<f64>,
 }
 
 /// A node's part of the data trained alone, outside any mesh: the control for what the mesh
@@ -246,9 +304,46 @@ pub struct LocalSummary {
     /// Every node's status every half second (only when asked for).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub trace: Vec<TracePoint>,
+    /// With a target: the mesh's steps and times to it beside a lone node's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target: Option<TargetSummary>,
     /// The final status of each node.
     #[serde(skip)]
     pub final_status: Vec<Status>,
+}
+
+/// How long a run to a target may take, the mesh and the lone control each, when no
+/// `--duration` says.
+const TARGET_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Milliseconds since the Unix epoch: evaluation logs are stamped so.
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Every evaluation a node logged, oldest first (`evals.jsonl` in its data directory).
+pub(crate) fn read_evals(dir: &Path) -> Vec<EvalRecord> {
+    std::fs::read_to_string(dir.join(p2ptrain_daemon::node::EVAL_LOG))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The first of a node's evaluations since `started_ms` that reached `target`, timed from
+/// then.
+fn first_at_target(dir: &Path, target: Option<f64>, started_ms: u64) -> Option<Reached> {
+    read_evals(dir)
+        .iter()
+        // A reused data directory keeps an earlier run's evaluations: not this run's.
+        .filter(|e| e.unix_ms >= started_ms)
+        .find(|e| reaches_target(target, e.accuracy, e.bits_per_byte))
+        .map(|e| Reached {
+            step: e.step,
+            secs: e.unix_ms.saturating_sub(started_ms) as f64 / 1e3,
+        })
 }
 
 /// Every local node's control API: loopback, a port the OS picks.
@@ -269,27 +364,59 @@ impl Drop for Children {
     }
 }
 
+/// Where and how one node runs: its lab host (none: here, on loopback) and the cores it is
+/// pinned to (none: wherever the OS puts it).
+#[derive(Clone, Copy, Default)]
+struct Placement<'a> {
+    host: Option<&'a LabHost>,
+    cores: Option<&'a str>,
+}
+
+/// The `join` flags one node starts with, beside its data directory and config.
+#[derive(Clone, Copy, Default)]
+struct NodeFlags<'a> {
+    /// `--shard k/n`.
+    shard: Option<&'a str>,
+    /// `--max-steps`.
+    steps: Option<u64>,
+    /// `--bootstrap`: none for the founder and for a lone node.
+    bootstrap: Option<&'a str>,
+    /// `--sync-mode`.
+    sync_mode: Option<&'a str>,
+    /// `--target`: the node logs when it first reaches it.
+    target: Option<f64>,
+}
+
 fn spawn_node(
     dir: &Path,
     config: Option<&Path>,
-    shard: Option<&str>,
-    steps: Option<u64>,
-    bootstrap: Option<&str>,
-    host: Option<&LabHost>,
+    flags: NodeFlags<'_>,
+    place: Placement<'_>,
 ) -> Result<Child> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let log =
         std::fs::File::create(dir.with_extension("log")).context("cannot create a node log")?;
     let exe = std::env::current_exe().context("cannot find this executable")?;
-    // `ip netns exec` execs the node, so the child is the node itself.
-    let (mut cmd, listen) = match host {
-        None => (Command::new(exe), LOCAL_LISTEN),
+    // `taskset` and `ip netns exec` exec what follows, so the child is the node itself.
+    let mut program: Vec<std::ffi::OsString> = Vec::new();
+    if let Some(c) = place.cores {
+        program.extend(["taskset".into(), "-c".into(), c.into()]);
+    }
+    let listen = match place.host {
+        None => LOCAL_LISTEN,
         Some(h) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", &h.netns]).arg(exe);
-            (c, h.listen.as_str())
+            program.extend([
+                "ip".into(),
+                "netns".into(),
+                "exec".into(),
+                (&h.netns).into(),
+            ]);
+            h.listen.as_str()
         }
     };
+    program.push(exe.into());
+    let mut cmd = Command::new(&program[0]);
+    cmd.args(&program[1..]);
     cmd.arg("join")
         .arg("--data-dir")
         .arg(dir)
@@ -297,17 +424,59 @@ fn spawn_node(
     if let Some(c) = config {
         cmd.arg("--config").arg(c);
     }
-    if let Some(s) = shard {
+    if let Some(s) = flags.shard {
         cmd.args(["--shard", s]);
     }
-    if let Some(s) = steps {
+    if let Some(s) = flags.steps {
         cmd.args(["--max-steps", &s.to_string()]);
     }
-    if let Some(b) = bootstrap {
+    if let Some(b) = flags.bootstrap {
         cmd.args(["--bootstrap", b]);
     }
+    if let Some(m) = flags.sync_mode {
+        cmd.args(["--sync-mode", m]);
+    }
+    if let Some(t) = flags.target {
+        cmd.args(["--target", &t.to_string()]);
+    }
+    if let Some(c) = place.cores {
+        cmd.args(["--threads", &c.split(',').count().to_string()]);
+    }
     cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
-    cmd.spawn().context("cannot start a node")
+    cmd.spawn().with_context(|| {
+        format!(
+            "cannot start a node{}",
+            if place.cores.is_some() {
+                " under taskset (is util-linux installed?)"
+            } else {
+                ""
+            }
+        )
+    })
+}
+
+/// The cores of core set `k` of `per` cores each, as `taskset -c` takes them.
+pub(crate) fn core_set(k: usize, per: usize) -> String {
+    (k * per..(k + 1) * per)
+        .map(|c| c.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Fails unless this machine has `sets` sets of `per` cores each: pinning two nodes to one
+/// core would measure contention, not what another box buys.
+pub(crate) fn check_core_sets(sets: usize, per: usize) -> Result<()> {
+    if per == 0 {
+        bail!("--cores-per-node must be at least 1");
+    }
+    let available = std::thread::available_parallelism().map_or(1, usize::from);
+    if sets * per > available {
+        bail!(
+            "{sets} nodes of {per} cores each need {} cores; this machine offers {available}",
+            sets * per
+        );
+    }
+    Ok(())
 }
 
 async fn wait_api(dir: &Path, child: &mut Child) -> Result<String> {
@@ -366,9 +535,8 @@ fn final_params(dir: &Path) -> Option<(PathBuf, Vec<f32>)> {
 /// The part node `index` of `nodes` trains on: none for an `iid` config or one that names
 /// its own `train.shard`, else `index/nodes`.
 fn shard_for(config: &Config, index: usize, nodes: usize) -> Option<String> {
-    (config.data.partition != p2ptrain_daemon::config::PartitionKind::Iid
-        && config.train.shard.is_none())
-    .then(|| format!("{index}/{nodes}"))
+    (config.data.partition != PartitionKind::Iid && config.train.shard.is_none())
+        .then(|| format!("{index}/{nodes}"))
 }
 
 /// Runs the local mesh.
@@ -401,14 +569,39 @@ pub fn run(mut args: LocalArgs) -> Result<LocalSummary> {
         api: Some(LOCAL_API.parse()?),
         listen: vec![LOCAL_LISTEN.into()],
         shard: shard_for(&config, 0, args.nodes),
+        target: args.target,
+        sync_mode: args.sync_mode.clone(),
         ..Overrides::default()
     })?;
     checked.check_shard()?;
+    args.target = checked.train.target;
+    if let Some(per) = args.cores_per_node {
+        check_core_sets(args.nodes, per)?;
+    }
     let rt = crate::client_runtime()?;
     let result = rt.block_on(run_mesh(&args, &base));
+    // With a target on an `iid` config every node's part is the whole data: the lone node
+    // trained to the target below is that control, with its steps counted.
+    let per_part_control =
+        !args.no_alone && (args.target.is_none() || config.data.partition != PartitionKind::Iid);
     let result = match result {
-        Ok(mut summary) if !args.no_alone => compare_alone(&args, &mut summary).map(|()| summary),
+        Ok(mut summary) if per_part_control => compare_alone(&args, &mut summary).map(|()| summary),
         other => other,
+    };
+    let result = match (result, args.target) {
+        (Ok(mut summary), Some(target)) => {
+            let alone = if args.no_alone {
+                Ok(None)
+            } else {
+                rt.block_on(lone_to_target(&args, &checked, &base, target, &summary))
+                    .map(Some)
+            };
+            alone.map(|alone| {
+                summary.target = Some(target_summary(&args, &checked, target, &summary, alone));
+                summary
+            })
+        }
+        (other, _) => other,
     };
     if temp {
         let _ = std::fs::remove_dir_all(&base);
@@ -418,6 +611,7 @@ pub fn run(mut args: LocalArgs) -> Result<LocalSummary> {
 
 async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
     let started = Instant::now();
+    let started_ms = unix_ms();
     let config = args
         .config
         .as_deref()
@@ -442,16 +636,28 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         bail!("{} lab hosts for {} nodes", args.hosts.len(), args.nodes);
     }
     let host_of = |i: usize| args.hosts.get(i);
+    let cores: Vec<Option<String>> = (0..args.nodes)
+        .map(|i| args.cores_per_node.map(|per| core_set(i, per)))
+        .collect();
+    let place_of = |i: usize| Placement {
+        host: host_of(i),
+        cores: cores[i].as_deref(),
+    };
     let shards = (0..args.nodes)
         .map(|i| Ok(shard_for(&Config::load(config_of(i))?, i, args.nodes)))
         .collect::<Result<Vec<_>>>()?;
+    let flags_of = |i: usize| NodeFlags {
+        shard: shards[i].as_deref(),
+        steps: args.steps,
+        bootstrap: None,
+        sync_mode: args.sync_mode.as_deref(),
+        target: args.target,
+    };
     children.0.push(spawn_node(
         &dirs[0],
         config_of(0),
-        shards[0].as_deref(),
-        args.steps,
-        None,
-        host_of(0),
+        flags_of(0),
+        place_of(0),
     )?);
     let first_api = wait_api(&dirs[0], &mut children.0[0]).await?;
     let first = NodeApi::new(first_api, host_of(0))?;
@@ -475,10 +681,11 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         children.0.push(spawn_node(
             dir,
             config_of(i),
-            shards[i].as_deref(),
-            args.steps,
-            Some(&bootstrap),
-            host_of(i),
+            NodeFlags {
+                bootstrap: Some(&bootstrap),
+                ..flags_of(i)
+            },
+            place_of(i),
         )?);
     }
     let mut clients = vec![first];
@@ -487,9 +694,11 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         clients.push(NodeApi::new(api, host_of(i))?);
     }
 
+    let target = args.target;
     let duration = match (args.steps, args.duration) {
         (Some(_), _) => None,
         (None, Some(d)) => Some(Duration::from_secs_f64(d.max(0.0))),
+        (None, None) if target.is_some() => Some(TARGET_TIMEOUT),
         (None, None) => Some(Duration::from_secs(30)),
     };
     let mut last: BTreeMap<usize, Status> = BTreeMap::new();
@@ -547,8 +756,12 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
                 .collect();
             accs.len() == args.nodes && accs.iter().sum::<f64>() / accs.len() as f64 >= target
         });
+        let all_at_target = target.is_some()
+            && dirs
+                .iter()
+                .all(|d| first_at_target(d, target, started_ms).is_some());
         let out_of_time = duration.is_some_and(|d| started.elapsed() >= d);
-        if out_of_time || target_reached {
+        if out_of_time || target_reached || all_at_target {
             for c in &clients {
                 let _ = c.stop().await;
             }
@@ -614,6 +827,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
                 .collect(),
             sent_bytes_per_sec: s.network.bytes_sent as f64 / s.node.uptime_s.max(1e-3),
             alone: None,
+            at_target: first_at_target(dir, args.target, started_ms),
         });
     }
     let mut distances = Vec::new();
@@ -643,6 +857,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         mean_alone_accuracy: None,
         per_node,
         trace,
+        target: None,
         final_status: last.into_values().collect(),
     })
 }
@@ -742,6 +957,127 @@ fn compare_alone(args: &LocalArgs, summary: &mut LocalSummary) -> Result<()> {
     Ok(())
 }
 
+/// Trains one node alone on the whole data, pinned like node 0, until its evaluations reach
+/// the target (or `2 × nodes ×` the mesh's steps, or the time limit): the control that shows
+/// what the mesh's other boxes bought, in steps per node and, pinned, in time. It runs after
+/// the mesh, so it has the machine to itself as each mesh node had its cores, and as a plain
+/// node (`gossip`, no peers): a synchronous mode's `min_members` would hold it forever.
+async fn lone_to_target(
+    args: &LocalArgs,
+    config: &Config,
+    base: &Path,
+    target: f64,
+    summary: &LocalSummary,
+) -> Result<LoneControl> {
+    let furthest = summary
+        .per_node
+        .iter()
+        .map(|n| n.at_target.map_or(n.step, |r| r.step))
+        .max()
+        .unwrap_or(0);
+    let cap = (2 * args.nodes as u64 * furthest).clamp(1000, ALONE_MAX_STEPS);
+    let dir = base.join("alone-whole-data");
+    let _ = std::fs::remove_dir_all(&dir);
+    let config_path = args
+        .config
+        .as_deref()
+        .map(std::path::absolute)
+        .transpose()?;
+    let cores = args.cores_per_node.map(|per| core_set(0, per));
+    if !args.json {
+        eprintln!("one node alone on the whole data, to the target (at most {cap} steps)");
+    }
+    let started_ms = unix_ms();
+    let started = Instant::now();
+    let flags = NodeFlags {
+        // A partition that cuts the set between nodes, cut in one part: all of it.
+        shard: (config.data.partition != PartitionKind::Iid).then_some("0/1"),
+        steps: Some(cap),
+        bootstrap: None,
+        sync_mode: Some("gossip"),
+        target: Some(target),
+    };
+    let place = Placement {
+        host: None,
+        cores: cores.as_deref(),
+    };
+    let mut child = Children(vec![spawn_node(
+        &dir,
+        config_path.as_deref(),
+        flags,
+        place,
+    )?]);
+    let client = Client::new(&wait_api(&dir, &mut child.0[0]).await?, None)?;
+    let limit = args
+        .duration
+        .map_or(TARGET_TIMEOUT, |d| Duration::from_secs_f64(d.max(0.0)));
+    let exit = loop {
+        let exited = child.0[0].try_wait()?;
+        let reached = first_at_target(&dir, Some(target), started_ms).is_some();
+        if exited.is_some() || reached || started.elapsed() > limit {
+            if exited.is_none() {
+                let _ = client.post::<serde_json::Value>("/v1/stop").await;
+            }
+            break exited;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.0[0].try_wait()?.is_none() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(child);
+    // Read after it stopped: an evaluation written as it exited counts.
+    let reached = first_at_target(&dir, Some(target), started_ms);
+    if let Some(status) = exit.filter(|s| !s.success() && reached.is_none()) {
+        bail!(
+            "the lone control node failed ({status}); see {}",
+            dir.with_extension("log").display()
+        );
+    }
+    Ok(LoneControl {
+        reached,
+        cap,
+        last: read_evals(&dir)
+            .iter()
+            .rfind(|e| e.unix_ms >= started_ms)
+            .map(|e| (e.step, e.bits_per_byte.unwrap_or(e.accuracy))),
+    })
+}
+
+/// The race to the target, summarised: each mesh node's step and time beside the lone
+/// control's (none with `--no-alone`), and the ratios.
+fn target_summary(
+    args: &LocalArgs,
+    config: &Config,
+    target: f64,
+    summary: &LocalSummary,
+    alone: Option<LoneControl>,
+) -> TargetSummary {
+    let mesh: Option<Vec<Reached>> = summary.per_node.iter().map(|n| n.at_target).collect();
+    let slowest =
+        |f: fn(&Reached) -> f64| mesh.as_ref().and_then(|m| m.iter().map(f).reduce(f64::max));
+    let (mesh_steps, mesh_secs) = (slowest(|r| r.step as f64), slowest(|r| r.secs));
+    let lone = alone.and_then(|a| a.reached);
+    TargetSummary {
+        target,
+        metric: if config.model.is_language_model() {
+            "bits_per_byte"
+        } else {
+            "accuracy"
+        },
+        cores_per_node: args.cores_per_node,
+        alone,
+        steps_ratio: lone
+            .zip(mesh_steps)
+            .map(|(a, m)| a.step as f64 / m.max(1.0)),
+        speedup: args
+            .cores_per_node
+            .and(lone.zip(mesh_secs))
+            .map(|(a, m)| a.secs / m.max(1e-3)),
+    }
+}
+
 /// Prints a summary for people: what each node reached in the mesh beside what its part of
 /// the data reaches alone, and the mesh's health (peers, rejections, drops, bans), since a
 /// split mesh still shows a good accuracy on small data.
@@ -822,6 +1158,57 @@ pub fn print_summary(s: &LocalSummary) {
         s.consensus_distance_max * 100.0,
         s.consensus_distance_mean * 100.0
     );
+    if let Some(t) = &s.target {
+        print_target(s, t);
+    }
+}
+
+/// The race to the target in a few lines: each mesh node's steps (and, pinned, seconds)
+/// beside the lone control's, and the ratios.
+fn print_target(s: &LocalSummary, t: &TargetSummary) {
+    let language = t.metric == "bits_per_byte";
+    let figure = |v: f64| {
+        if language {
+            format!("{v:.3} bits per byte")
+        } else {
+            format!("{:.2}% held-out accuracy", v * 100.0)
+        }
+    };
+    let at = |r: Option<Reached>| match r {
+        Some(r) => format!("step {} ({:.1} s)", r.step, r.secs),
+        None => "not reached".into(),
+    };
+    println!("target {}:", figure(t.target));
+    let mesh: Vec<String> = s
+        .per_node
+        .iter()
+        .map(|n| format!("node {} {}", n.index, at(n.at_target)))
+        .collect();
+    println!("  in the mesh: {}", mesh.join(", "));
+    if let Some(a) = &t.alone {
+        let last = a
+            .last
+            .map(|(step, v)| format!(", last evaluated step {step} at {}", figure(v)))
+            .unwrap_or_default();
+        println!(
+            "  one node alone on the whole data: {} (at most {} steps{last})",
+            at(a.reached),
+            a.cap
+        );
+    }
+    if let Some(r) = t.steps_ratio {
+        println!("  the lone node needed {r:.2}x the steps each mesh node needed");
+    }
+    match (t.speedup, t.cores_per_node) {
+        (Some(x), Some(k)) => println!(
+            "  the mesh got there {x:.2}x as fast (each node pinned to {k} core{})",
+            if k == 1 { "" } else { "s" }
+        ),
+        (None, None) if t.alone.is_some() => println!(
+            "  times do not compare unpinned: --cores-per-node K gives each node cores of its own"
+        ),
+        _ => {}
+    }
 }
 
 /// Bytes in B, kB, MB or GB (powers of 1000), for people.

@@ -4,9 +4,11 @@
 //! `p2ptrain-daemon` and `p2ptrain-models`. Every failure ends as one line on stderr and a
 //! non-zero exit code.
 
+mod allocator;
 mod bench;
 mod bench_mesh;
 mod bench_race;
+mod bench_scaling;
 mod bench_step;
 mod client;
 mod local;
@@ -29,21 +31,6 @@ use p2ptrain_daemon::status::{CheckpointView, Status};
 use p2ptrain_daemon::Config;
 
 use crate::client::Client;
-
-/// mimalloc, with a count of the bytes it holds for us: status reports the live heap from it
-/// (`node.memory.heap_bytes`), the only memory figure that shows a leak apart from what the
-/// allocator keeps after a peak. mimalloc rather than glibc's malloc because a training step
-/// frees and reallocates megabytes of tensors: glibc gave them back to the kernel and took them
-/// again, so every step paid page faults and freshly zeroed pages (a quarter of a GPT step on
-/// one core). `cap` counts (its limit is left unbounded) because it can wrap another allocator
-/// in a `static`.
-#[global_allocator]
-static ALLOCATOR: cap::Cap<mimalloc::MiMalloc> = cap::Cap::new(mimalloc::MiMalloc, usize::MAX);
-
-/// Bytes allocated and not yet released, by [`ALLOCATOR`]'s count.
-fn live_heap_bytes() -> u64 {
-    ALLOCATOR.allocated() as u64
-}
 
 #[derive(Parser)]
 #[command(
@@ -139,7 +126,7 @@ struct JoinArgs {
     /// can connect. Overrides `network.psk`.
     #[arg(long)]
     psk: Option<PathBuf>,
-    /// How the members combine their training: gossip (default), allreduce, diloco or fedavg
+    /// How the members combine their training: gossip (default), allreduce, ddp, diloco or fedavg
     /// (see the README's table of frameworks). Overrides `sync.mode`.
     #[arg(long)]
     sync_mode: Option<String>,
@@ -147,6 +134,10 @@ struct JoinArgs {
     /// Overrides `train.shard`.
     #[arg(long, value_name = "K/N")]
     shard: Option<String>,
+    /// A held-out figure to reach (bits per byte for a language model, else accuracy): the
+    /// node logs the step at which an evaluation first reaches it. Overrides `train.target`.
+    #[arg(long)]
+    target: Option<f64>,
     /// Write a timeline of the node's work (Chrome trace JSON: open it in ui.perfetto.dev or
     /// chrome://tracing): spans per step for forward/backward, optimizer, encode, publish,
     /// validate, apply, full sync, checkpoint and state download.
@@ -241,13 +232,17 @@ enum BenchCmd {
     /// Time to a target accuracy: each sync mode's local mesh against PyTorch DDP (gloo);
     /// writes report.json and report.svg.
     Race(bench_race::RaceArgs),
+    /// Time to a target loss: one node, one node with N times the batch (the ideal), and N
+    /// pinned nodes in each sync mode, over seeds; speedup and scaling efficiency, as JSON.
+    Scaling(bench_scaling::ScalingArgs),
     /// One training step of each model and optimizer against PyTorch eager on the same CPU
     /// and thread count, and the codecs' cost per update; writes JSON.
     Step(bench_step::StepArgs),
 }
 
 fn main() -> ExitCode {
-    p2ptrain_daemon::memory::count_heap_with(live_heap_bytes);
+    allocator::keep_freed_memory();
+    p2ptrain_daemon::memory::count_heap_with(allocator::live_heap_bytes);
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
@@ -322,6 +317,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             bench_mesh::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Bench(BenchCmd::Scaling(args)) => {
+            bench_scaling::run(args)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Bench(BenchCmd::Race(args)) => {
             bench_race::run(args)?;
             Ok(ExitCode::SUCCESS)
@@ -380,6 +379,7 @@ impl JoinArgs {
             psk: self.psk.clone(),
             sync_mode: self.sync_mode.clone(),
             shard: self.shard.clone(),
+            target: self.target,
         }
     }
 }

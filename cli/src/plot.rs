@@ -131,6 +131,66 @@ pub fn render_race_svg(
     Ok(svg)
 }
 
+/// Any metric against wall time, one line per run (`bench scaling`): the y axis spans the
+/// points, with a margin.
+pub fn render_curves_svg(
+    title: &str,
+    y_desc: &str,
+    lines: &[(String, Vec<(f64, f64)>)],
+) -> Result<String> {
+    let points = lines.iter().flat_map(|(_, p)| p.iter());
+    let (mut x_hi, mut y_lo, mut y_hi) = (1.0f64, f64::INFINITY, f64::NEG_INFINITY);
+    for &(x, y) in points {
+        x_hi = x_hi.max(x);
+        y_lo = y_lo.min(y);
+        y_hi = y_hi.max(y);
+    }
+    if !y_lo.is_finite() {
+        (y_lo, y_hi) = (0.0, 1.0);
+    }
+    let pad = ((y_hi - y_lo) * 0.05).max(1e-3);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).context("filling the background")?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(10)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..x_hi * 1.02, (y_lo - pad)..(y_hi + pad))
+            .context("building the chart")?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds")
+            .y_desc(y_desc)
+            .light_line_style(WHITE.mix(0.0))
+            .draw()
+            .context("drawing the axes")?;
+        for (index, (label, points)) in lines.iter().enumerate() {
+            let colour = run_colour(index);
+            chart
+                .draw_series(std::iter::once(PathElement::new(
+                    points.clone(),
+                    colour.stroke_width(2),
+                )))
+                .context("drawing a curve")?
+                .label(label.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(3))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK.mix(0.3))
+            .draw()
+            .context("drawing the legend")?;
+        root.present().context("finishing the SVG document")?;
+    }
+    Ok(svg)
+}
+
 /// The colour of the `index`-th run.
 fn run_colour(index: usize) -> RGBColor {
     PALETTE[index % PALETTE.len()]

@@ -501,7 +501,11 @@ fn span_of(input: &Input) -> Option<&'static str> {
         Input::ParamsReply { .. } | Input::Trainer(TrainerEvent::Averaged { .. }) => {
             Some("full_sync")
         }
-        Input::Ring { .. } | Input::Trainer(TrainerEvent::Combined { .. }) => Some("round"),
+        Input::Trainer(TrainerEvent::Params { .. } | TrainerEvent::Gradient { .. }) => {
+            Some("round_contribute")
+        }
+        Input::Ring { .. } => Some("round_hop"),
+        Input::Trainer(TrainerEvent::Combined { .. }) => Some("round_combined"),
         _ => None,
     }
 }

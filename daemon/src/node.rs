@@ -108,6 +108,9 @@ pub fn new_psk_file() -> String {
 /// File in the data directory that holds the API's actual address while the node runs (useful
 /// with port 0, and for tools that only know the data directory).
 pub const API_ADDR_FILE: &str = "api.addr";
+/// File in the data directory to which the trainer appends every evaluation, one JSON line
+/// each (see [`crate::trainer::EvalRecord`]).
+pub const EVAL_LOG: &str = "evals.jsonl";
 
 /// A configuration whose data, model and device have been checked, ready to run. Cloning
 /// shares the loaded data.
@@ -329,10 +332,18 @@ pub async fn run(
         .sync
         .rounds(data.train().len(), config.train.batch_size)
         .map(|rc| (rc, !joining && resume.is_none()));
+    // The trainer starts under the rounds' first limit, before the mesh's first decision:
+    // in `ddp` not one step is taken outside a round, and a joiner takes none before its
+    // state.
+    if let Some((rc, synced)) = &rounds {
+        limit.set(Some(rc.first_boundary(start.step, *synced)));
+    }
     let outer_velocity = resume
         .as_ref()
         .map(trainer::outer_velocity)
         .unwrap_or_default();
+    // `ddp` members take every step together.
+    let lockstep = config.sync.mode == crate::config::SyncMode::Ddp;
     let handle = trainer::spawn(
         trainer::Setup {
             model,
@@ -354,6 +365,14 @@ pub async fn run(
             step_delay: Duration::from_millis(config.debug.step_delay_ms),
             outer: config.sync.outer(),
             outer_velocity,
+            rounds_carry_state: lockstep,
+            eval_log: Some(data_dir.join(EVAL_LOG)),
+            target: config.train.target,
+            eval_align_steps: if lockstep {
+                trainer::LOCKSTEP_EVAL_ALIGN_STEPS
+            } else {
+                1
+            },
         },
         snapshot_tx,
         limit.clone(),

@@ -69,6 +69,14 @@ pub struct RingMessage {
     pub hop: u32,
     /// The chunk's values, little-endian `f32`.
     pub values: ByteBuf,
+    /// The highest trainer step among the contributions the sender has seen this round: a
+    /// node that was not synced takes the members' step with their mean (0 from a sender
+    /// that predates this field).
+    #[serde(default)]
+    pub step: u64,
+    /// The values are bf16, not f32 (the gradient rounds of `ddp`).
+    #[serde(default)]
+    pub bf16: bool,
 }
 
 /// A frozen state on offer to a joiner.

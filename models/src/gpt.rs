@@ -421,6 +421,35 @@ mod tests {
         );
     }
 
+    /// A `ddp` node keeps a batch's gradients while it computes the next batch's and
+    /// steps: the kept ones must not change under it.
+    #[test]
+    fn kept_gradients_do_not_change_under_a_later_step() {
+        use crate::optim::{Optimizer, OptimizerSpec};
+        let (gpt, params) = build(&tiny(), 5);
+        let xs = tokens(b"to be or not to b").reshape((1, 17)).expect("r");
+        let (xs, ys) = (
+            xs.narrow(1, 0, 8).expect("x"),
+            xs.narrow(1, 1, 8).expect("y"),
+        );
+        let (_, first) = gpt.loss_and_grads(&xs, &ys).expect("grads");
+        let kept = params.flatten_grads(&first).expect("flat");
+        let mut opt = Optimizer::new(
+            &OptimizerSpec::Adamw {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            },
+            &params,
+        )
+        .expect("opt");
+        let (_, second) = gpt.loss_and_grads(&xs, &ys).expect("grads");
+        opt.step(&params, &second).expect("step");
+        assert_eq!(params.flatten_grads(&first).expect("flat"), kept);
+    }
+
     #[test]
     fn gradients_reach_every_parameter() {
         let (gpt, params) = build(&tiny(), 5);

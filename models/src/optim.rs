@@ -254,6 +254,13 @@ impl Optimizer {
         self.steps
     }
 
+    /// Moves the step count forward by `steps` without updating anything: a node that takes
+    /// its mesh's parameters at a later step takes the mesh's place in the learning-rate
+    /// schedule (and AdamW's bias correction) with them.
+    pub fn skip_steps(&mut self, steps: u64) {
+        self.steps = self.steps.saturating_add(steps);
+    }
+
     /// Applies one update from `grads` to `params` (which must be the set this optimizer was
     /// created for).
     pub fn step(&mut self, params: &Params, grads: &GradStore) -> Result<()> {
@@ -383,6 +390,37 @@ impl Optimizer {
             }
         }
         out
+    }
+
+    /// Values in the state: one per parameter and buffer kind (0 for plain SGD, 2 for AdamW).
+    pub fn state_len(&self) -> usize {
+        self.buffers.iter().flatten().map(|t| t.elem_count()).sum()
+    }
+
+    /// The whole state as one `f32` vector, buffer kind by kind, each in the parameters'
+    /// canonical order: `ddp` members average it with their parameters in a parameter round,
+    /// so that a joiner leaves it with the members' moments, not its donor's older ones.
+    pub fn flatten_state(&self) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.state_len());
+        for t in self.buffers.iter().flatten() {
+            crate::params::extend_flat(&mut out, t)?;
+        }
+        Ok(out)
+    }
+
+    /// Replaces the whole state from a vector laid out as [`Optimizer::flatten_state`] gives
+    /// it. The length and finiteness are checked first, so a bad vector changes nothing.
+    pub fn write_state(&mut self, flat: &[f32]) -> Result<()> {
+        crate::params::check_flat(flat, self.state_len(), "optimizer state")?;
+        let mut offset = 0;
+        for t in self.buffers.iter_mut().flatten() {
+            let n = t.elem_count();
+            // A tensor of its own: the buffers are updated in place.
+            *t = Tensor::from_slice(&flat[offset..offset + n], t.dims(), t.device())?
+                .to_dtype(t.dtype())?;
+            offset += n;
+        }
+        Ok(())
     }
 
     /// Replaces the whole state from named buffers and a step count. Every buffer must be
@@ -653,6 +691,40 @@ mod tests {
         }
         let v = p.as_tensor().to_vec1::<f32>().expect("vec");
         (v[0] - 3.0).abs().max((v[1] - 3.0).abs())
+    }
+
+    #[test]
+    fn the_flat_state_round_trips_and_a_bad_one_changes_nothing() {
+        let p = Var::from_slice(&[0.5f32, -1.5, 2.0], 3, &Device::Cpu).expect("var");
+        let params = Params::new(vec![("p".into(), p.clone())]).expect("params");
+        let spec = OptimizerSpec::Adamw {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let mut opt = Optimizer::new(&spec, &params).expect("opt");
+        let loss = p.as_tensor().sqr().and_then(|x| x.sum_all()).expect("loss");
+        opt.step(&params, &loss.backward().expect("grads"))
+            .expect("step");
+        let state = opt.flatten_state().expect("flat");
+        assert_eq!(state.len(), 6);
+        assert_eq!(opt.state_len(), 6);
+        // First moments: 0.1 * g = 0.1 * 2p.
+        assert!((state[0] - 0.1).abs() < 1e-6, "{state:?}");
+        assert!(opt.write_state(&state[..5]).is_err());
+        let mut bad = state.clone();
+        bad[4] = f32::NAN;
+        assert!(opt.write_state(&bad).is_err());
+        assert_eq!(opt.flatten_state().expect("flat"), state);
+        let doubled: Vec<f32> = state.iter().map(|v| 2.0 * v).collect();
+        opt.write_state(&doubled).expect("write");
+        assert_eq!(opt.flatten_state().expect("flat"), doubled);
+        // The next step updates the written buffers in place.
+        opt.step(&params, &loss.backward().expect("grads"))
+            .expect("step");
+        assert_ne!(opt.flatten_state().expect("flat"), doubled);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Storage, Tensor, Var};
 use sha2::{Digest, Sha256};
 
@@ -111,36 +112,45 @@ impl Params {
     pub fn flatten(&self) -> Result<Vec<f32>> {
         let mut out = Vec::with_capacity(self.numel());
         for (_, v) in &self.vars {
-            let t = v.as_tensor();
-            // f32 on the CPU and contiguous, as parameters are: straight from the storage, one
-            // copy rather than two (a node flattens its parameters at every publish).
-            if t.dtype() == DType::F32 {
-                let (storage, layout) = t.storage_and_layout();
-                if let (Storage::Cpu(cpu), Some((from, to))) =
-                    (&*storage, layout.contiguous_offsets())
-                {
-                    out.extend_from_slice(&cpu.as_slice::<f32>()?[from..to]);
-                    continue;
-                }
-            }
-            out.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+            extend_flat(&mut out, v.as_tensor())?;
         }
         Ok(out)
+    }
+
+    /// Every parameter's gradient in `grads` as one `f32` vector in canonical order (a
+    /// parameter without a gradient counts as zeros): what the members of a `ddp` mesh sum in
+    /// their ring before each optimizer step.
+    pub fn flatten_grads(&self, grads: &GradStore) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.numel());
+        for (_, v) in &self.vars {
+            match grads.get(v.as_tensor()) {
+                Some(g) => extend_flat(&mut out, g)?,
+                None => out.resize(out.len() + v.elem_count(), 0.0),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Replaces every parameter's gradient in `grads` by its part of `flat` (canonical order,
+    /// as [`Params::flatten_grads`] gives it). The length and finiteness are checked first, so
+    /// a bad vector changes nothing.
+    pub fn replace_grads(&self, grads: &mut GradStore, flat: &[f32]) -> Result<()> {
+        check_flat(flat, self.numel(), "gradient")?;
+        let mut offset = 0;
+        for (_, v) in &self.vars {
+            let n = v.elem_count();
+            let g = Tensor::from_slice(&flat[offset..offset + n], v.dims(), v.device())?
+                .to_dtype(v.dtype())?;
+            grads.insert(v.as_tensor(), g);
+            offset += n;
+        }
+        Ok(())
     }
 
     /// Overwrites every parameter from a flat vector in canonical order. The length is checked
     /// first and non-finite values are refused, so a bad vector changes nothing.
     pub fn write_back(&self, flat: &[f32]) -> Result<()> {
-        if flat.len() != self.numel() {
-            return Err(Error::Layout(format!(
-                "flat vector has {} values, the model has {}",
-                flat.len(),
-                self.numel()
-            )));
-        }
-        if let Some(i) = flat.iter().position(|v| !v.is_finite()) {
-            return Err(Error::NonFinite(format!("value {} at index {i}", flat[i])));
-        }
+        check_flat(flat, self.numel(), "parameter vector")?;
         let mut offset = 0;
         for (_, v) in &self.vars {
             let n = v.elem_count();
@@ -189,6 +199,36 @@ impl Params {
     }
 }
 
+/// Refuses a flat vector of `what` that is not `len` long or holds a NaN or an infinity, so
+/// that writing it back can change nothing when it is bad.
+pub(crate) fn check_flat(flat: &[f32], len: usize, what: &str) -> Result<()> {
+    if flat.len() != len {
+        return Err(Error::Layout(format!(
+            "flat {what} of {} values, expected {len}",
+            flat.len()
+        )));
+    }
+    match flat.iter().position(|v| !v.is_finite()) {
+        Some(i) => Err(Error::NonFinite(format!("{what} {} at index {i}", flat[i]))),
+        None => Ok(()),
+    }
+}
+
+/// Appends `t`'s values to `out` as `f32`. An f32 tensor contiguous on the CPU, as parameters
+/// and gradients are, is copied straight from its storage: one copy rather than two (a node
+/// flattens its parameters at every publish, and a `ddp` member its gradient at every step).
+pub(crate) fn extend_flat(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
+    if t.dtype() == DType::F32 {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(cpu), Some((from, to))) = (&*storage, layout.contiguous_offsets()) {
+            out.extend_from_slice(&cpu.as_slice::<f32>()?[from..to]);
+            return Ok(());
+        }
+    }
+    out.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+    Ok(())
+}
+
 /// Fails when `t` holds a NaN or an infinity; `what` names it in the error.
 pub fn ensure_finite(t: &Tensor, what: &str) -> Result<()> {
     let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
@@ -218,6 +258,30 @@ mod tests {
         p.write_back(&[9.0, 8.0, 7.0, 6.0, 5.5]).expect("write");
         assert_eq!(p.flatten().expect("flat"), vec![9.0, 8.0, 7.0, 6.0, 5.5]);
         assert_eq!(p.layout().numel(), 5);
+    }
+
+    #[test]
+    fn gradients_flatten_in_canonical_order_and_are_replaced_whole_or_not_at_all() {
+        let p = params();
+        let a = p.get("a.weight").expect("a").as_tensor().clone();
+        let loss = (a.sqr().expect("sqr").sum_all().expect("sum") * 0.5).expect("scale");
+        // z.bias takes no part in the loss: its gradient counts as zeros.
+        let mut grads = loss.backward().expect("backward");
+        assert_eq!(
+            p.flatten_grads(&grads).expect("flat"),
+            vec![1.0, 2.0, 3.0, 4.0, 0.0]
+        );
+        assert!(p.replace_grads(&mut grads, &[1.0; 4]).is_err());
+        assert!(p
+            .replace_grads(&mut grads, &[1.0, f32::INFINITY, 1.0, 1.0, 1.0])
+            .is_err());
+        assert_eq!(p.flatten_grads(&grads).expect("flat")[1], 2.0);
+        p.replace_grads(&mut grads, &[0.5, 0.5, 0.5, 0.5, 7.0])
+            .expect("replace");
+        assert_eq!(
+            p.flatten_grads(&grads).expect("flat"),
+            vec![0.5, 0.5, 0.5, 0.5, 7.0]
+        );
     }
 
     #[test]

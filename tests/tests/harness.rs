@@ -470,3 +470,13 @@ pub fn newest_checkpoint(data_dir: &Path) -> Option<PathBuf> {
     files.sort();
     files.pop()
 }
+
+/// Every evaluation a node logged (`evals.jsonl` in its data directory), oldest first: each
+/// with its step and figures, where a status poll sees only the latest.
+pub fn evals(data_dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(data_dir.join("evals.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}

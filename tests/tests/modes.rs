@@ -43,7 +43,7 @@ fn accuracy(s: &Value) -> f64 {
 }
 
 /// Each node's parameter digests by round, from status.
-fn digests(s: &Value) -> BTreeMap<u64, String> {
+pub(crate) fn digests(s: &Value) -> BTreeMap<u64, String> {
     rounds(s)["digests"]
         .as_array()
         .map(|a| {
@@ -88,10 +88,23 @@ fn assert_identical(nodes: &[&Node]) -> u64 {
 /// current state and holds the same bits as the others from its first round on.
 #[test]
 fn allreduce_members_hold_identical_parameters_through_a_kill_and_a_join() {
+    members_hold_identical_parameters_through_a_kill_and_a_join("allreduce");
+}
+
+/// The same for `ddp`: the members sum gradients each step and take the same optimizer step,
+/// so they hold the same bits (digested every 10th round); a newcomer takes the members'
+/// parameters and optimizer state at the next parameter round (every 25) and the same bits
+/// from then on.
+#[test]
+fn ddp_members_hold_identical_parameters_through_a_kill_and_a_join() {
+    members_hold_identical_parameters_through_a_kill_and_a_join("ddp");
+}
+
+fn members_hold_identical_parameters_through_a_kill_and_a_join(mode: &str) {
     let tmp = tempfile::tempdir().expect("tmp");
     // Every node the same config but its own third of the data.
     let cfgs: Vec<PathBuf> = (0..3)
-        .map(|k| mode_config(tmp.path(), "allreduce", k, "iid", ""))
+        .map(|k| mode_config(tmp.path(), mode, k, "iid", ""))
         .collect();
     let a = start(tmp.path(), "a", &cfgs[0], None, &[]);
     let addr = listen_addr(&a);
@@ -106,7 +119,7 @@ fn allreduce_members_hold_identical_parameters_through_a_kill_and_a_join() {
     eprintln!("three members agree at round {round}");
     for n in [&a, &b, &c] {
         let s = n.status().expect("status");
-        assert_eq!(s["sync"]["mode"], "allreduce", "{s}");
+        assert_eq!(s["sync"]["mode"], mode, "{s}");
         // No gossip in this mode: the rounds carry everything.
         assert_eq!(s["updates"]["sent"].as_u64(), Some(0), "{s}");
         assert!(rounds(&s)["bytes_sent"].as_u64().unwrap_or(0) > 0, "{s}");
@@ -149,8 +162,12 @@ fn allreduce_members_hold_identical_parameters_through_a_kill_and_a_join() {
     // A newcomer joins through a survivor.
     // The newcomer takes the dead member's third.
     let d = start(tmp.path(), "d", &cfgs[2], Some(&listen_addr(&b)), &[]);
+    // Synced, and well past the round that synced it, so that the newest round every node
+    // digested is one it took part in as a member.
     d.wait_status("the newcomer in the rounds", Duration::from_secs(60), |s| {
-        completed(s) > 10 && rounds(s)["ring_size"].as_u64() == Some(3)
+        completed(s) > 60
+            && rounds(s)["ring_size"].as_u64() == Some(3)
+            && rounds(s)["synced"].as_bool() == Some(true)
     });
     let s = d.status().expect("status");
     assert!(

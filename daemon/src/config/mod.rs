@@ -202,6 +202,14 @@ pub enum ModelConfig {
     Gpt(GptSpec),
 }
 
+impl ModelConfig {
+    /// Whether it is a language model: judged by held-out bits per byte (lower is better),
+    /// where the classifiers are judged by accuracy.
+    pub fn is_language_model(&self) -> bool {
+        matches!(self, ModelConfig::Gpt(_))
+    }
+}
+
 /// The data section, checked.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DataConfig {
@@ -260,6 +268,19 @@ pub struct Overrides {
     /// `--shard k/n`: replaces `train.shard`, so one config file serves every node of a
     /// skewed mesh.
     pub shard: Option<String>,
+    /// `--target` (of `local`): replaces `train.target`.
+    pub target: Option<f64>,
+}
+
+/// Whether an evaluation reaches a `train.target` (false when there is none): bits per byte
+/// at or below it for a language model, accuracy at or above it otherwise. One rule for the
+/// trainer's log and `local`'s count.
+pub fn reaches_target(target: Option<f64>, accuracy: f64, bits_per_byte: Option<f64>) -> bool {
+    match (target, bits_per_byte) {
+        (None, _) => false,
+        (Some(t), Some(bpb)) => bpb <= t,
+        (Some(t), None) => accuracy >= t,
+    }
 }
 
 /// A validated configuration.
@@ -552,7 +573,7 @@ impl Config {
         }
         raw.sync.check().map_err(err)?;
 
-        Ok(Config {
+        let config = Config {
             origin: origin.to_string(),
             model,
             optimizer,
@@ -564,7 +585,9 @@ impl Config {
             network: raw.network,
             sync: raw.sync,
             debug: raw.debug,
-        })
+        };
+        config.check_target().map_err(err)?;
+        Ok(config)
     }
 
     /// Merges command-line settings into this configuration, parsing and checking each, so
@@ -603,7 +626,31 @@ impl Config {
         if let Some(s) = &o.shard {
             self.train.shard = Some(parse_shard(s).map_err(|e| err(format!("--shard: {e}")))?);
         }
+        if let Some(t) = o.target {
+            self.train.target = Some(t);
+            self.train
+                .check()
+                .and_then(|()| self.check_target())
+                .map_err(|e| err(format!("--target: {e}")))?;
+        }
         Ok(())
+    }
+
+    /// A target that can never be reached is a clear error, not a run that never ends: an
+    /// accuracy above 1 (bits per byte, a language model's figure, may be any positive
+    /// number), or any target when nothing evaluates.
+    fn check_target(&self) -> Result<(), String> {
+        match self.train.target {
+            Some(t) if !self.model.is_language_model() && t > 1.0 => Err(format!(
+                "train.target = {t} is a held-out accuracy for this model: at most 1"
+            )),
+            Some(_) if self.train.eval_every == 0 && self.train.eval_every_secs == 0.0 => Err(
+                "train.target is judged by evaluations: set train.eval_every or \
+                 train.eval_every_secs"
+                    .into(),
+            ),
+            _ => Ok(()),
+        }
     }
 
     /// Checks that a partition other than `iid`, which cuts the training set between nodes,

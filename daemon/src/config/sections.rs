@@ -32,6 +32,11 @@ pub struct TrainConfig {
     /// The compute device, parsed from `cpu`, `cuda` or `cuda:N`.
     #[serde(deserialize_with = "de_device")]
     pub device: DeviceSpec,
+    /// A held-out figure the run aims for: bits per byte for a language model (reached at or
+    /// below), accuracy otherwise (at or above). The node logs the step and time at which an
+    /// evaluation first reaches it, and `p2ptrain local` counts each node's steps to it
+    /// beside a lone node's. Absent: none. A local setting, not part of the run id.
+    pub target: Option<f64>,
 }
 
 impl Default for TrainConfig {
@@ -46,6 +51,7 @@ impl Default for TrainConfig {
             max_steps: 0,
             threads: 1,
             device: DeviceSpec::Cpu,
+            target: None,
         }
     }
 }
@@ -58,6 +64,13 @@ impl TrainConfig {
         }
         if self.threads == 0 {
             return Err("train.threads must be at least 1".into());
+        }
+        if let Some(t) = self.target {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(format!(
+                    "train.target must be a positive number: bits per byte, or an accuracy in (0, 1] (got {t})"
+                ));
+            }
         }
         if std::time::Duration::try_from_secs_f64(self.eval_every_secs).is_err() {
             return Err(format!(
@@ -166,9 +179,14 @@ pub enum SyncMode {
     /// Hogwild; SSP with `staleness_bound`).
     #[default]
     Gossip,
-    /// Synchronous data parallelism: every `every` steps the members average in a ring and
-    /// end with bit-identical parameters.
+    /// Synchronous parameter averaging (local SGD): every `every` steps the members average
+    /// their parameters in a ring and end with bit-identical parameters.
     Allreduce,
+    /// Synchronous data parallelism as PyTorch DDP does it: at every step the members sum
+    /// their gradients in the ring and each takes the same optimizer step with the mean, so
+    /// N members train as one node with N times the batch; every `resync_every` rounds they
+    /// average parameters instead, which brings joiners in.
+    Ddp,
     /// `inner_steps` local steps, then an outer Nesterov step on the members' mean change.
     Diloco,
     /// `local_epochs` epochs over the node's own data, then a sample-weighted average.
@@ -181,6 +199,7 @@ impl SyncMode {
         match self {
             SyncMode::Gossip => "gossip",
             SyncMode::Allreduce => "allreduce",
+            SyncMode::Ddp => "ddp",
             SyncMode::Diloco => "diloco",
             SyncMode::Fedavg => "fedavg",
         }
@@ -194,12 +213,15 @@ impl std::str::FromStr for SyncMode {
         [
             SyncMode::Gossip,
             SyncMode::Allreduce,
+            SyncMode::Ddp,
             SyncMode::Diloco,
             SyncMode::Fedavg,
         ]
         .into_iter()
         .find(|m| m.name() == s)
-        .ok_or_else(|| format!("unknown sync mode {s:?}: one of gossip, allreduce, diloco, fedavg"))
+        .ok_or_else(|| {
+            format!("unknown sync mode {s:?}: one of gossip, allreduce, ddp, diloco, fedavg")
+        })
     }
 }
 
@@ -211,6 +233,11 @@ pub struct SyncConfig {
     pub mode: SyncMode,
     /// `allreduce`: steps between two rounds.
     pub every: u64,
+    /// `ddp`: gradient rounds between two parameter rounds (at least 2).
+    pub resync_every: u64,
+    /// Synchronous modes: no round starts with fewer members than this; a founder waits for
+    /// the others before its first round (1: never wait).
+    pub min_members: usize,
     /// `diloco`: local steps between two outer steps (H).
     pub inner_steps: u64,
     /// `diloco`: the outer Nesterov step's learning rate.
@@ -266,6 +293,8 @@ impl Default for SyncConfig {
         SyncConfig {
             mode: SyncMode::Gossip,
             every: 1,
+            resync_every: 25,
+            min_members: 1,
             inner_steps: 100,
             outer_lr: 0.7,
             outer_momentum: 0.9,
@@ -381,9 +410,14 @@ impl SyncConfig {
         train_samples: usize,
         batch_size: usize,
     ) -> Option<crate::mesh_core::rounds::RoundConfig> {
+        let mut gradients = None;
         let (steps, weight) = match self.mode {
             SyncMode::Gossip => return None,
             SyncMode::Allreduce => (self.every, 1.0),
+            SyncMode::Ddp => {
+                gradients = Some(self.resync_every);
+                (1, 1.0)
+            }
             SyncMode::Diloco => (self.inner_steps, 1.0),
             SyncMode::Fedavg => {
                 let per_epoch = train_samples.div_ceil(batch_size.max(1)) as u64;
@@ -393,6 +427,8 @@ impl SyncConfig {
         Some(crate::mesh_core::rounds::RoundConfig {
             steps: steps.max(1),
             weight,
+            gradients,
+            min_members: self.min_members,
         })
     }
 
@@ -442,6 +478,15 @@ impl SyncConfig {
         }
         if !(self.density > 0.0 && self.density <= 1.0) {
             return Err(format!("sync.density = {} must be in (0, 1]", self.density));
+        }
+        if self.min_members == 0 {
+            return Err("sync.min_members must be at least 1 (the node itself)".into());
+        }
+        if self.resync_every < 2 {
+            return Err(format!(
+                "sync.resync_every = {} must be at least 2 (a parameter round every round leaves no gradient round)",
+                self.resync_every
+            ));
         }
         if self.staleness_bound == Some(0) {
             return Err(

@@ -225,10 +225,12 @@ fn overrides_replace_or_extend_as_documented() {
         psk: Some("k".into()),
         sync_mode: Some("fedavg".into()),
         shard: Some("2/5".into()),
+        target: Some(0.97),
     })
     .expect("apply");
     assert_eq!(c.sync.mode, SyncMode::Fedavg);
     assert_eq!(c.train.shard, Some((2, 5)));
+    assert_eq!(c.train.target, Some(0.97));
     // Federated averaging's round is one epoch over the node's own data, weighted by it.
     let rc = c.sync.rounds(100, 32).expect("rounds");
     assert_eq!((rc.steps, rc.weight), (4, 100.0));
@@ -368,4 +370,72 @@ fn a_constant_schedule_leaves_the_run_id_as_it_was_and_a_cosine_one_changes_it()
     );
     let cosine = Config::parse(&cosine, "x.toml", None).expect("parse");
     assert_ne!(plain.run_id(), cosine.run_id());
+}
+
+#[test]
+fn ddp_rounds_sum_gradients_every_step_with_a_parameter_round_every_resync_every() {
+    let text = format!("{DEFAULT_CONFIG_TOML}\n[sync]\nmode = \"ddp\"\nresync_every = 4\n");
+    let c = Config::parse(&text, "x.toml", None).expect("parse");
+    assert_eq!(c.sync.mode, SyncMode::Ddp);
+    let rc = c.sync.rounds(100, 32).expect("rounds");
+    assert_eq!((rc.steps, rc.gradients), (1, Some(4)));
+    let kinds: Vec<bool> = (0..6).map(|r| rc.sums_gradients(r)).collect();
+    assert_eq!(kinds, [false, true, true, true, false, true]);
+    // No gossip in a synchronous mode.
+    assert_eq!(c.sync.policy().publish_every, 0);
+    // The other synchronous modes sum parameters only.
+    let allreduce = format!("{DEFAULT_CONFIG_TOML}\n[sync]\nmode = \"allreduce\"\n");
+    let rc = Config::parse(&allreduce, "x.toml", None)
+        .expect("parse")
+        .sync
+        .rounds(100, 32)
+        .expect("rounds");
+    assert!(!(0..6).any(|r| rc.sums_gradients(r)));
+    let bad = format!("{DEFAULT_CONFIG_TOML}\n[sync]\nmode = \"ddp\"\nresync_every = 1\n");
+    let e = Config::parse(&bad, "x.toml", None)
+        .expect_err("must fail")
+        .to_string();
+    assert!(e.contains("sync.resync_every"), "{e}");
+}
+
+#[test]
+fn a_target_is_bits_per_byte_for_a_gpt_an_accuracy_otherwise_and_never_out_of_reach() {
+    let with = |text: &str, target: &str| {
+        Config::parse(
+            &text.replace("[train]", &format!("[train]\ntarget = {target}")),
+            "x.toml",
+            None,
+        )
+    };
+    let gpt = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/text-gpt.toml"),
+    )
+    .expect("read");
+    assert_eq!(with(&gpt, "2.8").expect("bpb").train.target, Some(2.8));
+    assert_eq!(
+        with(DEFAULT_CONFIG_TOML, "0.97").expect("acc").train.target,
+        Some(0.97)
+    );
+    let e = with(DEFAULT_CONFIG_TOML, "2.8")
+        .expect_err("acc > 1")
+        .to_string();
+    assert!(e.contains("at most 1"), "{e}");
+    for bad in ["0", "-1", "nan", "inf"] {
+        let e = with(&gpt, bad).expect_err(bad).to_string();
+        assert!(e.contains("train.target"), "{bad}: {e}");
+    }
+    // `--target` is checked alike, and the one rule says what reaches it.
+    let mut c = Config::parse(DEFAULT_CONFIG_TOML, "x.toml", None).expect("default");
+    let e = c
+        .apply(&Overrides {
+            target: Some(1.5),
+            ..Overrides::default()
+        })
+        .expect_err("--target 1.5");
+    assert!(e.to_string().contains("--target"), "{e}");
+    assert!(reaches_target(Some(0.9), 0.95, None));
+    assert!(!reaches_target(Some(0.9), 0.85, None));
+    assert!(reaches_target(Some(2.8), 0.0, Some(2.79)));
+    assert!(!reaches_target(Some(2.8), 1.0, Some(2.81)));
+    assert!(!reaches_target(None, 1.0, Some(0.0)));
 }

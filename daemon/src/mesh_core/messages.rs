@@ -81,6 +81,13 @@ pub enum TrainerEvent {
         /// Flat, in canonical order.
         values: Vec<f32>,
     },
+    /// The gradient asked for with [`TrainerCommand::TakeGradient`].
+    Gradient {
+        /// The step it leads from (the step it makes is `step + 1`).
+        step: u64,
+        /// Flat, in canonical order.
+        values: Vec<f32>,
+    },
     /// The answer to [`TrainerCommand::Combine`]: the digest of the parameters it left
     /// (see `rounds::params_digest`), or why it could not combine.
     Combined {
@@ -104,14 +111,24 @@ pub enum TrainerEvent {
 pub enum TrainerCommand {
     /// Hand over the current parameters ([`TrainerEvent::Params`]): a round's boundary.
     TakeParams,
+    /// Compute the next batch's gradient at the current parameters, keep it, and hand it
+    /// over ([`TrainerEvent::Gradient`]): a `ddp` round, whose mean gradient makes the step.
+    TakeGradient,
     /// Take the members' weighted mean of round `round` (an outer optimizer step towards it,
-    /// in `diloco`); an empty `mean` keeps the parameters. Answer with
+    /// in `diloco`); an empty `mean` keeps the parameters. With `gradient`, the mean is of
+    /// gradients: the trainer steps with it from the gradient it kept (with its own where
+    /// `mean` is empty), or, having kept none, changes nothing. Answer with
     /// [`TrainerEvent::Combined`].
     Combine {
         /// The round.
         round: u64,
         /// The mean, flat in canonical order.
         mean: Vec<f32>,
+        /// The mean is of gradients, not of parameters.
+        gradient: bool,
+        /// The members' step, for a node that was not synced and takes their parameters:
+        /// its step count (and its optimizer's, so its learning-rate schedule) moves there.
+        step: Option<u64>,
     },
     /// Hand over the own change since the last delta ([`TrainerEvent::Delta`]).
     TakeDelta,

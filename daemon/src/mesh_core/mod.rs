@@ -426,7 +426,13 @@ impl MeshCore {
             TrainerEvent::Params { step, values } => {
                 self.progress.step = self.progress.step.max(step);
                 if let Some(r) = &mut self.rounds {
-                    r.params(values, now, out);
+                    r.params(values, false, step, now, out);
+                }
+            }
+            TrainerEvent::Gradient { step, values } => {
+                self.progress.step = self.progress.step.max(step);
+                if let Some(r) = &mut self.rounds {
+                    r.params(values, true, step, now, out);
                 }
             }
             TrainerEvent::Combined {
@@ -436,7 +442,7 @@ impl MeshCore {
             } => {
                 if let Some(r) = &mut self.rounds {
                     match outcome {
-                        Ok(digest) => r.combined(round, step, digest),
+                        Ok(digest) => r.combined(round, step, digest, out),
                         Err(e) => {
                             tracing::warn!(
                                 round,
@@ -464,7 +470,9 @@ impl MeshCore {
                 now,
                 out,
             ),
-            cmd @ (TrainerCommand::TakeParams | TrainerCommand::Combine { .. }) => {
+            cmd @ (TrainerCommand::TakeParams
+            | TrainerCommand::TakeGradient
+            | TrainerCommand::Combine { .. }) => {
                 self.round_command = Some(cmd);
             }
         }

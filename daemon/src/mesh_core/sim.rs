@@ -685,7 +685,9 @@ impl Sim {
                 Some(Input::Trainer(TrainerEvent::Averaged { seq, outcome }))
             }
             // Only the synchronous modes ask for these; the simulated nodes gossip.
-            TrainerCommand::TakeParams | TrainerCommand::Combine { .. } => None,
+            TrainerCommand::TakeParams
+            | TrainerCommand::TakeGradient
+            | TrainerCommand::Combine { .. } => None,
         }
     }
 

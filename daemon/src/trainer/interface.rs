@@ -226,7 +226,25 @@ pub struct Setup {
     pub outer: Option<OuterSgd>,
     /// The outer optimizer's velocity restored from a checkpoint (empty: zeros).
     pub outer_velocity: Vec<f32>,
+    /// `ddp`: a parameter round carries the optimizer's state after the parameters, so a
+    /// joiner leaves it with the members' moments and every member steps alike from then on.
+    pub rounds_carry_state: bool,
+    /// Every evaluation is appended here as a JSON line (step, wall-clock time, loss,
+    /// accuracy, bits per byte), so a run's curve is known by steps and by time, exactly,
+    /// whatever polls status (`bench scaling` reads it). `None`: not kept.
+    pub eval_log: Option<std::path::PathBuf>,
+    /// `train.target`: the first evaluation that reaches it is logged with its step and the
+    /// seconds since start.
+    pub target: Option<f64>,
+    /// A clock-triggered evaluation (`eval_every_time`) waits for a step that is a multiple
+    /// of this (0 or 1: none). Members that step in lockstep (`ddp`) then evaluate at the same
+    /// step, together, instead of each stalling the others' next round for its own.
+    pub eval_align_steps: u64,
 }
+
+/// [`Setup::eval_align_steps`] for members that step in lockstep: about two seconds of a GPT
+/// on one core, which delays an evaluation on a ten-second clock by at most that.
+pub const LOCKSTEP_EVAL_ALIGN_STEPS: u64 = 10;
 
 /// DiLoCo's outer optimizer: Nesterov SGD on the pseudo-gradient `start of round - mean`.
 #[derive(Debug, Clone, Copy, PartialEq)]

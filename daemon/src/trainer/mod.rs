@@ -34,7 +34,7 @@ use crate::timeline::{self, Lane};
 
 pub use interface::{
     Command, Counters, EvalStats, Finish, Handle, Identity, OuterSgd, Phase, Setup, Stats,
-    StepLimit, TrainerError,
+    StepLimit, TrainerError, LOCKSTEP_EVAL_ALIGN_STEPS,
 };
 pub use state::{build, outer_velocity};
 
@@ -102,6 +102,10 @@ struct Loop {
     /// When the held-out set was last evaluated (or training started).
     last_eval_at: Instant,
     last_eval_log: Option<Instant>,
+    /// Whether an evaluation has reached `train.target` (logged once).
+    target_reached: bool,
+    /// The wall-clock time of the last evaluation (lockstep members align on it).
+    last_eval_wall: std::time::SystemTime,
     /// Parameters when the last delta was handed over.
     anchor: Vec<f32>,
     /// Changes since then that were not this node's own steps (neighbours' updates, syncs).
@@ -114,6 +118,45 @@ struct Loop {
     outer_velocity: Vec<f32>,
     paused: bool,
     held_since: Option<Instant>,
+    /// A `ddp` round's gradient, kept until the round's mean gradient makes the step.
+    pending: Option<PendingStep>,
+    /// When training started, the last rate measurement (time, samples seen) and the last
+    /// progress publish.
+    clock: StepClock,
+}
+
+/// One line of the eval log ([`Setup::eval_log`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct EvalRecord {
+    /// The step evaluated at.
+    pub step: u64,
+    /// Wall-clock time of the evaluation's end, in milliseconds since the Unix epoch.
+    pub unix_ms: u64,
+    /// Mean held-out loss.
+    pub loss: f64,
+    /// Held-out accuracy (next-byte accuracy for text).
+    pub accuracy: f64,
+    /// Held-out bits per byte (text models only).
+    pub bits_per_byte: Option<f64>,
+}
+
+/// A step computed up to its gradient and waiting for its round (`ddp`).
+struct PendingStep {
+    /// The batch's loss.
+    loss: f32,
+    /// The batch's gradients, replaced by the round's mean before the optimizer takes them.
+    grads: candle_core::backprop::GradStore,
+    /// Samples in the batch.
+    samples: usize,
+    /// The gradient, flat, until it is handed to the mesh.
+    values: Vec<f32>,
+}
+
+/// The trainer's clocks for rates and publishing.
+struct StepClock {
+    started: Instant,
+    rate_mark: (Instant, u64),
+    last_publish: Instant,
 }
 
 impl Loop {
@@ -144,6 +187,8 @@ impl Loop {
             last_checkpoint_at: Instant::now(),
             last_eval_at: Instant::now(),
             last_eval_log: None,
+            target_reached: false,
+            last_eval_wall: std::time::SystemTime::now(),
             anchor: Vec::new(),
             foreign: Vec::new(),
             last_delta_step: counters.step,
@@ -151,6 +196,12 @@ impl Loop {
             outer_velocity: s.outer_velocity.clone(),
             paused: s.start_paused,
             held_since: None,
+            pending: None,
+            clock: StepClock {
+                started: Instant::now(),
+                rate_mark: (Instant::now(), counters.samples_seen),
+                last_publish: Instant::now(),
+            },
             s,
         }
     }
@@ -174,6 +225,7 @@ impl Loop {
         let e = evaluate(&self.s.model, self.s.data.test(), &self.s.device)?;
         self.stats.eval_secs += started.elapsed().as_secs_f64();
         self.last_eval_at = Instant::now();
+        self.last_eval_wall = std::time::SystemTime::now();
         // Evaluations can come many times a second on small models: log at info only now and
         // then, so the log stays readable; status always has the latest.
         if self
@@ -212,7 +264,50 @@ impl Loop {
             bits_per_byte: e.bits_per_byte,
             perplexity: e.bits_per_byte.map(|_| e.loss.exp()),
         });
+        self.log_evaluation(&e);
+        if !self.target_reached
+            && crate::config::reaches_target(self.s.target, e.accuracy, e.bits_per_byte)
+        {
+            self.target_reached = true;
+            tracing::info!(
+                step = self.counters.step,
+                target = self.s.target,
+                secs = format!("{:.1}", self.clock.started.elapsed().as_secs_f64()),
+                "reached the target"
+            );
+        }
         Ok(())
+    }
+
+    /// Appends an evaluation to the eval log, if there is one. A log that cannot be written
+    /// is given up with a warning: it must never stop training.
+    fn log_evaluation(&mut self, e: &p2ptrain_models::train::Evaluation) {
+        let Some(path) = &self.s.eval_log else {
+            return;
+        };
+        let record = EvalRecord {
+            step: self.counters.step,
+            unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            loss: e.loss,
+            accuracy: e.accuracy,
+            bits_per_byte: e.bits_per_byte,
+        };
+        let written = serde_json::to_string(&record)
+            .map_err(std::io::Error::other)
+            .and_then(|line| {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)?;
+                f.write_all(format!("{line}\n").as_bytes())
+            });
+        if let Err(err) = written {
+            tracing::warn!(path = %path.display(), "evaluation log not written, given up: {err}");
+            self.s.eval_log = None;
+        }
     }
 
     fn publish(&mut self) {
@@ -262,6 +357,7 @@ impl Loop {
                 match result {
                     Ok(c) => {
                         self.counters = c;
+                        self.pending = None;
                         self.sampler.seek(c.samples_seen);
                         self.losses.clear();
                         self.last_delta_step = c.step;
@@ -287,13 +383,42 @@ impl Loop {
             }
             Command::Mesh(TrainerCommand::TakeDelta) => self.take_delta()?,
             Command::Mesh(TrainerCommand::TakeParams) => {
+                let mut values = self.flat()?;
+                if self.s.rounds_carry_state {
+                    values.extend(self.s.optimizer.flatten_state()?);
+                }
                 self.tell(TrainerEvent::Params {
                     step: self.counters.step,
-                    values: self.flat()?,
+                    values,
                 });
             }
-            Command::Mesh(TrainerCommand::Combine { round, mean }) => {
+            Command::Mesh(TrainerCommand::TakeGradient) => self.take_gradient()?,
+            Command::Mesh(TrainerCommand::Combine {
+                round,
+                mean,
+                gradient: true,
+                ..
+            }) => {
+                let outcome = self.step_with_mean_gradient(round, &mean)?;
+                self.tell(TrainerEvent::Combined {
+                    round,
+                    step: self.counters.step,
+                    outcome,
+                });
+            }
+            Command::Mesh(TrainerCommand::Combine {
+                round,
+                mean,
+                gradient: false,
+                step,
+            }) => {
+                // A gradient kept for a round that turned out to sum parameters (this node
+                // adopted the mesh's round) is stale.
+                self.pending = None;
                 let outcome = self.combine(&mean).map_err(|e| e.to_string());
+                if let (Ok(_), Some(step)) = (&outcome, step) {
+                    self.take_mesh_step(step);
+                }
                 self.tell(TrainerEvent::Combined {
                     round,
                     step: self.counters.step,
@@ -390,11 +515,27 @@ impl Loop {
             return Ok(crate::mesh_core::rounds::params_digest(&self.flat()?));
         }
         let numel = self.s.model.params().numel();
-        if mean.len() != numel {
+        let state = if self.s.rounds_carry_state {
+            self.s.optimizer.state_len()
+        } else {
+            0
+        };
+        if mean.len() != numel + state {
             return Err(TrainerError::Refused(format!(
-                "a round's mean of {} values for {numel} parameters",
+                "a round's mean of {} values for {numel} parameters and {state} values of optimizer state",
                 mean.len()
             )));
+        }
+        let (mean, mean_state) = mean.split_at(numel);
+        if state > 0 {
+            // Checked whole before anything is written: a bad mean changes nothing.
+            if let Some(i) = mean.iter().position(|v| !v.is_finite()) {
+                return Err(TrainerError::Refused(format!(
+                    "a round's mean with {} at index {i}",
+                    mean[i]
+                )));
+            }
+            self.s.optimizer.write_state(mean_state)?;
         }
         let next = match self.s.outer {
             None => mean.to_vec(),
@@ -419,6 +560,95 @@ impl Loop {
             self.round_anchor = next;
         }
         Ok(digest)
+    }
+
+    /// A `ddp` round: the next batch's gradient at the current parameters, kept for the step
+    /// and handed to the mesh. A non-finite loss or gradient is this node's divergence, never
+    /// sent to the ring.
+    ///
+    /// (Computing the next batch's gradient while the round runs, and stepping with gradients
+    /// one step old, was tried: on the GPT it stalled training at the unigram plateau where
+    /// the same seed without the delay went on. So the step waits for its own round.)
+    fn take_gradient(&mut self) -> Result<(), TrainerError> {
+        // Held since the last round: the wait for the ring ends with this step's work.
+        self.released();
+        let mut next = self.compute_gradient()?;
+        let values = std::mem::take(&mut next.values);
+        self.pending = Some(next);
+        self.tell(TrainerEvent::Gradient {
+            step: self.counters.step,
+            values,
+        });
+        Ok(())
+    }
+
+    /// The next batch's loss and gradient at the current parameters.
+    fn compute_gradient(&mut self) -> Result<PendingStep, TrainerError> {
+        let indices = self.sampler.next_batch(self.s.batch_size);
+        let (xs, ys) = self.s.data.train().batch(&indices, &self.s.device)?;
+        let step = self.counters.step;
+        let span = timeline::span(Lane::Trainer, "forward_backward").at_step(step + 1);
+        let (loss, grads) = forward_backward(&self.s.model, &xs, &ys)?;
+        let loss = loss_value(&loss)?;
+        let values = self.s.model.params().flatten_grads(&grads)?;
+        drop(span);
+        if !loss.is_finite() || values.iter().any(|v| !v.is_finite()) {
+            return Err(TrainerError::Diverged { step, loss });
+        }
+        Ok(PendingStep {
+            loss,
+            grads,
+            samples: indices.len(),
+            values,
+        })
+    }
+
+    /// A `ddp` round's mean gradient: the optimizer steps with it from the kept gradient's
+    /// batch (with the own gradient when `mean` is empty: no member of the ring was synced).
+    /// Without a kept gradient (this node gave parameters, with weight 0, as one not yet
+    /// synced) nothing changes. Answers the parameters' digest, or why the mean was refused.
+    fn step_with_mean_gradient(
+        &mut self,
+        round: u64,
+        mean: &[f32],
+    ) -> Result<Result<String, String>, TrainerError> {
+        if let Some(mut p) = self.pending.take() {
+            if !mean.is_empty() {
+                if let Err(e) = self.s.model.params().replace_grads(&mut p.grads, mean) {
+                    return Ok(Err(format!("a round's mean gradient refused: {e}")));
+                }
+            }
+            let span = timeline::span(Lane::Trainer, "optimizer").at_step(self.counters.step + 1);
+            self.s.optimizer.step(self.s.model.params(), &p.grads)?;
+            drop(span);
+            self.after_step(p.loss, p.samples)?;
+        }
+        // Reading every parameter costs a few milliseconds a step: the digest (and the norm
+        // status shows) only every `DIGEST_EVERY` rounds; an empty digest says none.
+        if !round.is_multiple_of(crate::mesh_core::rounds::DIGEST_EVERY) {
+            return Ok(Ok(String::new()));
+        }
+        let flat = self.flat()?;
+        self.stats.param_norm = l2_norm(&flat);
+        Ok(Ok(crate::mesh_core::rounds::params_digest(&flat)))
+    }
+
+    /// Takes the members' step with their parameters (this node was not synced): its step
+    /// count and its optimizer's move forward by the same amount, so evaluations, checkpoints
+    /// and the learning-rate schedule fall where the members' do. Never backwards.
+    fn take_mesh_step(&mut self, step: u64) {
+        if step > self.counters.step {
+            let ahead = step - self.counters.step;
+            tracing::info!(
+                from = self.counters.step,
+                to = step,
+                "took the members' step with their parameters"
+            );
+            self.s.optimizer.skip_steps(ahead);
+            self.counters.step = step;
+            self.last_checkpoint_step = step;
+            self.publish();
+        }
     }
 
     /// With an outer optimizer, takes the current parameters as the start of the round
@@ -504,6 +734,87 @@ impl Loop {
         })
     }
 
+    /// Whether `eval_every_time` has come round. Alone (or out of lockstep), by this node's
+    /// own clock since its last evaluation. In lockstep (`eval_align_steps` > 1) by the wall
+    /// clock's grid of that period, read only at a multiple of `eval_align_steps`: members
+    /// finish a step within milliseconds of each other, so they read the same slot at the
+    /// same step and evaluate together; a clock of their own would keep apart for good two
+    /// members that once fell on either side of a boundary. Half a period since the last
+    /// evaluation is still required, so a slot begun just after one does not bring another.
+    fn clock_says_evaluate(&self) -> bool {
+        let every = self.s.eval_every_time;
+        if every.is_zero() {
+            return false;
+        }
+        let since = self.last_eval_at.elapsed();
+        if self.s.eval_align_steps <= 1 {
+            return since >= every;
+        }
+        self.counters.step.is_multiple_of(self.s.eval_align_steps)
+            && since >= every / 2
+            && wall_slot(every) != wall_slot_of(self.last_eval_wall, every)
+    }
+
+    /// What follows every step, taken locally or with a round's mean gradient: counters, the
+    /// loss window, evaluation, the step report, the straggler delay, checkpoints, progress.
+    fn after_step(&mut self, loss: f32, samples: usize) -> Result<(), TrainerError> {
+        self.counters.step += 1;
+        self.counters.samples_seen += samples as u64;
+        self.stats.steps_this_run += 1;
+        if self.losses.len() == LOSS_WINDOW {
+            self.losses.pop_front();
+        }
+        self.losses.push_back(loss);
+
+        let eval_by_steps =
+            self.s.eval_every > 0 && self.counters.step.is_multiple_of(self.s.eval_every);
+        let eval_by_time = self.clock_says_evaluate();
+        if eval_by_steps || eval_by_time {
+            self.evaluate()?;
+        }
+        // A step report is the one event that may be dropped (the next one carries a
+        // newer step); it leaves room for those that may not.
+        if self.events_tx.capacity() > EVENT_RESERVED {
+            let pending_ratio = self.pending_ratio()?;
+            self.tell(TrainerEvent::Stepped {
+                step: self.counters.step,
+                pending_ratio,
+            });
+        }
+        if !self.s.step_delay.is_zero() {
+            std::thread::sleep(self.s.step_delay);
+        }
+        let by_steps = self.s.checkpoint_every_steps > 0
+            && self.counters.step - self.last_checkpoint_step >= self.s.checkpoint_every_steps;
+        let by_time = !self.s.checkpoint_every.is_zero()
+            && self.last_checkpoint_at.elapsed() >= self.s.checkpoint_every;
+        if by_steps || by_time {
+            let _span =
+                timeline::span(Lane::Trainer, "checkpoint_snapshot").at_step(self.counters.step);
+            if self.snapshot_tx.try_send(self.snapshot()?).is_err() {
+                tracing::debug!(
+                    step = self.counters.step,
+                    "checkpoint writer busy; skipping this checkpoint"
+                );
+            }
+            self.last_checkpoint_step = self.counters.step;
+            self.last_checkpoint_at = Instant::now();
+        }
+        let now = Instant::now();
+        if now.duration_since(self.clock.last_publish) >= PUBLISH_EVERY {
+            let dt = now.duration_since(self.clock.rate_mark.0).as_secs_f64();
+            if dt >= 1.0 {
+                self.stats.samples_per_sec =
+                    (self.counters.samples_seen - self.clock.rate_mark.1) as f64 / dt;
+                self.clock.rate_mark = (now, self.counters.samples_seen);
+            }
+            self.stats.train_secs = self.clock.started.elapsed().as_secs_f64();
+            self.publish();
+            self.clock.last_publish = now;
+        }
+        Ok(())
+    }
+
     fn run(&mut self, mut cmd_rx: mpsc::Receiver<Command>) -> Result<Finish, TrainerError> {
         self.reset_anchor()?;
         self.reset_round_anchor()?;
@@ -520,9 +831,11 @@ impl Loop {
                 }
             }
         }
-        let started = Instant::now();
-        let mut rate_mark = (Instant::now(), self.counters.samples_seen);
-        let mut last_publish = Instant::now();
+        self.clock = StepClock {
+            started: Instant::now(),
+            rate_mark: (Instant::now(), self.counters.samples_seen),
+            last_publish: Instant::now(),
+        };
         self.stats.phase = Phase::Training;
         self.publish();
         let mut reached_max_steps = false;
@@ -556,67 +869,28 @@ impl Loop {
                     loss,
                 });
             }
-            self.counters.step += 1;
-            self.counters.samples_seen += indices.len() as u64;
-            self.stats.steps_this_run += 1;
-            if self.losses.len() == LOSS_WINDOW {
-                self.losses.pop_front();
-            }
-            self.losses.push_back(loss);
-
-            let eval_by_steps =
-                self.s.eval_every > 0 && self.counters.step.is_multiple_of(self.s.eval_every);
-            let eval_by_time = !self.s.eval_every_time.is_zero()
-                && self.last_eval_at.elapsed() >= self.s.eval_every_time;
-            if eval_by_steps || eval_by_time {
-                self.evaluate()?;
-            }
-            // A step report is the one event that may be dropped (the next one carries a
-            // newer step); it leaves room for those that may not.
-            if self.events_tx.capacity() > EVENT_RESERVED {
-                let pending_ratio = self.pending_ratio()?;
-                self.tell(TrainerEvent::Stepped {
-                    step: self.counters.step,
-                    pending_ratio,
-                });
-            }
-            if !self.s.step_delay.is_zero() {
-                std::thread::sleep(self.s.step_delay);
-            }
-            let by_steps = self.s.checkpoint_every_steps > 0
-                && self.counters.step - self.last_checkpoint_step >= self.s.checkpoint_every_steps;
-            let by_time = !self.s.checkpoint_every.is_zero()
-                && self.last_checkpoint_at.elapsed() >= self.s.checkpoint_every;
-            if by_steps || by_time {
-                let _span = timeline::span(Lane::Trainer, "checkpoint_snapshot").at_step(step);
-                if self.snapshot_tx.try_send(self.snapshot()?).is_err() {
-                    tracing::debug!(
-                        step = self.counters.step,
-                        "checkpoint writer busy; skipping this checkpoint"
-                    );
-                }
-                self.last_checkpoint_step = self.counters.step;
-                self.last_checkpoint_at = Instant::now();
-            }
-            let now = Instant::now();
-            if now.duration_since(last_publish) >= PUBLISH_EVERY {
-                let dt = now.duration_since(rate_mark.0).as_secs_f64();
-                if dt >= 1.0 {
-                    self.stats.samples_per_sec =
-                        (self.counters.samples_seen - rate_mark.1) as f64 / dt;
-                    rate_mark = (now, self.counters.samples_seen);
-                }
-                self.stats.train_secs = started.elapsed().as_secs_f64();
-                self.publish();
-                last_publish = now;
-            }
+            self.after_step(loss, indices.len())?;
         }
         self.released();
-        self.stats.train_secs = started.elapsed().as_secs_f64();
+        self.stats.train_secs = self.clock.started.elapsed().as_secs_f64();
         let evaluates = self.s.eval_every > 0 || !self.s.eval_every_time.is_zero();
         if evaluates && self.stats.eval.map(|e| e.step) != Some(self.counters.step) {
             self.evaluate()?;
         }
         self.finish(reached_max_steps)
     }
+}
+
+/// The slot of the wall clock's grid of `period` that `at` falls in (ms since the epoch ÷
+/// the period).
+fn wall_slot_of(at: std::time::SystemTime, period: Duration) -> u128 {
+    let ms = at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    ms / period.as_millis().max(1)
+}
+
+/// The slot of the wall clock's grid of `period` now.
+fn wall_slot(period: Duration) -> u128 {
+    wall_slot_of(std::time::SystemTime::now(), period)
 }

@@ -1,0 +1,692 @@
+//! `p2ptrain bench scaling`: what another box buys, measured as time to a target loss.
+//!
+//! For one config and one or more targets (held-out bits per byte for a language model, lower
+//! is better; held-out accuracy otherwise), each seed runs:
+//! - `alone`: one node, pinned to its cores, at each learning rate of the grid;
+//! - `alone_xN`: one node with N times the batch, same grid: the most N boxes could gain per
+//!   step, counted in steps (the ideal);
+//! - `alone_loaded` (with `--loaded-control`): N independent lone nodes at once, one per core
+//!   set, so the lone control pays what sharing the machine costs, as the mesh's nodes do;
+//! - one run per sync mode and learning rate of `--mesh-lrs`: N nodes, each pinned to its own
+//!   cores, in a mesh on loopback.
+//!
+//! Every node appends each evaluation to `evals.jsonl` in its data directory with its step and
+//! wall-clock time, evaluating every `--eval-every` steps, so steps and times to a target are
+//! exact, not read off a poll. The report gives, per kind of run, the median and spread over
+//! seeds of the steps and seconds to each target, the steps per second, the bytes each node
+//! sent, the speedup over `alone` (best learning rate) and the scaling efficiency: the speedup
+//! over the ideal `steps(alone) / steps(alone_xN)`. `DIR/report.json` holds it and every run's
+//! curve; `DIR/report.svg` draws the curves against wall time.
+//!
+//! Pinning uses `taskset` (util-linux); more nodes than core sets is a clear error.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use p2ptrain_daemon::trainer::EvalRecord;
+use serde::Serialize;
+
+use crate::bench::median;
+use crate::bench_mesh::{base_text, write_report, write_run_config};
+use crate::local::{check_core_sets, core_set, read_evals, unix_ms, Children};
+
+/// Arguments of `bench scaling`.
+#[derive(Args)]
+pub struct ScalingArgs {
+    /// Where `report.json`, `report.svg`, the run configs and every node's data go.
+    #[arg(long)]
+    out: PathBuf,
+    /// Base configuration.
+    #[arg(long, default_value = "configs/text-gpt.toml")]
+    config: PathBuf,
+    /// Nodes of each mesh (and N of the `alone_xN` batch).
+    #[arg(long, default_value_t = 2)]
+    nodes: usize,
+    /// CPU cores each node is pinned to (its compute threads too).
+    #[arg(long, default_value_t = 1)]
+    cores_per_node: usize,
+    /// Targets, comma-separated: held-out bits per byte for a language model (reached when
+    /// at or below), held-out accuracy otherwise (at or above).
+    #[arg(long, value_delimiter = ',', default_value = "3.0,2.8")]
+    targets: Vec<f64>,
+    /// Sync modes to run, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ddp,allreduce,diloco,gossip"
+    )]
+    modes: Vec<String>,
+    /// Seeds (each run repeated with node seeds from each).
+    #[arg(long, default_value_t = 3)]
+    seeds: u64,
+    /// Learning rates of the lone runs' grid, comma-separated (default: the config's).
+    #[arg(long, value_delimiter = ',')]
+    lrs: Vec<f64>,
+    /// Learning rates of the mesh runs' grid, comma-separated (default: the config's). N
+    /// members of a synchronous mode step with N times the batch, which may take a larger
+    /// rate than one node's.
+    #[arg(long, value_delimiter = ',')]
+    mesh_lrs: Vec<f64>,
+    /// Steps between evaluations, every run alike.
+    #[arg(long, default_value_t = 50)]
+    eval_every: u64,
+    /// Give up on a run after this many seconds.
+    #[arg(long, default_value_t = 600.0)]
+    timeout: f64,
+    /// Also run the lone control with the other core sets busy with lone runs of their own.
+    #[arg(long)]
+    loaded_control: bool,
+    /// Leave out the one-node-with-N-times-the-batch runs (the ideal).
+    #[arg(long)]
+    no_ideal: bool,
+}
+
+/// Whether a metric value reaches a target.
+#[derive(Debug, Clone, Copy, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Metric {
+    /// Held-out bits per byte: lower is better.
+    BitsPerByte,
+    /// Held-out accuracy: higher is better.
+    Accuracy,
+}
+
+impl Metric {
+    fn value(self, e: &EvalRecord) -> Option<f64> {
+        match self {
+            Metric::BitsPerByte => e.bits_per_byte,
+            Metric::Accuracy => Some(e.accuracy),
+        }
+    }
+
+    fn reaches(self, value: f64, target: f64) -> bool {
+        match self {
+            Metric::BitsPerByte => value <= target,
+            Metric::Accuracy => value >= target,
+        }
+    }
+}
+
+/// One run: a lone node or a mesh, one seed.
+#[derive(Debug, Serialize)]
+struct Run {
+    /// `alone`, `alone_xN`, `alone_loaded` or the sync mode.
+    kind: String,
+    seed: u64,
+    lr: f64,
+    batch_size: i64,
+    nodes: usize,
+    /// Per target: the step (per node) at which every node's evaluation first reached it.
+    steps_to_target: BTreeMap<String, Option<u64>>,
+    /// Per target: seconds from the first node's start until every node had reached it.
+    seconds_to_target: BTreeMap<String, Option<f64>>,
+    /// Training steps per second of node 0 over the run, evaluations included.
+    steps_per_sec: f64,
+    /// Mean over nodes of all bytes each sent (libp2p's counters).
+    bytes_sent_per_node: f64,
+    /// Node 0's evaluations: `[seconds since the start, step, value]`.
+    curve: Vec<[f64; 3]>,
+    /// Peers, rejected updates and bans seen at the end, per node.
+    mesh: Vec<serde_json::Value>,
+}
+
+/// Median and spread of one figure over seeds.
+#[derive(Debug, Serialize)]
+struct Spread {
+    median: Option<f64>,
+    min: Option<f64>,
+    max: Option<f64>,
+    /// Seeds that reached it (of all that ran).
+    reached: usize,
+    runs: usize,
+}
+
+fn spread(values: &[Option<f64>]) -> Spread {
+    let got: Vec<f64> = values.iter().flatten().copied().collect();
+    // A run that never reached the target counts as slower than any that did: with fewer
+    // than half reaching, there is no median.
+    let median = (got.len() * 2 > values.len()).then(|| {
+        let mut all: Vec<f64> = values.iter().map(|v| v.unwrap_or(f64::INFINITY)).collect();
+        all.sort_by(f64::total_cmp);
+        median(&all)
+    });
+    Spread {
+        median: median.filter(|m| m.is_finite()),
+        min: got.iter().copied().reduce(f64::min),
+        max: got.iter().copied().reduce(f64::max),
+        reached: got.len(),
+        runs: values.len(),
+    }
+}
+
+/// One kind of run summarised over seeds (at its best learning rate, for the lone runs).
+#[derive(Debug, Serialize)]
+struct KindSummary {
+    kind: String,
+    lr: f64,
+    steps_to_target: BTreeMap<String, Spread>,
+    seconds_to_target: BTreeMap<String, Spread>,
+    steps_per_sec: Spread,
+    bytes_sent_per_node: Spread,
+    /// Median seconds of `alone` ÷ median seconds of this kind, per target.
+    speedup: BTreeMap<String, Option<f64>>,
+    /// `speedup ÷ ideal`, per target (the ideal from `alone` and `alone_xN` steps).
+    scaling_efficiency: BTreeMap<String, Option<f64>>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    benchmark: &'static str,
+    config: String,
+    metric: Metric,
+    targets: Vec<f64>,
+    nodes: usize,
+    cores_per_node: usize,
+    seeds: u64,
+    eval_every: u64,
+    /// Per target: median steps of `alone` ÷ median steps of `alone_xN` (best learning rate
+    /// of each): what N boxes could at best gain per step.
+    ideal_speedup: BTreeMap<String, Option<f64>>,
+    summary: Vec<KindSummary>,
+    runs: Vec<Run>,
+}
+
+/// What one run is made of.
+struct Plan {
+    kind: String,
+    seed: u64,
+    lr: f64,
+    batch_size: i64,
+    nodes: usize,
+    /// `None`: lone nodes (independent when more than one); else the sync mode.
+    mode: Option<String>,
+}
+
+fn target_key(t: f64) -> String {
+    format!("{t}")
+}
+
+/// The first evaluation of `evals` that reaches `target`: (step, unix ms).
+fn first_reaching(evals: &[EvalRecord], metric: Metric, target: f64) -> Option<(u64, u64)> {
+    evals
+        .iter()
+        .find(|e| metric.value(e).is_some_and(|v| metric.reaches(v, target)))
+        .map(|e| (e.step, e.unix_ms))
+}
+
+fn spawn(
+    exe: &Path,
+    dir: &Path,
+    config: &Path,
+    cores: &str,
+    bootstrap: Option<&str>,
+) -> Result<Child> {
+    std::fs::create_dir_all(dir)?;
+    let log = std::fs::File::create(dir.join("node.log"))?;
+    let mut cmd = Command::new("taskset");
+    cmd.args(["-c", cores])
+        .arg(exe)
+        .arg("join")
+        .arg("--data-dir")
+        .arg(dir)
+        .arg("--config")
+        .arg(config)
+        .args(["--api", "127.0.0.1:0", "--listen", "/ip4/127.0.0.1/tcp/0"]);
+    if let Some(b) = bootstrap {
+        cmd.args(["--bootstrap", b]);
+    }
+    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+    cmd.spawn()
+        .context("cannot start a node under taskset (is util-linux installed?)")
+}
+
+/// Status of the node whose data directory is `dir`, over its API.
+fn status(dir: &Path) -> Option<serde_json::Value> {
+    let addr = std::fs::read_to_string(dir.join(p2ptrain_daemon::node::API_ADDR_FILE)).ok()?;
+    let url = format!("http://{}/v1/status", addr.trim());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ok()?;
+    rt.block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .ok()?;
+        client.get(url).send().await.ok()?.json().await.ok()
+    })
+}
+
+fn wait_listen_addr(dir: &Path, child: &mut Child) -> Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(a) = status(dir).and_then(|s| s["listen_addrs"][0].as_str().map(str::to_owned))
+        {
+            return Ok(a);
+        }
+        if let Some(st) = child.try_wait()? {
+            bail!(
+                "a node exited during start-up ({st}); see {}",
+                dir.join("node.log").display()
+            );
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "a node did not start within 120 s; see {}",
+                dir.join("node.log").display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Runs one plan to the last target (or the timeout) and measures it.
+fn run_one(
+    args: &ScalingArgs,
+    base: &str,
+    metric: Metric,
+    plan: &Plan,
+    index: usize,
+) -> Result<Run> {
+    let name = format!("{index:02}-{}-seed{}-lr{}", plan.kind, plan.seed, plan.lr);
+    let dir = args.out.join("runs").join(&name);
+    let _ = std::fs::remove_dir_all(&dir);
+    let exe = std::env::current_exe().context("cannot find this executable")?;
+    let mut configs = Vec::new();
+    for k in 0..plan.nodes {
+        let mut settings: Vec<(&str, &str, toml::Value)> = vec![
+            ("train", "batch_size", toml::Value::Integer(plan.batch_size)),
+            (
+                "train",
+                "eval_every",
+                toml::Value::Integer(args.eval_every as i64),
+            ),
+            ("train", "eval_every_secs", toml::Value::Float(0.0)),
+            (
+                "train",
+                "threads",
+                toml::Value::Integer(args.cores_per_node as i64),
+            ),
+            (
+                "train",
+                "node_seed",
+                toml::Value::Integer((plan.seed * 100 + k as u64) as i64),
+            ),
+            ("optimizer", "lr", toml::Value::Float(plan.lr)),
+        ];
+        if let Some(mode) = &plan.mode {
+            settings.push(("sync", "mode", toml::Value::String(mode.clone())));
+            // The synchronous modes start with all N from one state (gossip ignores it).
+            settings.push((
+                "sync",
+                "min_members",
+                toml::Value::Integer(plan.nodes as i64),
+            ));
+        }
+        configs.push(write_run_config(
+            base,
+            &dir,
+            &format!("node{k}"),
+            &settings,
+        )?);
+    }
+    let started_ms = unix_ms();
+    let started = Instant::now();
+    let mut children = Children(Vec::new());
+    let mut boot = None;
+    for (k, cfg) in configs.iter().enumerate() {
+        let node_dir = dir.join(format!("n{k}"));
+        let b = if plan.mode.is_some() {
+            boot.as_deref()
+        } else {
+            None
+        };
+        children.0.push(spawn(
+            &exe,
+            &node_dir,
+            cfg,
+            &core_set(k, args.cores_per_node),
+            b,
+        )?);
+        if k == 0 && plan.mode.is_some() {
+            let child = children.0.last_mut().context("node 0")?;
+            boot = Some(wait_listen_addr(&node_dir, child)?);
+        }
+    }
+    let node_dirs: Vec<PathBuf> = (0..plan.nodes).map(|k| dir.join(format!("n{k}"))).collect();
+    // The lone runs with other lone runs beside them measure node 0 only.
+    let measured = if plan.mode.is_some() { plan.nodes } else { 1 };
+    let last = args.targets.iter().copied().reduce(|a, b| match metric {
+        Metric::BitsPerByte => a.min(b),
+        Metric::Accuracy => a.max(b),
+    });
+    let last = last.context("no target")?;
+    let timed_out = loop {
+        std::thread::sleep(Duration::from_millis(500));
+        let done = node_dirs[..measured]
+            .iter()
+            .all(|d| first_reaching(&read_evals(d), metric, last).is_some());
+        if done {
+            break false;
+        }
+        if started.elapsed().as_secs_f64() > args.timeout {
+            break true;
+        }
+        for c in &mut children.0 {
+            if let Some(st) = c.try_wait()? {
+                bail!(
+                    "a node of {name} exited early ({st}); see {}",
+                    dir.display()
+                );
+            }
+        }
+    };
+    let finals: Vec<serde_json::Value> = node_dirs[..measured]
+        .iter()
+        .map(|d| status(d).unwrap_or_default())
+        .collect();
+    drop(children);
+    let evals: Vec<Vec<EvalRecord>> = node_dirs[..measured]
+        .iter()
+        .map(|d| read_evals(d))
+        .collect();
+    let mut steps_to_target = BTreeMap::new();
+    let mut seconds_to_target = BTreeMap::new();
+    for &t in &args.targets {
+        let per_node: Option<Vec<(u64, u64)>> =
+            evals.iter().map(|e| first_reaching(e, metric, t)).collect();
+        let (steps, secs) = match per_node {
+            Some(v) => (
+                v.iter().map(|x| x.0).max(),
+                v.iter()
+                    .map(|x| x.1.saturating_sub(started_ms) as f64 / 1e3)
+                    .reduce(f64::max),
+            ),
+            None => (None, None),
+        };
+        steps_to_target.insert(target_key(t), steps);
+        seconds_to_target.insert(target_key(t), secs);
+    }
+    let node0 = &evals[0];
+    let curve: Vec<[f64; 3]> = node0
+        .iter()
+        .filter_map(|e| {
+            let v = metric.value(e)?;
+            Some([
+                e.unix_ms.saturating_sub(started_ms) as f64 / 1e3,
+                e.step as f64,
+                v,
+            ])
+        })
+        .collect();
+    let steps_per_sec = node0
+        .last()
+        .map(|e| e.step as f64 / (e.unix_ms.saturating_sub(started_ms).max(1) as f64 / 1e3))
+        .unwrap_or(0.0);
+    let bytes: Vec<f64> = finals
+        .iter()
+        .filter_map(|s| s["bytes_sent"].as_f64())
+        .collect();
+    let mesh = finals
+        .iter()
+        .map(|s| {
+            serde_json::json!({
+                "peers": s["peers"]["count"],
+                "rejected": s["updates"]["rejected"],
+                "banned": s["banned_peers"].as_array().map_or(0, Vec::len),
+                "rounds": s["rounds"]["completed"],
+                "mean_round_ms": s["rounds"]["mean_round_ms"],
+            })
+        })
+        .collect();
+    eprintln!(
+        "{name}: steps {steps_to_target:?}, seconds {seconds_to_target:?}{}",
+        if timed_out { " (timed out)" } else { "" }
+    );
+    Ok(Run {
+        kind: plan.kind.clone(),
+        seed: plan.seed,
+        lr: plan.lr,
+        batch_size: plan.batch_size,
+        nodes: plan.nodes,
+        steps_to_target,
+        seconds_to_target,
+        steps_per_sec,
+        bytes_sent_per_node: if bytes.is_empty() {
+            0.0
+        } else {
+            bytes.iter().sum::<f64>() / bytes.len() as f64
+        },
+        curve,
+        mesh,
+    })
+}
+
+/// Summarises the runs of `kind` at its best learning rate (least median seconds to the last
+/// target).
+fn summarise(kind: &str, runs: &[Run], last: &str) -> Option<KindSummary> {
+    let mut by_lr: BTreeMap<String, Vec<&Run>> = BTreeMap::new();
+    for r in runs.iter().filter(|r| r.kind == kind) {
+        by_lr.entry(format!("{}", r.lr)).or_default().push(r);
+    }
+    let best = by_lr.values().min_by(|a, b| {
+        let m = |rs: &Vec<&Run>| {
+            spread(
+                &rs.iter()
+                    .map(|r| r.seconds_to_target[last])
+                    .collect::<Vec<_>>(),
+            )
+            .median
+            .unwrap_or(f64::INFINITY)
+        };
+        m(a).total_cmp(&m(b))
+    })?;
+    let keys: Vec<String> = best[0].steps_to_target.keys().cloned().collect();
+    let per = |f: &dyn Fn(&Run) -> Option<f64>| -> Spread {
+        spread(&best.iter().map(|r| f(r)).collect::<Vec<_>>())
+    };
+    Some(KindSummary {
+        kind: kind.to_string(),
+        lr: best[0].lr,
+        steps_to_target: keys
+            .iter()
+            .map(|k| (k.clone(), per(&|r| r.steps_to_target[k].map(|s| s as f64))))
+            .collect(),
+        seconds_to_target: keys
+            .iter()
+            .map(|k| (k.clone(), per(&|r| r.seconds_to_target[k])))
+            .collect(),
+        steps_per_sec: per(&|r| Some(r.steps_per_sec)),
+        bytes_sent_per_node: per(&|r| Some(r.bytes_sent_per_node)),
+        speedup: BTreeMap::new(),
+        scaling_efficiency: BTreeMap::new(),
+    })
+}
+
+/// Runs the benchmark.
+pub fn run(args: ScalingArgs) -> Result<()> {
+    if args.nodes < 2 {
+        bail!("--nodes must be at least 2: the benchmark compares a mesh with one node");
+    }
+    check_core_sets(args.nodes, args.cores_per_node)?;
+    if args.targets.is_empty() {
+        bail!("--targets: at least one");
+    }
+    for m in &args.modes {
+        m.parse::<p2ptrain_daemon::config::SyncMode>()
+            .map_err(anyhow::Error::msg)?;
+    }
+    std::fs::create_dir_all(&args.out)?;
+    let (base, config_name) = base_text(Some(&args.config))?;
+    let table: toml::Table = toml::from_str(&base)?;
+    let metric = if table["model"]["kind"].as_str() == Some("gpt") {
+        Metric::BitsPerByte
+    } else {
+        Metric::Accuracy
+    };
+    let batch = table["train"]
+        .get("batch_size")
+        .and_then(toml::Value::as_integer)
+        .context("train.batch_size")?;
+    let config_lr = table["optimizer"]
+        .get("lr")
+        .and_then(toml::Value::as_float)
+        .context("optimizer.lr")?;
+    let grid = |given: &[f64]| {
+        if given.is_empty() {
+            vec![config_lr]
+        } else {
+            given.to_vec()
+        }
+    };
+    let (lrs, mesh_lrs) = (grid(&args.lrs), grid(&args.mesh_lrs));
+    let big = format!("alone_x{}", args.nodes);
+    let mut plans = Vec::new();
+    for seed in 1..=args.seeds {
+        for &lr in &lrs {
+            plans.push(Plan {
+                kind: "alone".into(),
+                seed,
+                lr,
+                batch_size: batch,
+                nodes: 1,
+                mode: None,
+            });
+            if !args.no_ideal {
+                plans.push(Plan {
+                    kind: big.clone(),
+                    seed,
+                    lr,
+                    batch_size: batch * args.nodes as i64,
+                    nodes: 1,
+                    mode: None,
+                });
+            }
+        }
+        if args.loaded_control {
+            plans.push(Plan {
+                kind: "alone_loaded".into(),
+                seed,
+                lr: config_lr,
+                batch_size: batch,
+                nodes: args.nodes,
+                mode: None,
+            });
+        }
+        for m in &args.modes {
+            for &lr in &mesh_lrs {
+                plans.push(Plan {
+                    kind: m.clone(),
+                    seed,
+                    lr,
+                    batch_size: batch,
+                    nodes: args.nodes,
+                    mode: Some(m.clone()),
+                });
+            }
+        }
+    }
+    let mut runs = Vec::new();
+    for (i, plan) in plans.iter().enumerate() {
+        runs.push(run_one(&args, &base, metric, plan, i)?);
+    }
+    let keys: Vec<String> = args.targets.iter().map(|t| target_key(*t)).collect();
+    let last = target_key(
+        args.targets
+            .iter()
+            .copied()
+            .reduce(|a, b| match metric {
+                Metric::BitsPerByte => a.min(b),
+                Metric::Accuracy => a.max(b),
+            })
+            .context("no target")?,
+    );
+    let mut kinds = vec!["alone".to_string()];
+    if !args.no_ideal {
+        kinds.push(big.clone());
+    }
+    if args.loaded_control {
+        kinds.push("alone_loaded".into());
+    }
+    kinds.extend(args.modes.iter().cloned());
+    let mut summary: Vec<KindSummary> = kinds
+        .iter()
+        .filter_map(|k| summarise(k, &runs, &last))
+        .collect();
+    let median_of = |kind: &str, k: &str, secs: bool| -> Option<f64> {
+        let s = summary.iter().find(|s| s.kind == kind)?;
+        if secs {
+            s.seconds_to_target[k].median
+        } else {
+            s.steps_to_target[k].median
+        }
+    };
+    let ideal: BTreeMap<String, Option<f64>> = keys
+        .iter()
+        .map(|k| {
+            let v = match (median_of("alone", k, false), median_of(&big, k, false)) {
+                (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+                _ => None,
+            };
+            (k.clone(), v)
+        })
+        .collect();
+    let alone_secs: BTreeMap<String, Option<f64>> = keys
+        .iter()
+        .map(|k| (k.clone(), median_of("alone", k, true)))
+        .collect();
+    for s in &mut summary {
+        for k in &keys {
+            let speedup = match (alone_secs[k], s.seconds_to_target[k].median) {
+                (Some(a), Some(m)) if m > 0.0 => Some(a / m),
+                _ => None,
+            };
+            s.speedup.insert(k.clone(), speedup);
+            let eff = match (speedup, ideal[k]) {
+                (Some(x), Some(i)) if i > 0.0 => Some(x / i),
+                _ => None,
+            };
+            s.scaling_efficiency.insert(k.clone(), eff);
+        }
+    }
+    let report = Report {
+        benchmark: "scaling",
+        config: config_name.clone(),
+        metric,
+        targets: args.targets.clone(),
+        nodes: args.nodes,
+        cores_per_node: args.cores_per_node,
+        seeds: args.seeds,
+        eval_every: args.eval_every,
+        ideal_speedup: ideal,
+        summary,
+        runs,
+    };
+    let json = serde_json::to_string_pretty(&report)?;
+    let lines: Vec<(String, Vec<(f64, f64)>)> = report
+        .runs
+        .iter()
+        .map(|r| {
+            (
+                format!("{} seed {} lr {}", r.kind, r.seed, r.lr),
+                r.curve.iter().map(|p| (p[0], p[2])).collect(),
+            )
+        })
+        .collect();
+    let svg = crate::plot::render_curves_svg(
+        &format!(
+            "p2ptrain bench scaling: {config_name}, {} nodes",
+            args.nodes
+        ),
+        match metric {
+            Metric::BitsPerByte => "held-out bits per byte",
+            Metric::Accuracy => "held-out accuracy",
+        },
+        &lines,
+    )?;
+    write_report(&args.out, &json, &svg)
+}

@@ -527,7 +527,7 @@ async fn freeze(
     let step = snapshot.info.step;
     let frozen = tokio::task::spawn_blocking(move || {
         checkpoint::encode(&snapshot, 0, crate::store::unix_now())
-            .map(|(bytes, _)| Arc::new(Frozen::new(step, bytes, true)))
+            .map(|(bytes, _)| Arc::new(Frozen::new(step, bytes)))
             .map_err(|e| e.to_string())
     })
     .await

@@ -621,9 +621,10 @@ async fn join_mesh(shared: Arc<NodeHandle>, cache: Arc<Mutex<transfer::Cache>>) 
         }
         match rx.await {
             Ok(Ok(())) => {
-                // This node can now serve the same state to later joiners.
+                // This node can now serve the same state to later joiners, and offers it as
+                // its own for a while (see `Cache::reusable`).
                 if let Ok(mut c) = cache.lock() {
-                    c.insert(Arc::new(transfer::Frozen::new(report.step, bytes, false)));
+                    c.insert(Arc::new(transfer::Frozen::new(report.step, bytes)));
                 }
                 let mut report = report;
                 report.first_accuracy = shared.stats_rx.borrow().eval.map(|e| e.accuracy);

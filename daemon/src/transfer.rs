@@ -45,14 +45,15 @@ pub struct Frozen {
     pub bytes: Vec<u8>,
     /// Per-chunk SHA-256.
     pub chunk_hashes: Vec<[u8; 32]>,
-    /// This node's own state (false: one it downloaded and can pass on).
-    pub own: bool,
+    /// When this node's own state was last equal to it: the freeze, or the restore of a
+    /// downloaded state.
     created: Instant,
 }
 
 impl Frozen {
-    /// Freezes `bytes` taken at `step`; `own` says whether it is this node's own state.
-    pub fn new(step: u64, bytes: Vec<u8>, own: bool) -> Frozen {
+    /// Freezes `bytes`, this node's state at `step` as of now: a snapshot of its own training,
+    /// or a downloaded state it has just restored.
+    pub fn new(step: u64, bytes: Vec<u8>) -> Frozen {
         let hash: [u8; 32] = Sha256::digest(&bytes).into();
         let chunk_hashes = bytes
             .chunks(CHUNK_SIZE)
@@ -63,7 +64,6 @@ impl Frozen {
             step,
             bytes,
             chunk_hashes,
-            own,
             created: Instant::now(),
         }
     }
@@ -103,15 +103,23 @@ pub struct Cache {
 }
 
 impl Cache {
-    /// This node's newest own frozen state if it is recent enough to hand to another joiner
-    /// (joiners arriving together then share one state, and can serve it to each other). A
-    /// state downloaded from elsewhere is never handed out as this node's own.
+    /// This node's newest frozen state if it is recent enough to hand to another joiner
+    /// (joiners arriving together then share one state, and can serve it to each other).
+    ///
+    /// A joiner that has just restored a downloaded state offers that state, not a fresh
+    /// freeze of the steps it trained since: a second joiner asking it and the donor together
+    /// would otherwise see two states tens of steps apart, and a fast model outruns the
+    /// joiner's 10% step window in a fraction of a second, so the two joiners would end on
+    /// different states that cannot be served together (CI saw steps 237 and 284). Staleness
+    /// stays bounded: the offer lasts `REUSE_WITHIN` from the restore, and a chain of joiners
+    /// cannot keep an old state alive, since a joiner passes over any state more than 10%
+    /// behind the best one offered.
     pub fn reusable(&mut self) -> Option<Arc<Frozen>> {
         self.expire();
         self.frozen
             .iter()
             .rev()
-            .find(|f| f.own && f.created.elapsed() < REUSE_WITHIN)
+            .find(|f| f.created.elapsed() < REUSE_WITHIN)
             .cloned()
     }
 
@@ -589,16 +597,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_own_recent_states_are_reused() {
+    fn the_newest_recent_state_is_reused_and_an_old_one_is_not() {
         let mut cache = Cache::default();
-        cache.insert(Arc::new(Frozen::new(1, vec![1; 10], false)));
-        assert!(
-            cache.reusable().is_none(),
-            "a downloaded state is not handed out as ours"
-        );
-        cache.insert(Arc::new(Frozen::new(2, vec![2; 10], true)));
+        assert!(cache.reusable().is_none(), "nothing frozen yet");
+        cache.insert(Arc::new(Frozen::new(1, vec![1; 10])));
+        cache.insert(Arc::new(Frozen::new(2, vec![2; 10])));
         assert_eq!(cache.reusable().map(|f| f.step), Some(2));
         assert_eq!(cache.hashes().len(), 2);
+        let mut old = Frozen::new(3, vec![3; 10]);
+        old.created = Instant::now()
+            .checked_sub(REUSE_WITHIN + Duration::from_secs(1))
+            .expect("a monotonic clock this far along");
+        let mut stale = Cache::default();
+        stale.insert(Arc::new(old));
+        assert!(stale.reusable().is_none(), "a freeze past REUSE_WITHIN");
+        assert_eq!(stale.hashes().len(), 1, "still served by hash");
     }
 
     #[test]
@@ -606,7 +619,7 @@ mod tests {
         let bytes: Vec<u8> = (0..(CHUNK_SIZE * 2 + 10))
             .map(|i| (i % 251) as u8)
             .collect();
-        let f = Frozen::new(5, bytes.clone(), true);
+        let f = Frozen::new(5, bytes.clone());
         let m = f.manifest(0, Vec::new());
         assert_eq!(check_manifest(&m, 1 << 30), Ok(()));
         assert_eq!(m.chunk_hashes.len(), 3);
@@ -638,7 +651,7 @@ mod tests {
     #[test]
     fn a_partial_download_is_found_once_and_strays_are_removed() {
         let root = tempfile::tempdir().expect("tmp");
-        let f = Frozen::new(5, vec![7u8; CHUNK_SIZE + 3], true);
+        let f = Frozen::new(5, vec![7u8; CHUNK_SIZE + 3]);
         let m = f.manifest(0, Vec::new());
         let dir = root.path().join(hex::encode(&m.hash));
         std::fs::create_dir_all(&dir).expect("dir");

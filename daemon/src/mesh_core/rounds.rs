@@ -600,7 +600,7 @@ impl Rounds {
             });
             return;
         };
-        if values.iter().any(|v| !v.is_finite()) {
+        if !all_finite(&values) {
             out.push(Output::Offence {
                 peer: from,
                 why: "ring hop with NaN or infinite values".into(),
@@ -871,18 +871,20 @@ impl Rounds {
 fn hop_message(round: u64, attempt: u32, ring: &mut Ring, hop: u32) -> RingMessage {
     let range = ring.sent_range(hop);
     let values = &mut ring.acc[range];
+    // Loops over pre-sized slices, not `extend`, so that they vectorise: on the critical
+    // path of every `ddp` step (0.83 M values for the small GPT).
     let bytes = if ring.compact {
-        let mut bytes = Vec::with_capacity(values.len() * 2);
-        for v in values.iter_mut() {
-            let b = half::bf16::from_f32(*v);
-            *v = b.to_f32();
-            bytes.extend_from_slice(&b.to_le_bytes());
+        let mut bytes = vec![0u8; values.len() * 2];
+        for (v, out) in values.iter_mut().zip(bytes.chunks_exact_mut(2)) {
+            let bits = bf16_bits(*v);
+            *v = f32::from_bits(u32::from(bits) << 16);
+            out.copy_from_slice(&bits.to_le_bytes());
         }
         bytes
     } else {
-        let mut bytes = Vec::with_capacity(values.len() * 4);
-        for v in values.iter() {
-            bytes.extend_from_slice(&v.to_le_bytes());
+        let mut bytes = vec![0u8; values.len() * 4];
+        for (v, out) in values.iter().zip(bytes.chunks_exact_mut(4)) {
+            out.copy_from_slice(&v.to_le_bytes());
         }
         bytes
     };
@@ -907,29 +909,47 @@ fn members_digest(members: &[PeerId]) -> u64 {
     u64::from_le_bytes(d[..8].try_into().unwrap_or_default())
 }
 
-/// A hop's values (`bf16` or `f32`, little-endian); `None` when the bytes are not whole
-/// values.
-fn decode_values(bytes: &[u8], bf16: bool) -> Option<Vec<f32>> {
-    if bf16 {
-        if !bytes.len().is_multiple_of(2) {
-            return None;
-        }
-        return Some(
-            bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-        );
+/// `v` rounded to the nearest bf16 (ties to even), as its bits: what `half::bf16::from_f32`
+/// gives, bit for bit (a NaN stays a NaN, a finite value past bf16's range becomes infinite),
+/// written so that a loop of it vectorises.
+#[inline(always)]
+fn bf16_bits(v: f32) -> u16 {
+    let x = v.to_bits();
+    let nearest_even = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = ((x >> 16) | 0x0040) as u16;
+    if x & 0x7fff_ffff > 0x7f80_0000 {
+        quiet_nan
+    } else {
+        nearest_even
     }
-    if !bytes.len().is_multiple_of(4) {
+}
+
+/// A hop's values (`bf16` or `f32`, little-endian); `None` when the bytes are not whole
+/// values. One pass into a pre-sized vector, which vectorises.
+fn decode_values(bytes: &[u8], bf16: bool) -> Option<Vec<f32>> {
+    let width = if bf16 { 2 } else { 4 };
+    if !bytes.len().is_multiple_of(width) {
         return None;
     }
-    Some(
-        bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-    )
+    let mut values = vec![0f32; bytes.len() / width];
+    if bf16 {
+        for (v, b) in values.iter_mut().zip(bytes.chunks_exact(2)) {
+            *v = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+        }
+    } else {
+        for (v, b) in values.iter_mut().zip(bytes.chunks_exact(4)) {
+            *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+    }
+    Some(values)
+}
+
+/// Whether every value is finite: a sum over all of them (no early exit), which vectorises.
+fn all_finite(values: &[f32]) -> bool {
+    values
+        .iter()
+        .fold(0u32, |bad, v| bad | u32::from(!v.is_finite()))
+        == 0
 }
 
 /// The digest status shows for a parameter vector: the first 8 bytes of SHA-256 over its
@@ -953,6 +973,57 @@ mod tests {
     use std::collections::VecDeque;
 
     use super::*;
+
+    /// The hops' own bf16 rounding is `half`'s, bit for bit, on edge cases and on a sweep of
+    /// bit patterns; and a compact hop decodes to exactly the values its sender kept.
+    #[test]
+    fn bf16_rounding_matches_half_and_round_trips() {
+        let edges = [
+            0.0f32,
+            -0.0,
+            1.0,
+            -1.5,
+            f32::MIN_POSITIVE,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x3f80_8000), // a tie, even below: stays
+            f32::from_bits(0x3f81_8000), // a tie, odd below: rounds up
+            f32::from_bits(0x7f7f_ffff),
+            f32::from_bits(0x0000_0001),
+        ];
+        let sweep = (0..200_000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761)));
+        for v in edges.into_iter().chain(sweep) {
+            let want = half::bf16::from_f32(v);
+            let got = bf16_bits(v);
+            if v.is_nan() {
+                assert!(half::bf16::from_bits(got).is_nan(), "{v}");
+            } else {
+                assert_eq!(got, want.to_bits(), "{v} ({:#x})", v.to_bits());
+            }
+        }
+        let values: Vec<f32> = (0..1001).map(|i| (i as f32 - 500.0) * 0.0137).collect();
+        let mut r = super::Ring {
+            digest: 0,
+            members: vec![PeerId::random(), PeerId::random()],
+            me: 0,
+            acc: values.clone(),
+            compact: true,
+            step: 0,
+            next_hop: 0,
+            last_progress: Instant::now(),
+            predecessor_went_on: None,
+        };
+        let msg = hop_message(0, 0, &mut r, 0);
+        let sent = decode_values(&msg.values, true).expect("whole values");
+        assert_eq!(sent.len(), r.sent_range(0).len());
+        assert_eq!(&sent[..], &r.acc[r.sent_range(0)]);
+        assert!(all_finite(&sent));
+        assert!(!all_finite(&[1.0, f32::NAN, 2.0]));
+        assert!(decode_values(&[1, 2, 3], true).is_none());
+    }
 
     /// Nodes of one mesh, their outputs carried in order (a perfect network).
     struct Ring {

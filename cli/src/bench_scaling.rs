@@ -32,7 +32,9 @@ use serde::Serialize;
 
 use crate::bench::median;
 use crate::bench_mesh::{base_text, write_report, write_run_config};
-use crate::local::{check_core_sets, core_set, read_evals, unix_ms, Children};
+use crate::local::{
+    check_core_sets, check_starting, core_set, read_evals, unix_ms, Children, START_WAIT,
+};
 
 /// Arguments of `bench scaling`.
 #[derive(Args)]
@@ -262,24 +264,13 @@ fn status(dir: &Path) -> Option<serde_json::Value> {
 }
 
 fn wait_listen_addr(dir: &Path, child: &mut Child) -> Result<String> {
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + START_WAIT;
     loop {
         if let Some(a) = status(dir).and_then(|s| s["listen_addrs"][0].as_str().map(str::to_owned))
         {
             return Ok(a);
         }
-        if let Some(st) = child.try_wait()? {
-            bail!(
-                "a node exited during start-up ({st}); see {}",
-                dir.join("node.log").display()
-            );
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "a node did not start within 120 s; see {}",
-                dir.join("node.log").display()
-            );
-        }
+        check_starting(child, &dir.join("node.log"), deadline)?;
         std::thread::sleep(Duration::from_millis(100));
     }
 }

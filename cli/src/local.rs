@@ -479,27 +479,38 @@ pub(crate) fn check_core_sets(sets: usize, per: usize) -> Result<()> {
     Ok(())
 }
 
+/// How long a node may take to start (its API address written, its listen address known).
+pub(crate) const START_WAIT: Duration = Duration::from_secs(120);
+
+/// An error once a starting node has exited, or once `deadline` has passed, naming its log;
+/// the start-up waits of `local` and `bench scaling` call it between their polls.
+pub(crate) fn check_starting(child: &mut Child, log: &Path, deadline: Instant) -> Result<()> {
+    if let Some(status) = child.try_wait()? {
+        bail!(
+            "a node exited during start-up ({status}); see {}",
+            log.display()
+        );
+    }
+    if Instant::now() > deadline {
+        bail!(
+            "a node did not start within {} s; see {}",
+            START_WAIT.as_secs(),
+            log.display()
+        );
+    }
+    Ok(())
+}
+
 async fn wait_api(dir: &Path, child: &mut Child) -> Result<String> {
     let file = dir.join(p2ptrain_daemon::node::API_ADDR_FILE);
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + START_WAIT;
     loop {
         if let Ok(s) = std::fs::read_to_string(&file) {
             if !s.trim().is_empty() {
                 return Ok(s.trim().to_string());
             }
         }
-        if let Some(status) = child.try_wait()? {
-            bail!(
-                "a node exited during start-up ({status}); see {}",
-                dir.with_extension("log").display()
-            );
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "a node did not start within 120 s; see {}",
-                dir.with_extension("log").display()
-            );
-        }
+        check_starting(child, &dir.with_extension("log"), deadline)?;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

@@ -135,14 +135,8 @@ impl Params {
     /// as [`Params::flatten_grads`] gives it). The length and finiteness are checked first, so
     /// a bad vector changes nothing.
     pub fn replace_grads(&self, grads: &mut GradStore, flat: &[f32]) -> Result<()> {
-        check_flat(flat, self.numel(), "gradient")?;
-        let mut offset = 0;
-        for (_, v) in &self.vars {
-            let n = v.elem_count();
-            let g = Tensor::from_slice(&flat[offset..offset + n], v.dims(), v.device())?
-                .to_dtype(v.dtype())?;
+        for ((_, v), g) in self.vars.iter().zip(self.split_flat(flat, "gradient")?) {
             grads.insert(v.as_tensor(), g);
-            offset += n;
         }
         Ok(())
     }
@@ -150,16 +144,33 @@ impl Params {
     /// Overwrites every parameter from a flat vector in canonical order. The length is checked
     /// first and non-finite values are refused, so a bad vector changes nothing.
     pub fn write_back(&self, flat: &[f32]) -> Result<()> {
-        check_flat(flat, self.numel(), "parameter vector")?;
-        let mut offset = 0;
-        for (_, v) in &self.vars {
-            let n = v.elem_count();
-            let t = Tensor::from_slice(&flat[offset..offset + n], v.dims(), v.device())?
-                .to_dtype(v.dtype())?;
+        for ((_, v), t) in self
+            .vars
+            .iter()
+            .zip(self.split_flat(flat, "parameter vector")?)
+        {
             v.set(&t)?;
-            offset += n;
         }
         Ok(())
+    }
+
+    /// `flat` (canonical order) cut into one tensor per parameter, with each parameter's
+    /// shape, device and dtype. The length and finiteness are checked before anything is
+    /// built (`what` names the vector in the error), so a caller that writes only after this
+    /// returns changes nothing on a bad vector.
+    fn split_flat(&self, flat: &[f32], what: &str) -> Result<Vec<Tensor>> {
+        check_flat(flat, self.numel(), what)?;
+        let mut offset = 0;
+        let mut parts = Vec::with_capacity(self.vars.len());
+        for (_, v) in &self.vars {
+            let n = v.elem_count();
+            parts.push(
+                Tensor::from_slice(&flat[offset..offset + n], v.dims(), v.device())?
+                    .to_dtype(v.dtype())?,
+            );
+            offset += n;
+        }
+        Ok(parts)
     }
 
     /// A fingerprint of the values (and layout): equal hashes mean bit-identical parameters.

@@ -85,6 +85,34 @@ pub struct ScalingArgs {
     /// Leave out the one-node-with-N-times-the-batch runs (the ideal).
     #[arg(long)]
     no_ideal: bool,
+    /// In every mesh run, the last node computes slower: this many microseconds of sleep
+    /// per sample in each forward-backward pass (`debug.sample_delay_us`; about 4200 halves
+    /// the small GPT's speed on one core here). A slower box that takes no core from the
+    /// others, as a second machine would not; the lone runs are not slowed: the question is
+    /// whether the mesh with a slow box still beats the fast box alone.
+    #[arg(long, default_value_t = 0)]
+    straggler_delay_us: u64,
+    /// A setting for every node of the mesh runs, `section.key=VALUE` with VALUE in TOML
+    /// (e.g. `sync.balance_batches=false`); repeat for more.
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    settings: Vec<String>,
+}
+
+/// Reads `section.key=VALUE` (VALUE in TOML; a bare word is a string).
+fn parse_setting(s: &str) -> Result<(String, String, toml::Value)> {
+    let (path, value) = s
+        .split_once('=')
+        .with_context(|| format!("--set {s:?}: expected section.key=VALUE"))?;
+    let (section, key) = path
+        .trim()
+        .split_once('.')
+        .with_context(|| format!("--set {s:?}: expected section.key=VALUE"))?;
+    let value = value.trim();
+    let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+    Ok((section.to_string(), key.to_string(), parsed))
 }
 
 /// Whether a metric value reaches a target.
@@ -126,6 +154,10 @@ struct Run {
     steps_to_target: BTreeMap<String, Option<u64>>,
     /// Per target: seconds from the first node's start until every node had reached it.
     seconds_to_target: BTreeMap<String, Option<f64>>,
+    /// The same less each node's own seconds of evaluation up to then (the latest node's):
+    /// training time to the target, which the evaluation period chosen here does not
+    /// inflate. A member's wait for another's evaluation still counts.
+    train_seconds_to_target: BTreeMap<String, Option<f64>>,
     /// Training steps per second of node 0 over the run, evaluations included.
     steps_per_sec: f64,
     /// Mean over nodes of all bytes each sent (libp2p's counters).
@@ -134,6 +166,8 @@ struct Run {
     curve: Vec<[f64; 3]>,
     /// Peers, rejected updates and bans seen at the end, per node.
     mesh: Vec<serde_json::Value>,
+    /// The mesh's last node's sleep per sample (`--straggler-delay-us`; 0: none).
+    straggler_delay_us: u64,
 }
 
 /// Median and spread of one figure over seeds.
@@ -172,10 +206,14 @@ struct KindSummary {
     lr: f64,
     steps_to_target: BTreeMap<String, Spread>,
     seconds_to_target: BTreeMap<String, Spread>,
+    /// Seconds less the nodes' own evaluations (see [`Run::train_seconds_to_target`]).
+    train_seconds_to_target: BTreeMap<String, Spread>,
     steps_per_sec: Spread,
     bytes_sent_per_node: Spread,
     /// Median seconds of `alone` ÷ median seconds of this kind, per target.
     speedup: BTreeMap<String, Option<f64>>,
+    /// The same, in training seconds (evaluations left out on both sides).
+    train_speedup: BTreeMap<String, Option<f64>>,
     /// `speedup ÷ ideal`, per target (the ideal from `alone` and `alone_xN` steps).
     scaling_efficiency: BTreeMap<String, Option<f64>>,
 }
@@ -212,12 +250,11 @@ fn target_key(t: f64) -> String {
     format!("{t}")
 }
 
-/// The first evaluation of `evals` that reaches `target`: (step, unix ms).
-fn first_reaching(evals: &[EvalRecord], metric: Metric, target: f64) -> Option<(u64, u64)> {
+/// The first evaluation of `evals` that reaches `target`.
+fn first_reaching(evals: &[EvalRecord], metric: Metric, target: f64) -> Option<&EvalRecord> {
     evals
         .iter()
         .find(|e| metric.value(e).is_some_and(|v| metric.reaches(v, target)))
-        .map(|e| (e.step, e.unix_ms))
 }
 
 fn spawn(
@@ -287,6 +324,11 @@ fn run_one(
     let dir = args.out.join("runs").join(&name);
     let _ = std::fs::remove_dir_all(&dir);
     let exe = std::env::current_exe().context("cannot find this executable")?;
+    let extra = args
+        .settings
+        .iter()
+        .map(|s| parse_setting(s))
+        .collect::<Result<Vec<_>>>()?;
     let mut configs = Vec::new();
     for k in 0..plan.nodes {
         let mut settings: Vec<(&str, &str, toml::Value)> = vec![
@@ -309,6 +351,18 @@ fn run_one(
             ),
             ("optimizer", "lr", toml::Value::Float(plan.lr)),
         ];
+        if plan.mode.is_some() {
+            for (section, key, value) in &extra {
+                settings.push((section.as_str(), key.as_str(), value.clone()));
+            }
+            if k + 1 == plan.nodes && args.straggler_delay_us > 0 {
+                settings.push((
+                    "debug",
+                    "sample_delay_us",
+                    toml::Value::Integer(args.straggler_delay_us as i64),
+                ));
+            }
+        }
         if let Some(mode) = &plan.mode {
             settings.push(("sync", "mode", toml::Value::String(mode.clone())));
             // The synchronous modes start with all N from one state (gossip ignores it).
@@ -387,20 +441,22 @@ fn run_one(
         .collect();
     let mut steps_to_target = BTreeMap::new();
     let mut seconds_to_target = BTreeMap::new();
+    let mut train_seconds_to_target = BTreeMap::new();
     for &t in &args.targets {
-        let per_node: Option<Vec<(u64, u64)>> =
+        let per_node: Option<Vec<&EvalRecord>> =
             evals.iter().map(|e| first_reaching(e, metric, t)).collect();
-        let (steps, secs) = match per_node {
+        let secs = |e: &EvalRecord| e.unix_ms.saturating_sub(started_ms) as f64 / 1e3;
+        let (steps, wall, train) = match per_node {
             Some(v) => (
-                v.iter().map(|x| x.0).max(),
-                v.iter()
-                    .map(|x| x.1.saturating_sub(started_ms) as f64 / 1e3)
-                    .reduce(f64::max),
+                v.iter().map(|e| e.step).max(),
+                v.iter().map(|e| secs(e)).reduce(f64::max),
+                v.iter().map(|e| secs(e) - e.eval_secs).reduce(f64::max),
             ),
-            None => (None, None),
+            None => (None, None, None),
         };
         steps_to_target.insert(target_key(t), steps);
-        seconds_to_target.insert(target_key(t), secs);
+        seconds_to_target.insert(target_key(t), wall);
+        train_seconds_to_target.insert(target_key(t), train);
     }
     let node0 = &evals[0];
     let curve: Vec<[f64; 3]> = node0
@@ -431,11 +487,13 @@ fn run_one(
                 "banned": s["banned_peers"].as_array().map_or(0, Vec::len),
                 "rounds": s["rounds"]["completed"],
                 "mean_round_ms": s["rounds"]["mean_round_ms"],
+                "batch": s["rounds"]["batch"],
+                "ms_per_sample": s["ms_per_sample"],
             })
         })
         .collect();
     eprintln!(
-        "{name}: steps {steps_to_target:?}, seconds {seconds_to_target:?}{}",
+        "{name}: steps {steps_to_target:?}, seconds {seconds_to_target:?}, training seconds {train_seconds_to_target:?}{}",
         if timed_out { " (timed out)" } else { "" }
     );
     Ok(Run {
@@ -446,6 +504,7 @@ fn run_one(
         nodes: plan.nodes,
         steps_to_target,
         seconds_to_target,
+        train_seconds_to_target,
         steps_per_sec,
         bytes_sent_per_node: if bytes.is_empty() {
             0.0
@@ -454,6 +513,11 @@ fn run_one(
         },
         curve,
         mesh,
+        straggler_delay_us: if plan.mode.is_some() {
+            args.straggler_delay_us
+        } else {
+            0
+        },
     })
 }
 
@@ -491,9 +555,14 @@ fn summarise(kind: &str, runs: &[Run], last: &str) -> Option<KindSummary> {
             .iter()
             .map(|k| (k.clone(), per(&|r| r.seconds_to_target[k])))
             .collect(),
+        train_seconds_to_target: keys
+            .iter()
+            .map(|k| (k.clone(), per(&|r| r.train_seconds_to_target[k])))
+            .collect(),
         steps_per_sec: per(&|r| Some(r.steps_per_sec)),
         bytes_sent_per_node: per(&|r| Some(r.bytes_sent_per_node)),
         speedup: BTreeMap::new(),
+        train_speedup: BTreeMap::new(),
         scaling_efficiency: BTreeMap::new(),
     })
 }
@@ -630,13 +699,28 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         .iter()
         .map(|k| (k.clone(), median_of("alone", k, true)))
         .collect();
+    let alone_train: BTreeMap<String, Option<f64>> = keys
+        .iter()
+        .map(|k| {
+            let s = summary.iter().find(|s| s.kind == "alone");
+            (
+                k.clone(),
+                s.and_then(|s| s.train_seconds_to_target[k].median),
+            )
+        })
+        .collect();
+    let ratio = |a: Option<f64>, m: Option<f64>| match (a, m) {
+        (Some(a), Some(m)) if m > 0.0 => Some(a / m),
+        _ => None,
+    };
     for s in &mut summary {
         for k in &keys {
-            let speedup = match (alone_secs[k], s.seconds_to_target[k].median) {
-                (Some(a), Some(m)) if m > 0.0 => Some(a / m),
-                _ => None,
-            };
+            let speedup = ratio(alone_secs[k], s.seconds_to_target[k].median);
             s.speedup.insert(k.clone(), speedup);
+            s.train_speedup.insert(
+                k.clone(),
+                ratio(alone_train[k], s.train_seconds_to_target[k].median),
+            );
             let eff = match (speedup, ideal[k]) {
                 (Some(x), Some(i)) if i > 0.0 => Some(x / i),
                 _ => None,

@@ -152,6 +152,7 @@ impl MeshActor {
                 loss: s.loss,
                 samples_per_sec: s.samples_per_sec,
                 accuracy: s.eval.map(|e| e.accuracy),
+                ms_per_sample: s.ms_per_sample,
             };
             let _ = self.core.handle(Input::Progress(progress), Instant::now());
         }

@@ -363,6 +363,7 @@ pub async fn run(
             measure_pending_ratio: policy.publish_every > 0 && policy.publish_early_ratio > 0.0,
             start_paused: joining,
             step_delay: Duration::from_millis(config.debug.step_delay_ms),
+            sample_delay: Duration::from_micros(config.debug.sample_delay_us),
             outer: config.sync.outer(),
             outer_velocity,
             rounds_carry_state: lockstep,

@@ -526,6 +526,7 @@ mod tests {
             step: Some(40),
             loss: Some(0.5),
             samples_per_sec: None,
+            ms_per_sample: None,
             accuracy: None,
             score: Some(-1.0),
             path: None,

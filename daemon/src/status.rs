@@ -33,6 +33,9 @@ pub struct PeerStatus {
     pub loss: Option<f64>,
     /// Its throughput.
     pub samples_per_sec: Option<f64>,
+    /// Its forward-backward milliseconds per sample.
+    #[serde(default)]
+    pub ms_per_sample: Option<f64>,
     /// Its latest held-out accuracy.
     pub accuracy: Option<f64>,
     /// Its gossipsub score here: falls with every message of its that this node rejects.
@@ -171,6 +174,10 @@ pub struct TrainingStatus {
     pub eval: Option<EvalStats>,
     /// Recent throughput.
     pub samples_per_sec: f64,
+    /// Forward-backward milliseconds per sample, waits and evaluations left out: how fast
+    /// this box computes (`ddp` members size their batches by it).
+    #[serde(default)]
+    pub ms_per_sample: Option<f64>,
 }
 
 impl From<&Stats> for TrainingStatus {
@@ -182,6 +189,7 @@ impl From<&Stats> for TrainingStatus {
             loss: s.loss,
             eval: s.eval,
             samples_per_sec: s.samples_per_sec,
+            ms_per_sample: s.ms_per_sample,
         }
     }
 }
@@ -343,6 +351,7 @@ impl Peers {
                     step: hb.map(|h| h.step),
                     loss: hb.and_then(|h| h.loss),
                     samples_per_sec: hb.map(|h| h.samples_per_sec),
+                    ms_per_sample: hb.and_then(|h| h.ms_per_sample),
                     accuracy: hb.and_then(|h| h.accuracy),
                     score: p.score,
                     path: p.path.clone(),

@@ -196,6 +196,10 @@ pub struct Heartbeat {
     pub samples_per_sec: f64,
     /// Its latest held-out accuracy.
     pub accuracy: Option<f64>,
+    /// Its forward-backward milliseconds per sample: `ddp` members size their batches by
+    /// the fastest member's (`rounds::balanced_batch`). Absent from older nodes.
+    #[serde(default)]
+    pub ms_per_sample: Option<f64>,
     /// Set in the last heartbeat of a node that leaves gracefully.
     #[serde(default)]
     pub leaving: bool,
@@ -260,6 +264,7 @@ mod tests {
             loss: Some(0.5),
             samples_per_sec: 10.0,
             accuracy: None,
+            ms_per_sample: Some(4.2),
             leaving: true,
             in_rounds: true,
             round: Some(3),

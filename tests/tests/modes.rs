@@ -177,6 +177,63 @@ fn members_hold_identical_parameters_through_a_kill_and_a_join(mode: &str) {
     assert_identical(&[&a, &b, &d]);
 }
 
+/// `ddp` with one box that computes far slower than the other (a per-sample throttle inside
+/// its forward-backward pass): it takes a smaller batch, the fast one keeps the whole batch,
+/// and both still hold the same bits, with nothing rejected and nobody banned.
+#[test]
+fn a_slow_ddp_member_takes_a_smaller_batch_and_the_members_stay_identical() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let sync = "\n[sync]\nmode = \"ddp\"\nmin_members = 2\n";
+    let every = [("eval_every = 500", "eval_every = 100")];
+    let fast = config(tmp.path(), "fast.toml", &every, sync);
+    // About 300 µs a sample on top of a few: tens of times the fast member's.
+    let slow = config(
+        tmp.path(),
+        "slow.toml",
+        &every,
+        &format!("sample_delay_us = 300\n{sync}"),
+    );
+    let a = start(tmp.path(), "a", &fast, None, &[]);
+    let b = start(tmp.path(), "b", &slow, Some(&listen_addr(&a)), &[]);
+    let batch = |s: &Value| rounds(s)["batch"].as_u64().unwrap_or(0);
+    let sb = b.wait_status(
+        "the slow member on a smaller batch",
+        Duration::from_secs(90),
+        |s| completed(s) > 50 && (1..32).contains(&batch(s)),
+    );
+    let sa = a.wait_status(
+        "the fast member in the same rounds",
+        Duration::from_secs(30),
+        |s| completed(s) > 50,
+    );
+    eprintln!(
+        "batches: fast {} ({} ms a sample), slow {} ({} ms a sample)",
+        batch(&sa),
+        sa["ms_per_sample"],
+        batch(&sb),
+        sb["ms_per_sample"]
+    );
+    assert_eq!(
+        batch(&sa),
+        32,
+        "the fastest member keeps the whole batch: {sa}"
+    );
+    // Never below an eighth of the batch, whatever the speeds (`rounds::MAX_SHRINK`).
+    assert!(batch(&sb) >= 4, "{sb}");
+    let ms = |s: &Value| s["ms_per_sample"].as_f64().unwrap_or(0.0);
+    assert!(
+        ms(&sb) > 2.0 * ms(&sa),
+        "the throttle shows in the pass's timing: {sb}"
+    );
+    assert_identical(&[&a, &b]);
+    for n in [&a, &b] {
+        let s = n.status().expect("status");
+        assert_eq!(peers(&s), 1, "{s}");
+        assert_eq!(s["updates"]["rejected"].as_u64(), Some(0), "{s}");
+        assert_eq!(s["banned_peers"].as_array().map_or(0, Vec::len), 0, "{s}");
+    }
+}
+
 /// Starts three nodes of `mode` on their parts of the digits and waits until each has
 /// evaluated at `target` or better; returns their statuses.
 fn three_reach(mode: &str, partition: &str, sync: &str, target: f64) -> Vec<Value> {

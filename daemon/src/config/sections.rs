@@ -238,6 +238,11 @@ pub struct SyncConfig {
     /// Synchronous modes: no round starts with fewer members than this; a founder waits for
     /// the others before its first round (1: never wait).
     pub min_members: usize,
+    /// `ddp`: a member more than 10% slower per sample than the fastest takes a smaller
+    /// batch, the one it computes while the fastest computes the whole batch, and its
+    /// gradient weighs by its samples; so a slow box adds what it can instead of holding every
+    /// step back. Members of one speed always take the whole batch.
+    pub balance_batches: bool,
     /// `diloco`: local steps between two outer steps (H).
     pub inner_steps: u64,
     /// `diloco`: the outer Nesterov step's learning rate.
@@ -295,6 +300,7 @@ impl Default for SyncConfig {
             every: 1,
             resync_every: 25,
             min_members: 1,
+            balance_batches: true,
             inner_steps: 100,
             outer_lr: 0.7,
             outer_momentum: 0.9,
@@ -429,6 +435,8 @@ impl SyncConfig {
             weight,
             gradients,
             min_members: self.min_members,
+            batch: batch_size,
+            balance: self.balance_batches && self.mode == SyncMode::Ddp,
         })
     }
 
@@ -546,4 +554,7 @@ pub struct DebugConfig {
     pub serve_chunk_delay_ms: u64,
     /// Sleep after every training step: a throttle for tests (pacing, stragglers).
     pub step_delay_ms: u64,
+    /// Sleep this many microseconds per sample inside every forward-backward pass: a box
+    /// that computes slower, as `ms_per_sample` sees it (tests of `ddp`'s balanced batches).
+    pub sample_delay_us: u64,
 }

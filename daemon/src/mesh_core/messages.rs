@@ -24,6 +24,8 @@ pub struct Progress {
     pub samples_per_sec: f64,
     /// Its latest held-out accuracy.
     pub accuracy: Option<f64>,
+    /// Its forward-backward milliseconds per sample (see `trainer::Stats::ms_per_sample`).
+    pub ms_per_sample: Option<f64>,
 }
 
 /// What an announced update's fetch from its author brought back.
@@ -85,8 +87,10 @@ pub enum TrainerEvent {
     Gradient {
         /// The step it leads from (the step it makes is `step + 1`).
         step: u64,
-        /// Flat, in canonical order.
+        /// Flat, in canonical order: the mean over the batch's samples.
         values: Vec<f32>,
+        /// Samples in the batch (the ring weighs each member's gradient by them).
+        samples: usize,
     },
     /// The answer to [`TrainerCommand::Combine`]: the digest of the parameters it left
     /// (see `rounds::params_digest`), or why it could not combine.
@@ -113,7 +117,11 @@ pub enum TrainerCommand {
     TakeParams,
     /// Compute the next batch's gradient at the current parameters, keep it, and hand it
     /// over ([`TrainerEvent::Gradient`]): a `ddp` round, whose mean gradient makes the step.
-    TakeGradient,
+    TakeGradient {
+        /// Samples in the batch: the configured batch, or fewer for a member slower than the
+        /// others (`rounds::balanced_batch`).
+        batch: usize,
+    },
     /// Take the members' weighted mean of round `round` (an outer optimizer step towards it,
     /// in `diloco`); an empty `mean` keeps the parameters. With `gradient`, the mean is of
     /// gradients: the trainer steps with it from the gradient it kept (with its own where

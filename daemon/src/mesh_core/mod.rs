@@ -52,6 +52,10 @@ pub use status::{FullSyncCounters, MeshStatus, SyncInfo, SyncRefusalInfo, Update
 pub const REFRESH_EVERY: Duration = Duration::from_secs(1);
 /// How often a node tells the mesh its progress.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+/// A new member hears this node's heartbeat this soon after it connects (time for gossip to
+/// learn its subscriptions), not up to [`HEARTBEAT_EVERY`] later: a synchronous mesh's first
+/// round waits for every member's word that it is ready.
+pub const NEW_MEMBER_HEARTBEAT_AFTER: Duration = Duration::from_millis(300);
 /// Large updates kept for neighbours to pull.
 const LARGE_UPDATE_CAP: usize = 4;
 /// Updates waiting for a busy trainer before they are merged.
@@ -182,6 +186,9 @@ pub struct MeshCore {
     /// A round's trainer command the trainer's full queue refused, sent again at the next tick.
     round_command: Option<TrainerCommand>,
     heartbeats_sent: u64,
+    /// Whether the last heartbeat said this node is ready for rounds: when that changes, the
+    /// next heartbeat goes out at once.
+    ready_announced: bool,
     status: MeshStatus,
 }
 
@@ -235,6 +242,7 @@ impl MeshCore {
                 .map(|(rc, synced)| Rounds::new(rc, cfg.me, cfg.start_step, synced)),
             round_command: None,
             heartbeats_sent: 0,
+            ready_announced: false,
             status,
             cfg,
         }
@@ -252,7 +260,12 @@ impl MeshCore {
         match input {
             Input::PeerUp(peer) => {
                 if peer != self.cfg.me {
-                    self.members.insert(peer);
+                    if self.members.insert(peer) {
+                        let soon = now + NEW_MEMBER_HEARTBEAT_AFTER;
+                        if self.next_heartbeat.is_none_or(|t| t > soon) {
+                            self.next_heartbeat = Some(soon);
+                        }
+                    }
                     self.refresh_neighbours(now, &mut out);
                 }
             }
@@ -310,7 +323,12 @@ impl MeshCore {
                 self.on_params_reply(peer, answer, now, &mut out)
             }
             Input::UpdatePublished { payload, ok } => self.on_update_published(payload, ok),
-            Input::Progress(p) => self.progress = p,
+            Input::Progress(p) => {
+                if let Some(r) = &mut self.rounds {
+                    r.own_speed(p.ms_per_sample);
+                }
+                self.progress = p;
+            }
             Input::Trainer(ev) => self.on_trainer(ev, now, &mut out),
             Input::TrainerBusy(cmd) => self.on_trainer_busy(cmd, now, &mut out),
             Input::Tick => self.on_tick(now, &mut out),
@@ -374,7 +392,8 @@ impl MeshCore {
         if self.next_refresh.is_none_or(|t| now >= t) {
             self.refresh_neighbours(now, out);
         }
-        if self.next_heartbeat.is_none_or(|t| now >= t) {
+        let ready = self.rounds.is_some() && self.is_training();
+        if self.next_heartbeat.is_none_or(|t| now >= t) || ready != self.ready_announced {
             self.next_heartbeat = Some(now + HEARTBEAT_EVERY);
             out.push(self.heartbeat(false));
         }
@@ -426,13 +445,17 @@ impl MeshCore {
             TrainerEvent::Params { step, values } => {
                 self.progress.step = self.progress.step.max(step);
                 if let Some(r) = &mut self.rounds {
-                    r.params(values, false, step, now, out);
+                    r.params(values, step, now, out);
                 }
             }
-            TrainerEvent::Gradient { step, values } => {
+            TrainerEvent::Gradient {
+                step,
+                values,
+                samples,
+            } => {
                 self.progress.step = self.progress.step.max(step);
                 if let Some(r) = &mut self.rounds {
-                    r.params(values, true, step, now, out);
+                    r.gradient(values, samples, step, now, out);
                 }
             }
             TrainerEvent::Combined {
@@ -471,7 +494,7 @@ impl MeshCore {
                 out,
             ),
             cmd @ (TrainerCommand::TakeParams
-            | TrainerCommand::TakeGradient
+            | TrainerCommand::TakeGradient { .. }
             | TrainerCommand::Combine { .. }) => {
                 self.round_command = Some(cmd);
             }
@@ -578,13 +601,16 @@ impl MeshCore {
 
     fn heartbeat(&mut self, leaving: bool) -> Output {
         self.heartbeats_sent += 1;
+        let in_rounds = self.rounds.is_some() && self.is_training() && !leaving;
+        self.ready_announced = in_rounds;
         let hb = Heartbeat {
             step: self.progress.step,
             loss: self.progress.loss,
             samples_per_sec: self.progress.samples_per_sec,
             accuracy: self.progress.accuracy,
+            ms_per_sample: self.progress.ms_per_sample,
             leaving,
-            in_rounds: self.rounds.is_some() && self.is_training() && !leaving,
+            in_rounds,
             round: self.rounds.as_ref().and_then(Rounds::round),
             seq: self.heartbeats_sent,
         };
@@ -611,7 +637,7 @@ impl MeshCore {
             }
             (Some(a), Ok(hb)) => {
                 if let Some(r) = self.rounds.as_mut().filter(|_| self.members.contains(&a)) {
-                    r.heard(a, hb.in_rounds, hb.round, now);
+                    r.heard(a, hb.in_rounds, hb.round, hb.ms_per_sample, now);
                 }
                 if self.neighbours.contains(&a) {
                     self.feed(

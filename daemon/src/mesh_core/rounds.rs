@@ -24,7 +24,11 @@
 //! travel as bf16 (rounded where sent, so the bits still agree), and a ring of two swaps whole
 //! contributions in one message each way. Every `resync_every`-th round sums parameters and
 //! optimizer state, and hands a node that was not synced the members' step with them. No round
-//! starts with fewer than [`RoundConfig::min_members`] members.
+//! starts with fewer than [`RoundConfig::min_members`] members. With
+//! [`RoundConfig::balance`], a member that computes slower than the fastest (by the
+//! milliseconds per sample each puts in its heartbeats) is asked for a smaller batch, the one
+//! it computes while the fastest computes the whole batch ([`balanced_batch`]), and its
+//! gradient weighs by its samples, so the mean is still the gradient of every sample computed.
 //!
 //! Pure state: the core feeds it and carries out what it returns.
 
@@ -62,6 +66,14 @@ pub const ADOPT_WAIT: Duration = Duration::from_secs(5);
 const INBOX_CAP: usize = 256;
 /// Digests of recent rounds kept in status.
 const DIGESTS_KEPT: usize = 32;
+/// A `ddp` member whose forward-backward per sample is within this fraction of the fastest
+/// member's takes the whole batch: boxes of one kind differ by noise, and a sample dropped
+/// for noise costs more per step than the few milliseconds it saves.
+pub const BALANCE_SLACK: f64 = 0.1;
+/// A `ddp` member's batch is never cut below `batch / MAX_SHRINK` (and never below one
+/// sample), whatever the others claim: a peer that says it is very fast can slow the mesh
+/// down by this much at most.
+pub const MAX_SHRINK: usize = 8;
 /// A gradient round's parameters are digested only when the round number is a multiple of
 /// this (a digest reads every parameter: ~2 ms a step on the 0.83 M GPT); parameter rounds
 /// always are.
@@ -83,6 +95,13 @@ pub struct RoundConfig {
     /// train as N boxes waits for them, as DDP waits for its world, and takes its first step
     /// with all of them, from one state.
     pub min_members: usize,
+    /// Samples of a step's batch (`train.batch_size`): a `ddp` gradient of `b` samples
+    /// weighs `b / batch` in the mean, so the mean is the whole batch's gradient.
+    pub batch: usize,
+    /// `ddp`: a member slower than the fastest takes a batch that it computes in the time
+    /// the fastest computes the whole one ([`balanced_batch`]), so a slow box adds what it
+    /// can instead of holding every step back.
+    pub balance: bool,
 }
 
 impl RoundConfig {
@@ -119,6 +138,10 @@ pub struct RoundStatus {
     pub aborted: BTreeMap<String, u64>,
     /// Milliseconds from this node's contribution to the mean, in the last round.
     pub last_round_ms: f64,
+    /// Samples of this node's last gradient round: the whole batch, or fewer where it is
+    /// slower than another member ([`balanced_batch`]); 0 before its first.
+    #[serde(default)]
+    pub batch: usize,
     /// Mean of the same over every round this node completed in a ring of two or more: what
     /// a round costs here, waits for slower members included.
     #[serde(default)]
@@ -281,6 +304,12 @@ pub struct Rounds {
     inbox: BTreeMap<HopKey, Hop>,
     retry_at: Option<Instant>,
     ready: HashMap<PeerId, Instant>,
+    /// Ready members' forward-backward milliseconds per sample, from their heartbeats.
+    speeds: HashMap<PeerId, f64>,
+    /// This node's own.
+    own_ms_per_sample: Option<f64>,
+    /// Samples of the last gradient asked of the trainer.
+    batch: usize,
     /// Since when this node, ready, has waited for a round number.
     waiting_since: Option<Instant>,
     /// When a ready member last said it knows the round: then rounds are running, and a
@@ -318,6 +347,9 @@ impl Rounds {
             inbox: BTreeMap::new(),
             retry_at: None,
             ready: HashMap::new(),
+            speeds: HashMap::new(),
+            own_ms_per_sample: None,
+            batch: 0,
             waiting_since: None,
             rounds_heard: None,
             ring_size: 0,
@@ -349,6 +381,7 @@ impl Rounds {
             completed: self.completed,
             aborted: self.aborted.clone(),
             last_round_ms: self.last_round_ms,
+            batch: self.batch,
             mean_round_ms: if self.round_ms_sum.1 > 0 {
                 self.round_ms_sum.0 / self.round_ms_sum.1 as f64
             } else {
@@ -361,21 +394,40 @@ impl Rounds {
         }
     }
 
-    /// A member's heartbeat said whether it is ready for rounds.
-    pub fn heard(&mut self, peer: PeerId, in_rounds: bool, round: Option<u64>, now: Instant) {
+    /// A member's heartbeat said whether it is ready for rounds, and how fast it computes
+    /// (a claim that is not a positive number is no claim).
+    pub fn heard(
+        &mut self,
+        peer: PeerId,
+        in_rounds: bool,
+        round: Option<u64>,
+        ms_per_sample: Option<f64>,
+        now: Instant,
+    ) {
         if in_rounds {
             self.ready.insert(peer, now);
             if round.is_some() {
                 self.rounds_heard = Some(now);
             }
+            match ms_per_sample.filter(|v| v.is_finite() && *v > 0.0) {
+                Some(v) => self.speeds.insert(peer, v),
+                None => self.speeds.remove(&peer),
+            };
         } else {
             self.ready.remove(&peer);
+            self.speeds.remove(&peer);
         }
+    }
+
+    /// This node's own forward-backward milliseconds per sample.
+    pub fn own_speed(&mut self, ms_per_sample: Option<f64>) {
+        self.own_ms_per_sample = ms_per_sample;
     }
 
     /// A member went away: an attempt it was part of cannot finish.
     pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
         self.ready.remove(&peer);
+        self.speeds.remove(&peer);
         self.inbox.retain(|_, (from, _, _, _)| *from != peer);
         if self.ring_has(&peer) {
             self.abort("member left", now);
@@ -397,6 +449,13 @@ impl Rounds {
     /// Time passed; `step` is the trainer's, `training` whether it trains (a joiner still
     /// downloading does not, and is not asked for parameters).
     pub fn tick(&mut self, step: u64, training: bool, now: Instant, out: &mut Vec<Output>) {
+        // A member unheard for long (hung, or gone without a word) no longer sizes batches.
+        let ready = &self.ready;
+        self.speeds.retain(|peer, _| {
+            ready
+                .get(peer)
+                .is_some_and(|at| now.saturating_duration_since(*at) < READY_FRESH)
+        });
         match &self.stage {
             // A step report at the boundary may have been dropped: the tick asks instead.
             Stage::Training if training => self.stepped(step, out),
@@ -449,20 +508,50 @@ impl Rounds {
     fn ask(&mut self, gradient: bool, out: &mut Vec<Output>) {
         self.stage = Stage::Asked { gradient };
         out.push(Output::Trainer(if gradient {
-            TrainerCommand::TakeGradient
+            let batch = if self.cfg.balance {
+                balanced_batch(
+                    self.cfg.batch,
+                    self.own_ms_per_sample,
+                    self.speeds.values().copied(),
+                )
+            } else {
+                self.cfg.batch
+            };
+            self.batch = batch;
+            TrainerCommand::TakeGradient { batch }
         } else {
             TrainerCommand::TakeParams
         }));
     }
 
-    /// The trainer's parameters at the boundary, or its gradient (`gradient`) in a gradient
-    /// round: this node's contribution is `weight * values`, with the weight itself appended,
-    /// so the ring's sum divides into the weighted mean. An answer to another question than
-    /// the one asked (one from before a restore) is dropped.
-    pub fn params(
+    /// The trainer's parameters at the boundary: see [`Rounds::contribute`].
+    pub fn params(&mut self, values: Vec<f32>, step: u64, now: Instant, out: &mut Vec<Output>) {
+        self.contribute(values, false, 1.0, step, now, out);
+    }
+
+    /// The trainer's gradient in a gradient round, the mean over `samples` samples: it weighs
+    /// `samples / batch` of a whole batch's, so a member that took a smaller batch
+    /// ([`balanced_batch`]) counts for what it computed.
+    pub fn gradient(
+        &mut self,
+        values: Vec<f32>,
+        samples: usize,
+        step: u64,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
+        let share = samples.min(self.cfg.batch) as f32 / self.cfg.batch.max(1) as f32;
+        self.contribute(values, true, share, step, now, out);
+    }
+
+    /// This node's contribution is `weight * share * values`, with that weight itself
+    /// appended, so the ring's sum divides into the weighted mean. An answer to another
+    /// question than the one asked (one from before a restore) is dropped.
+    fn contribute(
         &mut self,
         values: Vec<f32>,
         gradient: bool,
+        share: f32,
         step: u64,
         now: Instant,
         out: &mut Vec<Output>,
@@ -470,7 +559,11 @@ impl Rounds {
         if !matches!(self.stage, Stage::Asked { gradient: g } if g == gradient) {
             return;
         }
-        let w = if self.synced { self.cfg.weight } else { 0.0 };
+        let w = if self.synced {
+            self.cfg.weight * share
+        } else {
+            0.0
+        };
         let mut contribution = values;
         if w != 1.0 {
             contribution.iter_mut().for_each(|v| *v *= w);
@@ -952,6 +1045,25 @@ fn all_finite(values: &[f32]) -> bool {
         == 0
 }
 
+/// The batch a `ddp` member takes so that its forward-backward ends with the fastest
+/// member's: `batch` when it is within [`BALANCE_SLACK`] of the fastest (or when its own speed
+/// is not known yet), else the samples it computes in the time the fastest computes `batch`,
+/// never below `batch / MAX_SHRINK` nor one sample. `others` are the members'
+/// milliseconds per sample; a value that is not a positive number is passed over.
+pub fn balanced_batch(batch: usize, own: Option<f64>, others: impl Iterator<Item = f64>) -> usize {
+    let Some(own) = own.filter(|v| v.is_finite() && *v > 0.0) else {
+        return batch;
+    };
+    let fastest = others
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .fold(own, f64::min);
+    if own <= fastest * (1.0 + BALANCE_SLACK) {
+        return batch;
+    }
+    let fits = (batch as f64 * fastest / own).floor() as usize;
+    fits.clamp((batch / MAX_SHRINK).max(1), batch.max(1))
+}
+
 /// The digest status shows for a parameter vector: the first 8 bytes of SHA-256 over its
 /// little-endian values, in hex.
 pub fn params_digest(values: &[f32]) -> String {
@@ -1054,6 +1166,8 @@ mod tests {
                             weight: weights[i],
                             gradients,
                             min_members: 1,
+                            batch: 4,
+                            balance: false,
                         },
                         ids[i],
                         0,
@@ -1078,7 +1192,7 @@ mod tests {
                 for j in 0..self.nodes.len() {
                     if i != j {
                         let round = self.nodes[j].status().round;
-                        self.nodes[i].heard(self.ids[j], true, round, now);
+                        self.nodes[i].heard(self.ids[j], true, round, None, now);
                     }
                 }
             }
@@ -1089,7 +1203,7 @@ mod tests {
             let mut out = Vec::new();
             let step = self.nodes[i].step_limit();
             self.nodes[i].tick(step, true, now, &mut out);
-            self.nodes[i].params(self.params[i].clone(), false, 0, now, &mut out);
+            self.nodes[i].params(self.params[i].clone(), 0, now, &mut out);
         }
 
         /// The members' sorted list and its digest, as every node builds them.
@@ -1119,10 +1233,10 @@ mod tests {
                 let mut out = Vec::new();
                 match o {
                     Output::Trainer(TrainerCommand::TakeParams) => {
-                        self.nodes[i].params(self.params[i].clone(), false, 0, now, &mut out)
+                        self.nodes[i].params(self.params[i].clone(), 0, now, &mut out)
                     }
-                    Output::Trainer(TrainerCommand::TakeGradient) => {
-                        self.nodes[i].params(self.params[i].clone(), true, 0, now, &mut out)
+                    Output::Trainer(TrainerCommand::TakeGradient { batch }) => {
+                        self.nodes[i].gradient(self.params[i].clone(), batch, 0, now, &mut out)
                     }
                     Output::Trainer(TrainerCommand::Combine { mean, .. }) => {
                         self.means[i] = Some(mean)
@@ -1189,6 +1303,102 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_slower_member_takes_the_batch_it_computes_while_the_fastest_computes_its_own() {
+        let others = |v: &[f64]| v.to_vec();
+        // Unknown, equal or within the slack: the whole batch.
+        assert_eq!(balanced_batch(32, None, others(&[1.0]).into_iter()), 32);
+        assert_eq!(
+            balanced_batch(32, Some(4.0), others(&[4.0]).into_iter()),
+            32
+        );
+        assert_eq!(
+            balanced_batch(32, Some(4.3), others(&[4.0]).into_iter()),
+            32
+        );
+        assert_eq!(balanced_batch(32, Some(4.0), others(&[]).into_iter()), 32);
+        // The fastest never shrinks; the one at half speed takes half.
+        assert_eq!(
+            balanced_batch(32, Some(4.0), others(&[8.0]).into_iter()),
+            32
+        );
+        assert_eq!(
+            balanced_batch(32, Some(8.0), others(&[4.0, 6.0]).into_iter()),
+            16
+        );
+        assert_eq!(
+            balanced_batch(32, Some(6.0), others(&[4.0]).into_iter()),
+            21
+        );
+        // Claims that are no number are passed over; a claim of great speed costs at most
+        // MAX_SHRINK, and a batch is never empty.
+        assert_eq!(
+            balanced_batch(
+                32,
+                Some(4.0),
+                others(&[0.0, -1.0, f64::NAN, f64::INFINITY]).into_iter()
+            ),
+            32
+        );
+        assert_eq!(
+            balanced_batch(32, Some(4.0), others(&[1e-9]).into_iter()),
+            32 / MAX_SHRINK
+        );
+        assert_eq!(balanced_batch(3, Some(4.0), others(&[1e-9]).into_iter()), 1);
+        assert_eq!(
+            balanced_batch(32, Some(f64::NAN), others(&[1.0]).into_iter()),
+            32
+        );
+    }
+
+    /// With `balance`, a member that computes at half the other's speed is asked for half
+    /// the batch, and its gradient weighs half: the mean is that of the samples computed.
+    #[test]
+    fn a_balanced_gradient_round_weighs_each_member_by_its_samples() {
+        let alive = vec![true; 2];
+        let mut ring = Ring::with_gradients(2, &[1.0, 1.0], &alive, Some(3));
+        for node in &mut ring.nodes {
+            node.cfg.balance = true;
+        }
+        ring.nodes[0].own_speed(Some(1.0));
+        ring.nodes[1].own_speed(Some(2.0));
+        let now = Instant::now();
+        for (i, j, ms) in [(0, 1, 2.0), (1, 0, 1.0)] {
+            let round = ring.nodes[j].status().round;
+            ring.nodes[i].heard(ring.ids[j], true, round, Some(ms), now);
+        }
+        // Round 0 sums parameters; round 1 is the first gradient round.
+        ring.run(now, &alive);
+        assert!(ring.means.iter().all(Option::is_some));
+        let mut queue = VecDeque::new();
+        for i in 0..2 {
+            let mut out = Vec::new();
+            ring.means[i] = None;
+            ring.nodes[i].combined(0, 1, "d0".into(), &mut out);
+            queue.extend(out.into_iter().map(|o| (i, o)));
+        }
+        let asked: Vec<usize> = queue
+            .iter()
+            .filter_map(|(_, o)| match o {
+                Output::Trainer(TrainerCommand::TakeGradient { batch }) => Some(*batch),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(asked, vec![4, 2]);
+        ring.carry(queue, now, &alive);
+        let mean = ring.means[0].clone().expect("a mean");
+        assert_eq!(bits(&mean), bits(ring.means[1].as_ref().expect("a mean")));
+        for (j, got) in mean.iter().enumerate() {
+            let want = (ring.params[0][j] + 0.5 * ring.params[1][j]) / 1.5;
+            assert!(
+                (got - want).abs() <= 1e-2 * want.abs().max(1.0),
+                "{got} vs {want}"
+            );
+        }
+        assert_eq!(ring.nodes[1].status().batch, 2);
+        assert_eq!(ring.nodes[0].status().batch, 4);
+    }
+
     fn gradient_rounds_of(n: usize) {
         let alive = vec![true; n];
         let mut ring = Ring::with_gradients(n, &vec![1.0; n], &alive, Some(3));
@@ -1231,7 +1441,7 @@ mod tests {
                 assert!(
                     out.iter().any(|o| matches!(
                         o,
-                        Output::Trainer(TrainerCommand::TakeGradient) if next_is_gradient
+                        Output::Trainer(TrainerCommand::TakeGradient { .. }) if next_is_gradient
                     ) || matches!(
                         o,
                         Output::Trainer(TrainerCommand::TakeParams) if !next_is_gradient
@@ -1268,7 +1478,7 @@ mod tests {
         let now = Instant::now();
         // Nodes 0 and 1 know each other only.
         for (i, j) in [(0, 1), (1, 0)] {
-            ring.nodes[i].heard(ring.ids[j], true, Some(0), now);
+            ring.nodes[i].heard(ring.ids[j], true, Some(0), None, now);
         }
         ring.run(now, &[true, true, false]);
         assert!(

@@ -408,6 +408,7 @@ impl Sim {
             loss: None,
             samples_per_sec: 0.0,
             accuracy: None,
+            ms_per_sample: None,
         };
         let step = n.step;
         self.input(i, Input::Progress(progress));
@@ -686,7 +687,7 @@ impl Sim {
             }
             // Only the synchronous modes ask for these; the simulated nodes gossip.
             TrainerCommand::TakeParams
-            | TrainerCommand::TakeGradient
+            | TrainerCommand::TakeGradient { .. }
             | TrainerCommand::Combine { .. } => None,
         }
     }

@@ -114,8 +114,12 @@ fn the_simulation_is_deterministic() {
 }
 
 fn fuzz_core(seed: u64) -> MeshCore {
+    MeshCore::new(fuzz_config(seed))
+}
+
+fn fuzz_config(seed: u64) -> CoreConfig {
     let me = PeerId::random();
-    MeshCore::new(CoreConfig {
+    CoreConfig {
         me,
         run_id: "00aa".into(),
         layout: Layout {
@@ -148,7 +152,7 @@ fn fuzz_core(seed: u64) -> MeshCore {
         seed,
         wall_clock: WallClock::now(),
         rounds: None,
-    })
+    }
 }
 
 fn random_bytes(rng: &mut StdRng) -> Vec<u8> {
@@ -259,4 +263,60 @@ fn arbitrary_inputs_never_panic_and_memory_stays_bounded() {
             assert!(core.seen_steps.len() <= pool.len());
         }
     }
+}
+
+/// A synchronous mesh's first round waits for every member's word that it is ready: that
+/// word goes out as soon as the node trains, and a new member hears from it within
+/// `NEW_MEMBER_HEARTBEAT_AFTER`, not a whole heartbeat period later.
+#[test]
+fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
+    let mut cfg = fuzz_config(7);
+    cfg.rounds = Some((
+        rounds::RoundConfig {
+            steps: 1,
+            weight: 1.0,
+            gradients: Some(25),
+            min_members: 2,
+            batch: 32,
+            balance: true,
+        },
+        true,
+    ));
+    let topic = heartbeat_topic(&cfg.run_id);
+    let mut core = MeshCore::new(cfg);
+    let beats = |out: &[Output]| -> Vec<Heartbeat> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Publish { topic: t, data } if *t == topic => {
+                    Some(wire::decode_heartbeat(data).expect("a heartbeat"))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let first = beats(&core.handle(Input::Tick, at(0)));
+    assert_eq!(first.len(), 1);
+    assert!(!first[0].in_rounds, "not training yet");
+    assert!(beats(&core.handle(Input::Tick, at(50))).is_empty());
+    core.handle(
+        Input::Progress(Progress {
+            phase: Phase::Training,
+            ms_per_sample: Some(4.0),
+            ..Progress::default()
+        }),
+        at(100),
+    );
+    let ready = beats(&core.handle(Input::Tick, at(150)));
+    assert_eq!(ready.len(), 1, "readiness is told at once");
+    assert!(ready[0].in_rounds);
+    assert_eq!(ready[0].ms_per_sample, Some(4.0));
+    assert!(beats(&core.handle(Input::Tick, at(200))).is_empty());
+    core.handle(Input::PeerUp(PeerId::random()), at(500));
+    assert!(beats(&core.handle(Input::Tick, at(700))).is_empty());
+    assert_eq!(beats(&core.handle(Input::Tick, at(850))).len(), 1);
+    // Then the period again.
+    assert!(beats(&core.handle(Input::Tick, at(1_000))).is_empty());
+    assert_eq!(beats(&core.handle(Input::Tick, at(2_900))).len(), 1);
 }

@@ -181,6 +181,10 @@ pub struct Stats {
     pub held: bool,
     /// Seconds spent held back by the staleness bound.
     pub held_secs: f64,
+    /// Milliseconds of forward and backward pass per sample, a running mean of recent steps
+    /// (batch gathering included, evaluation and waits not): how fast this box computes,
+    /// whatever the mesh makes it wait for. `ddp` members size their batches by each other's.
+    pub ms_per_sample: Option<f64>,
 }
 
 /// Everything the trainer thread needs, prepared (and validated) before it starts.
@@ -221,6 +225,9 @@ pub struct Setup {
     pub start_paused: bool,
     /// Debug throttle: sleep this long after every step.
     pub step_delay: Duration,
+    /// Debug throttle: sleep this long per sample inside every forward-backward pass (a
+    /// slower box, as the pass's timing sees it).
+    pub sample_delay: Duration,
     /// DiLoCo's outer optimizer, applied when a round's mean is combined; `None`: the mean
     /// is taken as it is (`allreduce`, `fedavg`).
     pub outer: Option<OuterSgd>,

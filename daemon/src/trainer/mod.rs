@@ -60,6 +60,10 @@ const LOSS_WINDOW: usize = 50;
 const EVAL_LOG_EVERY: Duration = Duration::from_secs(10);
 /// How often a node held back by the step limit looks again.
 const HELD_POLL: Duration = Duration::from_millis(5);
+/// Weight of the newest step in the running mean of forward-backward time per sample: about
+/// the last ten steps count, so a box that slows down is seen within a second or two, while
+/// one slow step does not move a `ddp` member's batch.
+const SPEED_SMOOTHING: f64 = 0.1;
 
 /// Starts the trainer thread; it steps only while `limit` allows.
 pub fn spawn(
@@ -138,6 +142,10 @@ pub struct EvalRecord {
     pub accuracy: f64,
     /// Held-out bits per byte (text models only).
     pub bits_per_byte: Option<f64>,
+    /// Seconds this process has spent evaluating, this evaluation included: what a
+    /// benchmark subtracts to time training alone (0 in logs written before it was kept).
+    #[serde(default)]
+    pub eval_secs: f64,
 }
 
 /// A step computed up to its gradient and waiting for its round (`ddp`).
@@ -293,6 +301,7 @@ impl Loop {
             loss: e.loss,
             accuracy: e.accuracy,
             bits_per_byte: e.bits_per_byte,
+            eval_secs: self.stats.eval_secs,
         };
         let written = serde_json::to_string(&record)
             .map_err(std::io::Error::other)
@@ -366,8 +375,13 @@ impl Loop {
                         self.reset_round_anchor()?;
                         self.tell(TrainerEvent::Restored { step: c.step });
                         tracing::info!(id = loaded.meta.id, step = c.step, "restored state");
-                        // The first evaluation right away shows what the restored state is worth.
-                        self.evaluate()?;
+                        // The first evaluation right away shows what the restored state is
+                        // worth. Not in lockstep (`ddp`): the members would wait for it at
+                        // their next round, and the state is theirs, whose last evaluation
+                        // status already shows (a GPT's is most of a second).
+                        if self.s.eval_align_steps <= 1 {
+                            self.evaluate()?;
+                        }
                         self.paused = false;
                         self.publish();
                         let _ = reply.send(Ok(()));
@@ -392,7 +406,7 @@ impl Loop {
                     values,
                 });
             }
-            Command::Mesh(TrainerCommand::TakeGradient) => self.take_gradient()?,
+            Command::Mesh(TrainerCommand::TakeGradient { batch }) => self.take_gradient(batch)?,
             Command::Mesh(TrainerCommand::Combine {
                 round,
                 mean,
@@ -569,29 +583,58 @@ impl Loop {
     /// (Computing the next batch's gradient while the round runs, and stepping with gradients
     /// one step old, was tried: on the GPT it stalled training at the unigram plateau where
     /// the same seed without the delay went on. So the step waits for its own round.)
-    fn take_gradient(&mut self) -> Result<(), TrainerError> {
+    ///
+    /// `batch` is the samples the mesh asks for (a `ddp` member slower than the others takes
+    /// fewer, see `rounds::balanced_batch`); never more than the configured batch, never none.
+    fn take_gradient(&mut self, batch: usize) -> Result<(), TrainerError> {
         // Held since the last round: the wait for the ring ends with this step's work.
         self.released();
-        let mut next = self.compute_gradient()?;
+        let mut next = self.compute_gradient(batch.clamp(1, self.s.batch_size.max(1)))?;
         let values = std::mem::take(&mut next.values);
+        let samples = next.samples;
         self.pending = Some(next);
         self.tell(TrainerEvent::Gradient {
             step: self.counters.step,
             values,
+            samples,
         });
         Ok(())
     }
 
+    /// The debug throttle `sample_delay`, for a pass of `samples` samples.
+    fn throttle(&self, samples: usize) {
+        if !self.s.sample_delay.is_zero() {
+            std::thread::sleep(self.s.sample_delay * samples as u32);
+        }
+    }
+
+    /// Folds one forward-backward pass (batch gathering included) of `samples` samples that
+    /// took `took` into the running milliseconds per sample, which status and heartbeats
+    /// carry: `ddp` members size their batches by it.
+    fn note_speed(&mut self, took: Duration, samples: usize) {
+        if samples == 0 {
+            return;
+        }
+        let ms = took.as_secs_f64() * 1e3 / samples as f64;
+        self.stats.ms_per_sample = Some(match self.stats.ms_per_sample {
+            Some(old) => old + SPEED_SMOOTHING * (ms - old),
+            None => ms,
+        });
+    }
+
     /// The next batch's loss and gradient at the current parameters.
-    fn compute_gradient(&mut self) -> Result<PendingStep, TrainerError> {
-        let indices = self.sampler.next_batch(self.s.batch_size);
+    fn compute_gradient(&mut self, batch: usize) -> Result<PendingStep, TrainerError> {
+        let started = Instant::now();
+        let indices = self.sampler.next_batch(batch);
         let (xs, ys) = self.s.data.train().batch(&indices, &self.s.device)?;
         let step = self.counters.step;
         let span = timeline::span(Lane::Trainer, "forward_backward").at_step(step + 1);
         let (loss, grads) = forward_backward(&self.s.model, &xs, &ys)?;
         let loss = loss_value(&loss)?;
         let values = self.s.model.params().flatten_grads(&grads)?;
+        self.throttle(indices.len());
         drop(span);
+        self.note_speed(started.elapsed(), indices.len());
         if !loss.is_finite() || values.iter().any(|v| !v.is_finite()) {
             return Err(TrainerError::Diverged { step, loss });
         }
@@ -853,12 +896,15 @@ impl Loop {
                 continue;
             }
             self.released();
+            let started = Instant::now();
             let indices = self.sampler.next_batch(self.s.batch_size);
             let (xs, ys) = self.s.data.train().batch(&indices, &self.s.device)?;
             let step = self.counters.step + 1;
             let span = timeline::span(Lane::Trainer, "forward_backward").at_step(step);
             let (loss, grads) = forward_backward(&self.s.model, &xs, &ys)?;
+            self.throttle(indices.len());
             drop(span);
+            self.note_speed(started.elapsed(), indices.len());
             let span = timeline::span(Lane::Trainer, "optimizer").at_step(step);
             self.s.optimizer.step(self.s.model.params(), &grads)?;
             let loss = loss_value(&loss)?;

@@ -8,12 +8,14 @@
 //! - `alone_loaded` (with `--loaded-control`): N independent lone nodes at once, one per core
 //!   set, so the lone control pays what sharing the machine costs, as the mesh's nodes do;
 //! - one run per sync mode and learning rate of `--mesh-lrs`: N nodes, each pinned to its own
-//!   cores, in a mesh on loopback.
+//!   cores, in a mesh on loopback (with `--straggler-delay-us`, the last one a slower box;
+//!   with `--set`, every one given those settings).
 //!
 //! Every node appends each evaluation to `evals.jsonl` in its data directory with its step and
 //! wall-clock time, evaluating every `--eval-every` steps, so steps and times to a target are
 //! exact, not read off a poll. The report gives, per kind of run, the median and spread over
-//! seeds of the steps and seconds to each target, the steps per second, the bytes each node
+//! seeds of the steps and seconds to each target (and the seconds less the nodes' own
+//! evaluations: training seconds), the steps per second, the bytes each node
 //! sent, the speedup over `alone` (best learning rate) and the scaling efficiency: the speedup
 //! over the ideal `steps(alone) / steps(alone_xN)`. `DIR/report.json` holds it and every run's
 //! curve; `DIR/report.svg` draws the curves against wall time.
@@ -98,8 +100,25 @@ pub struct ScalingArgs {
     settings: Vec<String>,
 }
 
-/// Reads `section.key=VALUE` (VALUE in TOML; a bare word is a string).
-fn parse_setting(s: &str) -> Result<(String, String, toml::Value)> {
+/// A `--set` setting: section, key, value.
+type Setting = (String, String, toml::Value);
+
+/// Settings the benchmark itself gives every run: `--set` may not change them, or the mesh
+/// runs would differ from the lone ones in more than the mesh.
+const HARNESS_KEYS: [&str; 8] = [
+    "train.batch_size",
+    "train.eval_every",
+    "train.eval_every_secs",
+    "train.threads",
+    "train.node_seed",
+    "optimizer.lr",
+    "sync.mode",
+    "sync.min_members",
+];
+
+/// Reads `section.key=VALUE` (VALUE in TOML; a bare word is a string); a key the benchmark
+/// sets itself is refused.
+fn parse_setting(s: &str) -> Result<Setting> {
     let (path, value) = s
         .split_once('=')
         .with_context(|| format!("--set {s:?}: expected section.key=VALUE"))?;
@@ -107,6 +126,10 @@ fn parse_setting(s: &str) -> Result<(String, String, toml::Value)> {
         .trim()
         .split_once('.')
         .with_context(|| format!("--set {s:?}: expected section.key=VALUE"))?;
+    let (section, key) = (section.trim(), key.trim());
+    if HARNESS_KEYS.contains(&format!("{section}.{key}").as_str()) {
+        bail!("--set {section}.{key}: the benchmark sets it for every run (see its own options)");
+    }
     let value = value.trim();
     let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
         .ok()
@@ -228,6 +251,10 @@ struct Report {
     cores_per_node: usize,
     seeds: u64,
     eval_every: u64,
+    /// `--set` settings of the mesh runs, as given.
+    mesh_settings: Vec<String>,
+    /// `--straggler-delay-us`: the mesh's last node's sleep per sample (0: none).
+    straggler_delay_us: u64,
     /// Per target: median steps of `alone` ÷ median steps of `alone_xN` (best learning rate
     /// of each): what N boxes could at best gain per step.
     ideal_speedup: BTreeMap<String, Option<f64>>,
@@ -316,6 +343,7 @@ fn wait_listen_addr(dir: &Path, child: &mut Child) -> Result<String> {
 fn run_one(
     args: &ScalingArgs,
     base: &str,
+    extra: &[Setting],
     metric: Metric,
     plan: &Plan,
     index: usize,
@@ -324,11 +352,6 @@ fn run_one(
     let dir = args.out.join("runs").join(&name);
     let _ = std::fs::remove_dir_all(&dir);
     let exe = std::env::current_exe().context("cannot find this executable")?;
-    let extra = args
-        .settings
-        .iter()
-        .map(|s| parse_setting(s))
-        .collect::<Result<Vec<_>>>()?;
     let mut configs = Vec::new();
     for k in 0..plan.nodes {
         let mut settings: Vec<(&str, &str, toml::Value)> = vec![
@@ -352,7 +375,7 @@ fn run_one(
             ("optimizer", "lr", toml::Value::Float(plan.lr)),
         ];
         if plan.mode.is_some() {
-            for (section, key, value) in &extra {
+            for (section, key, value) in extra {
                 settings.push((section.as_str(), key.as_str(), value.clone()));
             }
             if k + 1 == plan.nodes && args.straggler_delay_us > 0 {
@@ -573,6 +596,11 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         bail!("--nodes must be at least 2: the benchmark compares a mesh with one node");
     }
     check_core_sets(args.nodes, args.cores_per_node)?;
+    let extra = args
+        .settings
+        .iter()
+        .map(|s| parse_setting(s))
+        .collect::<Result<Vec<_>>>()?;
     if args.targets.is_empty() {
         bail!("--targets: at least one");
     }
@@ -652,7 +680,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
     }
     let mut runs = Vec::new();
     for (i, plan) in plans.iter().enumerate() {
-        runs.push(run_one(&args, &base, metric, plan, i)?);
+        runs.push(run_one(&args, &base, &extra, metric, plan, i)?);
     }
     let keys: Vec<String> = args.targets.iter().map(|t| target_key(*t)).collect();
     let last = target_key(
@@ -737,6 +765,8 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         cores_per_node: args.cores_per_node,
         seeds: args.seeds,
         eval_every: args.eval_every,
+        mesh_settings: args.settings.clone(),
+        straggler_delay_us: args.straggler_delay_us,
         ideal_speedup: ideal,
         summary,
         runs,
@@ -764,4 +794,28 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         &lines,
     )?;
     write_report(&args.out, &json, &svg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_read_as_toml_and_the_harness_keys_are_refused() {
+        let (s, k, v) = parse_setting("sync.balance_batches=false").expect("a setting");
+        assert_eq!((s.as_str(), k.as_str()), ("sync", "balance_batches"));
+        assert_eq!(v, toml::Value::Boolean(false));
+        let (_, _, v) = parse_setting("sync.resync_every = 50").expect("a setting");
+        assert_eq!(v, toml::Value::Integer(50));
+        let (_, _, v) = parse_setting("sync.codec=onebit").expect("a bare word");
+        assert_eq!(v, toml::Value::String("onebit".into()));
+        for bad in [
+            "nokey=1",
+            "sync.mode",
+            "train.batch_size=64",
+            "optimizer.lr=0.1",
+        ] {
+            assert!(parse_setting(bad).is_err(), "{bad}");
+        }
+    }
 }

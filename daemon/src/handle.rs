@@ -205,7 +205,11 @@ impl NodeHandle {
         let meta = loaded.meta.clone();
         let (tx, rx) = oneshot::channel();
         self.cmd_tx
-            .send(Command::Restore(Box::new(loaded), tx))
+            .send(Command::Restore(
+                Box::new(loaded),
+                crate::trainer::RestoreFrom::Checkpoint,
+                tx,
+            ))
             .await
             .map_err(|_| HandleError::TrainerStopped)?;
         rx.await

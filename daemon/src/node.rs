@@ -614,7 +614,11 @@ async fn join_mesh(shared: Arc<NodeHandle>, cache: Arc<Mutex<transfer::Cache>>) 
         let (tx, rx) = oneshot::channel();
         if shared
             .cmd_tx
-            .send(Command::Restore(Box::new(loaded), tx))
+            .send(Command::Restore(
+                Box::new(loaded),
+                trainer::RestoreFrom::Members,
+                tx,
+            ))
             .await
             .is_err()
         {

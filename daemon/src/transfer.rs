@@ -183,7 +183,8 @@ pub struct DownloadReport {
     pub failed_sources: usize,
     /// Times the download started over with another donor's state.
     pub restarts: usize,
-    /// Held-out accuracy of the downloaded state, evaluated right after loading it.
+    /// Held-out accuracy of the downloaded state, evaluated right after loading it (`None`
+    /// for a `ddp` joiner, which does not evaluate it: see `trainer::RestoreFrom`).
     #[serde(default)]
     pub first_accuracy: Option<f64>,
     /// Chunks found verified on disk from an earlier, interrupted download of the same state

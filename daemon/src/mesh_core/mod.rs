@@ -52,9 +52,9 @@ pub use status::{FullSyncCounters, MeshStatus, SyncInfo, SyncRefusalInfo, Update
 pub const REFRESH_EVERY: Duration = Duration::from_secs(1);
 /// How often a node tells the mesh its progress.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
-/// A new member hears this node's heartbeat this soon after it connects (time for gossip to
-/// learn its subscriptions), not up to [`HEARTBEAT_EVERY`] later: a synchronous mesh's first
-/// round waits for every member's word that it is ready.
+/// In a synchronous mode, a new member hears this node's heartbeat this soon after it
+/// connects (time for gossip to learn its subscriptions), not up to [`HEARTBEAT_EVERY`] later:
+/// a round waits for every member's word that it is ready.
 pub const NEW_MEMBER_HEARTBEAT_AFTER: Duration = Duration::from_millis(300);
 /// Large updates kept for neighbours to pull.
 const LARGE_UPDATE_CAP: usize = 4;
@@ -260,7 +260,7 @@ impl MeshCore {
         match input {
             Input::PeerUp(peer) => {
                 if peer != self.cfg.me {
-                    if self.members.insert(peer) {
+                    if self.members.insert(peer) && self.rounds.is_some() {
                         let soon = now + NEW_MEMBER_HEARTBEAT_AFTER;
                         if self.next_heartbeat.is_none_or(|t| t > soon) {
                             self.next_heartbeat = Some(soon);

@@ -71,8 +71,9 @@ const DIGESTS_KEPT: usize = 32;
 /// for noise costs more per step than the few milliseconds it saves.
 pub const BALANCE_SLACK: f64 = 0.1;
 /// A `ddp` member's batch is never cut below `batch / MAX_SHRINK` (and never below one
-/// sample), whatever the others claim: a peer that says it is very fast can slow the mesh
-/// down by this much at most.
+/// sample), whatever the others claim: a peer that says it is very fast cuts honest members'
+/// batches (and so their weight beside its own) by this much at most. (A ring member can
+/// already scale its own contribution as it likes: the ring trusts its members.)
 pub const MAX_SHRINK: usize = 8;
 /// A gradient round's parameters are digested only when the round number is a multiple of
 /// this (a digest reads every parameter: ~2 ms a step on the 0.83 M GPT); parameter rounds
@@ -138,8 +139,9 @@ pub struct RoundStatus {
     pub aborted: BTreeMap<String, u64>,
     /// Milliseconds from this node's contribution to the mean, in the last round.
     pub last_round_ms: f64,
-    /// Samples of this node's last gradient round: the whole batch, or fewer where it is
-    /// slower than another member ([`balanced_batch`]); 0 before its first.
+    /// Samples this node was last asked to compute a gradient of: the whole batch, or fewer
+    /// where it is slower than another member ([`balanced_batch`]); 0 before its first
+    /// gradient round.
     #[serde(default)]
     pub batch: usize,
     /// Mean of the same over every round this node completed in a ring of two or more: what
@@ -531,7 +533,10 @@ impl Rounds {
 
     /// The trainer's gradient in a gradient round, the mean over `samples` samples: it weighs
     /// `samples / batch` of a whole batch's, so a member that took a smaller batch
-    /// ([`balanced_batch`]) counts for what it computed.
+    /// ([`balanced_batch`]) counts for what it computed (members of a run share
+    /// `train.batch_size`, so the mean is that of every sample computed). The share is
+    /// rounded to bf16 first, as gradient hops carry it: the weight a member sends is the
+    /// one its values were scaled by.
     pub fn gradient(
         &mut self,
         values: Vec<f32>,
@@ -541,6 +546,7 @@ impl Rounds {
         out: &mut Vec<Output>,
     ) {
         let share = samples.min(self.cfg.batch) as f32 / self.cfg.batch.max(1) as f32;
+        let share = half::bf16::from_f32(share).to_f32();
         self.contribute(values, true, share, step, now, out);
     }
 

@@ -92,13 +92,29 @@ impl StepLimit {
     }
 }
 
+/// Where a restored state comes from: it decides whether the trainer evaluates it at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestoreFrom {
+    /// A checkpoint of this node's (the control API's restore): evaluated at once, so status
+    /// shows what it is worth.
+    Checkpoint,
+    /// The members' state, downloaded by a joiner: evaluated at once too, except in lockstep
+    /// (`ddp`), where the members would wait for that evaluation at their next round and
+    /// their latest evaluation is already this state's.
+    Members,
+}
+
 /// A request to the trainer thread, handled between two steps.
 #[derive(Debug)]
 pub enum Command {
     /// Copy the current state for a checkpoint.
     Snapshot(oneshot::Sender<Snapshot>),
     /// Replace the state with a verified checkpoint.
-    Restore(Box<Loaded>, oneshot::Sender<Result<(), TrainerError>>),
+    Restore(
+        Box<Loaded>,
+        RestoreFrom,
+        oneshot::Sender<Result<(), TrainerError>>,
+    ),
     /// Finish the current step, then stop and hand back the final state.
     Stop,
     /// Begin training: a joiner starts paused until its state has been downloaded.

@@ -33,8 +33,8 @@ use crate::sync_guard;
 use crate::timeline::{self, Lane};
 
 pub use interface::{
-    Command, Counters, EvalStats, Finish, Handle, Identity, OuterSgd, Phase, Setup, Stats,
-    StepLimit, TrainerError, LOCKSTEP_EVAL_ALIGN_STEPS,
+    Command, Counters, EvalStats, Finish, Handle, Identity, OuterSgd, Phase, RestoreFrom, Setup,
+    Stats, StepLimit, TrainerError, LOCKSTEP_EVAL_ALIGN_STEPS,
 };
 pub use state::{build, outer_velocity};
 
@@ -356,7 +356,7 @@ impl Loop {
             Command::Snapshot(reply) => {
                 let _ = reply.send(self.snapshot()?);
             }
-            Command::Restore(loaded, reply) => {
+            Command::Restore(loaded, from, reply) => {
                 let result = state::restore_into(
                     &self.s.model,
                     &mut self.s.optimizer,
@@ -375,11 +375,10 @@ impl Loop {
                         self.reset_round_anchor()?;
                         self.tell(TrainerEvent::Restored { step: c.step });
                         tracing::info!(id = loaded.meta.id, step = c.step, "restored state");
-                        // The first evaluation right away shows what the restored state is
-                        // worth. Not in lockstep (`ddp`): the members would wait for it at
-                        // their next round, and the state is theirs, whose last evaluation
-                        // status already shows (a GPT's is most of a second).
-                        if self.s.eval_align_steps <= 1 {
+                        // The first evaluation right away shows what the restored state is worth
+                        // (see `RestoreFrom` for the one exception).
+                        let lockstep = self.s.eval_align_steps > 1;
+                        if !(from == RestoreFrom::Members && lockstep) {
                             self.evaluate()?;
                         }
                         self.paused = false;
@@ -604,7 +603,8 @@ impl Loop {
     /// The debug throttle `sample_delay`, for a pass of `samples` samples.
     fn throttle(&self, samples: usize) {
         if !self.s.sample_delay.is_zero() {
-            std::thread::sleep(self.s.sample_delay * samples as u32);
+            let samples = u32::try_from(samples).unwrap_or(u32::MAX);
+            std::thread::sleep(self.s.sample_delay.saturating_mul(samples));
         }
     }
 

@@ -189,8 +189,6 @@ struct Run {
     curve: Vec<[f64; 3]>,
     /// Peers, rejected updates and bans seen at the end, per node.
     mesh: Vec<serde_json::Value>,
-    /// The mesh's last node's sleep per sample (`--straggler-delay-us`; 0: none).
-    straggler_delay_us: u64,
 }
 
 /// Median and spread of one figure over seeds.
@@ -253,7 +251,8 @@ struct Report {
     eval_every: u64,
     /// `--set` settings of the mesh runs, as given.
     mesh_settings: Vec<String>,
-    /// `--straggler-delay-us`: the mesh's last node's sleep per sample (0: none).
+    /// `--straggler-delay-us`: the sleep per sample of every mesh run's last node (0: none;
+    /// the lone runs never sleep).
     straggler_delay_us: u64,
     /// Per target: median steps of `alone` ÷ median steps of `alone_xN` (best learning rate
     /// of each): what N boxes could at best gain per step.
@@ -536,11 +535,6 @@ fn run_one(
         },
         curve,
         mesh,
-        straggler_delay_us: if plan.mode.is_some() {
-            args.straggler_delay_us
-        } else {
-            0
-        },
     })
 }
 
@@ -705,18 +699,17 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         .iter()
         .filter_map(|k| summarise(k, &runs, &last))
         .collect();
-    let median_of = |kind: &str, k: &str, secs: bool| -> Option<f64> {
-        let s = summary.iter().find(|s| s.kind == kind)?;
-        if secs {
-            s.seconds_to_target[k].median
-        } else {
-            s.steps_to_target[k].median
-        }
+    type Figure = fn(&KindSummary) -> &BTreeMap<String, Spread>;
+    let steps: Figure = |s| &s.steps_to_target;
+    let secs: Figure = |s| &s.seconds_to_target;
+    let train_secs: Figure = |s| &s.train_seconds_to_target;
+    let median_of = |kind: &str, k: &str, figure: Figure| -> Option<f64> {
+        figure(summary.iter().find(|s| s.kind == kind)?)[k].median
     };
     let ideal: BTreeMap<String, Option<f64>> = keys
         .iter()
         .map(|k| {
-            let v = match (median_of("alone", k, false), median_of(&big, k, false)) {
+            let v = match (median_of("alone", k, steps), median_of(&big, k, steps)) {
                 (Some(a), Some(b)) if b > 0.0 => Some(a / b),
                 _ => None,
             };
@@ -725,17 +718,11 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         .collect();
     let alone_secs: BTreeMap<String, Option<f64>> = keys
         .iter()
-        .map(|k| (k.clone(), median_of("alone", k, true)))
+        .map(|k| (k.clone(), median_of("alone", k, secs)))
         .collect();
     let alone_train: BTreeMap<String, Option<f64>> = keys
         .iter()
-        .map(|k| {
-            let s = summary.iter().find(|s| s.kind == "alone");
-            (
-                k.clone(),
-                s.and_then(|s| s.train_seconds_to_target[k].median),
-            )
-        })
+        .map(|k| (k.clone(), median_of("alone", k, train_secs)))
         .collect();
     let ratio = |a: Option<f64>, m: Option<f64>| match (a, m) {
         (Some(a), Some(m)) if m > 0.0 => Some(a / m),

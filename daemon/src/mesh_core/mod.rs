@@ -186,9 +186,10 @@ pub struct MeshCore {
     /// A round's trainer command the trainer's full queue refused, sent again at the next tick.
     round_command: Option<TrainerCommand>,
     heartbeats_sent: u64,
-    /// Whether the last heartbeat said this node is ready for rounds: when that changes, the
-    /// next heartbeat goes out at once.
-    ready_announced: bool,
+    /// What the last heartbeat told the rounds: whether this node is ready for them, and
+    /// whether it knew its speed. When either changes, the next heartbeat goes out at once
+    /// (a `ddp` member's batch depends on the others' speeds).
+    announced: (bool, bool),
     status: MeshStatus,
 }
 
@@ -242,7 +243,7 @@ impl MeshCore {
                 .map(|(rc, synced)| Rounds::new(rc, cfg.me, cfg.start_step, synced)),
             round_command: None,
             heartbeats_sent: 0,
-            ready_announced: false,
+            announced: (false, false),
             status,
             cfg,
         }
@@ -392,8 +393,7 @@ impl MeshCore {
         if self.next_refresh.is_none_or(|t| now >= t) {
             self.refresh_neighbours(now, out);
         }
-        let ready = self.rounds.is_some() && self.is_training();
-        if self.next_heartbeat.is_none_or(|t| now >= t) || ready != self.ready_announced {
+        if self.next_heartbeat.is_none_or(|t| now >= t) || self.rounds_news() != self.announced {
             self.next_heartbeat = Some(now + HEARTBEAT_EVERY);
             out.push(self.heartbeat(false));
         }
@@ -599,10 +599,19 @@ impl MeshCore {
         self.status.neighbours = self.neighbours.iter().map(|p| p.to_string()).collect();
     }
 
+    /// What a heartbeat tells the rounds now: ready for them, and speed known.
+    fn rounds_news(&self) -> (bool, bool) {
+        let rounds = self.rounds.is_some();
+        (
+            rounds && self.is_training(),
+            rounds && self.progress.ms_per_sample.is_some(),
+        )
+    }
+
     fn heartbeat(&mut self, leaving: bool) -> Output {
         self.heartbeats_sent += 1;
         let in_rounds = self.rounds.is_some() && self.is_training() && !leaving;
-        self.ready_announced = in_rounds;
+        self.announced = self.rounds_news();
         let hb = Heartbeat {
             step: self.progress.step,
             loss: self.progress.loss,

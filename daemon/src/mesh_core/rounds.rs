@@ -1311,50 +1311,23 @@ mod tests {
 
     #[test]
     fn a_slower_member_takes_the_batch_it_computes_while_the_fastest_computes_its_own() {
-        let others = |v: &[f64]| v.to_vec();
+        let batch =
+            |own: Option<f64>, others: &[f64]| balanced_batch(32, own, others.iter().copied());
         // Unknown, equal or within the slack: the whole batch.
-        assert_eq!(balanced_batch(32, None, others(&[1.0]).into_iter()), 32);
-        assert_eq!(
-            balanced_batch(32, Some(4.0), others(&[4.0]).into_iter()),
-            32
-        );
-        assert_eq!(
-            balanced_batch(32, Some(4.3), others(&[4.0]).into_iter()),
-            32
-        );
-        assert_eq!(balanced_batch(32, Some(4.0), others(&[]).into_iter()), 32);
+        assert_eq!(batch(None, &[1.0]), 32);
+        assert_eq!(batch(Some(4.0), &[4.0]), 32);
+        assert_eq!(batch(Some(4.3), &[4.0]), 32);
+        assert_eq!(batch(Some(4.0), &[]), 32);
         // The fastest never shrinks; the one at half speed takes half.
-        assert_eq!(
-            balanced_batch(32, Some(4.0), others(&[8.0]).into_iter()),
-            32
-        );
-        assert_eq!(
-            balanced_batch(32, Some(8.0), others(&[4.0, 6.0]).into_iter()),
-            16
-        );
-        assert_eq!(
-            balanced_batch(32, Some(6.0), others(&[4.0]).into_iter()),
-            21
-        );
+        assert_eq!(batch(Some(4.0), &[8.0]), 32);
+        assert_eq!(batch(Some(8.0), &[4.0, 6.0]), 16);
+        assert_eq!(batch(Some(6.0), &[4.0]), 21);
         // Claims that are no number are passed over; a claim of great speed costs at most
         // MAX_SHRINK, and a batch is never empty.
-        assert_eq!(
-            balanced_batch(
-                32,
-                Some(4.0),
-                others(&[0.0, -1.0, f64::NAN, f64::INFINITY]).into_iter()
-            ),
-            32
-        );
-        assert_eq!(
-            balanced_batch(32, Some(4.0), others(&[1e-9]).into_iter()),
-            32 / MAX_SHRINK
-        );
-        assert_eq!(balanced_batch(3, Some(4.0), others(&[1e-9]).into_iter()), 1);
-        assert_eq!(
-            balanced_batch(32, Some(f64::NAN), others(&[1.0]).into_iter()),
-            32
-        );
+        assert_eq!(batch(Some(4.0), &[0.0, -1.0, f64::NAN, f64::INFINITY]), 32);
+        assert_eq!(batch(Some(4.0), &[1e-9]), 32 / MAX_SHRINK);
+        assert_eq!(balanced_batch(3, Some(4.0), [1e-9].into_iter()), 1);
+        assert_eq!(batch(Some(f64::NAN), &[1.0]), 32);
     }
 
     /// With `balance`, a member that computes at half the other's speed is asked for half

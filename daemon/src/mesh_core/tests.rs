@@ -300,19 +300,26 @@ fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
     assert_eq!(first.len(), 1);
     assert!(!first[0].in_rounds, "not training yet");
     assert!(beats(&core.handle(Input::Tick, at(50))).is_empty());
-    core.handle(
+    let training = |ms_per_sample| {
         Input::Progress(Progress {
             phase: Phase::Training,
-            ms_per_sample: Some(4.0),
+            ms_per_sample,
             ..Progress::default()
-        }),
-        at(100),
-    );
+        })
+    };
+    core.handle(training(None), at(100));
     let ready = beats(&core.handle(Input::Tick, at(150)));
     assert_eq!(ready.len(), 1, "readiness is told at once");
     assert!(ready[0].in_rounds);
-    assert_eq!(ready[0].ms_per_sample, Some(4.0));
+    assert_eq!(ready[0].ms_per_sample, None, "no step measured yet");
     assert!(beats(&core.handle(Input::Tick, at(200))).is_empty());
+    // The first measured speed is told at once too; a changed one waits for the period.
+    core.handle(training(Some(4.0)), at(250));
+    let speed = beats(&core.handle(Input::Tick, at(300)));
+    assert_eq!(speed.len(), 1, "the speed is told at once");
+    assert_eq!(speed[0].ms_per_sample, Some(4.0));
+    core.handle(training(Some(5.0)), at(350));
+    assert!(beats(&core.handle(Input::Tick, at(400))).is_empty());
     core.handle(Input::PeerUp(PeerId::random()), at(500));
     assert!(beats(&core.handle(Input::Tick, at(700))).is_empty());
     assert_eq!(beats(&core.handle(Input::Tick, at(850))).len(), 1);

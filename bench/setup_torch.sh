@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Makes bench/.venv, a virtual environment with PyTorch for `p2ptrain bench race`'s DDP runs.
+# Makes bench/.venv, a virtual environment with PyTorch for `p2ptrain bench scaling`'s DDP runs
+# (bench/ddp_train.py) and `bench step`'s yardstick (bench/step_torch.py).
 # A benchmark dependency only: no test needs it. PyPI's torch wheel is the CUDA build (about
 # 5 GB with its libraries); it runs on CPU as well.
 set -euo pipefail

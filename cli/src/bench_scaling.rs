@@ -9,7 +9,16 @@
 //!   set, so the lone control pays what sharing the machine costs, as the mesh's nodes do;
 //! - one run per sync mode and learning rate of `--mesh-lrs`: N nodes, each pinned to its own
 //!   cores, in a mesh on loopback (with `--straggler-delay-us`, the last one a slower box;
-//!   with `--set`, every one given those settings).
+//!   with `--set`, every one given those settings);
+//! - `pytorch_ddp` (unless `--no-torch`): the same model, optimizer, schedule, batch and
+//!   learning rates under PyTorch DDP with the gloo backend, one process per node on the same
+//!   pinning (`bench/ddp_train.py`, with the Python of `bench/setup_torch.sh`'s environment).
+//!   Both sides read the very same samples: the benchmark writes the config's data, as
+//!   p2ptrain loads it, to `DIR/data`.
+//!
+//! With `--link RATE` (root only) the mesh's nodes and DDP's processes each run on a host of a
+//! namespace lab (`p2ptrain-netlab`) whose outgoing link `tc` limits to RATE; lone runs need
+//! no link and stay on loopback.
 //!
 //! Every node appends each evaluation to `evals.jsonl` in its data directory with its step and
 //! wall-clock time, evaluating every `--eval-every` steps, so steps and times to a target are
@@ -20,7 +29,9 @@
 //! over the ideal `steps(alone) / steps(alone_xN)`. `DIR/report.json` holds it and every run's
 //! curve; `DIR/report.svg` draws the curves against wall time.
 //!
-//! Pinning uses `taskset` (util-linux); more nodes than core sets is a clear error.
+//! Pinning uses `taskset` (util-linux); more nodes than core sets is a clear error. The same
+//! comparison across real boxes: start the lone control on one box, then `p2ptrain join` on
+//! each box with the same config (see README, "What another box buys").
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,7 +40,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use p2ptrain_daemon::config::Config;
 use p2ptrain_daemon::trainer::EvalRecord;
+use p2ptrain_models::data::Data;
+use p2ptrain_netlab::Lab;
 use serde::Serialize;
 
 use crate::bench::median;
@@ -98,6 +112,16 @@ pub struct ScalingArgs {
     /// (e.g. `sync.balance_batches=false`); repeat for more.
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     settings: Vec<String>,
+    /// Leave PyTorch DDP out.
+    #[arg(long)]
+    no_torch: bool,
+    /// Python with torch for the DDP runs (`bench/setup_torch.sh` makes this one).
+    #[arg(long, default_value = "bench/.venv/bin/python")]
+    python: PathBuf,
+    /// Run every mesh node and DDP process on a host of a namespace lab whose outgoing link
+    /// is limited to this rate (`tc` syntax, e.g. `10mbit`); needs root. Default: loopback.
+    #[arg(long)]
+    link: Option<String>,
 }
 
 /// A `--set` setting: section, key, value.
@@ -254,11 +278,74 @@ struct Report {
     /// `--straggler-delay-us`: the sleep per sample of every mesh run's last node (0: none;
     /// the lone runs never sleep).
     straggler_delay_us: u64,
+    /// What joined the mesh's nodes and DDP's processes: loopback, or the lab's shaping.
+    links: String,
     /// Per target: median steps of `alone` ÷ median steps of `alone_xN` (best learning rate
     /// of each): what N boxes could at best gain per step.
     ideal_speedup: BTreeMap<String, Option<f64>>,
     summary: Vec<KindSummary>,
     runs: Vec<Run>,
+}
+
+/// The kind of the PyTorch DDP runs.
+const TORCH_KIND: &str = "pytorch_ddp";
+/// DDP's rendezvous port on the first lab host (a fresh namespace: nothing else listens).
+const DDP_MASTER_PORT: u16 = 29517;
+
+/// Writes the config's data, as p2ptrain loads it, where `bench/ddp_train.py` reads it
+/// (`meta.json` and raw little-endian arrays), and returns what every DDP run shares.
+fn torch_side(config_path: &Path, dir: &Path) -> Result<TorchSide> {
+    let config = Config::load(Some(config_path))?;
+    let data = config.load_data()?;
+    let spec = config.model_spec(&data)?;
+    std::fs::create_dir_all(dir)?;
+    let meta = match &data {
+        Data::Text(t) => {
+            std::fs::write(dir.join("train.bytes"), t.train.bytes())?;
+            std::fs::write(dir.join("test.bytes"), t.test.bytes())?;
+            let context = match &config.model {
+                p2ptrain_daemon::config::ModelConfig::Gpt(g) => g.context,
+                _ => bail!("a text data set needs a gpt model"),
+            };
+            serde_json::json!({
+                "kind": "text",
+                "context": context,
+                "train_stride": (context / p2ptrain_models::text::TRAIN_STRIDE_DIVISOR).max(1),
+            })
+        }
+        Data::Labeled(split) => {
+            for (half, set) in [("train", &split.train), ("test", &split.test)] {
+                let x: Vec<u8> = set.features.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let y: Vec<u8> = set.labels.iter().flat_map(|v| v.to_le_bytes()).collect();
+                std::fs::write(dir.join(format!("{half}_x.f32")), x)?;
+                std::fs::write(dir.join(format!("{half}_y.u32")), y)?;
+            }
+            serde_json::json!({
+                "kind": "labeled",
+                "dim": split.train.dim,
+                "classes": split.train.classes,
+            })
+        }
+    };
+    std::fs::write(dir.join("meta.json"), meta.to_string())?;
+    Ok(TorchSide {
+        data: dir.to_path_buf(),
+        spec: serde_json::to_string(&spec)?,
+        optimizer: serde_json::to_value(&config.optimizer)?,
+        schedule: serde_json::to_string(&config.schedule)?,
+        init_seed: config.train.init_seed,
+    })
+}
+
+/// What a run trains with.
+#[derive(Debug, Clone, PartialEq)]
+enum Arm {
+    /// Lone nodes, independent when more than one.
+    Lone,
+    /// A p2ptrain mesh in this sync mode.
+    Mesh(String),
+    /// PyTorch DDP (gloo), one process per node.
+    Torch,
 }
 
 /// What one run is made of.
@@ -268,8 +355,50 @@ struct Plan {
     lr: f64,
     batch_size: i64,
     nodes: usize,
-    /// `None`: lone nodes (independent when more than one); else the sync mode.
-    mode: Option<String>,
+    arm: Arm,
+}
+
+/// Where the runs happen and what the DDP side needs, fixed for the whole benchmark.
+struct Bench<'a> {
+    args: &'a ScalingArgs,
+    base: &'a str,
+    extra: &'a [Setting],
+    metric: Metric,
+    /// The namespace lab of `--link` and its shaping.
+    lab: Option<(Lab, String)>,
+    /// The DDP runs' fixed arguments (`None` with `--no-torch`).
+    torch: Option<TorchSide>,
+}
+
+/// What every DDP run shares: the exported data and the config's model, optimizer and
+/// schedule as `bench/ddp_train.py` reads them.
+struct TorchSide {
+    data: PathBuf,
+    spec: String,
+    optimizer: serde_json::Value,
+    schedule: String,
+    init_seed: u64,
+}
+
+impl Bench<'_> {
+    fn lab_ns(&self, arm: &Arm, k: usize) -> Option<&str> {
+        match (arm, &self.lab) {
+            (Arm::Mesh(_) | Arm::Torch, Some((lab, _))) => Some(lab.ns(k)),
+            _ => None,
+        }
+    }
+
+    /// A command that runs `program` pinned to node `k`'s cores, on its lab host for the
+    /// runs that cross links.
+    fn pinned(&self, arm: &Arm, k: usize, program: &Path) -> Command {
+        let cores = core_set(k, self.args.cores_per_node);
+        let mut cmd = match (self.lab_ns(arm, k), &self.lab) {
+            (Some(_), Some((lab, _))) => lab.command(k, "taskset"),
+            _ => Command::new("taskset"),
+        };
+        cmd.args(["-c", &cores]).arg(program);
+        cmd
+    }
 }
 
 fn target_key(t: f64) -> String {
@@ -284,24 +413,28 @@ fn first_reaching(evals: &[EvalRecord], metric: Metric, target: f64) -> Option<&
 }
 
 fn spawn(
-    exe: &Path,
+    bench: &Bench,
+    arm: &Arm,
+    k: usize,
     dir: &Path,
     config: &Path,
-    cores: &str,
-    bootstrap: Option<&str>,
+    boot: Option<&str>,
 ) -> Result<Child> {
     std::fs::create_dir_all(dir)?;
     let log = std::fs::File::create(dir.join("node.log"))?;
-    let mut cmd = Command::new("taskset");
-    cmd.args(["-c", cores])
-        .arg(exe)
-        .arg("join")
+    let exe = std::env::current_exe().context("cannot find this executable")?;
+    let listen = match (&bench.lab, arm) {
+        (Some((lab, _)), Arm::Mesh(_)) => lab.listen(k),
+        _ => "/ip4/127.0.0.1/tcp/0".to_string(),
+    };
+    let mut cmd = bench.pinned(arm, k, &exe);
+    cmd.arg("join")
         .arg("--data-dir")
         .arg(dir)
         .arg("--config")
         .arg(config)
-        .args(["--api", "127.0.0.1:0", "--listen", "/ip4/127.0.0.1/tcp/0"]);
-    if let Some(b) = bootstrap {
+        .args(["--api", "127.0.0.1:0", "--listen", &listen]);
+    if let Some(b) = boot {
         cmd.args(["--bootstrap", b]);
     }
     cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
@@ -309,10 +442,56 @@ fn spawn(
         .context("cannot start a node under taskset (is util-linux installed?)")
 }
 
-/// Status of the node whose data directory is `dir`, over its API.
-fn status(dir: &Path) -> Option<serde_json::Value> {
+/// Starts DDP's rank `k` of `plan`, its output in `dir/node.log`.
+fn spawn_rank(bench: &Bench, plan: &Plan, k: usize, dir: &Path, master: &str) -> Result<Child> {
+    let torch = bench.torch.as_ref().context("no DDP side")?;
+    let args = bench.args;
+    std::fs::create_dir_all(dir)?;
+    let log = std::fs::File::create(dir.join("node.log"))?;
+    let mut optimizer = torch.optimizer.clone();
+    optimizer["lr"] = plan.lr.into();
+    let mut cmd = bench.pinned(&plan.arm, k, &args.python);
+    cmd.arg("bench/ddp_train.py")
+        .args(["--rank", &k.to_string(), "--nodes", &plan.nodes.to_string()])
+        .args(["--master", master])
+        .arg("--data")
+        .arg(&torch.data)
+        .args(["--spec", &torch.spec, "--schedule", &torch.schedule])
+        .args(["--optim", &optimizer.to_string()])
+        .args(["--batch", &plan.batch_size.to_string()])
+        .args(["--init-seed", &torch.init_seed.to_string()])
+        .args(["--seed", &(plan.seed * 100 + k as u64).to_string()])
+        .args(["--threads", &args.cores_per_node.to_string()])
+        .args(["--eval-every", &args.eval_every.to_string()])
+        .args(["--max-seconds", &(args.timeout + 60.0).to_string()])
+        .arg("--dir")
+        .arg(dir);
+    if bench.lab_ns(&plan.arm, k).is_some() {
+        cmd.args(["--iface", "eth0"]);
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    cmd.spawn()
+        .with_context(|| format!("cannot run {} under taskset", args.python.display()))
+}
+
+/// Status of the node whose data directory is `dir`, over its API (from inside its lab
+/// host's namespace when it has one: this process cannot reach that host's loopback).
+fn status(dir: &Path, netns: Option<&str>) -> Option<serde_json::Value> {
     let addr = std::fs::read_to_string(dir.join(p2ptrain_daemon::node::API_ADDR_FILE)).ok()?;
-    let url = format!("http://{}/v1/status", addr.trim());
+    let addr = addr.trim();
+    if let Some(ns) = netns {
+        let exe = std::env::current_exe().ok()?;
+        let out = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(exe)
+            .args(["status", "--json", "--api", addr])
+            .output()
+            .ok()?;
+        return serde_json::from_slice(&out.stdout).ok();
+    }
+    let url = format!("http://{addr}/v1/status");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -326,10 +505,11 @@ fn status(dir: &Path) -> Option<serde_json::Value> {
     })
 }
 
-fn wait_listen_addr(dir: &Path, child: &mut Child) -> Result<String> {
+fn wait_listen_addr(dir: &Path, netns: Option<&str>, child: &mut Child) -> Result<String> {
     let deadline = Instant::now() + START_WAIT;
     loop {
-        if let Some(a) = status(dir).and_then(|s| s["listen_addrs"][0].as_str().map(str::to_owned))
+        if let Some(a) =
+            status(dir, netns).and_then(|s| s["listen_addrs"][0].as_str().map(str::to_owned))
         {
             return Ok(a);
         }
@@ -338,21 +518,24 @@ fn wait_listen_addr(dir: &Path, child: &mut Child) -> Result<String> {
     }
 }
 
+/// A TCP port free on loopback now, for DDP's rendezvous.
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
 /// Runs one plan to the last target (or the timeout) and measures it.
-fn run_one(
-    args: &ScalingArgs,
-    base: &str,
-    extra: &[Setting],
-    metric: Metric,
-    plan: &Plan,
-    index: usize,
-) -> Result<Run> {
+fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
+    let (args, metric) = (bench.args, bench.metric);
     let name = format!("{index:02}-{}-seed{}-lr{}", plan.kind, plan.seed, plan.lr);
     let dir = args.out.join("runs").join(&name);
     let _ = std::fs::remove_dir_all(&dir);
-    let exe = std::env::current_exe().context("cannot find this executable")?;
     let mut configs = Vec::new();
     for k in 0..plan.nodes {
+        if plan.arm == Arm::Torch {
+            break;
+        }
         let mut settings: Vec<(&str, &str, toml::Value)> = vec![
             ("train", "batch_size", toml::Value::Integer(plan.batch_size)),
             (
@@ -373,8 +556,8 @@ fn run_one(
             ),
             ("optimizer", "lr", toml::Value::Float(plan.lr)),
         ];
-        if plan.mode.is_some() {
-            for (section, key, value) in extra {
+        if let Arm::Mesh(mode) = &plan.arm {
+            for (section, key, value) in bench.extra {
                 settings.push((section.as_str(), key.as_str(), value.clone()));
             }
             if k + 1 == plan.nodes && args.straggler_delay_us > 0 {
@@ -384,8 +567,6 @@ fn run_one(
                     toml::Value::Integer(args.straggler_delay_us as i64),
                 ));
             }
-        }
-        if let Some(mode) = &plan.mode {
             settings.push(("sync", "mode", toml::Value::String(mode.clone())));
             // The synchronous modes start with all N from one state (gossip ignores it).
             settings.push((
@@ -395,38 +576,56 @@ fn run_one(
             ));
         }
         configs.push(write_run_config(
-            base,
+            bench.base,
             &dir,
             &format!("node{k}"),
             &settings,
         )?);
     }
+    let node_dirs: Vec<PathBuf> = (0..plan.nodes).map(|k| dir.join(format!("n{k}"))).collect();
     let started_ms = unix_ms();
     let started = Instant::now();
     let mut children = Children(Vec::new());
-    let mut boot = None;
-    for (k, cfg) in configs.iter().enumerate() {
-        let node_dir = dir.join(format!("n{k}"));
-        let b = if plan.mode.is_some() {
-            boot.as_deref()
-        } else {
-            None
-        };
-        children.0.push(spawn(
-            &exe,
-            &node_dir,
-            cfg,
-            &core_set(k, args.cores_per_node),
-            b,
-        )?);
-        if k == 0 && plan.mode.is_some() {
-            let child = children.0.last_mut().context("node 0")?;
-            boot = Some(wait_listen_addr(&node_dir, child)?);
+    match &plan.arm {
+        Arm::Torch => {
+            let master = match &bench.lab {
+                Some((lab, _)) => format!("{}:{}", lab.addr(0), DDP_MASTER_PORT),
+                None => format!("127.0.0.1:{}", free_port()?),
+            };
+            for (k, d) in node_dirs.iter().enumerate() {
+                children.0.push(spawn_rank(bench, plan, k, d, &master)?);
+            }
+        }
+        Arm::Lone => {
+            for (k, cfg) in configs.iter().enumerate() {
+                children
+                    .0
+                    .push(spawn(bench, &plan.arm, k, &node_dirs[k], cfg, None)?);
+            }
+        }
+        Arm::Mesh(_) => {
+            let mut boot = None;
+            for (k, cfg) in configs.iter().enumerate() {
+                let node_dir = &node_dirs[k];
+                let child = spawn(bench, &plan.arm, k, node_dir, cfg, boot.as_deref())?;
+                children.0.push(child);
+                if k == 0 {
+                    let child = children.0.last_mut().context("node 0")?;
+                    boot = Some(wait_listen_addr(
+                        node_dir,
+                        bench.lab_ns(&plan.arm, 0),
+                        child,
+                    )?);
+                }
+            }
         }
     }
-    let node_dirs: Vec<PathBuf> = (0..plan.nodes).map(|k| dir.join(format!("n{k}"))).collect();
-    // The lone runs with other lone runs beside them measure node 0 only.
-    let measured = if plan.mode.is_some() { plan.nodes } else { 1 };
+    // Lone runs with other lone runs beside them measure node 0 only; DDP's replicas are
+    // identical and rank 0 alone evaluates.
+    let measured = match plan.arm {
+        Arm::Mesh(_) => plan.nodes,
+        Arm::Lone | Arm::Torch => 1,
+    };
     let last = args.targets.iter().copied().reduce(|a, b| match metric {
         Metric::BitsPerByte => a.min(b),
         Metric::Accuracy => a.max(b),
@@ -454,7 +653,16 @@ fn run_one(
     };
     let finals: Vec<serde_json::Value> = node_dirs[..measured]
         .iter()
-        .map(|d| status(d).unwrap_or_default())
+        .enumerate()
+        .map(|(k, d)| match plan.arm {
+            // What rank 0 wrote at its latest evaluation, in the status's field names.
+            Arm::Torch => std::fs::read_to_string(d.join("ddp.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .map(|v| serde_json::json!({"bytes_sent": v["bytes_sent_per_node"], "torch": v["torch"]}))
+                .unwrap_or_default(),
+            _ => status(d, bench.lab_ns(&plan.arm, k)).unwrap_or_default(),
+        })
         .collect();
     drop(children);
     let evals: Vec<Vec<EvalRecord>> = node_dirs[..measured]
@@ -500,20 +708,24 @@ fn run_one(
         .iter()
         .filter_map(|s| s["bytes_sent"].as_f64())
         .collect();
-    let mesh = finals
-        .iter()
-        .map(|s| {
-            serde_json::json!({
-                "peers": s["peers"]["count"],
-                "rejected": s["updates"]["rejected"],
-                "banned": s["banned_peers"].as_array().map_or(0, Vec::len),
-                "rounds": s["rounds"]["completed"],
-                "mean_round_ms": s["rounds"]["mean_round_ms"],
-                "batch": s["rounds"]["batch"],
-                "ms_per_sample": s["ms_per_sample"],
+    let mesh = if plan.arm == Arm::Torch {
+        finals.clone()
+    } else {
+        finals
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "peers": s["peers"]["count"],
+                    "rejected": s["updates"]["rejected"],
+                    "banned": s["banned_peers"].as_array().map_or(0, Vec::len),
+                    "rounds": s["rounds"]["completed"],
+                    "mean_round_ms": s["rounds"]["mean_round_ms"],
+                    "batch": s["rounds"]["batch"],
+                    "ms_per_sample": s["ms_per_sample"],
+                })
             })
-        })
-        .collect();
+            .collect()
+    };
     eprintln!(
         "{name}: steps {steps_to_target:?}, seconds {seconds_to_target:?}, training seconds {train_seconds_to_target:?}{}",
         if timed_out { " (timed out)" } else { "" }
@@ -602,6 +814,12 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         m.parse::<p2ptrain_daemon::config::SyncMode>()
             .map_err(anyhow::Error::msg)?;
     }
+    if !args.no_torch && !args.python.exists() {
+        bail!(
+            "no Python with torch at {}: run bench/setup_torch.sh (it makes bench/.venv), pass --python, or --no-torch",
+            args.python.display()
+        );
+    }
     std::fs::create_dir_all(&args.out)?;
     let (base, config_name) = base_text(Some(&args.config))?;
     let table: toml::Table = toml::from_str(&base)?;
@@ -636,7 +854,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
                 lr,
                 batch_size: batch,
                 nodes: 1,
-                mode: None,
+                arm: Arm::Lone,
             });
             if !args.no_ideal {
                 plans.push(Plan {
@@ -645,7 +863,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
                     lr,
                     batch_size: batch * args.nodes as i64,
                     nodes: 1,
-                    mode: None,
+                    arm: Arm::Lone,
                 });
             }
         }
@@ -656,7 +874,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
                 lr: config_lr,
                 batch_size: batch,
                 nodes: args.nodes,
-                mode: None,
+                arm: Arm::Lone,
             });
         }
         for m in &args.modes {
@@ -667,14 +885,53 @@ pub fn run(args: ScalingArgs) -> Result<()> {
                     lr,
                     batch_size: batch,
                     nodes: args.nodes,
-                    mode: Some(m.clone()),
+                    arm: Arm::Mesh(m.clone()),
+                });
+            }
+        }
+        if !args.no_torch {
+            for &lr in &mesh_lrs {
+                plans.push(Plan {
+                    kind: TORCH_KIND.into(),
+                    seed,
+                    lr,
+                    batch_size: batch,
+                    nodes: args.nodes,
+                    arm: Arm::Torch,
                 });
             }
         }
     }
+    // The lab lives until the benchmark ends; dropping it deletes its namespaces.
+    let lab = match &args.link {
+        None => None,
+        Some(rate) => {
+            let lab =
+                Lab::new(args.nodes).context("--link needs a namespace lab (root, `ip`, `tc`)")?;
+            let shaping = lab.shape(rate, "0ms", "0%")?;
+            eprintln!("bench scaling: {} lab hosts, {shaping}", args.nodes);
+            Some((lab, shaping))
+        }
+    };
+    let links = lab
+        .as_ref()
+        .map_or_else(|| "loopback".to_string(), |(_, s)| s.clone());
+    let torch = if args.no_torch {
+        None
+    } else {
+        Some(torch_side(&args.config, &args.out.join("data"))?)
+    };
+    let bench = Bench {
+        args: &args,
+        base: &base,
+        extra: &extra,
+        metric,
+        lab,
+        torch,
+    };
     let mut runs = Vec::new();
     for (i, plan) in plans.iter().enumerate() {
-        runs.push(run_one(&args, &base, &extra, metric, plan, i)?);
+        runs.push(run_one(&bench, plan, i)?);
     }
     let keys: Vec<String> = args.targets.iter().map(|t| target_key(*t)).collect();
     let last = target_key(
@@ -695,6 +952,9 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         kinds.push("alone_loaded".into());
     }
     kinds.extend(args.modes.iter().cloned());
+    if !args.no_torch {
+        kinds.push(TORCH_KIND.into());
+    }
     let mut summary: Vec<KindSummary> = kinds
         .iter()
         .filter_map(|k| summarise(k, &runs, &last))
@@ -754,6 +1014,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         eval_every: args.eval_every,
         mesh_settings: args.settings.clone(),
         straggler_delay_us: args.straggler_delay_us,
+        links,
         ideal_speedup: ideal,
         summary,
         runs,

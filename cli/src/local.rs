@@ -6,10 +6,6 @@
 //! holds part k/N of the digits cut by class (`--shard k/N`), and the summary sets what each
 //! node reaches in the mesh beside what a node with the same part reaches alone (trained here,
 //! after the mesh, for as many steps): the number that shows what the mesh adds.
-//!
-//! The slow-link races instead put each node on a host of a namespace lab
-//! ([`LocalArgs::hosts`]); this process cannot reach a node's API on that host's loopback, so it
-//! asks through `p2ptrain status` and `stop` run on the host ([`NodeApi`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -73,83 +69,6 @@ pub struct LocalArgs {
     /// Record every node's status over time in the summary.
     #[arg(skip)]
     pub trace: bool,
-    /// Stop the nodes once every node has evaluated and their mean held-out accuracy reached
-    /// this (a race to a target).
-    #[arg(skip)]
-    pub stop_at_mean_accuracy: Option<f64>,
-    /// Where each node runs, by index (empty: all here, on loopback).
-    #[arg(skip)]
-    pub hosts: Vec<LabHost>,
-}
-
-/// A host of a namespace lab for one node: its network namespace and its listen address.
-#[derive(Debug, Clone)]
-pub struct LabHost {
-    /// The network namespace (`ip netns exec` runs the node in it).
-    pub netns: String,
-    /// The libp2p listen multiaddr on the host's lab address.
-    pub listen: String,
-}
-
-/// How this process reaches one node's control API.
-enum NodeApi {
-    /// Over HTTP: the node shares this process's network namespace.
-    Direct(Client),
-    /// Through this binary's `status --json` and `stop`, run on the node's lab host, whose
-    /// loopback this process cannot reach.
-    OnHost { netns: String, api: String },
-}
-
-impl NodeApi {
-    fn new(api: String, host: Option<&LabHost>) -> Result<NodeApi> {
-        Ok(match host {
-            None => NodeApi::Direct(Client::new(&api, None)?),
-            Some(h) => NodeApi::OnHost {
-                netns: h.netns.clone(),
-                api,
-            },
-        })
-    }
-
-    /// Runs this binary with `args` on the node's host; its stdout.
-    async fn on_host(netns: &str, args: &[&str]) -> Result<Vec<u8>> {
-        let exe = std::env::current_exe().context("cannot find this executable")?;
-        let out = tokio::process::Command::new("ip")
-            .args(["netns", "exec", netns])
-            .arg(exe)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .context("cannot run ip netns exec")?;
-        if !out.status.success() {
-            bail!(
-                "p2ptrain {} on {netns}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(out.stdout)
-    }
-
-    async fn status(&self) -> Result<Status> {
-        match self {
-            NodeApi::Direct(c) => c.get("/v1/status").await,
-            NodeApi::OnHost { netns, api } => {
-                let out = Self::on_host(netns, &["status", "--json", "--api", api]).await?;
-                Ok(serde_json::from_slice(&out)?)
-            }
-        }
-    }
-
-    async fn stop(&self) -> Result<()> {
-        match self {
-            NodeApi::Direct(c) => c.post::<serde_json::Value>("/v1/stop").await.map(drop),
-            NodeApi::OnHost { netns, api } => Self::on_host(netns, &["stop", "--api", api])
-                .await
-                .map(drop),
-        }
-    }
 }
 
 /// One node's status at one moment, for curves over time.
@@ -351,6 +270,8 @@ const LOCAL_API: &str = "127.0.0.1:0";
 
 /// Every local node's libp2p address: loopback, a port the OS picks.
 const LOCAL_LISTEN: &str = "/ip4/127.0.0.1/tcp/0";
+/// The control API's status path.
+const STATUS: &str = "/v1/status";
 
 /// Child processes that are killed if this guard drops before they exit.
 pub(crate) struct Children(pub(crate) Vec<Child>);
@@ -362,14 +283,6 @@ impl Drop for Children {
             let _ = c.wait();
         }
     }
-}
-
-/// Where and how one node runs: its lab host (none: here, on loopback) and the cores it is
-/// pinned to (none: wherever the OS puts it).
-#[derive(Clone, Copy, Default)]
-struct Placement<'a> {
-    host: Option<&'a LabHost>,
-    cores: Option<&'a str>,
 }
 
 /// The `join` flags one node starts with, beside its data directory and config.
@@ -391,36 +304,25 @@ fn spawn_node(
     dir: &Path,
     config: Option<&Path>,
     flags: NodeFlags<'_>,
-    place: Placement<'_>,
+    cores: Option<&str>,
 ) -> Result<Child> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let log =
         std::fs::File::create(dir.with_extension("log")).context("cannot create a node log")?;
     let exe = std::env::current_exe().context("cannot find this executable")?;
-    // `taskset` and `ip netns exec` exec what follows, so the child is the node itself.
-    let mut program: Vec<std::ffi::OsString> = Vec::new();
-    if let Some(c) = place.cores {
-        program.extend(["taskset".into(), "-c".into(), c.into()]);
-    }
-    let listen = match place.host {
-        None => LOCAL_LISTEN,
-        Some(h) => {
-            program.extend([
-                "ip".into(),
-                "netns".into(),
-                "exec".into(),
-                (&h.netns).into(),
-            ]);
-            h.listen.as_str()
+    // `taskset` execs what follows, so the child is the node itself.
+    let mut cmd = match cores {
+        Some(c) => {
+            let mut cmd = Command::new("taskset");
+            cmd.args(["-c", c]).arg(exe);
+            cmd
         }
+        None => Command::new(exe),
     };
-    program.push(exe.into());
-    let mut cmd = Command::new(&program[0]);
-    cmd.args(&program[1..]);
     cmd.arg("join")
         .arg("--data-dir")
         .arg(dir)
-        .args(["--api", LOCAL_API, "--listen", listen]);
+        .args(["--api", LOCAL_API, "--listen", LOCAL_LISTEN]);
     if let Some(c) = config {
         cmd.arg("--config").arg(c);
     }
@@ -439,14 +341,14 @@ fn spawn_node(
     if let Some(t) = flags.target {
         cmd.args(["--target", &t.to_string()]);
     }
-    if let Some(c) = place.cores {
+    if let Some(c) = cores {
         cmd.args(["--threads", &c.split(',').count().to_string()]);
     }
     cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
     cmd.spawn().with_context(|| {
         format!(
             "cannot start a node{}",
-            if place.cores.is_some() {
+            if cores.is_some() {
                 " under taskset (is util-linux installed?)"
             } else {
                 ""
@@ -643,17 +545,10 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
             .map(PathBuf::as_path)
             .or(config.as_deref())
     };
-    if !args.hosts.is_empty() && args.hosts.len() != args.nodes {
-        bail!("{} lab hosts for {} nodes", args.hosts.len(), args.nodes);
-    }
-    let host_of = |i: usize| args.hosts.get(i);
     let cores: Vec<Option<String>> = (0..args.nodes)
         .map(|i| args.cores_per_node.map(|per| core_set(i, per)))
         .collect();
-    let place_of = |i: usize| Placement {
-        host: host_of(i),
-        cores: cores[i].as_deref(),
-    };
+    let place_of = |i: usize| cores[i].as_deref();
     let shards = (0..args.nodes)
         .map(|i| Ok(shard_for(&Config::load(config_of(i))?, i, args.nodes)))
         .collect::<Result<Vec<_>>>()?;
@@ -671,11 +566,11 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         place_of(0),
     )?);
     let first_api = wait_api(&dirs[0], &mut children.0[0]).await?;
-    let first = NodeApi::new(first_api, host_of(0))?;
+    let first = Client::new(&first_api, None)?;
     let bootstrap = {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let s: Status = first.status().await?;
+            let s: Status = first.get(STATUS).await?;
             if let Some(a) = s.network.listen_addrs.first() {
                 break a.clone();
             }
@@ -702,7 +597,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
     let mut clients = vec![first];
     for (i, dir) in dirs.iter().enumerate().skip(1) {
         let api = wait_api(dir, &mut children.0[i]).await?;
-        clients.push(NodeApi::new(api, host_of(i))?);
+        clients.push(Client::new(&api, None)?);
     }
 
     let target = args.target;
@@ -722,7 +617,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
     let mut last_print = Instant::now() - Duration::from_secs(10);
     loop {
         for (i, c) in clients.iter().enumerate() {
-            if let Ok(s) = c.status().await {
+            if let Ok(s) = c.get::<Status>(STATUS).await {
                 if args.trace {
                     trace.push(TracePoint {
                         t: started.elapsed().as_secs_f64(),
@@ -760,21 +655,14 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         if all_exited {
             break;
         }
-        let target_reached = args.stop_at_mean_accuracy.is_some_and(|target| {
-            let accs: Vec<f64> = last
-                .values()
-                .filter_map(|s| s.training.eval.map(|e| e.accuracy))
-                .collect();
-            accs.len() == args.nodes && accs.iter().sum::<f64>() / accs.len() as f64 >= target
-        });
         let all_at_target = target.is_some()
             && dirs
                 .iter()
                 .all(|d| first_at_target(d, target, started_ms).is_some());
         let out_of_time = duration.is_some_and(|d| started.elapsed() >= d);
-        if out_of_time || target_reached || all_at_target {
+        if out_of_time || all_at_target {
             for c in &clients {
-                let _ = c.stop().await;
+                let _ = c.post::<serde_json::Value>("/v1/stop").await;
             }
             break;
         }
@@ -1008,15 +896,11 @@ async fn lone_to_target(
         sync_mode: Some("gossip"),
         target: Some(target),
     };
-    let place = Placement {
-        host: None,
-        cores: cores.as_deref(),
-    };
     let mut child = Children(vec![spawn_node(
         &dir,
         config_path.as_deref(),
         flags,
-        place,
+        cores.as_deref(),
     )?]);
     let client = Client::new(&wait_api(&dir, &mut child.0[0]).await?, None)?;
     let limit = args

@@ -7,7 +7,6 @@
 mod allocator;
 mod bench;
 mod bench_mesh;
-mod bench_race;
 mod bench_scaling;
 mod bench_step;
 mod client;
@@ -229,11 +228,9 @@ enum BenchCmd {
     /// A local mesh per update codec: bytes per update, accuracy, throughput, consensus;
     /// writes report.json and report.svg.
     Mesh(bench_mesh::MeshArgs),
-    /// Time to a target accuracy: each sync mode's local mesh against PyTorch DDP (gloo);
-    /// writes report.json and report.svg.
-    Race(bench_race::RaceArgs),
-    /// Time to a target loss: one node, one node with N times the batch (the ideal), and N
-    /// pinned nodes in each sync mode, over seeds; speedup and scaling efficiency, as JSON.
+    /// Time to a target loss or accuracy: one node, one node with N times the batch (the
+    /// ideal), N pinned nodes in each sync mode and PyTorch DDP (gloo), over seeds, on
+    /// loopback or shaped links; speedup and scaling efficiency in report.json and report.svg.
     Scaling(bench_scaling::ScalingArgs),
     /// One training step of each model and optimizer against PyTorch eager on the same CPU
     /// and thread count, and the codecs' cost per update; writes JSON.
@@ -319,10 +316,6 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Bench(BenchCmd::Scaling(args)) => {
             bench_scaling::run(args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Cmd::Bench(BenchCmd::Race(args)) => {
-            bench_race::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Keygen(args) => keygen(&args.psk),

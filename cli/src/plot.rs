@@ -95,42 +95,6 @@ pub fn render_svg(title: &str, runs: &[RunSeries]) -> Result<String> {
     Ok(svg)
 }
 
-/// The race's picture: one line per run (its nodes' mean held-out accuracy, or DDP's) against
-/// wall time, on the accuracy panel alone; `target` is named in the title.
-pub fn render_race_svg(
-    title: &str,
-    lines: &[(String, Vec<(f64, f64)>)],
-    target: f64,
-) -> Result<String> {
-    let runs: Vec<RunSeries> = lines
-        .iter()
-        .map(|(label, points)| RunSeries {
-            codec: label.clone(),
-            nodes: vec![NodeCurve {
-                label: "mean".into(),
-                points: points.clone(),
-            }],
-            bytes_per_update: 0.0,
-            dense_bytes_per_update: 0.0,
-        })
-        .collect();
-    let mut svg = String::new();
-    {
-        let root =
-            SVGBackend::with_string(&mut svg, (LEFT_WIDTH + 260, SIZE.1)).into_drawing_area();
-        root.fill(&WHITE).context("filling the background")?;
-        let body = root
-            .titled(
-                &format!("{title} (target {:.0}%)", target * 100.0),
-                ("sans-serif", 20),
-            )
-            .context("drawing the title")?;
-        draw_accuracy(&body, &runs)?;
-        root.present().context("finishing the SVG document")?;
-    }
-    Ok(svg)
-}
-
 /// Any metric against wall time, one line per run (`bench scaling`): the y axis spans the
 /// points, with a margin.
 pub fn render_curves_svg(

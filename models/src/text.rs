@@ -21,7 +21,7 @@ pub const BUNDLED_HAMLET_GZ: &[u8] = include_bytes!("../../data/hamlet.txt.gz");
 /// Training windows start every `context / TRAIN_STRIDE_DIVISOR` bytes: windows overlap by
 /// three quarters, and the sampler's permutation holds `4 · len / context` entries, not one
 /// per byte.
-const TRAIN_STRIDE_DIVISOR: usize = 4;
+pub const TRAIN_STRIDE_DIVISOR: usize = 4;
 /// Bytes (inputs) per evaluation batch: the attention scores of a batch grow with its windows
 /// times the context squared, so long contexts evaluate fewer windows at once.
 const EVAL_TOKENS: usize = 8192;

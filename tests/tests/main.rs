@@ -1,6 +1,7 @@
 //! Integration tests: real `p2ptrain` processes on 127.0.0.1, real data, real files.
 //! One test binary (so the suite links once), one module per area.
 
+mod bench;
 mod churn;
 mod harness;
 mod hostile_sync;

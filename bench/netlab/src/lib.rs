@@ -12,7 +12,7 @@
 //! namespace behind it, on 10.78.<i>.0/24, reaches the lab only through it. Lab hosts have no
 //! route to those private networks, so nothing can dial in: as behind a real home router.
 //!
-//! The fault tests use it for partitions and NATs; `p2ptrain bench race --link` for slow links.
+//! The fault tests use it for partitions and NATs; `p2ptrain bench scaling --link` for slow links.
 //! Building a lab needs root and `ip` (and `tc`, `iptables` for what uses them). A process
 //! killed before the lab drops leaves its namespaces (`p2pt<pid>x<n>...`) behind;
 //! `ip netns list` shows them and `ip netns del NAME` removes them.

@@ -36,6 +36,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -122,6 +123,43 @@ pub struct ScalingArgs {
     /// is limited to this rate (`tc` syntax, e.g. `10mbit`); needs root. Default: loopback.
     #[arg(long)]
     link: Option<String>,
+}
+
+/// Set by SIGINT or SIGTERM. The benchmark's waits see it and return an error, so the runs'
+/// processes are killed and the lab's namespaces deleted as their owners drop, where dying
+/// by the signal's default action would leave both behind.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Turns SIGINT and SIGTERM into [`INTERRUPTED`] for the rest of the process.
+fn catch_signals() -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (mut int, mut term) = rt.block_on(async {
+        Ok::<_, std::io::Error>((
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+        ))
+    })?;
+    std::thread::spawn(move || {
+        rt.block_on(async {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+        });
+        INTERRUPTED.store(true, Ordering::SeqCst);
+    });
+    Ok(())
+}
+
+/// An error once a signal asked the benchmark to stop.
+fn check_interrupted() -> Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted: the runs' processes are stopped and the lab removed");
+    }
+    Ok(())
 }
 
 /// A `--set` setting: section, key, value.
@@ -514,6 +552,7 @@ fn wait_listen_addr(dir: &Path, netns: Option<&str>, child: &mut Child) -> Resul
             return Ok(a);
         }
         check_starting(child, &dir.join("node.log"), deadline)?;
+        check_interrupted()?;
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -633,6 +672,7 @@ fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
     let last = last.context("no target")?;
     let timed_out = loop {
         std::thread::sleep(Duration::from_millis(500));
+        check_interrupted()?;
         let done = node_dirs[..measured]
             .iter()
             .all(|d| first_reaching(&read_evals(d), metric, last).is_some());
@@ -821,6 +861,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         );
     }
     std::fs::create_dir_all(&args.out)?;
+    catch_signals()?;
     let (base, config_name) = base_text(Some(&args.config))?;
     let table: toml::Table = toml::from_str(&base)?;
     let metric = if table["model"]["kind"].as_str() == Some("gpt") {

@@ -296,6 +296,9 @@ struct NodeFlags<'a> {
     bootstrap: Option<&'a str>,
     /// `--sync-mode`.
     sync_mode: Option<&'a str>,
+    /// `--min-members`: the mesh's size, so a synchronous mode starts with every node from
+    /// one state (gossip ignores it).
+    min_members: Option<usize>,
     /// `--target`: the node logs when it first reaches it.
     target: Option<f64>,
 }
@@ -337,6 +340,9 @@ fn spawn_node(
     }
     if let Some(m) = flags.sync_mode {
         cmd.args(["--sync-mode", m]);
+    }
+    if let Some(m) = flags.min_members {
+        cmd.args(["--min-members", &m.to_string()]);
     }
     if let Some(t) = flags.target {
         cmd.args(["--target", &t.to_string()]);
@@ -557,6 +563,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         steps: args.steps,
         bootstrap: None,
         sync_mode: args.sync_mode.as_deref(),
+        min_members: Some(args.nodes),
         target: args.target,
     };
     children.0.push(spawn_node(
@@ -894,6 +901,7 @@ async fn lone_to_target(
         steps: Some(cap),
         bootstrap: None,
         sync_mode: Some("gossip"),
+        min_members: None,
         target: Some(target),
     };
     let mut child = Children(vec![spawn_node(

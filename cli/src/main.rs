@@ -129,6 +129,10 @@ struct JoinArgs {
     /// (see the README's table of frameworks). Overrides `sync.mode`.
     #[arg(long)]
     sync_mode: Option<String>,
+    /// In a synchronous mode, start rounds only once this many members (this node included)
+    /// are ready. Overrides `sync.min_members`.
+    #[arg(long, value_name = "N")]
+    min_members: Option<usize>,
     /// Train on part K of N of the training set (`data.partition` says how it is cut).
     /// Overrides `train.shard`.
     #[arg(long, value_name = "K/N")]
@@ -371,6 +375,7 @@ impl JoinArgs {
             mdns: self.mdns,
             psk: self.psk.clone(),
             sync_mode: self.sync_mode.clone(),
+            min_members: self.min_members,
             shard: self.shard.clone(),
             target: self.target,
         }

@@ -129,12 +129,14 @@ impl MeshActor {
                 Some(ev) = self.trainer_rx.recv() => Input::Trainer(ev),
                 Some(input) = self.results_rx.recv() => input,
                 Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => continue,
-                _ = tick.tick() => {
-                    self.publish_status();
-                    Input::Tick
-                }
+                _ = tick.tick() => Input::Tick,
             };
+            let tick = matches!(input, Input::Tick);
             self.drive(input).await;
+            // Status leaves the core on ticks, once the tick brought it up to date.
+            if tick {
+                self.publish_status();
+            }
         }
         self.drive(Input::Leave).await;
         self.publish_status();

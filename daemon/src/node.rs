@@ -313,6 +313,10 @@ pub async fn run(
         allow,
         relay_server: config.network.relay_server,
         upnp: config.network.upnp,
+        kad_walk_every: match config.debug.kad_walk_secs {
+            0 => network::KAD_WALK_EVERY,
+            secs => Duration::from_secs(secs),
+        },
     };
     let mut registry = network::Registry::default();
     let (net, net_events, event_loop) = network::new(key, &net_cfg, &mut registry)?;
@@ -374,6 +378,7 @@ pub async fn run(
             } else {
                 1
             },
+            ends_on_a_round: rounds.is_some(),
         },
         snapshot_tx,
         limit.clone(),

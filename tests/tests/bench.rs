@@ -81,3 +81,111 @@ fn bench_scaling_reports_each_kind_to_the_target_with_a_clean_mesh() {
     let svg = std::fs::read_to_string(out.path().join("report.svg")).expect("report.svg");
     assert!(svg.contains("<svg"), "not an SVG");
 }
+
+/// The network namespaces that exist now.
+fn namespaces() -> Vec<String> {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect()
+}
+
+/// A benchmark process that is killed, and its lab's namespaces deleted, when the test ends
+/// any other way than the one it checks.
+struct Benchmark {
+    child: std::process::Child,
+    namespace_prefix: String,
+}
+
+impl Drop for Benchmark {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for ns in namespaces() {
+            if ns.starts_with(&self.namespace_prefix) {
+                let _ = std::process::Command::new("ip")
+                    .args(["netns", "del", &ns])
+                    .status();
+            }
+        }
+    }
+}
+
+/// `bench scaling --link` stopped by SIGTERM in the middle of a mesh run: it kills its nodes
+/// and deletes its lab's namespaces on the way out, where dying by the signal left them.
+#[test]
+fn bench_scaling_stopped_by_sigterm_leaves_no_namespace_behind() {
+    let test = "bench_scaling_stopped_by_sigterm_leaves_no_namespace_behind";
+    let Some(lab) = crate::netlab::lab_or_skip(test, 1) else {
+        return;
+    };
+    drop(lab);
+    let out = tempfile::tempdir().expect("tempdir");
+    let config = repo_root().join("configs/digits-mlp.toml");
+    let child = std::process::Command::new(crate::harness::bin())
+        .args(["bench", "scaling", "--out"])
+        .arg(out.path())
+        .arg("--config")
+        .arg(&config)
+        // The mesh run steps slowly (the lone one does not), so it is under way for long
+        // enough to be interrupted.
+        .args([
+            "--modes",
+            "gossip",
+            "--seeds",
+            "1",
+            "--no-ideal",
+            "--no-torch",
+        ])
+        .args(["--targets", "0.9", "--eval-every", "10", "--timeout", "120"])
+        .args(["--set", "debug.step_delay_ms=300", "--link", "10mbit"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn bench scaling");
+    let pid = child.id();
+    let ours = format!("p2pt{pid}x");
+    let mut bench = Benchmark {
+        child,
+        namespace_prefix: ours.clone(),
+    };
+    let runs = out.path().join("runs");
+    crate::harness::eventually(
+        Duration::from_secs(120),
+        "the mesh run's second node serving its API on its lab host",
+        || {
+            let mesh_run = std::fs::read_dir(&runs)
+                .ok()?
+                .filter_map(Result::ok)
+                .find(|e| e.file_name().to_string_lossy().contains("gossip"))?;
+            mesh_run.path().join("n1/api.addr").exists().then_some(())
+        },
+    );
+    assert!(
+        namespaces().iter().any(|n| n.starts_with(&ours)),
+        "the lab's namespaces ({ours}...) should exist while it runs: {:?}",
+        namespaces()
+    );
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let status =
+        crate::harness::eventually(Duration::from_secs(30), "the benchmark's exit", || {
+            bench.child.try_wait().ok().flatten()
+        });
+    assert!(
+        !status.success(),
+        "an interrupted benchmark reports failure"
+    );
+    let left: Vec<String> = namespaces()
+        .into_iter()
+        .filter(|n| n.starts_with(&ours))
+        .collect();
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+}

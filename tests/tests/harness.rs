@@ -330,9 +330,16 @@ impl Node {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// `p2ptrain status --json`, or None if the node does not answer.
+    /// The node's status, or None if it does not answer: over HTTP from the test process when
+    /// the node shares its namespace (a CLI process per poll, hundreds in a churn run, would
+    /// add load to what is under test), else `p2ptrain status --json` run in the node's
+    /// namespace, whose loopback the test cannot reach. The CLI's own `status` has its tests
+    /// in `single_node`.
     pub fn status(&self) -> Option<Value> {
         self.api.as_deref()?;
+        if self.netns.is_none() {
+            return self.status_http();
+        }
         let (st, out, _) = self.cli(&["status", "--json"], Duration::from_secs(20));
         if !st.success() {
             return None;

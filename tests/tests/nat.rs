@@ -11,6 +11,10 @@ use crate::mesh::{config, peers, step};
 use crate::netlab::{lab_or_skip, Firewall, Lab};
 use crate::partition::lab_addr;
 
+/// Seconds the failed-punch test watches for relayed connections after the punch failed:
+/// three of its Kademlia walks.
+const WATCH_SECS: u64 = 16;
+
 fn nat(s: &Value) -> &Value {
     &s["nat"]
 }
@@ -73,7 +77,9 @@ impl NatMesh {
             }
         };
         let tmp = tempfile::tempdir().expect("tmp");
-        let cfg = config(tmp.path(), "c.toml", &[], "")
+        // Kademlia walks every 5 s, not 30 (`config` ends inside its `[debug]` section), so the
+        // failed-punch test sees several walks in a short wait.
+        let cfg = config(tmp.path(), "c.toml", &[], "kad_walk_secs = 5\n")
             .to_str()
             .expect("utf8")
             .to_string();
@@ -248,11 +254,12 @@ fn when_hole_punching_fails_nated_nodes_stop_using_the_relay_and_still_train() {
     });
     let relayed_then = count(&both, "relayed_connections");
     let applied_then = [applied(&first), applied(&second)];
-    // Longer than a Kademlia walk (30 s), which would otherwise connect through a relay.
-    std::thread::sleep(Duration::from_secs(45));
+    // Three Kademlia walks (every 5 s here), any of which would otherwise connect through a
+    // relay.
+    std::thread::sleep(Duration::from_secs(WATCH_SECS));
     let relayed_now = count(&both, "relayed_connections");
     eprintln!(
-        "relayed connections (both NATed nodes): {relayed_then} when the punch failed, {relayed_now} 45 s later; punch failures {}",
+        "relayed connections (both NATed nodes): {relayed_then} when the punch failed, {relayed_now} {WATCH_SECS} s later; punch failures {}",
         count(&both, "hole_punch_failures")
     );
     if std::env::var("P2PTRAIN_TEST_NAT_LOG").is_ok() {
@@ -268,7 +275,7 @@ fn when_hole_punching_fails_nated_nodes_stop_using_the_relay_and_still_train() {
         "no direct path can exist through these routers: {s}"
     );
     // One connection is counted on both sides; allow one that was already under way.
-    // Before the relay gate, a walk reopened one or two every 30 s and redials more.
+    // Before the relay gate, every walk reopened one or two and redials more.
     assert!(
         relayed_now <= relayed_then + 2,
         "relayed connections go on: {relayed_then} -> {relayed_now}"

@@ -126,6 +126,7 @@ impl Rogue {
             allow: None,
             relay_server: false,
             upnp: false,
+            kad_walk_every: network::KAD_WALK_EVERY,
         };
         let client = rt.block_on(async {
             let (client, mut events, event_loop) =

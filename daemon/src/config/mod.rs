@@ -265,6 +265,9 @@ pub struct Overrides {
     pub psk: Option<PathBuf>,
     /// `--sync-mode`: replaces `sync.mode`.
     pub sync_mode: Option<String>,
+    /// `--min-members`: replaces `sync.min_members` (`local` starts a synchronous mesh with
+    /// all its nodes, from one state).
+    pub min_members: Option<usize>,
     /// `--shard k/n`: replaces `train.shard`, so one config file serves every node of a
     /// skewed mesh.
     pub shard: Option<String>,
@@ -622,6 +625,14 @@ impl Config {
         }
         if let Some(m) = &o.sync_mode {
             self.sync.mode = m.parse().map_err(|e| err(format!("--sync-mode: {e}")))?;
+        }
+        if let Some(m) = o.min_members {
+            if m == 0 {
+                return Err(err(
+                    "--min-members must be at least 1 (the node itself)".into()
+                ));
+            }
+            self.sync.min_members = m;
         }
         if let Some(s) = &o.shard {
             self.train.shard = Some(parse_shard(s).map_err(|e| err(format!("--shard: {e}")))?);

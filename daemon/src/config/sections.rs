@@ -557,4 +557,7 @@ pub struct DebugConfig {
     /// Sleep this many microseconds per sample inside every forward-backward pass: a box
     /// that computes slower, as `ms_per_sample` sees it (tests of `ddp`'s balanced batches).
     pub sample_delay_us: u64,
+    /// Seconds between Kademlia random walks (0: the default, 30 s), so that a test which
+    /// must see walks happen need not wait half a minute for each.
+    pub kad_walk_secs: u64,
 }

@@ -224,11 +224,13 @@ fn overrides_replace_or_extend_as_documented() {
         mdns: true,
         psk: Some("k".into()),
         sync_mode: Some("fedavg".into()),
+        min_members: Some(3),
         shard: Some("2/5".into()),
         target: Some(0.97),
     })
     .expect("apply");
     assert_eq!(c.sync.mode, SyncMode::Fedavg);
+    assert_eq!(c.sync.min_members, 3);
     assert_eq!(c.train.shard, Some((2, 5)));
     assert_eq!(c.train.target, Some(0.97));
     // Federated averaging's round is one epoch over the node's own data, weighted by it.
@@ -275,6 +277,13 @@ fn overrides_replace_or_extend_as_documented() {
                 ..Overrides::default()
             },
             "--threads",
+        ),
+        (
+            Overrides {
+                min_members: Some(0),
+                ..Overrides::default()
+            },
+            "--min-members",
         ),
         (
             Overrides {

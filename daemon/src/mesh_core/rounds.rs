@@ -156,7 +156,8 @@ pub struct RoundStatus {
     /// contributes with weight 0 until they do).
     pub synced: bool,
     /// Digest of the parameters after recent rounds (`round`, first 8 bytes of SHA-256 of the
-    /// little-endian values, hex): equal digests for a round mean bit-identical parameters.
+    /// little-endian values, hex), kept only for rounds after which this node was synced:
+    /// equal digests for a round mean bit-identical parameters.
     pub digests: Vec<(u64, String)>,
 }
 
@@ -918,8 +919,11 @@ impl Rounds {
         self.stage = Stage::Training;
         self.waiting_since = None;
         self.completed += 1;
-        // A trainer digests gradient rounds only now and then (see `DIGEST_EVERY`).
-        if !digest.is_empty() {
+        // A trainer digests gradient rounds only now and then (see `DIGEST_EVERY`). An
+        // unsynced member (a joiner, or one that adopted a round the mesh completed without
+        // it) holds parameters that are not the mesh's: it claims no digest until a parameter
+        // round syncs it, so equal rounds in two members' lists mean equal bits.
+        if !digest.is_empty() && self.synced {
             if self.digests.len() >= DIGESTS_KEPT {
                 self.digests.pop_front();
             }
@@ -1528,6 +1532,30 @@ mod tests {
         assert!(ring.nodes[2].status().synced);
         assert_eq!(ring.nodes[2].status().round, Some(1));
         assert_eq!(ring.nodes[2].step_limit(), 5);
+    }
+
+    /// An unsynced member (here a joiner in `ddp`) holds parameters that are not the mesh's:
+    /// the gradient rounds it takes part in leave no digest in its status until a parameter
+    /// round syncs it, so members' digests of one round can be compared as they are.
+    #[test]
+    fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
+        let mut ring = Ring::with_gradients(2, &[1.0; 2], &[true, false], Some(4));
+        let node = &mut ring.nodes[1];
+        node.round = Some(1);
+        node.stage = Stage::Combining;
+        node.combined(1, 1, "gradient".into(), &mut Vec::new());
+        assert!(!node.status().synced);
+        assert!(
+            node.status().digests.is_empty(),
+            "{:?}",
+            node.status().digests
+        );
+        // Round 4 sums parameters: the node leaves it with the members' mean.
+        node.round = Some(4);
+        node.stage = Stage::Combining;
+        node.combined(4, 4, "params".into(), &mut Vec::new());
+        assert!(node.status().synced);
+        assert_eq!(node.status().digests, vec![(4, "params".to_string())]);
     }
 
     #[test]

@@ -68,9 +68,17 @@ mod composed {
 }
 pub use composed::{Behaviour, BehaviourEvent};
 
+/// A message's id: its author, topic and content. The same message republished or replayed
+/// is one message, but two authors' equal bytes are two: two joiners that restored the same
+/// state send heartbeats that are equal byte for byte until they train, and with the content
+/// alone the second was dropped as "already published", so the mesh never heard it (a
+/// synchronous mesh waiting for all its members then waited forever).
 fn message_id(m: &gossipsub::Message) -> MessageId {
-    // Content addressed: the same update republished or replayed is one message.
     let mut h = Sha256::new();
+    if let Some(source) = &m.source {
+        h.update(source.to_bytes());
+    }
+    h.update([0]);
     h.update(m.topic.as_str().as_bytes());
     h.update([0]);
     h.update(&m.data);
@@ -273,4 +281,36 @@ pub fn build(
     // never answer the lookups that let nodes find each other.
     swarm.behaviour_mut().kad.set_mode(Some(kad::Mode::Server));
     Ok(swarm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(source: Option<PeerId>, data: &[u8]) -> gossipsub::Message {
+        gossipsub::Message {
+            source,
+            data: data.to_vec(),
+            sequence_number: None,
+            topic: gossipsub::TopicHash::from_raw("heartbeat"),
+        }
+    }
+
+    #[test]
+    fn equal_bytes_from_two_authors_are_two_messages_and_a_replay_is_one() {
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let beat = br#"{"step":1,"seq":3}"#;
+        assert_ne!(
+            message_id(&message(Some(a), beat)),
+            message_id(&message(Some(b), beat))
+        );
+        assert_eq!(
+            message_id(&message(Some(a), beat)),
+            message_id(&message(Some(a), beat))
+        );
+        assert_ne!(
+            message_id(&message(Some(a), beat)),
+            message_id(&message(Some(a), br#"{"step":1,"seq":4}"#))
+        );
+    }
 }

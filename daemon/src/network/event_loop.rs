@@ -17,8 +17,7 @@ use super::behaviour::Behaviour;
 use super::metrics::{Bandwidth, Envelope, TopicSent};
 use super::peer_book::PeerBook;
 use super::{
-    BulkResponse, Command, Event, NetConfig, NetError, NetSnapshot, PeerInfo, KAD_WALK_EVERY,
-    SILENT_AFTER,
+    BulkResponse, Command, Event, NetConfig, NetError, NetSnapshot, PeerInfo, SILENT_AFTER,
 };
 use crate::nat::{self, Links, Nat};
 use crate::scoring;
@@ -46,7 +45,7 @@ pub struct EventLoop {
     listen_addrs: Vec<Multiaddr>,
     pending_requests: HashMap<OutboundRequestId, oneshot::Sender<Result<BulkResponse, NetError>>>,
     topics: HashSet<String>,
-    last_walk: Instant,
+    walk: WalkClock,
     /// Refused peers to disconnect, and when.
     hang_up: Vec<(PeerId, Instant)>,
     /// Peers named in bootstrap addresses, whose dial failures the user needs to see.
@@ -98,6 +97,12 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// When the loop last walked the DHT for new peers, and how often it does.
+struct WalkClock {
+    every: Duration,
+    last: Instant,
+}
+
 impl EventLoop {
     /// The loop for a built `swarm` (already listening and dialling).
     #[allow(clippy::too_many_arguments)]
@@ -126,7 +131,10 @@ impl EventLoop {
             listen_addrs: Vec::new(),
             pending_requests: HashMap::new(),
             topics: HashSet::new(),
-            last_walk: Instant::now(),
+            walk: WalkClock {
+                every: cfg.kad_walk_every,
+                last: Instant::now(),
+            },
             hang_up: Vec::new(),
             bootstrap_peers: cfg
                 .bootstrap
@@ -202,9 +210,9 @@ impl EventLoop {
         for peer in due {
             let _ = self.swarm.disconnect_peer_id(peer);
         }
-        if self.last_walk.elapsed() >= KAD_WALK_EVERY && !self.members.is_empty() {
+        if self.walk.last.elapsed() >= self.walk.every && !self.members.is_empty() {
             let _ = self.swarm.behaviour_mut().kad.bootstrap();
-            self.last_walk = Instant::now();
+            self.walk.last = Instant::now();
         }
     }
 

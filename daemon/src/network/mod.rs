@@ -263,6 +263,8 @@ pub struct NetConfig {
     /// Ask the gateway for a port mapping with UPnP. Off by default: it talks to the real
     /// router of the network the machine is on.
     pub upnp: bool,
+    /// How often to walk the DHT for new peers ([`KAD_WALK_EVERY`] unless a test asks).
+    pub kad_walk_every: Duration,
 }
 
 /// Why the network could not start, or could not do what a [`Client`] asked. Callers tell

@@ -263,7 +263,15 @@ pub struct Setup {
     /// of this (0 or 1: none). Members that step in lockstep (`ddp`) then evaluate at the same
     /// step, together, instead of each stalling the others' next round for its own.
     pub eval_align_steps: u64,
+    /// Synchronous modes: at `max_steps`, a trainer the mesh holds at a round's boundary
+    /// waits (up to [`FINAL_ROUND_WAIT`]) for that round before it stops, so every member's
+    /// final checkpoint is the round's mean, not its own last local step.
+    pub ends_on_a_round: bool,
 }
+
+/// How long a trainer at `max_steps` waits for the round it is held at
+/// ([`Setup::ends_on_a_round`]); past it, it stops on its own parameters (members gone).
+pub const FINAL_ROUND_WAIT: Duration = Duration::from_secs(30);
 
 /// [`Setup::eval_align_steps`] for members that step in lockstep: about two seconds of a GPT
 /// on one core, which delays an evaluation on a ten-second clock by at most that.

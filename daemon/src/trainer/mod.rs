@@ -34,7 +34,7 @@ use crate::timeline::{self, Lane};
 
 pub use interface::{
     Command, Counters, EvalStats, Finish, Handle, Identity, OuterSgd, Phase, RestoreFrom, Setup,
-    Stats, StepLimit, TrainerError, LOCKSTEP_EVAL_ALIGN_STEPS,
+    Stats, StepLimit, TrainerError, FINAL_ROUND_WAIT, LOCKSTEP_EVAL_ALIGN_STEPS,
 };
 pub use state::{build, outer_velocity};
 
@@ -882,11 +882,21 @@ impl Loop {
         self.stats.phase = Phase::Training;
         self.publish();
         let mut reached_max_steps = false;
+        let mut final_wait: Option<Instant> = None;
         loop {
             if self.handle_commands(&mut cmd_rx)? {
                 break;
             }
             if self.s.max_steps > 0 && self.counters.step >= self.s.max_steps {
+                // Held at a round's boundary: that round's mean is the run's result.
+                let since = *final_wait.get_or_insert_with(Instant::now);
+                if self.s.ends_on_a_round
+                    && !self.limit.allows(self.counters.step)
+                    && since.elapsed() < FINAL_ROUND_WAIT
+                {
+                    self.wait_for_limit();
+                    continue;
+                }
                 reached_max_steps = true;
                 break;
             }

@@ -19,7 +19,8 @@ held-out set and appends one line to `DIR/evals.jsonl` in p2ptrain's own format 
 clock in ms, loss, accuracy, bits per byte for text, seconds spent evaluating), and rewrites
 `DIR/ddp.json` (steps, parameters, torch's version, and the bytes each rank sent: the ring
 all-reduce's 2(N-1)/N of the f32 gradients per step, computed, since gloo keeps no counters).
-It trains until killed (the benchmark stops it at the target) or until `--max-seconds`.
+It trains until killed (the benchmark stops it at the target) or until rank 0 has trained
+`--max-seconds` and says so to the others.
 
 By hand, two ranks on loopback:
   for r in 0 1; do bench/.venv/bin/python bench/ddp_train.py --rank $r --nodes 2 \\
@@ -36,6 +37,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_torch  # noqa: E402 (the models, built as p2ptrain builds them)
+
+# Steps between rank 0's stop broadcasts: 4 bytes per 10 steps.
+CHECK_EVERY = 10
 
 
 def schedule_factor(schedule, t):
@@ -157,7 +161,9 @@ def main():
     torch.manual_seed(args.init_seed)
     model, _ = step_torch.build(spec, torch)
     initialise(model, spec, torch)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    # The GPT's causal mask is a buffer that never changes: broadcasting it every step would
+    # add a collective p2ptrain does not pay.
+    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     opt = step_torch.optimizer(json.loads(args.optim), ddp.parameters(), torch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: schedule_factor(schedule, k + 1))
     train = Samples(args.data, meta, "train", torch)
@@ -168,7 +174,16 @@ def main():
     os.makedirs(args.dir, exist_ok=True)
     started = time.time()
     F = torch.nn.functional
-    while time.time() - started < args.max_seconds:
+    stop = torch.zeros(1)
+    while True:
+        # Rank 0 decides when the time is up and tells the others every CHECK_EVERY steps:
+        # a rank that left on its own clock would leave the rest waiting in a collective.
+        if step % CHECK_EVERY == 0:
+            if args.rank == 0 and time.time() - started >= args.max_seconds:
+                stop.fill_(1.0)
+            dist.broadcast(stop, 0)
+            if stop.item() > 0:
+                break
         if pos + args.batch > len(order):
             order, pos = torch.randperm(train.len, generator=gen), 0
         xs, ys = train.batch(order[pos : pos + args.batch], torch)

@@ -14,7 +14,8 @@
 //!   learning rates under PyTorch DDP with the gloo backend, one process per node on the same
 //!   pinning (`bench/ddp_train.py`, with the Python of `bench/setup_torch.sh`'s environment).
 //!   Both sides read the very same samples: the benchmark writes the config's data, as
-//!   p2ptrain loads it, to `DIR/data`.
+//!   p2ptrain loads it, to `DIR/data`. `--straggler-delay-us` and `--set` are p2ptrain's
+//!   settings and do not apply to DDP's runs.
 //!
 //! With `--link RATE` (root only) the mesh's nodes and DDP's processes each run on a host of a
 //! namespace lab (`p2ptrain-netlab`) whose outgoing link `tc` limits to RATE; lone runs need
@@ -327,7 +328,10 @@ struct Report {
 
 /// The kind of the PyTorch DDP runs.
 const TORCH_KIND: &str = "pytorch_ddp";
-/// DDP's rendezvous port on the first lab host (a fresh namespace: nothing else listens).
+/// One DDP rank, relative to the repository's root (where the benchmark runs).
+const DDP_SCRIPT: &str = "bench/ddp_train.py";
+/// DDP's rendezvous port on the first lab host: the lab's own namespace, where only the
+/// benchmark's DDP runs listen, one after another.
 const DDP_MASTER_PORT: u16 = 29517;
 
 /// Writes the config's data, as p2ptrain loads it, where `bench/ddp_train.py` reads it
@@ -489,7 +493,7 @@ fn spawn_rank(bench: &Bench, plan: &Plan, k: usize, dir: &Path, master: &str) ->
     let mut optimizer = torch.optimizer.clone();
     optimizer["lr"] = plan.lr.into();
     let mut cmd = bench.pinned(&plan.arm, k, &args.python);
-    cmd.arg("bench/ddp_train.py")
+    cmd.arg(DDP_SCRIPT)
         .args(["--rank", &k.to_string(), "--nodes", &plan.nodes.to_string()])
         .args(["--master", master])
         .arg("--data")
@@ -749,7 +753,7 @@ fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
         .filter_map(|s| s["bytes_sent"].as_f64())
         .collect();
     let mesh = if plan.arm == Arm::Torch {
-        finals.clone()
+        finals
     } else {
         finals
             .iter()
@@ -853,6 +857,9 @@ pub fn run(args: ScalingArgs) -> Result<()> {
     for m in &args.modes {
         m.parse::<p2ptrain_daemon::config::SyncMode>()
             .map_err(anyhow::Error::msg)?;
+    }
+    if !args.no_torch && !Path::new(DDP_SCRIPT).exists() {
+        bail!("{DDP_SCRIPT} not found: run bench scaling from the repository's root, or pass --no-torch");
     }
     if !args.no_torch && !args.python.exists() {
         bail!(

@@ -221,7 +221,7 @@ pub enum Arrival {
 
 /// The steps one author's updates carried recently; see [`Arrival`]. Gossipsub guarantees no
 /// order, so order is never taken as proof of anything: only a repeated step is refused, and
-/// that without penalty (the message id is content-addressed, so a copy from another path is
+/// that without penalty (the message id is the author's and the content's, so a copy from another path is
 /// already filtered; what remains is a replay, which costs the mesh nothing to drop).
 #[derive(Debug, Clone, Default)]
 pub struct SeenSteps {

@@ -131,10 +131,10 @@ impl MeshActor {
                 Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => continue,
                 _ = tick.tick() => Input::Tick,
             };
-            let tick = matches!(input, Input::Tick);
+            let is_tick = matches!(input, Input::Tick);
             self.drive(input).await;
             // Status leaves the core on ticks, once the tick brought it up to date.
-            if tick {
+            if is_tick {
                 self.publish_status();
             }
         }

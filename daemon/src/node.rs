@@ -378,7 +378,11 @@ pub async fn run(
             } else {
                 1
             },
-            ends_on_a_round: rounds.is_some(),
+            // `ddp` needs no final wait: every step is a round, so its members already end on
+            // the same optimizer step (and it is always held at its step, so it would wait).
+            ends_on_a_round: rounds
+                .as_ref()
+                .is_some_and(|(rc, _)| rc.gradients.is_none()),
         },
         snapshot_tx,
         limit.clone(),

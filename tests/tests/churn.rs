@@ -398,7 +398,8 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
     }
 }
 
-/// The churn scenario against a churn-free run of the same length: the mesh never stops
+/// The churn scenario against a churn-free run of the same measured length (without the
+/// warm-up, which only the heap measure needs): the mesh never stops
 /// training for longer than two full-sync intervals, the survivors' accuracy is within 1 pp
 /// of the churn-free mesh's, and the longest-lived node's live heap grows by at most 5% (total
 /// RSS is reported beside it; see [`Node::heap_floor_bytes`] for why it is not asserted on).

@@ -631,33 +631,35 @@ fn local_runs_a_three_node_mesh_and_summarises_it() {
     assert!(v["consensus_distance_max"].as_f64().is_some());
 }
 
-/// A synchronous run ends on the synchronised model: `local --steps N --sync-mode allreduce`
-/// (a round every step) leaves every node's final checkpoint at step N and identical to the
-/// others', bit for bit, because a node at N waits for the round it is held at before it
-/// stops. Before that, the last local step came after the last round and the three ended
-/// ~0.002 apart.
+/// A synchronous run ends on the synchronised model: `local --steps N` in `allreduce` (a
+/// parameter round every step) and in `ddp` (a gradient round every step) leaves every node's
+/// final checkpoint at step N and identical to the others', bit for bit. In `allreduce` a node
+/// at N waits for the round it is held at before it stops (before, the last local step came
+/// after the last round and the three ended ~0.002 apart); in `ddp` no node steps past N.
 #[test]
 fn a_synchronous_local_run_ends_with_identical_members() {
-    let v = local_digits_json(&[
-        "--nodes",
-        "3",
-        "--steps",
-        "600",
-        "--sync-mode",
-        "allreduce",
-        "--no-alone",
-    ]);
-    let per_node = v["per_node"].as_array().expect("per node");
-    assert_eq!(per_node.len(), 3);
-    for n in per_node {
-        assert_eq!(n["step"], 600, "{n}");
+    for mode in ["allreduce", "ddp"] {
+        let v = local_digits_json(&[
+            "--nodes",
+            "3",
+            "--steps",
+            "600",
+            "--sync-mode",
+            mode,
+            "--no-alone",
+        ]);
+        let per_node = v["per_node"].as_array().expect("per node");
+        assert_eq!(per_node.len(), 3);
+        for n in per_node {
+            assert_eq!(n["step"], 600, "{mode}: {n}");
+        }
+        assert_eq!(
+            v["consensus_distance_max"].as_f64(),
+            Some(0.0),
+            "{mode}: the members' final checkpoints differ: {}",
+            v["consensus_distance_max"]
+        );
     }
-    assert_eq!(
-        v["consensus_distance_max"].as_f64(),
-        Some(0.0),
-        "the members' final checkpoints differ: {}",
-        v["consensus_distance_max"]
-    );
 }
 
 /// `local --target`: the mesh stops once every node's evaluation reached the target, then one

@@ -1,5 +1,5 @@
-//! The honest soak: six honest nodes train at full speed on this box for minutes, as users run
-//! them. Accuracy cannot show a split mesh (a lone node reaches ~98% on digits in a second), so
+//! The honest soak: six honest nodes train at full speed on this box for a minute (three with
+//! `P2PTRAIN_SOAK_SECS=180`), as users run them. Accuracy cannot show a split mesh (a lone node reaches ~98% on digits in a second), so
 //! the test watches the mesh itself, every second: after formation no member is ever lost,
 //! every node keeps N-1 peers, no update is rejected and no peer is banned, while updates keep
 //! flowing and being applied.

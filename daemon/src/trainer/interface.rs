@@ -263,7 +263,8 @@ pub struct Setup {
     /// of this (0 or 1: none). Members that step in lockstep (`ddp`) then evaluate at the same
     /// step, together, instead of each stalling the others' next round for its own.
     pub eval_align_steps: u64,
-    /// Synchronous modes: at `max_steps`, a trainer the mesh holds at a round's boundary
+    /// Parameter-averaging modes (`allreduce`, `diloco`, `fedavg`; `ddp` steps only on
+    /// rounds' means and needs none): at `max_steps`, a trainer the mesh holds at a round's boundary
     /// waits (up to [`FINAL_ROUND_WAIT`]) for that round before it stops, so every member's
     /// final checkpoint is the round's mean, not its own last local step.
     pub ends_on_a_round: bool,

@@ -12,6 +12,7 @@ use crate::harness::{cli, repo_root, skip_or_fail};
 /// efficiency, and the mesh's members saw each other and nothing hostile.
 #[test]
 fn bench_scaling_reports_each_kind_to_the_target_with_a_clean_mesh() {
+    let _cores = crate::harness::cpu_sensitive();
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     if cores < 2 {
         skip_or_fail(

@@ -405,6 +405,7 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
 /// RSS is reported beside it; see [`Node::heap_floor_bytes`] for why it is not asserted on).
 #[test]
 fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without() {
+    let _cores = crate::harness::cpu_hog();
     const SECS: u64 = 60;
     let calm = churn_run(false, SECS);
     let churned = churn_run(true, SECS);

@@ -36,6 +36,29 @@ pub fn skip_or_fail(test: &str, why: &str) {
     eprintln!("SKIPPED {test}: {why}");
 }
 
+/// The two cores, as the suite's tests share them. Tests that load both cores for minutes
+/// (six-node meshes, the GPT) hold it shared: they may run beside each other and beside light
+/// tests. Tests whose assertions depend on the CPU they get (a node throttled to half a core
+/// whose classes must still spread, a link that must be saturated, pinned benchmark nodes,
+/// lockstep members through a kill) hold it exclusively, so they never run beside a hog: a CI
+/// run saw the demo's node 0 end at 79% (83-99% otherwise) beside the churn test's kills.
+/// Light tests take neither.
+static CORES: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Held for the whole of a test that loads both cores for minutes (see [`CORES`]).
+pub fn cpu_hog() -> std::sync::RwLockReadGuard<'static, ()> {
+    CORES
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Held for the whole of a test whose assertions depend on the CPU it gets (see [`CORES`]).
+pub fn cpu_sensitive() -> std::sync::RwLockWriteGuard<'static, ()> {
+    CORES
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -101,6 +101,7 @@ fn ddp_members_hold_identical_parameters_through_a_kill_and_a_join() {
 }
 
 fn members_hold_identical_parameters_through_a_kill_and_a_join(mode: &str) {
+    let _cores = crate::harness::cpu_sensitive();
     let tmp = tempfile::tempdir().expect("tmp");
     // Every node the same config but its own third of the data.
     let cfgs: Vec<PathBuf> = (0..3)

@@ -360,6 +360,7 @@ fn the_live_page_shows_the_peer_and_the_curves_in_a_real_browser() {
 /// the others' steps near its own, so its classes stay in everyone's model.
 #[test]
 fn the_demo_shows_each_node_alone_against_the_mesh() {
+    let _cores = crate::harness::cpu_sensitive();
     // Node 1 gets half the CPU, as one box of a busy lab (or this one under a loaded test
     // suite) does: without SSP its classes fall out of everyone's model (CI saw a node finish
     // at 70%, loss 1.48; at a fifth of the CPU all three fell to ~60%), and its steps fall

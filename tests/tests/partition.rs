@@ -308,6 +308,7 @@ fn time_to_95(nodes: &[Node], start: Instant) -> f64 {
 /// reported, not asserted (timings belong in benchmarks).
 #[test]
 fn training_goes_on_over_10_mbit_links() {
+    let _cores = crate::harness::cpu_sensitive();
     let mut times = Vec::new();
     let mut shaping = String::from("none");
     for shaped in [false, true] {

@@ -158,6 +158,7 @@ impl Watch {
 }
 
 fn soak(codec: &str) {
+    let _cores = crate::harness::cpu_hog();
     let secs = std::env::var("P2PTRAIN_SOAK_SECS")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -60,6 +60,7 @@ fn eval_json(cfg: &Path, checkpoint: &Path) -> Value {
 
 #[test]
 fn a_gpt_alone_goes_below_3_bits_per_byte_and_its_checkpoint_samples_and_reads_plainly() {
+    let _cores = crate::harness::cpu_hog();
     let tmp = tempfile::tempdir().expect("tmp");
     let cfg = text_config(tmp.path(), "text.toml", STEPS, "");
     // A fixed data order (the steps test's lone node's): with the node's own, drawn from
@@ -224,6 +225,7 @@ fn last_step(dir: &Path) -> Option<u64> {
 /// (each node's evaluations, every 25 steps), never seconds, so a loaded box changes nothing.
 #[test]
 fn two_ddp_gpt_nodes_reach_a_level_in_fewer_steps_each_than_one_node_alone() {
+    let _cores = crate::harness::cpu_hog();
     let tmp = tempfile::tempdir().expect("tmp");
     let cap = MESH_STEP_CAP.to_string();
     let alone_cfg = steps_config(tmp.path(), "alone.toml", 1, "");

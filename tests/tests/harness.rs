@@ -356,8 +356,8 @@ impl Node {
     /// The node's status, or None if it does not answer: over HTTP from the test process when
     /// the node shares its namespace (a CLI process per poll, hundreds in a churn run, would
     /// add load to what is under test), else `p2ptrain status --json` run in the node's
-    /// namespace, whose loopback the test cannot reach. The CLI's own `status` has its tests
-    /// in `single_node`.
+    /// namespace, whose loopback the test cannot reach: the lab tests (`partition`, `nat`)
+    /// are the ones that still exercise the CLI's `status --json`.
     pub fn status(&self) -> Option<Value> {
         self.api.as_deref()?;
         if self.netns.is_none() {

@@ -45,6 +45,8 @@ pub struct SimParams {
     pub churn_every_ms: u64,
     /// Split the mesh in two during this window (virtual ms).
     pub partition: Option<(u64, u64)>,
+    /// Updates larger than this are announced and pulled from their author (`mesh.inline_max`).
+    pub inline_max: usize,
 }
 
 /// What it measured.
@@ -73,6 +75,9 @@ pub struct SimReport {
     pub largest_map: usize,
     pub largest_queue: usize,
     pub nodes_started: usize,
+    /// The live honest cores' status counters, summed at the end: what each rule of the core
+    /// decided, so a change that moves a decision changes a figure.
+    pub counters: BTreeMap<&'static str, u64>,
 }
 
 struct SimNode {
@@ -118,10 +123,10 @@ pub struct Sim {
     common: Vec<f32>,
 }
 
-fn mesh_config() -> MeshConfig {
+fn mesh_config(inline_max: usize) -> MeshConfig {
     MeshConfig {
         degree: 3,
-        inline_max: 1 << 20,
+        inline_max,
         max_update_ratio: 2.0,
         serve_chunk_delay: Duration::ZERO,
         codec: Codec::Dense,
@@ -205,7 +210,7 @@ impl Sim {
             me: id,
             run_id: RUN.into(),
             layout: self.layout.clone(),
-            mesh: mesh_config(),
+            mesh: mesh_config(self.p.inline_max),
             policy: self.p.policy.clone(),
             update_weight: None,
             start_step: step,
@@ -577,13 +582,24 @@ impl Sim {
                     source,
                     id,
                     hash,
-                } => back.push(Input::Fetched {
-                    owner,
-                    source,
-                    id,
-                    hash,
-                    answer: super::FetchAnswer::Unavailable,
-                }),
+                } => {
+                    // Served at once by the author, if it still keeps the update.
+                    let kept = self
+                        .index
+                        .get(&owner)
+                        .filter(|&&j| self.nodes[j].alive && self.connected(i, j))
+                        .and_then(|&j| self.nodes[j].core.large_update(&hash));
+                    back.push(Input::Fetched {
+                        owner,
+                        source,
+                        id,
+                        hash,
+                        answer: match kept {
+                            Some(bytes) => super::FetchAnswer::Bytes(bytes.to_vec()),
+                            None => super::FetchAnswer::Unavailable,
+                        },
+                    })
+                }
                 Output::RequestParams(peer) => self.answer_sync(i, peer),
                 Output::Trainer(cmd) => back.extend(self.train(i, cmd)),
             }
@@ -724,6 +740,35 @@ impl Sim {
             .fold(0.0, f64::max)
             .max(1e-9);
         self.report.finite = honest.iter().all(|n| n.x.iter().all(|v| v.is_finite()));
+        for n in &honest {
+            let s = n.core.status();
+            let (u, f) = (&s.updates, &s.full_syncs);
+            for (name, v) in [
+                ("updates.sent", u.sent),
+                ("updates.received", u.received),
+                ("updates.rejected", u.rejected),
+                ("updates.late", u.late),
+                ("updates.duplicates", u.duplicates),
+                ("updates.too_old", u.too_old),
+                ("updates.scaled_down", u.scaled_down),
+                ("updates.outliers", u.outliers),
+                ("updates.rate_limited", u.rate_limited),
+                ("updates.clipped_values", u.clipped_values),
+                ("full_syncs.accepted", f.accepted),
+                ("full_syncs.refused", f.refused),
+                ("full_syncs.failed", f.failed),
+                ("full_syncs.bytes_received", f.bytes_received),
+                ("dropped_stale", s.dropped_stale),
+                ("payload_bytes_sent", s.payload_bytes_sent),
+                ("neighbours", s.neighbours.len() as u64),
+                ("members", s.members.len() as u64),
+                ("heard", s.progress.len() as u64),
+                ("rejected_by_peer", s.rejected_by_peer.values().sum()),
+                ("sync_refusals", s.sync_refusals.values().sum()),
+            ] {
+                *self.report.counters.entry(name).or_default() += v;
+            }
+        }
         self.report.worst_norm_ratio = honest
             .iter()
             .map(|n| l2_norm(&n.x) / target_norm)

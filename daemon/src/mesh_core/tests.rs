@@ -35,7 +35,31 @@ fn params(seed: u64, policy: PolicyConfig) -> SimParams {
         policy,
         churn_every_ms: 5_000,
         partition: Some((20_000, 30_000)),
+        inline_max: 1 << 20,
     }
+}
+
+/// The simulator's reports for fixed seeds, recorded from the code as it was before a change
+/// to the core: a restructuring that moves no decision leaves every one of them as it was.
+const FIGURES: &str = include_str!("sim_figures.txt");
+
+/// Fails when `r` differs from the report recorded under `name` in `sim_figures.txt`. A change
+/// that means to alter the core's decisions re-records them (and says why in its commit):
+/// `P2PTRAIN_RECORD_SIM_FIGURES=1 cargo test -p p2ptrain-daemon --lib mesh_core::tests -- --nocapture 2>&1 | sed -n 's/^FIGURE //p' | sort > daemon/src/mesh_core/sim_figures.txt`
+fn check_figures(name: &str, r: &SimReport) {
+    let line = format!("{name}: {r:?}");
+    eprintln!("FIGURE {line}");
+    if std::env::var_os("P2PTRAIN_RECORD_SIM_FIGURES").is_some() {
+        return;
+    }
+    let recorded = FIGURES
+        .lines()
+        .find(|l| l.starts_with(&format!("{name}: ")));
+    assert_eq!(
+        recorded,
+        Some(line.as_str()),
+        "the simulator's figures for {name} changed (see check_figures to re-record them)"
+    );
 }
 
 fn run(p: SimParams) -> SimReport {
@@ -67,6 +91,8 @@ fn run(p: SimParams) -> SimReport {
 fn sixty_four_nodes_with_churn_a_partition_and_hostile_peers_stay_together() {
     let with = run(params(7, policy(50, None)));
     let without = run(params(7, policy(0, None)));
+    check_figures("seed7-sync50", &with);
+    check_figures("seed7-sync0", &without);
     for r in [&with, &without] {
         // Only the hostile peers were ever blamed, and they were.
         assert_eq!(r.honest_blamed, 0, "{r:?}");
@@ -91,6 +117,7 @@ fn sixty_four_nodes_with_churn_a_partition_and_hostile_peers_stay_together() {
 #[test]
 fn the_staleness_bound_holds_in_a_sixty_four_node_mesh_with_slow_boxes() {
     let r = run(params(11, policy(50, Some(20))));
+    check_figures("seed11-bound20", &r);
     assert_eq!(r.ssp_violations, 0, "{r:?}");
     assert!(
         r.held_steps > 0,
@@ -108,9 +135,31 @@ fn the_simulation_is_deterministic() {
     };
     let a = Sim::new(small(3)).run();
     let b = Sim::new(small(3)).run();
-    assert_eq!(a.consensus, b.consensus);
-    assert_eq!(a.applied, b.applied);
-    assert_eq!(a.held_steps, b.held_steps);
+    assert_eq!(format!("{a:?}"), format!("{b:?}"));
+    check_figures("seed3-small", &a);
+}
+
+/// Small meshes over several seeds and policies, announced (pulled) updates included: cheap
+/// figures that pin every rule of the core, for comparing before and after a restructuring.
+#[test]
+fn small_meshes_over_seeds_and_policies_match_their_recorded_figures() {
+    for seed in 1..=4u64 {
+        for (name, policy, inline_max) in [
+            ("sync50", policy(50, None), 1 << 20),
+            ("sync50-bound20", policy(50, Some(20)), 1 << 20),
+            ("sync0-pulled", policy(0, None), 64),
+        ] {
+            let r = Sim::new(SimParams {
+                nodes: 16,
+                secs: 20,
+                inline_max,
+                ..params(seed, policy)
+            })
+            .run();
+            assert_eq!(r.honest_blamed, 0, "{r:?}");
+            check_figures(&format!("seed{seed}-16-{name}"), &r);
+        }
+    }
 }
 
 fn fuzz_core(seed: u64) -> MeshCore {

@@ -447,7 +447,10 @@ pub async fn run(
         update_weight: config.sync.update_weight.map(|w| w as f32),
         start_step: start.step,
         seed: node_seed,
-        wall_clock: WallClock::now(),
+        wall_clock: WallClock {
+            unix_secs: store::unix_now(),
+            at: Instant::now(),
+        },
         rounds,
     });
     let mesh = MeshActor::new(

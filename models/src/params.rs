@@ -13,6 +13,22 @@ use sha2::{Digest, Sha256};
 
 use crate::{Error, Result};
 
+/// The digest status shows for a parameter vector: the first 8 bytes of SHA-256 over its
+/// little-endian values, in hex.
+pub fn params_digest(values: &[f32]) -> String {
+    // Fed in blocks: one `update` per value cost ~10 ms a round on the 0.83 M GPT.
+    let mut h = Sha256::new();
+    let mut block = Vec::with_capacity(4 * 4096);
+    for chunk in values.chunks(4096) {
+        block.clear();
+        for v in chunk {
+            block.extend_from_slice(&v.to_le_bytes());
+        }
+        h.update(&block);
+    }
+    hex::encode(&h.finalize()[..8])
+}
+
 /// The L2 norm of a flat vector, summed in `f64` so that 200k `f32` squares lose nothing:
 /// parameter norms bound neighbours' updates, and residual norms show what is still owed.
 /// Eight running partial sums, so the loop vectorises (a lone node's trainer takes the norm
@@ -253,6 +269,16 @@ pub fn ensure_finite(t: &Tensor, what: &str) -> Result<()> {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// The digest members compare at a round's end: SHA-256 over the little-endian values,
+    /// first 8 bytes in hex, the same whether fed in one block or several.
+    #[test]
+    fn params_digest_is_sha256_of_the_little_endian_values() {
+        assert_eq!(params_digest(&[]), "e3b0c44298fc1c14");
+        assert_eq!(params_digest(&[1.0, 2.0]), "b9c80b5adeca4507");
+        let long: Vec<f32> = (0..5000).map(|i| i as f32 * 0.5).collect();
+        assert_eq!(params_digest(&long), "1f127723b6cb20cb");
+    }
 
     fn params() -> Params {
         let dev = Device::Cpu;

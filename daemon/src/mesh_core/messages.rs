@@ -4,10 +4,23 @@
 
 use libp2p::gossipsub::{MessageAcceptance, MessageId};
 use libp2p::PeerId;
+use serde::{Deserialize, Serialize};
 
 use crate::sync_guard::SyncRefusal;
-use crate::trainer::Phase;
 use crate::wire::{BulkResponse, RingMessage};
+
+/// What the trainer is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Building the model or loading state.
+    #[default]
+    Starting,
+    /// Taking steps.
+    Training,
+    /// Stopped (max steps reached or asked to stop).
+    Stopped,
+}
 
 /// What the trainer last published about itself, as the core needs it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -93,7 +106,7 @@ pub enum TrainerEvent {
         samples: usize,
     },
     /// The answer to [`TrainerCommand::Combine`]: the digest of the parameters it left
-    /// (see `rounds::params_digest`), or why it could not combine.
+    /// (see [`p2ptrain_models::params::params_digest`]), or why it could not combine.
     Combined {
         /// The round.
         round: u64,

@@ -38,12 +38,11 @@ use rand::SeedableRng;
 use crate::guard::{GuardConfig, SeenSteps, UpdateGuard};
 use crate::policy::{Action, PolicyConfig, PolicyEvent, SyncPolicy};
 use crate::sync_guard::SyncGuard;
-use crate::trainer::Phase;
 use crate::wire::{self, Heartbeat};
 use rounds::{RoundConfig, Rounds};
 
 pub use messages::{
-    AverageOutcome, FetchAnswer, Input, Output, Progress, RequestFailed, TrainerCommand,
+    AverageOutcome, FetchAnswer, Input, Output, Phase, Progress, RequestFailed, TrainerCommand,
     TrainerEvent,
 };
 pub use status::{FullSyncCounters, MeshStatus, SyncInfo, SyncRefusalInfo, UpdateCounters};
@@ -129,14 +128,6 @@ pub struct WallClock {
 }
 
 impl WallClock {
-    /// The system's clock now: what a running node hands its core.
-    pub fn now() -> WallClock {
-        WallClock {
-            unix_secs: crate::store::unix_now(),
-            at: Instant::now(),
-        }
-    }
-
     /// Unix seconds at `now` (at `at` for an instant before it).
     pub fn unix_at(&self, now: Instant) -> u64 {
         self.unix_secs

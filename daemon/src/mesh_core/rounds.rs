@@ -1074,22 +1074,6 @@ pub fn balanced_batch(batch: usize, own: Option<f64>, others: impl Iterator<Item
     fits.clamp((batch / MAX_SHRINK).max(1), batch.max(1))
 }
 
-/// The digest status shows for a parameter vector: the first 8 bytes of SHA-256 over its
-/// little-endian values, in hex.
-pub fn params_digest(values: &[f32]) -> String {
-    // Fed in blocks: one `update` per value cost ~10 ms a round on the 0.83 M GPT.
-    let mut h = Sha256::new();
-    let mut block = Vec::with_capacity(4 * 4096);
-    for chunk in values.chunks(4096) {
-        block.clear();
-        for v in chunk {
-            block.extend_from_slice(&v.to_le_bytes());
-        }
-        h.update(&block);
-    }
-    hex::encode(&h.finalize()[..8])
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::VecDeque;

@@ -18,13 +18,12 @@ use rand::{Rng, SeedableRng};
 use serde_bytes::ByteBuf;
 
 use super::{
-    AverageOutcome, CoreConfig, Input, MeshConfig, MeshCore, Output, Progress, RequestFailed,
-    TrainerCommand, TrainerEvent, WallClock,
+    AverageOutcome, CoreConfig, Input, MeshConfig, MeshCore, Output, Phase, Progress,
+    RequestFailed, TrainerCommand, TrainerEvent, WallClock,
 };
 use crate::guard::GuardConfig;
 use crate::policy::PolicyConfig;
 use crate::sync_guard;
-use crate::trainer::Phase;
 use crate::wire::BulkResponse;
 
 const RUN: &str = "00112233445566778899aabbccddeeff";

@@ -199,7 +199,10 @@ fn fuzz_config(seed: u64) -> CoreConfig {
         update_weight: None,
         start_step: 0,
         seed,
-        wall_clock: WallClock::now(),
+        wall_clock: WallClock {
+            unix_secs: 0,
+            at: Instant::now(),
+        },
         rounds: None,
     }
 }
@@ -375,4 +378,49 @@ fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
     // Then the period again.
     assert!(beats(&core.handle(Input::Tick, at(1_000))).is_empty());
     assert_eq!(beats(&core.handle(Input::Tick, at(2_900))).len(), 1);
+}
+
+/// The core is IO-less and sits below the daemon's other layers: no file of it (tests and
+/// the simulator aside) names the trainer, the actors, the network, the store or the clock.
+/// A core that reads the system clock, or reaches up into a module that uses it, could no
+/// longer be replayed by the simulator in virtual time.
+#[test]
+fn the_core_reaches_neither_up_nor_out() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/mesh_core");
+    let forbidden = [
+        "crate::trainer",
+        "crate::store",
+        "crate::mesh::",
+        "crate::node",
+        "crate::network",
+        "crate::control",
+        "crate::transfer",
+        "crate::checkpoint",
+        "crate::status",
+        "tokio",
+        "std::fs",
+        "std::net",
+        "SystemTime",
+        "Instant::now",
+    ];
+    let mut read = 0;
+    for entry in std::fs::read_dir(dir).expect("the core's folder") {
+        let path = entry.expect("an entry").path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if !name.ends_with(".rs") || name == "sim.rs" || name == "tests.rs" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("a source file");
+        let code = text.split("#[cfg(test)]\nmod tests").next().unwrap_or("");
+        for (n, line) in code.lines().enumerate() {
+            if line.trim_start().starts_with("//") {
+                continue;
+            }
+            for word in forbidden {
+                assert!(!line.contains(word), "{name}:{}: {word} in {line:?}", n + 1);
+            }
+        }
+        read += 1;
+    }
+    assert!(read >= 6, "read {read} files of the core");
 }

@@ -125,18 +125,8 @@ pub enum Command {
     Mesh(TrainerCommand),
 }
 
-/// What the trainer is doing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Phase {
-    /// Building the model or loading state.
-    #[default]
-    Starting,
-    /// Taking steps.
-    Training,
-    /// Stopped (max steps reached or asked to stop).
-    Stopped,
-}
+/// What the trainer is doing: defined with the core's messages, which carry it.
+pub use crate::mesh_core::Phase;
 
 /// The latest evaluation on the held-out set.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

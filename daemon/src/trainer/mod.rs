@@ -525,7 +525,7 @@ impl Loop {
     fn combine(&mut self, mean: &[f32]) -> Result<String, TrainerError> {
         if mean.is_empty() {
             self.reset_round_anchor()?;
-            return Ok(crate::mesh_core::rounds::params_digest(&self.flat()?));
+            return Ok(p2ptrain_models::params::params_digest(&self.flat()?));
         }
         let numel = self.s.model.params().numel();
         let state = if self.s.rounds_carry_state {
@@ -568,7 +568,7 @@ impl Loop {
         };
         self.s.model.params().write_back(&next)?;
         self.stats.param_norm = l2_norm(&next);
-        let digest = crate::mesh_core::rounds::params_digest(&next);
+        let digest = p2ptrain_models::params::params_digest(&next);
         if self.s.outer.is_some() {
             self.round_anchor = next;
         }
@@ -673,7 +673,7 @@ impl Loop {
         }
         let flat = self.flat()?;
         self.stats.param_norm = l2_norm(&flat);
-        Ok(Ok(crate::mesh_core::rounds::params_digest(&flat)))
+        Ok(Ok(p2ptrain_models::params::params_digest(&flat)))
     }
 
     /// Takes the members' step with their parameters (this node was not synced): its step

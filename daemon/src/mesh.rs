@@ -163,7 +163,7 @@ impl MeshActor {
     /// Copies the core's status out for the control API.
     fn publish_status(&self) {
         if let Ok(mut s) = self.status.lock() {
-            s.clone_from(self.core.status());
+            *s = self.core.status(Instant::now());
         }
     }
 

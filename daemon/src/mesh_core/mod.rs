@@ -13,6 +13,8 @@
 //! Peers are keyed by libp2p's [`PeerId`] throughout. Nothing in here panics, whatever the
 //! inputs and instants.
 
+mod header;
+mod membership;
 mod messages;
 pub mod rounds;
 #[cfg(test)]
@@ -23,47 +25,33 @@ mod syncs;
 mod tests;
 mod updates;
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use libp2p::gossipsub::MessageAcceptance;
 use libp2p::PeerId;
-use p2ptrain_models::codec::{self, Codec, ErrorFeedback};
+use p2ptrain_models::codec::Codec;
 use p2ptrain_models::params::Layout;
-use rand::rngs::StdRng;
-use rand::seq::IteratorRandom;
-use rand::SeedableRng;
 
-use crate::guard::{GuardConfig, SeenSteps, UpdateGuard};
+use crate::guard::GuardConfig;
 use crate::policy::{Action, PolicyConfig, PolicyEvent, SyncPolicy};
-use crate::sync_guard::SyncGuard;
-use crate::wire::{self, Heartbeat};
+use membership::{HeartbeatNews, Membership, NeighbourChange};
 use rounds::{RoundConfig, Rounds};
+use syncs::{SyncDone, Syncs};
+use updates::{Updates, Verdict};
 
+pub use membership::{HEARTBEAT_EVERY, NEW_MEMBER_HEARTBEAT_AFTER, REFRESH_EVERY};
 pub use messages::{
     AverageOutcome, FetchAnswer, Input, Output, Phase, Progress, RequestFailed, TrainerCommand,
     TrainerEvent,
 };
 pub use status::{FullSyncCounters, MeshStatus, SyncInfo, SyncRefusalInfo, UpdateCounters};
+pub use syncs::ParamsEncoder;
 
-/// How often neighbours are re-chosen.
-pub const REFRESH_EVERY: Duration = Duration::from_secs(1);
-/// How often a node tells the mesh its progress.
-pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
-/// In a synchronous mode, a new member hears this node's heartbeat this soon after it
-/// connects (time for gossip to learn its subscriptions), not up to [`HEARTBEAT_EVERY`] later:
-/// a round waits for every member's word that it is ready.
-pub const NEW_MEMBER_HEARTBEAT_AFTER: Duration = Duration::from_millis(300);
-/// Large updates kept for neighbours to pull.
-const LARGE_UPDATE_CAP: usize = 4;
-/// Updates waiting for a busy trainer before they are merged.
-const PENDING_CAP: usize = 8;
-/// Pause after a neighbour declined a sync, before the policy may start the next one: without
-/// it a lone neighbour that declines (a joiner still downloading) was asked ~300 times a second.
-const SYNC_RETRY_PAUSE: Duration = Duration::from_millis(500);
-/// Peers kept in the per-peer counters of status (rejections, refusals): beyond it the oldest
-/// entries go, so a flood of fresh identities cannot grow memory.
+/// Peers kept in each per-peer map (rejections, refusals, heard heartbeats): beyond it a new
+/// peer displaces the one with the smallest id in a counter map, and a non-member's heartbeat
+/// is not kept, so a flood of fresh identities cannot grow memory.
 const PER_PEER_CAP: usize = 1024;
 
 /// Mesh settings.
@@ -135,53 +123,18 @@ impl WallClock {
     }
 }
 
-/// One neighbour sync under way.
-#[derive(Debug, Clone)]
-struct SyncInFlight {
-    peer: PeerId,
-    /// Numbers the trainer's answer, so one for an older sync is not taken for this one.
-    seq: u64,
-    /// Our step when it started.
-    step: u64,
-    /// When it was asked for: a sync's latency runs from here to the averaging.
-    started: Instant,
-}
-
 /// The mesh core; see the module docs.
 pub struct MeshCore {
-    cfg: CoreConfig,
-    me_bytes: [u8; 8],
-    run_bytes: [u8; 8],
-    layout_bytes: [u8; 8],
-    update_topic_prefix: String,
-    heartbeat_topic: String,
-    rng: StdRng,
+    /// What the trainer last published about itself: every path reads a part of it.
     progress: Progress,
-    members: BTreeSet<PeerId>,
-    neighbours: BTreeSet<PeerId>,
+    /// When to publish, sync and hold; every path reports to it, only the router feeds it.
     policy: SyncPolicy<PeerId>,
-    guard: UpdateGuard<PeerId>,
-    seen_steps: HashMap<PeerId, SeenSteps>,
-    sync_guard: SyncGuard,
-    compressor: ErrorFeedback,
-    large: VecDeque<([u8; 32], Arc<Vec<u8>>)>,
-    pending_apply: VecDeque<(Vec<f32>, f32)>,
-    delta_asked: bool,
-    sync: Option<SyncInFlight>,
-    sync_seq: u64,
-    /// A declined sync reported to the policy only after [`SYNC_RETRY_PAUSE`].
-    sync_finish_at: Option<(PeerId, Instant)>,
-    next_refresh: Option<Instant>,
-    next_heartbeat: Option<Instant>,
+    membership: Membership,
+    updates: Updates,
+    syncs: Syncs,
     rounds: Option<Rounds>,
     /// A round's trainer command the trainer's full queue refused, sent again at the next tick.
     round_command: Option<TrainerCommand>,
-    heartbeats_sent: u64,
-    /// What the last heartbeat told the rounds: whether this node is ready for them, and
-    /// whether it knew its speed. When either changes, the next heartbeat goes out at once
-    /// (a `ddp` member's batch depends on the others' speeds).
-    announced: (bool, bool),
-    status: MeshStatus,
 }
 
 /// The topic a node publishes its updates on.
@@ -197,76 +150,54 @@ pub fn heartbeat_topic(run_id: &str) -> String {
 impl MeshCore {
     /// A core for this node; [`MeshCore::start`] gives the first outputs.
     pub fn new(cfg: CoreConfig) -> MeshCore {
-        let numel = cfg.layout.numel();
-        let sync_guard = SyncGuard::new(cfg.mesh.max_sync_distance);
-        let status = MeshStatus {
-            full_syncs: FullSyncCounters {
-                bound: sync_guard.bound(),
-                ..FullSyncCounters::default()
-            },
-            ..MeshStatus::default()
-        };
+        let CoreConfig {
+            me,
+            run_id,
+            layout,
+            mesh,
+            policy,
+            update_weight,
+            start_step,
+            seed,
+            wall_clock,
+            rounds,
+        } = cfg;
         MeshCore {
-            me_bytes: codec::sender_bytes(&cfg.me.to_bytes()),
-            run_bytes: codec::id_bytes(&cfg.run_id),
-            layout_bytes: codec::id_bytes(&cfg.layout.hash()),
-            update_topic_prefix: format!("p2ptrain/{}/updates/", cfg.run_id),
-            heartbeat_topic: heartbeat_topic(&cfg.run_id),
-            rng: StdRng::seed_from_u64(cfg.seed),
             progress: Progress::default(),
-            members: BTreeSet::new(),
-            neighbours: BTreeSet::new(),
-            policy: SyncPolicy::new(cfg.policy.clone(), cfg.start_step),
-            guard: UpdateGuard::new(cfg.mesh.guard),
-            seen_steps: HashMap::new(),
-            sync_guard,
-            compressor: ErrorFeedback::new(numel, cfg.mesh.error_feedback),
-            large: VecDeque::new(),
-            pending_apply: VecDeque::new(),
-            delta_asked: false,
-            sync: None,
-            sync_seq: 0,
-            sync_finish_at: None,
-            next_refresh: None,
-            next_heartbeat: None,
-            rounds: cfg
-                .rounds
-                .map(|(rc, synced)| Rounds::new(rc, cfg.me, cfg.start_step, synced)),
+            policy: SyncPolicy::new(policy, start_step),
+            membership: Membership::new(me, &run_id, mesh.degree, rounds.is_some(), seed),
+            syncs: Syncs::new(
+                &me,
+                &run_id,
+                layout.clone(),
+                mesh.max_sync_distance,
+                wall_clock,
+            ),
+            updates: Updates::new(&me, &run_id, layout, mesh, update_weight),
+            rounds: rounds.map(|(rc, synced)| Rounds::new(rc, me, start_step, synced)),
             round_command: None,
-            heartbeats_sent: 0,
-            announced: (false, false),
-            status,
-            cfg,
         }
     }
 
     /// What to do before the first input: listen to the run's heartbeats.
     pub fn start(&self) -> Vec<Output> {
-        vec![Output::Subscribe(self.heartbeat_topic.clone())]
+        vec![Output::Subscribe(self.membership.topic().to_string())]
     }
 
     /// Handles one input at `now` and says what to do about it.
     pub fn handle(&mut self, input: Input, now: Instant) -> Vec<Output> {
         let mut out = Vec::new();
-        let tick = matches!(input, Input::Tick);
         match input {
             Input::PeerUp(peer) => {
-                if peer != self.cfg.me {
-                    if self.members.insert(peer) && self.rounds.is_some() {
-                        let soon = now + NEW_MEMBER_HEARTBEAT_AFTER;
-                        if self.next_heartbeat.is_none_or(|t| t > soon) {
-                            self.next_heartbeat = Some(soon);
-                        }
-                    }
-                    self.refresh_neighbours(now, &mut out);
-                }
+                let changes = self.membership.peer_up(peer, now);
+                self.neighbours_changed(changes, now, &mut out);
             }
             Input::PeerDown(peer) => self.drop_member(peer, now, &mut out),
             Input::Ring { peer, msg } => {
                 if let Some(r) = self
                     .rounds
                     .as_mut()
-                    .filter(|_| self.members.contains(&peer))
+                    .filter(|_| self.membership.is_member(&peer))
                 {
                     r.message(peer, msg, now, &mut out);
                 }
@@ -287,9 +218,16 @@ impl MeshCore {
                 topic,
                 data,
             } => {
-                if let Some(acceptance) =
-                    self.on_gossip(source, author, &id, &topic, data, now, &mut out)
-                {
+                let verdict = if topic == self.membership.topic() {
+                    Verdict::Judged(self.on_heartbeat(author, &data, now, &mut out))
+                } else if let Some(owner) = self.updates.owner_of(&topic) {
+                    let param_norm = self.is_training().then_some(self.progress.param_norm);
+                    self.updates
+                        .on_gossip(source, author, owner, &id, &data, param_norm, now, &mut out)
+                } else {
+                    Verdict::Judged(MessageAcceptance::Reject)
+                };
+                if let Some(acceptance) = self.weigh(verdict, now) {
                     out.push(Output::Validate {
                         id,
                         source,
@@ -304,17 +242,26 @@ impl MeshCore {
                 hash,
                 answer,
             } => {
-                let acceptance = self.on_fetched(owner, hash, answer, now, &mut out);
-                out.push(Output::Validate {
-                    id,
-                    source,
-                    acceptance,
-                });
+                let verdict = self.updates.on_fetched(
+                    owner,
+                    hash,
+                    answer,
+                    self.progress.param_norm,
+                    &mut out,
+                );
+                if let Some(acceptance) = self.weigh(verdict, now) {
+                    out.push(Output::Validate {
+                        id,
+                        source,
+                        acceptance,
+                    });
+                }
             }
             Input::ParamsReply { peer, answer } => {
-                self.on_params_reply(peer, answer, now, &mut out)
+                let done = self.syncs.on_reply(peer, answer, now, &mut out);
+                self.sync_done(done, now, &mut out);
             }
-            Input::UpdatePublished { payload, ok } => self.on_update_published(payload, ok),
+            Input::UpdatePublished { payload, ok } => self.updates.published(payload, ok),
             Input::Progress(p) => {
                 if let Some(r) = &mut self.rounds {
                     r.own_speed(p.ms_per_sample);
@@ -324,12 +271,10 @@ impl MeshCore {
             Input::Trainer(ev) => self.on_trainer(ev, now, &mut out),
             Input::TrainerBusy(cmd) => self.on_trainer_busy(cmd, now, &mut out),
             Input::Tick => self.on_tick(now, &mut out),
-            Input::Leave => out.push(self.heartbeat(true)),
-        }
-        self.status.lead_over_slowest = self.policy.lead_over_slowest(now);
-        // Status leaves the core on ticks; the rounds' part is read off then.
-        if let (true, Some(r)) = (tick, &self.rounds) {
-            self.status.rounds = Some(r.status());
+            Input::Leave => {
+                let round = self.rounds.as_ref().and_then(Rounds::round);
+                out.push(self.membership.leaving_heartbeat(&self.progress, round));
+            }
         }
         out
     }
@@ -347,14 +292,12 @@ impl MeshCore {
 
     /// The next update waiting for the trainer, with its weight.
     pub fn next_apply(&mut self) -> Option<TrainerCommand> {
-        self.pending_apply
-            .pop_front()
-            .map(|(values, weight)| TrainerCommand::Apply { values, weight })
+        self.updates.next_apply()
     }
 
     /// Updates waiting for the trainer.
     pub fn pending_applies(&self) -> usize {
-        self.pending_apply.len()
+        self.updates.pending_len()
     }
 
     /// Whether this node trains (and so may answer syncs and judge updates).
@@ -364,29 +307,55 @@ impl MeshCore {
 
     /// A large update of ours that a neighbour asks for by hash.
     pub fn large_update(&self, hash: &[u8]) -> Option<Arc<Vec<u8>>> {
-        self.large
-            .iter()
-            .find(|(h, _)| h[..] == hash[..])
-            .map(|(_, b)| b.clone())
+        self.updates.large_update(hash)
     }
 
-    /// The core's status report.
-    pub fn status(&self) -> &MeshStatus {
-        &self.status
+    /// What the actor needs to answer a neighbour's sync request.
+    pub fn params_encoder(&self) -> ParamsEncoder {
+        self.syncs.params_encoder()
+    }
+
+    /// The core's status report at `now`, rendered from each path's state (peers named as
+    /// strings only here).
+    pub fn status(&self, now: Instant) -> MeshStatus {
+        let mut status = MeshStatus {
+            lead_over_slowest: self.policy.lead_over_slowest(now),
+            rounds: self.rounds.as_ref().map(Rounds::status),
+            ..MeshStatus::default()
+        };
+        self.membership.render(&mut status);
+        self.updates.render(&mut status);
+        self.syncs.render(&mut status);
+        status
     }
 
     /// Current neighbours.
-    pub fn neighbours(&self) -> &BTreeSet<PeerId> {
-        &self.neighbours
+    pub fn neighbours(&self) -> &std::collections::BTreeSet<PeerId> {
+        self.membership.neighbours()
+    }
+
+    /// The sizes of what the core keeps per peer or per message, for tests that bound memory.
+    #[cfg(test)]
+    fn sizes(&self) -> Sizes {
+        let (large, seen_steps, rejected_by_peer) = self.updates.sizes();
+        Sizes {
+            per_peer_max: rejected_by_peer
+                .max(self.syncs.refusals_len())
+                .max(self.membership.heard_len()),
+            pending: self.updates.pending_len(),
+            large,
+            seen_steps,
+        }
     }
 
     fn on_tick(&mut self, now: Instant, out: &mut Vec<Output>) {
-        if self.next_refresh.is_none_or(|t| now >= t) {
-            self.refresh_neighbours(now, out);
+        if self.membership.refresh_due(now) {
+            let changes = self.membership.refresh(now);
+            self.neighbours_changed(changes, now, out);
         }
-        if self.next_heartbeat.is_none_or(|t| now >= t) || self.rounds_news() != self.announced {
-            self.next_heartbeat = Some(now + HEARTBEAT_EVERY);
-            out.push(self.heartbeat(false));
+        let round = self.rounds.as_ref().and_then(Rounds::round);
+        if let Some(beat) = self.membership.tick_heartbeat(now, &self.progress, round) {
+            out.push(beat);
         }
         if let Some(cmd) = self.round_command.take() {
             out.push(Output::Trainer(cmd));
@@ -395,12 +364,8 @@ impl MeshCore {
             let training = self.progress.phase == Phase::Training;
             r.tick(self.progress.step, training, now, out);
         }
-        if let Some((peer, at)) = self.sync_finish_at {
-            if now >= at {
-                self.sync_finish_at = None;
-                self.feed(PolicyEvent::SyncFinished { peer, ok: false }, now, out);
-            }
-        }
+        let done = self.syncs.tick(now);
+        self.sync_done(done, now, out);
         self.feed(PolicyEvent::Tick, now, out);
     }
 
@@ -428,11 +393,15 @@ impl MeshCore {
                 step,
                 delta,
             } => {
-                self.delta_asked = false;
+                self.updates.delta_answered();
                 self.feed(PolicyEvent::Published { step }, now, out);
-                self.publish_update(base_step, step, &delta, out);
+                let alone = self.membership.is_alone();
+                self.updates.publish(base_step, step, &delta, alone, out);
             }
-            TrainerEvent::Averaged { seq, outcome } => self.on_averaged(seq, outcome, now, out),
+            TrainerEvent::Averaged { seq, outcome } => {
+                let done = self.syncs.on_averaged(seq, outcome, now, out);
+                self.sync_done(done, now, out);
+            }
             TrainerEvent::Params { step, values } => {
                 self.progress.step = self.progress.step.max(step);
                 if let Some(r) = &mut self.rounds {
@@ -467,23 +436,20 @@ impl MeshCore {
                     }
                 }
             }
-            TrainerEvent::Restored { step } => self.on_restored(step, now, out),
+            TrainerEvent::Restored { step } => self.on_restored(step, now),
         }
     }
 
     fn on_trainer_busy(&mut self, cmd: TrainerCommand, now: Instant, out: &mut Vec<Output>) {
         match cmd {
             // Asked again at the next step the policy finds a publish due.
-            TrainerCommand::TakeDelta => self.delta_asked = false,
-            TrainerCommand::Apply { values, weight } => {
-                self.pending_apply.push_front((values, weight));
+            TrainerCommand::TakeDelta => self.updates.delta_answered(),
+            TrainerCommand::Apply { values, weight } => self.updates.requeue(values, weight),
+            TrainerCommand::Average { seq, .. } => {
+                let failed = AverageOutcome::Failed("the trainer is busy".into());
+                let done = self.syncs.on_averaged(seq, failed, now, out);
+                self.sync_done(done, now, out);
             }
-            TrainerCommand::Average { seq, .. } => self.on_averaged(
-                seq,
-                AverageOutcome::Failed("the trainer is busy".into()),
-                now,
-                out,
-            ),
             cmd @ (TrainerCommand::TakeParams
             | TrainerCommand::TakeGradient { .. }
             | TrainerCommand::Combine { .. }) => {
@@ -492,135 +458,118 @@ impl MeshCore {
         }
     }
 
-    /// A checkpoint replaced the parameters: the residual, the pending updates and the
-    /// policy's counts referred to the old ones.
-    fn on_restored(&mut self, step: u64, now: Instant, out: &mut Vec<Output>) {
-        self.compressor.reset();
-        self.status.residual_norm = 0.0;
-        self.pending_apply.clear();
-        self.delta_asked = false;
+    /// A checkpoint replaced the parameters: the residual, the pending updates, a sync under
+    /// way and the policy's counts referred to the old ones.
+    fn on_restored(&mut self, step: u64, now: Instant) {
+        self.updates.restored();
         self.progress.step = step;
-        let mut policy = SyncPolicy::new(self.cfg.policy.clone(), step);
-        for peer in &self.neighbours {
+        let mut policy = SyncPolicy::new(self.policy.config().clone(), step);
+        for peer in self.membership.neighbours() {
             let _ = policy.handle(PolicyEvent::NeighbourUp { peer: *peer }, now);
         }
         self.policy = policy;
-        // A sync under way measured the old parameters: its answer is ignored.
-        self.sync = None;
-        self.sync_finish_at = None;
+        self.syncs.restored();
         if let Some(r) = &mut self.rounds {
             r.restored(step);
         }
         self.round_command = None;
-        let _ = out;
+    }
+
+    /// Weighs an update that passed every check by the policy (neighbourhood size,
+    /// staleness) and queues it; gives the verdict gossip is to hear, if there is one yet.
+    fn weigh(&mut self, verdict: Verdict, now: Instant) -> Option<MessageAcceptance> {
+        let (author, step, values) = match verdict {
+            Verdict::Judged(acceptance) => return Some(acceptance),
+            Verdict::Fetching => return None,
+            Verdict::Passed {
+                author,
+                step,
+                values,
+            } => (author, step, values),
+        };
+        let actions = self
+            .policy
+            .handle(PolicyEvent::UpdateArrived { peer: author, step }, now);
+        let mut values = Some(values);
+        for action in actions {
+            match action {
+                Action::Apply { weight, .. } => {
+                    if let Some(v) = values.take() {
+                        self.updates.enqueue(v, weight);
+                    }
+                }
+                Action::Drop { peer, staleness } => self.updates.dropped_stale(peer, staleness),
+                // Hold and resume are read through the step limit; nothing else follows an
+                // arrival.
+                _ => {}
+            }
+        }
+        // Valid, applied, and not forwarded: the author publishes straight to every subscriber
+        // of its topic (its neighbours, all connected to it), so relaying among them would only
+        // add copies, and more of them the more popular the author. `Ignore` drops the message
+        // from gossip without penalising anyone.
+        Some(MessageAcceptance::Ignore)
+    }
+
+    /// Tells the policy how a sync ended.
+    fn sync_done(&mut self, done: Option<SyncDone>, now: Instant, out: &mut Vec<Output>) {
+        if let Some(SyncDone { peer, ok }) = done {
+            self.feed(PolicyEvent::SyncFinished { peer, ok }, now, out);
+        }
     }
 
     /// Feeds the sync policy one event and carries out what it asks.
     fn feed(&mut self, ev: PolicyEvent<PeerId>, now: Instant, out: &mut Vec<Output>) {
         for action in self.policy.handle(ev, now) {
-            self.act(action, now, out);
-        }
-    }
-
-    fn act(&mut self, action: Action<PeerId>, now: Instant, out: &mut Vec<Output>) {
-        match action {
-            Action::Publish => {
-                if !self.delta_asked {
-                    self.delta_asked = true;
-                    out.push(Output::Trainer(TrainerCommand::TakeDelta));
-                }
+            match action {
+                Action::Publish => self.updates.want_delta(out),
+                Action::FullSync { peer } => self.syncs.start(peer, self.progress.step, now, out),
+                // The trainer reads the step limit; the policy's own hold flag needs no action.
+                Action::Hold | Action::Resume => {}
+                // Answers to arriving updates are handled where the update is.
+                Action::Apply { .. } | Action::Drop { .. } => {}
             }
-            Action::FullSync { peer } => self.start_sync(peer, now, out),
-            // The trainer reads the step limit; the policy's own hold flag needs no action.
-            Action::Hold | Action::Resume => {}
-            // Answers to arriving updates are handled where the update is.
-            Action::Apply { .. } | Action::Drop { .. } => {}
         }
     }
 
+    /// A peer is gone: the rounds, the update guard and membership forget it.
     fn drop_member(&mut self, peer: PeerId, now: Instant, out: &mut Vec<Output>) {
-        self.members.remove(&peer);
         if let Some(r) = &mut self.rounds {
             r.peer_down(peer, now);
         }
-        // A member that comes back may have restarted from an older checkpoint: its step
-        // numbers repeat, and its updates are news again.
-        self.seen_steps.remove(&peer);
-        self.guard.forget(&peer);
-        self.status.progress.remove(&peer.to_string());
-        self.status.members = self.members.iter().copied().collect();
-        if self.neighbours.contains(&peer) {
-            self.refresh_neighbours(now, out);
-        }
+        self.updates.forget(&peer);
+        let changes = self.membership.drop(peer, now);
+        self.neighbours_changed(changes, now, out);
     }
 
-    /// Keeps `degree` neighbours among the members, replacing those gone with ones drawn from
-    /// the seeded RNG, and tells the network and the policy what changed.
-    fn refresh_neighbours(&mut self, now: Instant, out: &mut Vec<Output>) {
-        self.next_refresh = Some(now + REFRESH_EVERY);
-        self.status.members = self.members.iter().copied().collect();
-        let before = self.neighbours.clone();
-        self.neighbours.retain(|p| self.members.contains(p));
-        let want = self.cfg.mesh.degree.saturating_sub(self.neighbours.len());
-        let extra: Vec<PeerId> = self
-            .members
-            .iter()
-            .filter(|p| !self.neighbours.contains(p))
-            .copied()
-            .choose_multiple(&mut self.rng, want);
-        self.neighbours.extend(extra);
-        let gone: Vec<PeerId> = before.difference(&self.neighbours).copied().collect();
-        let new: Vec<PeerId> = self.neighbours.difference(&before).copied().collect();
-        for peer in gone {
-            tracing::info!(peer = %peer, "neighbour dropped");
-            out.push(Output::Unsubscribe(update_topic(&self.cfg.run_id, &peer)));
-            self.feed(PolicyEvent::NeighbourDown { peer }, now, out);
-        }
-        for peer in new {
-            tracing::info!(peer = %peer, "new neighbour");
-            out.push(Output::Subscribe(update_topic(&self.cfg.run_id, &peer)));
-            self.feed(PolicyEvent::NeighbourUp { peer }, now, out);
-            // Its last heartbeat, heard while it was only a member, is what SSP knows of its
-            // step until the next one: without it a new neighbour did not count for up to a
-            // heartbeat period (the simulator caught a node running 76 steps ahead so).
-            if let Some(step) = self.status.progress.get(&peer.to_string()).map(|h| h.step) {
-                self.feed(PolicyEvent::Heard { peer, step }, now, out);
+    /// Tells the network and the policy of changed neighbours, the gone ones first.
+    fn neighbours_changed(
+        &mut self,
+        changes: Vec<NeighbourChange>,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
+        for change in changes {
+            match change {
+                NeighbourChange::Gone(peer) => {
+                    tracing::info!(peer = %peer, "neighbour dropped");
+                    out.push(Output::Unsubscribe(self.membership.update_topic(&peer)));
+                    self.feed(PolicyEvent::NeighbourDown { peer }, now, out);
+                }
+                NeighbourChange::New { peer, last_step } => {
+                    tracing::info!(peer = %peer, "new neighbour");
+                    out.push(Output::Subscribe(self.membership.update_topic(&peer)));
+                    self.feed(PolicyEvent::NeighbourUp { peer }, now, out);
+                    if let Some(step) = last_step {
+                        self.feed(PolicyEvent::Heard { peer, step }, now, out);
+                    }
+                }
             }
         }
-        self.status.neighbours = self.neighbours.iter().map(|p| p.to_string()).collect();
     }
 
-    /// What a heartbeat tells the rounds now: ready for them, and speed known.
-    fn rounds_news(&self) -> (bool, bool) {
-        let rounds = self.rounds.is_some();
-        (
-            rounds && self.is_training(),
-            rounds && self.progress.ms_per_sample.is_some(),
-        )
-    }
-
-    fn heartbeat(&mut self, leaving: bool) -> Output {
-        self.heartbeats_sent += 1;
-        let in_rounds = self.rounds.is_some() && self.is_training() && !leaving;
-        self.announced = self.rounds_news();
-        let hb = Heartbeat {
-            step: self.progress.step,
-            loss: self.progress.loss,
-            samples_per_sec: self.progress.samples_per_sec,
-            accuracy: self.progress.accuracy,
-            ms_per_sample: self.progress.ms_per_sample,
-            leaving,
-            in_rounds,
-            round: self.rounds.as_ref().and_then(Rounds::round),
-            seq: self.heartbeats_sent,
-        };
-        Output::Publish {
-            topic: self.heartbeat_topic.clone(),
-            data: wire::encode_heartbeat(&hb),
-        }
-    }
-
-    /// Validates a heartbeat: a leaving peer is dropped, a neighbour's step feeds the policy.
+    /// Routes a heartbeat's news: a leaving peer is dropped, a member's readiness goes to the
+    /// rounds, a neighbour's step to the policy.
     fn on_heartbeat(
         &mut self,
         author: Option<PeerId>,
@@ -628,54 +577,60 @@ impl MeshCore {
         now: Instant,
         out: &mut Vec<Output>,
     ) -> MessageAcceptance {
-        match (author, wire::decode_heartbeat(data)) {
-            (Some(a), Ok(hb)) if hb.leaving => {
-                tracing::info!(peer = %a, "peer is leaving");
-                out.push(Output::Forget(a));
-                self.drop_member(a, now, out);
+        match self.membership.on_heartbeat(author, data, out) {
+            HeartbeatNews::Leaving(peer) => {
+                tracing::info!(peer = %peer, "peer is leaving");
+                out.push(Output::Forget(peer));
+                self.drop_member(peer, now, out);
                 MessageAcceptance::Accept
             }
-            (Some(a), Ok(hb)) => {
-                if let Some(r) = self.rounds.as_mut().filter(|_| self.members.contains(&a)) {
-                    r.heard(a, hb.in_rounds, hb.round, hb.ms_per_sample, now);
+            HeartbeatNews::Heard {
+                peer,
+                heartbeat: hb,
+                member,
+                neighbour,
+            } => {
+                if let Some(r) = self.rounds.as_mut().filter(|_| member) {
+                    r.heard(peer, hb.in_rounds, hb.round, hb.ms_per_sample, now);
                 }
-                if self.neighbours.contains(&a) {
+                if neighbour {
                     self.feed(
                         PolicyEvent::Heard {
-                            peer: a,
+                            peer,
                             step: hb.step,
                         },
                         now,
                         out,
                     );
                 }
-                if self.status.progress.len() < PER_PEER_CAP || self.members.contains(&a) {
-                    self.status.progress.insert(a.to_string(), hb);
-                }
                 MessageAcceptance::Accept
             }
-            (author, _) => {
-                if let Some(a) = author {
-                    tracing::warn!(peer = %a, "rejected a malformed heartbeat");
-                    out.push(Output::Offence {
-                        peer: a,
-                        why: "malformed heartbeat".into(),
-                    });
-                }
-                MessageAcceptance::Reject
-            }
+            HeartbeatNews::Malformed => MessageAcceptance::Reject,
         }
     }
 }
 
-/// Counts one more for `peer` in a per-peer map, dropping the first entry when the map is
+/// What the core keeps, in numbers (see [`MeshCore::sizes`]).
+#[cfg(test)]
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    /// The largest per-peer map.
+    per_peer_max: usize,
+    /// Updates waiting for the trainer.
+    pending: usize,
+    /// Own large updates kept.
+    large: usize,
+    /// Authors whose steps are remembered.
+    seen_steps: usize,
+}
+
+/// Counts one more for `peer` in a per-peer map, dropping the smallest key when the map is
 /// full, so hostile identities cannot grow it without bound.
-fn count_for(map: &mut std::collections::BTreeMap<String, u64>, peer: &PeerId) {
-    let key = peer.to_string();
-    if !map.contains_key(&key) && map.len() >= PER_PEER_CAP {
-        if let Some(first) = map.keys().next().cloned() {
+fn count_for(map: &mut BTreeMap<PeerId, u64>, peer: &PeerId) {
+    if !map.contains_key(peer) && map.len() >= PER_PEER_CAP {
+        if let Some(first) = map.keys().next().copied() {
             map.remove(&first);
         }
     }
-    *map.entry(key).or_default() += 1;
+    *map.entry(*peer).or_default() += 1;
 }

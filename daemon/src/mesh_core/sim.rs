@@ -470,13 +470,8 @@ impl Sim {
                 }
                 self.report.applied += 1;
             }
-            let s = self.nodes[i].core.status();
-            self.report.largest_map = self
-                .report
-                .largest_map
-                .max(s.rejected_by_peer.len())
-                .max(s.sync_refusals.len())
-                .max(s.progress.len());
+            let sizes = self.nodes[i].core.sizes();
+            self.report.largest_map = self.report.largest_map.max(sizes.per_peer_max);
             self.report.largest_queue = self
                 .report
                 .largest_queue
@@ -739,8 +734,9 @@ impl Sim {
             .fold(0.0, f64::max)
             .max(1e-9);
         self.report.finite = honest.iter().all(|n| n.x.iter().all(|v| v.is_finite()));
+        let now = self.now();
         for n in &honest {
-            let s = n.core.status();
+            let s = n.core.status(now);
             let (u, f) = (&s.updates, &s.full_syncs);
             for (name, v) in [
                 ("updates.sent", u.sent),

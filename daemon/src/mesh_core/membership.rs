@@ -1,0 +1,527 @@
+//! Who is in the run and who of them this node listens to: the members (connected peers of
+//! the run), the `degree` neighbours drawn among them from a seeded RNG and re-chosen as
+//! members come and go, the heartbeats this node publishes on the run's topic and the latest
+//! one heard from each peer.
+//!
+//! It tells the core what changed ([`NeighbourChange`], [`HeartbeatNews`]) and leaves the
+//! policy, the rounds and the update guard to the core, which routes the news to them.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use libp2p::PeerId;
+use rand::rngs::StdRng;
+use rand::seq::IteratorRandom;
+use rand::SeedableRng;
+
+use super::{heartbeat_topic, Output, Phase, Progress, PER_PEER_CAP};
+use crate::wire::{self, Heartbeat};
+
+/// How often neighbours are re-chosen.
+pub const REFRESH_EVERY: Duration = Duration::from_secs(1);
+/// How often a node tells the mesh its progress.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+/// In a synchronous mode, a new member hears this node's heartbeat this soon after it
+/// connects (time for gossip to learn its subscriptions), not up to [`HEARTBEAT_EVERY`] later:
+/// a round waits for every member's word that it is ready.
+pub const NEW_MEMBER_HEARTBEAT_AFTER: Duration = Duration::from_millis(300);
+
+/// A change of neighbours, for the core to tell the network and the policy.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum NeighbourChange {
+    /// No longer a neighbour.
+    Gone(PeerId),
+    /// A new neighbour, with the step of its last heartbeat when one was heard.
+    New {
+        /// The neighbour.
+        peer: PeerId,
+        /// Its step, as its last heartbeat told it.
+        last_step: Option<u64>,
+    },
+}
+
+/// What a heartbeat on the run's topic told.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum HeartbeatNews {
+    /// The author is leaving: it is to be forgotten and dropped.
+    Leaving(PeerId),
+    /// The author's progress (kept as its latest heartbeat).
+    Heard {
+        /// The author.
+        peer: PeerId,
+        /// What it said.
+        heartbeat: Heartbeat,
+        /// Whether it is a member now.
+        member: bool,
+        /// Whether it is a neighbour now.
+        neighbour: bool,
+    },
+    /// Not a heartbeat (an offence was named when the author is known).
+    Malformed,
+}
+
+/// Members, neighbours and heartbeats; see the module docs.
+pub(super) struct Membership {
+    me: PeerId,
+    run_id: String,
+    topic: String,
+    degree: usize,
+    /// In a synchronous mode a round waits for heartbeats: they go out sooner.
+    synchronous: bool,
+    rng: StdRng,
+    members: BTreeSet<PeerId>,
+    neighbours: BTreeSet<PeerId>,
+    /// The latest heartbeat of each peer heard from: members always, others up to
+    /// [`PER_PEER_CAP`].
+    heard: BTreeMap<PeerId, Heartbeat>,
+    next_refresh: Option<Instant>,
+    next_heartbeat: Option<Instant>,
+    heartbeats_sent: u64,
+    /// What the last heartbeat told the rounds: whether this node is ready for them, and
+    /// whether it knew its speed. When either changes, the next heartbeat goes out at once
+    /// (a `ddp` member's batch depends on the others' speeds).
+    announced: (bool, bool),
+}
+
+impl Membership {
+    /// Node `me` of run `run_id`, keeping `degree` neighbours drawn with `seed`.
+    pub(super) fn new(
+        me: PeerId,
+        run_id: &str,
+        degree: usize,
+        synchronous: bool,
+        seed: u64,
+    ) -> Membership {
+        Membership {
+            me,
+            run_id: run_id.to_string(),
+            topic: heartbeat_topic(run_id),
+            degree,
+            synchronous,
+            rng: StdRng::seed_from_u64(seed),
+            members: BTreeSet::new(),
+            neighbours: BTreeSet::new(),
+            heard: BTreeMap::new(),
+            next_refresh: None,
+            next_heartbeat: None,
+            heartbeats_sent: 0,
+            announced: (false, false),
+        }
+    }
+
+    /// The run's heartbeat topic.
+    pub(super) fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// A peer of the run connected: it becomes a member (this node aside) and neighbours are
+    /// re-chosen. In a synchronous mode a new member hears this node soon.
+    pub(super) fn peer_up(&mut self, peer: PeerId, now: Instant) -> Vec<NeighbourChange> {
+        if peer == self.me {
+            return Vec::new();
+        }
+        if self.members.insert(peer) && self.synchronous {
+            let soon = now + NEW_MEMBER_HEARTBEAT_AFTER;
+            if self.next_heartbeat.is_none_or(|t| t > soon) {
+                self.next_heartbeat = Some(soon);
+            }
+        }
+        self.refresh(now)
+    }
+
+    /// A peer is gone (disconnected, left, or silent): it is no member, what it said is
+    /// forgotten, and a neighbour is replaced.
+    pub(super) fn drop(&mut self, peer: PeerId, now: Instant) -> Vec<NeighbourChange> {
+        self.members.remove(&peer);
+        self.heard.remove(&peer);
+        if self.neighbours.contains(&peer) {
+            self.refresh(now)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Whether neighbours are due to be re-chosen.
+    pub(super) fn refresh_due(&self, now: Instant) -> bool {
+        self.next_refresh.is_none_or(|t| now >= t)
+    }
+
+    /// Keeps `degree` neighbours among the members, replacing those gone with ones drawn from
+    /// the seeded RNG: the gone ones first, then the new, each in the peers' order.
+    pub(super) fn refresh(&mut self, now: Instant) -> Vec<NeighbourChange> {
+        self.next_refresh = Some(now + REFRESH_EVERY);
+        let before = self.neighbours.clone();
+        self.neighbours.retain(|p| self.members.contains(p));
+        let want = self.degree.saturating_sub(self.neighbours.len());
+        let extra: Vec<PeerId> = self
+            .members
+            .iter()
+            .filter(|p| !self.neighbours.contains(p))
+            .copied()
+            .choose_multiple(&mut self.rng, want);
+        self.neighbours.extend(extra);
+        let gone = before.difference(&self.neighbours).copied();
+        let new = self.neighbours.difference(&before).copied();
+        gone.map(NeighbourChange::Gone)
+            .chain(new.map(|peer| NeighbourChange::New {
+                peer,
+                // Its last heartbeat, heard while it was only a member, is what SSP knows of
+                // its step until the next one: without it a new neighbour did not count for
+                // up to a heartbeat period (the simulator caught a node running 76 steps
+                // ahead so).
+                last_step: self.heard.get(&peer).map(|h| h.step),
+            }))
+            .collect()
+    }
+
+    /// The heartbeat, when one is due at `now`: every [`HEARTBEAT_EVERY`], sooner for a new
+    /// member, and at once when what it tells the rounds changed.
+    pub(super) fn tick_heartbeat(
+        &mut self,
+        now: Instant,
+        progress: &Progress,
+        round: Option<u64>,
+    ) -> Option<Output> {
+        let due = self.next_heartbeat.is_none_or(|t| now >= t);
+        if !due && self.rounds_news(progress) == self.announced {
+            return None;
+        }
+        self.next_heartbeat = Some(now + HEARTBEAT_EVERY);
+        Some(self.heartbeat(progress, round, false))
+    }
+
+    /// The heartbeat that tells the mesh this node leaves.
+    pub(super) fn leaving_heartbeat(&mut self, progress: &Progress, round: Option<u64>) -> Output {
+        self.heartbeat(progress, round, true)
+    }
+
+    /// What a heartbeat tells the rounds now: ready for them, and speed known.
+    fn rounds_news(&self, progress: &Progress) -> (bool, bool) {
+        (
+            self.synchronous && progress.phase == Phase::Training,
+            self.synchronous && progress.ms_per_sample.is_some(),
+        )
+    }
+
+    fn heartbeat(&mut self, progress: &Progress, round: Option<u64>, leaving: bool) -> Output {
+        self.heartbeats_sent += 1;
+        let news = self.rounds_news(progress);
+        self.announced = news;
+        let hb = Heartbeat {
+            step: progress.step,
+            loss: progress.loss,
+            samples_per_sec: progress.samples_per_sec,
+            accuracy: progress.accuracy,
+            ms_per_sample: progress.ms_per_sample,
+            leaving,
+            in_rounds: news.0 && !leaving,
+            round,
+            seq: self.heartbeats_sent,
+        };
+        Output::Publish {
+            topic: self.topic.clone(),
+            data: wire::encode_heartbeat(&hb),
+        }
+    }
+
+    /// Reads a heartbeat of `author`'s and keeps it. A malformed one with a known author is an
+    /// offence (pushed onto `out`).
+    pub(super) fn on_heartbeat(
+        &mut self,
+        author: Option<PeerId>,
+        data: &[u8],
+        out: &mut Vec<Output>,
+    ) -> HeartbeatNews {
+        match (author, wire::decode_heartbeat(data)) {
+            (Some(a), Ok(hb)) if hb.leaving => HeartbeatNews::Leaving(a),
+            (Some(a), Ok(hb)) => {
+                let member = self.members.contains(&a);
+                if self.heard.len() < PER_PEER_CAP || member {
+                    self.heard.insert(a, hb.clone());
+                }
+                HeartbeatNews::Heard {
+                    peer: a,
+                    heartbeat: hb,
+                    member,
+                    neighbour: self.neighbours.contains(&a),
+                }
+            }
+            (author, _) => {
+                if let Some(a) = author {
+                    tracing::warn!(peer = %a, "rejected a malformed heartbeat");
+                    out.push(Output::Offence {
+                        peer: a,
+                        why: "malformed heartbeat".into(),
+                    });
+                }
+                HeartbeatNews::Malformed
+            }
+        }
+    }
+
+    /// Whether `peer` is a member now.
+    pub(super) fn is_member(&self, peer: &PeerId) -> bool {
+        self.members.contains(peer)
+    }
+
+    /// Whether no other member of the run is known.
+    pub(super) fn is_alone(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// The neighbours now.
+    pub(super) fn neighbours(&self) -> &BTreeSet<PeerId> {
+        &self.neighbours
+    }
+
+    /// The update topic of the run for `peer`.
+    pub(super) fn update_topic(&self, peer: &PeerId) -> String {
+        super::update_topic(&self.run_id, peer)
+    }
+
+    /// Peers whose heartbeats are kept.
+    #[cfg(test)]
+    pub(super) fn heard_len(&self) -> usize {
+        self.heard.len()
+    }
+
+    /// Fills the members, neighbours and heard progress of `status`, peers named as strings.
+    pub(super) fn render(&self, status: &mut super::MeshStatus) {
+        status.members = self.members.iter().copied().collect();
+        status.neighbours = self.neighbours.iter().map(|p| p.to_string()).collect();
+        status.progress = self
+            .heard
+            .iter()
+            .map(|(p, hb)| (p.to_string(), hb.clone()))
+            .collect();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peers(n: usize) -> Vec<PeerId> {
+        let mut v: Vec<PeerId> = (0..n).map(|_| PeerId::random()).collect();
+        v.sort();
+        v
+    }
+
+    fn membership(synchronous: bool) -> (Membership, PeerId) {
+        let me = PeerId::random();
+        (Membership::new(me, "00aa", 2, synchronous, 7), me)
+    }
+
+    fn training(step: u64) -> Progress {
+        Progress {
+            phase: Phase::Training,
+            step,
+            ..Progress::default()
+        }
+    }
+
+    fn beat(step: u64, leaving: bool) -> Vec<u8> {
+        wire::encode_heartbeat(&Heartbeat {
+            step,
+            leaving,
+            ..Heartbeat::default()
+        })
+    }
+
+    fn decode(out: Option<Output>) -> Heartbeat {
+        match out {
+            Some(Output::Publish { data, .. }) => {
+                wire::decode_heartbeat(&data).expect("a heartbeat")
+            }
+            other => panic!("no heartbeat: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_nodes_own_id_never_makes_it_a_member() {
+        let (mut m, me) = membership(false);
+        assert!(m.peer_up(me, Instant::now()).is_empty());
+        assert!(m.is_alone());
+    }
+
+    #[test]
+    fn neighbours_are_degree_members_drawn_reproducibly_from_the_seed() {
+        let now = Instant::now();
+        let ps = peers(6);
+        let draw = || {
+            let mut m = Membership::new(ps[0], "00aa", 2, false, 7);
+            for p in &ps[1..] {
+                m.peer_up(*p, now);
+            }
+            m.neighbours().clone()
+        };
+        let a = draw();
+        assert_eq!(a.len(), 2);
+        assert!(a.iter().all(|p| ps[1..].contains(p)));
+        assert_eq!(a, draw(), "the same seed draws the same neighbours");
+    }
+
+    #[test]
+    fn a_new_neighbour_comes_with_the_step_it_was_last_heard_at() {
+        let (mut m, _) = membership(false);
+        let p = PeerId::random();
+        let mut out = Vec::new();
+        // Heard while not yet a member.
+        m.on_heartbeat(Some(p), &beat(42, false), &mut out);
+        let changes = m.peer_up(p, Instant::now());
+        assert_eq!(
+            changes,
+            vec![NeighbourChange::New {
+                peer: p,
+                last_step: Some(42)
+            }]
+        );
+    }
+
+    #[test]
+    fn changes_list_the_gone_neighbours_before_the_new() {
+        let now = Instant::now();
+        let (mut m, _) = membership(false);
+        let ps = peers(3);
+        m.peer_up(ps[0], now);
+        m.peer_up(ps[1], now);
+        // Both members are neighbours; a third joins, then one neighbour goes.
+        m.peer_up(ps[2], now);
+        let changes = m.drop(ps[0], now);
+        assert_eq!(
+            changes,
+            vec![
+                NeighbourChange::Gone(ps[0]),
+                NeighbourChange::New {
+                    peer: ps[2],
+                    last_step: None
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn dropping_a_neighbour_refreshes_and_dropping_another_member_does_not() {
+        let now = Instant::now();
+        let mut m = Membership::new(PeerId::random(), "00aa", 1, false, 3);
+        let ps = peers(3);
+        for p in &ps {
+            m.peer_up(*p, now);
+        }
+        let neighbour = *m.neighbours().iter().next().expect("one neighbour");
+        let other = *ps
+            .iter()
+            .find(|p| **p != neighbour)
+            .expect("another member");
+        assert!(m.drop(other, now).is_empty());
+        assert!(!m.is_member(&other));
+        let changes = m.drop(neighbour, now);
+        assert_eq!(changes[0], NeighbourChange::Gone(neighbour));
+        assert_eq!(changes.len(), 2, "a member left to replace it: {changes:?}");
+    }
+
+    #[test]
+    fn a_dropped_peers_heartbeat_is_forgotten() {
+        let now = Instant::now();
+        let (mut m, _) = membership(false);
+        let p = PeerId::random();
+        m.peer_up(p, now);
+        m.on_heartbeat(Some(p), &beat(5, false), &mut Vec::new());
+        assert_eq!(m.heard_len(), 1);
+        m.drop(p, now);
+        assert_eq!(m.heard_len(), 0);
+    }
+
+    #[test]
+    fn the_heartbeat_goes_out_on_its_period_with_a_rising_sequence() {
+        let t0 = Instant::now();
+        let (mut m, _) = membership(false);
+        let p = training(3);
+        let first = decode(m.tick_heartbeat(t0, &p, None));
+        assert_eq!((first.step, first.seq), (3, 1));
+        assert!(!first.in_rounds, "gossip mode has no rounds");
+        assert!(m
+            .tick_heartbeat(t0 + HEARTBEAT_EVERY / 2, &p, None)
+            .is_none());
+        let second = decode(m.tick_heartbeat(t0 + HEARTBEAT_EVERY, &p, None));
+        assert_eq!(second.seq, 2);
+    }
+
+    #[test]
+    fn in_a_synchronous_mode_readiness_and_a_new_member_bring_the_heartbeat_forward() {
+        let t0 = Instant::now();
+        let (mut m, _) = membership(true);
+        let starting = Progress::default();
+        assert!(!decode(m.tick_heartbeat(t0, &starting, None)).in_rounds);
+        // Training now: told at once, not a period later.
+        let ready = decode(m.tick_heartbeat(t0 + Duration::from_millis(10), &training(0), Some(1)));
+        assert!(ready.in_rounds);
+        assert_eq!(ready.round, Some(1));
+        let t1 = t0 + Duration::from_millis(20);
+        assert!(m.tick_heartbeat(t1, &training(0), None).is_none());
+        m.peer_up(PeerId::random(), t1);
+        assert!(m
+            .tick_heartbeat(t1 + NEW_MEMBER_HEARTBEAT_AFTER / 2, &training(0), None)
+            .is_none());
+        assert!(m
+            .tick_heartbeat(t1 + NEW_MEMBER_HEARTBEAT_AFTER, &training(0), None)
+            .is_some());
+    }
+
+    #[test]
+    fn in_gossip_mode_a_new_member_waits_for_the_period() {
+        let t0 = Instant::now();
+        let (mut m, _) = membership(false);
+        m.tick_heartbeat(t0, &training(0), None);
+        m.peer_up(PeerId::random(), t0);
+        assert!(m
+            .tick_heartbeat(t0 + NEW_MEMBER_HEARTBEAT_AFTER, &training(0), None)
+            .is_none());
+    }
+
+    #[test]
+    fn a_leaving_heartbeat_says_so_and_is_in_no_round() {
+        let (mut m, _) = membership(true);
+        let hb = decode(Some(m.leaving_heartbeat(&training(9), Some(4))));
+        assert!(hb.leaving && !hb.in_rounds);
+        let mut out = Vec::new();
+        let p = PeerId::random();
+        assert_eq!(
+            m.on_heartbeat(Some(p), &beat(9, true), &mut out),
+            HeartbeatNews::Leaving(p)
+        );
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn a_malformed_heartbeat_is_an_offence_only_when_its_author_is_known() {
+        let (mut m, _) = membership(false);
+        let mut out = Vec::new();
+        assert_eq!(
+            m.on_heartbeat(None, b"junk", &mut out),
+            HeartbeatNews::Malformed
+        );
+        assert!(out.is_empty());
+        let p = PeerId::random();
+        assert_eq!(
+            m.on_heartbeat(Some(p), b"junk", &mut out),
+            HeartbeatNews::Malformed
+        );
+        assert!(matches!(&out[..], [Output::Offence { peer, .. }] if *peer == p));
+    }
+
+    #[test]
+    fn heartbeats_of_strangers_stop_at_the_cap_but_members_are_always_kept() {
+        let now = Instant::now();
+        let (mut m, _) = membership(false);
+        let mut out = Vec::new();
+        for _ in 0..PER_PEER_CAP + 10 {
+            m.on_heartbeat(Some(PeerId::random()), &beat(1, false), &mut out);
+        }
+        assert_eq!(m.heard_len(), PER_PEER_CAP);
+        let member = PeerId::random();
+        m.peer_up(member, now);
+        m.on_heartbeat(Some(member), &beat(1, false), &mut out);
+        assert_eq!(m.heard_len(), PER_PEER_CAP + 1);
+    }
+}

@@ -130,9 +130,12 @@ impl Updates {
         let Some(param_norm) = param_norm else {
             return Verdict::Judged(MessageAcceptance::Ignore);
         };
-        // Only the topic's owner may publish on it: a signed author must match.
+        // Only the topic's owner may publish on it: a signed author must match. The forger is
+        // blamed (the sender, when the message names no author: with validation before
+        // forwarding, an honest peer never relays a message not yet judged), never the owner.
         if author != Some(owner) {
-            return self.reject(owner, "update published on another peer's topic", out);
+            let forger = author.unwrap_or(source);
+            return self.reject(forger, "update published on another peer's topic", out);
         }
         // Before any decoding, so a flood costs little. Dropped, not rejected: a box
         // configured to publish very often is not hostile.
@@ -452,5 +455,632 @@ impl Updates {
         status.residual_norm = self.residual_norm;
         status.payload_bytes_sent = self.payload_bytes_sent;
         status.dropped_stale = self.dropped_stale;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use p2ptrain_models::codec::{Codec, UpdateHeader, HEADER_LEN};
+
+    use super::*;
+    use crate::guard::GuardConfig;
+
+    const RUN: &str = "00aa";
+
+    fn layout() -> Layout {
+        Layout {
+            entries: vec![("w".into(), vec![4])],
+        }
+    }
+
+    fn cfg() -> MeshConfig {
+        MeshConfig {
+            degree: 3,
+            inline_max: 1 << 20,
+            max_update_ratio: 2.0,
+            serve_chunk_delay: Duration::ZERO,
+            codec: Codec::Dense,
+            density: 1.0,
+            error_feedback: true,
+            guard: GuardConfig {
+                outlier_factor: 10.0,
+                max_updates_per_sec: 1e6,
+                burst: 1e6,
+                clip_value: 0.0,
+            },
+            max_sync_distance: 0.85,
+        }
+    }
+
+    /// One update a second, no burst above it.
+    fn slow_cfg() -> MeshConfig {
+        MeshConfig {
+            guard: GuardConfig {
+                max_updates_per_sec: 1.0,
+                burst: 1.0,
+                ..cfg().guard
+            },
+            ..cfg()
+        }
+    }
+
+    fn updates(cfg: MeshConfig) -> (Updates, PeerId) {
+        let me = PeerId::random();
+        (Updates::new(&me, RUN, layout(), cfg, None), me)
+    }
+
+    /// A header of `author`'s in this run and layout, covering the step before `step`.
+    fn header(author: &PeerId, step: u64) -> UpdateHeader {
+        HeaderIds::new(author, RUN, &layout()).header(step.saturating_sub(1), step, Codec::Dense, 4)
+    }
+
+    fn encoded(header: &UpdateHeader, values: &[f32]) -> Vec<u8> {
+        codec::encode(header, &layout(), values, 1.0)
+            .expect("encode")
+            .bytes
+    }
+
+    fn inline(bytes: &[u8]) -> Vec<u8> {
+        wire::encode_update_frame(&UpdateFrame::Inline(bytes))
+    }
+
+    /// `author`'s update at `step`, framed inline.
+    fn update(author: &PeerId, step: u64, values: &[f32]) -> Vec<u8> {
+        inline(&encoded(&header(author, step), values))
+    }
+
+    /// `author` publishes `data` on its own topic; our parameters' norm is `param_norm`.
+    fn gossip(
+        u: &mut Updates,
+        author: PeerId,
+        data: &[u8],
+        param_norm: Option<f64>,
+        now: Instant,
+    ) -> (Verdict, Vec<Output>) {
+        let mut out = Vec::new();
+        let id = MessageId::from(vec![1, 2, 3]);
+        let v = u.on_gossip(
+            author,
+            Some(author),
+            author,
+            &id,
+            data,
+            param_norm,
+            now,
+            &mut out,
+        );
+        (v, out)
+    }
+
+    fn is(v: &Verdict, acceptance: MessageAcceptance) -> bool {
+        matches!(v, Verdict::Judged(a) if *a == acceptance)
+    }
+
+    fn passed(v: &Verdict) -> Option<(PeerId, u64, Vec<f32>)> {
+        match v {
+            Verdict::Passed {
+                author,
+                step,
+                values,
+            } => Some((*author, *step, values.clone())),
+            _ => None,
+        }
+    }
+
+    /// The text of the one offence in `out`, and whom it blames.
+    fn offence(out: &[Output]) -> (PeerId, String) {
+        match out {
+            [Output::Offence { peer, why }] => (*peer, why.clone()),
+            other => panic!("not one offence: {other:?}"),
+        }
+    }
+
+    fn counters(u: &Updates) -> UpdateCounters {
+        let mut s = MeshStatus::default();
+        u.render(&mut s);
+        s.updates
+    }
+
+    fn applies(u: &mut Updates) -> Vec<(Vec<f32>, f32)> {
+        std::iter::from_fn(|| u.next_apply())
+            .map(|cmd| match cmd {
+                TrainerCommand::Apply { values, weight } => (values, weight),
+                other => panic!("not an apply: {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn only_the_topics_owner_may_publish_on_it() {
+        let (mut u, _) = updates(cfg());
+        let (owner, forger) = (PeerId::random(), PeerId::random());
+        let data = update(&forger, 1, &[0.1; 4]);
+        for author in [Some(forger), None] {
+            let mut out = Vec::new();
+            let id = MessageId::from(vec![7]);
+            let v = u.on_gossip(
+                forger,
+                author,
+                owner,
+                &id,
+                &data,
+                Some(1.0),
+                Instant::now(),
+                &mut out,
+            );
+            assert!(is(&v, MessageAcceptance::Reject), "{v:?}");
+            let (blamed, why) = offence(&out);
+            assert_eq!(
+                blamed, forger,
+                "the forger is blamed, never the topic's owner"
+            );
+            assert_eq!(
+                why,
+                "rejected update: update published on another peer's topic"
+            );
+        }
+        assert_eq!(counters(&u).rejected, 2);
+        // The owner itself passes with the same kind of message.
+        let (v, out) = gossip(
+            &mut u,
+            owner,
+            &update(&owner, 1, &[0.1; 4]),
+            Some(1.0),
+            Instant::now(),
+        );
+        assert!(passed(&v).is_some(), "{v:?} {out:?}");
+    }
+
+    #[test]
+    fn owner_of_reads_only_this_runs_update_topics() {
+        let (u, me) = updates(cfg());
+        let p = PeerId::random();
+        assert_eq!(
+            u.owner_of(&crate::mesh_core::update_topic(RUN, &p)),
+            Some(p)
+        );
+        assert_eq!(
+            u.owner_of(&crate::mesh_core::update_topic(RUN, &me)),
+            Some(me)
+        );
+        assert_eq!(
+            u.owner_of(&crate::mesh_core::update_topic("00bb", &p)),
+            None
+        );
+        assert_eq!(u.owner_of(&crate::mesh_core::heartbeat_topic(RUN)), None);
+        assert_eq!(
+            u.owner_of(&format!("p2ptrain/{RUN}/updates/not-a-peer")),
+            None
+        );
+    }
+
+    #[test]
+    fn while_not_training_an_update_is_ignored_unjudged() {
+        let (mut u, _) = updates(cfg());
+        let (owner, forger) = (PeerId::random(), PeerId::random());
+        let now = Instant::now();
+        // Not even a forged author or garbage is judged.
+        let mut out = Vec::new();
+        let id = MessageId::from(vec![7]);
+        let v = u.on_gossip(
+            forger,
+            Some(forger),
+            owner,
+            &id,
+            b"junk",
+            None,
+            now,
+            &mut out,
+        );
+        assert!(is(&v, MessageAcceptance::Ignore), "{v:?}");
+        let (v, out2) = gossip(&mut u, owner, &update(&owner, 1, &[0.1; 4]), None, now);
+        assert!(is(&v, MessageAcceptance::Ignore), "{v:?}");
+        assert!(out.is_empty() && out2.is_empty(), "{out:?} {out2:?}");
+        assert_eq!(counters(&u), UpdateCounters::default());
+    }
+
+    #[test]
+    fn the_rate_limit_drops_before_decoding_without_blame() {
+        let (mut u, _) = updates(slow_cfg());
+        let a = PeerId::random();
+        let t0 = Instant::now();
+        let (v, _) = gossip(&mut u, a, &update(&a, 1, &[0.1; 4]), Some(1.0), t0);
+        assert!(passed(&v).is_some(), "{v:?}");
+        // Garbage within the same second: dropped unread, nobody blamed.
+        let (v, out) = gossip(&mut u, a, b"junk", Some(1.0), t0);
+        assert!(is(&v, MessageAcceptance::Ignore), "{v:?}");
+        assert!(out.is_empty(), "{out:?}");
+        let c = counters(&u);
+        assert_eq!((c.rate_limited, c.rejected), (1, 0));
+        // A second later the same garbage is read, and rejected.
+        let (v, out) = gossip(&mut u, a, b"junk", Some(1.0), t0 + Duration::from_secs(1));
+        assert!(is(&v, MessageAcceptance::Reject), "{v:?}");
+        assert_eq!(offence(&out).0, a);
+    }
+
+    #[test]
+    fn an_oversized_announce_is_rejected_and_a_normal_one_is_fetched_from_its_author() {
+        let (mut u, _) = updates(cfg());
+        let (a, relay) = (PeerId::random(), PeerId::random());
+        let max = codec::max_len(&layout()) as u64;
+        let hash = [9u8; 32];
+        let announce = |size| {
+            wire::encode_update_frame(&UpdateFrame::Announce {
+                hash,
+                size,
+                step: 3,
+            })
+        };
+        let id = MessageId::from(vec![4, 2]);
+        let now = Instant::now();
+
+        let mut out = Vec::new();
+        let v = u.on_gossip(
+            relay,
+            Some(a),
+            a,
+            &id,
+            &announce(max + 1),
+            Some(1.0),
+            now,
+            &mut out,
+        );
+        assert!(is(&v, MessageAcceptance::Reject), "{v:?}");
+        let (peer, why) = offence(&out);
+        assert_eq!(peer, a);
+        assert_eq!(
+            why,
+            "rejected update: announced update larger than any valid update"
+        );
+
+        let mut out = Vec::new();
+        let v = u.on_gossip(
+            relay,
+            Some(a),
+            a,
+            &id,
+            &announce(max),
+            Some(1.0),
+            now,
+            &mut out,
+        );
+        assert!(matches!(v, Verdict::Fetching), "{v:?}");
+        match &out[..] {
+            [Output::Fetch {
+                owner,
+                source,
+                id: fetch_id,
+                hash: h,
+            }] => {
+                assert_eq!((*owner, *source, *h), (a, relay, hash));
+                assert_eq!(*fetch_id, id);
+            }
+            other => panic!("no fetch: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn fetched_bytes_that_miss_the_hash_blame_the_author_and_an_unavailable_fetch_does_not() {
+        let (mut u, _) = updates(cfg());
+        let a = PeerId::random();
+        let bytes = encoded(&header(&a, 1), &[0.1; 4]);
+        let hash: [u8; 32] = Sha256::digest(&bytes).into();
+        let other = encoded(&header(&a, 1), &[0.2; 4]);
+
+        let mut out = Vec::new();
+        let v = u.on_fetched(a, hash, FetchAnswer::Bytes(other), 1.0, &mut out);
+        assert!(is(&v, MessageAcceptance::Reject), "{v:?}");
+        let (peer, why) = offence(&out);
+        assert_eq!(peer, a);
+        assert!(why.starts_with("rejected update: "), "{why}");
+
+        let mut out = Vec::new();
+        let v = u.on_fetched(a, hash, FetchAnswer::WrongKind, 1.0, &mut out);
+        assert!(is(&v, MessageAcceptance::Reject), "{v:?}");
+        assert_eq!(offence(&out).0, a);
+
+        let mut out = Vec::new();
+        let v = u.on_fetched(a, hash, FetchAnswer::Unavailable, 1.0, &mut out);
+        assert!(is(&v, MessageAcceptance::Ignore), "{v:?}");
+        assert!(out.is_empty(), "{out:?}");
+        assert_eq!(counters(&u).rejected, 2);
+
+        let mut out = Vec::new();
+        let v = u.on_fetched(a, hash, FetchAnswer::Bytes(bytes), 1.0, &mut out);
+        assert_eq!(passed(&v), Some((a, 1, vec![0.1; 4])), "{out:?}");
+    }
+
+    #[test]
+    fn updates_of_another_run_layout_or_sender_and_nan_values_are_rejected() {
+        let a = PeerId::random();
+        let other_layout = Layout {
+            entries: vec![("v".into(), vec![4])],
+        };
+        let mut nan = encoded(&header(&a, 1), &[0.1; 4]);
+        nan[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        codec::reseal(&mut nan);
+        let cases = [
+            (
+                encoded(
+                    &HeaderIds::new(&a, "00bb", &layout()).header(0, 1, Codec::Dense, 4),
+                    &[0.1; 4],
+                ),
+                "update of another run",
+            ),
+            (
+                encoded(
+                    &HeaderIds::new(&a, RUN, &other_layout).header(0, 1, Codec::Dense, 4),
+                    &[0.1; 4],
+                ),
+                "update for another parameter layout",
+            ),
+            (
+                encoded(&header(&PeerId::random(), 1), &[0.1; 4]),
+                "update names another sender",
+            ),
+            (nan, "update holds NaN or infinite values"),
+        ];
+        for (bytes, text) in cases {
+            let (mut u, _) = updates(cfg());
+            let (v, out) = gossip(&mut u, a, &inline(&bytes), Some(1.0), Instant::now());
+            assert!(is(&v, MessageAcceptance::Reject), "{text}: {v:?}");
+            assert_eq!(offence(&out), (a, format!("rejected update: {text}")));
+            let mut s = MeshStatus::default();
+            u.render(&mut s);
+            assert_eq!(s.last_rejection, Some(format!("{a}: {text}")));
+            assert_eq!(s.rejected_by_peer.get(&a.to_string()), Some(&1));
+        }
+    }
+
+    #[test]
+    fn the_norm_bound_scales_with_our_parameters_norm() {
+        let (mut u, _) = updates(cfg());
+        let a = PeerId::random();
+        let now = Instant::now();
+        // Norm 3 against 2 x max(param_norm, 1).
+        let big = [3.0, 0.0, 0.0, 0.0];
+        let (v, out) = gossip(&mut u, a, &update(&a, 1, &big), Some(1.0), now);
+        assert!(is(&v, MessageAcceptance::Reject), "{v:?}");
+        assert!(offence(&out).1.contains("exceeds the bound"), "{out:?}");
+        // Below a norm of 1 the bound stays at 2 x 1.
+        let (v, _) = gossip(&mut u, a, &update(&a, 2, &big), Some(0.01), now);
+        assert!(is(&v, MessageAcceptance::Reject), "{v:?}");
+        let (v, _) = gossip(
+            &mut u,
+            a,
+            &update(&a, 3, &[1.9, 0.0, 0.0, 0.0]),
+            Some(0.01),
+            now,
+        );
+        assert!(passed(&v).is_some(), "{v:?}");
+        // Larger parameters, a larger bound.
+        let (v, out) = gossip(&mut u, a, &update(&a, 4, &big), Some(1.6), now);
+        assert_eq!(passed(&v), Some((a, 4, big.to_vec())), "{out:?}");
+    }
+
+    #[test]
+    fn a_duplicate_step_is_ignored_and_not_blamed() {
+        let (mut u, _) = updates(cfg());
+        let a = PeerId::random();
+        let now = Instant::now();
+        let (v, _) = gossip(&mut u, a, &update(&a, 5, &[0.1; 4]), Some(1.0), now);
+        assert!(passed(&v).is_some(), "{v:?}");
+        let (v, out) = gossip(&mut u, a, &update(&a, 5, &[0.2; 4]), Some(1.0), now);
+        assert!(is(&v, MessageAcceptance::Ignore), "{v:?}");
+        assert!(out.is_empty(), "{out:?}");
+        let c = counters(&u);
+        assert_eq!((c.duplicates, c.rejected, c.received), (1, 0, 1));
+    }
+
+    #[test]
+    fn a_late_update_still_remembered_passes_and_is_counted_late() {
+        let (mut u, _) = updates(cfg());
+        let a = PeerId::random();
+        let now = Instant::now();
+        let (v, _) = gossip(&mut u, a, &update(&a, 9, &[0.1; 4]), Some(1.0), now);
+        assert!(passed(&v).is_some(), "{v:?}");
+        let (v, out) = gossip(&mut u, a, &update(&a, 7, &[0.2; 4]), Some(1.0), now);
+        assert_eq!(passed(&v), Some((a, 7, vec![0.2; 4])), "{out:?}");
+        assert!(out.is_empty(), "{out:?}");
+        let c = counters(&u);
+        assert_eq!((c.late, c.duplicates, c.received), (1, 0, 2));
+        // Remembered now: the same step again is a duplicate.
+        let (v, _) = gossip(&mut u, a, &update(&a, 7, &[0.2; 4]), Some(1.0), now);
+        assert!(is(&v, MessageAcceptance::Ignore), "{v:?}");
+    }
+
+    #[test]
+    fn beyond_the_cap_the_queue_merges_into_its_newest_entry() {
+        let (mut u, _) = updates(cfg());
+        for _ in 0..PENDING_CAP {
+            u.enqueue(vec![1.0, 0.0, 0.0, 0.0], 0.5);
+        }
+        // Added with its weight relative to the queued one's: 0.5 x queued + 0.25 x new.
+        u.enqueue(vec![0.0, 2.0, 0.0, 0.0], 0.25);
+        assert_eq!(u.pending_len(), PENDING_CAP);
+        let got = applies(&mut u);
+        assert_eq!(got.len(), PENDING_CAP);
+        assert_eq!(got[PENDING_CAP - 2], (vec![1.0, 0.0, 0.0, 0.0], 0.5));
+        assert_eq!(got[PENDING_CAP - 1], (vec![1.0, 1.0, 0.0, 0.0], 0.5));
+
+        // A newest entry of weight 0 counts for nothing: the new update replaces it.
+        for _ in 0..PENDING_CAP {
+            u.enqueue(vec![9.0; 4], 0.0);
+        }
+        u.enqueue(vec![1.0, 2.0, 3.0, 4.0], 0.5);
+        let got = applies(&mut u);
+        assert_eq!(got.len(), PENDING_CAP);
+        assert_eq!(got[PENDING_CAP - 1], (vec![1.0, 2.0, 3.0, 4.0], 0.5));
+    }
+
+    #[test]
+    fn a_configured_update_weight_overrides_the_policys() {
+        let mut u = Updates::new(&PeerId::random(), RUN, layout(), cfg(), Some(0.3));
+        u.enqueue(vec![0.1; 4], 0.9);
+        assert_eq!(applies(&mut u), vec![(vec![0.1; 4], 0.3)]);
+        let (mut plain, _) = updates(cfg());
+        plain.enqueue(vec![0.1; 4], 0.9);
+        assert_eq!(applies(&mut plain), vec![(vec![0.1; 4], 0.9)]);
+    }
+
+    #[test]
+    fn the_trainer_is_asked_for_its_delta_once_until_it_answers() {
+        let (mut u, _) = updates(cfg());
+        let mut out = Vec::new();
+        u.want_delta(&mut out);
+        u.want_delta(&mut out);
+        assert!(
+            matches!(&out[..], [Output::Trainer(TrainerCommand::TakeDelta)]),
+            "{out:?}"
+        );
+        u.delta_answered();
+        u.want_delta(&mut out);
+        assert_eq!(out.len(), 2, "asked again once answered: {out:?}");
+        assert!(matches!(out[1], Output::Trainer(TrainerCommand::TakeDelta)));
+    }
+
+    #[test]
+    fn a_requeued_update_goes_back_to_the_front() {
+        let (mut u, _) = updates(cfg());
+        u.enqueue(vec![1.0; 4], 0.5);
+        u.enqueue(vec![2.0; 4], 0.5);
+        u.requeue(vec![3.0; 4], 0.7);
+        assert_eq!(
+            applies(&mut u),
+            vec![
+                (vec![3.0; 4], 0.7),
+                (vec![1.0; 4], 0.5),
+                (vec![2.0; 4], 0.5)
+            ]
+        );
+    }
+
+    #[test]
+    fn nothing_is_published_while_alone() {
+        let (mut u, _) = updates(cfg());
+        let mut out = Vec::new();
+        u.publish(0, 5, &[0.1; 4], true, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        assert_eq!(u.sizes().0, 0);
+        u.publish(0, 5, &[0.1; 4], false, &mut out);
+        assert_eq!(out.len(), 1, "{out:?}");
+    }
+
+    #[test]
+    fn a_small_own_update_goes_inline_on_the_own_topic_and_passes_a_peers_judgement() {
+        let (mut u, me) = updates(cfg());
+        let mut out = Vec::new();
+        u.publish(3, 5, &[0.1, -0.2, 0.3, -0.4], false, &mut out);
+        let data = match &out[..] {
+            [Output::PublishUpdate { topic, data }] => {
+                assert_eq!(*topic, crate::mesh_core::update_topic(RUN, &me));
+                data.clone()
+            }
+            other => panic!("nothing published: {other:?}"),
+        };
+        assert!(matches!(
+            wire::decode_update_frame(&data),
+            Ok(UpdateFrame::Inline(_))
+        ));
+        assert_eq!(u.sizes().0, 0, "nothing kept for pulling");
+        let (mut peer, _) = updates(cfg());
+        let (v, out) = gossip(&mut peer, me, &data, Some(1.0), Instant::now());
+        assert_eq!(
+            passed(&v),
+            Some((me, 5, vec![0.1, -0.2, 0.3, -0.4])),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn a_large_own_update_is_announced_and_kept_for_pulling_up_to_the_cap() {
+        let (mut u, me) = updates(MeshConfig {
+            inline_max: 8,
+            ..cfg()
+        });
+        let mut hashes = Vec::new();
+        for step in 1..=LARGE_UPDATE_CAP as u64 + 1 {
+            let mut out = Vec::new();
+            u.publish(step - 1, step, &[step as f32 * 0.01; 4], false, &mut out);
+            let hash = match &out[..] {
+                [Output::PublishUpdate { data, .. }] => match wire::decode_update_frame(data) {
+                    Ok(UpdateFrame::Announce {
+                        hash,
+                        size,
+                        step: s,
+                    }) => {
+                        assert_eq!(s, step);
+                        let kept = u.large_update(&hash).expect("kept for pulling");
+                        assert_eq!(kept.len() as u64, size);
+                        assert_eq!(Sha256::digest(&kept[..])[..], hash[..]);
+                        let (header, values) = codec::decode(&kept, &layout()).expect("an update");
+                        assert_eq!(header.sender, codec::sender_bytes(&me.to_bytes()));
+                        assert_eq!(values, vec![step as f32 * 0.01; 4]);
+                        hash
+                    }
+                    other => panic!("not an announce: {other:?}"),
+                },
+                other => panic!("nothing published: {other:?}"),
+            };
+            hashes.push(hash);
+        }
+        assert_eq!(u.sizes().0, LARGE_UPDATE_CAP);
+        assert!(u.large_update(&hashes[0]).is_none(), "the oldest is gone");
+        assert!(hashes[1..].iter().all(|h| u.large_update(h).is_some()));
+        assert!(u.large_update(&[0u8; 32]).is_none());
+    }
+
+    #[test]
+    fn a_restore_clears_the_queue_and_the_residual_and_rearms_the_delta_request() {
+        let (mut u, _) = updates(MeshConfig {
+            codec: Codec::TopK(codec::ValueFormat::F32),
+            density: 0.25,
+            ..cfg()
+        });
+        let mut out = Vec::new();
+        u.publish(0, 1, &[1.0, 2.0, 3.0, 4.0], false, &mut out);
+        u.published(10, true);
+        let residual = |u: &Updates| {
+            let mut s = MeshStatus::default();
+            u.render(&mut s);
+            s.residual_norm
+        };
+        assert!(residual(&u) > 0.0, "top-k owes the rest");
+        u.enqueue(vec![0.1; 4], 0.5);
+        u.want_delta(&mut out);
+        out.clear();
+
+        u.restored();
+        assert_eq!(u.pending_len(), 0);
+        assert_eq!(residual(&u), 0.0);
+        u.want_delta(&mut out);
+        assert!(
+            matches!(&out[..], [Output::Trainer(TrainerCommand::TakeDelta)]),
+            "{out:?}"
+        );
+        // The compressor itself forgot what it owed: a zero delta leaves nothing owed.
+        u.publish(1, 2, &[0.0; 4], false, &mut out);
+        u.published(10, true);
+        assert_eq!(residual(&u), 0.0);
+    }
+
+    #[test]
+    fn forgetting_a_peer_makes_its_step_numbers_news_again() {
+        let (mut u, _) = updates(slow_cfg());
+        let a = PeerId::random();
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(2);
+        let (v, _) = gossip(&mut u, a, &update(&a, 5, &[0.1; 4]), Some(1.0), t0);
+        assert!(passed(&v).is_some(), "{v:?}");
+        let (v, _) = gossip(&mut u, a, &update(&a, 5, &[0.1; 4]), Some(1.0), t1);
+        assert!(is(&v, MessageAcceptance::Ignore), "a duplicate: {v:?}");
+        assert_eq!(u.sizes().1, 1);
+        u.forget(&a);
+        assert_eq!(u.sizes().1, 0);
+        // At the same instant: its rate budget was forgotten too.
+        let (v, out) = gossip(&mut u, a, &update(&a, 5, &[0.1; 4]), Some(1.0), t1);
+        assert_eq!(passed(&v), Some((a, 5, vec![0.1; 4])), "{out:?}");
     }
 }

@@ -308,6 +308,7 @@ pub async fn run(
         listen: config.network.listen.clone(),
         bootstrap: config.network.bootstrap.clone(),
         run_id: ident.run_id.clone(),
+        sync_terms: config.sync.shared_terms(),
         mdns: config.network.mdns,
         psk,
         allow,

@@ -427,6 +427,46 @@ fn a_node_of_another_run_is_refused() {
     assert!(a.log_text().contains("refused peer"), "{}", a.log_text());
 }
 
+/// Two nodes of one run (same model, data and seed: the run id is the same) in two sync
+/// modes, or in one synchronous mode with different shared settings, would each wait for
+/// rounds or updates the other never sends: they are refused at the handshake, and say why.
+#[test]
+fn nodes_of_one_run_in_other_sync_modes_or_settings_are_refused() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let allreduce = |name: &str, every: u64| {
+        let sync = format!("\n[sync]\nmode = \"allreduce\"\nevery = {every}\n");
+        config(tmp.path(), name, &[], &sync)
+    };
+    let every4 = allreduce("every4.toml", 4);
+    let every2 = allreduce("every2.toml", 2);
+    let gossip = config(tmp.path(), "gossip.toml", &[], "");
+    let a = start(tmp.path(), "a", &every4, None, &[]);
+    let addr = listen_addr(&a);
+    let strangers = [
+        start(tmp.path(), "gossip", &gossip, Some(&addr), &[]),
+        start(tmp.path(), "every2", &every2, Some(&addr), &[]),
+    ];
+    for node in &strangers {
+        node.wait_status(
+            "refused by the allreduce node",
+            Duration::from_secs(30),
+            |s| s["refused_peers"].as_u64().unwrap_or(0) >= 1,
+        );
+    }
+    a.wait_status("both strangers refused", Duration::from_secs(30), |s| {
+        s["refused_peers"].as_u64().unwrap_or(0) >= 2
+    });
+    assert_eq!(peers(&a.status().expect("status")), 0);
+    let log = a.log_text();
+    assert!(log.contains("/sync/gossip/"), "{log}");
+    assert!(log.contains("/sync/allreduce/every/2/"), "{log}");
+    // The same terms still meet.
+    let same = start(tmp.path(), "same", &every4, Some(&addr), &[]);
+    same.wait_status("a member of the same terms", Duration::from_secs(30), |s| {
+        peers(s) == 1
+    });
+}
+
 /// A rogue peer of the same run publishes seven kinds of bad update; each is rejected and
 /// counted, its score falls, and more garbage gets it banned. A repeated step is dropped and a
 /// late one applied, neither punished: gossip reorders honest messages.

@@ -104,6 +104,7 @@ impl Rogue {
     ) -> Rogue {
         let config = p2ptrain_daemon::Config::load(Some(config)).expect("config");
         let run_id = config.run_id();
+        let sync_terms = config.sync.shared_terms();
         let prepared = p2ptrain_daemon::node::prepare(config).expect("prepare");
         let model = p2ptrain_models::Model::new(&prepared.spec, 1, &candle_core::Device::Cpu)
             .expect("model");
@@ -121,6 +122,7 @@ impl Rogue {
             listen: vec!["/ip4/127.0.0.1/tcp/0".parse().expect("addr")],
             bootstrap: vec![bootstrap.parse().expect("addr")],
             run_id: run_id.clone(),
+            sync_terms,
             mdns: false,
             psk: None,
             allow: None,

@@ -390,6 +390,22 @@ impl Describe for PeerId {
 }
 
 impl SyncConfig {
+    /// What every member of a run must share about syncing, as the network's handshake
+    /// compares it: the mode and the settings its rounds depend on. Settings a node may choose
+    /// for itself (how often it publishes or syncs in gossip, its guards) are not terms.
+    pub fn shared_terms(&self) -> String {
+        match self.mode {
+            SyncMode::Gossip => "gossip".into(),
+            SyncMode::Allreduce => format!("allreduce/every/{}", self.every),
+            SyncMode::Ddp => format!("ddp/resync_every/{}", self.resync_every),
+            SyncMode::Diloco => format!(
+                "diloco/inner_steps/{}/outer_lr/{}/outer_momentum/{}",
+                self.inner_steps, self.outer_lr, self.outer_momentum
+            ),
+            SyncMode::Fedavg => format!("fedavg/local_epochs/{}", self.local_epochs),
+        }
+    }
+
     /// The policy settings these give.
     pub fn policy(&self) -> crate::policy::PolicyConfig {
         // The synchronous modes neither gossip updates nor sync with neighbours: the rounds

@@ -60,6 +60,47 @@ fn run_id_covers_model_and_seed_but_not_local_settings() {
     assert_eq!(base.run_id(), other_threads.run_id());
 }
 
+/// The mode is no part of the run id (a checkpoint stays valid when a run changes mode), but
+/// the handshake's sync terms name it and every setting its members must share.
+#[test]
+fn sync_terms_name_the_mode_and_its_shared_settings_but_not_the_run_id() {
+    type Change<'a> = &'a dyn Fn(&mut SyncConfig);
+    let with = |change: Change| {
+        let mut c = Config::load(None).expect("default");
+        change(&mut c.sync);
+        c
+    };
+    let gossip = with(&|_| {});
+    let allreduce = with(&|s| s.mode = SyncMode::Allreduce);
+    assert_eq!(gossip.run_id(), allreduce.run_id());
+    assert_ne!(gossip.sync.shared_terms(), allreduce.sync.shared_terms());
+    let terms = |mode: SyncMode, change: Change| {
+        with(&|s| {
+            s.mode = mode;
+            change(s);
+        })
+        .sync
+        .shared_terms()
+    };
+    let base = |mode| terms(mode, &|_| {});
+    let changed: [(SyncMode, Change); 6] = [
+        (SyncMode::Allreduce, &|s| s.every += 1),
+        (SyncMode::Ddp, &|s| s.resync_every += 1),
+        (SyncMode::Diloco, &|s| s.inner_steps += 1),
+        (SyncMode::Diloco, &|s| s.outer_lr /= 2.0),
+        (SyncMode::Diloco, &|s| s.outer_momentum /= 2.0),
+        (SyncMode::Fedavg, &|s| s.local_epochs += 1),
+    ];
+    for (mode, change) in changed {
+        assert_ne!(base(mode), terms(mode, change), "{mode:?}");
+    }
+    // A node's own pace in gossip is its own business.
+    assert_eq!(
+        base(SyncMode::Gossip),
+        terms(SyncMode::Gossip, &|s| s.publish_every += 1)
+    );
+}
+
 #[test]
 fn widths_must_fit_data() {
     let c = Config::parse(

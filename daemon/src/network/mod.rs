@@ -70,10 +70,15 @@ pub const SILENT_AFTER: Duration = Duration::from_secs(4);
 /// Kademlia random walk interval, so nodes keep learning peers beyond their bootstrap.
 pub const KAD_WALK_EVERY: Duration = Duration::from_secs(30);
 
-/// The identify protocol version of a node of run `run_id`: equal strings, and only equal
-/// strings, can train together.
-pub fn protocol_version(run_id: &str) -> String {
-    format!("/p2ptrain/{WIRE_VERSION}/run/{run_id}/gossip-max/{MAX_TRANSMIT_SIZE}")
+/// The identify protocol version of a node of run `run_id` syncing on `sync_terms`: equal
+/// strings, and only equal strings, can train together. The sync terms are not part of the run
+/// id, so a checkpoint stays valid when a run changes mode; but a gossip node and an allreduce
+/// node (or two diloco nodes with different inner steps) would each wait for rounds or updates
+/// the other never sends.
+pub fn protocol_version(run_id: &str, sync_terms: &str) -> String {
+    format!(
+        "/p2ptrain/{WIRE_VERSION}/run/{run_id}/sync/{sync_terms}/gossip-max/{MAX_TRANSMIT_SIZE}"
+    )
 }
 
 /// The agent string other peers see.
@@ -250,6 +255,9 @@ pub struct NetConfig {
     pub bootstrap: Vec<Multiaddr>,
     /// The run id, compared with every peer's.
     pub run_id: String,
+    /// The sync mode and the settings its members must share
+    /// ([`crate::config::SyncConfig::shared_terms`]), compared with every peer's.
+    pub sync_terms: String,
     /// Discover peers on the local network with mDNS. Off by default: it multicasts on every
     /// interface of the machine.
     pub mdns: bool,
@@ -417,7 +425,7 @@ pub fn new(
 ) -> Result<(Client, mpsc::Receiver<Event>, EventLoop), NetError> {
     let envelope = metrics::Envelope::of(&key);
     let bandwidth = metrics::Bandwidth::default();
-    let protocol_version = protocol_version(&cfg.run_id);
+    let protocol_version = protocol_version(&cfg.run_id, &cfg.sync_terms);
     let libp2p_metrics = libp2p::metrics::Metrics::new(registry);
     let mut swarm = behaviour::build(
         key,
@@ -460,11 +468,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn protocol_version_names_wire_version_run_and_gossip_limit() {
+    fn protocol_version_names_wire_version_run_sync_terms_and_gossip_limit() {
         // Nodes compare exactly this string: a node of wire version 1 is refused at identify.
         assert_eq!(
-            protocol_version("abc"),
-            "/p2ptrain/3/run/abc/gossip-max/2097152"
+            protocol_version("abc", "allreduce/every/4"),
+            "/p2ptrain/3/run/abc/sync/allreduce/every/4/gossip-max/2097152"
         );
     }
 

@@ -269,7 +269,7 @@ impl EventLoop {
                         self.refused_count += 1;
                         tracing::warn!(
                             peer = %peer_id,
-                            "refused peer: it speaks {:?} ({}), this node speaks {:?}; a different run id (model, optimizer, data spec or seed) or gossip size limit cannot train together",
+                            "refused peer: it speaks {:?} ({}), this node speaks {:?}; a different run id (model, optimizer, data spec or seed), sync mode or shared sync setting (allreduce every, ddp resync_every, diloco inner_steps/outer_lr/outer_momentum, fedavg local_epochs) or gossip size limit cannot train together",
                             info.protocol_version,
                             info.agent_version,
                             self.protocol_version

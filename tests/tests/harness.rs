@@ -11,6 +11,7 @@ use serde_json::Value;
 
 /// The `p2ptrain` binary cargo built beside this test executable.
 pub fn bin() -> PathBuf {
+    crate::report::started();
     if let Ok(p) = std::env::var("P2PTRAIN_BIN") {
         return PathBuf::from(p);
     }
@@ -34,6 +35,7 @@ pub fn skip_or_fail(test: &str, why: &str) {
         panic!("{test}: prerequisite missing in CI: {why}");
     }
     eprintln!("SKIPPED {test}: {why}");
+    crate::report::skipped(test, why);
 }
 
 /// The two cores, as the suite's tests share them. Tests that load both cores for minutes
@@ -47,6 +49,7 @@ static CORES: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 /// Held for the whole of a test that loads both cores for minutes (see [`CORES`]).
 pub fn cpu_hog() -> std::sync::RwLockReadGuard<'static, ()> {
+    crate::report::started();
     CORES
         .read()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -54,6 +57,7 @@ pub fn cpu_hog() -> std::sync::RwLockReadGuard<'static, ()> {
 
 /// Held for the whole of a test whose assertions depend on the CPU it gets (see [`CORES`]).
 pub fn cpu_sensitive() -> std::sync::RwLockWriteGuard<'static, ()> {
+    crate::report::started();
     CORES
         .write()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -61,6 +65,7 @@ pub fn cpu_sensitive() -> std::sync::RwLockWriteGuard<'static, ()> {
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
+    crate::report::started();
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("repo root")

@@ -13,6 +13,7 @@ mod netlab;
 mod observe;
 mod partition;
 mod private;
+mod report;
 mod rogue;
 mod single_node;
 mod skewed;

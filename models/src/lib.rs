@@ -18,6 +18,7 @@ pub mod matmul;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod replica;
 pub mod text;
 pub mod train;
 

@@ -13,6 +13,7 @@ use libp2p::identity::Keypair;
 use libp2p::PeerId;
 use p2ptrain_models::codec::{self, Codec, UpdateHeader};
 use p2ptrain_models::params::{l2_norm, Layout};
+use p2ptrain_models::replica::{self, OwnChange};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_bytes::ByteBuf;
@@ -83,8 +84,8 @@ struct SimNode {
     id: PeerId,
     core: MeshCore,
     x: Vec<f32>,
-    anchor: Vec<f32>,
-    foreign: Vec<f32>,
+    /// Its own change since its last delta, as the trainer keeps it.
+    own: OwnChange,
     last_delta_step: u64,
     target: Vec<f32>,
     step: u64,
@@ -238,8 +239,11 @@ impl Sim {
         self.nodes.push(SimNode {
             id,
             core,
-            anchor: x.clone(),
-            foreign: vec![0.0; x.len()],
+            own: {
+                let mut own = OwnChange::default();
+                own.reset(&x);
+                own
+            },
             x,
             last_delta_step: step,
             target,
@@ -460,15 +464,8 @@ impl Sim {
             let now = self.now();
             let outs = self.nodes[i].core.handle(input, now);
             work.extend(self.carry_out(i, outs));
-            while let Some(TrainerCommand::Apply { values, weight }) =
-                self.nodes[i].core.next_apply()
-            {
-                let n = &mut self.nodes[i];
-                for ((x, f), v) in n.x.iter_mut().zip(n.foreign.iter_mut()).zip(&values) {
-                    *x += weight * v;
-                    *f += weight * v;
-                }
-                self.report.applied += 1;
+            while let Some(apply) = self.nodes[i].core.next_apply() {
+                let _ = self.train(i, apply);
             }
             let sizes = self.nodes[i].core.sizes();
             self.report.largest_map = self.report.largest_map.max(sizes.per_peer_max);
@@ -654,14 +651,8 @@ impl Sim {
         let n = &mut self.nodes[i];
         match cmd {
             TrainerCommand::TakeDelta => {
-                let delta: Vec<f32> =
-                    n.x.iter()
-                        .zip(&n.anchor)
-                        .zip(&n.foreign)
-                        .map(|((x, a), f)| x - a - f)
-                        .collect();
-                n.anchor.clone_from(&n.x);
-                n.foreign.iter_mut().for_each(|f| *f = 0.0);
+                let delta = n.own.delta(&n.x)?;
+                n.own.reset(&n.x);
                 let base_step = n.last_delta_step;
                 n.last_delta_step = n.step;
                 Some(Input::Trainer(TrainerEvent::Delta {
@@ -671,21 +662,19 @@ impl Sim {
                 }))
             }
             TrainerCommand::Apply { values, weight } => {
-                for ((x, f), v) in n.x.iter_mut().zip(n.foreign.iter_mut()).zip(&values) {
+                for (x, v) in n.x.iter_mut().zip(&values) {
                     *x += weight * v;
-                    *f += weight * v;
                 }
+                n.own.added(&values, weight);
                 self.report.applied += 1;
                 None
             }
             TrainerCommand::Average { seq, theirs, bound } => {
                 let outcome = match sync_guard::judge(&n.x, &theirs, bound) {
                     Ok(d) => {
-                        for ((x, f), t) in n.x.iter_mut().zip(n.foreign.iter_mut()).zip(&theirs) {
-                            let m = 0.5 * (*x + t);
-                            *f += m - *x;
-                            *x = m;
-                        }
+                        let merged = replica::averaged(&n.x, &theirs);
+                        n.own.moved(&n.x, &merged);
+                        n.x = merged;
                         if !n.hostile {
                             self.report.syncs += 1;
                         }

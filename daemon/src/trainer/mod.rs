@@ -12,9 +12,9 @@
 //! typed [`TrainerCommand`]s (take the delta since the last one, apply values with a weight,
 //! average with given parameters within a bound), reports its steps as [`TrainerEvent`]s, and
 //! takes a step only while its step is below the [`StepLimit`] the core sets (SSP). The one
-//! piece of bookkeeping it keeps about the mesh is the base of the next delta (`anchor`, and
-//! `foreign`: what came from elsewhere since), because it is about its own parameters; a
-//! restore resets it and tells the core, which resets what it keeps.
+//! piece of bookkeeping it keeps about the mesh is its own change since the last delta
+//! ([`OwnChange`]: what came from elsewhere kept apart), because it is about its own
+//! parameters; a restore resets it and tells the core, which resets what it keeps.
 
 mod interface;
 mod state;
@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use p2ptrain_models::data::Sampler;
 use p2ptrain_models::params::l2_norm;
+use p2ptrain_models::replica::{self, OwnChange};
 use p2ptrain_models::train::{evaluate, forward_backward, loss_value};
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -110,10 +111,9 @@ struct Loop {
     target_reached: bool,
     /// The wall-clock time of the last evaluation (lockstep members align on it).
     last_eval_wall: std::time::SystemTime,
-    /// Parameters when the last delta was handed over.
-    anchor: Vec<f32>,
-    /// Changes since then that were not this node's own steps (neighbours' updates, syncs).
-    foreign: Vec<f32>,
+    /// This node's own change since the last delta was handed over, neighbours' updates and
+    /// syncs kept apart.
+    own: OwnChange,
     last_delta_step: u64,
     /// The parameters at the start of the round (DiLoCo's outer step starts from them); empty
     /// without an outer optimizer.
@@ -197,8 +197,7 @@ impl Loop {
             last_eval_log: None,
             target_reached: false,
             last_eval_wall: std::time::SystemTime::now(),
-            anchor: Vec::new(),
-            foreign: Vec::new(),
+            own: OwnChange::default(),
             last_delta_step: counters.step,
             round_anchor: Vec::new(),
             outer_velocity: s.outer_velocity.clone(),
@@ -460,11 +459,9 @@ impl Loop {
         let flat = self.flat()?;
         self.stats.param_norm = l2_norm(&flat);
         if self.s.publishes {
-            self.foreign = vec![0.0; flat.len()];
-            self.anchor = flat;
+            self.own.reset(&flat);
         } else {
-            self.foreign.clear();
-            self.anchor.clear();
+            self.own.clear();
         }
         Ok(())
     }
@@ -487,11 +484,7 @@ impl Loop {
             tracing::warn!("update not applied: {e}");
             return Ok(());
         }
-        if self.foreign.len() == values.len() {
-            for (f, v) in self.foreign.iter_mut().zip(values) {
-                *f += weight * v;
-            }
-        }
+        self.own.added(values, weight);
         self.stats.updates_applied += 1;
         Ok(())
     }
@@ -505,17 +498,9 @@ impl Loop {
             Ok(d) => d,
             Err(refusal) => return Ok(AverageOutcome::Refused(refusal)),
         };
-        let merged: Vec<f32> = mine
-            .iter()
-            .zip(theirs)
-            .map(|(a, b)| 0.5 * (a + b))
-            .collect();
+        let merged = replica::averaged(&mine, theirs);
         self.s.model.params().write_back(&merged)?;
-        if self.foreign.len() == merged.len() {
-            for ((f, m), a) in self.foreign.iter_mut().zip(&merged).zip(&mine) {
-                *f += m - a;
-            }
-        }
+        self.own.moved(&mine, &merged);
         Ok(AverageOutcome::Averaged(distance))
     }
 
@@ -556,14 +541,13 @@ impl Loop {
                 if self.outer_velocity.len() != numel {
                     self.outer_velocity = vec![0.0; numel];
                 }
-                let mut next = Vec::with_capacity(numel);
-                let start = self.round_anchor.iter().zip(mean);
-                for ((s, m), v) in start.zip(self.outer_velocity.iter_mut()) {
-                    let g = s - m;
-                    *v = outer.momentum * *v + g;
-                    next.push(s - outer.lr * (g + outer.momentum * *v));
-                }
-                next
+                replica::outer_step(
+                    &self.round_anchor,
+                    mean,
+                    &mut self.outer_velocity,
+                    outer.lr,
+                    outer.momentum,
+                )
             }
         };
         self.s.model.params().write_back(&next)?;
@@ -706,16 +690,10 @@ impl Loop {
     /// ‖own change since the last delta‖ / ‖parameters‖, for the policy's early-publish rule;
     /// measured only when that rule is on (it costs a copy of the parameters).
     fn pending_ratio(&self) -> Result<f64, TrainerError> {
-        if !self.s.measure_pending_ratio || self.anchor.is_empty() {
+        if !self.s.measure_pending_ratio || !self.own.is_set_for(self.s.model.params().numel()) {
             return Ok(0.0);
         }
-        let now = self.flat()?;
-        let (mut d, mut n) = (0.0f64, 0.0f64);
-        for ((x, a), f) in now.iter().zip(&self.anchor).zip(&self.foreign) {
-            d += f64::from(x - a - f).powi(2);
-            n += f64::from(*x).powi(2);
-        }
-        Ok(d.sqrt() / n.sqrt().max(f64::MIN_POSITIVE))
+        Ok(self.own.ratio(&self.flat()?))
     }
 
     /// Hands the mesh this node's own change since the last delta (neighbours' updates and
@@ -723,17 +701,10 @@ impl Loop {
     fn take_delta(&mut self) -> Result<(), TrainerError> {
         let now = self.flat()?;
         self.stats.param_norm = l2_norm(&now);
-        if self.anchor.len() != now.len() {
-            self.anchor = now;
-            self.foreign = vec![0.0; self.anchor.len()];
+        let Some(delta) = self.own.delta(&now) else {
+            self.own.reset(&now);
             return Ok(());
-        }
-        let delta: Vec<f32> = now
-            .iter()
-            .zip(&self.anchor)
-            .zip(&self.foreign)
-            .map(|((n, a), f)| n - a - f)
-            .collect();
+        };
         let step = self.counters.step;
         let sent = self.events_tx.try_send(TrainerEvent::Delta {
             base_step: self.last_delta_step,
@@ -741,8 +712,7 @@ impl Loop {
             delta,
         });
         if sent.is_ok() {
-            self.anchor = now;
-            self.foreign.iter_mut().for_each(|f| *f = 0.0);
+            self.own.reset(&now);
             self.stats.updates_published += 1;
             self.last_delta_step = step;
         }

@@ -1,0 +1,132 @@
+//! The arithmetic a replica does with the mesh on its flat parameters, free of tensors and IO:
+//! keeping its own change since the last published delta apart from what came from elsewhere
+//! (so nothing echoes back through the mesh), averaging with a neighbour, and DiLoCo's outer
+//! step. The trainer runs it on its model's parameters; the mesh core's simulator runs the
+//! very same code on its simulated nodes.
+
+/// This replica's own change since its last delta. `anchor` holds the parameters when the
+/// last delta was taken, `foreign` what neighbours' updates and syncs added since; the own
+/// change is `now - anchor - foreign`. Empty (unset) until [`OwnChange::reset`], and kept
+/// empty by a node that never publishes.
+#[derive(Debug, Clone, Default)]
+pub struct OwnChange {
+    anchor: Vec<f32>,
+    foreign: Vec<f32>,
+}
+
+impl OwnChange {
+    /// Takes `now` as the base of the next delta, with nothing foreign yet.
+    pub fn reset(&mut self, now: &[f32]) {
+        self.anchor = now.to_vec();
+        self.foreign = vec![0.0; now.len()];
+    }
+
+    /// Forgets the base: no delta can be taken until the next reset.
+    pub fn clear(&mut self) {
+        self.anchor.clear();
+        self.foreign.clear();
+    }
+
+    /// Whether a base of `numel` parameters is set.
+    pub fn is_set_for(&self, numel: usize) -> bool {
+        !self.anchor.is_empty() && self.anchor.len() == numel
+    }
+
+    /// A neighbour's update of `weight * values` was added to the parameters.
+    pub fn added(&mut self, values: &[f32], weight: f32) {
+        if self.foreign.len() == values.len() {
+            for (f, v) in self.foreign.iter_mut().zip(values) {
+                *f += weight * v;
+            }
+        }
+    }
+
+    /// The parameters moved from `before` to `after` for a reason not this replica's own
+    /// (an average with a neighbour).
+    pub fn moved(&mut self, before: &[f32], after: &[f32]) {
+        if self.foreign.len() == after.len() {
+            for ((f, a), b) in self.foreign.iter_mut().zip(after).zip(before) {
+                *f += a - b;
+            }
+        }
+    }
+
+    /// The own change from the base to `now`; `None` when no base of that size is set.
+    pub fn delta(&self, now: &[f32]) -> Option<Vec<f32>> {
+        self.is_set_for(now.len()).then(|| {
+            now.iter()
+                .zip(&self.anchor)
+                .zip(&self.foreign)
+                .map(|((n, a), f)| n - a - f)
+                .collect()
+        })
+    }
+
+    /// ‖own change‖ / ‖now‖ (0 when no base is set).
+    pub fn ratio(&self, now: &[f32]) -> f64 {
+        if !self.is_set_for(now.len()) {
+            return 0.0;
+        }
+        let (mut d, mut n) = (0.0f64, 0.0f64);
+        for ((x, a), f) in now.iter().zip(&self.anchor).zip(&self.foreign) {
+            d += f64::from(x - a - f).powi(2);
+            n += f64::from(*x).powi(2);
+        }
+        d.sqrt() / n.sqrt().max(f64::MIN_POSITIVE)
+    }
+}
+
+/// `mine` averaged with `theirs`, value by value (equal lengths).
+pub fn averaged(mine: &[f32], theirs: &[f32]) -> Vec<f32> {
+    mine.iter()
+        .zip(theirs)
+        .map(|(a, b)| 0.5 * (a + b))
+        .collect()
+}
+
+/// DiLoCo's outer step: Nesterov SGD from the round's `start` along the pseudo-gradient
+/// `start - mean`, with `velocity` (as long as `start`) carried from round to round.
+pub fn outer_step(
+    start: &[f32],
+    mean: &[f32],
+    velocity: &mut [f32],
+    lr: f32,
+    momentum: f32,
+) -> Vec<f32> {
+    let mut next = Vec::with_capacity(start.len());
+    for ((s, m), v) in start.iter().zip(mean).zip(velocity.iter_mut()) {
+        let g = s - m;
+        *v = momentum * *v + g;
+        next.push(s - lr * (g + momentum * *v));
+    }
+    next
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_own_change_leaves_out_what_came_from_elsewhere() {
+        let mut c = OwnChange::default();
+        assert_eq!(c.delta(&[1.0, 1.0]), None, "no base yet");
+        c.reset(&[1.0, 1.0]);
+        // Own steps moved the parameters by +1, a neighbour's update by 0.5 * [2, 0].
+        c.added(&[2.0, 0.0], 0.5);
+        assert_eq!(c.delta(&[3.0, 2.0]), Some(vec![1.0, 1.0]));
+        // An average moved them from [3, 2] to [2, 2]: still not own.
+        c.moved(&[3.0, 2.0], &[2.0, 2.0]);
+        assert_eq!(c.delta(&[2.0, 2.0]), Some(vec![1.0, 1.0]));
+        assert_eq!(c.delta(&[2.0]), None, "another size");
+        c.clear();
+        assert_eq!(c.ratio(&[2.0, 2.0]), 0.0);
+    }
+
+    #[test]
+    fn an_outer_step_without_momentum_moves_lr_of_the_way_to_the_mean() {
+        let mut v = vec![0.0; 2];
+        let next = outer_step(&[1.0, 0.0], &[0.0, 2.0], &mut v, 0.5, 0.0);
+        assert_eq!(next, vec![0.5, 1.0]);
+        assert_eq!(averaged(&[1.0, 0.0], &[0.0, 2.0]), vec![0.5, 1.0]);
+    }
+}

@@ -47,6 +47,12 @@ pub struct SimParams {
     pub partition: Option<(u64, u64)>,
     /// Updates larger than this are announced and pulled from their author (`mesh.inline_max`).
     pub inline_max: usize,
+    /// `None`: every node is connected to every other. `Some(k)`: each node dials `k` random
+    /// others (a joiner too), so a node has about `2k` connected members, as a large mesh
+    /// whose nodes discover only part of it; heartbeats and updates reach connected peers only.
+    pub links: Option<usize>,
+    /// How far apart the two sides' data pull (0: sides alike).
+    pub side_skew: f32,
 }
 
 /// What it measured.
@@ -75,6 +81,12 @@ pub struct SimReport {
     pub largest_map: usize,
     pub largest_queue: usize,
     pub nodes_started: usize,
+    /// [`SimReport::consensus`] when the partition healed.
+    pub consensus_at_heal: Option<f64>,
+    /// Steps the honest nodes took, and the bytes they sent (update and heartbeat messages
+    /// once per receiver, sync replies): traffic per node per step, for planning.
+    pub steps: u64,
+    pub bytes_sent: u64,
     /// The live honest cores' status counters, summed at the end: what each rule of the core
     /// decided, so a change that moves a decision changes a figure.
     pub counters: BTreeMap<&'static str, u64>,
@@ -121,6 +133,8 @@ pub struct Sim {
     report: SimReport,
     msg_ids: u64,
     common: Vec<f32>,
+    /// Who is connected to whom, when not everybody to everybody ([`SimParams::links`]).
+    links: Option<Vec<BTreeSet<usize>>>,
 }
 
 fn mesh_config(inline_max: usize) -> MeshConfig {
@@ -160,6 +174,7 @@ impl Sim {
             report: SimReport::default(),
             msg_ids: 0,
             common: Vec::new(),
+            links: None,
             p,
         };
         sim.common = (0..sim.p.dim)
@@ -173,12 +188,19 @@ impl Sim {
             sim.add_node(init.clone(), 0, hostile);
         }
         let n = sim.nodes.len();
-        for i in 0..n {
-            for j in 0..n {
-                if i != j {
-                    let id = sim.nodes[j].id;
-                    let d = sim.rng.random_range(0..200);
-                    sim.at(d, Ev::Deliver(i, Box::new(Input::PeerUp(id))));
+        if let Some(k) = sim.p.links {
+            sim.links = Some(vec![BTreeSet::new(); n]);
+            for i in 0..n {
+                sim.dial(i, k, 200);
+            }
+        } else {
+            for i in 0..n {
+                for j in 0..n {
+                    if i != j {
+                        let id = sim.nodes[j].id;
+                        let d = sim.rng.random_range(0..200);
+                        sim.at(d, Ev::Deliver(i, Box::new(Input::PeerUp(id))));
+                    }
                 }
             }
         }
@@ -222,12 +244,19 @@ impl Sim {
             rounds: None,
         });
         // Every node pulls towards the run's common optimum plus a skew of its own, as nodes
-        // with different data do.
+        // with different data do, and its side of the partition's skew (two labs with data of
+        // their own).
+        let side_sign = if i % 2 == 0 { 1.0 } else { -1.0 };
+        let side_skew = self.p.side_skew;
         let target: Vec<f32> = self
             .common
             .clone()
             .iter()
-            .map(|c| c + 0.2 * self.rng.random_range(-1.0f32..1.0))
+            .enumerate()
+            .map(|(k, c)| {
+                let lab = if k % 2 == 0 { side_skew } else { -side_skew };
+                c + 0.2 * self.rng.random_range(-1.0f32..1.0) + side_sign * lab
+            })
             .collect();
         // One box in eight is four times slower, as on a mixed home lab.
         let step_ms = if self.rng.random_range(0..8) == 0 {
@@ -257,6 +286,9 @@ impl Sim {
             last_advanced: self.t,
         });
         self.index.insert(id, i);
+        if let Some(links) = self.links.as_mut() {
+            links.push(BTreeSet::new());
+        }
         self.report.nodes_started += 1;
         let start = self.nodes[i].core.start();
         self.carry_out(i, start);
@@ -269,6 +301,38 @@ impl Sim {
         self.nodes[a].alive
             && self.nodes[b].alive
             && (!self.partitioned || self.nodes[a].side == self.nodes[b].side)
+            && self.links.as_ref().is_none_or(|l| l[a].contains(&b))
+    }
+
+    /// The nodes `i` may be connected to: its links, or everybody.
+    fn peers_of(&self, i: usize) -> Vec<usize> {
+        match &self.links {
+            Some(l) => l[i].iter().copied().collect(),
+            None => (0..self.nodes.len()).filter(|&j| j != i).collect(),
+        }
+    }
+
+    /// Node `i` dials `k` random live others; both ends see the other come up within
+    /// `within` ms.
+    fn dial(&mut self, i: usize, k: usize, within: u64) {
+        let live: Vec<usize> = (0..self.nodes.len())
+            .filter(|&j| j != i && self.nodes[j].alive)
+            .collect();
+        for _ in 0..k.min(live.len()) {
+            let j = live[self.rng.random_range(0..live.len())];
+            let Some(links) = self.links.as_mut() else {
+                return;
+            };
+            if !links[i].insert(j) {
+                continue;
+            }
+            links[j].insert(i);
+            for (a, b) in [(i, j), (j, i)] {
+                let id = self.nodes[b].id;
+                let d = self.rng.random_range(0..within);
+                self.at(d, Ev::Deliver(a, Box::new(Input::PeerUp(id))));
+            }
+        }
     }
 
     /// One-way delay: slow boxes sit behind slow links.
@@ -320,10 +384,13 @@ impl Sim {
             return;
         }
         self.partitioned = want;
+        if !want {
+            self.report.consensus_at_heal = Some(self.consensus());
+        }
         let n = self.nodes.len();
         for i in 0..n {
-            for j in 0..n {
-                if i == j || !self.nodes[i].alive || !self.nodes[j].alive {
+            for j in self.peers_of(i) {
+                if !self.nodes[i].alive || !self.nodes[j].alive {
                     continue;
                 }
                 if self.nodes[i].side != self.nodes[j].side {
@@ -347,7 +414,7 @@ impl Sim {
             let victim = honest[self.rng.random_range(0..honest.len())];
             self.nodes[victim].alive = false;
             let id = self.nodes[victim].id;
-            for i in 0..self.nodes.len() {
+            for i in self.peers_of(victim) {
                 if self.nodes[i].alive {
                     self.at(SILENT_MS, Ev::Deliver(i, Box::new(Input::PeerDown(id))));
                 }
@@ -361,11 +428,16 @@ impl Sim {
             };
             let (x, step) = (self.nodes[donor].x.clone(), self.nodes[donor].step);
             let j = self.add_node(x, step, false);
-            for i in 0..self.nodes.len() {
-                if i != j && self.nodes[i].alive {
-                    let (a, b) = (self.nodes[i].id, self.nodes[j].id);
-                    self.at(100, Ev::Deliver(j, Box::new(Input::PeerUp(a))));
-                    self.at(100, Ev::Deliver(i, Box::new(Input::PeerUp(b))));
+            match self.p.links {
+                Some(k) => self.dial(j, k, 100),
+                None => {
+                    for i in 0..self.nodes.len() {
+                        if i != j && self.nodes[i].alive {
+                            let (a, b) = (self.nodes[i].id, self.nodes[j].id);
+                            self.at(100, Ev::Deliver(j, Box::new(Input::PeerUp(a))));
+                            self.at(100, Ev::Deliver(i, Box::new(Input::PeerUp(b))));
+                        }
+                    }
                 }
             }
         }
@@ -409,6 +481,9 @@ impl Sim {
         }
         n.step += 1;
         n.last_advanced = self.t;
+        if !n.hostile {
+            self.report.steps += 1;
+        }
         let progress = Progress {
             phase: Phase::Training,
             step: n.step,
@@ -496,8 +571,11 @@ impl Sim {
     fn deliver_to_subscribers(&mut self, i: usize, topic: &str, data: Vec<u8>) {
         self.msg_ids += 1;
         let id = MessageId::from(self.msg_ids.to_le_bytes().to_vec());
-        for j in 0..self.nodes.len() {
-            if j != i && self.connected(i, j) && self.nodes[j].subs.contains(topic) {
+        for j in self.peers_of(i) {
+            if self.connected(i, j) && self.nodes[j].subs.contains(topic) {
+                if !self.nodes[i].hostile {
+                    self.report.bytes_sent += data.len() as u64;
+                }
                 let d = self.delay(i, j);
                 let input = Input::Gossip {
                     source: self.nodes[i].id,
@@ -634,11 +712,15 @@ impl Sim {
             .params_encoder()
             .encode(step, &values)
             .expect("encode params");
+        let bytes_len = bytes.len() as u64;
         let answer = Ok(BulkResponse::Params {
             step,
             layout: self.layout.hash(),
             values: ByteBuf::from(bytes),
         });
+        if !self.nodes[j].hostile {
+            self.report.bytes_sent += bytes_len;
+        }
         let d = self.delay(j, i);
         self.at(
             d,
@@ -691,21 +773,21 @@ impl Sim {
         }
     }
 
-    fn finish(mut self) -> SimReport {
+    /// Mean relative distance of the live honest nodes from their mean.
+    fn consensus(&self) -> f64 {
         let honest: Vec<&SimNode> = self
             .nodes
             .iter()
             .filter(|n| n.alive && !n.hostile)
             .collect();
-        let dim = self.p.dim;
-        let mut mean = vec![0.0f64; dim];
+        let mut mean = vec![0.0f64; self.p.dim];
         for n in &honest {
             for (m, x) in mean.iter_mut().zip(&n.x) {
                 *m += f64::from(*x) / honest.len() as f64;
             }
         }
         let mean_norm = mean.iter().map(|m| m * m).sum::<f64>().sqrt().max(1e-9);
-        self.report.consensus = honest
+        honest
             .iter()
             .map(|n| {
                 n.x.iter()
@@ -716,7 +798,16 @@ impl Sim {
                     / mean_norm
             })
             .sum::<f64>()
-            / honest.len().max(1) as f64;
+            / honest.len().max(1) as f64
+    }
+
+    fn finish(mut self) -> SimReport {
+        let honest: Vec<&SimNode> = self
+            .nodes
+            .iter()
+            .filter(|n| n.alive && !n.hostile)
+            .collect();
+        self.report.consensus = self.consensus();
         let target_norm = honest
             .iter()
             .map(|n| l2_norm(&n.target))

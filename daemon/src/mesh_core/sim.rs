@@ -246,7 +246,7 @@ impl Sim {
         // Every node pulls towards the run's common optimum plus a skew of its own, as nodes
         // with different data do, and its side of the partition's skew (two labs with data of
         // their own).
-        let side_sign = if i % 2 == 0 { 1.0 } else { -1.0 };
+        let side_sign = if i.is_multiple_of(2) { 1.0 } else { -1.0 };
         let side_skew = self.p.side_skew;
         let target: Vec<f32> = self
             .common
@@ -254,7 +254,7 @@ impl Sim {
             .iter()
             .enumerate()
             .map(|(k, c)| {
-                let lab = if k % 2 == 0 { side_skew } else { -side_skew };
+                let lab = if k.is_multiple_of(2) { side_skew } else { -side_skew };
                 c + 0.2 * self.rng.random_range(-1.0f32..1.0) + side_sign * lab
             })
             .collect();

@@ -7,6 +7,7 @@
 mod allocator;
 mod bench;
 mod bench_mesh;
+mod bench_sim;
 mod bench_scaling;
 mod bench_step;
 mod client;
@@ -239,6 +240,9 @@ enum BenchCmd {
     /// One training step of each model and optimizer against PyTorch eager on the same CPU
     /// and thread count, and the codecs' cost per update; writes JSON.
     Step(bench_step::StepArgs),
+    /// The mesh core's simulator at sizes no lab can start (churn, hostile peers, a partition
+    /// that heals): bytes per node per step and consensus against N; writes JSON.
+    Sim(bench_sim::SimArgs),
 }
 
 fn main() -> ExitCode {
@@ -314,6 +318,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }),
         Cmd::Bench(BenchCmd::Trainer(args)) => bench::trainer(args),
         Cmd::Bench(BenchCmd::Step(args)) => bench_step::run(args),
+        Cmd::Bench(BenchCmd::Sim(args)) => bench_sim::run(args).map(|()| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Mesh(args)) => {
             bench_mesh::run(args)?;
             Ok(ExitCode::SUCCESS)

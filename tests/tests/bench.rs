@@ -190,3 +190,46 @@ fn bench_scaling_stopped_by_sigterm_leaves_no_namespace_behind() {
         .collect();
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
 }
+
+/// `bench sim` at a small size: the report parses and holds, per run, the traffic per node per
+/// step, the consensus at the heal, at the end and never split, and the wall time; honest
+/// nodes blamed nobody honest, and the healed mesh ended closer than it was at the heal.
+#[test]
+fn bench_sim_reports_traffic_and_consensus_per_size() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let file = out.path().join("sim.json");
+    let (st, _, err) = cli(
+        &[
+            "bench",
+            "sim",
+            "--nodes",
+            "24",
+            "--out",
+            file.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(st.success(), "{err}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("report")).expect("json");
+    let runs = report["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 1, "{report}");
+    let run = &runs[0];
+    for key in [
+        "bytes_per_node_per_step",
+        "consensus_at_heal",
+        "consensus_end",
+        "consensus_never_split",
+        "wall_secs",
+        "syncs",
+        "updates_applied",
+    ] {
+        assert!(run[key].as_f64().is_some(), "{key} in {run}");
+    }
+    assert_eq!(run["nodes"], 24);
+    assert_eq!(run["honest_blamed"], 0, "{run}");
+    assert!(run["bytes_per_node_per_step"].as_f64().unwrap_or(0.0) > 0.0);
+    let (heal, end) = (run["consensus_at_heal"].as_f64(), run["consensus_end"].as_f64());
+    assert!(end < heal, "the healed mesh came together: {run}");
+    assert!(report["scenario"].is_string());
+}

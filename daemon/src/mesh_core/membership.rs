@@ -303,7 +303,6 @@ impl Membership {
     }
 
     /// Peers whose heartbeats are kept.
-    #[cfg(test)]
     pub(super) fn heard_len(&self) -> usize {
         self.heard.len()
     }

@@ -17,8 +17,7 @@ mod header;
 mod membership;
 mod messages;
 pub mod rounds;
-#[cfg(test)]
-mod sim;
+pub mod sim;
 pub mod status;
 mod syncs;
 #[cfg(test)]
@@ -335,7 +334,6 @@ impl MeshCore {
     }
 
     /// The sizes of what the core keeps per peer or per message, for tests that bound memory.
-    #[cfg(test)]
     fn sizes(&self) -> Sizes {
         let (large, seen_steps, rejected_by_peer) = self.updates.sizes();
         Sizes {
@@ -610,8 +608,9 @@ impl MeshCore {
     }
 }
 
-/// What the core keeps, in numbers (see [`MeshCore::sizes`]).
-#[cfg(test)]
+/// What the core keeps, in numbers (see [`MeshCore::sizes`]); the simulator reads the
+/// largest map, the tests every field.
+#[cfg_attr(not(test), allow(dead_code))]
 #[derive(Debug, Clone, Copy)]
 struct Sizes {
     /// The largest per-peer map.

@@ -4,6 +4,9 @@
 //! target of its own, so the nodes disagree and only the mesh brings them together); every
 //! decision about peers, updates and syncs is the core's, byte for byte as in the daemon:
 //! updates are encoded with the real codec, syncs answered in the real dense format.
+//!
+//! The core's tests drive it (`mesh_core::tests`), and `p2ptrain bench sim` runs it at sizes
+//! no lab can start, for planning: bytes per node per step and consensus against N.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -35,11 +38,17 @@ const TICK_MS: u64 = 50;
 /// What a simulation is asked to do.
 #[derive(Debug, Clone)]
 pub struct SimParams {
+    /// Seeds everything: keys, links, delays, data, churn.
     pub seed: u64,
+    /// Nodes at the start.
     pub nodes: usize,
+    /// Of those, how many are hostile (garbage and huge updates, scaled sync replies).
     pub hostile: usize,
+    /// Virtual seconds to run.
     pub secs: u64,
+    /// Parameters per node.
     pub dim: usize,
+    /// Every node's sync policy.
     pub policy: PolicyConfig,
     /// Kill a random honest node and start a joiner this often (0: no churn).
     pub churn_every_ms: u64,
@@ -53,6 +62,34 @@ pub struct SimParams {
     pub links: Option<usize>,
     /// How far apart the two sides' data pull (0: sides alike).
     pub side_skew: f32,
+}
+
+impl SimParams {
+    /// The large-mesh scenario: `nodes` nodes, each dialing 8 others, 1% hostile; every second
+    /// a node is killed and a joiner started; from 10 s to 20 s the mesh is split into two
+    /// labs whose data pull apart (0.1 per value, against a spread of 0.2 within a lab); 40 s
+    /// in all. Gossip mode: updates every 20 steps, a neighbour sync every 50. `None` for
+    /// `partition` gives the same run never split, its control.
+    pub fn large_mesh(nodes: usize, seed: u64, partition: bool) -> SimParams {
+        SimParams {
+            seed,
+            nodes,
+            hostile: nodes / 100,
+            secs: 40,
+            dim: 32,
+            policy: PolicyConfig {
+                publish_every: 20,
+                full_sync_every: 50,
+                staleness_bound: None,
+                ..PolicyConfig::default()
+            },
+            churn_every_ms: 1_000,
+            partition: partition.then_some((10_000, 20_000)),
+            inline_max: 1 << 20,
+            links: Some(8),
+            side_skew: 0.1,
+        }
+    }
 }
 
 /// What it measured.
@@ -74,18 +111,22 @@ pub struct SimReport {
     pub worst_norm_ratio: f64,
     /// All honest parameters finite.
     pub finite: bool,
-    /// Syncs accepted, updates applied, over all honest nodes.
+    /// Syncs the honest nodes averaged.
     pub syncs: u64,
+    /// Neighbours' updates the honest nodes applied.
     pub applied: u64,
-    /// Largest per-peer map and apply queue seen in any core's status.
+    /// Largest per-peer map seen in any core.
     pub largest_map: usize,
+    /// Longest apply queue seen in any core.
     pub largest_queue: usize,
+    /// Nodes started, joiners included.
     pub nodes_started: usize,
     /// [`SimReport::consensus`] when the partition healed.
     pub consensus_at_heal: Option<f64>,
-    /// Steps the honest nodes took, and the bytes they sent (update and heartbeat messages
-    /// once per receiver, sync replies): traffic per node per step, for planning.
+    /// Steps the honest nodes took.
     pub steps: u64,
+    /// Bytes the honest nodes sent (update and heartbeat messages once per receiver, sync
+    /// replies): with `steps`, traffic per node per step, for planning.
     pub bytes_sent: u64,
     /// The live honest cores' status counters, summed at the end: what each rule of the core
     /// decided, so a change that moves a decision changes a figure.
@@ -119,6 +160,7 @@ enum Ev {
     Serve(usize, usize),
 }
 
+/// One simulation, run once by [`Sim::run`].
 pub struct Sim {
     p: SimParams,
     rng: StdRng,
@@ -157,6 +199,7 @@ fn mesh_config(inline_max: usize) -> MeshConfig {
 }
 
 impl Sim {
+    /// Starts `p.nodes` nodes, all connected (or linked as `p.links` says).
     pub fn new(p: SimParams) -> Sim {
         let layout = Layout {
             entries: vec![("w".into(), vec![p.dim])],
@@ -342,6 +385,7 @@ impl Sim {
         base + self.rng.random_range(0..base)
     }
 
+    /// Runs to `p.secs` of virtual time and reports.
     pub fn run(mut self) -> SimReport {
         let end = self.p.secs * 1000;
         while let Some(((t, seq), ev)) = self.queue.pop_first() {

@@ -352,7 +352,6 @@ impl Syncs {
     }
 
     /// Per-peer refusal counts kept.
-    #[cfg(test)]
     pub(super) fn refusals_len(&self) -> usize {
         self.refusals.len()
     }

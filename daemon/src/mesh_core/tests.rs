@@ -439,20 +439,8 @@ fn the_core_reaches_neither_up_nor_out() {
 /// refilled, never resampled, the healed mesh stayed 2.7 times farther apart.)
 #[test]
 fn a_thousand_nodes_reconverge_after_a_partition_heals() {
-    let split = SimParams {
-        nodes: 1000,
-        hostile: 10,
-        secs: 40,
-        churn_every_ms: 1_000,
-        partition: Some((10_000, 20_000)),
-        links: Some(8),
-        side_skew: 0.1,
-        ..params(5, policy(50, None))
-    };
-    let whole = SimParams {
-        partition: None,
-        ..split.clone()
-    };
+    let split = SimParams::large_mesh(1000, 5, true);
+    let whole = SimParams::large_mesh(1000, 5, false);
     let (split, whole) = (run(split), run(whole));
     check_figures("seed5-1000-split", &split);
     check_figures("seed5-1000-whole", &whole);

@@ -431,7 +431,6 @@ impl Updates {
     }
 
     /// How many large updates, authors' step records and per-peer counts are kept.
-    #[cfg(test)]
     pub(super) fn sizes(&self) -> (usize, usize, usize) {
         (
             self.large.len(),

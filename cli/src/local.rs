@@ -497,7 +497,7 @@ pub fn run(mut args: LocalArgs) -> Result<LocalSummary> {
     if let Some(per) = args.cores_per_node {
         check_core_sets(args.nodes, per)?;
     }
-    let rt = crate::client_runtime()?;
+    let rt = crate::runtime::client_runtime()?;
     let result = rt.block_on(run_mesh(&args, &base));
     // With a target on an `iid` config every node's part is the whole data: the lone node
     // trained to the target below is that control, with its steps counted.
@@ -706,7 +706,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
             .ok_or_else(|| anyhow!("node {i} never answered"))?;
         let (eval, step) = match final_params(dir) {
             Some((file, flat)) => {
-                let (e, step) = crate::evaluate_file(&file, &prepared)?;
+                let (e, step) = crate::evaluate::evaluate_file(&file, &prepared)?;
                 finals.push(flat);
                 (Some(e), step)
             }
@@ -798,7 +798,7 @@ fn node_line(s: &Status) -> String {
         s.mesh.updates.applied,
         s.mesh.updates.sent,
         s.training.samples_per_sec,
-        human_bytes(s.network.bytes_sent as f64 / s.node.uptime_s.max(1e-3)),
+        crate::output::human_bytes(s.network.bytes_sent as f64 / s.node.uptime_s.max(1e-3)),
     )
 }
 
@@ -832,14 +832,14 @@ fn compare_alone(args: &LocalArgs, summary: &mut LocalSummary) -> Result<()> {
             shard: part.0.clone(),
             ..Overrides::default()
         })?;
-        crate::set_compute_threads(config.train.threads);
+        crate::runtime::set_compute_threads(config.train.threads);
         let prepared = p2ptrain_daemon::node::prepare(config)?;
         let model = p2ptrain_models::Model::new(
             &prepared.spec,
             prepared.config.train.init_seed,
             &prepared.device,
         )?;
-        crate::bench::train_steps(&prepared, &model, steps)?;
+        crate::measure::train_steps(&prepared, &model, steps)?;
         let e = p2ptrain_models::train::evaluate(&model, prepared.data.test(), &prepared.device)?;
         controls.insert(
             part,
@@ -1025,7 +1025,7 @@ pub fn print_summary(s: &LocalSummary) {
                 .unwrap_or_else(|| "-".into()),
             figure(n.bits_per_byte, n.accuracy),
             n.peers,
-            format!("{}/s", human_bytes(n.sent_bytes_per_sec)),
+            format!("{}/s", crate::output::human_bytes(n.sent_bytes_per_sec)),
             n.updates.applied,
             n.updates.sent,
             n.updates.rejected,
@@ -1111,15 +1111,5 @@ fn print_target(s: &LocalSummary, t: &TargetSummary) {
             "  times do not compare unpinned: --cores-per-node K gives each node cores of its own"
         ),
         _ => {}
-    }
-}
-
-/// Bytes in B, kB, MB or GB (powers of 1000), for people.
-pub(crate) fn human_bytes(b: f64) -> String {
-    match b {
-        b if b >= 1e9 => format!("{:.1} GB", b / 1e9),
-        b if b >= 1e6 => format!("{:.1} MB", b / 1e6),
-        b if b >= 1e3 => format!("{:.1} kB", b / 1e3),
-        b => format!("{b:.0} B"),
     }
 }

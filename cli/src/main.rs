@@ -6,15 +6,14 @@
 
 mod allocator;
 mod bench;
-mod bench_mesh;
-mod bench_sim;
-mod bench_scaling;
-mod bench_step;
 mod client;
+mod evaluate;
 mod local;
+mod measure;
 mod output;
 mod plot;
 mod progress;
+mod runtime;
 mod sample;
 
 use std::net::SocketAddr;
@@ -229,20 +228,20 @@ struct EvalArgs {
 #[derive(Subcommand)]
 enum BenchCmd {
     /// Steps/s of the trainer inside a running daemon against a bare Candle loop.
-    Trainer(bench::TrainerArgs),
+    Trainer(bench::trainer::TrainerArgs),
     /// A local mesh per update codec: bytes per update, accuracy, throughput, consensus;
     /// writes report.json and report.svg.
-    Mesh(bench_mesh::MeshArgs),
+    Mesh(bench::mesh::MeshArgs),
     /// Time to a target loss or accuracy: one node, one node with N times the batch (the
     /// ideal), N pinned nodes in each sync mode and PyTorch DDP (gloo), over seeds, on
     /// loopback or shaped links; speedup and scaling efficiency in report.json and report.svg.
-    Scaling(bench_scaling::ScalingArgs),
+    Scaling(bench::scaling::ScalingArgs),
     /// One training step of each model and optimizer against PyTorch eager on the same CPU
     /// and thread count, and the codecs' cost per update; writes JSON.
-    Step(bench_step::StepArgs),
+    Step(bench::step::StepArgs),
     /// The mesh core's simulator at sizes no lab can start (churn, hostile peers, a partition
     /// that heals): bytes per node per step and consensus against N; writes JSON.
-    Sim(bench_sim::SimArgs),
+    Sim(bench::sim::SimArgs),
 }
 
 fn main() -> ExitCode {
@@ -268,45 +267,23 @@ fn init_logging() {
         .try_init();
 }
 
-/// Candle reads its thread count from the environment when its pool first starts, so this runs
-/// before any runtime or compute thread exists.
-fn set_compute_threads(n: usize) {
-    std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
-    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-}
-
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")
-}
-
-pub(crate) fn client_runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")
-}
-
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Cmd::Join(args) => join(args),
-        Cmd::Status(args) => client_runtime()?.block_on(status(args)),
-        Cmd::Checkpoint(cmd) => client_runtime()?.block_on(checkpoint(cmd)),
+        Cmd::Status(args) => runtime::client_runtime()?.block_on(status(args)),
+        Cmd::Checkpoint(cmd) => runtime::client_runtime()?.block_on(checkpoint(cmd)),
         Cmd::Eval(args) => eval(args),
         Cmd::Sample(args) => {
             sample::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Stop(api) | Cmd::Leave(api) => client_runtime()?.block_on(async {
+        Cmd::Stop(api) | Cmd::Leave(api) => runtime::client_runtime()?.block_on(async {
             let client = Client::new(&api.api, api.api_token)?;
             let _: serde_json::Value = client.post("/v1/stop").await?;
             println!("leaving: the node tells its neighbours, writes a final checkpoint and exits");
             Ok(ExitCode::SUCCESS)
         }),
-        Cmd::Peers(args) => client_runtime()?.block_on(async {
+        Cmd::Peers(args) => runtime::client_runtime()?.block_on(async {
             let client = Client::new(&args.api.api, args.api.api_token)?;
             let s: Status = client.get("/v1/status").await?;
             if args.json {
@@ -316,15 +293,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }),
-        Cmd::Bench(BenchCmd::Trainer(args)) => bench::trainer(args),
-        Cmd::Bench(BenchCmd::Step(args)) => bench_step::run(args),
-        Cmd::Bench(BenchCmd::Sim(args)) => bench_sim::run(args).map(|()| ExitCode::SUCCESS),
+        Cmd::Bench(BenchCmd::Trainer(args)) => bench::trainer::run(args),
+        Cmd::Bench(BenchCmd::Step(args)) => bench::step::run(args),
+        Cmd::Bench(BenchCmd::Sim(args)) => bench::sim::run(args).map(|()| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Mesh(args)) => {
-            bench_mesh::run(args)?;
+            bench::mesh::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench(BenchCmd::Scaling(args)) => {
-            bench_scaling::run(args)?;
+            bench::scaling::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Keygen(args) => keygen(&args.psk),
@@ -390,7 +367,7 @@ impl JoinArgs {
 fn join(args: JoinArgs) -> Result<ExitCode> {
     let mut config = Config::load(args.config.as_deref())?;
     config.apply(&args.overrides())?;
-    set_compute_threads(config.train.threads);
+    runtime::set_compute_threads(config.train.threads);
     let prepared = node::prepare(config)?;
     init_logging();
     if let Some(path) = &args.timeline {
@@ -401,7 +378,7 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
         api_token: args.api_token.filter(|t| !t.is_empty()),
         download_progress: Default::default(),
     };
-    let rt = runtime()?;
+    let rt = runtime::runtime()?;
     if !args.bootstrap.is_empty() {
         rt.spawn(show_download(opts.download_progress.clone()));
     }
@@ -621,56 +598,10 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Reads and decodes a checkpoint file, naming the file in any error.
-fn read_checkpoint_file(path: &Path) -> Result<(String, p2ptrain_daemon::store::Loaded)> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let file = path.display().to_string();
-    let (meta, tensors) =
-        p2ptrain_daemon::checkpoint::decode(&bytes, &file).map_err(|e| anyhow!("{file}: {e}"))?;
-    Ok((file, p2ptrain_daemon::store::Loaded { meta, tensors }))
-}
-
-/// Builds the model from a loaded checkpoint and evaluates it on the held-out set.
-fn evaluate_loaded(
-    file: &str,
-    loaded: &p2ptrain_daemon::store::Loaded,
-    prepared: &node::Prepared,
-) -> Result<p2ptrain_models::train::Evaluation> {
-    let ident = p2ptrain_daemon::trainer::Identity {
-        run_id: prepared.config.run_id(),
-        config_hash: loaded.meta.info.config_hash.clone(),
-    };
-    let (model, _, _) = p2ptrain_daemon::trainer::build(
-        &prepared.spec,
-        &prepared.config.optimizer,
-        prepared.config.schedule,
-        prepared.config.train.init_seed,
-        &prepared.device,
-        &ident,
-        Some(loaded),
-    )
-    .map_err(|e| anyhow!("{file}: {e}"))?;
-    Ok(p2ptrain_models::train::evaluate(
-        &model,
-        prepared.data.test(),
-        &prepared.device,
-    )?)
-}
-
-/// Evaluates a checkpoint file on the held-out set; also returns its step.
-pub(crate) fn evaluate_file(
-    path: &Path,
-    prepared: &node::Prepared,
-) -> Result<(p2ptrain_models::train::Evaluation, u64)> {
-    let (file, loaded) = read_checkpoint_file(path)?;
-    let e = evaluate_loaded(&file, &loaded, prepared)?;
-    Ok((e, loaded.meta.info.step))
-}
-
 fn eval(args: EvalArgs) -> Result<ExitCode> {
     let config = Config::load(args.config.as_deref())?;
-    set_compute_threads(config.train.threads);
-    let (file, loaded) = read_checkpoint_file(&args.checkpoint)?;
+    runtime::set_compute_threads(config.train.threads);
+    let (file, loaded) = evaluate::read_checkpoint_file(&args.checkpoint)?;
     // Check the run before loading any data.
     let run_id = config.run_id();
     if loaded.meta.info.run_id != run_id {
@@ -681,7 +612,7 @@ fn eval(args: EvalArgs) -> Result<ExitCode> {
         );
     }
     let prepared = node::prepare(config)?;
-    let e = evaluate_loaded(&file, &loaded, &prepared)?;
+    let e = evaluate::evaluate_loaded(&file, &loaded, &prepared)?;
     if args.json {
         let v = serde_json::json!({
             "checkpoint": file,

@@ -264,3 +264,13 @@ fn utc_time(unix: u64) -> String {
         secs % 60
     )
 }
+
+/// Bytes in B, kB, MB or GB (powers of 1000), for people.
+pub(crate) fn human_bytes(b: f64) -> String {
+    match b {
+        b if b >= 1e9 => format!("{:.1} GB", b / 1e9),
+        b if b >= 1e6 => format!("{:.1} MB", b / 1e6),
+        b if b >= 1e3 => format!("{:.1} kB", b / 1e3),
+        b => format!("{b:.0} B"),
+    }
+}

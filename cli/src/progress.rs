@@ -99,8 +99,8 @@ impl Counted {
         let counts = if self.bytes {
             format!(
                 "{} of {}",
-                crate::local::human_bytes(done as f64),
-                crate::local::human_bytes(self.total as f64)
+                crate::output::human_bytes(done as f64),
+                crate::output::human_bytes(self.total as f64)
             )
         } else {
             format!("{done}/{}", self.total)

@@ -63,9 +63,8 @@ pub fn run(args: SampleArgs) -> Result<()> {
             path.display().to_string(),
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?,
         ),
-        (None, Some(api)) => {
-            crate::client_runtime()?.block_on(current_model(api, args.api_token.clone()))?
-        }
+        (None, Some(api)) => crate::runtime::client_runtime()?
+            .block_on(current_model(api, args.api_token.clone()))?,
         (None, None) => bail!("give --checkpoint FILE or --api ADDR"),
     };
     let (meta, tensors) = checkpoint::decode(&bytes, &file).map_err(|e| anyhow!("{file}: {e}"))?;

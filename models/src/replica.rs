@@ -84,22 +84,27 @@ pub fn averaged(mine: &[f32], theirs: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// DiLoCo's outer step: Nesterov SGD from the round's `start` along the pseudo-gradient
-/// `start - mean`, with `velocity` (as long as `start`) carried from round to round.
-pub fn outer_step(
-    start: &[f32],
-    mean: &[f32],
-    velocity: &mut [f32],
-    lr: f32,
-    momentum: f32,
-) -> Vec<f32> {
-    let mut next = Vec::with_capacity(start.len());
-    for ((s, m), v) in start.iter().zip(mean).zip(velocity.iter_mut()) {
-        let g = s - m;
-        *v = momentum * *v + g;
-        next.push(s - lr * (g + momentum * *v));
+/// DiLoCo's outer optimizer: Nesterov SGD on the pseudo-gradient `start of round - mean`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OuterSgd {
+    /// Outer learning rate (DiLoCo uses 0.7).
+    pub lr: f32,
+    /// Nesterov momentum (DiLoCo uses 0.9).
+    pub momentum: f32,
+}
+
+impl OuterSgd {
+    /// The outer step from the round's `start` along `start - mean`, with `velocity` (as long
+    /// as `start`) carried from round to round.
+    pub fn step(&self, start: &[f32], mean: &[f32], velocity: &mut [f32]) -> Vec<f32> {
+        let mut next = Vec::with_capacity(start.len());
+        for ((s, m), v) in start.iter().zip(mean).zip(velocity.iter_mut()) {
+            let g = s - m;
+            *v = self.momentum * *v + g;
+            next.push(s - self.lr * (g + self.momentum * *v));
+        }
+        next
     }
-    next
 }
 
 #[cfg(test)]
@@ -125,7 +130,11 @@ mod tests {
     #[test]
     fn an_outer_step_without_momentum_moves_lr_of_the_way_to_the_mean() {
         let mut v = vec![0.0; 2];
-        let next = outer_step(&[1.0, 0.0], &[0.0, 2.0], &mut v, 0.5, 0.0);
+        let outer = OuterSgd {
+            lr: 0.5,
+            momentum: 0.0,
+        };
+        let next = outer.step(&[1.0, 0.0], &[0.0, 2.0], &mut v);
         assert_eq!(next, vec![0.5, 1.0]);
         assert_eq!(averaged(&[1.0, 0.0], &[0.0, 2.0]), vec![0.5, 1.0]);
     }

@@ -229,7 +229,10 @@ fn bench_sim_reports_traffic_and_consensus_per_size() {
     assert_eq!(run["nodes"], 24);
     assert_eq!(run["honest_blamed"], 0, "{run}");
     assert!(run["bytes_per_node_per_step"].as_f64().unwrap_or(0.0) > 0.0);
-    let (heal, end) = (run["consensus_at_heal"].as_f64(), run["consensus_end"].as_f64());
+    let (heal, end) = (
+        run["consensus_at_heal"].as_f64(),
+        run["consensus_end"].as_f64(),
+    );
     assert!(end < heal, "the healed mesh came together: {run}");
     assert!(report["scenario"].is_string());
 }

@@ -457,8 +457,8 @@ impl SyncConfig {
     }
 
     /// DiLoCo's outer optimizer; `None` in the other modes.
-    pub fn outer(&self) -> Option<crate::trainer::OuterSgd> {
-        (self.mode == SyncMode::Diloco).then_some(crate::trainer::OuterSgd {
+    pub fn outer(&self) -> Option<p2ptrain_models::replica::OuterSgd> {
+        (self.mode == SyncMode::Diloco).then_some(p2ptrain_models::replica::OuterSgd {
             lr: self.outer_lr as f32,
             momentum: self.outer_momentum as f32,
         })

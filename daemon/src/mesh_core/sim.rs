@@ -297,7 +297,11 @@ impl Sim {
             .iter()
             .enumerate()
             .map(|(k, c)| {
-                let lab = if k.is_multiple_of(2) { side_skew } else { -side_skew };
+                let lab = if k.is_multiple_of(2) {
+                    side_skew
+                } else {
+                    -side_skew
+                };
                 c + 0.2 * self.rng.random_range(-1.0f32..1.0) + side_sign * lab
             })
             .collect();

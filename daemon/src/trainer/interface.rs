@@ -268,14 +268,8 @@ pub const FINAL_ROUND_WAIT: Duration = Duration::from_secs(30);
 /// on one core, which delays an evaluation on a ten-second clock by at most that.
 pub const LOCKSTEP_EVAL_ALIGN_STEPS: u64 = 10;
 
-/// DiLoCo's outer optimizer: Nesterov SGD on the pseudo-gradient `start of round - mean`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct OuterSgd {
-    /// Outer learning rate (DiLoCo uses 0.7).
-    pub lr: f32,
-    /// Nesterov momentum (DiLoCo uses 0.9).
-    pub momentum: f32,
-}
+/// DiLoCo's outer optimizer, defined with the arithmetic that applies it.
+pub use p2ptrain_models::replica::OuterSgd;
 
 /// Identities stamped on every snapshot.
 #[derive(Debug, Clone)]

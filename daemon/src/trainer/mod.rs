@@ -541,13 +541,7 @@ impl Loop {
                 if self.outer_velocity.len() != numel {
                     self.outer_velocity = vec![0.0; numel];
                 }
-                replica::outer_step(
-                    &self.round_anchor,
-                    mean,
-                    &mut self.outer_velocity,
-                    outer.lr,
-                    outer.momentum,
-                )
+                outer.step(&self.round_anchor, mean, &mut self.outer_velocity)
             }
         };
         self.s.model.params().write_back(&next)?;

@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use p2ptrain_daemon::mesh_core::sim::{Sim, SimParams, SimReport};
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// Arguments of `bench sim`.
 #[derive(Args)]
@@ -86,8 +86,8 @@ fn timed(p: SimParams) -> (SimReport, f64) {
 }
 
 /// Bytes each honest node sent per step it took.
-fn per_step(r: &SimReport) -> Value {
-    json!(r.bytes_sent as f64 / r.steps.max(1) as f64)
+fn per_step(r: &SimReport) -> f64 {
+    r.bytes_sent as f64 / r.steps.max(1) as f64
 }
 
 fn parse_list(text: &str, flag: &str) -> Result<Vec<u64>> {

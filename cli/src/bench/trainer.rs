@@ -6,17 +6,15 @@
 //! report holds every run and the medians, as JSON.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use p2ptrain_daemon::config::Overrides;
 use p2ptrain_daemon::node::{self, Options, Prepared};
 use p2ptrain_daemon::Config;
-use p2ptrain_models::data::Sampler;
-use p2ptrain_models::train::train_step;
-use p2ptrain_models::{Model, Optimizer};
 use serde::Serialize;
+
+use crate::measure::{bare_loop, median};
 
 /// Arguments of `bench trainer`.
 #[derive(Args)]
@@ -61,43 +59,6 @@ struct Report {
     median_of_paired_ratios: f64,
 }
 
-/// The median (mean of the middle two for an even count); NaN for none.
-pub(crate) fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let n = s.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        s[n / 2]
-    } else {
-        (s[n / 2 - 1] + s[n / 2]) / 2.0
-    }
-}
-
-/// The bare loop on a fresh model: batch, forward, backward, optimizer step; nothing else.
-/// Returns steps per second.
-pub(crate) fn bare_loop(p: &Prepared, steps: u64) -> Result<f64> {
-    let model = Model::new(&p.spec, p.config.train.init_seed, &p.device)?;
-    train_steps(p, &model, steps)
-}
-
-/// Trains `model` for `steps` steps with a fresh optimizer of the config; steps per second.
-pub(crate) fn train_steps(p: &Prepared, model: &Model, steps: u64) -> Result<f64> {
-    let config = &p.config;
-    let mut opt =
-        Optimizer::new(&config.optimizer, model.params())?.with_schedule(config.schedule)?;
-    let mut sampler = Sampler::new(p.data.train().len(), 1);
-    let start = Instant::now();
-    for _ in 0..steps {
-        let idx = sampler.next_batch(config.train.batch_size);
-        let (xs, ys) = p.data.train().batch(&idx, &p.device)?;
-        train_step(model, &mut opt, &xs, &ys)?;
-    }
-    Ok(steps as f64 / start.elapsed().as_secs_f64())
-}
-
 /// Runs a real node for `steps` steps; returns its steps/s without and with evaluation time.
 fn daemon_run(p: &Prepared, steps: u64, rt: &tokio::runtime::Runtime) -> Result<(f64, f64)> {
     let mut p = p.clone();
@@ -133,13 +94,13 @@ fn daemon_run(p: &Prepared, steps: u64, rt: &tokio::runtime::Runtime) -> Result<
 static NEXT_DIR: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Runs the benchmark and prints (and optionally writes) the report.
-pub fn trainer(args: TrainerArgs) -> Result<std::process::ExitCode> {
+pub fn run(args: TrainerArgs) -> Result<std::process::ExitCode> {
     if args.runs == 0 || args.steps == 0 {
         bail!("--runs and --steps must be at least 1");
     }
     let config = Config::load(args.config.as_deref())?;
-    crate::set_compute_threads(config.train.threads);
-    let rt = crate::runtime()?;
+    crate::runtime::set_compute_threads(config.train.threads);
+    let rt = crate::runtime::runtime()?;
     let p = node::prepare(config)?;
     let (mut bare, mut daemon, mut daemon_with_eval) = (Vec::new(), Vec::new(), Vec::new());
     // One unmeasured warm-up of each, so first-touch costs (page faults, pool start) hit neither.

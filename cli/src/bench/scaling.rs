@@ -48,11 +48,11 @@ use p2ptrain_models::data::Data;
 use p2ptrain_netlab::Lab;
 use serde::Serialize;
 
-use crate::bench::median;
-use crate::bench_mesh::{base_text, write_report, write_run_config};
+use super::mesh::{base_text, write_report, write_run_config};
 use crate::local::{
     check_core_sets, check_starting, core_set, read_evals, unix_ms, Children, START_WAIT,
 };
+use crate::measure::median;
 
 /// Arguments of `bench scaling`.
 #[derive(Args)]

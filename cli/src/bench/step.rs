@@ -1,7 +1,7 @@
 //! `p2ptrain bench step`: how fast is one training step against PyTorch eager on this CPU?
 //!
 //! For each model (a shipped config) and optimizer, runs alternate timings of the bare Candle
-//! loop [`crate::bench::bare_loop`] (batch gather, forward, loss, backward, optimizer step) and
+//! loop [`crate::measure::bare_loop`] (batch gather, forward, loss, backward, optimizer step) and
 //! of `bench/step_torch.py` (the same architecture, batch, optimizer and thread count in
 //! PyTorch eager), the same number of steps each, so that machine noise hits both. It also
 //! times what the mesh adds to a step's CPU: compressing one update (error feedback included)
@@ -22,7 +22,7 @@ use p2ptrain_models::Model;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::bench::{bare_loop, median};
+use crate::measure::{bare_loop, median};
 
 /// Arguments of `bench step`.
 #[derive(Args)]
@@ -172,7 +172,7 @@ fn torch_run(args: &StepArgs, p: &Prepared, steps: u64) -> Result<(f64, String)>
 fn codec_timings(p: &Prepared, step_secs: f64, reps: usize) -> Result<Vec<CodecTiming>> {
     let model = Model::new(&p.spec, p.config.train.init_seed, &p.device)?;
     let before = model.params().flatten()?;
-    crate::bench::train_steps(p, &model, 20)?;
+    crate::measure::train_steps(p, &model, 20)?;
     let delta: Vec<f32> = model
         .params()
         .flatten()?
@@ -252,7 +252,7 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
     for name in models {
         let base = load(&args.configs, name)?;
         threads = base.config.train.threads;
-        crate::set_compute_threads(threads);
+        crate::runtime::set_compute_threads(threads);
         let mut first_step_secs = None;
         for opt in &optimizers {
             let mut p = base.clone();

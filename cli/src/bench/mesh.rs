@@ -202,7 +202,7 @@ pub(crate) fn base_text(config: Option<&Path>) -> Result<(String, String)> {
 }
 
 fn median(v: Vec<f64>) -> Option<f64> {
-    (!v.is_empty()).then(|| crate::bench::median(&v))
+    (!v.is_empty()).then(|| crate::measure::median(&v))
 }
 
 fn summarise(

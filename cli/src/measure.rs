@@ -1,0 +1,48 @@
+//! Timing helpers the benchmarks and `local` share: the median of runs, and a bare Candle
+//! training loop (batch, forward, backward, optimizer step; nothing else) in steps per second.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use p2ptrain_daemon::node::Prepared;
+use p2ptrain_models::data::Sampler;
+use p2ptrain_models::optim::Optimizer;
+use p2ptrain_models::train::train_step;
+use p2ptrain_models::Model;
+
+/// The median (mean of the middle two for an even count); NaN for none.
+pub(crate) fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let n = s.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// The bare loop on a fresh model: batch, forward, backward, optimizer step; nothing else.
+/// Returns steps per second.
+pub(crate) fn bare_loop(p: &Prepared, steps: u64) -> Result<f64> {
+    let model = Model::new(&p.spec, p.config.train.init_seed, &p.device)?;
+    train_steps(p, &model, steps)
+}
+
+/// Trains `model` for `steps` steps with a fresh optimizer of the config; steps per second.
+pub(crate) fn train_steps(p: &Prepared, model: &Model, steps: u64) -> Result<f64> {
+    let config = &p.config;
+    let mut opt =
+        Optimizer::new(&config.optimizer, model.params())?.with_schedule(config.schedule)?;
+    let mut sampler = Sampler::new(p.data.train().len(), 1);
+    let start = Instant::now();
+    for _ in 0..steps {
+        let idx = sampler.next_batch(config.train.batch_size);
+        let (xs, ys) = p.data.train().batch(&idx, &p.device)?;
+        train_step(model, &mut opt, &xs, &ys)?;
+    }
+    Ok(steps as f64 / start.elapsed().as_secs_f64())
+}

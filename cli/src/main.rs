@@ -580,22 +580,8 @@ fn print_checkpoint(c: &CheckpointView, json: bool) -> Result<()> {
 
 /// Writes a file so that a reader sees either nothing or all of it.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| anyhow!("--out {} is not a file path", path.display()))?;
-    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
-    let mut f =
-        std::fs::File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
-    f.write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
+    p2ptrain_daemon::atomic_file::write(path, bytes, None)
+        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 fn eval(args: EvalArgs) -> Result<ExitCode> {

@@ -5,7 +5,7 @@
 //! it; the key file is written once, atomically, readable only by its owner.
 
 use std::fs;
-use std::io::Write;
+
 use std::path::{Path, PathBuf};
 
 use libp2p::identity::{DecodingError, Keypair, PeerId};
@@ -54,18 +54,7 @@ pub fn load_or_create(data_dir: &Path) -> Result<Keypair, IdentityError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let key = Keypair::generate_ed25519();
             let bytes = key.to_protobuf_encoding().map_err(IdentityError::Encode)?;
-            let tmp = data_dir.join(format!(".{KEY_FILE}.tmp"));
-            let write = || -> std::io::Result<()> {
-                let mut opts = fs::OpenOptions::new();
-                opts.write(true).create(true).truncate(true);
-                #[cfg(unix)]
-                std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
-                let mut f = opts.open(&tmp)?;
-                f.write_all(&bytes)?;
-                f.sync_all()?;
-                fs::rename(&tmp, &path)
-            };
-            match write() {
+            match crate::atomic_file::write(&path, &bytes, Some(0o600)) {
                 Ok(()) => Ok(key),
                 Err(source) => Err(IdentityError::Write { path, source }),
             }

@@ -18,6 +18,7 @@
 //! - [`identity`] keeps the node's key, and so its peer id, across restarts; [`memory`] reports
 //!   the node's own memory; [`timeline`] writes spans of its work as a Chrome trace.
 
+pub mod atomic_file;
 pub mod checkpoint;
 pub mod config;
 pub mod control;

@@ -7,8 +7,7 @@
 //! is renamed `*.corrupt`, reported once, and never loaded.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File};
-use std::io::Write;
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -230,16 +229,7 @@ impl Store {
                 source,
             })?;
         let path = self.path_of(&meta);
-        let tmp = self.dir.join(format!(".{}.tmp", meta.file));
-        {
-            let mut f = File::create(&tmp).map_err(io(&tmp))?;
-            f.write_all(&bytes).map_err(io(&tmp))?;
-            f.sync_all().map_err(io(&tmp))?;
-        }
-        fs::rename(&tmp, &path).map_err(io(&path))?;
-        File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io(&self.dir))?;
+        crate::atomic_file::write(&path, &bytes, None).map_err(io(&path))?;
         self.put_index(&meta)?;
         let all = self.list();
         if all.len() > keep {
@@ -406,7 +396,7 @@ mod tests {
         let newest = store.save(&snapshot(20), 5).expect("save");
         let path = store.path_of(&newest);
         let len = fs::metadata(&path).expect("meta").len();
-        File::options()
+        fs::File::options()
             .write(true)
             .open(&path)
             .and_then(|f| f.set_len(len - 5))

@@ -581,15 +581,13 @@ async fn fetch(
     Ok((out, used.into_iter().collect(), reused))
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename, so a crash leaves either
-/// the whole chunk or none.
+/// Writes `bytes` to `path` atomically ([`crate::atomic_file`], off the async workers), so a
+/// crash leaves either the whole chunk or none.
 async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    let tmp = path.with_extension("tmp");
-    tokio::fs::write(&tmp, bytes)
+    let (target, bytes) = (path.to_path_buf(), bytes.to_vec());
+    tokio::task::spawn_blocking(move || crate::atomic_file::write(&target, &bytes, None))
         .await
-        .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    tokio::fs::rename(&tmp, path)
-        .await
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?
         .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 

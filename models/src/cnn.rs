@@ -12,8 +12,9 @@ use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 use candle_nn::{Conv2d, Linear};
 
-use crate::train::{dense_backward, dense_forward, relu_back};
-use crate::{conv, fused, matmul, Error, Result};
+use crate::cpu::{conv, fused, matmul};
+use crate::dense::{dense_backward, dense_forward, relu_back};
+use crate::{Error, Result};
 
 /// The layers of a CNN, borrowed from its [`crate::Model`].
 pub(crate) struct CnnLayers<'a> {

@@ -8,7 +8,6 @@
 //! we train on (MNIST, 60,000 x 784) is about 190 MB as `f32`, which every node can afford, and
 //! it keeps batching a plain gather.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
@@ -17,6 +16,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
+pub use crate::samples::Samples;
+use crate::samples::{gunzip_if_needed, read_maybe_gz};
 use crate::{Error, Result};
 
 /// The handwritten-digits set shipped with p2ptrain (UCI optical digits, scikit-learn's copy,
@@ -163,31 +164,6 @@ impl Dataset {
     }
 }
 
-/// Samples a model trains or is evaluated on, as a trainer reads them: how many there are, and
-/// a batch of them as an input and a target tensor.
-pub trait Samples {
-    /// Number of samples.
-    fn len(&self) -> usize;
-
-    /// Whether there is no sample.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The inputs and targets of the given samples, on `dev`.
-    fn batch(&self, indices: &[usize], dev: &Device) -> Result<(Tensor, Tensor)>;
-
-    /// Whether each target is the next byte of a text (losses are then per byte).
-    fn predicts_bytes(&self) -> bool {
-        false
-    }
-
-    /// Samples per evaluation batch.
-    fn eval_batch(&self) -> usize {
-        256
-    }
-}
-
 impl Samples for Dataset {
     fn len(&self) -> usize {
         Dataset::len(self)
@@ -327,31 +303,6 @@ pub fn split_seeded(data: &Dataset, test_fraction: f64, seed: u64) -> Result<Spl
         train: data.subset(train),
         test: data.subset(test),
     })
-}
-
-/// Reads the bytes of a file, transparently gunzipping when the content starts with the gzip
-/// magic (so `.gz` and raw copies both work, whatever their names).
-pub(crate) fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
-    let raw = std::fs::read(path).map_err(|source| Error::Io {
-        path: path.to_owned(),
-        source,
-    })?;
-    gunzip_if_needed(raw, path)
-}
-
-pub(crate) fn gunzip_if_needed(raw: Vec<u8>, path: &Path) -> Result<Vec<u8>> {
-    if raw.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::new();
-        flate2::read::MultiGzDecoder::new(&raw[..])
-            .read_to_end(&mut out)
-            .map_err(|e| Error::Format {
-                path: path.to_owned(),
-                msg: format!("broken gzip stream: {e}"),
-            })?;
-        Ok(out)
-    } else {
-        Ok(raw)
-    }
 }
 
 /// Loads the digits set from its CSV form (64 pixel values 0..16, then the label 0..9, one

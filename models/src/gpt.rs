@@ -9,14 +9,15 @@
 //! Weights come from [`crate::init`] (GPT-2's normal(0, 0.02), with the projections into the
 //! residual stream scaled by `1/sqrt(2·layers)`), so every node builds bit-identical
 //! parameters from the run's seed. Layer norm, the causal softmax, SiLU and the linear layers
-//! are [`crate::fused`]'s kernels, which carry their own backward passes (candle-nn's fused
+//! are [`crate::cpu::fused`]'s kernels, which carry their own backward passes (candle-nn's fused
 //! softmax and layer norm have none).
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear};
 use serde::{Deserialize, Serialize};
 
-use crate::{fused, init, Error, Result};
+use crate::cpu::{fused, matmul};
+use crate::{init, Error, Result};
 
 mod backward;
 
@@ -336,7 +337,7 @@ fn layer_norm(x: &Tensor, (weight, bias): &(Tensor, Tensor)) -> Result<Tensor> {
 
 /// A linear layer over the last dimension.
 fn linear(x: &Tensor, layer: &Linear) -> Result<Tensor> {
-    fused::linear(x, layer.weight(), layer.bias())
+    matmul::linear_nd(x, layer.weight(), layer.bias())
 }
 
 fn argmax(values: &[f32]) -> usize {

@@ -8,23 +8,24 @@
 
 mod cnn;
 pub mod codec;
-pub mod conv;
+pub mod cpu;
 pub mod data;
+mod dense;
 pub mod error;
-pub mod fused;
 pub mod gpt;
 pub mod init;
-pub mod matmul;
 pub mod model;
 pub mod optim;
 pub mod params;
 pub mod replica;
+pub mod samples;
 pub mod text;
 pub mod train;
 
 #[cfg(test)]
 mod testing;
 
+pub use cpu::{conv, fused, matmul};
 pub use error::{Error, Result};
 pub use model::{Model, ModelSpec};
 pub use optim::{Optimizer, OptimizerSpec};

@@ -269,16 +269,16 @@ impl Model {
                 let bias = conv
                     .bias()
                     .ok_or_else(|| Error::Layout("a convolution without its bias".into()))?;
-                xs = crate::conv::conv2d(&xs, conv.weight(), bias, conv.config().padding)?;
+                xs = crate::cpu::conv::conv2d(&xs, conv.weight(), bias, conv.config().padding)?;
                 // Pooling before the ReLU gives the same values (ReLU keeps order) from a
                 // quarter of the work.
-                xs = crate::conv::max_pool2x2(&xs)?.relu()?;
+                xs = crate::cpu::conv::max_pool2x2(&xs)?.relu()?;
             }
             xs = xs.flatten_from(1)?;
         }
         let last = self.linears.len() - 1;
         for (i, layer) in self.linears.iter().enumerate() {
-            xs = crate::fused::linear(&xs, layer.weight(), layer.bias())?;
+            xs = crate::cpu::matmul::linear_nd(&xs, layer.weight(), layer.bias())?;
             if i < last {
                 xs = xs.relu()?;
             }

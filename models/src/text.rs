@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-use crate::data::{gunzip_if_needed, read_maybe_gz, Samples};
+use crate::samples::{gunzip_if_needed, read_maybe_gz, Samples};
 use crate::{Error, Result};
 
 /// Hamlet (about 174 KB), cut from the public-domain Shakespeare corpus (see

@@ -2,13 +2,12 @@
 //! bare benchmark loop call, so the two measure the same work.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, D};
-use candle_nn::Linear;
+use candle_core::{DType, Device, Tensor};
 
 use crate::data::Samples;
 use crate::model::Model;
 use crate::optim::Optimizer;
-use crate::{matmul, Result};
+use crate::Result;
 
 /// Runs forward, cross-entropy loss, backward and one optimizer update on a batch; returns the
 /// batch's mean loss. [`forward_backward`], then the optimizer, then the loss read back: the
@@ -24,14 +23,14 @@ pub fn train_step(model: &Model, opt: &mut Optimizer, xs: &Tensor, ys: &Tensor) 
 /// autograd, without its zero-seeded accumulation); other models take Candle's autograd.
 pub fn forward_backward(model: &Model, xs: &Tensor, ys: &Tensor) -> Result<(Tensor, GradStore)> {
     let gpt = model.gpt().filter(|g| g.has_hand_backward());
-    let cnn = model.cnn_layers().filter(|_| crate::fused::serves(xs));
+    let cnn = model.cnn_layers().filter(|_| crate::cpu::fused::serves(xs));
     match (model.mlp_layers(), gpt, cnn) {
-        (Some(layers), _, _) => mlp_loss_and_grads(layers, xs, ys),
+        (Some(layers), _, _) => crate::dense::mlp_loss_and_grads(layers, xs, ys),
         (None, Some(gpt), _) => gpt.loss_and_grads(xs, ys),
         (None, None, Some(cnn)) => crate::cnn::loss_and_grads(&cnn, xs, ys),
         (None, None, None) => {
             let (logits, ys) = per_prediction(model.forward(xs)?, ys)?;
-            let loss = crate::fused::cross_entropy(&logits, &ys)?;
+            let loss = crate::cpu::fused::cross_entropy(&logits, &ys)?;
             let grads = loss.backward()?;
             Ok((loss, grads))
         }
@@ -41,74 +40,6 @@ pub fn forward_backward(model: &Model, xs: &Tensor, ys: &Tensor) -> Result<(Tens
 /// A scalar loss tensor's value as an `f32` (on a GPU, this waits for the step to finish).
 pub fn loss_value(loss: &Tensor) -> Result<f32> {
     Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
-}
-
-/// An MLP's mean cross-entropy loss and its gradients, by hand: per layer two matrix
-/// products and a sum, nothing else. Candle's autograd gives the same numbers (a test checks)
-/// but seeds every node's gradient with a zero tensor and adds into it, which on the MNIST
-/// MLP is two extra passes over every weight matrix per step (about a sixth of the step).
-/// One difference: where a pre-activation is exactly zero, Candle's ReLU passes the gradient
-/// through and this one, like PyTorch's, does not.
-fn mlp_loss_and_grads(layers: &[Linear], xs: &Tensor, ys: &Tensor) -> Result<(Tensor, GradStore)> {
-    let (inputs, a) = dense_forward(layers, xs)?;
-    let batch = a.dim(0)?;
-    let classes = a.dim(1)?;
-    let log_probs = candle_nn::ops::log_softmax(&a, D::Minus1)?;
-    let picked = log_probs.gather(&ys.unsqueeze(1)?, 1)?;
-    let loss = (picked.sum_all()? / -(batch as f64))?;
-    // d loss / d logits = (softmax − one-hot) / batch.
-    let one_hot = candle_nn::encoding::one_hot(ys.clone(), classes, 1f32, 0f32)?;
-    let dz = ((log_probs.exp()? - one_hot)? / batch as f64)?;
-    let mut grads = GradStore::default();
-    dense_backward(layers, &inputs, dz, &mut grads, false)?;
-    Ok((loss, grads))
-}
-
-/// Fully connected layers with a ReLU between them, forward, with the weights read detached
-/// (no graph): every layer's input, and the last layer's output.
-pub(crate) fn dense_forward(layers: &[Linear], xs: &Tensor) -> Result<(Vec<Tensor>, Tensor)> {
-    let mut inputs = Vec::with_capacity(layers.len());
-    let mut a = xs.detach();
-    for (i, layer) in layers.iter().enumerate() {
-        let bias = layer.bias().map(Tensor::detach);
-        let z = matmul::linear(&a, &layer.weight().detach(), bias.as_ref())?;
-        inputs.push(a);
-        a = if i + 1 < layers.len() { z.relu()? } else { z };
-    }
-    Ok((inputs, a))
-}
-
-/// [`dense_forward`]'s layers backward from the last output's gradient `dz`, given each
-/// layer's input: the weights' and biases' gradients go into `grads`; with `input_grad`, the
-/// first layer's input's gradient is returned.
-pub(crate) fn dense_backward(
-    layers: &[Linear],
-    inputs: &[Tensor],
-    mut dz: Tensor,
-    grads: &mut GradStore,
-    input_grad: bool,
-) -> Result<Option<Tensor>> {
-    for (i, layer) in layers.iter().enumerate().rev() {
-        let a = &inputs[i];
-        grads.insert(layer.weight(), matmul::matmul(&dz.t()?, a)?);
-        if let Some(b) = layer.bias() {
-            grads.insert(b, crate::fused::sum_rows(&dz)?);
-        }
-        if i > 0 {
-            // Through the weights, then through the ReLU that made this layer's input.
-            let da = matmul::matmul(&dz, &layer.weight().detach())?;
-            dz = relu_back(&da, a)?;
-        } else if input_grad {
-            return Ok(Some(matmul::matmul(&dz, &layer.weight().detach())?));
-        }
-    }
-    Ok(None)
-}
-
-/// The gradient `grad` of a ReLU's output passed back where its output `activated` is
-/// positive (zero where the input was exactly zero, as in PyTorch).
-pub(crate) fn relu_back(grad: &Tensor, activated: &Tensor) -> Result<Tensor> {
-    Ok((grad * activated.gt(0f32)?.to_dtype(DType::F32)?)?)
 }
 
 /// One row of logits per prediction: a classifier's `(batch, classes)` as they are, a
@@ -231,7 +162,7 @@ mod tests {
             .batch(&(0..37).collect::<Vec<_>>(), &dev)
             .expect("batch");
         let layers = model.mlp_layers().expect("an mlp");
-        let (loss, grads) = mlp_loss_and_grads(layers, &xs, &ys).expect("by hand");
+        let (loss, grads) = crate::dense::mlp_loss_and_grads(layers, &xs, &ys).expect("by hand");
         let auto_loss =
             candle_nn::loss::cross_entropy(&model.forward(&xs).expect("fwd"), &ys).expect("loss");
         let auto = auto_loss.backward().expect("backward");

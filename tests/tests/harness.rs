@@ -154,6 +154,66 @@ pub fn cli_with<G>(
     )
 }
 
+/// The nodes running now, killed by [`clean_up_on_signals`]'s watcher if the suite is
+/// stopped by a signal (their `Node`s never drop then).
+static CHILDREN: std::sync::Mutex<std::collections::BTreeSet<u32>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// Once per process: a thread that, on SIGINT or SIGTERM (Ctrl-C, a CI timeout), kills every
+/// node still running and deletes this process's lab namespaces, then exits as the signal
+/// would have (130 or 143). Without it a stopped suite left its nodes running and its
+/// namespaces behind.
+pub fn clean_up_on_signals() {
+    static WATCHER: std::sync::Once = std::sync::Once::new();
+    WATCHER.call_once(|| {
+        let watch = || -> std::io::Result<()> {
+            use tokio::signal::unix::{signal, SignalKind};
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let (mut int, mut term) = {
+                let _in_runtime = rt.enter();
+                (
+                    signal(SignalKind::interrupt())?,
+                    signal(SignalKind::terminate())?,
+                )
+            };
+            std::thread::spawn(move || {
+                let code = rt.block_on(async {
+                    tokio::select! {
+                        _ = int.recv() => 130,
+                        _ = term.recv() => 143,
+                    }
+                });
+                let pids: Vec<u32> = CHILDREN
+                    .lock()
+                    .map(|p| p.iter().copied().collect())
+                    .unwrap_or_default();
+                for pid in &pids {
+                    let _ = Command::new("kill").args(["-9", &pid.to_string()]).output();
+                }
+                let labs = p2ptrain_netlab::remove_labs_of(std::process::id());
+                // Straight to the file descriptor: this thread inherits the test's output
+                // capture, which `eprintln!` would write into and nobody would print.
+                let _ = std::io::Write::write_all(
+                    &mut std::io::stderr(),
+                    format!(
+                        "stopped by a signal: killed {} nodes, deleted {} lab namespaces\n",
+                        pids.len(),
+                        labs.len()
+                    )
+                    .as_bytes(),
+                );
+                std::process::exit(code);
+            });
+            Ok(())
+        };
+        if let Err(e) = watch() {
+            eprintln!("cannot watch for signals ({e}): a stopped suite may leave nodes behind");
+        }
+    });
+}
+
 /// The pid of a child process of `parent` with `needle` among its arguments, once one runs.
 pub fn child_with_arg(parent: u32, needle: &str) -> Option<u32> {
     std::fs::read_dir("/proc")
@@ -285,6 +345,10 @@ impl Node {
             .stderr(std::fs::File::create(&log).expect("log"))
             .spawn()
             .expect("spawn p2ptrain join");
+        clean_up_on_signals();
+        if let Ok(mut pids) = CHILDREN.lock() {
+            pids.insert(child.id());
+        }
         Node {
             child: Some(child),
             data_dir: data_dir.to_path_buf(),
@@ -416,6 +480,9 @@ impl Node {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+            if let Ok(mut pids) = CHILDREN.lock() {
+                pids.remove(&c.id());
+            }
         }
     }
 

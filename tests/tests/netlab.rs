@@ -5,6 +5,7 @@ pub use p2ptrain_netlab::{Firewall, Lab};
 
 /// The lab, or `None` after printing why the test is skipped.
 pub fn lab_or_skip(test: &str, n: usize) -> Option<Lab> {
+    crate::harness::clean_up_on_signals();
     match Lab::new(n) {
         Ok(lab) => Some(lab),
         Err(why) => {

@@ -442,3 +442,71 @@ fn mdns_finds_peers_on_a_lab_lan_only_when_asked() {
         );
     }
 }
+
+/// A suite stopped by SIGTERM (Ctrl-C, a CI timeout) mid-test leaves nothing behind: the
+/// integration binary runs the partition test as a child, which is stopped once its lab and
+/// nodes are up; its namespaces are gone and its nodes dead.
+#[test]
+fn a_suite_stopped_by_sigterm_leaves_no_node_or_namespace_behind() {
+    let test = "a_suite_stopped_by_sigterm_leaves_no_node_or_namespace_behind";
+    // Only to learn that labs can be built here (root, `ip netns`).
+    if lab_or_skip(test, 1).is_none() {
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary");
+    let mut child = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "partition::a_mesh_split_in_two_trains_on_and_reconverges_after_healing",
+        ])
+        .env("P2PTRAIN_BIN", crate::harness::bin())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn the suite");
+    let pid = child.id();
+    let prefix = format!("p2pt{pid}x");
+    let namespaces = || -> Vec<String> {
+        let out = std::process::Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .expect("ip netns list");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|n| n.starts_with(&prefix))
+            .map(String::from)
+            .collect()
+    };
+    let node = eventually(
+        Duration::from_secs(60),
+        "the child's lab and a node",
+        || {
+            let up = !namespaces().is_empty();
+            up.then(|| crate::harness::child_with_arg(pid, "join"))
+                .flatten()
+        },
+    );
+    let st = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(st.success());
+    let status = child.wait().expect("wait");
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut e, &mut err);
+    }
+    assert_eq!(status.code(), Some(143), "exit as SIGTERM would: {err}");
+    assert!(err.contains("stopped by a signal"), "{err}");
+    assert!(namespaces().is_empty(), "left behind: {:?}", namespaces());
+    eventually(Duration::from_secs(10), "the child's node gone", || {
+        let stat = std::fs::read_to_string(format!("/proc/{node}/stat")).unwrap_or_default();
+        // Gone, or a zombie waiting for init to reap it.
+        (stat.is_empty()
+            || stat
+                .rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
+        .then_some(())
+    });
+}

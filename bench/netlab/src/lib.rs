@@ -15,12 +15,22 @@
 //! The fault tests use it for partitions and NATs; `p2ptrain bench scaling --link` for slow links.
 //! Building a lab needs root and `ip` (and `tc`, `iptables` for what uses them). A process
 //! killed before the lab drops leaves its namespaces (`p2pt<pid>x<n>...`) behind;
-//! `ip netns list` shows them and `ip netns del NAME` removes them.
+//! `ip netns list` shows them and `ip netns del NAME` removes them. A process stopping on a
+//! signal, whose labs will never drop, calls [`remove_labs_of`] with its own pid first.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 static LABS: AtomicUsize = AtomicUsize::new(0);
+/// Held while namespaces are being made, so [`remove_labs_of`] never sweeps a lab half built
+/// (and then misses the namespaces made after its sweep).
+static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn making() -> std::sync::MutexGuard<'static, ()> {
+    MAKING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// What a NAT router does with a connection from outside that matches none of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +110,7 @@ impl Lab {
         if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
             return Err(LabError::NotRoot);
         }
+        let _making = making();
         let tag = format!(
             "p2pt{}x{}",
             std::process::id(),
@@ -144,6 +155,7 @@ impl Lab {
     /// [`Lab::private_addr`]), or why that cannot be done here (no `iptables`, or its nat
     /// table refused), so the caller can skip with that reason.
     pub fn behind_nat(&mut self, i: usize, firewall: Firewall) -> Result<String, LabError> {
+        let _making = making();
         let router = self.hosts[i].clone();
         run("iptables", &["--version"]).map_err(|e| LabError::NoIptables(Box::new(e)))?;
         let ns = format!("{router}nat");
@@ -314,6 +326,32 @@ impl Lab {
             format!("tbf rate {rate} (no netem in this kernel: no delay or loss added)")
         })
     }
+}
+
+/// Deletes every namespace the labs of process `pid` made, killing what runs in them first
+/// (a namespace lives on while a process is in it): for a process stopping on a signal, whose
+/// labs will not drop. Best effort; returns the namespaces deleted.
+pub fn remove_labs_of(pid: u32) -> Vec<String> {
+    let _making = making();
+    let prefix = format!("p2pt{pid}x");
+    let listed = Command::new("ip").args(["netns", "list"]).output();
+    let names: Vec<String> = listed
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(&prefix))
+        .map(String::from)
+        .collect();
+    for ns in &names {
+        if let Ok(o) = Command::new("ip").args(["netns", "pids", ns]).output() {
+            for p in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+                let _ = Command::new("kill").args(["-9", p]).output();
+            }
+        }
+        let _ = run("ip", &["netns", "del", ns]);
+    }
+    names
 }
 
 impl Drop for Lab {

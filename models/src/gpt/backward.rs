@@ -4,7 +4,7 @@
 //! gradient with a zero tensor and adds into it: on the 2-core box's small GPT that
 //! bookkeeping (zeros, adds, their allocations) was a sixth of a step once the kernels were
 //! fused. Here the forward pass keeps what the backward pass reads, and the backward pass
-//! walks the blocks in reverse with matrix products and [`crate::fused`]'s gradient kernels,
+//! walks the blocks in reverse with matrix products and [`crate::cpu::fused`]'s gradient kernels,
 //! writing each gradient once.
 
 use candle_core::backprop::GradStore;
@@ -12,8 +12,9 @@ use candle_core::Tensor;
 use candle_nn::Linear;
 
 use super::{Block, Gpt, LN_EPS, VOCAB};
-use crate::matmul::matmul;
-use crate::{fused, Result};
+use crate::cpu::matmul::matmul;
+use crate::cpu::{fused, matmul};
+use crate::Result;
 
 /// What one block's backward pass reads from its forward pass.
 struct BlockCache {
@@ -42,7 +43,7 @@ struct BlockCache {
 
 /// `x @ weightᵀ + bias` on rows `(n, in)`.
 fn affine(x: &Tensor, layer: &Linear) -> Result<Tensor> {
-    fused::linear(x, layer.weight(), layer.bias())
+    matmul::linear_nd(x, layer.weight(), layer.bias())
 }
 
 /// Gradients of a linear layer whose input was `input` and whose output's gradient is

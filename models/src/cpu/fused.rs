@@ -236,26 +236,12 @@ pub(crate) fn f32_slice<'a>(
 }
 
 /// The last dimension of `dims`, which must be non-zero, and how many rows of it there are.
-fn rows_of(op: &str, dims: &[usize]) -> candle_core::Result<(usize, usize)> {
+pub(crate) fn rows_of(op: &str, dims: &[usize]) -> candle_core::Result<(usize, usize)> {
     let width = dims.last().copied().unwrap_or(1);
     if width == 0 {
         return Err(candle_core::Error::Msg(format!("{op}: empty rows")));
     }
     Ok((dims.iter().product::<usize>() / width, width))
-}
-
-/// `x @ weightᵀ + bias` over the last dimension of `x`, any leading dimensions flattened into
-/// one matrix product, so the weight's gradient is one product too (Candle's `Linear`
-/// broadcasts the weight over a 3-D input and then sums the batch of gradients).
-pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
-    let (rows, fan_in) = rows_of("linear", &dims)?;
-    let y = crate::matmul::linear(&x.reshape((rows, fan_in))?, weight, bias)?;
-    let mut out = dims;
-    if let Some(last) = out.last_mut() {
-        *last = y.dim(1)?;
-    }
-    Ok(y.reshape(out)?)
 }
 
 /// `x + bias` with `bias` `(n,)` added to every row of `x` `(…, n)`.
@@ -1070,7 +1056,10 @@ mod tests {
         same_as(
             "linear",
             &[&x, &w, &b],
-            || linear(x.as_tensor(), w.as_tensor(), Some(b.as_tensor())).expect("ours"),
+            || {
+                crate::cpu::matmul::linear_nd(x.as_tensor(), w.as_tensor(), Some(b.as_tensor()))
+                    .expect("ours")
+            },
             || {
                 use candle_core::Module;
                 candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()))

@@ -4,7 +4,7 @@
 //! `conv_transpose2d` (a dot product per output value), and does so even where no gradient is
 //! wanted, such as for the images themselves: on the LeNet-style CNN that was about 78% of a
 //! training step. Here the convolution is `im2col(x)ᵀ · Wᵀ + b`: the matrix product with
-//! its bias is [`crate::matmul::linear`] (gemm forward and backward), and `im2col` is a
+//! its bias is [`crate::cpu::matmul::linear`] (gemm forward and backward), and `im2col` is a
 //! custom op whose backward (`col2im`) scatters the patches' gradient back onto the input,
 //! only when the input needs one. Off the CPU, Candle's own `conv2d` is used.
 //!
@@ -40,7 +40,7 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: &Tensor, padding: usize) -> Res
         )));
     };
     let cols = x.contiguous()?.apply_op1(Im2Col { k, padding })?;
-    let out = crate::matmul::linear(
+    let out = crate::cpu::matmul::linear(
         &cols.t()?,
         &weight.reshape((out_ch, in_ch * k * k))?,
         Some(bias),
@@ -165,7 +165,7 @@ impl CustomOp1 for Im2Col {
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = self.geometry(layout.dims())?;
-        let x = crate::fused::f32_slice("im2col", storage, layout)?;
+        let x = crate::cpu::fused::f32_slice("im2col", storage, layout)?;
         let positions = g.batch * g.out_h * g.out_w;
         let row_len = g.channels * self.k * self.k;
         // The runs come in the matrix's order, so they are appended, with zeros only where
@@ -217,7 +217,7 @@ impl CustomOp1 for Col2Im {
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let g = self.im2col.geometry(&self.input_dims)?;
-        let grad = crate::fused::f32_slice("col2im", storage, layout)?;
+        let grad = crate::cpu::fused::f32_slice("col2im", storage, layout)?;
         let row_len = g.channels * self.im2col.k * self.im2col.k;
         if grad.len() != g.batch * g.out_h * g.out_w * row_len {
             return Err(candle_core::Error::Msg(
@@ -371,7 +371,7 @@ impl CustomOp1 for PoolRows {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = crate::fused::f32_slice("max-pool-rows", storage, layout)?;
+        let x = crate::cpu::fused::f32_slice("max-pool-rows", storage, layout)?;
         let dims = self.out_dims();
         let mut out = vec![0f32; dims.iter().product()];
         self.for_each_window(x, |o, at| out[o] = x[at]);
@@ -406,8 +406,8 @@ impl CustomOp2 for PoolRowsGrad {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = crate::fused::f32_slice("max-pool-rows-grad", s1, l1)?;
-        let grad = crate::fused::f32_slice("max-pool-rows-grad", s2, l2)?;
+        let x = crate::cpu::fused::f32_slice("max-pool-rows-grad", s1, l1)?;
+        let grad = crate::cpu::fused::f32_slice("max-pool-rows-grad", s2, l2)?;
         if grad.len() != self.0.out_dims().iter().product::<usize>() {
             return Err(candle_core::Error::Msg(
                 "max-pool-rows-grad: gradient of the wrong size".into(),

@@ -18,7 +18,7 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use gemm::Parallelism;
 
-use crate::fused::{serves, sum_rows};
+use crate::cpu::fused::{self, serves, sum_rows};
 use crate::Result;
 
 /// `a @ b` for `a` `(…, m, k)` and `b` `(…, k, n)` with the same leading (batch) dimensions,
@@ -40,6 +40,20 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         return Ok(x.matmul(&weight.t()?)?.broadcast_add(bias)?);
     }
     Ok(x.apply_op3(weight, &bias.contiguous()?, Linear)?)
+}
+
+/// `x @ weightᵀ + bias` over the last dimension of `x`, any leading dimensions flattened into
+/// one matrix product, so the weight's gradient is one product too (Candle's `Linear`
+/// broadcasts the weight over a 3-D input and then sums the batch of gradients).
+pub fn linear_nd(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (rows, fan_in) = fused::rows_of("linear", &dims)?;
+    let y = linear(&x.reshape((rows, fan_in))?, weight, bias)?;
+    let mut out = dims;
+    if let Some(last) = out.last_mut() {
+        *last = y.dim(1)?;
+    }
+    Ok(y.reshape(out)?)
 }
 
 /// Gemm's parallelism for Candle's thread count (`RAYON_NUM_THREADS`, as Candle reads it:
@@ -271,7 +285,7 @@ impl CustomOp3 for Linear {
                 l3.dims()
             )));
         }
-        let bias = crate::fused::f32_slice("linear", s3, l3)?;
+        let bias = crate::cpu::fused::f32_slice("linear", s3, l3)?;
         // The bias in every row, for gemm to add the product onto.
         let size = rows * fan_out;
         let mut out = Vec::with_capacity(size);

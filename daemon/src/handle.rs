@@ -85,7 +85,7 @@ pub struct NodeHandle {
     /// Frozen states this node serves to joiners.
     pub cache: Arc<Mutex<transfer::Cache>>,
     /// The state download this node started with, if any.
-    pub download: Mutex<Option<transfer::DownloadReport>>,
+    pub download: Arc<Mutex<Option<transfer::DownloadReport>>>,
     /// How far the state download under way has come.
     pub download_progress: Arc<transfer::DownloadProgress>,
     /// The update settings and this node's update topic, for status.

@@ -1,10 +1,12 @@
-//! The mesh actor: the task that connects the mesh core ([`crate::mesh_core`]) to the world, and
-//! decides nothing itself.
+//! The mesh actor: the task that connects the mesh core ([`crate::mesh_core`]) to the world.
+//! Every decision about peers, updates and syncs is the core's.
 //!
 //! It turns network events, the trainer's events and timer ticks into the core's inputs, and
 //! carries out the core's outputs: gossip publishes and verdicts, subscriptions, requests to
-//! peers, commands to the trainer, the step limit. It also answers peers' bulk requests
-//! (parameters for a sync, large updates, state downloads). Every request it sends or serves
+//! peers, commands to the trainer, the step limit; it tells a joiner which members are
+//! connected (a watch). It also answers peers' bulk requests (parameters for a sync, large
+//! updates, state downloads), with the few rules serving needs: a node without a state yet
+//! declines a sync request, and a state is frozen from the trainer before it is served. Every request it sends or serves
 //! runs in a task of a bounded set ([`TASK_CAP`]), joined (aborted) when the actor stops; when
 //! the set is full a request is declined, never queued without bound.
 //!
@@ -18,6 +20,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use libp2p::PeerId;
 use serde_bytes::ByteBuf;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
@@ -60,6 +63,8 @@ pub struct MeshActor {
     trainer_rx: mpsc::Receiver<TrainerEvent>,
     /// Shared with the status API.
     status: Arc<Mutex<MeshStatus>>,
+    /// The run's connected members, for a joiner waiting for donors.
+    members_tx: watch::Sender<Vec<PeerId>>,
     /// Frozen states this node can serve.
     cache: Arc<Mutex<transfer::Cache>>,
     /// Where the core's SSP limit reaches the trainer.
@@ -82,6 +87,7 @@ impl MeshActor {
         stats_rx: watch::Receiver<Stats>,
         trainer_rx: mpsc::Receiver<TrainerEvent>,
         status: Arc<Mutex<MeshStatus>>,
+        members_tx: watch::Sender<Vec<PeerId>>,
         cache: Arc<Mutex<transfer::Cache>>,
         limit: StepLimit,
         serve_chunk_delay: Duration,
@@ -94,6 +100,7 @@ impl MeshActor {
             stats_rx,
             trainer_rx,
             status,
+            members_tx,
             cache,
             limit,
             serve_chunk_delay,
@@ -185,6 +192,14 @@ impl MeshActor {
         }
         self.flush_applies();
         self.limit.set(self.core.step_limit(Instant::now()));
+        let members = self.core.members();
+        self.members_tx.send_if_modified(|m| {
+            let changed = !m.iter().eq(members.iter());
+            if changed {
+                *m = members.iter().copied().collect();
+            }
+            changed
+        });
     }
 
     /// Hands queued updates to the trainer while its queue has room for them and for the

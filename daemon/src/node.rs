@@ -418,7 +418,7 @@ pub async fn run(
         net: net.clone(),
         mesh: Arc::new(Mutex::new(MeshStatus::default())),
         cache: Arc::new(Mutex::new(transfer::Cache::default())),
-        download: Mutex::new(None),
+        download: Arc::default(),
         download_progress: opts.download_progress.clone(),
         sync: SyncSettings {
             config: config.sync.clone(),
@@ -454,6 +454,7 @@ pub async fn run(
         },
         rounds,
     });
+    let (members_tx, members_rx) = watch::channel(Vec::new());
     let mesh = MeshActor::new(
         net.clone(),
         core,
@@ -461,13 +462,31 @@ pub async fn run(
         shared.stats_rx.clone(),
         trainer_events,
         shared.mesh.clone(),
+        members_tx,
         cache.clone(),
         limit,
         Duration::from_millis(config.debug.serve_chunk_delay_ms),
     );
     let mesh_task = tokio::spawn(mesh.run(net_events, shared.stop_tx.subscribe()));
     if joining {
-        tokio::spawn(join_mesh(shared.clone(), cache));
+        let joiner = transfer::Joiner {
+            net: net.clone(),
+            run_id: shared.run_id.clone(),
+            trainer: cmd_tx.clone(),
+            stats: shared.stats_rx.clone(),
+            members: members_rx,
+            stop: shared.stop_tx.subscribe(),
+            limits: transfer::Limits {
+                progress: shared.download_progress.clone(),
+                ..transfer::Limits::for_params(
+                    shared.model.params,
+                    shared.data_dir.join("download"),
+                )
+            },
+            cache,
+            report: shared.download.clone(),
+        };
+        tokio::spawn(joiner.run());
     }
     print_listen_addrs(&net, &peer_id).await;
 
@@ -573,122 +592,4 @@ async fn print_listen_addrs(net: &network::Client, peer_id: &str) {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-/// How long a joiner waits for members to show up before it trains from its own start.
-const JOIN_WAIT: Duration = Duration::from_secs(20);
-
-/// A joiner's start: wait for members, download the state, load it, then let the trainer go.
-async fn join_mesh(shared: Arc<NodeHandle>, cache: Arc<Mutex<transfer::Cache>>) {
-    let start = Instant::now();
-    let members = loop {
-        let members = shared
-            .mesh
-            .lock()
-            .map(|m| m.members.clone())
-            .unwrap_or_default();
-        if !members.is_empty() {
-            // Give the others a moment to show up too: more donors, less load on each.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            break shared
-                .mesh
-                .lock()
-                .map(|m| m.members.clone())
-                .unwrap_or(members);
-        }
-        if *shared.stop_tx.borrow() {
-            return;
-        }
-        if start.elapsed() > JOIN_WAIT {
-            tracing::warn!("no member of run {} answered within {JOIN_WAIT:?}; training from the run's initial weights", shared.run_id);
-            let _ = shared.cmd_tx.send(Command::Start).await;
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let limits = transfer::Limits {
-        progress: shared.download_progress.clone(),
-        ..transfer::Limits::for_params(shared.model.params, shared.data_dir.join("download"))
-    };
-    // A state that downloads whole but fails its checks (another run, another layout,
-    // non-finite values) rules its donor out; the next donor is tried.
-    let mut donors = members;
-    for _ in 0..JOIN_ATTEMPTS {
-        let (loaded, report, bytes) = match download_state(&shared, &donors, &limits).await {
-            Ok(v) => v,
-            Err(e) => {
-                tracing::warn!(
-                    "state download failed ({e}); training from the run's initial weights"
-                );
-                break;
-            }
-        };
-        tracing::info!(donor = %report.donor, step = report.step, bytes = report.bytes, secs = format!("{:.2}", report.secs), sources = report.sources.len(), reused_chunks = report.reused_chunks, "state downloaded");
-        let (tx, rx) = oneshot::channel();
-        if shared
-            .cmd_tx
-            .send(Command::Restore(
-                Box::new(loaded),
-                trainer::RestoreFrom::Members,
-                tx,
-            ))
-            .await
-            .is_err()
-        {
-            return;
-        }
-        match rx.await {
-            Ok(Ok(())) => {
-                // This node can now serve the same state to later joiners, and offers it as
-                // its own for a while (see `Cache::reusable`).
-                if let Ok(mut c) = cache.lock() {
-                    c.insert(Arc::new(transfer::Frozen::new(report.step, bytes)));
-                }
-                let mut report = report;
-                report.first_accuracy = shared.stats_rx.borrow().eval.map(|e| e.accuracy);
-                if let Ok(mut d) = shared.download.lock() {
-                    *d = Some(report);
-                }
-                return;
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(donor = %report.donor, "downloaded state refused: {e}; trying another donor");
-                donors.retain(|p| p.to_string() != report.donor);
-            }
-            Err(_) => return,
-        }
-    }
-    let _ = shared.cmd_tx.send(Command::Start).await;
-}
-
-/// Donors a joiner tries before it trains from the run's initial weights.
-const JOIN_ATTEMPTS: usize = 3;
-
-async fn download_state(
-    shared: &NodeHandle,
-    members: &[libp2p::PeerId],
-    limits: &transfer::Limits,
-) -> Result<(store::Loaded, transfer::DownloadReport, Vec<u8>), String> {
-    let started = Instant::now();
-    let downloaded = transfer::download(&shared.net, members, limits).await;
-    crate::timeline::record(
-        crate::timeline::Lane::Transfer,
-        "state_download",
-        started,
-        Instant::now(),
-        None,
-    );
-    let (bytes, report) = downloaded.map_err(|e| e.to_string())?;
-    let decoded = {
-        let bytes = bytes.clone();
-        tokio::task::spawn_blocking(move || crate::checkpoint::decode(&bytes, "downloaded state"))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("downloaded state failed verification: {e}"))?
-    };
-    let (meta, tensors) = decoded;
-    if meta.info.run_id != shared.run_id {
-        return Err(format!("donor sent a state of run {}", meta.info.run_id));
-    }
-    Ok((store::Loaded { meta, tensors }, report, bytes))
 }

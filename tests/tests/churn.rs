@@ -228,6 +228,16 @@ fn thirty_kills_at_random_moments_always_resume_from_a_valid_checkpoint() {
 const CHURN_SYNC_EVERY: u64 = 500;
 /// Nodes in the churn scenario.
 const CHURN_NODES: usize = 6;
+/// Seconds the mesh trains before the churned run's measured phase. A node's memory grows for
+/// its first two minutes as gossipsub's time caches fill (the duplicate cache and peer
+/// scoring's delivery records keep 120 s of message ids; the latter's 120 s is a constant of
+/// libp2p's, not a setting) and then stays flat: measured on a 6-node mesh, 43.0 MB at 15 s,
+/// 48.9 MB at 135 s, 49.3 MB from 210 s to 270 s. Memory growth under churn is only
+/// meaningful from that steady state on: against the churn-free run's growth over the same
+/// first minute instead (its control, without the wait), CI saw +13.2% under churn and +7.1%
+/// without, and this machine +15.0% and +14.3%: the caches' filling varies by more than the
+/// 5% a leak must stay under.
+const WARM_UP_SECS: f64 = 130.0;
 
 /// A reproducible pseudo-random sequence (a linear congruential generator).
 struct Lcg(u64);
@@ -262,7 +272,7 @@ struct ChurnRun {
     events: Vec<String>,
 }
 
-/// Six nodes train for `secs`; with `churn`, every 10 s one random node but
+/// Six nodes train for `secs`; with `churn`, after [`WARM_UP_SECS`] and every 10 s one random node but
 /// the anchor (node 0) is killed with SIGKILL and another joins: alternately the victim
 /// restarted on its data directory (resuming from its checkpoint) or a fresh node, each
 /// bootstrapping through a random live node.
@@ -287,6 +297,14 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
         n.wait_status("a trained mesh", Duration::from_secs(120), |s| {
             peers(s) == CHURN_NODES as u64 - 1 && step(s) > 1000
         });
+    }
+    // Only the churned run's heap growth is asserted: the churn-free run, whose heap is only
+    // reported, needs no steady state.
+    if churn {
+        let up = nodes[0].1.status().expect("status")["uptime_s"]
+            .as_f64()
+            .unwrap_or(0.0);
+        std::thread::sleep(Duration::from_secs_f64((WARM_UP_SECS - up).max(0.0)));
     }
     let mut rng = Lcg(0x2545_f491_4f6c_dd1d);
     let mut fresh = CHURN_NODES;
@@ -388,15 +406,12 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
     }
 }
 
-/// The churn scenario against a churn-free run of the same length, its control: the mesh never
-/// stops training for longer than two full-sync intervals, the survivors' accuracy is within
-/// 1 pp of the churn-free mesh's, and the longest-lived node's live heap grows by at most 5 pp
-/// more than in the churn-free run (total RSS is reported beside it; see
-/// [`Node::heap_floor_bytes`] for why it is not asserted on). A node's memory grows for its
-/// first two minutes as gossipsub's time caches fill (the duplicate cache and peer scoring's
-/// delivery records keep 120 s of message ids; 43.0 MB at 15 s, 48.9 MB at 135 s, then flat,
-/// on a 6-node mesh), alike in both runs: the control's growth is what churn must not add to,
-/// so no two-minute warm-up is needed to measure it.
+/// The churn scenario against a churn-free run of the same measured length (without the
+/// warm-up, which only the heap measure needs): the mesh never stops training for longer than
+/// two full-sync intervals (a node that stops answering counts as stopped), the survivors'
+/// accuracy is within 1 pp of the churn-free mesh's, and the longest-lived node's live heap
+/// grows by at most 5% from the steady state (total RSS is reported beside it; see
+/// [`Node::heap_floor_bytes`] for why it is not asserted on).
 #[test]
 fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without() {
     let _cores = crate::harness::cpu_hog();
@@ -455,8 +470,8 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
         mean(&calm.accuracies)
     );
     assert!(
-        growth <= calm_growth + 0.05,
-        "the anchor's live heap grew {:.1}% under churn, {:.1}% without",
+        growth <= 0.05,
+        "the anchor's live heap grew {:.1}% under churn after the warm-up ({:.1}% in the churn-free run's first minute)",
         growth * 100.0,
         calm_growth * 100.0
     );

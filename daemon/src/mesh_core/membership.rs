@@ -297,6 +297,11 @@ impl Membership {
         &self.neighbours
     }
 
+    /// The members now.
+    pub(super) fn members(&self) -> &BTreeSet<PeerId> {
+        &self.members
+    }
+
     /// The update topic of the run for `peer`.
     pub(super) fn update_topic(&self, peer: &PeerId) -> String {
         super::update_topic(&self.run_id, peer)

@@ -333,6 +333,11 @@ impl MeshCore {
         self.membership.neighbours()
     }
 
+    /// The run's connected members now.
+    pub fn members(&self) -> &std::collections::BTreeSet<PeerId> {
+        self.membership.members()
+    }
+
     /// The sizes of what the core keeps per peer or per message, for tests that bound memory.
     fn sizes(&self) -> Sizes {
         let (large, seen_steps, rejected_by_peer) = self.updates.sizes();

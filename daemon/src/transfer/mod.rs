@@ -6,6 +6,10 @@
 //! its SHA-256. A donor keeps a few recent ones; any peer that has one (a donor, or a joiner
 //! that finished downloading it) can serve its chunks, so a crowd of joiners spreads over
 //! several holders instead of hammering one donor.
+//!
+//! [`Joiner`] (`join.rs`) is a fresh node's whole start: waiting for members, the download,
+//! and handing the state to the trainer. Serving is the mesh actor's: it freezes the trainer's
+//! state into the [`Cache`] and answers chunk requests from it.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
@@ -19,6 +23,9 @@ use serde_bytes::ByteBuf;
 use sha2::{Digest, Sha256};
 
 use crate::network::{BulkRequest, BulkResponse, Client, StateManifest};
+
+mod join;
+pub use join::{Joiner, JOIN_WAIT};
 
 /// Bytes per chunk: small enough that a dead donor costs little, large enough to be cheap.
 pub const CHUNK_SIZE: usize = 256 * 1024;

@@ -1,0 +1,149 @@
+//! A joiner's start: wait for members of the run to connect (told by the mesh actor's members
+//! watch, never by polling status), download the mesh's state from them ([`super::download`]),
+//! check it is of this run, have the trainer load it, and offer it to later joiners; a state
+//! the trainer refuses rules its donor out and the next is tried. With no member within
+//! [`JOIN_WAIT`], or no state to be had, the node trains from the run's initial weights.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use libp2p::PeerId;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::{download, Cache, DownloadReport, Frozen, Limits};
+use crate::network::Client;
+use crate::store;
+use crate::trainer::{self, Command, Stats};
+
+/// How long a joiner waits for members to show up before it trains from its own start.
+pub const JOIN_WAIT: Duration = Duration::from_secs(20);
+/// After the first member connects, how long to wait for the others: more donors, less load
+/// on each.
+const MORE_MEMBERS_WAIT: Duration = Duration::from_millis(500);
+/// Donors a joiner tries before it trains from the run's initial weights.
+const JOIN_ATTEMPTS: usize = 3;
+
+/// What a joiner needs of its node.
+pub struct Joiner {
+    /// The network.
+    pub net: Client,
+    /// This node's run: a state of another is refused.
+    pub run_id: String,
+    /// The trainer, which loads the state or starts from its own.
+    pub trainer: mpsc::Sender<Command>,
+    /// The trainer's progress (its first evaluation after loading goes into the report).
+    pub stats: watch::Receiver<Stats>,
+    /// The run's connected members, as the mesh actor sees them.
+    pub members: watch::Receiver<Vec<PeerId>>,
+    /// Turns true when the node stops.
+    pub stop: watch::Receiver<bool>,
+    /// Bounds and folder of the download.
+    pub limits: Limits,
+    /// Frozen states this node serves: the downloaded one joins them.
+    pub cache: Arc<Mutex<Cache>>,
+    /// Where the finished download's report goes, for status.
+    pub report: Arc<Mutex<Option<DownloadReport>>>,
+}
+
+impl Joiner {
+    /// Joins; see the module docs.
+    pub async fn run(mut self) {
+        let Some(mut donors) = self.wait_for_members().await else {
+            return;
+        };
+        for _ in 0..JOIN_ATTEMPTS {
+            let (loaded, report, bytes) = match self.download_state(&donors).await {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::warn!(
+                        "state download failed ({e}); training from the run's initial weights"
+                    );
+                    break;
+                }
+            };
+            tracing::info!(donor = %report.donor, step = report.step, bytes = report.bytes, secs = format!("{:.2}", report.secs), sources = report.sources.len(), reused_chunks = report.reused_chunks, "state downloaded");
+            let (tx, rx) = oneshot::channel();
+            let restore = Command::Restore(Box::new(loaded), trainer::RestoreFrom::Members, tx);
+            if self.trainer.send(restore).await.is_err() {
+                return;
+            }
+            match rx.await {
+                Ok(Ok(())) => {
+                    // This node can now serve the same state to later joiners, and offers it
+                    // as its own for a while (see `Cache::reusable`).
+                    if let Ok(mut c) = self.cache.lock() {
+                        c.insert(Arc::new(Frozen::new(report.step, bytes)));
+                    }
+                    let mut report = report;
+                    report.first_accuracy = self.stats.borrow().eval.map(|e| e.accuracy);
+                    if let Ok(mut d) = self.report.lock() {
+                        *d = Some(report);
+                    }
+                    return;
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(donor = %report.donor, "downloaded state refused: {e}; trying another donor");
+                    donors.retain(|p| p.to_string() != report.donor);
+                }
+                Err(_) => return,
+            }
+        }
+        let _ = self.trainer.send(Command::Start).await;
+    }
+
+    /// The members once at least one is connected (and the others had a moment to show up);
+    /// `None` when the node stops first, or after starting the trainer on its own weights
+    /// when nobody came within [`JOIN_WAIT`].
+    async fn wait_for_members(&mut self) -> Option<Vec<PeerId>> {
+        let deadline = tokio::time::Instant::now() + JOIN_WAIT;
+        let came = tokio::select! {
+            came = tokio::time::timeout_at(deadline, self.members.wait_for(|m| !m.is_empty())) => {
+                came.map(|seen| seen.map(drop))
+            }
+            _ = self.stop.wait_for(|stop| *stop) => return None,
+        };
+        match came {
+            Ok(Ok(_)) => {}
+            // The mesh actor is gone: the node is stopping.
+            Ok(Err(_)) => return None,
+            Err(_) => {
+                tracing::warn!("no member of run {} answered within {JOIN_WAIT:?}; training from the run's initial weights", self.run_id);
+                let _ = self.trainer.send(Command::Start).await;
+                return None;
+            }
+        }
+        tokio::time::sleep(MORE_MEMBERS_WAIT).await;
+        let members = self.members.borrow().clone();
+        Some(members)
+    }
+
+    async fn download_state(
+        &self,
+        members: &[PeerId],
+    ) -> Result<(store::Loaded, DownloadReport, Vec<u8>), String> {
+        let started = Instant::now();
+        let downloaded = download(&self.net, members, &self.limits).await;
+        crate::timeline::record(
+            crate::timeline::Lane::Transfer,
+            "state_download",
+            started,
+            Instant::now(),
+            None,
+        );
+        let (bytes, report) = downloaded.map_err(|e| e.to_string())?;
+        let decoded = {
+            let bytes = bytes.clone();
+            tokio::task::spawn_blocking(move || {
+                crate::checkpoint::decode(&bytes, "downloaded state")
+            })
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("downloaded state failed verification: {e}"))?
+        };
+        let (meta, tensors) = decoded;
+        if meta.info.run_id != self.run_id {
+            return Err(format!("donor sent a state of run {}", meta.info.run_id));
+        }
+        Ok((store::Loaded { meta, tensors }, report, bytes))
+    }
+}

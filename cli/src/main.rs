@@ -580,8 +580,13 @@ fn print_checkpoint(c: &CheckpointView, json: bool) -> Result<()> {
 
 /// Writes a file so that a reader sees either nothing or all of it.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    p2ptrain_daemon::atomic_file::write(path, bytes, None)
-        .with_context(|| format!("cannot write {}", path.display()))
+    p2ptrain_daemon::atomic_file::write(
+        path,
+        bytes,
+        None,
+        p2ptrain_daemon::atomic_file::Durability::Flushed,
+    )
+    .with_context(|| format!("cannot write {}", path.display()))
 }
 
 fn eval(args: EvalArgs) -> Result<ExitCode> {

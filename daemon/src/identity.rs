@@ -5,10 +5,11 @@
 //! it; the key file is written once, atomically, readable only by its owner.
 
 use std::fs;
-
 use std::path::{Path, PathBuf};
 
 use libp2p::identity::{DecodingError, Keypair, PeerId};
+
+use crate::atomic_file::Durability;
 
 /// File name of the key inside the data directory.
 pub const KEY_FILE: &str = "identity.key";
@@ -54,7 +55,7 @@ pub fn load_or_create(data_dir: &Path) -> Result<Keypair, IdentityError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let key = Keypair::generate_ed25519();
             let bytes = key.to_protobuf_encoding().map_err(IdentityError::Encode)?;
-            match crate::atomic_file::write(&path, &bytes, Some(0o600)) {
+            match crate::atomic_file::write(&path, &bytes, Some(0o600), Durability::Flushed) {
                 Ok(()) => Ok(key),
                 Err(source) => Err(IdentityError::Write { path, source }),
             }

@@ -229,7 +229,8 @@ impl Store {
                 source,
             })?;
         let path = self.path_of(&meta);
-        crate::atomic_file::write(&path, &bytes, None).map_err(io(&path))?;
+        crate::atomic_file::write(&path, &bytes, None, crate::atomic_file::Durability::Flushed)
+            .map_err(io(&path))?;
         self.put_index(&meta)?;
         let all = self.list();
         if all.len() > keep {

@@ -25,7 +25,6 @@ pub mod train;
 #[cfg(test)]
 mod testing;
 
-pub use cpu::{conv, fused, matmul};
 pub use error::{Error, Result};
 pub use model::{Model, ModelSpec};
 pub use optim::{Optimizer, OptimizerSpec};

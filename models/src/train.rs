@@ -4,9 +4,9 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 
-use crate::data::Samples;
 use crate::model::Model;
 use crate::optim::Optimizer;
+use crate::samples::Samples;
 use crate::Result;
 
 /// Runs forward, cross-entropy loss, backward and one optimizer update on a batch; returns the

@@ -154,13 +154,16 @@ pub fn cli_with<G>(
     )
 }
 
-/// The nodes running now, killed by [`clean_up_on_signals`]'s watcher if the suite is
-/// stopped by a signal (their `Node`s never drop then).
+/// The nodes running now (started with [`Node::start`] or [`Node::start_in`]), killed by
+/// [`clean_up_on_signals`]'s watcher if the suite is stopped by a signal (their `Node`s never
+/// drop then). Processes a test runs through [`cli`] are not in it: they die with their pipes
+/// or finish on their own; a `local` or benchmark run they start cleans up its own nodes on
+/// SIGTERM only if it got one.
 static CHILDREN: std::sync::Mutex<std::collections::BTreeSet<u32>> =
     std::sync::Mutex::new(std::collections::BTreeSet::new());
 
 /// Once per process: a thread that, on SIGINT or SIGTERM (Ctrl-C, a CI timeout), kills every
-/// node still running and deletes this process's lab namespaces, then exits as the signal
+/// node in [`CHILDREN`] and deletes this process's lab namespaces, then exits as the signal
 /// would have (130 or 143). Without it a stopped suite left its nodes running and its
 /// namespaces behind.
 pub fn clean_up_on_signals() {
@@ -501,6 +504,9 @@ impl Node {
     /// Waits for the process to exit by itself.
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
         let mut child = self.child.take().expect("node already reaped");
+        if let Ok(mut pids) = CHILDREN.lock() {
+            pids.remove(&child.id());
+        }
         match wait_with_timeout(&mut child, timeout) {
             Some(s) => s,
             None => {

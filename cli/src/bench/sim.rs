@@ -67,7 +67,7 @@ pub fn run(args: SimArgs) -> Result<()> {
     }
     let report = json!({
         "benchmark": "sim",
-        "scenario": "SimParams::large_mesh: each node dials 8 others, 1% hostile, a node killed and a joiner started every second, two labs (data 0.1 apart per value) split from 10 s to 20 s, 40 s of virtual time; gossip mode, updates every 20 steps, a neighbour sync every 50",
+        "scenario": "SimParams::large_mesh: each node dials up to 8 others, 1% hostile, a node killed and a joiner started every second, two labs (optima 0.2 apart per value) split from 10 s to 20 s, 40 s of virtual time; gossip mode, updates every 20 steps, a neighbour sync every 50",
         "runs": runs,
     });
     let text = serde_json::to_string_pretty(&report)?;

@@ -8,10 +8,11 @@
 //! feed peer scoring. It holds no socket, task, channel or clock: the mesh actor
 //! ([`crate::mesh`]) turns network events, trainer events and timer ticks into [`Input`]s, calls
 //! [`MeshCore::handle`] with the current instant, and carries out the returned [`Output`]s. The
-//! seeded simulator in this module's tests drives the very same code with many nodes.
+//! seeded simulator ([`sim`]; the tests and `p2ptrain bench sim` run it) drives the very same
+//! code with many nodes.
 //!
-//! Peers are keyed by libp2p's [`PeerId`] throughout. Nothing in here panics, whatever the
-//! inputs and instants.
+//! Peers are keyed by libp2p's [`PeerId`] throughout. Nothing in the core panics, whatever the
+//! inputs and instants (the simulator, a harness of its own, may on a broken invariant).
 
 mod header;
 mod membership;

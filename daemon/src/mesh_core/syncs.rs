@@ -225,24 +225,31 @@ impl Syncs {
     fn judge(&self, peer: PeerId, bytes: &[u8]) -> Result<Vec<f32>, SyncRefusal> {
         let (header, values) =
             codec::decode(bytes, &self.layout).map_err(|e| SyncRefusal::Layout(e.to_string()))?;
-        self.ids
-            .check(&header, &peer)
-            .map_err(|fault| match fault {
-                HeaderFault::Run => SyncRefusal::Layout("parameters of another run".into()),
-                HeaderFault::Layout(theirs) => SyncRefusal::Layout(format!(
+        // Faults in the order a reply was always judged: run, layout, codec, sender.
+        let fault = self.ids.check(&header, &peer);
+        match fault {
+            Err(HeaderFault::Run) => {
+                return Err(SyncRefusal::Layout("parameters of another run".into()))
+            }
+            Err(HeaderFault::Layout(theirs)) => {
+                return Err(SyncRefusal::Layout(format!(
                     "layout {}, ours is {}",
                     hex::encode(theirs),
                     self.layout.hash()
-                )),
-                HeaderFault::Sender => {
-                    SyncRefusal::WrongAnswer("parameters that name another sender".into())
-                }
-            })?;
+                )))
+            }
+            Err(HeaderFault::Sender) | Ok(()) => {}
+        }
         if header.codec != Codec::Dense {
             return Err(SyncRefusal::Layout(format!(
                 "parameters encoded with {}, not dense",
                 header.codec.name()
             )));
+        }
+        if fault.is_err() {
+            return Err(SyncRefusal::WrongAnswer(
+                "parameters that name another sender".into(),
+            ));
         }
         if !all_finite(&values) {
             return Err(SyncRefusal::NotFinite);

@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 use crate::network::{BulkRequest, BulkResponse, Client, StateManifest};
 
 mod join;
-pub use join::{Joiner, JOIN_WAIT};
+pub use join::Joiner;
 
 /// Bytes per chunk: small enough that a dead donor costs little, large enough to be cheap.
 pub const CHUNK_SIZE: usize = 256 * 1024;
@@ -589,13 +589,21 @@ async fn fetch(
 }
 
 /// Writes `bytes` to `path` atomically ([`crate::atomic_file`], off the async workers), so a
-/// crash leaves either the whole chunk or none.
+/// crash leaves either the whole chunk or none; not flushed to disk (each chunk's hash is
+/// checked when it is read back).
 async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
     let (target, bytes) = (path.to_path_buf(), bytes.to_vec());
-    tokio::task::spawn_blocking(move || crate::atomic_file::write(&target, &bytes, None))
-        .await
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))?
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+    tokio::task::spawn_blocking(move || {
+        crate::atomic_file::write(
+            &target,
+            &bytes,
+            None,
+            crate::atomic_file::Durability::Cached,
+        )
+    })
+    .await
+    .map_err(|e| format!("cannot write {}: {e}", path.display()))?
+    .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 #[cfg(test)]

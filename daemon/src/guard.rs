@@ -34,9 +34,13 @@ pub const SPAN_LEEWAY: f64 = 8.0;
 /// seconds-old state sends early-training-sized updates to a mesh that has moved on; right
 /// after a healed partition's syncs a node's own updates measured 20 to 40 times the median),
 /// and the scaled update can do no more than an honest one. Only an update this many times
-/// beyond the bound (100 times the median by default) is taken as proof of hostility and
-/// rejected.
-pub const REJECT_BEYOND: f64 = 10.0;
+/// beyond the bound (1,000 times the median by default) is taken as proof of hostility and
+/// rejected. Why so far: in the first seconds of a skewed mesh (the demo, one node at half
+/// the CPU) every node's own updates burst at once to ~100 times the median its neighbours
+/// had learned, decaying over ten updates as each re-fits its classes; at 10 times beyond the
+/// bound three demo runs in six rejected an honest update (10.4, 12.5 and 13.6 times beyond;
+/// CI saw 11.1), each one an offence against an honest peer.
+pub const REJECT_BEYOND: f64 = 100.0;
 
 /// Settings; zero turns a check off.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -309,9 +313,10 @@ mod tests {
         // Beyond the bound: scaled down to it, not refused...
         assert_eq!(g.judge_norm(20.0, 20, 0), Ok(0.5));
         assert_eq!(g.judge_norm(100.0, 20, 0), Ok(0.1));
+        assert_eq!(g.judge_norm(1000.0, 20, 0), Ok(0.01));
         // ...until it is REJECT_BEYOND times beyond.
         assert!(matches!(
-            g.judge_norm(100.1, 20, 0),
+            g.judge_norm(10.0 * REJECT_BEYOND + 0.1, 20, 0),
             Err(Refusal::Outlier { .. })
         ));
         // Honest updates shrink as training converges: the bound follows.
@@ -319,7 +324,7 @@ mod tests {
             g.record(0.1, 20);
         }
         assert_eq!(g.median(), Some(0.1));
-        assert!(g.judge_norm(10.1, 20, 0).is_err());
+        assert!(g.judge_norm(REJECT_BEYOND + 0.1, 20, 0).is_err());
         assert_eq!(g.judge_norm(0.9, 20, 0), Ok(1.0));
         assert!(g
             .judge_norm(2.0, 20, 0)
@@ -335,7 +340,7 @@ mod tests {
         // Three intervals' worth of steps that could not go out: three times the bound.
         assert_eq!(g.judge_norm(30.0, 60, 0), Ok(1.0));
         assert_eq!(g.judge_norm(60.0, 60, 0), Ok(0.5));
-        assert!(g.judge_norm(301.0, 60, 0).is_err());
+        assert!(g.judge_norm(30.0 * REJECT_BEYOND + 1.0, 60, 0).is_err());
         // A shorter span than usual does not tighten it; a huge claimed span gains at most
         // the leeway.
         assert_eq!(g.judge_norm(9.0, 1, 0), Ok(1.0));
@@ -346,7 +351,7 @@ mod tests {
             .is_err());
         // An update 40 steps behind its author's newest, computed on a younger model.
         assert_eq!(g.judge_norm(30.0, 20, 40), Ok(1.0));
-        assert!(g.judge_norm(301.0, 20, 40).is_err());
+        assert!(g.judge_norm(30.0 * REJECT_BEYOND + 1.0, 20, 40).is_err());
         assert!(g
             .judge_norm(REJECT_BEYOND * widest + 1.0, 20, u64::MAX)
             .is_err());

@@ -8,7 +8,9 @@
 //! updates, state downloads), with the few rules serving needs: a node without a state yet
 //! declines a sync request, and a state is frozen from the trainer before it is served. Every request it sends or serves
 //! runs in a task of a bounded set ([`TASK_CAP`]), joined (aborted) when the actor stops; when
-//! the set is full a request is declined, never queued without bound.
+//! the set is full a request is declined, never queued without bound. Ring hops under way are
+//! the exception on the way out: the actor waits for them (up to [`RING_HOPS_DRAIN`]) before
+//! it says goodbye, since the members need them to finish the round this node finished.
 //!
 //! Each node publishes its own updates on a topic of its own; its neighbours (a bounded set,
 //! `degree` peers) subscribe to it. So a node receives from about `degree` peers whatever the
@@ -48,6 +50,12 @@ const TICK_EVERY: Duration = Duration::from_millis(50);
 pub const TASK_CAP: usize = 32;
 /// Capacity of the channel on which request tasks report back.
 const RESULT_CAP: usize = 64;
+/// How long a stopping node waits for its ring hops still under way to be taken before it
+/// says goodbye: the members need them to finish the round this node finished, and a member
+/// that hears the goodbye of one that completed the round goes on without it only if every
+/// hop it sent was taken. A hop to a live member takes milliseconds; one to a dead member
+/// fails at once.
+pub const RING_HOPS_DRAIN: Duration = Duration::from_secs(5);
 
 /// The mesh actor's handles, built by the node; see the module docs.
 pub struct MeshActor {
@@ -72,6 +80,8 @@ pub struct MeshActor {
     /// Debug throttle: delay before serving each state chunk.
     serve_chunk_delay: Duration,
     tasks: JoinSet<()>,
+    /// The ring hops under way, apart from `tasks`: a stopping node waits for them.
+    ring_hops: JoinSet<()>,
     permits: Arc<Semaphore>,
     results_tx: mpsc::Sender<Input>,
     results_rx: mpsc::Receiver<Input>,
@@ -105,6 +115,7 @@ impl MeshActor {
             limit,
             serve_chunk_delay,
             tasks: JoinSet::new(),
+            ring_hops: JoinSet::new(),
             permits: Arc::new(Semaphore::new(TASK_CAP)),
             results_tx,
             results_rx,
@@ -136,6 +147,7 @@ impl MeshActor {
                 Some(ev) = self.trainer_rx.recv() => Input::Trainer(ev),
                 Some(input) = self.results_rx.recv() => input,
                 Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => continue,
+                Some(_) = self.ring_hops.join_next(), if !self.ring_hops.is_empty() => continue,
                 _ = tick.tick() => Input::Tick,
             };
             let is_tick = matches!(input, Input::Tick);
@@ -145,9 +157,30 @@ impl MeshActor {
                 self.publish_status();
             }
         }
+        self.drain_ring_hops(&mut events).await;
         self.drive(Input::Leave).await;
         self.publish_status();
         self.tasks.shutdown().await;
+        self.ring_hops.shutdown().await;
+    }
+
+    /// Waits up to [`RING_HOPS_DRAIN`] for the ring hops under way to be taken. Reports and
+    /// network events are read and dropped meanwhile (this node is leaving), so neither the
+    /// hops' tasks nor the network loop that carries them can block on a full channel.
+    async fn drain_ring_hops(&mut self, events: &mut mpsc::Receiver<Event>) {
+        let deadline = tokio::time::sleep(RING_HOPS_DRAIN);
+        tokio::pin!(deadline);
+        while !self.ring_hops.is_empty() {
+            tokio::select! {
+                _ = &mut deadline => {
+                    tracing::warn!(hops = self.ring_hops.len(), "ring hops still under way at the goodbye");
+                    return;
+                }
+                _ = self.ring_hops.join_next() => {}
+                Some(_) = self.results_rx.recv() => {}
+                Some(_) = events.recv() => {}
+            }
+        }
     }
 
     /// Passes the trainer's latest progress to the core when it changed.
@@ -322,7 +355,7 @@ impl MeshActor {
                 };
                 let net = self.net.clone();
                 let results = self.results_tx.clone();
-                let started = self.spawn_bounded(async move {
+                let started = self.spawn_ring_hop(async move {
                     match net.request(peer, BulkRequest::Ring(msg)).await {
                         Ok(BulkResponse::RingTaken) => {}
                         other => {
@@ -359,12 +392,15 @@ impl MeshActor {
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
-        let permit = self.permits.clone().try_acquire_owned().map_err(|_| ())?;
-        self.tasks.spawn(async move {
-            task.await;
-            drop(permit);
-        });
-        Ok(())
+        spawn_with_permit(&mut self.tasks, &self.permits, task)
+    }
+
+    /// [`Self::spawn_bounded`] for a ring hop, which a stopping node waits for.
+    fn spawn_ring_hop<F>(&mut self, task: F) -> Result<(), ()>
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        spawn_with_permit(&mut self.ring_hops, &self.permits, task)
     }
 
     /// Turns a network event into the core's input, or serves a request.
@@ -554,4 +590,17 @@ async fn freeze(
         c.insert(frozen.clone());
     }
     Ok(frozen)
+}
+
+/// Runs `task` in `set` while it holds one of `permits`; `Err` when none is left.
+fn spawn_with_permit<F>(set: &mut JoinSet<()>, permits: &Arc<Semaphore>, task: F) -> Result<(), ()>
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    let permit = permits.clone().try_acquire_owned().map_err(|_| ())?;
+    set.spawn(async move {
+        task.await;
+        drop(permit);
+    });
+    Ok(())
 }

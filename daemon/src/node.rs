@@ -568,7 +568,8 @@ pub async fn run(
         )),
     };
     shared.stop_tx.send_replace(true);
-    let _ = tokio::time::timeout(Duration::from_secs(2), mesh_task).await;
+    let mesh_grace = crate::mesh::RING_HOPS_DRAIN + Duration::from_secs(2);
+    let _ = tokio::time::timeout(mesh_grace, mesh_task).await;
     drop(net);
     drop(shared);
     let _ = tokio::time::timeout(Duration::from_secs(2), net_task).await;

@@ -44,7 +44,12 @@ pub(super) enum NeighbourChange {
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum HeartbeatNews {
     /// The author is leaving: it is to be forgotten and dropped.
-    Leaving(PeerId),
+    Leaving {
+        /// The author.
+        peer: PeerId,
+        /// The round it was at (in the synchronous modes): one past the last it completed.
+        round: Option<u64>,
+    },
     /// The author's progress (kept as its latest heartbeat).
     Heard {
         /// The author.
@@ -256,7 +261,10 @@ impl Membership {
         out: &mut Vec<Output>,
     ) -> HeartbeatNews {
         match (author, wire::decode_heartbeat(data)) {
-            (Some(a), Ok(hb)) if hb.leaving => HeartbeatNews::Leaving(a),
+            (Some(a), Ok(hb)) if hb.leaving => HeartbeatNews::Leaving {
+                peer: a,
+                round: hb.round,
+            },
             (Some(a), Ok(hb)) => {
                 let member = self.members.contains(&a);
                 if self.heard.len() < PER_PEER_CAP || member {
@@ -540,13 +548,21 @@ mod tests {
     #[test]
     fn a_leaving_heartbeat_says_so_and_is_in_no_round() {
         let (mut m, _) = membership(true);
-        let hb = decode(Some(m.leaving_heartbeat(&training(9), Some(4))));
+        let leaving = m.leaving_heartbeat(&training(9), Some(4));
+        let Output::Publish { data, .. } = &leaving else {
+            panic!("a heartbeat: {leaving:?}");
+        };
+        let data = data.clone();
+        let hb = decode(Some(leaving));
         assert!(hb.leaving && !hb.in_rounds);
         let mut out = Vec::new();
         let p = PeerId::random();
         assert_eq!(
-            m.on_heartbeat(Some(p), &beat(9, true), &mut out),
-            HeartbeatNews::Leaving(p)
+            m.on_heartbeat(Some(p), &data, &mut out),
+            HeartbeatNews::Leaving {
+                peer: p,
+                round: Some(4)
+            }
         );
         assert!(out.is_empty());
     }

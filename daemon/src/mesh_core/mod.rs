@@ -582,8 +582,11 @@ impl MeshCore {
         out: &mut Vec<Output>,
     ) -> MessageAcceptance {
         match self.membership.on_heartbeat(author, data, out) {
-            HeartbeatNews::Leaving(peer) => {
+            HeartbeatNews::Leaving { peer, round } => {
                 tracing::info!(peer = %peer, "peer is leaving");
+                if let Some(r) = &mut self.rounds {
+                    r.peer_leaving(peer, round);
+                }
                 out.push(Output::Forget(peer));
                 self.drop_member(peer, now, out);
                 MessageAcceptance::Accept

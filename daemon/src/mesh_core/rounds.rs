@@ -186,6 +186,10 @@ struct Ring {
     /// When the predecessor's first hop of the next round came, while this attempt still
     /// waited for one of this round.
     predecessor_went_on: Option<Instant>,
+    /// Members that left after completing this round: a member completes a round only after
+    /// it sent all its hops of it, and waits for them to be taken before it says goodbye, so
+    /// the attempt still finishes without it (see [`Rounds::peer_leaving`]).
+    left_done: Vec<PeerId>,
 }
 
 impl Ring {
@@ -427,13 +431,31 @@ impl Rounds {
         self.own_ms_per_sample = ms_per_sample;
     }
 
-    /// A member went away: an attempt it was part of cannot finish.
+    /// A member went away: an attempt it was part of cannot finish, unless the member
+    /// completed it before it left ([`Rounds::peer_leaving`]).
     pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
         self.ready.remove(&peer);
         self.speeds.remove(&peer);
         self.inbox.retain(|_, (from, _, _, _)| *from != peer);
-        if self.ring_has(&peer) {
+        let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
+        if self.ring_has(&peer) && !completed {
             self.abort("member left", now);
+        }
+    }
+
+    /// A member said goodbye at `their_round`, one past the last round it completed. If that
+    /// is past this node's round, it completed the attempt under way here (a member stopping
+    /// at `max_steps` leaves right after its last round, often before its successors took
+    /// their last hops): everything it had to send is sent and taken, so its going does not
+    /// abort the attempt, which ends with the hops the others still forward. (Aborting it
+    /// left the rest of a `ddp` mesh one round short of `max_steps`, waiting for the
+    /// `min_members` it could no longer have.)
+    pub fn peer_leaving(&mut self, peer: PeerId, their_round: Option<u64>) {
+        let past = matches!((their_round, self.round), (Some(t), Some(mine)) if t > mine);
+        if let Stage::Reducing { ring: Some(r), .. } = &mut self.stage {
+            if past && r.members.contains(&peer) && !r.left_done.contains(&peer) {
+                r.left_done.push(peer);
+            }
         }
     }
 
@@ -670,6 +692,7 @@ impl Rounds {
             next_hop: 0,
             last_progress: now,
             predecessor_went_on: None,
+            left_done: Vec::new(),
         };
         self.ring_size = r.len();
         self.retry_at = None;
@@ -1121,6 +1144,7 @@ mod tests {
             next_hop: 0,
             last_progress: Instant::now(),
             predecessor_went_on: None,
+            left_done: Vec::new(),
         };
         let msg = hop_message(0, 0, &mut r, 0);
         let sent = decode_values(&msg.values, true).expect("whole values");
@@ -1222,7 +1246,19 @@ mod tests {
 
         /// Carries outputs (node, output) until none is left; a trainer asked for a gradient
         /// answers with its `params` vector.
-        fn carry(&mut self, mut queue: VecDeque<(usize, Output)>, now: Instant, alive: &[bool]) {
+        fn carry(&mut self, queue: VecDeque<(usize, Output)>, now: Instant, alive: &[bool]) {
+            self.carry_until(queue, now, alive, |_| false);
+        }
+
+        /// [`Ring::carry`] until `stop` holds after an output was carried; answers what is
+        /// left to carry.
+        fn carry_until(
+            &mut self,
+            mut queue: VecDeque<(usize, Output)>,
+            now: Instant,
+            alive: &[bool],
+            stop: impl Fn(&Ring) -> bool,
+        ) -> VecDeque<(usize, Output)> {
             while let Some((i, o)) = queue.pop_front() {
                 let mut out = Vec::new();
                 match o {
@@ -1246,7 +1282,11 @@ mod tests {
                     _ => {}
                 }
                 queue.extend(out.into_iter().map(|o| (i, o)));
+                if stop(self) {
+                    break;
+                }
             }
+            queue
         }
     }
 
@@ -1491,6 +1531,57 @@ mod tests {
             .collect();
         assert_eq!(bits(&a), bits(&want));
         assert_eq!(ring.nodes[0].status().ring_size, 2);
+    }
+
+    /// A member that completed the round and left at once (at `max_steps`) took nothing the
+    /// others still need: they finish the attempt with the hops under way, with its mean. A
+    /// member that leaves without having completed it still aborts it.
+    #[test]
+    fn a_member_that_leaves_after_completing_the_round_does_not_abort_it() {
+        for completed in [true, false] {
+            let mut ring = Ring::new(3, &[1.0; 3], &[true; 3]);
+            let now = Instant::now();
+            ring.hear_all(now);
+            let mut queue = VecDeque::new();
+            for i in 0..3 {
+                let mut out = Vec::new();
+                let step = ring.nodes[i].step_limit();
+                ring.nodes[i].tick(step, true, now, &mut out);
+                queue.extend(out.into_iter().map(|o| (i, o)));
+            }
+            let combining = |n: &Rounds| matches!(n.stage, Stage::Combining);
+            let rest = ring.carry_until(queue, now, &[true; 3], |r| r.nodes.iter().any(combining));
+            let first = ring.nodes.iter().position(combining).expect("a mean");
+            assert_eq!(ring.nodes.iter().filter(|n| combining(n)).count(), 1);
+            let leaver = ring.ids[first];
+            let their_round = if completed {
+                let mut out = Vec::new();
+                ring.nodes[first].combined(0, 5, String::new(), &mut out);
+                ring.nodes[first].status().round
+            } else {
+                Some(0)
+            };
+            assert_eq!(their_round, Some(u64::from(completed)));
+            let mut alive = [true; 3];
+            alive[first] = false;
+            for j in (0..3).filter(|j| *j != first) {
+                ring.nodes[j].peer_leaving(leaver, their_round);
+                ring.nodes[j].peer_down(leaver, now);
+            }
+            ring.carry(rest, now, &alive);
+            let want = ring.means[first].clone().expect("the leaver's mean");
+            for j in (0..3).filter(|j| *j != first) {
+                let aborted = ring.nodes[j].status().aborted.get("member left").copied();
+                if completed {
+                    assert_eq!(aborted, None, "node {j}");
+                    let got = ring.means[j].clone().expect("a mean without the leaver");
+                    assert_eq!(bits(&got), bits(&want), "node {j}");
+                } else {
+                    assert_eq!(aborted, Some(1), "node {j}");
+                    assert!(ring.means[j].is_none(), "node {j}");
+                }
+            }
+        }
     }
 
     #[test]

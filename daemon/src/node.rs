@@ -213,6 +213,81 @@ fn seed_from(peer_id: &str) -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// Opens the checkpoint store in `data_dir` and loads its newest valid checkpoint, which must
+/// be of run `run_id` (a data directory holds one run).
+fn open_store(
+    data_dir: &Path,
+    run_id: &str,
+) -> Result<(Arc<Store>, Option<store::Loaded>), NodeError> {
+    let (store, notes) = Store::open(data_dir)?;
+    for note in notes {
+        tracing::warn!("{note}");
+    }
+    let (resume, skipped) = store.load_newest_valid();
+    for s in &skipped {
+        tracing::warn!("{}", s.reason);
+    }
+    if let Some(loaded) = &resume {
+        if loaded.meta.info.run_id != run_id {
+            return Err(NodeError::DataDir(format!(
+                "data dir {} holds checkpoints of run {} but this configuration is run {run_id}; use another --data-dir or the matching config",
+                data_dir.display(),
+                loaded.meta.info.run_id,
+            )));
+        }
+    }
+    Ok((Arc::new(store), resume))
+}
+
+/// The network's settings from the config: addresses, the run and its sync terms (which the
+/// handshake compares), and a private mesh's key, read from its file.
+fn net_config(config: &Config, run_id: &str) -> Result<network::NetConfig, NodeError> {
+    let psk = match &config.network.psk {
+        Some(path) => Some(read_psk(path)?),
+        None => None,
+    };
+    if let Some(k) = &psk {
+        tracing::info!(
+            "private network: PSK fingerprint {} (TCP only; peers without this key cannot connect)",
+            k.fingerprint()
+        );
+    }
+    Ok(network::NetConfig {
+        listen: config.network.listen.clone(),
+        bootstrap: config.network.bootstrap.clone(),
+        run_id: run_id.to_string(),
+        sync_terms: config.sync.shared_terms(),
+        mdns: config.network.mdns,
+        psk,
+        allow: config
+            .network
+            .allow
+            .as_ref()
+            .map(|ids| ids.iter().copied().collect()),
+        relay_server: config.network.relay_server,
+        upnp: config.network.upnp,
+        kad_walk_every: match config.debug.kad_walk_secs {
+            0 => network::KAD_WALK_EVERY,
+            secs => Duration::from_secs(secs),
+        },
+    })
+}
+
+/// The mesh core's settings from the config's sync and debug sections.
+fn mesh_config(config: &Config) -> MeshConfig {
+    MeshConfig {
+        degree: config.sync.degree,
+        inline_max: config.sync.inline_max_bytes,
+        max_update_ratio: config.sync.max_update_ratio,
+        serve_chunk_delay: Duration::from_millis(config.debug.serve_chunk_delay_ms),
+        codec: config.sync.codec,
+        density: config.sync.density,
+        error_feedback: config.sync.error_feedback,
+        guard: config.sync.guard(),
+        max_sync_distance: config.sync.max_sync_distance,
+    }
+}
+
 /// Runs a node until `shutdown` resolves, it is asked to stop, or it reaches `max_steps`.
 pub async fn run(
     prepared: Prepared,
@@ -240,29 +315,11 @@ pub async fn run(
     let key = identity::load_or_create(&data_dir)?;
     let local_peer = identity::peer_id(&key);
     let peer_id = local_peer.to_string();
-    let (store, notes) = Store::open(&data_dir)?;
-    for note in notes {
-        tracing::warn!("{note}");
-    }
-    let store = Arc::new(store);
-    let (resume, skipped) = store.load_newest_valid();
-    for s in &skipped {
-        tracing::warn!("{}", s.reason);
-    }
     let ident = trainer::Identity {
         run_id: config.run_id(),
         config_hash: config.config_hash(),
     };
-    if let Some(loaded) = &resume {
-        if loaded.meta.info.run_id != ident.run_id {
-            return Err(NodeError::DataDir(format!(
-                "data dir {} holds checkpoints of run {} but this configuration is run {}; use another --data-dir or the matching config",
-                data_dir.display(),
-                loaded.meta.info.run_id,
-                ident.run_id
-            )));
-        }
-    }
+    let (store, resume) = open_store(&data_dir, &ident.run_id)?;
     let (model, optimizer, start) = trainer::build(
         &spec,
         &config.optimizer,
@@ -289,36 +346,7 @@ pub async fn run(
         p2ptrain_models::OptimizerSpec::Adamw { .. } => "adamw",
     };
     // The network: listen, dial the bootstrap members.
-    let psk = match &config.network.psk {
-        Some(path) => Some(read_psk(path)?),
-        None => None,
-    };
-    let allow = config
-        .network
-        .allow
-        .as_ref()
-        .map(|ids| ids.iter().copied().collect());
-    if let Some(k) = &psk {
-        tracing::info!(
-            "private network: PSK fingerprint {} (TCP only; peers without this key cannot connect)",
-            k.fingerprint()
-        );
-    }
-    let net_cfg = network::NetConfig {
-        listen: config.network.listen.clone(),
-        bootstrap: config.network.bootstrap.clone(),
-        run_id: ident.run_id.clone(),
-        sync_terms: config.sync.shared_terms(),
-        mdns: config.network.mdns,
-        psk,
-        allow,
-        relay_server: config.network.relay_server,
-        upnp: config.network.upnp,
-        kad_walk_every: match config.debug.kad_walk_secs {
-            0 => network::KAD_WALK_EVERY,
-            secs => Duration::from_secs(secs),
-        },
-    };
+    let net_cfg = net_config(&config, &ident.run_id)?;
     let mut registry = network::Registry::default();
     let (net, net_events, event_loop) = network::new(key, &net_cfg, &mut registry)?;
     let net_task = tokio::spawn(event_loop.run());
@@ -433,17 +461,7 @@ pub async fn run(
         me: local_peer,
         run_id: ident.run_id.clone(),
         layout,
-        mesh: MeshConfig {
-            degree: config.sync.degree,
-            inline_max: config.sync.inline_max_bytes,
-            max_update_ratio: config.sync.max_update_ratio,
-            serve_chunk_delay: Duration::from_millis(config.debug.serve_chunk_delay_ms),
-            codec: config.sync.codec,
-            density: config.sync.density,
-            error_feedback: config.sync.error_feedback,
-            guard: config.sync.guard(),
-            max_sync_distance: config.sync.max_sync_distance,
-        },
+        mesh: mesh_config(&config),
         policy,
         update_weight: config.sync.update_weight.map(|w| w as f32),
         start_step: start.step,
@@ -532,7 +550,27 @@ pub async fn run(
             (&mut done_rx).await
         }
     };
-    let result = match finished {
+    let result = final_summary(&shared, writer, finished).await;
+    shared.stop_tx.send_replace(true);
+    let mesh_grace = crate::mesh::RING_HOPS_DRAIN + Duration::from_secs(2);
+    let _ = tokio::time::timeout(mesh_grace, mesh_task).await;
+    drop(net);
+    drop(shared);
+    let _ = tokio::time::timeout(Duration::from_secs(2), net_task).await;
+    let _ = api_stop_tx.send(());
+    let _ = server.await;
+    let _ = std::fs::remove_file(&addr_file);
+    result
+}
+
+/// What the node ends with once its trainer finished: the final checkpoint (unless the newest
+/// automatic one already holds that state, or the node never took a step) and the summary.
+async fn final_summary(
+    shared: &NodeHandle,
+    writer: tokio::task::JoinHandle<()>,
+    finished: Result<Result<trainer::Finish, trainer::TrainerError>, oneshot::error::RecvError>,
+) -> Result<Summary, NodeError> {
+    match finished {
         Ok(Ok(finish)) => {
             // Let a pending automatic checkpoint land first, so the final one is the newest.
             let _ = writer.await;
@@ -566,17 +604,7 @@ pub async fn run(
         Err(_) => Err(NodeError::Trainer(
             "the trainer thread ended without a result".into(),
         )),
-    };
-    shared.stop_tx.send_replace(true);
-    let mesh_grace = crate::mesh::RING_HOPS_DRAIN + Duration::from_secs(2);
-    let _ = tokio::time::timeout(mesh_grace, mesh_task).await;
-    drop(net);
-    drop(shared);
-    let _ = tokio::time::timeout(Duration::from_secs(2), net_task).await;
-    let _ = api_stop_tx.send(());
-    let _ = server.await;
-    let _ = std::fs::remove_file(&addr_file);
-    result
+    }
 }
 
 /// Prints the addresses other nodes can join through, once the network has them.

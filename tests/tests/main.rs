@@ -6,6 +6,7 @@ mod churn;
 mod harness;
 mod hostile_sync;
 mod join;
+mod local;
 mod mesh;
 mod modes;
 mod nat;

@@ -16,7 +16,9 @@
 //! ([`OwnChange`]: what came from elsewhere kept apart), because it is about its own
 //! parameters; a restore resets it and tells the core, which resets what it keeps.
 
+mod evaluation;
 mod interface;
+mod mesh_side;
 mod state;
 
 use std::collections::VecDeque;
@@ -33,6 +35,7 @@ use crate::mesh_core::{AverageOutcome, TrainerCommand, TrainerEvent};
 use crate::sync_guard;
 use crate::timeline::{self, Lane};
 
+pub use evaluation::EvalRecord;
 pub use interface::{
     Command, Counters, EvalStats, Finish, Handle, Identity, OuterSgd, Phase, RestoreFrom, Setup,
     Stats, StepLimit, TrainerError, FINAL_ROUND_WAIT, LOCKSTEP_EVAL_ALIGN_STEPS,
@@ -129,25 +132,6 @@ struct Loop {
     clock: StepClock,
 }
 
-/// One line of the eval log ([`Setup::eval_log`]).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct EvalRecord {
-    /// The step evaluated at.
-    pub step: u64,
-    /// Wall-clock time of the evaluation's end, in milliseconds since the Unix epoch.
-    pub unix_ms: u64,
-    /// Mean held-out loss.
-    pub loss: f64,
-    /// Held-out accuracy (next-byte accuracy for text).
-    pub accuracy: f64,
-    /// Held-out bits per byte (text models only).
-    pub bits_per_byte: Option<f64>,
-    /// Seconds this process has spent evaluating, this evaluation included: what a
-    /// benchmark subtracts to time training alone (0 in logs written before it was kept).
-    #[serde(default)]
-    pub eval_secs: f64,
-}
-
 /// A step computed up to its gradient and waiting for its round (`ddp`).
 struct PendingStep {
     /// The batch's loss.
@@ -225,97 +209,6 @@ impl Loop {
 
     fn flat(&self) -> Result<Vec<f32>, TrainerError> {
         Ok(self.s.model.params().flatten()?)
-    }
-
-    fn evaluate(&mut self) -> Result<(), TrainerError> {
-        let started = Instant::now();
-        let e = evaluate(&self.s.model, self.s.data.test(), &self.s.device)?;
-        self.stats.eval_secs += started.elapsed().as_secs_f64();
-        self.last_eval_at = Instant::now();
-        self.last_eval_wall = std::time::SystemTime::now();
-        // Evaluations can come many times a second on small models: log at info only now and
-        // then, so the log stays readable; status always has the latest.
-        if self
-            .last_eval_log
-            .is_none_or(|t| t.elapsed() >= EVAL_LOG_EVERY)
-        {
-            match e.bits_per_byte {
-                Some(bpb) => tracing::info!(
-                    step = self.counters.step,
-                    bits_per_byte = format!("{bpb:.3}"),
-                    loss = format!("{:.4}", e.loss),
-                    samples_per_sec = format!("{:.0}", self.stats.samples_per_sec),
-                    "evaluated on held-out text"
-                ),
-                None => tracing::info!(
-                    step = self.counters.step,
-                    accuracy = format!("{:.4}", e.accuracy),
-                    loss = format!("{:.4}", e.loss),
-                    samples_per_sec = format!("{:.0}", self.stats.samples_per_sec),
-                    "evaluated on held-out set"
-                ),
-            }
-            self.last_eval_log = Some(Instant::now());
-        } else {
-            tracing::debug!(
-                step = self.counters.step,
-                accuracy = e.accuracy,
-                loss = e.loss,
-                "evaluated on held-out set"
-            );
-        }
-        self.stats.eval = Some(EvalStats {
-            accuracy: e.accuracy,
-            loss: e.loss,
-            step: self.counters.step,
-            bits_per_byte: e.bits_per_byte,
-            perplexity: e.bits_per_byte.map(|_| e.loss.exp()),
-        });
-        self.log_evaluation(&e);
-        if !self.target_reached
-            && crate::config::reaches_target(self.s.target, e.accuracy, e.bits_per_byte)
-        {
-            self.target_reached = true;
-            tracing::info!(
-                step = self.counters.step,
-                target = self.s.target,
-                secs = format!("{:.1}", self.clock.started.elapsed().as_secs_f64()),
-                "reached the target"
-            );
-        }
-        Ok(())
-    }
-
-    /// Appends an evaluation to the eval log, if there is one. A log that cannot be written
-    /// is given up with a warning: it must never stop training.
-    fn log_evaluation(&mut self, e: &p2ptrain_models::train::Evaluation) {
-        let Some(path) = &self.s.eval_log else {
-            return;
-        };
-        let record = EvalRecord {
-            step: self.counters.step,
-            unix_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
-            loss: e.loss,
-            accuracy: e.accuracy,
-            bits_per_byte: e.bits_per_byte,
-            eval_secs: self.stats.eval_secs,
-        };
-        let written = serde_json::to_string(&record)
-            .map_err(std::io::Error::other)
-            .and_then(|line| {
-                use std::io::Write;
-                let mut f = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?;
-                f.write_all(format!("{line}\n").as_bytes())
-            });
-        if let Err(err) = written {
-            tracing::warn!(path = %path.display(), "evaluation log not written, given up: {err}");
-            self.s.eval_log = None;
-        }
     }
 
     fn publish(&mut self) {
@@ -454,130 +347,6 @@ impl Loop {
         Ok(false)
     }
 
-    /// Takes the current parameters as the base of the next delta.
-    fn reset_anchor(&mut self) -> Result<(), TrainerError> {
-        let flat = self.flat()?;
-        self.stats.param_norm = l2_norm(&flat);
-        if self.s.publishes {
-            self.own.reset(&flat);
-        } else {
-            self.own.clear();
-        }
-        Ok(())
-    }
-
-    /// Adds `weight * values` to the parameters.
-    fn apply(&mut self, values: &[f32], weight: f32) -> Result<(), TrainerError> {
-        let mut flat = self.flat()?;
-        if values.len() != flat.len() {
-            tracing::warn!(
-                got = values.len(),
-                expected = flat.len(),
-                "update of the wrong size dropped"
-            );
-            return Ok(());
-        }
-        for (p, v) in flat.iter_mut().zip(values) {
-            *p += weight * v;
-        }
-        if let Err(e) = self.s.model.params().write_back(&flat) {
-            tracing::warn!("update not applied: {e}");
-            return Ok(());
-        }
-        self.own.added(values, weight);
-        self.stats.updates_applied += 1;
-        Ok(())
-    }
-
-    /// Averages with a neighbour's parameters if they pass [`sync_guard::judge`] against
-    /// `bound`: the outcome carries the relative distance measured before averaging, or why
-    /// they were refused (nothing is changed then).
-    fn average(&mut self, theirs: &[f32], bound: f64) -> Result<AverageOutcome, TrainerError> {
-        let mine = self.flat()?;
-        let distance = match sync_guard::judge(&mine, theirs, bound) {
-            Ok(d) => d,
-            Err(refusal) => return Ok(AverageOutcome::Refused(refusal)),
-        };
-        let merged = replica::averaged(&mine, theirs);
-        self.s.model.params().write_back(&merged)?;
-        self.own.moved(&mine, &merged);
-        Ok(AverageOutcome::Averaged(distance))
-    }
-
-    /// Takes a round's mean (an empty one keeps the parameters): as it is, or, with an outer
-    /// optimizer (DiLoCo), by a Nesterov step along `round start - mean` from the round's
-    /// start. Answers the parameters' digest, so members can show they hold the same bits.
-    fn combine(&mut self, mean: &[f32]) -> Result<String, TrainerError> {
-        if mean.is_empty() {
-            self.reset_round_anchor()?;
-            return Ok(p2ptrain_models::params::params_digest(&self.flat()?));
-        }
-        let numel = self.s.model.params().numel();
-        let state = if self.s.rounds_carry_state {
-            self.s.optimizer.state_len()
-        } else {
-            0
-        };
-        if mean.len() != numel + state {
-            return Err(TrainerError::Refused(format!(
-                "a round's mean of {} values for {numel} parameters and {state} values of optimizer state",
-                mean.len()
-            )));
-        }
-        let (mean, mean_state) = mean.split_at(numel);
-        if state > 0 {
-            // Checked whole before anything is written: a bad mean changes nothing.
-            if let Some(i) = mean.iter().position(|v| !v.is_finite()) {
-                return Err(TrainerError::Refused(format!(
-                    "a round's mean with {} at index {i}",
-                    mean[i]
-                )));
-            }
-            self.s.optimizer.write_state(mean_state)?;
-        }
-        let next = match self.s.outer {
-            None => mean.to_vec(),
-            Some(outer) => {
-                if self.outer_velocity.len() != numel {
-                    self.outer_velocity = vec![0.0; numel];
-                }
-                outer.step(&self.round_anchor, mean, &mut self.outer_velocity)
-            }
-        };
-        self.s.model.params().write_back(&next)?;
-        self.stats.param_norm = l2_norm(&next);
-        let digest = p2ptrain_models::params::params_digest(&next);
-        if self.s.outer.is_some() {
-            self.round_anchor = next;
-        }
-        Ok(digest)
-    }
-
-    /// A `ddp` round: the next batch's gradient at the current parameters, kept for the step
-    /// and handed to the mesh. A non-finite loss or gradient is this node's divergence, never
-    /// sent to the ring.
-    ///
-    /// (Computing the next batch's gradient while the round runs, and stepping with gradients
-    /// one step old, was tried: on the GPT it stalled training at the unigram plateau where
-    /// the same seed without the delay went on. So the step waits for its own round.)
-    ///
-    /// `batch` is the samples the mesh asks for (a `ddp` member slower than the others takes
-    /// fewer, see `rounds::balanced_batch`); never more than the configured batch, never none.
-    fn take_gradient(&mut self, batch: usize) -> Result<(), TrainerError> {
-        // Held since the last round: the wait for the ring ends with this step's work.
-        self.released();
-        let mut next = self.compute_gradient(batch.clamp(1, self.s.batch_size.max(1)))?;
-        let values = std::mem::take(&mut next.values);
-        let samples = next.samples;
-        self.pending = Some(next);
-        self.tell(TrainerEvent::Gradient {
-            step: self.counters.step,
-            values,
-            samples,
-        });
-        Ok(())
-    }
-
     /// The debug throttle `sample_delay`, for a pass of `samples` samples.
     fn throttle(&self, samples: usize) {
         if !self.s.sample_delay.is_zero() {
@@ -598,119 +367,6 @@ impl Loop {
             Some(old) => old + SPEED_SMOOTHING * (ms - old),
             None => ms,
         });
-    }
-
-    /// The next batch's loss and gradient at the current parameters.
-    fn compute_gradient(&mut self, batch: usize) -> Result<PendingStep, TrainerError> {
-        let started = Instant::now();
-        let indices = self.sampler.next_batch(batch);
-        let (xs, ys) = self.s.data.train().batch(&indices, &self.s.device)?;
-        let step = self.counters.step;
-        let span = timeline::span(Lane::Trainer, "forward_backward").at_step(step + 1);
-        let (loss, grads) = forward_backward(&self.s.model, &xs, &ys)?;
-        let loss = loss_value(&loss)?;
-        let values = self.s.model.params().flatten_grads(&grads)?;
-        self.throttle(indices.len());
-        drop(span);
-        self.note_speed(started.elapsed(), indices.len());
-        if !loss.is_finite() || values.iter().any(|v| !v.is_finite()) {
-            return Err(TrainerError::Diverged { step, loss });
-        }
-        Ok(PendingStep {
-            loss,
-            grads,
-            samples: indices.len(),
-            values,
-        })
-    }
-
-    /// A `ddp` round's mean gradient: the optimizer steps with it from the kept gradient's
-    /// batch (with the own gradient when `mean` is empty: no member of the ring was synced).
-    /// Without a kept gradient (this node gave parameters, with weight 0, as one not yet
-    /// synced) nothing changes. Answers the parameters' digest, or why the mean was refused.
-    fn step_with_mean_gradient(
-        &mut self,
-        round: u64,
-        mean: &[f32],
-    ) -> Result<Result<String, String>, TrainerError> {
-        if let Some(mut p) = self.pending.take() {
-            if !mean.is_empty() {
-                if let Err(e) = self.s.model.params().replace_grads(&mut p.grads, mean) {
-                    return Ok(Err(format!("a round's mean gradient refused: {e}")));
-                }
-            }
-            let span = timeline::span(Lane::Trainer, "optimizer").at_step(self.counters.step + 1);
-            self.s.optimizer.step(self.s.model.params(), &p.grads)?;
-            drop(span);
-            self.after_step(p.loss, p.samples)?;
-        }
-        // Reading every parameter costs a few milliseconds a step: the digest (and the norm
-        // status shows) only every `DIGEST_EVERY` rounds; an empty digest says none.
-        if !round.is_multiple_of(crate::mesh_core::rounds::DIGEST_EVERY) {
-            return Ok(Ok(String::new()));
-        }
-        let flat = self.flat()?;
-        self.stats.param_norm = l2_norm(&flat);
-        Ok(Ok(p2ptrain_models::params::params_digest(&flat)))
-    }
-
-    /// Takes the members' step with their parameters (this node was not synced): its step
-    /// count and its optimizer's move forward by the same amount, so evaluations, checkpoints
-    /// and the learning-rate schedule fall where the members' do. Never backwards.
-    fn take_mesh_step(&mut self, step: u64) {
-        if step > self.counters.step {
-            let ahead = step - self.counters.step;
-            tracing::info!(
-                from = self.counters.step,
-                to = step,
-                "took the members' step with their parameters"
-            );
-            self.s.optimizer.skip_steps(ahead);
-            self.counters.step = step;
-            self.last_checkpoint_step = step;
-            self.publish();
-        }
-    }
-
-    /// With an outer optimizer, takes the current parameters as the start of the round
-    /// (DiLoCo's pseudo-gradient is measured from it); without one, keeps no copy.
-    fn reset_round_anchor(&mut self) -> Result<(), TrainerError> {
-        if self.s.outer.is_some() {
-            self.round_anchor = self.flat()?;
-        }
-        Ok(())
-    }
-
-    /// ‖own change since the last delta‖ / ‖parameters‖, for the policy's early-publish rule;
-    /// measured only when that rule is on (it costs a copy of the parameters).
-    fn pending_ratio(&self) -> Result<f64, TrainerError> {
-        if !self.s.measure_pending_ratio || !self.own.is_set_for(self.s.model.params().numel()) {
-            return Ok(0.0);
-        }
-        Ok(self.own.ratio(&self.flat()?))
-    }
-
-    /// Hands the mesh this node's own change since the last delta (neighbours' updates and
-    /// syncs excluded, so nothing echoes back through the mesh).
-    fn take_delta(&mut self) -> Result<(), TrainerError> {
-        let now = self.flat()?;
-        self.stats.param_norm = l2_norm(&now);
-        let Some(delta) = self.own.delta(&now) else {
-            self.own.reset(&now);
-            return Ok(());
-        };
-        let step = self.counters.step;
-        let sent = self.events_tx.try_send(TrainerEvent::Delta {
-            base_step: self.last_delta_step,
-            step,
-            delta,
-        });
-        if sent.is_ok() {
-            self.own.reset(&now);
-            self.stats.updates_published += 1;
-            self.last_delta_step = step;
-        }
-        Ok(())
     }
 
     /// Waits on the step limit, keeping the held time.
@@ -739,27 +395,6 @@ impl Loop {
             reached_max_steps,
             stats: self.stats.clone(),
         })
-    }
-
-    /// Whether `eval_every_time` has come round. Alone (or out of lockstep), by this node's
-    /// own clock since its last evaluation. In lockstep (`eval_align_steps` > 1) by the wall
-    /// clock's grid of that period, read only at a multiple of `eval_align_steps`: members
-    /// finish a step within milliseconds of each other, so they read the same slot at the
-    /// same step and evaluate together; a clock of their own would keep apart for good two
-    /// members that once fell on either side of a boundary. Half a period since the last
-    /// evaluation is still required, so a slot begun just after one does not bring another.
-    fn clock_says_evaluate(&self) -> bool {
-        let every = self.s.eval_every_time;
-        if every.is_zero() {
-            return false;
-        }
-        let since = self.last_eval_at.elapsed();
-        if self.s.eval_align_steps <= 1 {
-            return since >= every;
-        }
-        self.counters.step.is_multiple_of(self.s.eval_align_steps)
-            && since >= every / 2
-            && wall_slot(every) != wall_slot_of(self.last_eval_wall, every)
     }
 
     /// What follows every step, taken locally or with a round's mean gradient: counters, the
@@ -899,18 +534,4 @@ impl Loop {
         }
         self.finish(reached_max_steps)
     }
-}
-
-/// The slot of the wall clock's grid of `period` that `at` falls in (ms since the epoch ÷
-/// the period).
-fn wall_slot_of(at: std::time::SystemTime, period: Duration) -> u128 {
-    let ms = at
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
-    ms / period.as_millis().max(1)
-}
-
-/// The slot of the wall clock's grid of `period` now.
-fn wall_slot(period: Duration) -> u128 {
-    wall_slot_of(std::time::SystemTime::now(), period)
 }

@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use libp2p::swarm::SwarmEvent;
+use libp2p::swarm::{ConnectionId, SwarmEvent};
 use libp2p::{
     allow_block_list, autonat, dcutr, gossipsub, identify, kad, mdns, ping, relay,
     request_response, upnp, PeerId,
@@ -16,7 +16,7 @@ use super::{emit, EventLoop, HANG_UP_AFTER};
 use crate::nat;
 use crate::network::behaviour::BehaviourEvent;
 use crate::network::peer_book::ip_of;
-use crate::network::{BulkResponse, Event, NetError, PeerInfo};
+use crate::network::{BulkRequest, BulkResponse, Event, NetError, PeerInfo};
 
 /// Whether a connection error happened in the handshake (pnet, noise or protocol
 /// negotiation) rather than in reaching the address.
@@ -168,76 +168,87 @@ impl EventLoop {
                 }
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
-                let text = error.to_string();
-                if let libp2p::swarm::DialError::Denied { cause, .. } = &error {
-                    if cause.downcast_ref::<nat::RelayGated>().is_some() {
-                        tracing::debug!(peer = ?peer_id, "not connecting through a relay: hole punching failed recently");
-                        return;
-                    }
-                }
-                if let libp2p::swarm::DialError::Denied { cause, .. } = &error {
-                    if cause.downcast_ref::<allow_block_list::Blocked>().is_some() {
-                        tracing::debug!(peer = ?peer_id, "not connecting: the peer is banned");
-                        return;
-                    }
-                }
-                if matches!(error, libp2p::swarm::DialError::Denied { .. }) {
-                    self.denied_connections += 1;
-                    tracing::warn!(peer = ?peer_id, "not connecting: the peer is not on network.allow");
-                } else if looks_like_handshake_failure(&text) {
-                    self.handshake_failures += 1;
-                    tracing::warn!(peer = ?peer_id, "handshake with a peer failed: {text}; {}", self.key_hint());
-                } else if peer_id.is_some_and(|p| self.bootstrap_peers.contains(&p))
-                    || peer_id.is_none()
-                {
-                    // A PSK mismatch can also look like a timeout (one side waits for a
-                    // protocol answer the other cannot decrypt), so the hint goes here too;
-                    // a refused connection only means nothing listens there any more.
-                    let hint = if nothing_answers(&text) {
-                        "nothing listens there: the member may have stopped".to_string()
-                    } else {
-                        self.key_hint()
-                    };
-                    tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {text}; {hint}");
-                } else {
-                    tracing::debug!(peer = ?peer_id, "dial failed: {text}");
-                }
+                self.on_dial_failed(peer_id, &error)
             }
             SwarmEvent::IncomingConnectionError {
                 send_back_addr,
                 error,
                 ..
-            } => {
-                let text = error.to_string();
-                if let libp2p::swarm::ListenError::Denied { cause } = &error {
-                    if cause.downcast_ref::<nat::RelayGated>().is_some() {
-                        tracing::debug!(from = %send_back_addr, "refused a relayed connection: hole punching failed recently");
-                        return;
-                    }
-                }
-                if let libp2p::swarm::ListenError::Denied { cause } = &error {
-                    if let Some(b) = cause.downcast_ref::<allow_block_list::Blocked>() {
-                        let why = self.book.ban_text(&b.to_string(), Instant::now());
-                        tracing::info!(from = %send_back_addr, "refused a connection: {why}");
-                        return;
-                    }
-                }
-                let banned_there = ip_of(&send_back_addr).and_then(|ip| self.book.banned_at(ip));
-                if matches!(error, libp2p::swarm::ListenError::Denied { .. }) {
-                    self.denied_connections += 1;
-                    tracing::warn!(from = %send_back_addr, "refused a connection: the peer is not on network.allow");
-                } else if let (true, Some(p)) = (looks_like_handshake_failure(&text), banned_there)
-                {
-                    tracing::info!(from = %send_back_addr, "an incoming connection broke off during the handshake ({text}): most likely banned peer {p} redialling, whose connections are refused for the ban");
-                } else if looks_like_handshake_failure(&text) {
-                    self.handshake_failures += 1;
-                    tracing::warn!(from = %send_back_addr, "handshake with an incoming peer failed: {text}; {}", self.key_hint());
-                } else {
-                    tracing::debug!(from = %send_back_addr, "incoming connection failed: {text}");
-                }
-            }
+            } => self.on_incoming_failed(&send_back_addr, &error),
             SwarmEvent::Behaviour(event) => self.on_behaviour_event(event).await,
             _ => {}
+        }
+    }
+
+    /// A dial failed: said plainly, with the likely cause (a ban, a gate, the allow list, a
+    /// missing or wrong network key, a member that stopped).
+    fn on_dial_failed(&mut self, peer_id: Option<PeerId>, error: &libp2p::swarm::DialError) {
+        let text = error.to_string();
+        if let libp2p::swarm::DialError::Denied { cause, .. } = error {
+            if cause.downcast_ref::<nat::RelayGated>().is_some() {
+                tracing::debug!(peer = ?peer_id, "not connecting through a relay: hole punching failed recently");
+                return;
+            }
+        }
+        if let libp2p::swarm::DialError::Denied { cause, .. } = error {
+            if cause.downcast_ref::<allow_block_list::Blocked>().is_some() {
+                tracing::debug!(peer = ?peer_id, "not connecting: the peer is banned");
+                return;
+            }
+        }
+        if matches!(error, libp2p::swarm::DialError::Denied { .. }) {
+            self.denied_connections += 1;
+            tracing::warn!(peer = ?peer_id, "not connecting: the peer is not on network.allow");
+        } else if looks_like_handshake_failure(&text) {
+            self.handshake_failures += 1;
+            tracing::warn!(peer = ?peer_id, "handshake with a peer failed: {text}; {}", self.key_hint());
+        } else if peer_id.is_some_and(|p| self.bootstrap_peers.contains(&p)) || peer_id.is_none() {
+            // A PSK mismatch can also look like a timeout (one side waits for a
+            // protocol answer the other cannot decrypt), so the hint goes here too;
+            // a refused connection only means nothing listens there any more.
+            let hint = if nothing_answers(&text) {
+                "nothing listens there: the member may have stopped".to_string()
+            } else {
+                self.key_hint()
+            };
+            tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {text}; {hint}");
+        } else {
+            tracing::debug!(peer = ?peer_id, "dial failed: {text}");
+        }
+    }
+
+    /// An incoming connection failed: refused (a ban, a gate, the allow list) or broken off
+    /// in the handshake (a banned peer redialling, or a network key that differs).
+    fn on_incoming_failed(
+        &mut self,
+        send_back_addr: &libp2p::Multiaddr,
+        error: &libp2p::swarm::ListenError,
+    ) {
+        let text = error.to_string();
+        if let libp2p::swarm::ListenError::Denied { cause } = error {
+            if cause.downcast_ref::<nat::RelayGated>().is_some() {
+                tracing::debug!(from = %send_back_addr, "refused a relayed connection: hole punching failed recently");
+                return;
+            }
+        }
+        if let libp2p::swarm::ListenError::Denied { cause } = error {
+            if let Some(b) = cause.downcast_ref::<allow_block_list::Blocked>() {
+                let why = self.book.ban_text(&b.to_string(), Instant::now());
+                tracing::info!(from = %send_back_addr, "refused a connection: {why}");
+                return;
+            }
+        }
+        let banned_there = ip_of(send_back_addr).and_then(|ip| self.book.banned_at(ip));
+        if matches!(error, libp2p::swarm::ListenError::Denied { .. }) {
+            self.denied_connections += 1;
+            tracing::warn!(from = %send_back_addr, "refused a connection: the peer is not on network.allow");
+        } else if let (true, Some(p)) = (looks_like_handshake_failure(&text), banned_there) {
+            tracing::info!(from = %send_back_addr, "an incoming connection broke off during the handshake ({text}): most likely banned peer {p} redialling, whose connections are refused for the ban");
+        } else if looks_like_handshake_failure(&text) {
+            self.handshake_failures += 1;
+            tracing::warn!(from = %send_back_addr, "handshake with an incoming peer failed: {text}; {}", self.key_hint());
+        } else {
+            tracing::debug!(from = %send_back_addr, "incoming connection failed: {text}");
         }
     }
 
@@ -259,98 +270,8 @@ impl EventLoop {
 
     async fn on_behaviour_event(&mut self, event: BehaviourEvent) {
         match event {
-            BehaviourEvent::Identify(identify::Event::Received {
-                peer_id,
-                info,
-                connection_id,
-            }) => {
-                if info.protocol_version != self.protocol_version {
-                    if self.refused.insert(peer_id) {
-                        self.refused_count += 1;
-                        tracing::warn!(
-                            peer = %peer_id,
-                            "refused peer: it speaks {:?} ({}), this node speaks {:?}; a different run id (model, optimizer, data spec or seed), sync mode or shared sync setting (allreduce every, ddp resync_every, diloco inner_steps/outer_lr/outer_momentum, fedavg local_epochs) or gossip size limit cannot train together",
-                            info.protocol_version,
-                            info.agent_version,
-                            self.protocol_version
-                        );
-                    }
-                    self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
-                    // Hang up a moment later, so the stranger receives our identify too and
-                    // can say why it was turned away instead of seeing a bare disconnect.
-                    self.hang_up.push((peer_id, Instant::now() + HANG_UP_AFTER));
-                    return;
-                }
-                if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
-                    self.relay_capable.insert(peer_id);
-                } else {
-                    self.relay_capable.remove(&peer_id);
-                }
-                for addr in &info.listen_addrs {
-                    self.swarm
-                        .behaviour_mut()
-                        .kad
-                        .add_address(&peer_id, addr.clone());
-                }
-                let address = self
-                    .swarm
-                    .connected_peers()
-                    .find(|p| **p == peer_id)
-                    .map(|_| {
-                        info.listen_addrs
-                            .first()
-                            .map(|a| a.to_string())
-                            .unwrap_or_default()
-                    })
-                    .unwrap_or_default();
-                let _ = connection_id;
-                let now = Instant::now();
-                if !self.links.has_direct(&peer_id) {
-                    // Known and shown, but not a member: the mesh syncs only over direct
-                    // connections, and hole punching may still make one.
-                    tracing::debug!(peer = %peer_id, "identified over a relay");
-                    self.relayed_members.insert(
-                        peer_id,
-                        PeerInfo {
-                            peer_id: peer_id.to_string(),
-                            address,
-                            rtt_ms: None,
-                            agent: Some(info.agent_version.clone()),
-                            score: None,
-                            path: None,
-                            remote: None,
-                            bytes_sent: None,
-                            bytes_received: None,
-                        },
-                    );
-                    return;
-                }
-                self.relayed_members.remove(&peer_id);
-                self.book.seen(peer_id, info.listen_addrs.clone(), now);
-                let is_new = !self.members.contains_key(&peer_id);
-                self.last_heard.entry(peer_id).or_insert_with(Instant::now);
-                let entry = self.members.entry(peer_id).or_insert_with(|| PeerInfo {
-                    peer_id: peer_id.to_string(),
-                    address: address.clone(),
-                    rtt_ms: None,
-                    agent: None,
-                    score: None,
-                    path: None,
-                    remote: None,
-                    bytes_sent: None,
-                    bytes_received: None,
-                });
-                entry.agent = Some(info.agent_version.clone());
-                if entry.address.is_empty() {
-                    entry.address = address;
-                }
-                if is_new {
-                    tracing::info!(peer = %peer_id, "peer joined");
-                    if self.members.len() == 1 {
-                        let _ = self.swarm.behaviour_mut().kad.bootstrap();
-                    }
-                    emit(&self.event_tx, Event::PeerUp(peer_id)).await;
-                }
+            BehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. }) => {
+                self.on_identified(peer_id, info).await;
             }
             BehaviourEvent::Ping(ping::Event { peer, result, .. }) => match result {
                 Ok(rtt) => {
@@ -418,46 +339,7 @@ impl EventLoop {
                 peer,
                 message,
                 connection_id,
-            }) => match message {
-                request_response::Message::Request {
-                    request, channel, ..
-                } => {
-                    self.heard_from(peer);
-                    if self.links.is_relayed(&peer, connection_id) {
-                        self.nat.relayed_requests_refused += 1;
-                        let _ = self.swarm.behaviour_mut().bulk.send_response(
-                            channel,
-                            BulkResponse::Refused(
-                                "bulk requests are not served over a relayed connection".into(),
-                            ),
-                        );
-                    } else if self.members.contains_key(&peer) {
-                        emit(
-                            &self.event_tx,
-                            Event::Request {
-                                peer,
-                                request,
-                                channel,
-                            },
-                        )
-                        .await;
-                    } else {
-                        let _ = self.swarm.behaviour_mut().bulk.send_response(
-                            channel,
-                            BulkResponse::Refused("not a member of this run".into()),
-                        );
-                    }
-                }
-                request_response::Message::Response {
-                    request_id,
-                    response,
-                } => {
-                    self.heard_from(peer);
-                    if let Some(reply) = self.pending_requests.remove(&request_id) {
-                        let _ = reply.send(Ok(response));
-                    }
-                }
-            },
+            }) => self.on_bulk_message(peer, message, connection_id).await,
             BehaviourEvent::Bulk(request_response::Event::OutboundFailure {
                 request_id,
                 error,
@@ -468,20 +350,174 @@ impl EventLoop {
                     let _ = reply.send(Err(NetError::Request { peer, error }));
                 }
             }
-            BehaviourEvent::Autonat(autonat::Event::StatusChanged { old, new }) => {
+            BehaviourEvent::Autonat(e) => self.on_nat_event(NatEvent::Autonat(e)),
+            BehaviourEvent::RelayClient(e) => self.on_nat_event(NatEvent::RelayClient(e)),
+            BehaviourEvent::Dcutr(e) => self.on_nat_event(NatEvent::Dcutr(e)),
+            BehaviourEvent::Upnp(e) => self.on_nat_event(NatEvent::Upnp(e)),
+            _ => {}
+        }
+    }
+
+    /// A peer identified itself: one of another run (or sync terms, or gossip limit) is
+    /// refused; one seen only over a relay is shown but is not a member; one over a direct
+    /// connection becomes a member (announced to the mesh when new).
+    async fn on_identified(&mut self, peer_id: PeerId, info: identify::Info) {
+        if info.protocol_version != self.protocol_version {
+            if self.refused.insert(peer_id) {
+                self.refused_count += 1;
+                tracing::warn!(
+                    peer = %peer_id,
+                    "refused peer: it speaks {:?} ({}), this node speaks {:?}; a different run id (model, optimizer, data spec or seed), sync mode or shared sync setting (allreduce every, ddp resync_every, diloco inner_steps/outer_lr/outer_momentum, fedavg local_epochs) or gossip size limit cannot train together",
+                    info.protocol_version,
+                    info.agent_version,
+                    self.protocol_version
+                );
+            }
+            self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
+            // Hang up a moment later, so the stranger receives our identify too and
+            // can say why it was turned away instead of seeing a bare disconnect.
+            self.hang_up.push((peer_id, Instant::now() + HANG_UP_AFTER));
+            return;
+        }
+        if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
+            self.relay_capable.insert(peer_id);
+        } else {
+            self.relay_capable.remove(&peer_id);
+        }
+        for addr in &info.listen_addrs {
+            self.swarm
+                .behaviour_mut()
+                .kad
+                .add_address(&peer_id, addr.clone());
+        }
+        let address = self
+            .swarm
+            .connected_peers()
+            .find(|p| **p == peer_id)
+            .map(|_| {
+                info.listen_addrs
+                    .first()
+                    .map(|a| a.to_string())
+                    .unwrap_or_default()
+            })
+            .unwrap_or_default();
+        let now = Instant::now();
+        if !self.links.has_direct(&peer_id) {
+            // Known and shown, but not a member: the mesh syncs only over direct
+            // connections, and hole punching may still make one.
+            tracing::debug!(peer = %peer_id, "identified over a relay");
+            self.relayed_members.insert(
+                peer_id,
+                PeerInfo {
+                    peer_id: peer_id.to_string(),
+                    address,
+                    rtt_ms: None,
+                    agent: Some(info.agent_version.clone()),
+                    score: None,
+                    path: None,
+                    remote: None,
+                    bytes_sent: None,
+                    bytes_received: None,
+                },
+            );
+            return;
+        }
+        self.relayed_members.remove(&peer_id);
+        self.book.seen(peer_id, info.listen_addrs.clone(), now);
+        let is_new = !self.members.contains_key(&peer_id);
+        self.last_heard.entry(peer_id).or_insert_with(Instant::now);
+        let entry = self.members.entry(peer_id).or_insert_with(|| PeerInfo {
+            peer_id: peer_id.to_string(),
+            address: address.clone(),
+            rtt_ms: None,
+            agent: None,
+            score: None,
+            path: None,
+            remote: None,
+            bytes_sent: None,
+            bytes_received: None,
+        });
+        entry.agent = Some(info.agent_version.clone());
+        if entry.address.is_empty() {
+            entry.address = address;
+        }
+        if is_new {
+            tracing::info!(peer = %peer_id, "peer joined");
+            if self.members.len() == 1 {
+                let _ = self.swarm.behaviour_mut().kad.bootstrap();
+            }
+            emit(&self.event_tx, Event::PeerUp(peer_id)).await;
+        }
+    }
+
+    /// A bulk request (served by the mesh actor when its sender is a member over a direct
+    /// connection, refused otherwise) or the response to one of ours.
+    async fn on_bulk_message(
+        &mut self,
+        peer: PeerId,
+        message: request_response::Message<BulkRequest, BulkResponse>,
+        connection_id: ConnectionId,
+    ) {
+        match message {
+            request_response::Message::Request {
+                request, channel, ..
+            } => {
+                self.heard_from(peer);
+                if self.links.is_relayed(&peer, connection_id) {
+                    self.nat.relayed_requests_refused += 1;
+                    let _ = self.swarm.behaviour_mut().bulk.send_response(
+                        channel,
+                        BulkResponse::Refused(
+                            "bulk requests are not served over a relayed connection".into(),
+                        ),
+                    );
+                } else if self.members.contains_key(&peer) {
+                    emit(
+                        &self.event_tx,
+                        Event::Request {
+                            peer,
+                            request,
+                            channel,
+                        },
+                    )
+                    .await;
+                } else {
+                    let _ = self.swarm.behaviour_mut().bulk.send_response(
+                        channel,
+                        BulkResponse::Refused("not a member of this run".into()),
+                    );
+                }
+            }
+            request_response::Message::Response {
+                request_id,
+                response,
+            } => {
+                self.heard_from(peer);
+                if let Some(reply) = self.pending_requests.remove(&request_id) {
+                    let _ = reply.send(Ok(response));
+                }
+            }
+        }
+    }
+
+    /// Reachability news: AutoNAT's verdict, a relay reservation, a hole punch, a UPnP
+    /// mapping.
+    fn on_nat_event(&mut self, event: NatEvent) {
+        match event {
+            NatEvent::Autonat(autonat::Event::StatusChanged { old, new }) => {
                 tracing::info!("reachability: {old:?} -> {new:?} (AutoNAT)");
                 for id in self.nat.set_status(new) {
                     self.swarm.remove_listener(id);
                 }
             }
-            BehaviourEvent::RelayClient(relay::client::Event::ReservationReqAccepted {
+            NatEvent::RelayClient(relay::client::Event::ReservationReqAccepted {
                 relay_peer_id,
                 renewal: false,
                 ..
             }) => {
                 tracing::info!(relay = %relay_peer_id, "relay reservation accepted");
             }
-            BehaviourEvent::Dcutr(dcutr::Event {
+            NatEvent::Dcutr(dcutr::Event {
                 remote_peer_id,
                 result,
             }) => match result {
@@ -499,7 +535,7 @@ impl EventLoop {
                     }
                 }
             },
-            BehaviourEvent::Upnp(event) => match event {
+            NatEvent::Upnp(event) => match event {
                 upnp::Event::NewExternalAddr { external_addr, .. } => {
                     tracing::info!("UPnP mapped {external_addr} on the gateway");
                     self.nat.set_upnp_addr(Some(external_addr));
@@ -520,6 +556,15 @@ impl EventLoop {
             _ => {}
         }
     }
+}
+
+/// The behaviours' events about reachability, handled together by
+/// [`EventLoop::on_nat_event`].
+enum NatEvent {
+    Autonat(autonat::Event),
+    RelayClient(relay::client::Event),
+    Dcutr(dcutr::Event),
+    Upnp(upnp::Event),
 }
 
 #[cfg(test)]

@@ -19,6 +19,13 @@ use half::{bf16, f16};
 use sha2::{Digest, Sha256};
 
 use crate::params::Layout;
+use topk::{decode_topk, encode_topk};
+
+pub use feedback::ErrorFeedback;
+
+mod bits;
+mod feedback;
+mod topk;
 
 /// First bytes of every update message.
 pub const MAGIC: &[u8; 4] = b"P2PU";
@@ -277,86 +284,6 @@ pub struct Encoded {
     pub sent: Vec<f32>,
 }
 
-/// Packs unsigned integers of a fixed bit width, least significant bit first.
-struct BitWriter<'a> {
-    out: &'a mut Vec<u8>,
-    acc: u64,
-    bits: u32,
-}
-
-impl<'a> BitWriter<'a> {
-    fn new(out: &'a mut Vec<u8>) -> Self {
-        BitWriter {
-            out,
-            acc: 0,
-            bits: 0,
-        }
-    }
-
-    fn put(&mut self, value: u32, width: u32) {
-        if width == 0 {
-            return;
-        }
-        self.acc |= u64::from(value) << self.bits;
-        self.bits += width;
-        while self.bits >= 8 {
-            self.out.push(self.acc as u8);
-            self.acc >>= 8;
-            self.bits -= 8;
-        }
-    }
-
-    fn finish(self) {
-        if self.bits > 0 {
-            self.out.push(self.acc as u8);
-        }
-    }
-}
-
-/// Reads what [`BitWriter`] wrote; the caller has checked there are enough bytes.
-struct BitReader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-    acc: u64,
-    bits: u32,
-}
-
-impl<'a> BitReader<'a> {
-    fn new(bytes: &'a [u8]) -> Self {
-        BitReader {
-            bytes,
-            at: 0,
-            acc: 0,
-            bits: 0,
-        }
-    }
-
-    fn get(&mut self, width: u32) -> u32 {
-        if width == 0 {
-            return 0;
-        }
-        while self.bits < width {
-            let b = self.bytes.get(self.at).copied().unwrap_or(0);
-            self.at += 1;
-            self.acc |= u64::from(b) << self.bits;
-            self.bits += 8;
-        }
-        let mask = if width == 32 {
-            u64::from(u32::MAX)
-        } else {
-            (1u64 << width) - 1
-        };
-        let v = (self.acc & mask) as u32;
-        self.acc >>= width;
-        self.bits -= width;
-        v
-    }
-}
-
-fn bits_for(v: u32) -> u32 {
-    32 - v.leading_zeros()
-}
-
 /// Encodes `values` (one update over `layout`) with `codec`; `density` is the kept fraction
 /// for top-k and ignored otherwise.
 pub fn encode(
@@ -442,47 +369,6 @@ pub fn encode(
     Ok(Encoded { bytes: out, sent })
 }
 
-fn encode_topk(x: &[f32], y: &mut [f32], density: f64, format: ValueFormat, out: &mut Vec<u8>) {
-    if x.is_empty() {
-        out.extend_from_slice(&0u32.to_le_bytes());
-        out.push(0);
-        return;
-    }
-    let k = ((density * x.len() as f64).ceil() as usize).clamp(1, x.len());
-    let idx = top_indices(x, k);
-    let mut width = 0;
-    let mut prev: Option<u32> = None;
-    for &i in &idx {
-        let gap = prev.map_or(i, |p| i - p - 1);
-        width = width.max(bits_for(gap));
-        prev = Some(i);
-    }
-    out.extend_from_slice(&(k as u32).to_le_bytes());
-    out.push(width as u8);
-    let mut w = BitWriter::new(out);
-    let mut prev: Option<u32> = None;
-    for &i in &idx {
-        w.put(prev.map_or(i, |p| i - p - 1), width);
-        prev = Some(i);
-    }
-    w.finish();
-    for &i in &idx {
-        let v = x[i as usize];
-        let kept = match format {
-            ValueFormat::F32 => {
-                out.extend_from_slice(&v.to_le_bytes());
-                v
-            }
-            ValueFormat::F16 => {
-                let h = f16::from_f32(v);
-                out.extend_from_slice(&h.to_le_bytes());
-                h.to_f32()
-            }
-        };
-        y[i as usize] = kept;
-    }
-}
-
 fn encode_onebit(x: &[f32], y: &mut [f32], groups: usize, out: &mut Vec<u8>) {
     let per = (x.len() / groups.max(1)).max(1);
     let mut scales = Vec::with_capacity(groups);
@@ -522,41 +408,6 @@ fn sum_abs(x: &[f32]) -> f64 {
         }
     }
     lanes.iter().sum::<f64>() + rest
-}
-
-/// The indices of the `k` largest magnitudes of `x` (ties broken towards lower indices),
-/// ascending.
-fn top_indices(x: &[f32], k: usize) -> Vec<u32> {
-    if k >= x.len() {
-        return (0..x.len() as u32).collect();
-    }
-    // The k-th largest magnitude, found on a copy of the magnitudes (direct comparisons,
-    // not through an index).
-    let mut mags: Vec<f32> = x.iter().map(|v| v.abs()).collect();
-    let (_, kth, _) = mags.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
-    let threshold = *kth;
-    // One ascending pass takes every value at or above it; where more than k tie at it, the
-    // highest-indexed ties go.
-    let mut idx: Vec<u32> = Vec::with_capacity(k + 16);
-    for (i, v) in x.iter().enumerate() {
-        if v.abs().total_cmp(&threshold).is_ge() {
-            idx.push(i as u32);
-        }
-    }
-    if idx.len() > k {
-        let ties = |i: u32| x[i as usize].abs().total_cmp(&threshold).is_eq();
-        let tied = idx.iter().filter(|&&i| ties(i)).count();
-        let mut keep = tied - (idx.len() - k);
-        idx.retain(|&i| {
-            if !ties(i) {
-                return true;
-            }
-            let kept = keep > 0;
-            keep = keep.saturating_sub(1);
-            kept
-        });
-    }
-    idx
 }
 
 /// Reads just the header, checking magic, version, codec and the checksum.
@@ -717,110 +568,6 @@ pub fn decode(bytes: &[u8], layout: &Layout) -> Result<(UpdateHeader, Vec<f32>),
         )));
     }
     Ok((header, values))
-}
-
-fn decode_topk(rest: &mut &[u8], y: &mut [f32], format: ValueFormat) -> Result<(), CodecError> {
-    let head = take(rest, 5, "top-k section header")?;
-    let k = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
-    let width = u32::from(head[4]);
-    if k > y.len() || (k == 0 && !y.is_empty()) {
-        return Err(CodecError::Malformed(format!(
-            "top-k keeps {k} of a tensor of {}",
-            y.len()
-        )));
-    }
-    if width > 32 {
-        return Err(CodecError::Malformed(format!(
-            "top-k index width {width} bits"
-        )));
-    }
-    let index_bytes = (k * width as usize).div_ceil(8);
-    let packed = take(rest, index_bytes, "top-k indices")?;
-    let value_size = match format {
-        ValueFormat::F32 => 4,
-        ValueFormat::F16 => 2,
-    };
-    let vals = take(rest, k * value_size, "top-k values")?;
-    let mut r = BitReader::new(packed);
-    let mut prev: Option<u64> = None;
-    for j in 0..k {
-        let gap = u64::from(r.get(width));
-        let i = match prev {
-            None => gap,
-            Some(p) => p + gap + 1,
-        };
-        if i >= y.len() as u64 {
-            return Err(CodecError::Malformed(format!(
-                "top-k index {i} outside a tensor of {}",
-                y.len()
-            )));
-        }
-        let c = &vals[j * value_size..(j + 1) * value_size];
-        y[i as usize] = match format {
-            ValueFormat::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-            ValueFormat::F16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
-        };
-        prev = Some(i);
-    }
-    Ok(())
-}
-
-/// A sender's compressor with error feedback: what a lossy codec did not send is kept as a
-/// residual and added to the next update, so compression delays information but loses none.
-/// Without feedback (`enabled = false`) the dropped part is simply gone, which is what the
-/// benchmark compares against.
-#[derive(Debug, Clone)]
-pub struct ErrorFeedback {
-    residual: Vec<f32>,
-    enabled: bool,
-}
-
-impl ErrorFeedback {
-    /// A compressor for updates of `numel` values.
-    pub fn new(numel: usize, enabled: bool) -> ErrorFeedback {
-        ErrorFeedback {
-            residual: vec![0.0; numel],
-            enabled,
-        }
-    }
-
-    /// Encodes `delta` plus the residual, and keeps what was not sent.
-    pub fn compress(
-        &mut self,
-        header: &UpdateHeader,
-        layout: &Layout,
-        delta: &[f32],
-        density: f64,
-    ) -> Result<Encoded, CodecError> {
-        if !self.enabled || !header.codec.is_lossy() {
-            return encode(header, layout, delta, density);
-        }
-        if self.residual.len() != delta.len() {
-            self.residual = vec![0.0; delta.len()];
-        }
-        let wanted: Vec<f32> = delta
-            .iter()
-            .zip(&self.residual)
-            .map(|(d, r)| d + r)
-            .collect();
-        // The residual changes only once the message exists, so a failed encode (a value
-        // that is not finite) leaves it exactly as it was.
-        let encoded = encode(header, layout, &wanted, density)?;
-        for ((r, w), s) in self.residual.iter_mut().zip(&wanted).zip(&encoded.sent) {
-            *r = w - s;
-        }
-        Ok(encoded)
-    }
-
-    /// The L2 norm of what is still owed to the mesh.
-    pub fn residual_norm(&self) -> f64 {
-        crate::params::l2_norm(&self.residual)
-    }
-
-    /// Forgets the residual (after a restore, when the parameters it referred to are gone).
-    pub fn reset(&mut self) {
-        self.residual.iter_mut().for_each(|r| *r = 0.0);
-    }
 }
 
 #[cfg(test)]

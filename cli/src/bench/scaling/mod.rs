@@ -53,6 +53,13 @@ use crate::local::{
     check_core_sets, check_starting, core_set, read_evals, unix_ms, Children, START_WAIT,
 };
 use crate::measure::median;
+use nodes::*;
+use report::*;
+use torch::*;
+
+mod nodes;
+mod report;
+mod torch;
 
 /// Arguments of `bench scaling`.
 #[derive(Args)]
@@ -201,184 +208,6 @@ fn parse_setting(s: &str) -> Result<Setting> {
     Ok((section.to_string(), key.to_string(), parsed))
 }
 
-/// Whether a metric value reaches a target.
-#[derive(Debug, Clone, Copy, Serialize)]
-#[serde(rename_all = "snake_case")]
-enum Metric {
-    /// Held-out bits per byte: lower is better.
-    BitsPerByte,
-    /// Held-out accuracy: higher is better.
-    Accuracy,
-}
-
-impl Metric {
-    fn value(self, e: &EvalRecord) -> Option<f64> {
-        match self {
-            Metric::BitsPerByte => e.bits_per_byte,
-            Metric::Accuracy => Some(e.accuracy),
-        }
-    }
-
-    fn reaches(self, value: f64, target: f64) -> bool {
-        match self {
-            Metric::BitsPerByte => value <= target,
-            Metric::Accuracy => value >= target,
-        }
-    }
-}
-
-/// One run: a lone node or a mesh, one seed.
-#[derive(Debug, Serialize)]
-struct Run {
-    /// `alone`, `alone_xN`, `alone_loaded` or the sync mode.
-    kind: String,
-    seed: u64,
-    lr: f64,
-    batch_size: i64,
-    nodes: usize,
-    /// Per target: the step (per node) at which every node's evaluation first reached it.
-    steps_to_target: BTreeMap<String, Option<u64>>,
-    /// Per target: seconds from the first node's start until every node had reached it.
-    seconds_to_target: BTreeMap<String, Option<f64>>,
-    /// The same less each node's own seconds of evaluation up to then (the latest node's):
-    /// training time to the target, which the evaluation period chosen here does not
-    /// inflate. A member's wait for another's evaluation still counts.
-    train_seconds_to_target: BTreeMap<String, Option<f64>>,
-    /// Training steps per second of node 0 over the run, evaluations included.
-    steps_per_sec: f64,
-    /// Mean over nodes of all bytes each sent (libp2p's counters).
-    bytes_sent_per_node: f64,
-    /// Node 0's evaluations: `[seconds since the start, step, value]`.
-    curve: Vec<[f64; 3]>,
-    /// Peers, rejected updates and bans seen at the end, per node.
-    mesh: Vec<serde_json::Value>,
-}
-
-/// Median and spread of one figure over seeds.
-#[derive(Debug, Serialize)]
-struct Spread {
-    median: Option<f64>,
-    min: Option<f64>,
-    max: Option<f64>,
-    /// Seeds that reached it (of all that ran).
-    reached: usize,
-    runs: usize,
-}
-
-fn spread(values: &[Option<f64>]) -> Spread {
-    let got: Vec<f64> = values.iter().flatten().copied().collect();
-    // A run that never reached the target counts as slower than any that did: with fewer
-    // than half reaching, there is no median.
-    let median = (got.len() * 2 > values.len()).then(|| {
-        let mut all: Vec<f64> = values.iter().map(|v| v.unwrap_or(f64::INFINITY)).collect();
-        all.sort_by(f64::total_cmp);
-        median(&all)
-    });
-    Spread {
-        median: median.filter(|m| m.is_finite()),
-        min: got.iter().copied().reduce(f64::min),
-        max: got.iter().copied().reduce(f64::max),
-        reached: got.len(),
-        runs: values.len(),
-    }
-}
-
-/// One kind of run summarised over seeds (at its best learning rate, for the lone runs).
-#[derive(Debug, Serialize)]
-struct KindSummary {
-    kind: String,
-    lr: f64,
-    steps_to_target: BTreeMap<String, Spread>,
-    seconds_to_target: BTreeMap<String, Spread>,
-    /// Seconds less the nodes' own evaluations (see [`Run::train_seconds_to_target`]).
-    train_seconds_to_target: BTreeMap<String, Spread>,
-    steps_per_sec: Spread,
-    bytes_sent_per_node: Spread,
-    /// Median seconds of `alone` ÷ median seconds of this kind, per target.
-    speedup: BTreeMap<String, Option<f64>>,
-    /// The same, in training seconds (evaluations left out on both sides).
-    train_speedup: BTreeMap<String, Option<f64>>,
-    /// `speedup ÷ ideal`, per target (the ideal from `alone` and `alone_xN` steps).
-    scaling_efficiency: BTreeMap<String, Option<f64>>,
-}
-
-#[derive(Debug, Serialize)]
-struct Report {
-    benchmark: &'static str,
-    config: String,
-    metric: Metric,
-    targets: Vec<f64>,
-    nodes: usize,
-    cores_per_node: usize,
-    seeds: u64,
-    eval_every: u64,
-    /// `--set` settings of the mesh runs, as given.
-    mesh_settings: Vec<String>,
-    /// `--straggler-delay-us`: the sleep per sample of every mesh run's last node (0: none;
-    /// the lone runs never sleep).
-    straggler_delay_us: u64,
-    /// What joined the mesh's nodes and DDP's processes: loopback, or the lab's shaping.
-    links: String,
-    /// Per target: median steps of `alone` ÷ median steps of `alone_xN` (best learning rate
-    /// of each): what N boxes could at best gain per step.
-    ideal_speedup: BTreeMap<String, Option<f64>>,
-    summary: Vec<KindSummary>,
-    runs: Vec<Run>,
-}
-
-/// The kind of the PyTorch DDP runs.
-const TORCH_KIND: &str = "pytorch_ddp";
-/// One DDP rank, relative to the repository's root (where the benchmark runs).
-const DDP_SCRIPT: &str = "bench/ddp_train.py";
-/// DDP's rendezvous port on the first lab host: the lab's own namespace, where only the
-/// benchmark's DDP runs listen, one after another.
-const DDP_MASTER_PORT: u16 = 29517;
-
-/// Writes the config's data, as p2ptrain loads it, where `bench/ddp_train.py` reads it
-/// (`meta.json` and raw little-endian arrays), and returns what every DDP run shares.
-fn torch_side(config_path: &Path, dir: &Path) -> Result<TorchSide> {
-    let config = Config::load(Some(config_path))?;
-    let data = config.load_data()?;
-    let spec = config.model_spec(&data)?;
-    std::fs::create_dir_all(dir)?;
-    let meta = match &data {
-        Data::Text(t) => {
-            std::fs::write(dir.join("train.bytes"), t.train.bytes())?;
-            std::fs::write(dir.join("test.bytes"), t.test.bytes())?;
-            let context = match &config.model {
-                p2ptrain_daemon::config::ModelConfig::Gpt(g) => g.context,
-                _ => bail!("a text data set needs a gpt model"),
-            };
-            serde_json::json!({
-                "kind": "text",
-                "context": context,
-                "train_stride": (context / p2ptrain_models::text::TRAIN_STRIDE_DIVISOR).max(1),
-            })
-        }
-        Data::Labeled(split) => {
-            for (half, set) in [("train", &split.train), ("test", &split.test)] {
-                let x: Vec<u8> = set.features.iter().flat_map(|v| v.to_le_bytes()).collect();
-                let y: Vec<u8> = set.labels.iter().flat_map(|v| v.to_le_bytes()).collect();
-                std::fs::write(dir.join(format!("{half}_x.f32")), x)?;
-                std::fs::write(dir.join(format!("{half}_y.u32")), y)?;
-            }
-            serde_json::json!({
-                "kind": "labeled",
-                "dim": split.train.dim,
-                "classes": split.train.classes,
-            })
-        }
-    };
-    std::fs::write(dir.join("meta.json"), meta.to_string())?;
-    Ok(TorchSide {
-        data: dir.to_path_buf(),
-        spec: serde_json::to_string(&spec)?,
-        optimizer: serde_json::to_value(&config.optimizer)?,
-        schedule: serde_json::to_string(&config.schedule)?,
-        init_seed: config.train.init_seed,
-    })
-}
-
 /// What a run trains with.
 #[derive(Debug, Clone, PartialEq)]
 enum Arm {
@@ -412,16 +241,6 @@ struct Bench<'a> {
     torch: Option<TorchSide>,
 }
 
-/// What every DDP run shares: the exported data and the config's model, optimizer and
-/// schedule as `bench/ddp_train.py` reads them.
-struct TorchSide {
-    data: PathBuf,
-    spec: String,
-    optimizer: serde_json::Value,
-    schedule: String,
-    init_seed: u64,
-}
-
 impl Bench<'_> {
     fn lab_ns(&self, arm: &Arm, k: usize) -> Option<&str> {
         match (arm, &self.lab) {
@@ -441,131 +260,6 @@ impl Bench<'_> {
         cmd.args(["-c", &cores]).arg(program);
         cmd
     }
-}
-
-fn target_key(t: f64) -> String {
-    format!("{t}")
-}
-
-/// The first evaluation of `evals` that reaches `target`.
-fn first_reaching(evals: &[EvalRecord], metric: Metric, target: f64) -> Option<&EvalRecord> {
-    evals
-        .iter()
-        .find(|e| metric.value(e).is_some_and(|v| metric.reaches(v, target)))
-}
-
-fn spawn(
-    bench: &Bench,
-    arm: &Arm,
-    k: usize,
-    dir: &Path,
-    config: &Path,
-    boot: Option<&str>,
-) -> Result<Child> {
-    std::fs::create_dir_all(dir)?;
-    let log = std::fs::File::create(dir.join("node.log"))?;
-    let exe = std::env::current_exe().context("cannot find this executable")?;
-    let listen = match (&bench.lab, arm) {
-        (Some((lab, _)), Arm::Mesh(_)) => lab.listen(k),
-        _ => "/ip4/127.0.0.1/tcp/0".to_string(),
-    };
-    let mut cmd = bench.pinned(arm, k, &exe);
-    cmd.arg("join")
-        .arg("--data-dir")
-        .arg(dir)
-        .arg("--config")
-        .arg(config)
-        .args(["--api", "127.0.0.1:0", "--listen", &listen]);
-    if let Some(b) = boot {
-        cmd.args(["--bootstrap", b]);
-    }
-    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
-    cmd.spawn()
-        .context("cannot start a node under taskset (is util-linux installed?)")
-}
-
-/// Starts DDP's rank `k` of `plan`, its output in `dir/node.log`.
-fn spawn_rank(bench: &Bench, plan: &Plan, k: usize, dir: &Path, master: &str) -> Result<Child> {
-    let torch = bench.torch.as_ref().context("no DDP side")?;
-    let args = bench.args;
-    std::fs::create_dir_all(dir)?;
-    let log = std::fs::File::create(dir.join("node.log"))?;
-    let mut optimizer = torch.optimizer.clone();
-    optimizer["lr"] = plan.lr.into();
-    let mut cmd = bench.pinned(&plan.arm, k, &args.python);
-    cmd.arg(DDP_SCRIPT)
-        .args(["--rank", &k.to_string(), "--nodes", &plan.nodes.to_string()])
-        .args(["--master", master])
-        .arg("--data")
-        .arg(&torch.data)
-        .args(["--spec", &torch.spec, "--schedule", &torch.schedule])
-        .args(["--optim", &optimizer.to_string()])
-        .args(["--batch", &plan.batch_size.to_string()])
-        .args(["--init-seed", &torch.init_seed.to_string()])
-        .args(["--seed", &(plan.seed * 100 + k as u64).to_string()])
-        .args(["--threads", &args.cores_per_node.to_string()])
-        .args(["--eval-every", &args.eval_every.to_string()])
-        .args(["--max-seconds", &(args.timeout + 60.0).to_string()])
-        .arg("--dir")
-        .arg(dir);
-    if bench.lab_ns(&plan.arm, k).is_some() {
-        cmd.args(["--iface", "eth0"]);
-    }
-    cmd.stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log);
-    cmd.spawn()
-        .with_context(|| format!("cannot run {} under taskset", args.python.display()))
-}
-
-/// Status of the node whose data directory is `dir`, over its API (from inside its lab
-/// host's namespace when it has one: this process cannot reach that host's loopback).
-fn status(dir: &Path, netns: Option<&str>) -> Option<serde_json::Value> {
-    let addr = std::fs::read_to_string(dir.join(p2ptrain_daemon::node::API_ADDR_FILE)).ok()?;
-    let addr = addr.trim();
-    if let Some(ns) = netns {
-        let exe = std::env::current_exe().ok()?;
-        let out = Command::new("ip")
-            .args(["netns", "exec", ns])
-            .arg(exe)
-            .args(["status", "--json", "--api", addr])
-            .output()
-            .ok()?;
-        return serde_json::from_slice(&out.stdout).ok();
-    }
-    let url = format!("http://{addr}/v1/status");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .ok()?;
-    rt.block_on(async {
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(5))
-            .build()
-            .ok()?;
-        client.get(url).send().await.ok()?.json().await.ok()
-    })
-}
-
-fn wait_listen_addr(dir: &Path, netns: Option<&str>, child: &mut Child) -> Result<String> {
-    let deadline = Instant::now() + START_WAIT;
-    loop {
-        if let Some(a) =
-            status(dir, netns).and_then(|s| s["listen_addrs"][0].as_str().map(str::to_owned))
-        {
-            return Ok(a);
-        }
-        check_starting(child, &dir.join("node.log"), deadline)?;
-        check_interrupted()?;
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// A TCP port free on loopback now, for DDP's rendezvous.
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 /// Runs one plan to the last target (or the timeout) and measures it.
@@ -791,52 +485,6 @@ fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
         },
         curve,
         mesh,
-    })
-}
-
-/// Summarises the runs of `kind` at its best learning rate (least median seconds to the last
-/// target).
-fn summarise(kind: &str, runs: &[Run], last: &str) -> Option<KindSummary> {
-    let mut by_lr: BTreeMap<String, Vec<&Run>> = BTreeMap::new();
-    for r in runs.iter().filter(|r| r.kind == kind) {
-        by_lr.entry(format!("{}", r.lr)).or_default().push(r);
-    }
-    let best = by_lr.values().min_by(|a, b| {
-        let m = |rs: &Vec<&Run>| {
-            spread(
-                &rs.iter()
-                    .map(|r| r.seconds_to_target[last])
-                    .collect::<Vec<_>>(),
-            )
-            .median
-            .unwrap_or(f64::INFINITY)
-        };
-        m(a).total_cmp(&m(b))
-    })?;
-    let keys: Vec<String> = best[0].steps_to_target.keys().cloned().collect();
-    let per = |f: &dyn Fn(&Run) -> Option<f64>| -> Spread {
-        spread(&best.iter().map(|r| f(r)).collect::<Vec<_>>())
-    };
-    Some(KindSummary {
-        kind: kind.to_string(),
-        lr: best[0].lr,
-        steps_to_target: keys
-            .iter()
-            .map(|k| (k.clone(), per(&|r| r.steps_to_target[k].map(|s| s as f64))))
-            .collect(),
-        seconds_to_target: keys
-            .iter()
-            .map(|k| (k.clone(), per(&|r| r.seconds_to_target[k])))
-            .collect(),
-        train_seconds_to_target: keys
-            .iter()
-            .map(|k| (k.clone(), per(&|r| r.train_seconds_to_target[k])))
-            .collect(),
-        steps_per_sec: per(&|r| Some(r.steps_per_sec)),
-        bytes_sent_per_node: per(&|r| Some(r.bytes_sent_per_node)),
-        speedup: BTreeMap::new(),
-        train_speedup: BTreeMap::new(),
-        scaling_efficiency: BTreeMap::new(),
     })
 }
 

@@ -1,0 +1,190 @@
+//! What `bench scaling` reports: each run's curve and figures, their median and spread over
+//! seeds per kind of run, and the report as JSON.
+
+use super::*;
+
+/// Whether a metric value reaches a target.
+#[derive(Debug, Clone, Copy, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum Metric {
+    /// Held-out bits per byte: lower is better.
+    BitsPerByte,
+    /// Held-out accuracy: higher is better.
+    Accuracy,
+}
+
+impl Metric {
+    pub(super) fn value(self, e: &EvalRecord) -> Option<f64> {
+        match self {
+            Metric::BitsPerByte => e.bits_per_byte,
+            Metric::Accuracy => Some(e.accuracy),
+        }
+    }
+
+    pub(super) fn reaches(self, value: f64, target: f64) -> bool {
+        match self {
+            Metric::BitsPerByte => value <= target,
+            Metric::Accuracy => value >= target,
+        }
+    }
+}
+
+/// One run: a lone node or a mesh, one seed.
+#[derive(Debug, Serialize)]
+pub(super) struct Run {
+    /// `alone`, `alone_xN`, `alone_loaded` or the sync mode.
+    pub(super) kind: String,
+    pub(super) seed: u64,
+    pub(super) lr: f64,
+    pub(super) batch_size: i64,
+    pub(super) nodes: usize,
+    /// Per target: the step (per node) at which every node's evaluation first reached it.
+    pub(super) steps_to_target: BTreeMap<String, Option<u64>>,
+    /// Per target: seconds from the first node's start until every node had reached it.
+    pub(super) seconds_to_target: BTreeMap<String, Option<f64>>,
+    /// The same less each node's own seconds of evaluation up to then (the latest node's):
+    /// training time to the target, which the evaluation period chosen here does not
+    /// inflate. A member's wait for another's evaluation still counts.
+    pub(super) train_seconds_to_target: BTreeMap<String, Option<f64>>,
+    /// Training steps per second of node 0 over the run, evaluations included.
+    pub(super) steps_per_sec: f64,
+    /// Mean over nodes of all bytes each sent (libp2p's counters).
+    pub(super) bytes_sent_per_node: f64,
+    /// Node 0's evaluations: `[seconds since the start, step, value]`.
+    pub(super) curve: Vec<[f64; 3]>,
+    /// Peers, rejected updates and bans seen at the end, per node.
+    pub(super) mesh: Vec<serde_json::Value>,
+}
+
+/// Median and spread of one figure over seeds.
+#[derive(Debug, Serialize)]
+pub(super) struct Spread {
+    pub(super) median: Option<f64>,
+    pub(super) min: Option<f64>,
+    pub(super) max: Option<f64>,
+    /// Seeds that reached it (of all that ran).
+    pub(super) reached: usize,
+    pub(super) runs: usize,
+}
+
+pub(super) fn spread(values: &[Option<f64>]) -> Spread {
+    let got: Vec<f64> = values.iter().flatten().copied().collect();
+    // A run that never reached the target counts as slower than any that did: with fewer
+    // than half reaching, there is no median.
+    let median = (got.len() * 2 > values.len()).then(|| {
+        let mut all: Vec<f64> = values.iter().map(|v| v.unwrap_or(f64::INFINITY)).collect();
+        all.sort_by(f64::total_cmp);
+        median(&all)
+    });
+    Spread {
+        median: median.filter(|m| m.is_finite()),
+        min: got.iter().copied().reduce(f64::min),
+        max: got.iter().copied().reduce(f64::max),
+        reached: got.len(),
+        runs: values.len(),
+    }
+}
+
+/// One kind of run summarised over seeds (at its best learning rate, for the lone runs).
+#[derive(Debug, Serialize)]
+pub(super) struct KindSummary {
+    pub(super) kind: String,
+    pub(super) lr: f64,
+    pub(super) steps_to_target: BTreeMap<String, Spread>,
+    pub(super) seconds_to_target: BTreeMap<String, Spread>,
+    /// Seconds less the nodes' own evaluations (see [`Run::train_seconds_to_target`]).
+    pub(super) train_seconds_to_target: BTreeMap<String, Spread>,
+    pub(super) steps_per_sec: Spread,
+    pub(super) bytes_sent_per_node: Spread,
+    /// Median seconds of `alone` ÷ median seconds of this kind, per target.
+    pub(super) speedup: BTreeMap<String, Option<f64>>,
+    /// The same, in training seconds (evaluations left out on both sides).
+    pub(super) train_speedup: BTreeMap<String, Option<f64>>,
+    /// `speedup ÷ ideal`, per target (the ideal from `alone` and `alone_xN` steps).
+    pub(super) scaling_efficiency: BTreeMap<String, Option<f64>>,
+}
+
+#[derive(Debug, Serialize)]
+pub(super) struct Report {
+    pub(super) benchmark: &'static str,
+    pub(super) config: String,
+    pub(super) metric: Metric,
+    pub(super) targets: Vec<f64>,
+    pub(super) nodes: usize,
+    pub(super) cores_per_node: usize,
+    pub(super) seeds: u64,
+    pub(super) eval_every: u64,
+    /// `--set` settings of the mesh runs, as given.
+    pub(super) mesh_settings: Vec<String>,
+    /// `--straggler-delay-us`: the sleep per sample of every mesh run's last node (0: none;
+    /// the lone runs never sleep).
+    pub(super) straggler_delay_us: u64,
+    /// What joined the mesh's nodes and DDP's processes: loopback, or the lab's shaping.
+    pub(super) links: String,
+    /// Per target: median steps of `alone` ÷ median steps of `alone_xN` (best learning rate
+    /// of each): what N boxes could at best gain per step.
+    pub(super) ideal_speedup: BTreeMap<String, Option<f64>>,
+    pub(super) summary: Vec<KindSummary>,
+    pub(super) runs: Vec<Run>,
+}
+
+pub(super) fn target_key(t: f64) -> String {
+    format!("{t}")
+}
+
+/// The first evaluation of `evals` that reaches `target`.
+pub(super) fn first_reaching(
+    evals: &[EvalRecord],
+    metric: Metric,
+    target: f64,
+) -> Option<&EvalRecord> {
+    evals
+        .iter()
+        .find(|e| metric.value(e).is_some_and(|v| metric.reaches(v, target)))
+}
+
+/// Summarises the runs of `kind` at its best learning rate (least median seconds to the last
+/// target).
+pub(super) fn summarise(kind: &str, runs: &[Run], last: &str) -> Option<KindSummary> {
+    let mut by_lr: BTreeMap<String, Vec<&Run>> = BTreeMap::new();
+    for r in runs.iter().filter(|r| r.kind == kind) {
+        by_lr.entry(format!("{}", r.lr)).or_default().push(r);
+    }
+    let best = by_lr.values().min_by(|a, b| {
+        let m = |rs: &Vec<&Run>| {
+            spread(
+                &rs.iter()
+                    .map(|r| r.seconds_to_target[last])
+                    .collect::<Vec<_>>(),
+            )
+            .median
+            .unwrap_or(f64::INFINITY)
+        };
+        m(a).total_cmp(&m(b))
+    })?;
+    let keys: Vec<String> = best[0].steps_to_target.keys().cloned().collect();
+    let per = |f: &dyn Fn(&Run) -> Option<f64>| -> Spread {
+        spread(&best.iter().map(|r| f(r)).collect::<Vec<_>>())
+    };
+    Some(KindSummary {
+        kind: kind.to_string(),
+        lr: best[0].lr,
+        steps_to_target: keys
+            .iter()
+            .map(|k| (k.clone(), per(&|r| r.steps_to_target[k].map(|s| s as f64))))
+            .collect(),
+        seconds_to_target: keys
+            .iter()
+            .map(|k| (k.clone(), per(&|r| r.seconds_to_target[k])))
+            .collect(),
+        train_seconds_to_target: keys
+            .iter()
+            .map(|k| (k.clone(), per(&|r| r.train_seconds_to_target[k])))
+            .collect(),
+        steps_per_sec: per(&|r| Some(r.steps_per_sec)),
+        bytes_sent_per_node: per(&|r| Some(r.bytes_sent_per_node)),
+        speedup: BTreeMap::new(),
+        train_speedup: BTreeMap::new(),
+        scaling_efficiency: BTreeMap::new(),
+    })
+}

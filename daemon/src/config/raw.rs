@@ -1,0 +1,321 @@
+//! The sections whose requirements depend on their `kind` or `source` (model, optimizer,
+//! data), as serde reads them, and their checks into typed values. [`super::Config::parse`]
+//! reads the file into [`RawConfig`] and puts each error in the file's name.
+
+use std::path::PathBuf;
+
+use p2ptrain_models::gpt::GptSpec;
+use p2ptrain_models::optim::Schedule;
+use p2ptrain_models::{ModelSpec, OptimizerSpec};
+use serde::Deserialize;
+
+use super::sections::{
+    ApiConfig, CheckpointConfig, DebugConfig, NetworkConfig, SyncConfig, TrainConfig,
+};
+use super::{DataConfig, DataSource, ModelConfig, PartitionKind};
+
+/// The file as serde reads it: the sections with defaults are the checked types themselves
+/// (each with `#[serde(default)]` and a `Default` impl, the one place its defaults live);
+/// model, optimizer and data are raw because what they require depends on their `kind` or
+/// `source`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    pub(super) model: RawModel,
+    pub(super) optimizer: RawOptimizer,
+    pub(super) data: RawData,
+    #[serde(default)]
+    pub(super) train: TrainConfig,
+    #[serde(default)]
+    pub(super) checkpoint: CheckpointConfig,
+    #[serde(default)]
+    pub(super) api: ApiConfig,
+    #[serde(default)]
+    pub(super) network: NetworkConfig,
+    #[serde(default)]
+    pub(super) sync: SyncConfig,
+    #[serde(default)]
+    pub(super) debug: DebugConfig,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawModel {
+    kind: String,
+    widths: Option<Vec<usize>>,
+    channels: Option<Vec<usize>>,
+    hidden: Option<Vec<usize>>,
+    context: Option<usize>,
+    layers: Option<usize>,
+    width: Option<usize>,
+    heads: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOptimizer {
+    kind: String,
+    lr: f64,
+    momentum: Option<f64>,
+    nesterov: Option<bool>,
+    weight_decay: Option<f64>,
+    beta1: Option<f64>,
+    beta2: Option<f64>,
+    eps: Option<f64>,
+    schedule: Option<String>,
+    warmup_steps: Option<u64>,
+    total_steps: Option<u64>,
+    min_lr_factor: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawData {
+    source: DataSource,
+    path: Option<PathBuf>,
+    dir: Option<PathBuf>,
+    test_fraction: Option<f64>,
+    split_seed: Option<u64>,
+    samples: Option<usize>,
+    dim: Option<usize>,
+    classes: Option<usize>,
+    seed: Option<u64>,
+    standardize: Option<bool>,
+    partition: Option<PartitionKind>,
+    alpha: Option<f64>,
+    classes_per_node: Option<usize>,
+    eval_bytes: Option<usize>,
+}
+
+impl RawModel {
+    /// The model section checked: each kind's keys, and only its keys.
+    pub(super) fn check(self) -> Result<ModelConfig, String> {
+        let gpt_keys_set = [
+            ("context", self.context.is_some()),
+            ("layers", self.layers.is_some()),
+            ("width", self.width.is_some()),
+            ("heads", self.heads.is_some()),
+        ];
+        let model = match self.kind.as_str() {
+            "gpt" => {
+                if self.widths.is_some() || self.channels.is_some() || self.hidden.is_some() {
+                    return Err("model.widths, model.channels and model.hidden are not gpt settings; a gpt takes model.context, layers, width and heads".into());
+                }
+                let m = &self;
+                let spec = GptSpec {
+                    context: m.context.unwrap_or(64),
+                    layers: m.layers.unwrap_or(4),
+                    width: m.width.unwrap_or(128),
+                    heads: m.heads.unwrap_or(4),
+                };
+                spec.validate().map_err(|e| format!("model: {e}"))?;
+                ModelConfig::Gpt(spec)
+            }
+            "mlp" => {
+                if self.channels.is_some() || self.hidden.is_some() {
+                    return Err("model.channels and model.hidden are for kind = \"cnn\"; an mlp takes model.widths".into());
+                }
+                let widths = self
+                    .widths
+                    .ok_or_else(|| "model.widths is required for kind = \"mlp\"".to_string())?;
+                ModelSpec::Mlp {
+                    widths: widths.clone(),
+                }
+                .validate()
+                .map_err(|e| format!("model.widths: {e}"))?;
+                ModelConfig::Mlp { widths }
+            }
+            "cnn" => {
+                if self.widths.is_some() {
+                    return Err("model.widths is for kind = \"mlp\"; a cnn takes model.channels and model.hidden".into());
+                }
+                let ch = self.channels.unwrap_or_else(|| vec![6, 16]);
+                let channels: [usize; 2] = ch.as_slice().try_into().map_err(|_| {
+                    format!("model.channels must list exactly two numbers, got {ch:?}")
+                })?;
+                let hidden = self.hidden.unwrap_or_else(|| vec![120, 84]);
+                if channels.contains(&0) || hidden.contains(&0) {
+                    return Err("model.channels and model.hidden must be non-zero".into());
+                }
+                ModelConfig::Cnn { channels, hidden }
+            }
+            other => {
+                return Err(format!(
+                    "model.kind = {other:?} is unknown; use \"mlp\", \"cnn\" or \"gpt\""
+                ))
+            }
+        };
+        if !matches!(model, ModelConfig::Gpt(_)) {
+            for (k, set) in gpt_keys_set {
+                if set {
+                    return Err(format!("model.{k} is a gpt setting"));
+                }
+            }
+        }
+        Ok(model)
+    }
+}
+
+impl RawOptimizer {
+    /// The optimizer and its learning-rate schedule, checked: each kind's keys, and only its
+    /// keys.
+    pub(super) fn check(&self) -> Result<(OptimizerSpec, Schedule), String> {
+        let o = self;
+        let optimizer = match o.kind.as_str() {
+            "sgd" => {
+                for (k, v) in [("beta1", o.beta1), ("beta2", o.beta2), ("eps", o.eps)] {
+                    if v.is_some() {
+                        return Err(format!("optimizer.{k} is an adamw setting, not sgd"));
+                    }
+                }
+                OptimizerSpec::Sgd {
+                    lr: o.lr,
+                    momentum: o.momentum.unwrap_or(0.9),
+                    nesterov: o.nesterov.unwrap_or(false),
+                    weight_decay: o.weight_decay.unwrap_or(0.0),
+                }
+            }
+            "adamw" => {
+                for (k, set) in [
+                    ("momentum", o.momentum.is_some()),
+                    ("nesterov", o.nesterov.is_some()),
+                ] {
+                    if set {
+                        return Err(format!("optimizer.{k} is an sgd setting, not adamw"));
+                    }
+                }
+                OptimizerSpec::Adamw {
+                    lr: o.lr,
+                    beta1: o.beta1.unwrap_or(0.9),
+                    beta2: o.beta2.unwrap_or(0.999),
+                    eps: o.eps.unwrap_or(1e-8),
+                    weight_decay: o.weight_decay.unwrap_or(0.01),
+                }
+            }
+            other => {
+                return Err(format!(
+                    "optimizer.kind = {other:?} is unknown; use \"sgd\" or \"adamw\""
+                ))
+            }
+        };
+        optimizer.validate().map_err(|e| e.to_string())?;
+        let schedule = match o.schedule.as_deref().unwrap_or("constant") {
+            "constant" => {
+                for (k, set) in [
+                    ("warmup_steps", o.warmup_steps.is_some()),
+                    ("total_steps", o.total_steps.is_some()),
+                    ("min_lr_factor", o.min_lr_factor.is_some()),
+                ] {
+                    if set {
+                        return Err(format!(
+                            "optimizer.{k} needs optimizer.schedule = \"cosine\""
+                        ));
+                    }
+                }
+                Schedule::Constant
+            }
+            "cosine" => {
+                let total_steps = o.total_steps.ok_or_else(|| {
+                    "optimizer.schedule = \"cosine\" needs optimizer.total_steps (where the decay ends)".to_string()
+                })?;
+                Schedule::Cosine {
+                    warmup_steps: o.warmup_steps.unwrap_or(0),
+                    total_steps,
+                    min_factor: o.min_lr_factor.unwrap_or(0.1),
+                }
+            }
+            other => {
+                return Err(format!(
+                    "optimizer.schedule = {other:?} is unknown; use \"constant\" or \"cosine\""
+                ))
+            }
+        };
+        schedule.validate().map_err(|e| format!("optimizer: {e}"))?;
+        Ok((optimizer, schedule))
+    }
+}
+
+impl RawData {
+    /// The data section checked against the model it feeds; `resolve` makes a relative path
+    /// relative to the config file.
+    pub(super) fn check(
+        self,
+        model: &ModelConfig,
+        resolve: impl Fn(PathBuf) -> PathBuf,
+    ) -> Result<DataConfig, String> {
+        let d = self;
+        let def = DataConfig::default();
+        let data = DataConfig {
+            source: d.source,
+            path: d.path.map(&resolve),
+            dir: d.dir.map(&resolve),
+            test_fraction: d.test_fraction.unwrap_or(def.test_fraction),
+            split_seed: d.split_seed.unwrap_or(def.split_seed),
+            samples: d.samples.unwrap_or(def.samples),
+            dim: d.dim.unwrap_or(def.dim),
+            classes: d.classes.unwrap_or(def.classes),
+            seed: d.seed.unwrap_or(def.seed),
+            standardize: d.standardize.unwrap_or(def.standardize),
+            partition: d.partition.unwrap_or(def.partition),
+            alpha: d.alpha.unwrap_or(def.alpha),
+            classes_per_node: d.classes_per_node,
+            eval_bytes: d.eval_bytes.unwrap_or(def.eval_bytes),
+        };
+        if !(0.0..1.0).contains(&data.test_fraction) {
+            return Err(format!(
+                "data.test_fraction = {} must be in [0, 1)",
+                data.test_fraction
+            ));
+        }
+        match data.source {
+            DataSource::Mnist if data.dir.is_none() => {
+                return Err(
+                    "data.dir is required for source = \"mnist\" (the folder with the IDX files)"
+                        .into(),
+                )
+            }
+            DataSource::Mnist if data.path.is_some() => {
+                return Err(
+                    "data.path is for source = \"digits\" or \"text\"; mnist takes data.dir".into(),
+                )
+            }
+            DataSource::Digits | DataSource::Text if data.dir.is_some() => {
+                return Err(format!(
+                    "data.dir is for source = \"mnist\"; {} takes data.path",
+                    data.source.as_str()
+                ))
+            }
+            DataSource::Text if !matches!(model, ModelConfig::Gpt(_)) => {
+                return Err(
+                    "data.source = \"text\" trains a language model: it needs model.kind = \"gpt\""
+                        .into(),
+                )
+            }
+            DataSource::Text if data.partition != PartitionKind::Iid => {
+                return Err(format!(
+                    "data.partition = \"{}\" cuts by class; a text has none (train.shard gives each node a stretch of it)",
+                    data.partition.as_str()
+                ))
+            }
+            _ if data.source != DataSource::Text && matches!(model, ModelConfig::Gpt(_)) => {
+                return Err(format!(
+                    "model.kind = \"gpt\" reads bytes of text; data.source = \"{}\" is not text",
+                    data.source.as_str()
+                ))
+            }
+            DataSource::Synthetic if data.samples == 0 || data.dim == 0 || data.classes < 2 => {
+                return Err(
+                    "data.samples and data.dim must be > 0 and data.classes >= 2".into(),
+                )
+            }
+            _ => {}
+        }
+        if !(data.alpha.is_finite() && data.alpha > 0.0) {
+            return Err(format!("data.alpha = {} must be > 0", data.alpha));
+        }
+        if data.classes_per_node == Some(0) {
+            return Err("data.classes_per_node must be at least 1".into());
+        }
+        Ok(data)
+    }
+}

@@ -1,0 +1,723 @@
+//! Synchronous rounds, for the sync modes `allreduce`, `ddp`, `diloco` and `fedavg`: every `steps`
+//! steps each member stops at the round's boundary, the members sum a weighted copy of their
+//! parameters in a bandwidth-optimal ring (reduce-scatter, then all-gather: each member sends
+//! `2(N-1)/N` of the model per round), and every member hands its trainer the same mean, bit
+//! for bit, because each chunk is summed once, by one member, and then copied around the ring.
+//! What the trainer makes of the mean (take it, or an outer Nesterov step towards it) is the
+//! trainer's business ([`super::TrainerCommand::Combine`]).
+//!
+//! No member leads. The ring of an attempt is the sorted list of members each node holds ready
+//! (heard saying so within [`READY_FRESH`]); every hop carries a digest of the sender's list,
+//! and lists that differ abort the attempt, which is retried with the next number after
+//! [`RETRY_PAUSE`] (by then heartbeats have made the lists agree). A member that dies aborts
+//! the attempt at once when its connection closes or a hop to it cannot be delivered, and
+//! after [`STALL_TIMEOUT`] without progress otherwise; the retry leaves it out. An attempt that
+//! can no longer finish because its members went on to the next round without this node gives
+//! way at once (it had no hop yet) or [`LATE_ROUND_WAIT`] after its predecessor's first hop of
+//! the next round (it had some). A joiner (or a
+//! node restored from a checkpoint) holds before its first step, takes the round number of the
+//! first hop that reaches it, and contributes with weight 0: it leaves the round with the
+//! members' mean, that is the current state, at a round boundary.
+//!
+//! In `ddp` ([`RoundConfig::gradients`]) there is a round at every step and most rounds sum
+//! gradients, not parameters: the trainer steps only with a round's mean gradient. Those hops
+//! travel as bf16 (rounded where sent, so the bits still agree), and a ring of two swaps whole
+//! contributions in one message each way. Every `resync_every`-th round sums parameters and
+//! optimizer state, and hands a node that was not synced the members' step with them. No round
+//! starts with fewer than [`RoundConfig::min_members`] members. With
+//! [`RoundConfig::balance`], a member that computes slower than the fastest (by the
+//! milliseconds per sample each puts in its heartbeats) is asked for a smaller batch, the one
+//! it computes while the fastest computes the whole batch ([`balanced_batch`]), and its
+//! gradient weighs by its samples, so the mean is still the gradient of every sample computed.
+//!
+//! Pure state: the core feeds it and carries out what it returns.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use libp2p::PeerId;
+use serde::{Deserialize, Serialize};
+
+use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
+use ring::{hop_message, members_digest, Ring};
+
+pub use ring::balanced_batch;
+
+mod hops;
+mod ring;
+#[cfg(test)]
+mod tests;
+
+/// A member heard ready within this long is put in the ring: three heartbeats, so one lost
+/// heartbeat does not drop it, while a hung member falls out of the next attempt.
+pub const READY_FRESH: Duration = Duration::from_secs(3 * HEARTBEAT_EVERY.as_secs());
+/// An attempt that made no progress for this long is aborted and retried (a member that hung
+/// without closing its connection). An honest member still training towards the boundary
+/// costs only a retry, never a punishment.
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(20);
+/// An attempt whose predecessor has sent a hop of the next round, and that made no progress
+/// for this long since that hop came, is aborted; the retry takes the mesh's round. The
+/// predecessor sent its last hop of this round before that one, over the same connection, so
+/// a last hop still missing this long after is not coming (the predecessor finished the
+/// round in an attempt this node left).
+pub const LATE_ROUND_WAIT: Duration = Duration::from_secs(2);
+/// Pause before an aborted attempt is retried, so the members' lists can settle.
+pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
+/// A node that has no round number yet (it resumed from a checkpoint) and hears no ring for
+/// this long while ready starts the rounds itself, at round 0: a whole mesh restarted from
+/// checkpoints must not wait for each other forever.
+pub const ADOPT_WAIT: Duration = Duration::from_secs(5);
+/// Hops kept for an attempt this node has not reached yet.
+const INBOX_CAP: usize = 256;
+/// Digests of recent rounds kept in status.
+const DIGESTS_KEPT: usize = 32;
+/// A `ddp` member whose forward-backward per sample is within this fraction of the fastest
+/// member's takes the whole batch: boxes of one kind differ by noise, and a sample dropped
+/// for noise costs more per step than the few milliseconds it saves.
+pub const BALANCE_SLACK: f64 = 0.1;
+/// A `ddp` member's batch is never cut below `batch / MAX_SHRINK` (and never below one
+/// sample), whatever the others claim: a peer that says it is very fast cuts honest members'
+/// batches (and so their weight beside its own) by this much at most. (A ring member can
+/// already scale its own contribution as it likes: the ring trusts its members.)
+pub const MAX_SHRINK: usize = 8;
+/// A gradient round's parameters are digested only when the round number is a multiple of
+/// this (a digest reads every parameter: ~2 ms a step on the 0.83 M GPT); parameter rounds
+/// always are.
+pub const DIGEST_EVERY: u64 = 10;
+
+/// How this node takes part in rounds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RoundConfig {
+    /// Steps between two rounds (at least 1).
+    pub steps: u64,
+    /// This node's weight in the mean: 1, or its training samples for `fedavg`.
+    pub weight: f32,
+    /// `ddp`: the rounds sum gradients, one round per step, and the trainer steps only with
+    /// a round's mean gradient; every round whose number this divides sums parameters
+    /// instead (round 0 among them), which is how a joiner takes the members' state.
+    /// `None`: every round sums parameters, `steps` apart.
+    pub gradients: Option<u64>,
+    /// No round starts with fewer members than this (this node included): a mesh that should
+    /// train as N boxes waits for them, as DDP waits for its world, and takes its first step
+    /// with all of them, from one state.
+    pub min_members: usize,
+    /// Samples of a step's batch (`train.batch_size`): a `ddp` gradient of `b` samples
+    /// weighs `b / batch` in the mean, so the mean is the whole batch's gradient.
+    pub batch: usize,
+    /// `ddp`: a member slower than the fastest takes a batch that it computes in the time
+    /// the fastest computes the whole one ([`balanced_batch`]), so a slow box adds what it
+    /// can instead of holding every step back.
+    pub balance: bool,
+}
+
+impl RoundConfig {
+    /// The step limit a node at `step` starts with: a founder (`synced`) trains to its first
+    /// boundary; a joiner, a resumed node and any node in gradient rounds hold at once.
+    pub fn first_boundary(&self, step: u64, synced: bool) -> u64 {
+        if synced && self.gradients.is_none() {
+            step + self.steps.max(1)
+        } else {
+            step
+        }
+    }
+
+    /// Whether round `round` sums gradients (else parameters).
+    pub fn sums_gradients(&self, round: u64) -> bool {
+        self.gradients
+            .is_some_and(|k| k > 1 && !round.is_multiple_of(k))
+    }
+}
+
+/// Rounds as status shows them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundStatus {
+    /// Rounds completed mesh-wide before the one under way (`None`: not yet known, a joiner
+    /// waiting for its first ring).
+    pub round: Option<u64>,
+    /// The attempt at it.
+    pub attempt: u32,
+    /// Members in the last ring this node built.
+    pub ring_size: usize,
+    /// Rounds this node completed.
+    pub completed: u64,
+    /// Attempts aborted, by reason.
+    pub aborted: BTreeMap<String, u64>,
+    /// Milliseconds from this node's contribution to the mean, in the last round.
+    pub last_round_ms: f64,
+    /// Samples this node was last asked to compute a gradient of: the whole batch, or fewer
+    /// where it is slower than another member ([`balanced_batch`]); 0 before its first
+    /// gradient round.
+    #[serde(default)]
+    pub batch: usize,
+    /// Mean of the same over every round this node completed in a ring of two or more: what
+    /// a round costs here, waits for slower members included.
+    #[serde(default)]
+    pub mean_round_ms: f64,
+    /// Bytes of ring hops this node sent.
+    pub bytes_sent: u64,
+    /// The step of the next boundary.
+    pub boundary: u64,
+    /// Whether this node's parameters come from a completed round (a joiner's do not, and it
+    /// contributes with weight 0 until they do).
+    pub synced: bool,
+    /// Digest of the parameters after recent rounds (`round`, first 8 bytes of SHA-256 of the
+    /// little-endian values, hex), kept only for rounds after which this node was synced:
+    /// equal digests for a round mean bit-identical parameters.
+    pub digests: Vec<(u64, String)>,
+}
+
+/// A hop's place: (round, attempt, hop).
+type HopKey = (u64, u32, u32);
+/// A hop waiting in the inbox: (sender, member-list digest, values, the step it carries).
+type Hop = (PeerId, u64, Vec<f32>, u64);
+
+/// Where this node is in the round.
+#[derive(Debug)]
+enum Stage {
+    /// Training towards the boundary.
+    Training,
+    /// Its parameters (or, in a gradient round, the next batch's gradient) were asked of the
+    /// trainer.
+    Asked {
+        /// A gradient was asked for.
+        gradient: bool,
+    },
+    /// Holding its contribution, with an attempt under way or waiting to be retried.
+    Reducing {
+        contribution: Vec<f32>,
+        /// The contribution is a gradient (else parameters).
+        gradient: bool,
+        /// The trainer's step when it gave the contribution.
+        step: u64,
+        ring: Option<Ring>,
+        since: Instant,
+    },
+    /// The mean went to the trainer.
+    Combining,
+}
+
+/// The rounds of one node; see the module docs.
+#[derive(Debug)]
+pub struct Rounds {
+    cfg: RoundConfig,
+    me: PeerId,
+    round: Option<u64>,
+    attempt: u32,
+    boundary: u64,
+    synced: bool,
+    stage: Stage,
+    /// Hops for attempts this node has not reached: (round, attempt, hop) -> (sender, digest,
+    /// values).
+    inbox: BTreeMap<HopKey, Hop>,
+    retry_at: Option<Instant>,
+    ready: HashMap<PeerId, Instant>,
+    /// Ready members' forward-backward milliseconds per sample, from their heartbeats.
+    speeds: HashMap<PeerId, f64>,
+    /// This node's own.
+    own_ms_per_sample: Option<f64>,
+    /// Samples of the last gradient asked of the trainer.
+    batch: usize,
+    /// Since when this node, ready, has waited for a round number.
+    waiting_since: Option<Instant>,
+    /// When a ready member last said it knows the round: then rounds are running, and a
+    /// node without a round waits for their hops instead of starting its own.
+    rounds_heard: Option<Instant>,
+    /// What status counts; the rest of [`RoundStatus`] is read off the fields above.
+    ring_size: usize,
+    completed: u64,
+    aborted: BTreeMap<String, u64>,
+    last_round_ms: f64,
+    /// Milliseconds summed over rounds in rings of two or more, and their count.
+    round_ms_sum: (f64, u64),
+    bytes_sent: u64,
+    digests: VecDeque<(u64, String)>,
+}
+
+impl Rounds {
+    /// Rounds for a node at `step`. A founder (`synced`) starts at round 0 and trains to the
+    /// first boundary; a joiner or a resumed node holds at once and adopts the mesh's round.
+    pub fn new(cfg: RoundConfig, me: PeerId, step: u64, synced: bool) -> Rounds {
+        let cfg = RoundConfig {
+            steps: cfg.steps.max(1),
+            ..cfg
+        };
+        // In gradient rounds the trainer takes no step of its own: it is held at its step.
+        let boundary = cfg.first_boundary(step, synced);
+        Rounds {
+            cfg,
+            me,
+            round: synced.then_some(0),
+            attempt: 0,
+            boundary,
+            synced,
+            stage: Stage::Training,
+            inbox: BTreeMap::new(),
+            retry_at: None,
+            ready: HashMap::new(),
+            speeds: HashMap::new(),
+            own_ms_per_sample: None,
+            batch: 0,
+            waiting_since: None,
+            rounds_heard: None,
+            ring_size: 0,
+            completed: 0,
+            aborted: BTreeMap::new(),
+            last_round_ms: 0.0,
+            round_ms_sum: (0.0, 0),
+            bytes_sent: 0,
+            digests: VecDeque::new(),
+        }
+    }
+
+    /// The highest step the trainer may reach: the round's boundary.
+    pub fn step_limit(&self) -> u64 {
+        self.boundary
+    }
+
+    /// The round under way, once this node knows it.
+    pub fn round(&self) -> Option<u64> {
+        self.round
+    }
+
+    /// What status shows.
+    pub fn status(&self) -> RoundStatus {
+        RoundStatus {
+            round: self.round,
+            attempt: self.attempt,
+            ring_size: self.ring_size,
+            completed: self.completed,
+            aborted: self.aborted.clone(),
+            last_round_ms: self.last_round_ms,
+            batch: self.batch,
+            mean_round_ms: if self.round_ms_sum.1 > 0 {
+                self.round_ms_sum.0 / self.round_ms_sum.1 as f64
+            } else {
+                0.0
+            },
+            bytes_sent: self.bytes_sent,
+            boundary: self.boundary,
+            synced: self.synced,
+            digests: self.digests.iter().cloned().collect(),
+        }
+    }
+
+    /// A member's heartbeat said whether it is ready for rounds, and how fast it computes
+    /// (a claim that is not a positive number is no claim).
+    pub fn heard(
+        &mut self,
+        peer: PeerId,
+        in_rounds: bool,
+        round: Option<u64>,
+        ms_per_sample: Option<f64>,
+        now: Instant,
+    ) {
+        if in_rounds {
+            self.ready.insert(peer, now);
+            if round.is_some() {
+                self.rounds_heard = Some(now);
+            }
+            match ms_per_sample.filter(|v| v.is_finite() && *v > 0.0) {
+                Some(v) => self.speeds.insert(peer, v),
+                None => self.speeds.remove(&peer),
+            };
+        } else {
+            self.ready.remove(&peer);
+            self.speeds.remove(&peer);
+        }
+    }
+
+    /// This node's own forward-backward milliseconds per sample.
+    pub fn own_speed(&mut self, ms_per_sample: Option<f64>) {
+        self.own_ms_per_sample = ms_per_sample;
+    }
+
+    /// A member went away: an attempt it was part of cannot finish, unless the member
+    /// completed it before it left ([`Rounds::peer_leaving`]).
+    pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
+        self.ready.remove(&peer);
+        self.speeds.remove(&peer);
+        self.inbox.retain(|_, (from, _, _, _)| *from != peer);
+        let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
+        if self.ring_has(&peer) && !completed {
+            self.abort("member left", now);
+        }
+    }
+
+    /// A member said goodbye at `their_round`, one past the last round it completed. If that
+    /// is past this node's round, it completed the attempt under way here (a member stopping
+    /// at `max_steps` leaves right after its last round, often before its successors took
+    /// their last hops): everything it had to send is sent and taken, so its going does not
+    /// abort the attempt, which ends with the hops the others still forward. (Aborting it
+    /// left the rest of a `ddp` mesh one round short of `max_steps`, waiting for the
+    /// `min_members` it could no longer have.)
+    pub fn peer_leaving(&mut self, peer: PeerId, their_round: Option<u64>) {
+        let past = matches!((their_round, self.round), (Some(t), Some(mine)) if t > mine);
+        if let Stage::Reducing { ring: Some(r), .. } = &mut self.stage {
+            if past && r.members.contains(&peer) && !r.left_done.contains(&peer) {
+                r.left_done.push(peer);
+            }
+        }
+    }
+
+    /// A hop to `peer` could not be delivered.
+    pub fn undelivered(&mut self, peer: PeerId, round: u64, attempt: u32, now: Instant) {
+        if Some(round) == self.round && attempt == self.attempt && self.ring_has(&peer) {
+            self.ready.remove(&peer);
+            self.abort("hop undelivered", now);
+        }
+    }
+
+    fn ring_has(&self, peer: &PeerId) -> bool {
+        matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.members.contains(peer))
+    }
+
+    /// Time passed; `step` is the trainer's, `training` whether it trains (a joiner still
+    /// downloading does not, and is not asked for parameters).
+    pub fn tick(&mut self, step: u64, training: bool, now: Instant, out: &mut Vec<Output>) {
+        // A member unheard for long (hung, or gone without a word) no longer sizes batches.
+        let ready = &self.ready;
+        self.speeds.retain(|peer, _| {
+            ready
+                .get(peer)
+                .is_some_and(|at| now.saturating_duration_since(*at) < READY_FRESH)
+        });
+        match &self.stage {
+            // A step report at the boundary may have been dropped: the tick asks instead.
+            Stage::Training if training => self.stepped(step, out),
+            Stage::Reducing { ring: Some(r), .. }
+                if now.saturating_duration_since(r.last_progress) >= STALL_TIMEOUT =>
+            {
+                self.abort("stalled", now);
+            }
+            Stage::Reducing { ring: Some(r), .. }
+                if r.predecessor_went_on.is_some_and(|t| {
+                    now.saturating_duration_since(t.max(r.last_progress)) >= LATE_ROUND_WAIT
+                }) =>
+            {
+                self.abort("the mesh went on", now);
+            }
+            Stage::Reducing { ring: None, .. } => {
+                if self.round.is_none() {
+                    let running = self
+                        .rounds_heard
+                        .is_some_and(|t| now.saturating_duration_since(t) < READY_FRESH);
+                    if running {
+                        self.waiting_since = None;
+                    }
+                    let since = *self.waiting_since.get_or_insert(now);
+                    if !running && now.saturating_duration_since(since) >= ADOPT_WAIT {
+                        tracing::info!("no ring heard; starting the rounds at round 0");
+                        self.round = Some(0);
+                        self.synced = true;
+                    }
+                }
+                if self.retry_at.is_none_or(|t| now >= t) {
+                    self.start(now, out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The trainer reached a step: at the boundary, its parameters are asked for, or in a
+    /// gradient round its next gradient. (A node whose parameters are not the members' gives
+    /// its gradient with weight 0 too, and is brought in by the next parameter round; one
+    /// that does not know the round yet gives its parameters.)
+    pub fn stepped(&mut self, step: u64, out: &mut Vec<Output>) {
+        if matches!(self.stage, Stage::Training) && step >= self.boundary {
+            let gradient = self.round.is_some_and(|r| self.cfg.sums_gradients(r));
+            self.ask(gradient, out);
+        }
+    }
+
+    fn ask(&mut self, gradient: bool, out: &mut Vec<Output>) {
+        self.stage = Stage::Asked { gradient };
+        out.push(Output::Trainer(if gradient {
+            let batch = if self.cfg.balance {
+                balanced_batch(
+                    self.cfg.batch,
+                    self.own_ms_per_sample,
+                    self.speeds.values().copied(),
+                )
+            } else {
+                self.cfg.batch
+            };
+            self.batch = batch;
+            TrainerCommand::TakeGradient { batch }
+        } else {
+            TrainerCommand::TakeParams
+        }));
+    }
+
+    /// The trainer's parameters at the boundary: see [`Rounds::contribute`].
+    pub fn params(&mut self, values: Vec<f32>, step: u64, now: Instant, out: &mut Vec<Output>) {
+        self.contribute(values, false, 1.0, step, now, out);
+    }
+
+    /// The trainer's gradient in a gradient round, the mean over `samples` samples: it weighs
+    /// `samples / batch` of a whole batch's, so a member that took a smaller batch
+    /// ([`balanced_batch`]) counts for what it computed (members of a run share
+    /// `train.batch_size`, so the mean is that of every sample computed). The share is
+    /// rounded to bf16 first, as gradient hops carry it: the weight a member sends is the
+    /// one its values were scaled by.
+    pub fn gradient(
+        &mut self,
+        values: Vec<f32>,
+        samples: usize,
+        step: u64,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
+        let share = samples.min(self.cfg.batch) as f32 / self.cfg.batch.max(1) as f32;
+        let share = half::bf16::from_f32(share).to_f32();
+        self.contribute(values, true, share, step, now, out);
+    }
+
+    /// This node's contribution is `weight * share * values`, with that weight itself
+    /// appended, so the ring's sum divides into the weighted mean. An answer to another
+    /// question than the one asked (one from before a restore) is dropped.
+    fn contribute(
+        &mut self,
+        values: Vec<f32>,
+        gradient: bool,
+        share: f32,
+        step: u64,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
+        if !matches!(self.stage, Stage::Asked { gradient: g } if g == gradient) {
+            return;
+        }
+        let w = if self.synced {
+            self.cfg.weight * share
+        } else {
+            0.0
+        };
+        let mut contribution = values;
+        if w != 1.0 {
+            contribution.iter_mut().for_each(|v| *v *= w);
+        }
+        contribution.push(w);
+        self.stage = Stage::Reducing {
+            contribution,
+            gradient,
+            step,
+            ring: None,
+            since: now,
+        };
+        self.retry_at = None;
+        self.start(now, out);
+    }
+
+    /// Takes the newest round the inbox holds hops of, when it is past this node's (or this
+    /// node has none): the mesh completed rounds without it. Its parameters are then not
+    /// the mesh's, so it contributes with weight 0 and leaves the round with the mean.
+    fn adopt_newer_round(&mut self) {
+        let Some(&(newest, attempt, _)) = self.inbox.keys().next_back() else {
+            return;
+        };
+        let Stage::Reducing { contribution, .. } = &mut self.stage else {
+            return;
+        };
+        match self.round {
+            Some(mine) if newest <= mine => return,
+            Some(mine) => {
+                tracing::info!(
+                    mine,
+                    theirs = newest,
+                    "the mesh is rounds ahead; adopting its round"
+                );
+                self.synced = false;
+                contribution.iter_mut().for_each(|v| *v = 0.0);
+            }
+            None => {}
+        }
+        self.round = Some(newest);
+        self.attempt = attempt;
+    }
+
+    /// Starts an attempt with the members ready now, if the round is known.
+    fn start(&mut self, now: Instant, out: &mut Vec<Output>) {
+        self.adopt_newer_round();
+        let Some(round) = self.round else {
+            return;
+        };
+        // A node that adopted the mesh's round may hold the other kind of contribution
+        // (parameters for a gradient round): it asks the trainer again, and its answer
+        // starts the attempt.
+        if let Stage::Reducing { gradient, .. } = self.stage {
+            if gradient != self.cfg.sums_gradients(round) {
+                self.ask(!gradient, out);
+                return;
+            }
+        }
+        let Stage::Reducing {
+            contribution,
+            ring,
+            step,
+            ..
+        } = &mut self.stage
+        else {
+            return;
+        };
+        // Someone may already be at a later attempt of this round: join it.
+        if let Some(a) = self
+            .inbox
+            .range((round, 0, 0)..=(round, u32::MAX, u32::MAX))
+            .map(|((_, a, _), _)| *a)
+            .max()
+        {
+            self.attempt = self.attempt.max(a);
+        }
+        let mut members: Vec<PeerId> = self
+            .ready
+            .iter()
+            .filter(|(_, at)| now.saturating_duration_since(**at) < READY_FRESH)
+            .map(|(p, _)| *p)
+            .collect();
+        members.push(self.me);
+        if members.len() < self.cfg.min_members {
+            // Waiting for members: the tick tries again.
+            return;
+        }
+        members.sort();
+        let me = members.iter().position(|p| *p == self.me).unwrap_or(0);
+        let r = Ring {
+            digest: members_digest(&members),
+            members,
+            me,
+            acc: contribution.clone(),
+            compact: self.cfg.sums_gradients(round),
+            step: *step,
+            next_hop: 0,
+            last_progress: now,
+            predecessor_went_on: None,
+            left_done: Vec::new(),
+        };
+        self.ring_size = r.len();
+        self.retry_at = None;
+        if r.len() == 1 {
+            let (acc, step) = (r.acc, r.step);
+            self.finish(round, acc, step, now, out);
+            return;
+        }
+        let mut r = r;
+        let first = hop_message(round, self.attempt, &mut r, 0);
+        self.bytes_sent += first.values.len() as u64;
+        out.push(Output::SendRing {
+            peer: r.successor(),
+            msg: first,
+        });
+        *ring = Some(r);
+        self.drain(now, out);
+    }
+
+    /// The sums are complete: the weighted mean goes to the trainer, and with a parameter
+    /// mean, to a node that was not synced, the members' step.
+    fn finish(
+        &mut self,
+        round: u64,
+        mut acc: Vec<f32>,
+        step: u64,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) {
+        let since = match &self.stage {
+            Stage::Reducing { since, .. } => *since,
+            _ => now,
+        };
+        self.last_round_ms = now.saturating_duration_since(since).as_secs_f64() * 1e3;
+        if self.ring_size > 1 {
+            self.round_ms_sum.0 += self.last_round_ms;
+            self.round_ms_sum.1 += 1;
+        }
+        let total = acc.pop().unwrap_or(0.0);
+        self.stage = Stage::Combining;
+        let gradient = self.cfg.sums_gradients(round);
+        let step = (!gradient && !self.synced).then_some(step);
+        if total > 0.0 {
+            acc.iter_mut().for_each(|v| *v /= total);
+            out.push(Output::Trainer(TrainerCommand::Combine {
+                round,
+                mean: acc,
+                gradient,
+                step,
+            }));
+        } else {
+            // Nobody in the ring had parameters from a round (joiners only): each keeps its
+            // own and they are synced from the next round on.
+            out.push(Output::Trainer(TrainerCommand::Combine {
+                round,
+                mean: Vec::new(),
+                gradient,
+                step: None,
+            }));
+        }
+    }
+
+    /// The trainer took round `round`'s mean at `step`; `digest` is its parameters' digest.
+    /// A parameter round leaves every member with the mean, so synced; a gradient round
+    /// changes nothing in that. In gradient rounds the next one starts at once.
+    pub fn combined(&mut self, round: u64, step: u64, digest: String, out: &mut Vec<Output>) {
+        if !matches!(self.stage, Stage::Combining) || self.round != Some(round) {
+            return;
+        }
+        self.round = Some(round + 1);
+        self.attempt = 0;
+        if !self.cfg.sums_gradients(round) {
+            self.synced = true;
+        }
+        // As a synced member's first boundary: `steps` on, or in gradient rounds, none.
+        self.boundary = self.cfg.first_boundary(step, true);
+        self.stage = Stage::Training;
+        self.waiting_since = None;
+        self.completed += 1;
+        // A trainer digests gradient rounds only now and then (see `DIGEST_EVERY`). An
+        // unsynced member (a joiner, or one that adopted a round the mesh completed without
+        // it) holds parameters that are not the mesh's: it claims no digest until a parameter
+        // round syncs it, so equal rounds in two members' lists mean equal bits.
+        if !digest.is_empty() && self.synced {
+            if self.digests.len() >= DIGESTS_KEPT {
+                self.digests.pop_front();
+            }
+            self.digests.push_back((round, digest));
+        }
+        self.stepped(step, out);
+    }
+
+    /// The trainer could not take the mean: hold, and let the round be retried. The trainer
+    /// keeps its parameters, which are no longer the members': it is unsynced.
+    pub fn combine_failed(&mut self) {
+        if matches!(self.stage, Stage::Combining) {
+            self.synced = false;
+            self.stage = Stage::Training;
+            self.abort_counter("trainer failed");
+        }
+    }
+
+    /// The parameters were replaced (a checkpoint, a downloaded state): they are no longer the
+    /// mesh's; hold and adopt the mesh's round.
+    pub fn restored(&mut self, step: u64) {
+        self.round = None;
+        self.attempt = 0;
+        self.synced = false;
+        self.boundary = step;
+        self.stage = Stage::Training;
+        self.waiting_since = None;
+    }
+
+    fn abort(&mut self, why: &str, now: Instant) {
+        if let Stage::Reducing { ring, .. } = &mut self.stage {
+            if ring.take().is_some() {
+                tracing::info!(round = ?self.round, attempt = self.attempt, why, "round attempt aborted; retrying");
+                self.attempt += 1;
+                self.retry_at = Some(now + RETRY_PAUSE);
+                self.abort_counter(why);
+            }
+        }
+    }
+
+    fn abort_counter(&mut self, why: &str) {
+        *self.aborted.entry(why.to_string()).or_default() += 1;
+    }
+}

@@ -1,0 +1,733 @@
+//! Rounds' rules, one test each, on rings of simulated members carried in order.
+
+use std::collections::VecDeque;
+
+use serde_bytes::ByteBuf;
+
+use super::ring::*;
+use super::*;
+use crate::wire::RingMessage;
+
+/// The hops' own bf16 rounding is `half`'s, bit for bit, on edge cases and on a sweep of
+/// bit patterns; and a compact hop decodes to exactly the values its sender kept.
+#[test]
+fn bf16_rounding_matches_half_and_round_trips() {
+    let edges = [
+        0.0f32,
+        -0.0,
+        1.0,
+        -1.5,
+        f32::MIN_POSITIVE,
+        f32::MAX,
+        f32::MIN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0x3f80_8000), // a tie, even below: stays
+        f32::from_bits(0x3f81_8000), // a tie, odd below: rounds up
+        f32::from_bits(0x7f7f_ffff),
+        f32::from_bits(0x0000_0001),
+    ];
+    let sweep = (0..200_000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761)));
+    for v in edges.into_iter().chain(sweep) {
+        let want = half::bf16::from_f32(v);
+        let got = bf16_bits(v);
+        if v.is_nan() {
+            assert!(half::bf16::from_bits(got).is_nan(), "{v}");
+        } else {
+            assert_eq!(got, want.to_bits(), "{v} ({:#x})", v.to_bits());
+        }
+    }
+    let values: Vec<f32> = (0..1001).map(|i| (i as f32 - 500.0) * 0.0137).collect();
+    let mut r = super::Ring {
+        digest: 0,
+        members: vec![PeerId::random(), PeerId::random()],
+        me: 0,
+        acc: values.clone(),
+        compact: true,
+        step: 0,
+        next_hop: 0,
+        last_progress: Instant::now(),
+        predecessor_went_on: None,
+        left_done: Vec::new(),
+    };
+    let msg = hop_message(0, 0, &mut r, 0);
+    let sent = decode_values(&msg.values, true).expect("whole values");
+    assert_eq!(sent.len(), r.sent_range(0).len());
+    assert_eq!(&sent[..], &r.acc[r.sent_range(0)]);
+    assert!(all_finite(&sent));
+    assert!(!all_finite(&[1.0, f32::NAN, 2.0]));
+    assert!(decode_values(&[1, 2, 3], true).is_none());
+}
+
+/// Nodes of one mesh, their outputs carried in order (a perfect network).
+struct Ring {
+    ids: Vec<PeerId>,
+    nodes: Vec<Rounds>,
+    params: Vec<Vec<f32>>,
+    means: Vec<Option<Vec<f32>>>,
+    offences: usize,
+}
+
+impl Ring {
+    fn new(n: usize, weights: &[f32], synced: &[bool]) -> Ring {
+        Ring::with_gradients(n, weights, synced, None)
+    }
+
+    fn with_gradients(n: usize, weights: &[f32], synced: &[bool], gradients: Option<u64>) -> Ring {
+        let ids: Vec<PeerId> = (0..n).map(|_| PeerId::random()).collect();
+        let nodes = (0..n)
+            .map(|i| {
+                Rounds::new(
+                    RoundConfig {
+                        steps: 5,
+                        weight: weights[i],
+                        gradients,
+                        min_members: 1,
+                        batch: 4,
+                        balance: false,
+                    },
+                    ids[i],
+                    0,
+                    synced[i],
+                )
+            })
+            .collect();
+        let params = (0..n)
+            .map(|i| (0..10).map(|j| (i * 10 + j) as f32 * 0.37).collect())
+            .collect();
+        Ring {
+            ids,
+            nodes,
+            params,
+            means: vec![None; n],
+            offences: 0,
+        }
+    }
+
+    fn hear_all(&mut self, now: Instant) {
+        for i in 0..self.nodes.len() {
+            for j in 0..self.nodes.len() {
+                if i != j {
+                    let round = self.nodes[j].status().round;
+                    self.nodes[i].heard(self.ids[j], true, round, None, now);
+                }
+            }
+        }
+    }
+
+    /// Brings node `i` to its boundary with its parameters handed over, outputs dropped.
+    fn bring_to_boundary(&mut self, i: usize, now: Instant) {
+        let mut out = Vec::new();
+        let step = self.nodes[i].step_limit();
+        self.nodes[i].tick(step, true, now, &mut out);
+        self.nodes[i].params(self.params[i].clone(), 0, now, &mut out);
+    }
+
+    /// The members' sorted list and its digest, as every node builds them.
+    fn sorted(&self) -> (Vec<PeerId>, u64) {
+        let mut ids = self.ids.clone();
+        ids.sort();
+        let digest = members_digest(&ids);
+        (ids, digest)
+    }
+
+    /// Runs every node to its boundary and carries messages until none is left.
+    fn run(&mut self, now: Instant, alive: &[bool]) {
+        let mut queue: VecDeque<(usize, Output)> = VecDeque::new();
+        for (i, _) in alive.iter().enumerate().filter(|(_, a)| **a) {
+            let mut out = Vec::new();
+            let step = self.nodes[i].step_limit();
+            self.nodes[i].tick(step, true, now, &mut out);
+            queue.extend(out.into_iter().map(|o| (i, o)));
+        }
+        self.carry(queue, now, alive);
+    }
+
+    /// Carries outputs (node, output) until none is left; a trainer asked for a gradient
+    /// answers with its `params` vector.
+    fn carry(&mut self, queue: VecDeque<(usize, Output)>, now: Instant, alive: &[bool]) {
+        self.carry_until(queue, now, alive, |_| false);
+    }
+
+    /// [`Ring::carry`] until `stop` holds after an output was carried; answers what is
+    /// left to carry.
+    fn carry_until(
+        &mut self,
+        mut queue: VecDeque<(usize, Output)>,
+        now: Instant,
+        alive: &[bool],
+        stop: impl Fn(&Ring) -> bool,
+    ) -> VecDeque<(usize, Output)> {
+        while let Some((i, o)) = queue.pop_front() {
+            let mut out = Vec::new();
+            match o {
+                Output::Trainer(TrainerCommand::TakeParams) => {
+                    self.nodes[i].params(self.params[i].clone(), 0, now, &mut out)
+                }
+                Output::Trainer(TrainerCommand::TakeGradient { batch }) => {
+                    self.nodes[i].gradient(self.params[i].clone(), batch, 0, now, &mut out)
+                }
+                Output::Trainer(TrainerCommand::Combine { mean, .. }) => self.means[i] = Some(mean),
+                Output::SendRing { peer, msg } => {
+                    let j = self.ids.iter().position(|p| *p == peer).expect("peer");
+                    if alive[j] {
+                        self.nodes[j].message(self.ids[i], msg, now, &mut out);
+                        queue.extend(out.drain(..).map(|o| (j, o)));
+                    }
+                }
+                Output::Offence { .. } => self.offences += 1,
+                _ => {}
+            }
+            queue.extend(out.into_iter().map(|o| (i, o)));
+            if stop(self) {
+                break;
+            }
+        }
+        queue
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn every_member_ends_a_round_with_the_same_bits_of_the_weighted_mean() {
+    for n in [2, 3, 4, 7] {
+        let weights: Vec<f32> = (0..n).map(|i| 1.0 + i as f32).collect();
+        let mut ring = Ring::new(n, &weights, &vec![true; n]);
+        let now = Instant::now();
+        ring.hear_all(now);
+        ring.run(now, &vec![true; n]);
+        let first = ring.means[0].clone().expect("a mean");
+        for m in &ring.means {
+            assert_eq!(bits(m.as_ref().expect("a mean")), bits(&first), "n = {n}");
+        }
+        // It is the weighted mean.
+        let total: f32 = weights.iter().sum();
+        for (j, got) in first.iter().enumerate() {
+            let want: f32 = (0..n).map(|i| weights[i] * ring.params[i][j]).sum::<f32>() / total;
+            assert!(
+                (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "{got} vs {want}"
+            );
+        }
+        // Each member sent 2(N-1)/N of the model (and the weight), no more.
+        let per_member = ring.nodes[0].status().bytes_sent as f64;
+        let model = 11.0 * 4.0;
+        let optimal = 2.0 * (n as f64 - 1.0) / n as f64 * model;
+        assert!(
+            per_member <= optimal + 8.0 * n as f64,
+            "{per_member} vs {optimal}"
+        );
+        assert_eq!(ring.offences, 0);
+    }
+}
+
+/// `ddp`: round 0 sums parameters, the next ones gradients (each asked for as soon as
+/// the last round is combined, in bf16 on the wire) until the next multiple of
+/// `resync_every`; every member ends each with the same bits, the bf16-rounded mean.
+#[test]
+fn gradient_rounds_follow_a_parameter_round_and_end_identical_in_bf16() {
+    for n in [2, 3] {
+        gradient_rounds_of(n);
+    }
+}
+
+#[test]
+fn a_slower_member_takes_the_batch_it_computes_while_the_fastest_computes_its_own() {
+    let batch = |own: Option<f64>, others: &[f64]| balanced_batch(32, own, others.iter().copied());
+    // Unknown, equal or within the slack: the whole batch.
+    assert_eq!(batch(None, &[1.0]), 32);
+    assert_eq!(batch(Some(4.0), &[4.0]), 32);
+    assert_eq!(batch(Some(4.3), &[4.0]), 32);
+    assert_eq!(batch(Some(4.0), &[]), 32);
+    // The fastest never shrinks; the one at half speed takes half.
+    assert_eq!(batch(Some(4.0), &[8.0]), 32);
+    assert_eq!(batch(Some(8.0), &[4.0, 6.0]), 16);
+    assert_eq!(batch(Some(6.0), &[4.0]), 21);
+    // Claims that are no number are passed over; a claim of great speed costs at most
+    // MAX_SHRINK, and a batch is never empty.
+    assert_eq!(batch(Some(4.0), &[0.0, -1.0, f64::NAN, f64::INFINITY]), 32);
+    assert_eq!(batch(Some(4.0), &[1e-9]), 32 / MAX_SHRINK);
+    assert_eq!(balanced_batch(3, Some(4.0), [1e-9].into_iter()), 1);
+    assert_eq!(batch(Some(f64::NAN), &[1.0]), 32);
+}
+
+/// With `balance`, a member that computes at half the other's speed is asked for half
+/// the batch, and its gradient weighs half: the mean is that of the samples computed.
+#[test]
+fn a_balanced_gradient_round_weighs_each_member_by_its_samples() {
+    let alive = vec![true; 2];
+    let mut ring = Ring::with_gradients(2, &[1.0, 1.0], &alive, Some(3));
+    for node in &mut ring.nodes {
+        node.cfg.balance = true;
+    }
+    ring.nodes[0].own_speed(Some(1.0));
+    ring.nodes[1].own_speed(Some(2.0));
+    let now = Instant::now();
+    for (i, j, ms) in [(0, 1, 2.0), (1, 0, 1.0)] {
+        let round = ring.nodes[j].status().round;
+        ring.nodes[i].heard(ring.ids[j], true, round, Some(ms), now);
+    }
+    // Round 0 sums parameters; round 1 is the first gradient round.
+    ring.run(now, &alive);
+    assert!(ring.means.iter().all(Option::is_some));
+    let mut queue = VecDeque::new();
+    for i in 0..2 {
+        let mut out = Vec::new();
+        ring.means[i] = None;
+        ring.nodes[i].combined(0, 1, "d0".into(), &mut out);
+        queue.extend(out.into_iter().map(|o| (i, o)));
+    }
+    let asked: Vec<usize> = queue
+        .iter()
+        .filter_map(|(_, o)| match o {
+            Output::Trainer(TrainerCommand::TakeGradient { batch }) => Some(*batch),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(asked, vec![4, 2]);
+    ring.carry(queue, now, &alive);
+    let mean = ring.means[0].clone().expect("a mean");
+    assert_eq!(bits(&mean), bits(ring.means[1].as_ref().expect("a mean")));
+    for (j, got) in mean.iter().enumerate() {
+        let want = (ring.params[0][j] + 0.5 * ring.params[1][j]) / 1.5;
+        assert!(
+            (got - want).abs() <= 1e-2 * want.abs().max(1.0),
+            "{got} vs {want}"
+        );
+    }
+    assert_eq!(ring.nodes[1].status().batch, 2);
+    assert_eq!(ring.nodes[0].status().batch, 4);
+}
+
+fn gradient_rounds_of(n: usize) {
+    let alive = vec![true; n];
+    let mut ring = Ring::with_gradients(n, &vec![1.0; n], &alive, Some(3));
+    let now = Instant::now();
+    ring.hear_all(now);
+    ring.run(now, &alive);
+    for round in 0..4u64 {
+        let means: Vec<Vec<f32>> = ring
+            .means
+            .iter_mut()
+            .map(|m| m.take().expect("mean"))
+            .collect();
+        let gradient = round % 3 != 0;
+        for m in &means {
+            assert_eq!(bits(m), bits(&means[0]), "round {round}");
+        }
+        for (j, got) in means[0].iter().enumerate() {
+            let want: f32 = (0..n).map(|i| ring.params[i][j]).sum::<f32>() / n as f32;
+            let tolerance = if gradient { 1e-2 } else { 1e-5 };
+            assert!(
+                (got - want).abs() <= tolerance * want.abs().max(1.0),
+                "round {round}: {got} vs {want}"
+            );
+            let bf = |v: f32| half::bf16::from_f32(v).to_f32();
+            if gradient && n == 2 {
+                // Two swap whole contributions, each rounded to bf16, and add them.
+                let sum = bf(ring.params[0][j]) + bf(ring.params[1][j]);
+                assert_eq!(got * 2.0, sum);
+            } else if gradient {
+                // Each sum went through bf16 on its way round the ring.
+                assert_eq!(bf(got * n as f32), got * n as f32);
+            }
+        }
+        // The trainers take the means; the next round is asked for at once, by kind.
+        let mut queue = VecDeque::new();
+        for i in 0..n {
+            let mut out = Vec::new();
+            ring.nodes[i].combined(round, round + 1, format!("d{round}"), &mut out);
+            let next_is_gradient = (round + 1) % 3 != 0;
+            assert!(
+                out.iter().any(|o| matches!(
+                    o,
+                    Output::Trainer(TrainerCommand::TakeGradient { .. }) if next_is_gradient
+                ) || matches!(
+                    o,
+                    Output::Trainer(TrainerCommand::TakeParams) if !next_is_gradient
+                )),
+                "after round {round}: {out:?}"
+            );
+            // The trainer takes no step of its own.
+            assert_eq!(ring.nodes[i].step_limit(), round + 1);
+            queue.extend(out.into_iter().map(|o| (i, o)));
+        }
+        ring.carry(queue, now, &alive);
+    }
+    assert_eq!(ring.offences, 0);
+    // Each member sent 2(N-1)/N of the model per round: for two, one whole contribution
+    // each way (the gradient rounds in bf16, half the bytes).
+    let model = 11.0 * 4.0;
+    let per_round = 2.0 * (n as f64 - 1.0) / n as f64 * model;
+    let sent = ring.nodes[0].status().bytes_sent as f64;
+    // Rounds 0 and 3 of parameters in f32, rounds 1, 2 and 4 of gradients in bf16.
+    let want = 2.0 * per_round + 3.0 * per_round / 2.0;
+    assert!(
+        (sent - want).abs() <= 8.0 * n as f64,
+        "n = {n}: {sent} vs {want}"
+    );
+}
+
+/// With `min_members`, no round starts until that many members are ready; then it runs.
+#[test]
+fn rounds_wait_for_the_minimum_of_members() {
+    let mut ring = Ring::new(3, &[1.0; 3], &[true; 3]);
+    for node in &mut ring.nodes {
+        node.cfg.min_members = 3;
+    }
+    let now = Instant::now();
+    // Nodes 0 and 1 know each other only.
+    for (i, j) in [(0, 1), (1, 0)] {
+        ring.nodes[i].heard(ring.ids[j], true, Some(0), None, now);
+    }
+    ring.run(now, &[true, true, false]);
+    assert!(
+        ring.means.iter().all(Option::is_none),
+        "a round of two started"
+    );
+    assert_eq!(ring.nodes[0].status().ring_size, 0);
+    // The third is heard: the next tick starts the round, with all three.
+    ring.hear_all(now);
+    let mut queue = VecDeque::new();
+    for i in 0..3 {
+        let mut out = Vec::new();
+        let step = ring.nodes[i].step_limit();
+        ring.nodes[i].tick(step, true, now, &mut out);
+        queue.extend(out.into_iter().map(|o| (i, o)));
+    }
+    ring.carry(queue, now, &[true; 3]);
+    assert!(ring.means.iter().all(Option::is_some), "{:?}", ring.means);
+    assert_eq!(ring.nodes[0].status().ring_size, 3);
+}
+
+#[test]
+fn a_member_that_dies_aborts_the_round_and_the_retry_leaves_it_out() {
+    let mut ring = Ring::new(3, &[1.0; 3], &[true; 3]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    // The third never answers: the others wait, then learn it is gone.
+    ring.run(now, &[true, true, false]);
+    assert!(ring.means.iter().all(Option::is_none));
+    let dead = ring.ids[2];
+    for node in &mut ring.nodes[..2] {
+        node.peer_down(dead, now);
+        assert_eq!(node.status().aborted.get("member left"), Some(&1));
+    }
+    // After the pause the retry, without it, completes.
+    let later = now + RETRY_PAUSE;
+    ring.run(later, &[true, true, false]);
+    let (a, b) = (ring.means[0].clone(), ring.means[1].clone());
+    let a = a.expect("a mean after the retry");
+    assert_eq!(bits(&a), bits(&b.expect("a mean")));
+    let want: Vec<f32> = (0..10)
+        .map(|j| (ring.params[0][j] + ring.params[1][j]) / 2.0)
+        .collect();
+    assert_eq!(bits(&a), bits(&want));
+    assert_eq!(ring.nodes[0].status().ring_size, 2);
+}
+
+/// A member that completed the round and left at once (at `max_steps`) took nothing the
+/// others still need: they finish the attempt with the hops under way, with its mean. A
+/// member that leaves without having completed it still aborts it.
+#[test]
+fn a_member_that_leaves_after_completing_the_round_does_not_abort_it() {
+    for completed in [true, false] {
+        let mut ring = Ring::new(3, &[1.0; 3], &[true; 3]);
+        let now = Instant::now();
+        ring.hear_all(now);
+        let mut queue = VecDeque::new();
+        for i in 0..3 {
+            let mut out = Vec::new();
+            let step = ring.nodes[i].step_limit();
+            ring.nodes[i].tick(step, true, now, &mut out);
+            queue.extend(out.into_iter().map(|o| (i, o)));
+        }
+        let combining = |n: &Rounds| matches!(n.stage, Stage::Combining);
+        let rest = ring.carry_until(queue, now, &[true; 3], |r| r.nodes.iter().any(combining));
+        let first = ring.nodes.iter().position(combining).expect("a mean");
+        assert_eq!(ring.nodes.iter().filter(|n| combining(n)).count(), 1);
+        let leaver = ring.ids[first];
+        let their_round = if completed {
+            let mut out = Vec::new();
+            ring.nodes[first].combined(0, 5, String::new(), &mut out);
+            ring.nodes[first].status().round
+        } else {
+            Some(0)
+        };
+        assert_eq!(their_round, Some(u64::from(completed)));
+        let mut alive = [true; 3];
+        alive[first] = false;
+        for j in (0..3).filter(|j| *j != first) {
+            ring.nodes[j].peer_leaving(leaver, their_round);
+            ring.nodes[j].peer_down(leaver, now);
+        }
+        ring.carry(rest, now, &alive);
+        let want = ring.means[first].clone().expect("the leaver's mean");
+        for j in (0..3).filter(|j| *j != first) {
+            let aborted = ring.nodes[j].status().aborted.get("member left").copied();
+            if completed {
+                assert_eq!(aborted, None, "node {j}");
+                let got = ring.means[j].clone().expect("a mean without the leaver");
+                assert_eq!(bits(&got), bits(&want), "node {j}");
+            } else {
+                assert_eq!(aborted, Some(1), "node {j}");
+                assert!(ring.means[j].is_none(), "node {j}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_joiner_adopts_the_round_and_leaves_it_with_the_members_mean() {
+    let mut ring = Ring::new(3, &[1.0; 3], &[true, true, false]);
+    let now = Instant::now();
+    assert_eq!(ring.nodes[2].step_limit(), 0, "a joiner holds at once");
+    ring.hear_all(now);
+    ring.run(now, &[true; 3]);
+    let means: Vec<Vec<f32>> = ring
+        .means
+        .iter()
+        .map(|m| m.clone().expect("mean"))
+        .collect();
+    assert_eq!(bits(&means[2]), bits(&means[0]));
+    // Weight 0: its own parameters are not in the mean.
+    let want: Vec<f32> = (0..10)
+        .map(|j| (ring.params[0][j] + ring.params[1][j]) / 2.0)
+        .collect();
+    assert_eq!(bits(&means[0]), bits(&want));
+    assert_eq!(ring.nodes[2].status().round, Some(0));
+    ring.nodes[2].combined(0, 0, "x".into(), &mut Vec::new());
+    assert!(ring.nodes[2].status().synced);
+    assert_eq!(ring.nodes[2].status().round, Some(1));
+    assert_eq!(ring.nodes[2].step_limit(), 5);
+}
+
+/// An unsynced member (here a joiner in `ddp`) holds parameters that are not the mesh's:
+/// the gradient rounds it takes part in leave no digest in its status until a parameter
+/// round syncs it, so members' digests of one round can be compared as they are.
+#[test]
+fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
+    let mut ring = Ring::with_gradients(2, &[1.0; 2], &[true, false], Some(4));
+    let node = &mut ring.nodes[1];
+    node.round = Some(1);
+    node.stage = Stage::Combining;
+    node.combined(1, 1, "gradient".into(), &mut Vec::new());
+    assert!(!node.status().synced);
+    assert!(
+        node.status().digests.is_empty(),
+        "{:?}",
+        node.status().digests
+    );
+    // Round 4 sums parameters: the node leaves it with the members' mean.
+    node.round = Some(4);
+    node.stage = Stage::Combining;
+    node.combined(4, 4, "params".into(), &mut Vec::new());
+    assert!(node.status().synced);
+    assert_eq!(node.status().digests, vec![(4, "params".to_string())]);
+}
+
+#[test]
+fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    // Node 0 reaches its boundary and its attempt is aborted (a hop failed) ...
+    ring.bring_to_boundary(0, now);
+    ring.nodes[0].undelivered(ring.ids[1], 0, 0, now);
+    assert_eq!(
+        ring.nodes[0].status().aborted.get("hop undelivered"),
+        Some(&1)
+    );
+    // ... while the mesh went on: node 1 is at round 3 and sends it its first hop.
+    let (sorted, digest) = ring.sorted();
+    let sender_index = sorted.iter().position(|p| *p == ring.ids[1]).expect("in");
+    let len = if sender_index == 0 { 5 } else { 6 };
+    let msg = RingMessage {
+        step: 0,
+        bf16: false,
+        round: 3,
+        attempt: 2,
+        members: digest,
+        hop: 0,
+        values: ByteBuf::from(0.5f32.to_le_bytes().repeat(len)),
+    };
+    let mut out = Vec::new();
+    ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
+    let st = ring.nodes[0].status();
+    assert_eq!((st.round, st.attempt, st.synced), (Some(3), 2, false));
+    // It joined that attempt at once, contributing nothing of its own.
+    let sent: Vec<&RingMessage> = out
+        .iter()
+        .filter_map(|o| match o {
+            Output::SendRing { msg, .. } => Some(msg),
+            _ => None,
+        })
+        .collect();
+    assert!(!sent.is_empty(), "{out:?}");
+    assert!(sent.iter().all(|m| m.round == 3 && m.attempt == 2));
+    let own = sent.iter().find(|m| m.hop == 0).expect("its own first hop");
+    assert!(own.values.iter().all(|b| *b == 0), "weight 0: zeros");
+}
+
+/// A hop of the next round (node 1's, to node 0) as the members' list makes it.
+fn next_round_hop(ring: &Ring, round: u64) -> RingMessage {
+    let (sorted, digest) = ring.sorted();
+    let sender_index = sorted.iter().position(|p| *p == ring.ids[1]).expect("in");
+    let len = if sender_index == 0 { 5 } else { 6 };
+    RingMessage {
+        step: 0,
+        bf16: false,
+        round,
+        attempt: 0,
+        members: digest,
+        hop: 0,
+        values: ByteBuf::from(0.5f32.to_le_bytes().repeat(len)),
+    }
+}
+
+#[test]
+fn an_attempt_without_hops_gives_way_to_a_member_already_in_the_next_round() {
+    // The CI case: a third member died after node 1 had its last hop of round 0 and
+    // before node 0 had its own; node 0 retried round 0 while node 1 went on to round 1.
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    ring.bring_to_boundary(0, now);
+    assert_eq!(ring.nodes[0].status().ring_size, 2);
+    let msg = next_round_hop(&ring, 1);
+    let mut out = Vec::new();
+    ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
+    let st = ring.nodes[0].status();
+    assert_eq!((st.round, st.synced), (Some(1), false), "{st:?}");
+    assert!(out
+        .iter()
+        .any(|o| matches!(o, Output::SendRing { msg, .. } if msg.round == 1 && msg.hop == 0)));
+}
+
+#[test]
+fn a_last_hop_that_never_comes_gives_way_to_the_next_round_soon() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    ring.bring_to_boundary(0, now);
+    // Node 0 had a hop of this attempt (so node 1 may have finished it with node 0)...
+    let (sorted, digest) = ring.sorted();
+    let sender_index = sorted.iter().position(|p| *p == ring.ids[1]).expect("in");
+    let msg = RingMessage {
+        step: 0,
+        bf16: false,
+        round: 0,
+        attempt: 0,
+        members: digest,
+        hop: 0,
+        values: ByteBuf::from(
+            0.5f32
+                .to_le_bytes()
+                .repeat(if sender_index == 0 { 5 } else { 6 }),
+        ),
+    };
+    let mut out = Vec::new();
+    ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
+    // ... and a hop of the next round waits for the last hop of this one ...
+    let next = next_round_hop(&ring, 1);
+    ring.nodes[0].message(ring.ids[1], next, now, &mut out);
+    assert_eq!(ring.nodes[0].status().round, Some(0));
+    // ... but not for long.
+    ring.nodes[0].tick(5, true, now + LATE_ROUND_WAIT / 2, &mut out);
+    assert_eq!(ring.nodes[0].status().round, Some(0));
+    let later = now + LATE_ROUND_WAIT;
+    ring.nodes[0].tick(5, true, later, &mut out);
+    let st = ring.nodes[0].status();
+    assert_eq!(st.aborted.get("the mesh went on"), Some(&1), "{st:?}");
+    ring.nodes[0].tick(5, true, later + RETRY_PAUSE, &mut out);
+    let st = ring.nodes[0].status();
+    assert_eq!((st.round, st.synced), (Some(1), false), "{st:?}");
+}
+
+#[test]
+fn a_last_hop_that_comes_after_the_next_rounds_first_still_completes_the_round() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    ring.bring_to_boundary(0, now);
+    let (sorted, digest) = ring.sorted();
+    let me = sorted.iter().position(|p| *p == ring.ids[0]).expect("in");
+    let hop = |h: u32, chunk_of: usize| RingMessage {
+        step: 0,
+        bf16: false,
+        round: 0,
+        attempt: 0,
+        members: digest,
+        hop: h,
+        values: ByteBuf::from(
+            0.5f32
+                .to_le_bytes()
+                .repeat(if chunk_of == 0 { 5 } else { 6 }),
+        ),
+    };
+    let mut out = Vec::new();
+    // Hop 0 brings the sender's chunk (the other one's), hop 1 this node's own, summed.
+    ring.nodes[0].message(ring.ids[1], hop(0, 1 - me), now, &mut out);
+    let next = next_round_hop(&ring, 1);
+    ring.nodes[0].message(ring.ids[1], next, now, &mut out);
+    ring.nodes[0].tick(5, true, now + LATE_ROUND_WAIT / 2, &mut out);
+    ring.nodes[0].message(ring.ids[1], hop(1, me), now + LATE_ROUND_WAIT / 2, &mut out);
+    let st = ring.nodes[0].status();
+    assert!(st.aborted.is_empty(), "{st:?}");
+    assert!(
+        out.iter()
+            .any(|o| matches!(o, Output::Trainer(TrainerCommand::Combine { round: 0, .. }))),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn hostile_hops_are_offences_and_never_reach_the_mean() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    ring.bring_to_boundary(0, now);
+    let (_, digest) = ring.sorted();
+    let from = ring.ids[1];
+    for values in [vec![1, 2, 3], f32::NAN.to_le_bytes().repeat(5)] {
+        let mut out = Vec::new();
+        let msg = RingMessage {
+            step: 0,
+            bf16: false,
+            round: 0,
+            attempt: 0,
+            members: digest,
+            hop: 0,
+            values: ByteBuf::from(values),
+        };
+        ring.nodes[0].message(from, msg, now, &mut out);
+        assert!(
+            out.iter().any(|o| matches!(o, Output::Offence { .. })),
+            "{out:?}"
+        );
+        assert!(!out
+            .iter()
+            .any(|o| matches!(o, Output::Trainer(TrainerCommand::Combine { .. }))));
+    }
+    // A hop of the wrong size aborts the attempt.
+    let mut out = Vec::new();
+    let msg = RingMessage {
+        step: 0,
+        bf16: false,
+        round: 0,
+        attempt: 0,
+        members: digest,
+        hop: 0,
+        values: ByteBuf::from(1.0f32.to_le_bytes().repeat(2)),
+    };
+    ring.nodes[0].message(from, msg, now, &mut out);
+    assert!(out.iter().any(|o| matches!(o, Output::Offence { .. })));
+    assert_eq!(
+        ring.nodes[0].status().aborted.get("hop of the wrong size"),
+        Some(&1)
+    );
+}

@@ -288,6 +288,113 @@ fn mesh_config(config: &Config) -> MeshConfig {
     }
 }
 
+/// What this start of the node brings to the trainer, beside the config: what was built or
+/// restored, and how it starts.
+struct TrainerStart {
+    model: p2ptrain_models::Model,
+    optimizer: p2ptrain_models::Optimizer,
+    data: Arc<Data>,
+    device: Device,
+    identity: trainer::Identity,
+    start: trainer::Counters,
+    node_seed: u64,
+    /// A fresh node joining a mesh: it holds until the mesh's state is loaded.
+    joining: bool,
+    outer_velocity: Vec<f32>,
+    /// A parameter-averaging mode: at `max_steps` the trainer waits for the round it is held
+    /// at. (`ddp` needs no final wait: every step is a round, so its members already end on
+    /// the same optimizer step, and it is always held at its step, so it would wait.)
+    ends_on_a_round: bool,
+}
+
+/// The trainer's setup: the config's training, checkpoint, sync and debug settings around
+/// what this start brings.
+fn trainer_setup(config: &Config, data_dir: &Path, t: TrainerStart) -> trainer::Setup {
+    // `ddp` members take every step together.
+    let lockstep = config.sync.mode == crate::config::SyncMode::Ddp;
+    trainer::Setup {
+        model: t.model,
+        optimizer: t.optimizer,
+        data: t.data,
+        device: t.device,
+        batch_size: config.train.batch_size,
+        eval_every: config.train.eval_every,
+        eval_every_time: Duration::from_secs_f64(config.train.eval_every_secs),
+        max_steps: config.train.max_steps,
+        node_seed: t.node_seed,
+        checkpoint_every_steps: config.checkpoint.every_steps,
+        checkpoint_every: Duration::from_secs(config.checkpoint.every_secs),
+        identity: t.identity,
+        start: t.start,
+        publishes: config.sync.publish_every > 0,
+        measure_pending_ratio: config.sync.publish_every > 0
+            && config.sync.publish_early_ratio > 0.0,
+        start_paused: t.joining,
+        step_delay: Duration::from_millis(config.debug.step_delay_ms),
+        sample_delay: Duration::from_micros(config.debug.sample_delay_us),
+        outer: config.sync.outer(),
+        outer_velocity: t.outer_velocity,
+        rounds_carry_state: lockstep,
+        eval_log: Some(data_dir.join(EVAL_LOG)),
+        target: config.train.target,
+        eval_align_steps: if lockstep {
+            trainer::LOCKSTEP_EVAL_ALIGN_STEPS
+        } else {
+            1
+        },
+        ends_on_a_round: t.ends_on_a_round,
+    }
+}
+
+/// A fresh node's join: it waits for members on the mesh actor's watch, downloads the
+/// mesh's state and hands it to the trainer.
+fn joiner(shared: &NodeHandle, members: watch::Receiver<Vec<libp2p::PeerId>>) -> transfer::Joiner {
+    transfer::Joiner {
+        net: shared.net.clone(),
+        run_id: shared.run_id.clone(),
+        trainer: shared.cmd_tx.clone(),
+        stats: shared.stats_rx.clone(),
+        members,
+        stop: shared.stop_tx.subscribe(),
+        limits: transfer::Limits {
+            progress: shared.download_progress.clone(),
+            ..transfer::Limits::for_params(shared.model.params, shared.data_dir.join("download"))
+        },
+        cache: shared.cache.clone(),
+        report: shared.download.clone(),
+    }
+}
+
+/// Automatic checkpoints: the trainer hands over snapshots; this task writes them.
+async fn write_checkpoints(
+    shared: Arc<NodeHandle>,
+    mut snapshots: mpsc::Receiver<crate::checkpoint::Snapshot>,
+) {
+    while let Some(snapshot) = snapshots.recv().await {
+        if let Err(e) = shared.save(snapshot).await {
+            tracing::error!("automatic checkpoint failed: {e}");
+        }
+    }
+}
+
+/// Serves the control API on `listener` until the returned sender fires.
+fn serve_api(
+    listener: tokio::net::TcpListener,
+    shared: Arc<NodeHandle>,
+) -> (oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let router = control::router(shared);
+    let server = tokio::spawn(async move {
+        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
+            let _ = stop_rx.await;
+        });
+        if let Err(e) = serve.await {
+            tracing::error!("control API stopped: {e}");
+        }
+    });
+    (stop_tx, server)
+}
+
 /// Runs a node until `shutdown` resolves, it is asked to stop, or it reaches `max_steps`.
 pub async fn run(
     prepared: Prepared,
@@ -354,7 +461,7 @@ pub async fn run(
     let joining = resume.is_none() && !net_cfg.bootstrap.is_empty();
     let layout = model.params().layout();
 
-    let (snapshot_tx, mut snapshot_rx) = mpsc::channel(trainer::SNAPSHOT_CAP);
+    let (snapshot_tx, snapshot_rx) = mpsc::channel(trainer::SNAPSHOT_CAP);
     let limit = trainer::StepLimit::new();
     let node_seed = config
         .train
@@ -375,44 +482,25 @@ pub async fn run(
         .as_ref()
         .map(trainer::outer_velocity)
         .unwrap_or_default();
-    // `ddp` members take every step together.
-    let lockstep = config.sync.mode == crate::config::SyncMode::Ddp;
     let handle = trainer::spawn(
-        trainer::Setup {
-            model,
-            optimizer,
-            data,
-            device: dev,
-            batch_size: config.train.batch_size,
-            eval_every: config.train.eval_every,
-            eval_every_time: Duration::from_secs_f64(config.train.eval_every_secs),
-            max_steps: config.train.max_steps,
-            node_seed,
-            checkpoint_every_steps: config.checkpoint.every_steps,
-            checkpoint_every: Duration::from_secs(config.checkpoint.every_secs),
-            identity: ident.clone(),
-            start,
-            publishes: policy.publish_every > 0,
-            measure_pending_ratio: policy.publish_every > 0 && policy.publish_early_ratio > 0.0,
-            start_paused: joining,
-            step_delay: Duration::from_millis(config.debug.step_delay_ms),
-            sample_delay: Duration::from_micros(config.debug.sample_delay_us),
-            outer: config.sync.outer(),
-            outer_velocity,
-            rounds_carry_state: lockstep,
-            eval_log: Some(data_dir.join(EVAL_LOG)),
-            target: config.train.target,
-            eval_align_steps: if lockstep {
-                trainer::LOCKSTEP_EVAL_ALIGN_STEPS
-            } else {
-                1
+        trainer_setup(
+            &config,
+            &data_dir,
+            TrainerStart {
+                model,
+                optimizer,
+                data,
+                device: dev,
+                identity: ident.clone(),
+                start,
+                node_seed,
+                joining,
+                outer_velocity,
+                ends_on_a_round: rounds
+                    .as_ref()
+                    .is_some_and(|(rc, _)| rc.gradients.is_none()),
             },
-            // `ddp` needs no final wait: every step is a round, so its members already end on
-            // the same optimizer step (and it is always held at its step, so it would wait).
-            ends_on_a_round: rounds
-                .as_ref()
-                .is_some_and(|(rc, _)| rc.gradients.is_none()),
-        },
+        ),
         snapshot_tx,
         limit.clone(),
     )
@@ -456,7 +544,6 @@ pub async fn run(
         registry: Arc::new(registry),
     });
     drop(resume);
-    let cache = shared.cache.clone();
     let core = MeshCore::new(CoreConfig {
         me: local_peer,
         run_id: ident.run_id.clone(),
@@ -481,55 +568,18 @@ pub async fn run(
         trainer_events,
         shared.mesh.clone(),
         members_tx,
-        cache.clone(),
+        shared.cache.clone(),
         limit,
         Duration::from_millis(config.debug.serve_chunk_delay_ms),
     );
     let mesh_task = tokio::spawn(mesh.run(net_events, shared.stop_tx.subscribe()));
     if joining {
-        let joiner = transfer::Joiner {
-            net: net.clone(),
-            run_id: shared.run_id.clone(),
-            trainer: cmd_tx.clone(),
-            stats: shared.stats_rx.clone(),
-            members: members_rx,
-            stop: shared.stop_tx.subscribe(),
-            limits: transfer::Limits {
-                progress: shared.download_progress.clone(),
-                ..transfer::Limits::for_params(
-                    shared.model.params,
-                    shared.data_dir.join("download"),
-                )
-            },
-            cache,
-            report: shared.download.clone(),
-        };
-        tokio::spawn(joiner.run());
+        tokio::spawn(joiner(&shared, members_rx).run());
     }
     print_listen_addrs(&net, &peer_id).await;
 
-    // Automatic checkpoints: the trainer hands over snapshots; this task writes them.
-    let writer = {
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            while let Some(snapshot) = snapshot_rx.recv().await {
-                if let Err(e) = shared.save(snapshot).await {
-                    tracing::error!("automatic checkpoint failed: {e}");
-                }
-            }
-        })
-    };
-
-    let (api_stop_tx, api_stop_rx) = oneshot::channel::<()>();
-    let router = control::router(shared.clone());
-    let server = tokio::spawn(async move {
-        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
-            let _ = api_stop_rx.await;
-        });
-        if let Err(e) = serve.await {
-            tracing::error!("control API stopped: {e}");
-        }
-    });
+    let writer = tokio::spawn(write_checkpoints(shared.clone(), snapshot_rx));
+    let (api_stop_tx, server) = serve_api(listener, shared.clone());
     let addr_file = data_dir.join(API_ADDR_FILE);
     if let Err(e) = std::fs::write(&addr_file, format!("{api_addr}\n")) {
         tracing::warn!("cannot write {}: {e}", addr_file.display());
@@ -551,6 +601,8 @@ pub async fn run(
         }
     };
     let result = final_summary(&shared, writer, finished).await;
+    // The mesh actor says goodbye (after its ring hops under way are taken), then the
+    // network and the API stop.
     shared.stop_tx.send_replace(true);
     let mesh_grace = crate::mesh::RING_HOPS_DRAIN + Duration::from_secs(2);
     let _ = tokio::time::timeout(mesh_grace, mesh_task).await;

@@ -78,6 +78,30 @@ pub struct MeshConfig {
     pub max_sync_distance: f64,
 }
 
+impl MeshConfig {
+    /// A plain mesh for the simulator and the core's tests: three neighbours, dense updates
+    /// with error feedback, the default outlier bound and sync distance, no clipping, no
+    /// rate limit to speak of.
+    pub fn plain(inline_max: usize) -> MeshConfig {
+        MeshConfig {
+            degree: 3,
+            inline_max,
+            max_update_ratio: 2.0,
+            serve_chunk_delay: Duration::ZERO,
+            codec: Codec::Dense,
+            density: 1.0,
+            error_feedback: true,
+            guard: GuardConfig {
+                outlier_factor: 10.0,
+                max_updates_per_sec: 1e6,
+                burst: 1e6,
+                clip_value: 0.0,
+            },
+            max_sync_distance: crate::sync_guard::DEFAULT_MAX_SYNC_DISTANCE,
+        }
+    }
+}
+
 /// Everything the core needs to know about this node and its run.
 #[derive(Debug, Clone)]
 pub struct CoreConfig {

@@ -12,7 +12,6 @@ use serde_bytes::ByteBuf;
 
 use super::sim::{Sim, SimParams, SimReport};
 use super::*;
-use crate::guard::GuardConfig;
 use crate::policy::PolicyConfig;
 use crate::wire::{self, BulkResponse, Heartbeat};
 
@@ -176,22 +175,7 @@ fn fuzz_config(seed: u64) -> CoreConfig {
         layout: Layout {
             entries: vec![("w".into(), vec![8])],
         },
-        mesh: MeshConfig {
-            degree: 3,
-            inline_max: 64,
-            max_update_ratio: 2.0,
-            serve_chunk_delay: Duration::ZERO,
-            codec: Codec::Dense,
-            density: 1.0,
-            error_feedback: true,
-            guard: GuardConfig {
-                outlier_factor: 10.0,
-                max_updates_per_sec: 1e6,
-                burst: 1e6,
-                clip_value: 0.0,
-            },
-            max_sync_distance: 0.85,
-        },
+        mesh: MeshConfig::plain(64),
         policy: PolicyConfig {
             publish_every: 2,
             full_sync_every: 3,

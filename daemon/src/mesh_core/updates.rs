@@ -475,22 +475,7 @@ mod tests {
     }
 
     fn cfg() -> MeshConfig {
-        MeshConfig {
-            degree: 3,
-            inline_max: 1 << 20,
-            max_update_ratio: 2.0,
-            serve_chunk_delay: Duration::ZERO,
-            codec: Codec::Dense,
-            density: 1.0,
-            error_feedback: true,
-            guard: GuardConfig {
-                outlier_factor: 10.0,
-                max_updates_per_sec: 1e6,
-                burst: 1e6,
-                clip_value: 0.0,
-            },
-            max_sync_distance: 0.85,
-        }
+        MeshConfig::plain(1 << 20)
     }
 
     /// One update a second, no burst above it.

@@ -183,22 +183,16 @@ pub struct Sim {
     links: Option<Vec<BTreeSet<usize>>>,
 }
 
+/// The simulated nodes' mesh: [`MeshConfig::plain`] with the daemon's default rate limit.
 fn mesh_config(inline_max: usize) -> MeshConfig {
+    let plain = MeshConfig::plain(inline_max);
     MeshConfig {
-        degree: 3,
-        inline_max,
-        max_update_ratio: 2.0,
-        serve_chunk_delay: Duration::ZERO,
-        codec: Codec::Dense,
-        density: 1.0,
-        error_feedback: true,
         guard: GuardConfig {
-            outlier_factor: 10.0,
             max_updates_per_sec: 200.0,
             burst: 400.0,
-            clip_value: 0.0,
+            ..plain.guard
         },
-        max_sync_distance: sync_guard::DEFAULT_MAX_SYNC_DISTANCE,
+        ..plain
     }
 }
 

@@ -83,35 +83,20 @@ fn bench_scaling_reports_each_kind_to_the_target_with_a_clean_mesh() {
     assert!(svg.contains("<svg"), "not an SVG");
 }
 
-/// The network namespaces that exist now.
-fn namespaces() -> Vec<String> {
-    let out = std::process::Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-        .expect("ip netns list");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split_whitespace().next().map(String::from))
-        .collect()
-}
-
 /// A benchmark process that is killed, and its lab's namespaces deleted, when the test ends
 /// any other way than the one it checks.
 struct Benchmark {
     child: std::process::Child,
-    namespace_prefix: String,
 }
 
 impl Drop for Benchmark {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        for ns in namespaces() {
-            if ns.starts_with(&self.namespace_prefix) {
-                let _ = std::process::Command::new("ip")
-                    .args(["netns", "del", &ns])
-                    .status();
-            }
+        for ns in p2ptrain_netlab::labs_of(self.child.id()) {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &ns])
+                .status();
         }
     }
 }
@@ -149,11 +134,7 @@ fn bench_scaling_stopped_by_sigterm_leaves_no_namespace_behind() {
         .spawn()
         .expect("spawn bench scaling");
     let pid = child.id();
-    let ours = format!("p2pt{pid}x");
-    let mut bench = Benchmark {
-        child,
-        namespace_prefix: ours.clone(),
-    };
+    let mut bench = Benchmark { child };
     let runs = out.path().join("runs");
     crate::harness::eventually(
         Duration::from_secs(120),
@@ -167,9 +148,8 @@ fn bench_scaling_stopped_by_sigterm_leaves_no_namespace_behind() {
         },
     );
     assert!(
-        namespaces().iter().any(|n| n.starts_with(&ours)),
-        "the lab's namespaces ({ours}...) should exist while it runs: {:?}",
-        namespaces()
+        !p2ptrain_netlab::labs_of(pid).is_empty(),
+        "the lab's namespaces should exist while it runs"
     );
     let killed = std::process::Command::new("kill")
         .args(["-TERM", &pid.to_string()])
@@ -184,10 +164,7 @@ fn bench_scaling_stopped_by_sigterm_leaves_no_namespace_behind() {
         !status.success(),
         "an interrupted benchmark reports failure"
     );
-    let left: Vec<String> = namespaces()
-        .into_iter()
-        .filter(|n| n.starts_with(&ours))
-        .collect();
+    let left = p2ptrain_netlab::labs_of(pid);
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
 }
 

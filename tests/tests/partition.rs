@@ -465,19 +465,7 @@ fn a_suite_stopped_by_sigterm_leaves_no_node_or_namespace_behind() {
         .spawn()
         .expect("spawn the suite");
     let pid = child.id();
-    let prefix = format!("p2pt{pid}x");
-    let namespaces = || -> Vec<String> {
-        let out = std::process::Command::new("ip")
-            .args(["netns", "list"])
-            .output()
-            .expect("ip netns list");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| l.split_whitespace().next())
-            .filter(|n| n.starts_with(&prefix))
-            .map(String::from)
-            .collect()
-    };
+    let namespaces = || p2ptrain_netlab::labs_of(pid);
     let node = eventually(
         Duration::from_secs(60),
         "the child's lab and a node",

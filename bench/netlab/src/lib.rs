@@ -328,6 +328,21 @@ impl Lab {
     }
 }
 
+/// The namespaces that the labs of process `pid` made and that exist now (none where `ip`
+/// cannot list them).
+pub fn labs_of(pid: u32) -> Vec<String> {
+    let prefix = format!("p2pt{pid}x");
+    let listed = Command::new("ip").args(["netns", "list"]).output();
+    listed
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(&prefix))
+        .map(String::from)
+        .collect()
+}
+
 /// Deletes every namespace the labs of process `pid` made, killing what runs in them first
 /// (a namespace lives on while a process is in it): for a process stopping on a signal, whose
 /// labs will not drop. No lab can be built or extended in this process afterwards (the lock
@@ -335,16 +350,7 @@ impl Lab {
 /// effort; returns the namespaces deleted.
 pub fn remove_labs_of(pid: u32) -> Vec<String> {
     std::mem::forget(making());
-    let prefix = format!("p2pt{pid}x");
-    let listed = Command::new("ip").args(["netns", "list"]).output();
-    let names: Vec<String> = listed
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_whitespace().next())
-        .filter(|n| n.starts_with(&prefix))
-        .map(String::from)
-        .collect();
+    let names = labs_of(pid);
     for ns in &names {
         if let Ok(o) = Command::new("ip").args(["netns", "pids", ns]).output() {
             for p in String::from_utf8_lossy(&o.stdout).split_whitespace() {

@@ -5,8 +5,8 @@
 //! carries out the core's outputs: gossip publishes and verdicts, subscriptions, requests to
 //! peers, commands to the trainer, the step limit; it tells a joiner which members are
 //! connected (a watch). It also answers peers' bulk requests (parameters for a sync, large
-//! updates, state downloads), with the few rules serving needs: a node without a state yet
-//! declines a sync request, and a state is frozen from the trainer before it is served. Every request it sends or serves
+//! updates; state downloads through [`transfer::serve`]), with the one rule serving a sync
+//! needs: a node without a state yet declines it. Every request it sends or serves
 //! runs in a task of a bounded set ([`TASK_CAP`]), joined (aborted) when the actor stops; when
 //! the set is full a request is declined, never queued without bound. Ring hops under way are
 //! the exception on the way out: the actor waits for them (up to [`RING_HOPS_DRAIN`]) before
@@ -27,14 +27,13 @@ use serde_bytes::ByteBuf;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
 
-use crate::checkpoint;
 use crate::mesh_core::{
     FetchAnswer, Input, MeshCore, Output, Progress, RequestFailed, TrainerEvent,
 };
 use crate::network::{Client, Event};
 use crate::timeline::{self, Lane};
 use crate::trainer::{self, Command, Stats, StepLimit};
-use crate::transfer::{self, Frozen};
+use crate::transfer;
 use crate::wire::{BulkRequest, BulkResponse};
 
 pub use crate::mesh_core::status::{
@@ -489,40 +488,17 @@ impl MeshActor {
                     };
                     Box::pin(async move { response })
                 }
-                BulkRequest::StateManifest => {
-                    let cache = self.cache.clone();
-                    let trainer_tx = self.trainer_tx.clone();
-                    Box::pin(async move {
-                        match freeze(&cache, &trainer_tx).await {
-                            Ok(frozen) => {
-                                let (load, cached) = cache
-                                    .lock()
-                                    .map(|mut c| (c.load(), c.hashes()))
-                                    .unwrap_or_default();
-                                let others =
-                                    cached.into_iter().filter(|h| *h != frozen.hash).collect();
-                                BulkResponse::StateManifest(frozen.manifest(load, others))
-                            }
-                            Err(e) => BulkResponse::Refused(e),
-                        }
-                    })
-                }
-                BulkRequest::StateChunk { state, index } => {
-                    let frozen = self.cache.lock().ok().and_then(|mut c| {
-                        c.note_downloader(peer);
-                        c.get(&state)
-                    });
-                    let delay = self.serve_chunk_delay;
-                    Box::pin(async move {
-                        if !delay.is_zero() {
-                            tokio::time::sleep(delay).await;
-                        }
-                        match frozen.as_ref().and_then(|f| f.chunk(index)) {
-                            Some(bytes) => BulkResponse::StateChunk(ByteBuf::from(bytes.to_vec())),
-                            None => BulkResponse::Refused("no such state or chunk".into()),
-                        }
-                    })
-                }
+                BulkRequest::StateManifest => Box::pin(transfer::serve::manifest(
+                    self.cache.clone(),
+                    self.trainer_tx.clone(),
+                )),
+                BulkRequest::StateChunk { state, index } => Box::pin(transfer::serve::chunk(
+                    &self.cache,
+                    peer,
+                    &state,
+                    index,
+                    self.serve_chunk_delay,
+                )),
             };
         let responder = net.clone();
         let (channel_tx, channel_rx) = oneshot::channel();
@@ -562,34 +538,6 @@ fn span_of(input: &Input) -> Option<&'static str> {
         Input::Trainer(TrainerEvent::Combined { .. }) => Some("round_combined"),
         _ => None,
     }
-}
-
-/// Freezes the trainer's current state (or reuses a very recent freeze).
-async fn freeze(
-    cache: &Mutex<transfer::Cache>,
-    trainer_tx: &mpsc::Sender<Command>,
-) -> Result<Arc<Frozen>, String> {
-    if let Some(f) = cache.lock().ok().and_then(|mut c| c.reusable()) {
-        return Ok(f);
-    }
-    let (tx, rx) = oneshot::channel();
-    trainer_tx
-        .send(Command::Snapshot(tx))
-        .await
-        .map_err(|_| "trainer stopped".to_string())?;
-    let snapshot = rx.await.map_err(|_| "trainer stopped".to_string())?;
-    let step = snapshot.info.step;
-    let frozen = tokio::task::spawn_blocking(move || {
-        checkpoint::encode(&snapshot, 0, crate::store::unix_now())
-            .map(|(bytes, _)| Arc::new(Frozen::new(step, bytes)))
-            .map_err(|e| e.to_string())
-    })
-    .await
-    .map_err(|e| e.to_string())??;
-    if let Ok(mut c) = cache.lock() {
-        c.insert(frozen.clone());
-    }
-    Ok(frozen)
 }
 
 /// Runs `task` in `set` while it holds one of `permits`; `Err` when none is left.

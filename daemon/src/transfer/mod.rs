@@ -8,8 +8,9 @@
 //! several holders instead of hammering one donor.
 //!
 //! [`Joiner`] (`join.rs`) is a fresh node's whole start: waiting for members, the download,
-//! and handing the state to the trainer. Serving is the mesh actor's: it freezes the trainer's
-//! state into the [`Cache`] and answers chunk requests from it.
+//! and handing the state to the trainer. [`serve`] is a donor's side: it freezes the
+//! trainer's state into the [`Cache`] and answers chunk requests from it, in the mesh actor's
+//! request tasks.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
@@ -25,6 +26,7 @@ use sha2::{Digest, Sha256};
 use crate::network::{BulkRequest, BulkResponse, Client, StateManifest};
 
 mod join;
+pub mod serve;
 pub use join::Joiner;
 
 /// Bytes per chunk: small enough that a dead donor costs little, large enough to be cheap.

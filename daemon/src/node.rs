@@ -310,6 +310,9 @@ struct TrainerStart {
 /// The trainer's setup: the config's training, checkpoint, sync and debug settings around
 /// what this start brings.
 fn trainer_setup(config: &Config, data_dir: &Path, t: TrainerStart) -> trainer::Setup {
+    // The synchronous modes publish no deltas (the policy's `publish_every` is 0 there), so
+    // their trainers keep no delta baseline.
+    let policy = config.sync.policy();
     // `ddp` members take every step together.
     let lockstep = config.sync.mode == crate::config::SyncMode::Ddp;
     trainer::Setup {
@@ -326,9 +329,8 @@ fn trainer_setup(config: &Config, data_dir: &Path, t: TrainerStart) -> trainer::
         checkpoint_every: Duration::from_secs(config.checkpoint.every_secs),
         identity: t.identity,
         start: t.start,
-        publishes: config.sync.publish_every > 0,
-        measure_pending_ratio: config.sync.publish_every > 0
-            && config.sync.publish_early_ratio > 0.0,
+        publishes: policy.publish_every > 0,
+        measure_pending_ratio: policy.publish_every > 0 && policy.publish_early_ratio > 0.0,
         start_paused: t.joining,
         step_delay: Duration::from_millis(config.debug.step_delay_ms),
         sample_delay: Duration::from_micros(config.debug.sample_delay_us),

@@ -465,7 +465,7 @@ fn a_suite_stopped_by_sigterm_leaves_no_node_or_namespace_behind() {
         .spawn()
         .expect("spawn the suite");
     let pid = child.id();
-    let namespaces = || p2ptrain_netlab::labs_of(pid);
+    let namespaces = || p2ptrain_netlab::labs_of(pid).expect("ip netns list");
     let node = eventually(
         Duration::from_secs(60),
         "the child's lab and a node",

@@ -328,19 +328,23 @@ impl Lab {
     }
 }
 
-/// The namespaces that the labs of process `pid` made and that exist now (none where `ip`
-/// cannot list them).
-pub fn labs_of(pid: u32) -> Vec<String> {
+/// The namespaces that the labs of process `pid` made and that exist now; an error where
+/// `ip netns list` cannot run or fails.
+pub fn labs_of(pid: u32) -> std::io::Result<Vec<String>> {
     let prefix = format!("p2pt{pid}x");
-    let listed = Command::new("ip").args(["netns", "list"]).output();
-    listed
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default()
+    let listed = Command::new("ip").args(["netns", "list"]).output()?;
+    if !listed.status.success() {
+        return Err(std::io::Error::other(format!(
+            "ip netns list: {}",
+            String::from_utf8_lossy(&listed.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&listed.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().next())
         .filter(|n| n.starts_with(&prefix))
         .map(String::from)
-        .collect()
+        .collect())
 }
 
 /// Deletes every namespace the labs of process `pid` made, killing what runs in them first
@@ -350,7 +354,7 @@ pub fn labs_of(pid: u32) -> Vec<String> {
 /// effort; returns the namespaces deleted.
 pub fn remove_labs_of(pid: u32) -> Vec<String> {
     std::mem::forget(making());
-    let names = labs_of(pid);
+    let names = labs_of(pid).unwrap_or_default();
     for ns in &names {
         if let Ok(o) = Command::new("ip").args(["netns", "pids", ns]).output() {
             for p in String::from_utf8_lossy(&o.stdout).split_whitespace() {

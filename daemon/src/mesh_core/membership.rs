@@ -47,7 +47,8 @@ pub(super) enum HeartbeatNews {
     Leaving {
         /// The author.
         peer: PeerId,
-        /// The round it was at (in the synchronous modes): one past the last it completed.
+        /// The round its goodbye names (in the synchronous modes): one past the last whose
+        /// ring it completed (see `Rounds::leaving_round`).
         round: Option<u64>,
     },
     /// The author's progress (kept as its latest heartbeat).

@@ -296,7 +296,7 @@ impl MeshCore {
             Input::TrainerBusy(cmd) => self.on_trainer_busy(cmd, now, &mut out),
             Input::Tick => self.on_tick(now, &mut out),
             Input::Leave => {
-                let round = self.rounds.as_ref().and_then(Rounds::round);
+                let round = self.rounds.as_ref().and_then(Rounds::leaving_round);
                 out.push(self.membership.leaving_heartbeat(&self.progress, round));
             }
         }

@@ -411,7 +411,9 @@ fn the_core_reaches_neither_up_nor_out() {
     for path in files {
         let name = path.display().to_string();
         let text = std::fs::read_to_string(&path).expect("a source file");
-        let code = text.split("#[cfg(test)]\nmod tests").next().unwrap_or("");
+        // Test modules written inline are left out; `mod tests;` declarations point at
+        // `tests.rs` files, which are skipped above.
+        let code = text.split("#[cfg(test)]\nmod tests {").next().unwrap_or("");
         for (n, line) in code.lines().enumerate() {
             if line.trim_start().starts_with("//") {
                 continue;

@@ -279,6 +279,17 @@ impl Rounds {
         self.round
     }
 
+    /// The round a goodbye names: one past the last round whose ring this node completed.
+    /// A node whose mean went to the trainer completed that round's ring (every hop it had to
+    /// send is sent), even where the trainer's answer is not in yet: the stop can come first,
+    /// and an event dropped for a full channel never comes.
+    pub fn leaving_round(&self) -> Option<u64> {
+        match self.stage {
+            Stage::Combining => self.round.map(|r| r.saturating_add(1)),
+            _ => self.round,
+        }
+    }
+
     /// What status shows.
     pub fn status(&self) -> RoundStatus {
         RoundStatus {
@@ -343,13 +354,17 @@ impl Rounds {
         }
     }
 
-    /// A member said goodbye at `their_round`, one past the last round it completed. If that
-    /// is past this node's round, it completed the attempt under way here (a member stopping
-    /// at `max_steps` leaves right after its last round, often before its successors took
-    /// their last hops): everything it had to send is sent and taken, so its going does not
-    /// abort the attempt, which ends with the hops the others still forward. (Aborting it
-    /// left the rest of a `ddp` mesh one round short of `max_steps`, waiting for the
-    /// `min_members` it could no longer have.)
+    /// A member said goodbye at `their_round`, one past the last round whose ring it
+    /// completed ([`Rounds::leaving_round`]). If that is past this node's round, it completed
+    /// this round (a member stopping at `max_steps` leaves right after its last round, often
+    /// before its successors took their last hops): it sent every hop it had, and waited up
+    /// to the mesh actor's `RING_HOPS_DRAIN` for them to be taken before its goodbye, so its
+    /// going does not abort the attempt, which ends with the hops the others still forward.
+    /// (Aborting it left the rest of a `ddp` mesh one round short of `max_steps`, waiting for
+    /// the `min_members` it could no longer have.) Where that is not so (it completed the
+    /// round in an attempt without this node, or a hop was never taken) the attempt ends as a
+    /// silent member's does: [`LATE_ROUND_WAIT`] after the predecessor went on, or
+    /// [`STALL_TIMEOUT`]. A forged round buys no more than going silent.
     pub fn peer_leaving(&mut self, peer: PeerId, their_round: Option<u64>) {
         let past = matches!((their_round, self.round), (Some(t), Some(mine)) if t > mine);
         if let Stage::Reducing { ring: Some(r), .. } = &mut self.stage {

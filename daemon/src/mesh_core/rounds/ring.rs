@@ -34,7 +34,7 @@ pub(super) struct Ring {
     pub(super) predecessor_went_on: Option<Instant>,
     /// Members that left after completing this round: a member completes a round only after
     /// it sent all its hops of it, and waits for them to be taken before it says goodbye, so
-    /// the attempt still finishes without it (see [`Rounds::peer_leaving`]).
+    /// the attempt still finishes without it (see [`super::Rounds::peer_leaving`]).
     pub(super) left_done: Vec<PeerId>,
 }
 

@@ -397,7 +397,9 @@ fn serve_api(
     (stop_tx, server)
 }
 
-/// Runs a node until `shutdown` resolves, it is asked to stop, or it reaches `max_steps`.
+/// Runs a node until `shutdown` resolves, it is asked to stop, or it reaches `max_steps`:
+/// opens the data directory, builds or restores the model, starts the trainer, the network,
+/// the mesh and the API, waits, and stops them in order.
 pub async fn run(
     prepared: Prepared,
     opts: Options,
@@ -407,186 +409,108 @@ pub async fn run(
         config,
         data,
         spec,
-        device: dev,
+        device,
     } = prepared;
-    let train_classes = data
-        .labeled()
-        .map(|s| s.train.class_counts())
-        .unwrap_or_default();
     let listener = control::bind(config.api.listen, opts.api_token.as_deref()).await?;
     let api_addr = listener.local_addr().map_err(control::BindError::Socket)?;
 
     // From here on the node writes to its data directory.
     let data_dir = opts.data_dir.clone();
-    std::fs::create_dir_all(&data_dir)
-        .map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
-    let _lock = lock_data_dir(&data_dir)?;
-    let key = identity::load_or_create(&data_dir)?;
-    let local_peer = identity::peer_id(&key);
-    let peer_id = local_peer.to_string();
-    let ident = trainer::Identity {
-        run_id: config.run_id(),
-        config_hash: config.config_hash(),
-    };
-    let (store, resume) = open_store(&data_dir, &ident.run_id)?;
-    let (model, optimizer, start) = trainer::build(
-        &spec,
-        &config.optimizer,
-        config.schedule,
-        config.train.init_seed,
-        &dev,
-        &ident,
-        resume.as_ref(),
-    )
-    .map_err(|e| NodeError::Trainer(e.to_string()))?;
-    if let Some(loaded) = &resume {
-        tracing::info!(
-            id = loaded.meta.id,
-            step = loaded.meta.info.step,
-            "resumed from checkpoint"
-        );
-    }
+    let opened = open_data_dir(&config, &data_dir)?;
+    let (model, optimizer, start) = build_model(&config, &spec, &device, &opened)?;
     let model_info = ModelInfo {
         name: spec.name(),
         params: model.params().numel(),
     };
-    let optimizer_kind = match config.optimizer {
-        p2ptrain_models::OptimizerSpec::Sgd { .. } => "sgd",
-        p2ptrain_models::OptimizerSpec::Adamw { .. } => "adamw",
-    };
+    let layout = model.params().layout();
+    let start_step = start.step;
     // The network: listen, dial the bootstrap members.
-    let net_cfg = net_config(&config, &ident.run_id)?;
+    let net_cfg = net_config(&config, &opened.ident.run_id)?;
     let mut registry = network::Registry::default();
-    let (net, net_events, event_loop) = network::new(key, &net_cfg, &mut registry)?;
+    let (net, net_events, event_loop) = network::new(opened.key.clone(), &net_cfg, &mut registry)?;
     let net_task = tokio::spawn(event_loop.run());
     // A fresh node joining a mesh takes the mesh's state before its first step.
-    let joining = resume.is_none() && !net_cfg.bootstrap.is_empty();
-    let layout = model.params().layout();
-
-    let (snapshot_tx, snapshot_rx) = mpsc::channel(trainer::SNAPSHOT_CAP);
-    let limit = trainer::StepLimit::new();
+    let joining = opened.resume.is_none() && !net_cfg.bootstrap.is_empty();
     let node_seed = config
         .train
         .node_seed
-        .unwrap_or_else(|| seed_from(&peer_id));
-    let policy = config.sync.policy();
+        .unwrap_or_else(|| seed_from(&opened.local_peer.to_string()));
     let rounds = config
         .sync
         .rounds(data.train().len(), config.train.batch_size)
-        .map(|rc| (rc, !joining && resume.is_none()));
-    // The trainer starts under the rounds' first limit, before the mesh's first decision:
-    // in `ddp` not one step is taken outside a round, and a joiner takes none before its
-    // state.
-    if let Some((rc, synced)) = &rounds {
-        limit.set(Some(rc.first_boundary(start.step, *synced)));
-    }
-    let outer_velocity = resume
-        .as_ref()
-        .map(trainer::outer_velocity)
+        .map(|rc| (rc, !joining && opened.resume.is_none()));
+    let train_classes = data
+        .labeled()
+        .map(|s| s.train.class_counts())
         .unwrap_or_default();
-    let handle = trainer::spawn(
-        trainer_setup(
-            &config,
-            &data_dir,
-            TrainerStart {
-                model,
-                optimizer,
-                data,
-                device: dev,
-                identity: ident.clone(),
-                start,
-                node_seed,
-                joining,
-                outer_velocity,
-                ends_on_a_round: rounds
-                    .as_ref()
-                    .is_some_and(|(rc, _)| rc.gradients.is_none()),
+    let trainer_start = TrainerStart {
+        model,
+        optimizer,
+        data,
+        device,
+        identity: opened.ident.clone(),
+        start,
+        node_seed,
+        joining,
+        outer_velocity: opened
+            .resume
+            .as_ref()
+            .map(trainer::outer_velocity)
+            .unwrap_or_default(),
+        ends_on_a_round: rounds
+            .as_ref()
+            .is_some_and(|(rc, _)| rc.gradients.is_none()),
+    };
+    let StartedTrainer {
+        handle:
+            trainer::Handle {
+                cmd_tx,
+                stats_rx,
+                events_rx: trainer_events,
+                mut done_rx,
             },
-        ),
-        snapshot_tx,
-        limit.clone(),
-    )
-    .map_err(|e| NodeError::Trainer(format!("cannot start trainer thread: {e}")))?;
-    let trainer::Handle {
-        cmd_tx,
-        stats_rx,
-        events_rx: trainer_events,
-        mut done_rx,
-    } = handle;
+        snapshots,
+        limit,
+    } = start_trainer(&config, &data_dir, trainer_start, rounds.as_ref())?;
     let (stop_tx, mut stop_rx) = watch::channel(false);
-    let shared = Arc::new(NodeHandle {
-        peer_id: peer_id.clone(),
-        run_id: ident.run_id.clone(),
-        model: model_info,
-        optimizer: optimizer_kind.into(),
-        device: config.train.device,
-        data_dir: data_dir.clone(),
-        data: config.data.describe(),
-        train_classes,
-        api_addr,
-        api_token: opts.api_token.clone(),
-        store: store.clone(),
-        keep: config.checkpoint.keep,
-        started: Instant::now(),
-        stats_rx,
-        cmd_tx: cmd_tx.clone(),
-        last_checkpoint: Mutex::new(None),
-        resumed_from: resume.as_ref().map(|l| l.meta.clone()),
-        stop_tx,
-        net: net.clone(),
-        mesh: Arc::new(Mutex::new(MeshStatus::default())),
-        cache: Arc::new(Mutex::new(transfer::Cache::default())),
-        download: Arc::default(),
-        download_progress: opts.download_progress.clone(),
-        sync: SyncSettings {
-            config: config.sync.clone(),
-            topic: crate::mesh::update_topic(&ident.run_id, &local_peer),
+    let shared = node_handle(
+        &config,
+        &opts,
+        &opened,
+        HandleParts {
+            model: model_info,
+            train_classes,
+            api_addr,
+            stats_rx,
+            cmd_tx: cmd_tx.clone(),
+            stop_tx,
+            net: net.clone(),
+            registry,
             dense_bytes: p2ptrain_models::codec::dense_len(&layout) as u64,
         },
-        registry: Arc::new(registry),
-    });
-    drop(resume);
-    let core = MeshCore::new(CoreConfig {
-        me: local_peer,
-        run_id: ident.run_id.clone(),
-        layout,
-        mesh: mesh_config(&config),
-        policy,
-        update_weight: config.sync.update_weight.map(|w| w as f32),
-        start_step: start.step,
-        seed: node_seed,
-        wall_clock: WallClock {
-            unix_secs: store::unix_now(),
-            at: Instant::now(),
-        },
-        rounds,
-    });
-    let (members_tx, members_rx) = watch::channel(Vec::new());
-    let mesh = MeshActor::new(
-        net.clone(),
-        core,
-        cmd_tx.clone(),
-        shared.stats_rx.clone(),
-        trainer_events,
-        shared.mesh.clone(),
-        members_tx,
-        shared.cache.clone(),
-        limit,
-        Duration::from_millis(config.debug.serve_chunk_delay_ms),
     );
-    let mesh_task = tokio::spawn(mesh.run(net_events, shared.stop_tx.subscribe()));
-    if joining {
-        tokio::spawn(joiner(&shared, members_rx).run());
-    }
-    print_listen_addrs(&net, &peer_id).await;
+    let core = mesh_core(&config, &opened, layout, start_step, node_seed, rounds);
+    // The checkpoint resumed from is in the trainer now: free its copy.
+    let OpenedDataDir { lock, resume, .. } = opened;
+    drop(resume);
+    let mesh_task = start_mesh(
+        &config,
+        &shared,
+        core,
+        trainer_events,
+        limit,
+        net_events,
+        joining,
+    );
+    print_listen_addrs(&net, &shared.peer_id).await;
 
-    let writer = tokio::spawn(write_checkpoints(shared.clone(), snapshot_rx));
+    let writer = tokio::spawn(write_checkpoints(shared.clone(), snapshots));
     let (api_stop_tx, server) = serve_api(listener, shared.clone());
     let addr_file = data_dir.join(API_ADDR_FILE);
     if let Err(e) = std::fs::write(&addr_file, format!("{api_addr}\n")) {
         tracing::warn!("cannot write {}: {e}", addr_file.display());
     }
-    tracing::info!(peer_id = %peer_id, run_id = %ident.run_id, api = %format!("http://{api_addr}"), data_dir = %data_dir.display(), model = %spec.name(), "node started");
+    tracing::info!(peer_id = %shared.peer_id, run_id = %shared.run_id, api = %format!("http://{api_addr}"), data_dir = %data_dir.display(), model = %spec.name(), "node started");
 
     tokio::pin!(shutdown);
     let finished = tokio::select! {
@@ -603,18 +527,272 @@ pub async fn run(
         }
     };
     let result = final_summary(&shared, writer, finished).await;
-    // The mesh actor says goodbye (after its ring hops under way are taken), then the
-    // network and the API stop.
-    shared.stop_tx.send_replace(true);
-    let mesh_grace = crate::mesh::RING_HOPS_DRAIN + Duration::from_secs(2);
-    let _ = tokio::time::timeout(mesh_grace, mesh_task).await;
-    drop(net);
-    drop(shared);
-    let _ = tokio::time::timeout(Duration::from_secs(2), net_task).await;
-    let _ = api_stop_tx.send(());
-    let _ = server.await;
-    let _ = std::fs::remove_file(&addr_file);
+    Stopping {
+        shared,
+        mesh_task,
+        net,
+        net_task,
+        api_stop_tx,
+        server,
+        addr_file,
+    }
+    .stop()
+    .await;
+    drop(lock);
     result
+}
+
+/// Builds the model and its optimizer, restored from the checkpoint to resume from if any.
+fn build_model(
+    config: &Config,
+    spec: &ModelSpec,
+    device: &Device,
+    opened: &OpenedDataDir,
+) -> Result<
+    (
+        p2ptrain_models::Model,
+        p2ptrain_models::Optimizer,
+        trainer::Counters,
+    ),
+    NodeError,
+> {
+    let built = trainer::build(
+        spec,
+        &config.optimizer,
+        config.schedule,
+        config.train.init_seed,
+        device,
+        &opened.ident,
+        opened.resume.as_ref(),
+    )
+    .map_err(|e| NodeError::Trainer(e.to_string()))?;
+    if let Some(loaded) = &opened.resume {
+        tracing::info!(
+            id = loaded.meta.id,
+            step = loaded.meta.info.step,
+            "resumed from checkpoint"
+        );
+    }
+    Ok(built)
+}
+
+/// What the node's handle holds beside the config and the data directory: what the
+/// start-up built.
+struct HandleParts {
+    model: ModelInfo,
+    train_classes: Vec<u64>,
+    api_addr: std::net::SocketAddr,
+    stats_rx: watch::Receiver<Stats>,
+    cmd_tx: mpsc::Sender<Command>,
+    stop_tx: watch::Sender<bool>,
+    net: network::Client,
+    registry: network::Registry,
+    /// A dense update's bytes, for status.
+    dense_bytes: u64,
+}
+
+/// The handle the API, the mesh, the joiner and the checkpoint writer share.
+fn node_handle(
+    config: &Config,
+    opts: &Options,
+    opened: &OpenedDataDir,
+    parts: HandleParts,
+) -> Arc<NodeHandle> {
+    Arc::new(NodeHandle {
+        peer_id: opened.local_peer.to_string(),
+        run_id: opened.ident.run_id.clone(),
+        model: parts.model,
+        optimizer: optimizer_kind(&config.optimizer).into(),
+        device: config.train.device,
+        data_dir: opts.data_dir.clone(),
+        data: config.data.describe(),
+        train_classes: parts.train_classes,
+        api_addr: parts.api_addr,
+        api_token: opts.api_token.clone(),
+        store: opened.store.clone(),
+        keep: config.checkpoint.keep,
+        started: Instant::now(),
+        stats_rx: parts.stats_rx,
+        cmd_tx: parts.cmd_tx,
+        last_checkpoint: Mutex::new(None),
+        resumed_from: opened.resume.as_ref().map(|l| l.meta.clone()),
+        stop_tx: parts.stop_tx,
+        net: parts.net,
+        mesh: Arc::new(Mutex::new(MeshStatus::default())),
+        cache: Arc::new(Mutex::new(transfer::Cache::default())),
+        download: Arc::default(),
+        download_progress: opts.download_progress.clone(),
+        sync: SyncSettings {
+            config: config.sync.clone(),
+            topic: crate::mesh::update_topic(&opened.ident.run_id, &opened.local_peer),
+            dense_bytes: parts.dense_bytes,
+        },
+        registry: Arc::new(parts.registry),
+    })
+}
+
+/// The mesh core of this node, from the config and how it starts.
+fn mesh_core(
+    config: &Config,
+    opened: &OpenedDataDir,
+    layout: p2ptrain_models::params::Layout,
+    start_step: u64,
+    node_seed: u64,
+    rounds: Option<(crate::mesh_core::rounds::RoundConfig, bool)>,
+) -> MeshCore {
+    MeshCore::new(CoreConfig {
+        me: opened.local_peer,
+        run_id: opened.ident.run_id.clone(),
+        layout,
+        mesh: mesh_config(config),
+        policy: config.sync.policy(),
+        update_weight: config.sync.update_weight.map(|w| w as f32),
+        start_step,
+        seed: node_seed,
+        wall_clock: WallClock {
+            unix_secs: store::unix_now(),
+            at: Instant::now(),
+        },
+        rounds,
+    })
+}
+
+/// What is still running once the trainer has finished, stopped in order by
+/// [`Stopping::stop`].
+struct Stopping {
+    shared: Arc<NodeHandle>,
+    mesh_task: tokio::task::JoinHandle<()>,
+    net: network::Client,
+    net_task: tokio::task::JoinHandle<()>,
+    api_stop_tx: oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<()>,
+    addr_file: PathBuf,
+}
+
+impl Stopping {
+    /// The mesh actor says goodbye (after its ring hops under way are taken), then the
+    /// network and the API stop.
+    async fn stop(self) {
+        self.shared.stop_tx.send_replace(true);
+        let mesh_grace = crate::mesh::RING_HOPS_DRAIN + Duration::from_secs(2);
+        let _ = tokio::time::timeout(mesh_grace, self.mesh_task).await;
+        drop(self.net);
+        drop(self.shared);
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.net_task).await;
+        let _ = self.api_stop_tx.send(());
+        let _ = self.server.await;
+        let _ = std::fs::remove_file(&self.addr_file);
+    }
+}
+
+/// The data directory, opened for this node's lifetime: its lock, identity and checkpoints.
+struct OpenedDataDir {
+    /// Held until the node has stopped ([`lock_data_dir`]).
+    lock: File,
+    key: libp2p::identity::Keypair,
+    local_peer: libp2p::PeerId,
+    ident: trainer::Identity,
+    store: Arc<Store>,
+    /// The newest valid checkpoint, to resume from.
+    resume: Option<store::Loaded>,
+}
+
+/// Creates and locks the data directory, loads or creates the node's key, and opens its
+/// checkpoints (which must be of this configuration's run).
+fn open_data_dir(config: &Config, data_dir: &Path) -> Result<OpenedDataDir, NodeError> {
+    std::fs::create_dir_all(data_dir)
+        .map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
+    let lock = lock_data_dir(data_dir)?;
+    let key = identity::load_or_create(data_dir)?;
+    let local_peer = identity::peer_id(&key);
+    let ident = trainer::Identity {
+        run_id: config.run_id(),
+        config_hash: config.config_hash(),
+    };
+    let (store, resume) = open_store(data_dir, &ident.run_id)?;
+    Ok(OpenedDataDir {
+        lock,
+        key,
+        local_peer,
+        ident,
+        store,
+        resume,
+    })
+}
+
+/// The optimizer's kind as status names it.
+fn optimizer_kind(spec: &p2ptrain_models::OptimizerSpec) -> &'static str {
+    match spec {
+        p2ptrain_models::OptimizerSpec::Sgd { .. } => "sgd",
+        p2ptrain_models::OptimizerSpec::Adamw { .. } => "adamw",
+    }
+}
+
+/// A trainer thread started, with what the node keeps of it.
+struct StartedTrainer {
+    handle: trainer::Handle,
+    /// The automatic checkpoints it hands over.
+    snapshots: mpsc::Receiver<crate::checkpoint::Snapshot>,
+    /// The step it may not pass, which the mesh sets.
+    limit: trainer::StepLimit,
+}
+
+/// Starts the trainer thread under the rounds' first limit, before the mesh's first
+/// decision: in `ddp` not one step is taken outside a round, and a joiner takes none before
+/// its state.
+fn start_trainer(
+    config: &Config,
+    data_dir: &Path,
+    t: TrainerStart,
+    rounds: Option<&(crate::mesh_core::rounds::RoundConfig, bool)>,
+) -> Result<StartedTrainer, NodeError> {
+    let (snapshot_tx, snapshots) = mpsc::channel(trainer::SNAPSHOT_CAP);
+    let limit = trainer::StepLimit::new();
+    if let Some((rc, synced)) = rounds {
+        limit.set(Some(rc.first_boundary(t.start.step, *synced)));
+    }
+    let handle = trainer::spawn(
+        trainer_setup(config, data_dir, t),
+        snapshot_tx,
+        limit.clone(),
+    )
+    .map_err(|e| NodeError::Trainer(format!("cannot start trainer thread: {e}")))?;
+    Ok(StartedTrainer {
+        handle,
+        snapshots,
+        limit,
+    })
+}
+
+/// Starts the mesh actor around `core` (and, on a fresh node joining a mesh, the joiner that
+/// downloads the mesh's state once the actor names members).
+fn start_mesh(
+    config: &Config,
+    shared: &Arc<NodeHandle>,
+    core: MeshCore,
+    trainer_events: mpsc::Receiver<crate::mesh_core::TrainerEvent>,
+    limit: trainer::StepLimit,
+    net_events: mpsc::Receiver<network::Event>,
+    joining: bool,
+) -> tokio::task::JoinHandle<()> {
+    let (members_tx, members_rx) = watch::channel(Vec::new());
+    let mesh = MeshActor::new(
+        shared.net.clone(),
+        core,
+        shared.cmd_tx.clone(),
+        shared.stats_rx.clone(),
+        trainer_events,
+        shared.mesh.clone(),
+        members_tx,
+        shared.cache.clone(),
+        limit,
+        Duration::from_millis(config.debug.serve_chunk_delay_ms),
+    );
+    let mesh_task = tokio::spawn(mesh.run(net_events, shared.stop_tx.subscribe()));
+    if joining {
+        tokio::spawn(joiner(shared, members_rx).run());
+    }
+    mesh_task
 }
 
 /// What the node ends with once its trainer finished: the final checkpoint (unless the newest

@@ -215,3 +215,57 @@ fn bench_sim_reports_traffic_and_consensus_per_size() {
     assert!(end < heal, "the healed mesh came together: {run}");
     assert!(report["scenario"].is_string());
 }
+
+/// `bench sim --sync-mode ddp` at a small size: the rounds' report parses and holds, per run,
+/// the rounds' pace, splits, unsynced nodes, ring traffic and wall time; every ring kept its
+/// members identical, nobody honest was blamed, and rounds were completed.
+#[test]
+fn bench_sim_reports_the_rounds_of_a_synchronous_mode() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let file = out.path().join("sim.json");
+    let (st, _, err) = cli(
+        &[
+            "bench",
+            "sim",
+            "--sync-mode",
+            "ddp",
+            "--nodes",
+            "6",
+            "--churn-every-ms",
+            "0,8000",
+            "--out",
+            file.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(st.success(), "{err}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("report")).expect("json");
+    assert_eq!(report["sync_mode"], "ddp", "{report}");
+    let runs = report["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2, "{report}");
+    for run in runs {
+        for key in [
+            "rounds_per_minute",
+            "ring_bytes_per_node_per_round",
+            "consensus_end",
+            "wall_secs",
+        ] {
+            assert!(run[key].as_f64().is_some(), "{key} in {run}");
+        }
+        assert_eq!(run["nodes"], 6);
+        assert_eq!(run["rounds_split"], 0, "{run}");
+        assert_eq!(run["honest_blamed"], 0, "{run}");
+        assert!(run["rounds"].as_u64().unwrap_or(0) > 0, "{run}");
+    }
+    assert_eq!(runs[1]["churn_every_ms"], 8000);
+    assert!(
+        runs[1]["nodes_started"].as_u64().unwrap_or(0) > 6,
+        "{report}"
+    );
+    let (st, _, err) = cli(
+        &["bench", "sim", "--sync-mode", "diloco", "--nodes", "6"],
+        Duration::from_secs(30),
+    );
+    assert!(!st.success() && err.contains("diloco"), "{err}");
+}

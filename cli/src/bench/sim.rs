@@ -3,15 +3,20 @@
 //! virtual time) in its large-mesh scenario (churn, 1% hostile peers, two labs split for 10 s
 //! and healed) for each N, with the same run never split as the control, and reports what a
 //! planner needs: bytes each node sends per step, the replicas' consensus distance at the heal
-//! and at the end against the control's, and the wall time the simulation took.
+//! and at the end against the control's, and the wall time the simulation took. With
+//! `--sync-mode allreduce` or `ddp` it runs the rounds' scenario instead
+//! ([`SimParams::rounds`]: every node connected, silent kills and joiners every
+//! `--churn-every-ms`), and reports the rounds' pace, traffic and whether every round left its
+//! members identical.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use p2ptrain_daemon::config::{SyncConfig, SyncMode};
 use p2ptrain_daemon::mesh_core::sim::{Sim, SimParams, SimReport};
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// Arguments of `bench sim`.
 #[derive(Args)]
@@ -22,6 +27,14 @@ pub struct SimArgs {
     /// Seeds each size runs with, comma-separated.
     #[arg(long, default_value = "1")]
     seeds: String,
+    /// The nodes' sync mode: `gossip` (the large-mesh scenario), or `allreduce` or `ddp`
+    /// with the config's defaults for their rounds (the rounds' scenario).
+    #[arg(long, default_value = "gossip")]
+    sync_mode: String,
+    /// Rounds' scenario only: the churn intervals to compare, in virtual ms between a silent
+    /// kill (and a joiner) and the next, comma-separated; 0 runs without churn.
+    #[arg(long)]
+    churn_every_ms: Option<String>,
     /// Write the JSON report here (it is printed either way).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -34,9 +47,40 @@ pub fn run(args: SimArgs) -> Result<()> {
     if sizes.iter().any(|&n| n < 4) {
         bail!("--nodes: every size must be at least 4");
     }
+    let mode: SyncMode = args.sync_mode.parse().map_err(anyhow::Error::msg)?;
+    let report = match mode {
+        SyncMode::Gossip => {
+            if args.churn_every_ms.is_some() {
+                bail!("--churn-every-ms is for the rounds' scenario (--sync-mode allreduce or ddp); the gossip scenario kills a node every second");
+            }
+            gossip_report(&sizes, &seeds)
+        }
+        SyncMode::Allreduce | SyncMode::Ddp => {
+            let churns = parse_list(
+                args.churn_every_ms.as_deref().unwrap_or("0,10000,5000"),
+                "--churn-every-ms",
+            )?;
+            rounds_report(mode, &sizes, &seeds, &churns)?
+        }
+        SyncMode::Diloco | SyncMode::Fedavg => bail!(
+            "--sync-mode {}: the simulator runs gossip, allreduce and ddp (its trainers have no outer optimizer or epochs)",
+            mode.name()
+        ),
+    };
+    let text = serde_json::to_string_pretty(&report)?;
+    println!("{text}");
+    if let Some(out) = &args.out {
+        std::fs::write(out, &text).with_context(|| format!("writing {}", out.display()))?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// The large-mesh scenario for each size and seed, split and never split.
+fn gossip_report(sizes: &[u64], seeds: &[u64]) -> Value {
     let mut runs = Vec::new();
-    for &nodes in &sizes {
-        for &seed in &seeds {
+    for &nodes in sizes {
+        for &seed in seeds {
             let (split, split_secs) = timed(SimParams::large_mesh(nodes as usize, seed, true));
             let (whole, whole_secs) = timed(SimParams::large_mesh(nodes as usize, seed, false));
             let row = json!({
@@ -65,18 +109,73 @@ pub fn run(args: SimArgs) -> Result<()> {
             runs.push(row);
         }
     }
-    let report = json!({
+    json!({
         "benchmark": "sim",
+        "sync_mode": "gossip",
         "scenario": "SimParams::large_mesh: each node dials up to 8 others, 1% hostile, a node killed and a joiner started every second, two labs (optima 0.2 apart per value) split from 10 s to 20 s, 40 s of virtual time; gossip mode, updates every 20 steps, a neighbour sync every 50",
         "runs": runs,
-    });
-    let text = serde_json::to_string_pretty(&report)?;
-    println!("{text}");
-    if let Some(out) = &args.out {
-        std::fs::write(out, &text).with_context(|| format!("writing {}", out.display()))?;
-        eprintln!("wrote {}", out.display());
+    })
+}
+
+/// The rounds' scenario for each size, seed and churn interval, with the config's default
+/// rounds for `mode`.
+fn rounds_report(mode: SyncMode, sizes: &[u64], seeds: &[u64], churns: &[u64]) -> Result<Value> {
+    let sync = SyncConfig {
+        mode,
+        ..SyncConfig::default()
+    };
+    let Some(rounds) = sync.rounds(1, 32) else {
+        bail!("--sync-mode {}: no rounds", mode.name());
+    };
+    let mut runs = Vec::new();
+    for &nodes in sizes {
+        for &seed in seeds {
+            for &churn in churns {
+                let p = SimParams {
+                    churn_every_ms: churn,
+                    ..SimParams::rounds(nodes as usize, seed, rounds)
+                };
+                let secs = p.secs;
+                let (r, wall) = timed(p);
+                let Some(rr) = &r.rounds else {
+                    bail!("the simulation ran no rounds");
+                };
+                eprintln!(
+                    "{nodes} nodes, seed {seed}, churn every {churn} ms: {} rounds ({:.1} per minute), {} split, {} unsynced, {wall:.1} s",
+                    rr.highest,
+                    rr.highest as f64 * 60.0 / secs as f64,
+                    rr.split,
+                    rr.unsynced
+                );
+                runs.push(json!({
+                    "nodes": nodes,
+                    "seed": seed,
+                    "churn_every_ms": churn,
+                    "rounds": rr.highest,
+                    "rounds_per_minute": rr.highest as f64 * 60.0 / secs as f64,
+                    "rounds_split": rr.split,
+                    "unsynced": rr.unsynced,
+                    "aborted": rr.aborted,
+                    "ring_bytes_per_node_per_round": rr.ring_bytes as f64 / rr.completed.max(1) as f64,
+                    "consensus_end": r.consensus,
+                    "honest_blamed": r.honest_blamed,
+                    "nodes_started": r.nodes_started,
+                    "wall_secs": wall,
+                }));
+            }
+        }
     }
-    Ok(())
+    Ok(json!({
+        "benchmark": "sim",
+        "sync_mode": mode.name(),
+        "rounds": {
+            "steps": rounds.steps,
+            "gradients": rounds.gradients,
+            "min_members": rounds.min_members,
+        },
+        "scenario": "SimParams::rounds: every node connected to every other, one box in eight four times slower behind 80-160 ms links (the others 5-10 ms), a node killed without a word (noticed after 4 s, or when a hop to it fails) and a joiner started from a survivor's state every churn_every_ms, 40 s of virtual time",
+        "runs": runs,
+    }))
 }
 
 fn timed(p: SimParams) -> (SimReport, f64) {

@@ -39,6 +39,7 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
+use crate::wire::RingMessage;
 use ring::{hop_message, members_digest, Ring};
 
 pub use ring::balanced_batch;
@@ -69,6 +70,8 @@ pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
 pub const ADOPT_WAIT: Duration = Duration::from_secs(5);
 /// Hops kept for an attempt this node has not reached yet.
 const INBOX_CAP: usize = 256;
+/// Hops kept from peers not yet known as members ([`Rounds::hold_early`]).
+const EARLY_CAP: usize = 16;
 /// Digests of recent rounds kept in status.
 const DIGESTS_KEPT: usize = 32;
 /// A `ddp` member whose forward-backward per sample is within this fraction of the fastest
@@ -205,6 +208,9 @@ pub struct Rounds {
     attempt: u32,
     boundary: u64,
     synced: bool,
+    /// The last parameter attempt's ring found no synced member: the one under way founds
+    /// the members' state, and hands every one of them its highest step.
+    founding: bool,
     stage: Stage,
     /// Hops for attempts this node has not reached: (round, attempt, hop) -> (sender, digest,
     /// values).
@@ -231,6 +237,9 @@ pub struct Rounds {
     round_ms_sum: (f64, u64),
     bytes_sent: u64,
     digests: VecDeque<(u64, String)>,
+    /// Hops from peers not yet known as members, kept for when they are
+    /// ([`Rounds::member_up`]).
+    early: VecDeque<(PeerId, RingMessage)>,
 }
 
 impl Rounds {
@@ -250,6 +259,7 @@ impl Rounds {
             attempt: 0,
             boundary,
             synced,
+            founding: false,
             stage: Stage::Training,
             inbox: BTreeMap::new(),
             retry_at: None,
@@ -266,6 +276,7 @@ impl Rounds {
             round_ms_sum: (0.0, 0),
             bytes_sent: 0,
             digests: VecDeque::new(),
+            early: VecDeque::new(),
         }
     }
 
@@ -346,6 +357,7 @@ impl Rounds {
     /// completed it before it left ([`Rounds::peer_leaving`]).
     pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
         self.ready.remove(&peer);
+        self.early.retain(|(p, _)| *p != peer);
         self.speeds.remove(&peer);
         self.inbox.retain(|_, (from, _, _, _)| *from != peer);
         let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
@@ -371,6 +383,29 @@ impl Rounds {
             if past && r.members.contains(&peer) && !r.left_done.contains(&peer) {
                 r.left_done.push(peer);
             }
+        }
+    }
+
+    /// A hop from `peer`, which this node does not know as a member yet: the two ends of a
+    /// connection learn of each other independently, and a member that heard this node's
+    /// heartbeat first may send its first hop before this node has heard of it. Dropped, that
+    /// hop left its sender waiting for [`STALL_TIMEOUT`] (the simulator caught a whole
+    /// mesh's start held up 20 s so). Kept (the last [`EARLY_CAP`]) for [`Rounds::member_up`].
+    pub fn hold_early(&mut self, peer: PeerId, msg: RingMessage) {
+        if self.early.len() >= EARLY_CAP {
+            self.early.pop_front();
+        }
+        self.early.push_back((peer, msg));
+    }
+
+    /// `peer` is known as a member now: its hops kept meanwhile are taken, in order.
+    pub fn member_up(&mut self, peer: PeerId, now: Instant, out: &mut Vec<Output>) {
+        let (theirs, rest): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.early)
+            .into_iter()
+            .partition(|(p, _)| *p == peer);
+        self.early = rest;
+        for (_, msg) in theirs {
+            self.message(peer, msg, now, out);
         }
     }
 
@@ -543,6 +578,7 @@ impl Rounds {
                     "the mesh is rounds ahead; adopting its round"
                 );
                 self.synced = false;
+                self.founding = false;
                 contribution.iter_mut().for_each(|v| *v = 0.0);
             }
             None => {}
@@ -647,9 +683,26 @@ impl Rounds {
             self.round_ms_sum.1 += 1;
         }
         let total = acc.pop().unwrap_or(0.0);
-        self.stage = Stage::Combining;
         let gradient = self.cfg.sums_gradients(round);
-        let step = (!gradient && !self.synced).then_some(step);
+        if total <= 0.0 && !gradient {
+            // Nobody in the ring holds parameters from a round (joiners only, or members
+            // whose synced peers died): each would keep its own, and they would differ.
+            // They found one state together instead, as founders do: synced from now, they
+            // try the round again with their parameters at full weight and all leave it
+            // with one mean and the highest step among them.
+            tracing::info!(
+                round,
+                "no member of the ring is synced; founding one state together"
+            );
+            self.synced = true;
+            self.founding = true;
+            self.attempt += 1;
+            self.abort_counter("no member synced");
+            self.ask(false, out);
+            return;
+        }
+        self.stage = Stage::Combining;
+        let step = (!gradient && (!self.synced || self.founding)).then_some(step);
         if total > 0.0 {
             acc.iter_mut().for_each(|v| *v /= total);
             out.push(Output::Trainer(TrainerCommand::Combine {
@@ -659,8 +712,8 @@ impl Rounds {
                 step,
             }));
         } else {
-            // Nobody in the ring had parameters from a round (joiners only): each keeps its
-            // own and they are synced from the next round on.
+            // A gradient round in which no member is synced: each steps with its own
+            // gradient, and the next parameter round founds their state.
             out.push(Output::Trainer(TrainerCommand::Combine {
                 round,
                 mean: Vec::new(),
@@ -681,6 +734,7 @@ impl Rounds {
         self.attempt = 0;
         if !self.cfg.sums_gradients(round) {
             self.synced = true;
+            self.founding = false;
         }
         // As a synced member's first boundary: `steps` on, or in gradient rounds, none.
         self.boundary = self.cfg.first_boundary(step, true);
@@ -716,6 +770,7 @@ impl Rounds {
         self.round = None;
         self.attempt = 0;
         self.synced = false;
+        self.founding = false;
         self.boundary = step;
         self.stage = Stage::Training;
         self.waiting_since = None;

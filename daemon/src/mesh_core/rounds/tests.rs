@@ -481,6 +481,142 @@ fn a_member_that_leaves_after_completing_the_round_does_not_abort_it() {
     }
 }
 
+/// A hop that arrives before its sender is known as a member (the two ends of a connection
+/// learn of each other independently) is kept and taken once the sender is: the round
+/// completes with it. (Dropped, it left the sender waiting for `STALL_TIMEOUT`.)
+#[test]
+fn a_hop_from_a_peer_not_yet_known_as_a_member_is_taken_once_it_is() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    let mut queue = VecDeque::new();
+    for i in 0..2 {
+        let mut out = Vec::new();
+        ring.nodes[i].tick(5, true, now, &mut out);
+        ring.nodes[i].params(ring.params[i].clone(), 5, now, &mut out);
+        queue.extend(out.into_iter().map(|o| (i, o)));
+    }
+    // Node 1 has not heard of node 0 as a member when node 0's first hop comes.
+    let mut held = 0;
+    let mut rest = VecDeque::new();
+    for (i, o) in queue {
+        match o {
+            Output::SendRing { msg, .. } if i == 0 => {
+                ring.nodes[1].hold_early(ring.ids[0], msg);
+                held += 1;
+            }
+            other => rest.push_back((i, other)),
+        }
+    }
+    assert_eq!(held, 1);
+    let rest = ring.carry_until(rest, now, &[true; 2], |_| false);
+    assert!(rest.is_empty());
+    assert!(
+        ring.means.iter().all(Option::is_none),
+        "no round without the hop"
+    );
+    let mut out = Vec::new();
+    ring.nodes[1].member_up(ring.ids[0], now, &mut out);
+    ring.carry(out.into_iter().map(|o| (1, o)).collect(), now, &[true; 2]);
+    let first = ring.means[0].clone().expect("node 0 has the mean");
+    assert_eq!(
+        bits(&first),
+        bits(&ring.means[1].clone().expect("node 1 too"))
+    );
+    // Kept hops of a peer that went away are dropped with it.
+    ring.nodes[1].hold_early(
+        ring.ids[0],
+        hop_message(
+            9,
+            0,
+            &mut super::Ring {
+                digest: 0,
+                members: ring.ids.clone(),
+                me: 0,
+                acc: vec![0.0; 11],
+                compact: false,
+                step: 0,
+                next_hop: 0,
+                last_progress: now,
+                predecessor_went_on: None,
+                left_done: Vec::new(),
+            },
+            0,
+        ),
+    );
+    ring.nodes[1].peer_down(ring.ids[0], now);
+    let mut out = Vec::new();
+    ring.nodes[1].member_up(ring.ids[0], now, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+}
+
+/// A ring with no synced member (joiners only, or members whose synced peers died) found one
+/// state together: the attempt whose weights sum to 0 is tried again with every member's
+/// parameters at full weight, and all leave the round synced, with the same bits of the
+/// plain mean and the highest step among them. (They used to keep their own parameters,
+/// which differ, and call themselves synced: the simulator found `ddp` members of one ring
+/// stepping from different parameters for up to `resync_every` rounds.)
+#[test]
+fn a_ring_without_a_synced_member_founds_one_state() {
+    let mut ring = Ring::new(3, &[1.0; 3], &[false; 3]);
+    let now = Instant::now();
+    for node in &mut ring.nodes {
+        node.round = Some(4);
+    }
+    ring.hear_all(now);
+    let mut queue = VecDeque::new();
+    for i in 0..3 {
+        let mut out = Vec::new();
+        ring.nodes[i].tick(0, true, now, &mut out);
+        // The members' steps differ; each hands over its parameters at its own.
+        ring.nodes[i].params(ring.params[i].clone(), 10 + i as u64, now, &mut out);
+        queue.extend(out.into_iter().map(|o| (i, o)));
+    }
+    let mut steps = [None; 3];
+    while let Some((i, o)) = queue.pop_front() {
+        let mut out = Vec::new();
+        match o {
+            Output::Trainer(TrainerCommand::TakeParams) => {
+                ring.nodes[i].params(ring.params[i].clone(), 10 + i as u64, now, &mut out)
+            }
+            Output::Trainer(TrainerCommand::Combine { mean, step, .. }) => {
+                ring.means[i] = Some(mean);
+                steps[i] = Some(step);
+            }
+            Output::SendRing { peer, msg } => {
+                let j = ring.ids.iter().position(|p| *p == peer).expect("peer");
+                ring.nodes[j].message(ring.ids[i], msg, now, &mut out);
+                queue.extend(out.drain(..).map(|o| (j, o)));
+            }
+            _ => {}
+        }
+        queue.extend(out.into_iter().map(|o| (i, o)));
+    }
+    let want: Vec<f32> = (0..10)
+        .map(|j| (0..3).map(|i| ring.params[i][j]).sum::<f32>() / 3.0)
+        .collect();
+    for (i, step) in steps.iter().enumerate() {
+        let mean = ring.means[i].clone().expect("a mean");
+        assert_eq!(mean.len(), 10, "node {i} keeps its own parameters");
+        assert_eq!(bits(&mean), bits(&ring.means[0].clone().expect("a mean")));
+        for (got, want) in mean.iter().zip(&want) {
+            assert!(
+                (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "{got} vs {want}"
+            );
+        }
+        assert_eq!(*step, Some(Some(12)), "node {i}");
+        let st = ring.nodes[i].status();
+        assert!(st.synced, "node {i}: {st:?}");
+        assert_eq!(st.aborted.get("no member synced"), Some(&1), "node {i}");
+        ring.nodes[i].combined(4, 12, "founded".into(), &mut Vec::new());
+        assert_eq!(
+            ring.nodes[i].status().digests,
+            vec![(4, "founded".to_string())]
+        );
+    }
+}
+
 #[test]
 fn a_joiner_adopts_the_round_and_leaves_it_with_the_members_mean() {
     let mut ring = Ring::new(3, &[1.0; 3], &[true, true, false]);

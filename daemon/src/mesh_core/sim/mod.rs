@@ -3,7 +3,11 @@
 //! hostile peers. Each node's "trainer" is a few lines here (a quadratic objective towards a
 //! target of its own, so the nodes disagree and only the mesh brings them together); every
 //! decision about peers, updates and syncs is the core's, byte for byte as in the daemon:
-//! updates are encoded with the real codec, syncs answered in the real dense format.
+//! updates are encoded with the real codec, syncs answered in the real dense format. With
+//! [`SimParams::rounds`] the nodes run a synchronous mode instead of gossip: the core's own
+//! rounds, ring hops carried between the simulated nodes (in order on each link), the
+//! trainer's side of a round here (parameters, gradients, the mean taken), and every round's
+//! resulting parameter digests compared across its members.
 //!
 //! The core's tests drive it (`mesh_core::tests`), and `p2ptrain bench sim` runs it at sizes
 //! no lab can start, for planning: bytes per node per step and consensus against N.
@@ -21,6 +25,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_bytes::ByteBuf;
 
+use super::rounds::RoundConfig;
 use super::{
     AverageOutcome, CoreConfig, FetchAnswer, Input, MeshConfig, MeshCore, Output, Phase, Progress,
     RequestFailed, TrainerCommand, TrainerEvent, WallClock, HEARTBEAT_EVERY,
@@ -28,7 +33,8 @@ use super::{
 use crate::guard::GuardConfig;
 use crate::policy::PolicyConfig;
 use crate::sync_guard;
-use crate::wire::BulkResponse;
+use crate::wire::{BulkResponse, RingMessage};
+use p2ptrain_models::params::params_digest;
 
 mod network;
 mod replicas;
@@ -37,6 +43,8 @@ const RUN: &str = "00112233445566778899aabbccddeeff";
 /// How long a silent peer takes to be noticed (the network's `SILENT_AFTER`).
 const SILENT_MS: u64 = 4_000;
 const TICK_MS: u64 = 50;
+/// How long a ring hop to a node gone takes to come back undelivered: a dial that fails.
+const RING_DIAL_MS: u64 = 100;
 
 /// What a simulation is asked to do.
 #[derive(Debug, Clone)]
@@ -55,6 +63,8 @@ pub struct SimParams {
     pub policy: PolicyConfig,
     /// Kill a random honest node and start a joiner this often (0: no churn).
     pub churn_every_ms: u64,
+    /// No churn from this virtual ms on: the mesh's state after a quiet spell.
+    pub quiet_from_ms: Option<u64>,
     /// Split the mesh in two during this window (virtual ms).
     pub partition: Option<(u64, u64)>,
     /// Updates larger than this are announced and pulled from their author (`mesh.inline_max`).
@@ -65,6 +75,10 @@ pub struct SimParams {
     pub links: Option<usize>,
     /// How far apart the two sides' data pull (0: sides alike).
     pub side_skew: f32,
+    /// A synchronous mode's rounds instead of gossip (`policy` should then publish and sync
+    /// nothing, as [`crate::config`] makes it): founders start synced, joiners hold until a
+    /// round brings them in. `None`: the gossip mode.
+    pub rounds: Option<RoundConfig>,
 }
 
 impl SimParams {
@@ -88,10 +102,42 @@ impl SimParams {
                 ..PolicyConfig::default()
             },
             churn_every_ms: 1_000,
+            quiet_from_ms: None,
             partition: partition.then_some((10_000, 20_000)),
             inline_max: 1 << 20,
             links: Some(8),
             side_skew: 0.1,
+            rounds: None,
+        }
+    }
+
+    /// The synchronous scenario: `nodes` honest nodes, all connected, in the rounds of
+    /// `rounds` (no gossip, no neighbour syncs), the first the founder and the others joined
+    /// from its state at the start; every `churn_every_ms` (3 s here) until 25 s a node is
+    /// killed without a word (its peers notice its silence after 4 s, or at once when a hop
+    /// to it fails) and a joiner started from a survivor's state; then 15 s of quiet, 40 s in
+    /// all.
+    pub fn rounds(nodes: usize, seed: u64, rounds: RoundConfig) -> SimParams {
+        SimParams {
+            seed,
+            nodes,
+            hostile: 0,
+            secs: 40,
+            dim: 32,
+            policy: PolicyConfig {
+                publish_every: 0,
+                publish_early_ratio: 0.0,
+                full_sync_every: 0,
+                staleness_bound: None,
+                ..PolicyConfig::default()
+            },
+            churn_every_ms: 3_000,
+            quiet_from_ms: Some(25_000),
+            partition: None,
+            inline_max: 1 << 20,
+            links: None,
+            side_skew: 0.0,
+            rounds: Some(rounds),
         }
     }
 }
@@ -135,7 +181,36 @@ pub struct SimReport {
     /// The live honest cores' status counters, summed at the end: what each rule of the core
     /// decided, so a change that moves a decision changes a figure.
     pub counters: BTreeMap<&'static str, u64>,
+    /// What the rounds did, when the nodes ran a synchronous mode.
+    pub rounds: Option<RoundsReport>,
 }
+
+/// What a synchronous mode's rounds did in a simulation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RoundsReport {
+    /// The highest round any live node completed.
+    pub highest: u64,
+    /// Rings of two or more members whose mean a member took (each counted once).
+    pub taken: u64,
+    /// Of those, rings after which two members held different parameters: the ring's
+    /// promise (every member the same mean, bit for bit) broken. (Two rings may complete one
+    /// round apart, as nodes that have not heard each other do under a `min_members` below
+    /// the mesh's size: each keeps its own promise.)
+    pub split: u64,
+    /// Rounds the live nodes completed, summed.
+    pub completed: u64,
+    /// Attempts the live nodes aborted, by reason, summed.
+    pub aborted: BTreeMap<String, u64>,
+    /// Live nodes started more than [`SETTLE_MS`] before the end whose parameters are still
+    /// not the members' (a joiner no round brought in).
+    pub unsynced: u64,
+    /// Bytes of ring hops the live nodes sent, summed.
+    pub ring_bytes: u64,
+}
+
+/// A joiner started this long before a simulation's end is expected to have been brought in
+/// by a round ([`RoundsReport::unsynced`]).
+pub const SETTLE_MS: u64 = 5_000;
 
 struct SimNode {
     id: PeerId,
@@ -153,6 +228,15 @@ struct SimNode {
     subs: BTreeSet<String>,
     heard: BTreeSet<usize>,
     last_advanced: u64,
+    /// When it started (virtual ms).
+    born: u64,
+    /// The ring of its last hop sent: (round, member-list digest).
+    last_ring: Option<(u64, u64)>,
+    /// The gradient it gave to a `ddp` round, kept for the step the round's mean makes.
+    kept_gradient: Option<Vec<f32>>,
+    /// When its trainer finishes the gradient it is computing (virtual ms): it takes one
+    /// command after another, so its later answers wait for that one.
+    trainer_free_at: u64,
 }
 
 enum Ev {
@@ -181,6 +265,12 @@ pub struct Sim {
     common: Vec<f32>,
     /// Who is connected to whom, when not everybody to everybody ([`SimParams::links`]).
     links: Option<Vec<BTreeSet<usize>>>,
+    /// The parameter digests the members of each ring (round, member-list digest) took its
+    /// mean with: more than one is a split.
+    round_digests: BTreeMap<(u64, u64), BTreeSet<String>>,
+    /// When the last ring hop on each link (from, to) arrives: hops on one link keep their
+    /// order, as on one connection.
+    ring_arrivals: BTreeMap<(usize, usize), u64>,
 }
 
 /// The simulated nodes' mesh: [`MeshConfig::plain`] with the daemon's default rate limit.
@@ -216,6 +306,8 @@ impl Sim {
             msg_ids: 0,
             common: Vec::new(),
             links: None,
+            round_digests: BTreeMap::new(),
+            ring_arrivals: BTreeMap::new(),
             p,
         };
         sim.common = (0..sim.p.dim)
@@ -282,7 +374,9 @@ impl Sim {
                 unix_secs: 0,
                 at: self.base,
             },
-            rounds: None,
+            // As a mesh is started: the first node founds it, the others join it (they hold
+            // the first node's state, as a download gives it, but no round has synced them).
+            rounds: self.p.rounds.map(|rc| (rc, i == 0)),
         });
         // Every node pulls towards the run's common optimum plus a skew of its own, as nodes
         // with different data do, and its side of the partition's skew (two labs with data of
@@ -329,6 +423,10 @@ impl Sim {
             subs: BTreeSet::new(),
             heard: BTreeSet::new(),
             last_advanced: self.t,
+            born: self.t,
+            last_ring: None,
+            kept_gradient: None,
+            trainer_free_at: 0,
         });
         self.index.insert(id, i);
         if let Some(links) = self.links.as_mut() {
@@ -337,6 +435,11 @@ impl Sim {
         self.report.nodes_started += 1;
         let start = self.nodes[i].core.start();
         self.carry_out(i, start);
+        if self.p.rounds.is_some() {
+            // Its state is in place (a download's work, here instant): it trains, or holds
+            // at its boundary and is asked for its part in a round.
+            self.input(i, Input::Progress(self.nodes[i].progress()));
+        }
         let first = self.rng.random_range(1..step_ms + 1);
         self.at(first, Ev::Step(i));
         i
@@ -408,6 +511,9 @@ impl Sim {
     }
 
     fn churn(&mut self) {
+        if self.p.quiet_from_ms.is_some_and(|quiet| self.t >= quiet) {
+            return;
+        }
         let honest: Vec<usize> = (0..self.nodes.len())
             .filter(|&i| self.nodes[i].alive && !self.nodes[i].hostile)
             .collect();
@@ -492,6 +598,37 @@ impl Sim {
             .iter()
             .map(|n| l2_norm(&n.x) / target_norm)
             .fold(0.0, f64::max);
+        if self.p.rounds.is_some() {
+            self.report.rounds = Some(self.rounds_report(&honest, now));
+        }
         self.report
+    }
+
+    fn rounds_report(&self, live: &[&SimNode], now: Instant) -> RoundsReport {
+        let end = self.p.secs * 1000;
+        let mut r = RoundsReport {
+            taken: self.round_digests.len() as u64,
+            split: self
+                .round_digests
+                .values()
+                .filter(|digests| digests.len() > 1)
+                .count() as u64,
+            ..RoundsReport::default()
+        };
+        for n in live {
+            let Some(s) = n.core.status(now).rounds else {
+                continue;
+            };
+            r.highest = r.highest.max(s.round.unwrap_or(0));
+            r.completed += s.completed;
+            for (why, count) in s.aborted {
+                *r.aborted.entry(why).or_default() += count;
+            }
+            if !s.synced && n.born + SETTLE_MS < end {
+                r.unsynced += 1;
+            }
+            r.ring_bytes += s.bytes_sent;
+        }
+        r
     }
 }

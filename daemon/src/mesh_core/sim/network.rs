@@ -1,6 +1,6 @@
 //! The simulated network: links and their delays, dials, partitions' cut edges, gossip to
-//! subscribers, full syncs answered in the real dense format, hostile nodes' forged updates,
-//! and carrying out a core's outputs.
+//! subscribers, full syncs answered in the real dense format, ring hops in order on each
+//! link, hostile nodes' forged updates, and carrying out a core's outputs.
 
 use super::*;
 
@@ -57,7 +57,8 @@ impl Sim {
             let outs = self.nodes[i].core.handle(input, now);
             work.extend(self.carry_out(i, outs));
             while let Some(apply) = self.nodes[i].core.next_apply() {
-                let _ = self.train(i, apply);
+                // An apply has no answer.
+                self.train(i, apply);
             }
             let sizes = self.nodes[i].core.sizes();
             self.report.largest_map = self.report.largest_map.max(sizes.per_peer_max);
@@ -138,9 +139,7 @@ impl Sim {
         let mut back = Vec::new();
         for out in outs {
             match out {
-                // The simulated nodes run the gossip mode; rounds have their own tests
-                // (`rounds::tests`) and the integration suite's `modes`.
-                Output::SendRing { .. } => {}
+                Output::SendRing { peer, msg } => self.send_ring(i, peer, msg),
                 Output::Subscribe(t) => {
                     self.nodes[i].subs.insert(t);
                 }
@@ -187,10 +186,45 @@ impl Sim {
                     })
                 }
                 Output::RequestParams(peer) => self.answer_sync(i, peer),
-                Output::Trainer(cmd) => back.extend(self.train(i, cmd)),
+                Output::Trainer(cmd) => {
+                    let answers = self.train(i, cmd);
+                    back.extend(self.when_trainer_free(i, answers));
+                }
             }
         }
         back
+    }
+
+    /// A ring hop from node `i` reaches `peer` after the link's delay, never before an
+    /// earlier hop on the same link; a hop to a node gone or cut off comes back undelivered
+    /// after a connection attempt's time.
+    pub(super) fn send_ring(&mut self, i: usize, peer: PeerId, msg: RingMessage) {
+        self.nodes[i].last_ring = Some((msg.round, msg.members));
+        let reachable = self
+            .index
+            .get(&peer)
+            .copied()
+            .filter(|&j| self.connected(i, j));
+        let Some(j) = reachable else {
+            let undelivered = Input::RingUndelivered {
+                peer,
+                round: msg.round,
+                attempt: msg.attempt,
+            };
+            self.at(RING_DIAL_MS, Ev::Deliver(i, Box::new(undelivered)));
+            return;
+        };
+        let arrival =
+            (self.t + self.delay(i, j)).max(self.ring_arrivals.get(&(i, j)).copied().unwrap_or(0));
+        self.ring_arrivals.insert((i, j), arrival);
+        if !self.nodes[i].hostile {
+            self.report.bytes_sent += msg.values.len() as u64;
+        }
+        let input = Input::Ring {
+            peer: self.nodes[i].id,
+            msg,
+        };
+        self.at(arrival - self.t, Ev::Deliver(j, Box::new(input)));
     }
 
     pub(super) fn answer_sync(&mut self, i: usize, peer: PeerId) {

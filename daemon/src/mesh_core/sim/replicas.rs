@@ -1,6 +1,7 @@
 //! The simulated replicas: each node's "trainer" (a quadratic objective towards a target of
-//! its own), its steps under the core's limit, what it makes of the core's commands, and the
-//! consensus distance between the honest ones.
+//! its own), its steps under the core's limit, what it makes of the core's commands (the
+//! gossip mode's deltas, applies and averages, and a round's parameters, gradients and mean),
+//! and the consensus distance between the honest ones.
 
 use super::*;
 
@@ -36,6 +37,7 @@ impl Sim {
             }
         }
         let n = &mut self.nodes[i];
+        // A step of `LR` down [`SimNode::gradient`], written out as recorded figures have it.
         let mut noise = StdRng::seed_from_u64(self.p.seed ^ n.step ^ (i as u64) << 32);
         for (x, t) in n.x.iter_mut().zip(&n.target) {
             *x -= 0.002 * (*x - t) + 0.0005 * noise.random_range(-1.0f32..1.0);
@@ -45,15 +47,7 @@ impl Sim {
         if !n.hostile {
             self.report.steps += 1;
         }
-        let progress = Progress {
-            phase: Phase::Training,
-            step: n.step,
-            param_norm: l2_norm(&n.x),
-            loss: None,
-            samples_per_sec: 0.0,
-            accuracy: None,
-            ms_per_sample: None,
-        };
+        let progress = n.progress();
         let step = n.step;
         self.input(i, Input::Progress(progress));
         self.input(
@@ -94,20 +88,24 @@ impl Sim {
         (HEARTBEAT_EVERY.as_millis() as u64 + 200) / self.nodes[j].step_ms + 1
     }
 
-    /// The node's trainer, as `trainer.rs` does it.
-    pub(super) fn train(&mut self, i: usize, cmd: TrainerCommand) -> Option<Input> {
+    /// The node's trainer, as `trainer/` does it; what it tells the core, to be handled last
+    /// first.
+    pub(super) fn train(&mut self, i: usize, cmd: TrainerCommand) -> Vec<Input> {
+        let seed = self.p.seed;
         let n = &mut self.nodes[i];
-        match cmd {
+        let event = match cmd {
             TrainerCommand::TakeDelta => {
-                let delta = n.own.delta(&n.x)?;
+                let Some(delta) = n.own.delta(&n.x) else {
+                    return Vec::new();
+                };
                 n.own.reset(&n.x);
                 let base_step = n.last_delta_step;
                 n.last_delta_step = n.step;
-                Some(Input::Trainer(TrainerEvent::Delta {
+                TrainerEvent::Delta {
                     base_step,
                     step: n.step,
                     delta,
-                }))
+                }
             }
             TrainerCommand::Apply { values, weight } => {
                 for (x, v) in n.x.iter_mut().zip(&values) {
@@ -115,7 +113,7 @@ impl Sim {
                 }
                 n.own.added(&values, weight);
                 self.report.applied += 1;
-                None
+                return Vec::new();
             }
             TrainerCommand::Average { seq, theirs, bound } => {
                 let outcome = match sync_guard::judge(&n.x, &theirs, bound) {
@@ -130,13 +128,114 @@ impl Sim {
                     }
                     Err(r) => AverageOutcome::Refused(r),
                 };
-                Some(Input::Trainer(TrainerEvent::Averaged { seq, outcome }))
+                TrainerEvent::Averaged { seq, outcome }
             }
-            // Only the synchronous modes ask for these; the simulated nodes gossip.
-            TrainerCommand::TakeParams
-            | TrainerCommand::TakeGradient { .. }
-            | TrainerCommand::Combine { .. } => None,
+            TrainerCommand::TakeParams => TrainerEvent::Params {
+                step: n.step,
+                values: n.x.clone(),
+            },
+            // A gradient takes a step's time to compute (a lone `ddp` node's rounds are its
+            // steps, one after the other).
+            TrainerCommand::TakeGradient { batch } => {
+                let values = n.gradient(seed, i);
+                n.kept_gradient = Some(values.clone());
+                let event = TrainerEvent::Gradient {
+                    step: n.step,
+                    values,
+                    samples: batch,
+                };
+                n.trainer_free_at = n.trainer_free_at.max(self.t) + n.step_ms;
+                let ms = n.trainer_free_at - self.t;
+                self.at(ms, Ev::Deliver(i, Box::new(Input::Trainer(event))));
+                return Vec::new();
+            }
+            TrainerCommand::Combine {
+                round,
+                mean,
+                gradient,
+                step,
+            } => {
+                let kept = n.kept_gradient.take();
+                // A member whose parameters are the mesh's: after a parameter round every
+                // member is; after a gradient round, those that were before it.
+                let synced = !gradient
+                    || n.core
+                        .status(self.base + Duration::from_millis(self.t))
+                        .rounds
+                        .is_some_and(|r| r.synced);
+                if mean.len() != n.x.len() && !mean.is_empty() {
+                    let outcome = Err(format!("a mean of {} values", mean.len()));
+                    return vec![Input::Trainer(TrainerEvent::Combined {
+                        round,
+                        step: n.step,
+                        outcome,
+                    })];
+                }
+                match (gradient, kept) {
+                    // A gradient round: the step is made with the members' mean gradient
+                    // (the own one where no member was synced); without a kept gradient
+                    // (this node gave parameters) nothing changes.
+                    (true, Some(own)) => {
+                        let g = if mean.is_empty() { &own } else { &mean };
+                        for (x, g) in n.x.iter_mut().zip(g) {
+                            *x -= LR * g;
+                        }
+                        n.step += 1;
+                        if !n.hostile {
+                            self.report.steps += 1;
+                        }
+                    }
+                    (true, None) => {}
+                    (false, _) => {
+                        if !mean.is_empty() {
+                            n.x = mean.clone();
+                        }
+                        // The trainer moves its step forward only.
+                        if let Some(step) = step.filter(|s| *s > n.step) {
+                            n.step = step;
+                        }
+                    }
+                }
+                n.last_advanced = self.t;
+                let digest = params_digest(&n.x);
+                // A ring of one sends no hop and makes no promise.
+                let ring = n.last_ring.filter(|(r, _)| *r == round);
+                if let Some(ring) = ring.filter(|_| synced && !mean.is_empty() && !n.hostile) {
+                    self.round_digests
+                        .entry(ring)
+                        .or_default()
+                        .insert(digest.clone());
+                }
+                let (progress, step) = (n.progress(), n.step);
+                // Handled last first: the mean's answer, then the trainer's news.
+                return vec![
+                    Input::Trainer(TrainerEvent::Stepped {
+                        step,
+                        pending_ratio: 0.0,
+                    }),
+                    Input::Progress(progress),
+                    Input::Trainer(TrainerEvent::Combined {
+                        round,
+                        step,
+                        outcome: Ok(digest),
+                    }),
+                ];
+            }
+        };
+        vec![Input::Trainer(event)]
+    }
+
+    /// The trainer's `answers` (as [`Sim::train`] gives them, last first) now, or, while it
+    /// still computes a gradient, delivered in order once it is done.
+    pub(super) fn when_trainer_free(&mut self, i: usize, answers: Vec<Input>) -> Vec<Input> {
+        let free_at = self.nodes[i].trainer_free_at;
+        if free_at <= self.t {
+            return answers;
         }
+        for answer in answers.into_iter().rev() {
+            self.at(free_at - self.t, Ev::Deliver(i, Box::new(answer)));
+        }
+        Vec::new()
     }
 
     /// Mean relative distance of the live honest nodes from their mean.
@@ -165,5 +264,34 @@ impl Sim {
             })
             .sum::<f64>()
             / honest.len().max(1) as f64
+    }
+}
+
+/// The simulated trainers' learning rate.
+const LR: f32 = 0.002;
+
+impl SimNode {
+    /// Its objective's gradient at its parameters, with noise seeded by the node and step
+    /// (a batch's noise): the same call at the same state gives the same values.
+    fn gradient(&self, seed: u64, i: usize) -> Vec<f32> {
+        let mut noise = StdRng::seed_from_u64(seed ^ self.step ^ (i as u64) << 32);
+        self.x
+            .iter()
+            .zip(&self.target)
+            .map(|(x, t)| (x - t) + 0.25 * noise.random_range(-1.0f32..1.0))
+            .collect()
+    }
+
+    /// What its trainer publishes about itself.
+    pub(super) fn progress(&self) -> Progress {
+        Progress {
+            phase: Phase::Training,
+            step: self.step,
+            param_norm: l2_norm(&self.x),
+            loss: None,
+            samples_per_sec: 0.0,
+            accuracy: None,
+            ms_per_sample: None,
+        }
     }
 }

@@ -216,17 +216,18 @@ pub fn peers_table(s: &Status) -> String {
         ));
     }
     for p in &s.peers.list {
+        let (link, hb) = (&p.link, p.heartbeat.as_ref());
         out.push_str(&format!(
             "{:<54} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>8}  {}\n",
-            p.peer_id,
+            link.peer_id,
             if p.neighbour { "yes" } else { "" },
-            opt(p.rtt_ms, 1),
-            p.step.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
-            opt(p.loss, 4),
-            opt(p.samples_per_sec, 0),
-            opt(p.score, 1),
-            p.path.as_deref().unwrap_or("-"),
-            p.remote.as_deref().unwrap_or(&p.address)
+            opt(link.rtt_ms, 1),
+            hb.map(|h| h.step.to_string()).unwrap_or_else(|| "-".into()),
+            opt(hb.and_then(|h| h.loss), 4),
+            opt(hb.map(|h| h.samples_per_sec), 0),
+            opt(link.score, 1),
+            link.path.as_deref().unwrap_or("-"),
+            link.remote.as_deref().unwrap_or(&link.address)
         ));
     }
     if !s.network.banned_peers.is_empty() {

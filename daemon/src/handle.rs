@@ -16,8 +16,8 @@ use crate::checkpoint::{CheckpointMeta, Snapshot};
 use crate::device::DeviceSpec;
 use crate::mesh::MeshStatus;
 use crate::status::{
-    CheckpointRef, CheckpointStatus, CheckpointView, MeshReport, ModelInfo, NetworkStatus,
-    NodeStatus, Peers, Status, SyncSettings, SyncStatus, TrainingStatus,
+    CheckpointRef, CheckpointStatus, CheckpointView, MeshReport, ModelInfo, NodeStatus, Peers,
+    Status, SyncSettings, SyncStatus, TrainingStatus,
 };
 use crate::store::{Store, StoreError};
 use crate::trainer::{Command, Stats};
@@ -157,7 +157,7 @@ impl NodeHandle {
             training: TrainingStatus::from(&stats),
             checkpoints: self.checkpoint_status(),
             peers,
-            network: NetworkStatus::from(net),
+            network: net.status,
             mesh: MeshReport::new(
                 mesh,
                 &stats,

@@ -843,9 +843,9 @@ async fn final_summary(
 async fn print_listen_addrs(net: &network::Client, peer_id: &str) {
     for _ in 0..40 {
         if let Ok(snap) = net.snapshot().await {
-            if !snap.listen_addrs.is_empty() {
+            if !snap.status.listen_addrs.is_empty() {
                 println!("p2ptrain node {peer_id}: join this mesh with");
-                for a in &snap.listen_addrs {
+                for a in &snap.status.listen_addrs {
                     println!("  p2ptrain join --bootstrap {a}");
                 }
                 return;

@@ -386,9 +386,12 @@ fn own_metrics(s: &Status) -> Registry {
         "peer_step",
         "A peer's step, from its last heartbeat",
         None,
-        peers
-            .iter()
-            .filter_map(|p| Some((label("peer", &p.peer_id), p.step? as f64))),
+        peers.iter().filter_map(|p| {
+            Some((
+                label("peer", &p.link.peer_id),
+                p.heartbeat.as_ref()?.step as f64,
+            ))
+        }),
     );
     b.gauges(
         "peer_training_loss",
@@ -396,15 +399,18 @@ fn own_metrics(s: &Status) -> Registry {
         None,
         peers
             .iter()
-            .filter_map(|p| Some((label("peer", &p.peer_id), p.loss?))),
+            .filter_map(|p| Some((label("peer", &p.link.peer_id), p.heartbeat.as_ref()?.loss?))),
     );
     b.gauges(
         "peer_eval_accuracy_ratio",
         "A peer's latest held-out accuracy, from its last heartbeat",
         None,
-        peers
-            .iter()
-            .filter_map(|p| Some((label("peer", &p.peer_id), p.accuracy?))),
+        peers.iter().filter_map(|p| {
+            Some((
+                label("peer", &p.link.peer_id),
+                p.heartbeat.as_ref()?.accuracy?,
+            ))
+        }),
     );
     b.gauges(
         "peer_rtt",
@@ -412,7 +418,7 @@ fn own_metrics(s: &Status) -> Registry {
         Some(Unit::Seconds),
         peers
             .iter()
-            .filter_map(|p| Some((label("peer", &p.peer_id), p.rtt_ms? / 1000.0))),
+            .filter_map(|p| Some((label("peer", &p.link.peer_id), p.link.rtt_ms? / 1000.0))),
     );
     b.gauges(
         "peer_score",
@@ -420,7 +426,7 @@ fn own_metrics(s: &Status) -> Registry {
         None,
         peers
             .iter()
-            .filter_map(|p| Some((label("peer", &p.peer_id), p.score?))),
+            .filter_map(|p| Some((label("peer", &p.link.peer_id), p.link.score?))),
     );
     b.counters(
         "peer_sent",
@@ -428,7 +434,7 @@ fn own_metrics(s: &Status) -> Registry {
         Some(Unit::Bytes),
         peers
             .iter()
-            .filter_map(|p| Some((label("peer", &p.peer_id), p.bytes_sent?))),
+            .filter_map(|p| Some((label("peer", &p.link.peer_id), p.link.bytes_sent?))),
     );
     b.counters(
         "peer_received",
@@ -436,7 +442,7 @@ fn own_metrics(s: &Status) -> Registry {
         Some(Unit::Bytes),
         peers
             .iter()
-            .filter_map(|p| Some((label("peer", &p.peer_id), p.bytes_received?))),
+            .filter_map(|p| Some((label("peer", &p.link.peer_id), p.link.bytes_received?))),
     );
 
     // State transfer and checkpoints.
@@ -519,20 +525,29 @@ mod tests {
         s.mesh.updates.rejected = 5;
         s.mesh.updates.outliers = 2;
         s.peers.list.push(crate::status::PeerStatus {
-            peer_id: "peer-a".into(),
-            address: String::new(),
-            rtt_ms: Some(12.5),
+            link: crate::network::PeerInfo {
+                peer_id: "peer-a".into(),
+                address: String::new(),
+                rtt_ms: Some(12.5),
+                agent: None,
+                score: Some(-1.0),
+                path: None,
+                remote: None,
+                bytes_sent: Some(1000),
+                bytes_received: Some(2000),
+            },
             neighbour: true,
-            step: Some(40),
-            loss: Some(0.5),
-            samples_per_sec: None,
-            ms_per_sample: None,
-            accuracy: None,
-            score: Some(-1.0),
-            path: None,
-            remote: None,
-            bytes_sent: Some(1000),
-            bytes_received: Some(2000),
+            heartbeat: Some(crate::wire::Heartbeat {
+                step: 40,
+                loss: Some(0.5),
+                samples_per_sec: 0.0,
+                accuracy: None,
+                ms_per_sample: None,
+                leaving: false,
+                in_rounds: false,
+                round: None,
+                seq: 0,
+            }),
         });
         let text = render(&s, &Registry::default()).expect("render");
         for line in [

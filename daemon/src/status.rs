@@ -3,8 +3,10 @@
 //!
 //! [`Status`] is composed of sections, each built from the state of the part that owns it
 //! (the trainer's [`Stats`], the network's [`NetSnapshot`], the mesh's [`MeshStatus`], the
-//! checkpoint store) and flattened into one JSON object. This module only shapes; it reads no
-//! live state itself (see [`crate::handle`]).
+//! checkpoint store) and flattened into one JSON object. Where the owner's type already is
+//! what status shows, it is used as it is: the network's [`NetworkStatus`], a peer's
+//! [`PeerInfo`] and last [`Heartbeat`] inside [`PeerStatus`]. This module only shapes; it
+//! reads no live state itself (see [`crate::handle`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -12,48 +14,24 @@ use std::collections::BTreeMap;
 
 use crate::checkpoint::CheckpointMeta;
 use crate::mesh::{FullSyncCounters, MeshStatus, SyncInfo, UpdateCounters};
-use crate::network::{BannedPeer, NetSnapshot, PeerInfo};
+pub use crate::network::NetworkStatus;
+use crate::network::{NetSnapshot, PeerInfo};
 use crate::trainer::{EvalStats, Phase, Stats};
 use crate::transfer::DownloadReport;
+use crate::wire::Heartbeat;
 
-/// A connected peer of the same run.
+/// A connected peer of the same run: what the network knows of it and what its last
+/// heartbeat said, each as its owner keeps it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PeerStatus {
-    /// Its peer id.
-    pub peer_id: String,
-    /// An address it listens on.
-    pub address: String,
-    /// Latest ping round trip in milliseconds.
-    pub rtt_ms: Option<f64>,
+    /// Its connection: id, address, round trip, score, path, bytes.
+    #[serde(flatten)]
+    pub link: PeerInfo,
     /// Whether it is one of this node's neighbours.
     pub neighbour: bool,
-    /// Its step, from its last heartbeat.
-    pub step: Option<u64>,
-    /// Its recent loss.
-    pub loss: Option<f64>,
-    /// Its throughput.
-    pub samples_per_sec: Option<f64>,
-    /// Its forward-backward milliseconds per sample.
-    #[serde(default)]
-    pub ms_per_sample: Option<f64>,
-    /// Its latest held-out accuracy.
-    pub accuracy: Option<f64>,
-    /// Its gossipsub score here: falls with every message of its that this node rejects.
-    #[serde(default)]
-    pub score: Option<f64>,
-    /// "direct", or "relayed" while this node reaches it only through a relay (no syncs
-    /// then).
-    #[serde(default)]
-    pub path: Option<String>,
-    /// The address the connection runs to (for a peer behind a NAT, its gateway's).
-    #[serde(default)]
-    pub remote: Option<String>,
-    /// Bytes sent to it over all connections since this node started.
-    #[serde(default)]
-    pub bytes_sent: Option<u64>,
-    /// Bytes received from it.
-    #[serde(default)]
-    pub bytes_received: Option<u64>,
+    /// Its last heartbeat (step, loss, throughput, accuracy, round), if one came.
+    #[serde(flatten)]
+    pub heartbeat: Option<Heartbeat>,
 }
 
 /// The peers part of the status.
@@ -203,68 +181,6 @@ pub struct CheckpointStatus {
     pub resumed_from: Option<CheckpointRef>,
 }
 
-/// The network's part of the status: what libp2p knows.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct NetworkStatus {
-    /// Bytes sent on all connections (libp2p bandwidth counters).
-    #[serde(default)]
-    pub bytes_sent: u64,
-    /// Bytes received on all connections.
-    #[serde(default)]
-    pub bytes_received: u64,
-    /// Addresses to join this node through.
-    #[serde(default)]
-    pub listen_addrs: Vec<String>,
-    /// Gossip topics subscribed.
-    #[serde(default)]
-    pub topics: Vec<String>,
-    /// Peers refused for belonging to another run.
-    #[serde(default)]
-    pub refused_peers: u64,
-    /// Peers disconnected and refused for a while after their score fell below the graylist
-    /// threshold.
-    #[serde(default)]
-    pub banned_peers: Vec<BannedPeer>,
-    /// Fingerprint of the private network key (`--psk`), if the node is on a private network.
-    #[serde(default)]
-    pub psk_fingerprint: Option<String>,
-    /// Number of peer ids on `network.allow`, if an allowlist is in force.
-    #[serde(default)]
-    pub allowlist: Option<usize>,
-    /// Connections that failed in the handshake: on a private network, most often a peer with
-    /// another key or none.
-    #[serde(default)]
-    pub handshake_failures: u64,
-    /// Connections refused or not dialled because the peer is not on the allowlist.
-    #[serde(default)]
-    pub denied_connections: u64,
-    /// Times a member was lost without a goodbye (silent, connection closed, or banned).
-    #[serde(default)]
-    pub peer_drops: u64,
-    /// Reachability (AutoNAT), relays and hole punching.
-    #[serde(default)]
-    pub nat: crate::nat::NatReport,
-}
-
-impl From<NetSnapshot> for NetworkStatus {
-    fn from(n: NetSnapshot) -> NetworkStatus {
-        NetworkStatus {
-            bytes_sent: n.bytes_sent,
-            bytes_received: n.bytes_received,
-            listen_addrs: n.listen_addrs,
-            topics: n.topics,
-            refused_peers: n.refused_peers,
-            banned_peers: n.banned,
-            psk_fingerprint: n.psk_fingerprint,
-            allowlist: n.allowlist,
-            handshake_failures: n.handshake_failures,
-            denied_connections: n.denied_connections,
-            peer_drops: n.peer_drops,
-            nat: n.nat,
-        }
-    }
-}
-
 /// The mesh's part of the status: neighbours, updates, syncs, the state download.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct MeshReport {
@@ -341,24 +257,10 @@ impl Peers {
     pub fn new(peers: &[PeerInfo], mesh: &MeshStatus) -> Peers {
         let list: Vec<PeerStatus> = peers
             .iter()
-            .map(|p| {
-                let hb = mesh.progress.get(&p.peer_id);
-                PeerStatus {
-                    peer_id: p.peer_id.clone(),
-                    address: p.address.clone(),
-                    rtt_ms: p.rtt_ms,
-                    neighbour: mesh.neighbours.contains(&p.peer_id),
-                    step: hb.map(|h| h.step),
-                    loss: hb.and_then(|h| h.loss),
-                    samples_per_sec: hb.map(|h| h.samples_per_sec),
-                    ms_per_sample: hb.and_then(|h| h.ms_per_sample),
-                    accuracy: hb.and_then(|h| h.accuracy),
-                    score: p.score,
-                    path: p.path.clone(),
-                    remote: p.remote.clone(),
-                    bytes_sent: p.bytes_sent,
-                    bytes_received: p.bytes_received,
-                }
+            .map(|p| PeerStatus {
+                link: p.clone(),
+                neighbour: mesh.neighbours.contains(&p.peer_id),
+                heartbeat: mesh.progress.get(&p.peer_id).cloned(),
             })
             .collect();
         Peers {
@@ -541,5 +443,61 @@ pub(crate) mod tests {
         }
         let back: Status = serde_json::from_value(v).expect("read back");
         assert_eq!(back, s);
+    }
+
+    /// A peer's entry is one flat object of its connection's and its heartbeat's fields (the
+    /// names the CLI and scripts read), with or without a heartbeat, and reads back.
+    #[test]
+    fn a_peer_is_flat_with_or_without_a_heartbeat() {
+        let link = PeerInfo {
+            peer_id: "peer-a".into(),
+            address: "/ip4/127.0.0.1/tcp/1".into(),
+            rtt_ms: Some(1.5),
+            agent: None,
+            score: Some(0.0),
+            path: Some("direct".into()),
+            remote: None,
+            bytes_sent: Some(10),
+            bytes_received: Some(20),
+        };
+        let heard = PeerStatus {
+            link: link.clone(),
+            neighbour: true,
+            heartbeat: Some(Heartbeat {
+                step: 7,
+                loss: Some(0.5),
+                samples_per_sec: 100.0,
+                accuracy: Some(0.9),
+                ms_per_sample: None,
+                leaving: false,
+                in_rounds: true,
+                round: Some(3),
+                seq: 4,
+            }),
+        };
+        let silent = PeerStatus {
+            link,
+            neighbour: false,
+            heartbeat: None,
+        };
+        let v = serde_json::to_value(&heard).expect("json");
+        for key in [
+            "peer_id",
+            "rtt_ms",
+            "score",
+            "neighbour",
+            "step",
+            "loss",
+            "accuracy",
+            "round",
+        ] {
+            assert!(v.get(key).is_some(), "{key} in {v}");
+        }
+        assert_eq!(v["step"], 7);
+        for p in [heard, silent] {
+            let back: PeerStatus =
+                serde_json::from_value(serde_json::to_value(&p).expect("json")).expect("back");
+            assert_eq!(back, p);
+        }
     }
 }

@@ -17,7 +17,8 @@ use super::behaviour::Behaviour;
 use super::metrics::{Bandwidth, Envelope, TopicSent};
 use super::peer_book::PeerBook;
 use super::{
-    BulkResponse, Command, Event, NetConfig, NetError, NetSnapshot, PeerInfo, SILENT_AFTER,
+    BulkResponse, Command, Event, NetConfig, NetError, NetSnapshot, NetworkStatus, PeerInfo,
+    SILENT_AFTER,
 };
 use crate::nat::{self, Links, Nat};
 use crate::scoring;
@@ -62,7 +63,7 @@ pub struct EventLoop {
     allowlist: Option<usize>,
     /// Connections that failed in the security handshake (a wrong or missing network key).
     handshake_failures: u64,
-    /// See [`NetSnapshot::peer_drops`].
+    /// See [`NetworkStatus::peer_drops`].
     peer_drops: u64,
     /// Connections refused (or not dialled) because of the allowlist.
     denied_connections: u64,
@@ -453,22 +454,24 @@ impl EventLoop {
         topics.sort();
         NetSnapshot {
             peers,
-            listen_addrs: listen
-                .into_iter()
-                .map(|a| format!("{a}/p2p/{me}"))
-                .collect(),
-            bytes_sent: self.bandwidth.sent(),
-            bytes_received: self.bandwidth.received(),
-            refused_peers: self.refused_count,
-            topics,
             topic_sent: self.topic_sent.by_topic(),
-            banned: self.book.banned(Instant::now()),
-            psk_fingerprint: self.psk_fingerprint.clone(),
-            allowlist: self.allowlist,
-            handshake_failures: self.handshake_failures,
-            peer_drops: self.peer_drops,
-            denied_connections: self.denied_connections,
-            nat: self.nat.report(&self.listen_addrs),
+            status: NetworkStatus {
+                listen_addrs: listen
+                    .into_iter()
+                    .map(|a| format!("{a}/p2p/{me}"))
+                    .collect(),
+                bytes_sent: self.bandwidth.sent(),
+                bytes_received: self.bandwidth.received(),
+                refused_peers: self.refused_count,
+                topics,
+                banned_peers: self.book.banned(Instant::now()),
+                psk_fingerprint: self.psk_fingerprint.clone(),
+                allowlist: self.allowlist,
+                handshake_failures: self.handshake_failures,
+                peer_drops: self.peer_drops,
+                denied_connections: self.denied_connections,
+                nat: self.nat.report(&self.listen_addrs),
+            },
         }
     }
 }

@@ -215,34 +215,55 @@ pub struct PeerInfo {
 pub struct NetSnapshot {
     /// Member peers (same run), connected.
     pub peers: Vec<PeerInfo>,
-    /// Our listen addresses, with `/p2p/<id>`.
-    pub listen_addrs: Vec<String>,
-    /// Bytes sent on every connection's substreams since start.
-    pub bytes_sent: u64,
-    /// Bytes received, likewise.
-    pub bytes_received: u64,
-    /// Peers refused for belonging to another run (or speaking another protocol version).
-    pub refused_peers: u64,
-    /// Topics we are subscribed to.
-    pub topics: Vec<String>,
     /// Gossip this node published, per topic: `(messages, bytes)`, each message counted once
     /// per peer it was sent to at publication, with gossipsub's envelope (signature, author,
     /// topic, sequence number). Copies re-sent later on a peer's request are not counted.
     pub topic_sent: BTreeMap<String, (u64, u64)>,
-    /// Peers banned for a graylisting score.
-    pub banned: Vec<BannedPeer>,
-    /// Fingerprint of the private network key, if the node is on one.
+    /// The rest, as the status report shows it.
+    pub status: NetworkStatus,
+}
+
+/// The network's part of a node's status: what libp2p knows.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NetworkStatus {
+    /// Bytes sent on every connection's substreams since start (libp2p bandwidth counters).
+    #[serde(default)]
+    pub bytes_sent: u64,
+    /// Bytes received, likewise.
+    #[serde(default)]
+    pub bytes_received: u64,
+    /// Our listen addresses, with `/p2p/<id>`: addresses to join this node through.
+    #[serde(default)]
+    pub listen_addrs: Vec<String>,
+    /// Gossip topics subscribed.
+    #[serde(default)]
+    pub topics: Vec<String>,
+    /// Peers refused for belonging to another run (or speaking another protocol version).
+    #[serde(default)]
+    pub refused_peers: u64,
+    /// Peers disconnected and refused for a while after their score fell below the graylist
+    /// threshold.
+    #[serde(default)]
+    pub banned_peers: Vec<BannedPeer>,
+    /// Fingerprint of the private network key (`--psk`), if the node is on a private network.
+    #[serde(default)]
     pub psk_fingerprint: Option<String>,
-    /// Number of peers on the allowlist, if one is in force.
+    /// Number of peer ids on `network.allow`, if an allowlist is in force.
+    #[serde(default)]
     pub allowlist: Option<usize>,
-    /// Connections that failed in the handshake (most often a network key mismatch).
+    /// Connections that failed in the handshake: on a private network, most often a peer with
+    /// another key or none.
+    #[serde(default)]
     pub handshake_failures: u64,
+    /// Connections refused or not dialled because the peer is not on the allowlist.
+    #[serde(default)]
+    pub denied_connections: u64,
     /// Times a member was lost without saying goodbye: silent too long, its last direct
     /// connection closed, or banned. An honest mesh on a healthy box never loses one.
+    #[serde(default)]
     pub peer_drops: u64,
-    /// Connections refused or not dialled because of the allowlist.
-    pub denied_connections: u64,
-    /// Reachability, relays and hole punching.
+    /// Reachability (AutoNAT), relays and hole punching.
+    #[serde(default)]
     pub nat: NatReport,
 }
 

@@ -398,7 +398,7 @@ fn serve_api(
 }
 
 /// Runs a node until `shutdown` resolves, it is asked to stop, or it reaches `max_steps`:
-/// opens the data directory, builds or restores the model, starts the trainer, the network,
+/// opens the data directory, builds or restores the model, starts the network, the trainer,
 /// the mesh and the API, waits, and stops them in order.
 pub async fn run(
     prepared: Prepared,
@@ -416,7 +416,7 @@ pub async fn run(
 
     // From here on the node writes to its data directory.
     let data_dir = opts.data_dir.clone();
-    let opened = open_data_dir(&config, &data_dir)?;
+    let mut opened = open_data_dir(&config, &data_dir)?;
     let (model, optimizer, start) = build_model(&config, &spec, &device, &opened)?;
     let model_info = ModelInfo {
         name: spec.name(),
@@ -491,8 +491,7 @@ pub async fn run(
     );
     let core = mesh_core(&config, &opened, layout, start_step, node_seed, rounds);
     // The checkpoint resumed from is in the trainer now: free its copy.
-    let OpenedDataDir { lock, resume, .. } = opened;
-    drop(resume);
+    opened.resume = None;
     let mesh_task = start_mesh(
         &config,
         &shared,
@@ -538,7 +537,8 @@ pub async fn run(
     }
     .stop()
     .await;
-    drop(lock);
+    // Last: the store closes before the data directory's lock is released.
+    drop(opened);
     result
 }
 
@@ -687,14 +687,15 @@ impl Stopping {
 
 /// The data directory, opened for this node's lifetime: its lock, identity and checkpoints.
 struct OpenedDataDir {
-    /// Held until the node has stopped ([`lock_data_dir`]).
-    lock: File,
     key: libp2p::identity::Keypair,
     local_peer: libp2p::PeerId,
     ident: trainer::Identity,
     store: Arc<Store>,
     /// The newest valid checkpoint, to resume from.
     resume: Option<store::Loaded>,
+    /// Held until the node has stopped ([`lock_data_dir`]); the last field, so that it is
+    /// released after the store closes.
+    _lock: File,
 }
 
 /// Creates and locks the data directory, loads or creates the node's key, and opens its
@@ -711,7 +712,7 @@ fn open_data_dir(config: &Config, data_dir: &Path) -> Result<OpenedDataDir, Node
     };
     let (store, resume) = open_store(data_dir, &ident.run_id)?;
     Ok(OpenedDataDir {
-        lock,
+        _lock: lock,
         key,
         local_peer,
         ident,

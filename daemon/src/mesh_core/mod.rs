@@ -215,18 +215,15 @@ impl MeshCore {
             Input::PeerUp(peer) => {
                 let changes = self.membership.peer_up(peer, now);
                 self.neighbours_changed(changes, now, &mut out);
-                if let Some(r) = &mut self.rounds {
-                    r.member_up(peer, now, &mut out);
-                }
             }
             Input::PeerDown(peer) => self.drop_member(peer, now, &mut out),
             Input::Ring { peer, msg } => {
-                if let Some(r) = &mut self.rounds {
-                    if self.membership.is_member(&peer) {
-                        r.message(peer, msg, now, &mut out);
-                    } else {
-                        r.hold_early(peer, msg);
-                    }
+                if let Some(r) = self
+                    .rounds
+                    .as_mut()
+                    .filter(|_| self.membership.is_member(&peer))
+                {
+                    r.message(peer, msg, now, &mut out);
                 }
             }
             Input::RingUndelivered {

@@ -460,8 +460,8 @@ fn a_thousand_nodes_reconverge_after_a_partition_heals() {
     }
 }
 
-/// A synchronous mode's rounds as `config::sections` builds them, for `nodes` members at least
-/// `min_members`.
+/// A synchronous mode's rounds as `config::sections` builds them: `steps` apart, summing
+/// gradients between parameter rounds every `gradients` (`ddp`), none below `min_members`.
 fn round_config(gradients: Option<u64>, steps: u64, min_members: usize) -> RoundConfig {
     RoundConfig {
         steps,

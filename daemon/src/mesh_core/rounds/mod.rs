@@ -17,7 +17,9 @@
 //! the next round (it had some). A joiner (or a
 //! node restored from a checkpoint) holds before its first step, takes the round number of the
 //! first hop that reaches it, and contributes with weight 0: it leaves the round with the
-//! members' mean, that is the current state, at a round boundary.
+//! members' mean, that is the current state, at a round boundary. A parameter attempt whose
+//! members are all unsynced (weights summing to 0) founds one state instead: each marks
+//! itself synced and the round is retried with their parameters at full weight.
 //!
 //! In `ddp` ([`RoundConfig::gradients`]) there is a round at every step and most rounds sum
 //! gradients, not parameters: the trainer steps only with a round's mean gradient. Those hops
@@ -39,7 +41,6 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
-use crate::wire::RingMessage;
 use ring::{hop_message, members_digest, Ring};
 
 pub use ring::balanced_batch;
@@ -70,8 +71,6 @@ pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
 pub const ADOPT_WAIT: Duration = Duration::from_secs(5);
 /// Hops kept for an attempt this node has not reached yet.
 const INBOX_CAP: usize = 256;
-/// Hops kept from peers not yet known as members ([`Rounds::hold_early`]).
-const EARLY_CAP: usize = 16;
 /// Digests of recent rounds kept in status.
 const DIGESTS_KEPT: usize = 32;
 /// A `ddp` member whose forward-backward per sample is within this fraction of the fastest
@@ -237,9 +236,6 @@ pub struct Rounds {
     round_ms_sum: (f64, u64),
     bytes_sent: u64,
     digests: VecDeque<(u64, String)>,
-    /// Hops from peers not yet known as members, kept for when they are
-    /// ([`Rounds::member_up`]).
-    early: VecDeque<(PeerId, RingMessage)>,
 }
 
 impl Rounds {
@@ -276,7 +272,6 @@ impl Rounds {
             round_ms_sum: (0.0, 0),
             bytes_sent: 0,
             digests: VecDeque::new(),
-            early: VecDeque::new(),
         }
     }
 
@@ -357,7 +352,6 @@ impl Rounds {
     /// completed it before it left ([`Rounds::peer_leaving`]).
     pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
         self.ready.remove(&peer);
-        self.early.retain(|(p, _)| *p != peer);
         self.speeds.remove(&peer);
         self.inbox.retain(|_, (from, _, _, _)| *from != peer);
         let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
@@ -383,29 +377,6 @@ impl Rounds {
             if past && r.members.contains(&peer) && !r.left_done.contains(&peer) {
                 r.left_done.push(peer);
             }
-        }
-    }
-
-    /// A hop from `peer`, which this node does not know as a member yet: the two ends of a
-    /// connection learn of each other independently, and a member that heard this node's
-    /// heartbeat first may send its first hop before this node has heard of it. Dropped, that
-    /// hop left its sender waiting for [`STALL_TIMEOUT`] (the simulator caught a whole
-    /// mesh's start held up 20 s so). Kept (the last [`EARLY_CAP`]) for [`Rounds::member_up`].
-    pub fn hold_early(&mut self, peer: PeerId, msg: RingMessage) {
-        if self.early.len() >= EARLY_CAP {
-            self.early.pop_front();
-        }
-        self.early.push_back((peer, msg));
-    }
-
-    /// `peer` is known as a member now: its hops kept meanwhile are taken, in order.
-    pub fn member_up(&mut self, peer: PeerId, now: Instant, out: &mut Vec<Output>) {
-        let (theirs, rest): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.early)
-            .into_iter()
-            .partition(|(p, _)| *p == peer);
-        self.early = rest;
-        for (_, msg) in theirs {
-            self.message(peer, msg, now, out);
         }
     }
 
@@ -673,15 +644,6 @@ impl Rounds {
         now: Instant,
         out: &mut Vec<Output>,
     ) {
-        let since = match &self.stage {
-            Stage::Reducing { since, .. } => *since,
-            _ => now,
-        };
-        self.last_round_ms = now.saturating_duration_since(since).as_secs_f64() * 1e3;
-        if self.ring_size > 1 {
-            self.round_ms_sum.0 += self.last_round_ms;
-            self.round_ms_sum.1 += 1;
-        }
         let total = acc.pop().unwrap_or(0.0);
         let gradient = self.cfg.sums_gradients(round);
         if total <= 0.0 && !gradient {
@@ -689,7 +651,9 @@ impl Rounds {
             // whose synced peers died): each would keep its own, and they would differ.
             // They found one state together instead, as founders do: synced from now, they
             // try the round again with their parameters at full weight and all leave it
-            // with one mean and the highest step among them.
+            // with one mean and the highest step among them. (In `diloco` each then takes
+            // its outer step from its own round anchor, so they agree only as closely as
+            // a joiner does: see the README's `diloco`.)
             tracing::info!(
                 round,
                 "no member of the ring is synced; founding one state together"
@@ -700,6 +664,15 @@ impl Rounds {
             self.abort_counter("no member synced");
             self.ask(false, out);
             return;
+        }
+        let since = match &self.stage {
+            Stage::Reducing { since, .. } => *since,
+            _ => now,
+        };
+        self.last_round_ms = now.saturating_duration_since(since).as_secs_f64() * 1e3;
+        if self.ring_size > 1 {
+            self.round_ms_sum.0 += self.last_round_ms;
+            self.round_ms_sum.1 += 1;
         }
         self.stage = Stage::Combining;
         let step = (!gradient && (!self.synced || self.founding)).then_some(step);

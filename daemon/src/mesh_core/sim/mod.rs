@@ -188,7 +188,7 @@ pub struct SimReport {
 /// What a synchronous mode's rounds did in a simulation.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RoundsReport {
-    /// The highest round any live node completed.
+    /// Rounds completed mesh-wide, as the most advanced live node knows them.
     pub highest: u64,
     /// Rings of two or more members whose mean a member took (each counted once).
     pub taken: u64,
@@ -246,6 +246,8 @@ enum Ev {
     Deliver(usize, Box<Input>),
     /// A sync request from the first node reaches the second, which answers.
     Serve(usize, usize),
+    /// A ring hop from the first node reaches the second.
+    Hop(usize, usize, Box<RingMessage>),
 }
 
 /// One simulation, run once by [`Sim::run`].
@@ -467,6 +469,7 @@ impl Sim {
                 Ev::Step(i) => self.step(i),
                 Ev::Churn => self.churn(),
                 Ev::Serve(i, j) => self.serve_sync(i, j),
+                Ev::Hop(i, j, msg) => self.take_ring(i, j, *msg),
                 Ev::Deliver(i, input) => {
                     if self.nodes[i].alive {
                         self.note_heard(i, &input);

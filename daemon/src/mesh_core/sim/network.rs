@@ -196,8 +196,8 @@ impl Sim {
     }
 
     /// A ring hop from node `i` reaches `peer` after the link's delay, never before an
-    /// earlier hop on the same link; a hop to a node gone or cut off comes back undelivered
-    /// after a connection attempt's time.
+    /// earlier hop on the same link ([`Sim::take_ring`]); a hop to a node gone or cut off
+    /// comes back undelivered after a connection attempt's time.
     pub(super) fn send_ring(&mut self, i: usize, peer: PeerId, msg: RingMessage) {
         self.nodes[i].last_ring = Some((msg.round, msg.members));
         let reachable = self
@@ -220,11 +220,31 @@ impl Sim {
         if !self.nodes[i].hostile {
             self.report.bytes_sent += msg.values.len() as u64;
         }
-        let input = Input::Ring {
-            peer: self.nodes[i].id,
-            msg,
-        };
-        self.at(arrival - self.t, Ev::Deliver(j, Box::new(input)));
+        self.at(arrival - self.t, Ev::Hop(i, j, Box::new(msg)));
+    }
+
+    /// Node `i`'s hop arrives at node `j`. As the daemon's network does, `j` takes it only
+    /// from a member it knows (the two ends of a connection learn of each other
+    /// independently) and while the link holds; otherwise it refuses it, and the refusal
+    /// reaches `i` as an undelivered hop.
+    pub(super) fn take_ring(&mut self, i: usize, j: usize, msg: RingMessage) {
+        let from = self.nodes[i].id;
+        let knows = self.nodes[j].core.membership.is_member(&from);
+        if self.connected(i, j) && knows {
+            self.input(j, Input::Ring { peer: from, msg });
+        } else if self.nodes[i].alive {
+            let refused = Input::RingUndelivered {
+                peer: self.nodes[j].id,
+                round: msg.round,
+                attempt: msg.attempt,
+            };
+            let back = if self.connected(i, j) {
+                self.delay(j, i)
+            } else {
+                RING_DIAL_MS
+            };
+            self.at(back, Ev::Deliver(i, Box::new(refused)));
+        }
     }
 
     pub(super) fn answer_sync(&mut self, i: usize, peer: PeerId) {

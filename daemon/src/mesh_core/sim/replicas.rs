@@ -198,9 +198,8 @@ impl Sim {
                 }
                 n.last_advanced = self.t;
                 let digest = params_digest(&n.x);
-                // A ring of one sends no hop and makes no promise.
-                // The ring of this round's last hop sent, forgotten with it (a later ring of
-                // one sends none).
+                // Filed under the ring of this round's last hop sent, forgotten with it: a ring
+                // of one sends no hop and makes no promise.
                 let ring = n.last_ring.take().filter(|(r, _)| *r == round);
                 if let Some(ring) = ring.filter(|_| synced && !mean.is_empty() && !n.hostile) {
                     self.round_digests

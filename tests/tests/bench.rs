@@ -170,27 +170,24 @@ fn bench_scaling_stopped_by_sigterm_leaves_no_namespace_behind() {
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
 }
 
+/// Runs `bench sim` with `args` and answers the report it wrote.
+fn bench_sim(args: &[&str]) -> Value {
+    let out = tempfile::tempdir().expect("tempdir");
+    let file = out.path().join("sim.json");
+    let mut all = vec!["bench", "sim"];
+    all.extend_from_slice(args);
+    all.extend(["--out", file.to_str().expect("utf8")]);
+    let (st, _, err) = cli(&all, Duration::from_secs(120));
+    assert!(st.success(), "{err}");
+    serde_json::from_str(&std::fs::read_to_string(&file).expect("report")).expect("json")
+}
+
 /// `bench sim` at a small size: the report parses and holds, per run, the traffic per node per
 /// step, the consensus at the heal, at the end and never split, and the wall time; honest
 /// nodes blamed nobody honest, and the healed mesh ended closer than it was at the heal.
 #[test]
 fn bench_sim_reports_traffic_and_consensus_per_size() {
-    let out = tempfile::tempdir().expect("tempdir");
-    let file = out.path().join("sim.json");
-    let (st, _, err) = cli(
-        &[
-            "bench",
-            "sim",
-            "--nodes",
-            "24",
-            "--out",
-            file.to_str().expect("utf8"),
-        ],
-        Duration::from_secs(120),
-    );
-    assert!(st.success(), "{err}");
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(&file).expect("report")).expect("json");
+    let report = bench_sim(&["--nodes", "24"]);
     let runs = report["runs"].as_array().expect("runs");
     assert_eq!(runs.len(), 1, "{report}");
     let run = &runs[0];
@@ -221,26 +218,14 @@ fn bench_sim_reports_traffic_and_consensus_per_size() {
 /// members identical, nobody honest was blamed, and rounds were completed.
 #[test]
 fn bench_sim_reports_the_rounds_of_a_synchronous_mode() {
-    let out = tempfile::tempdir().expect("tempdir");
-    let file = out.path().join("sim.json");
-    let (st, _, err) = cli(
-        &[
-            "bench",
-            "sim",
-            "--sync-mode",
-            "ddp",
-            "--nodes",
-            "6",
-            "--churn-every-ms",
-            "0,8000",
-            "--out",
-            file.to_str().expect("utf8"),
-        ],
-        Duration::from_secs(120),
-    );
-    assert!(st.success(), "{err}");
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(&file).expect("report")).expect("json");
+    let report = bench_sim(&[
+        "--sync-mode",
+        "ddp",
+        "--nodes",
+        "6",
+        "--churn-every-ms",
+        "0,8000",
+    ]);
     assert_eq!(report["sync_mode"], "ddp", "{report}");
     let runs = report["runs"].as_array().expect("runs");
     assert_eq!(runs.len(), 2, "{report}");

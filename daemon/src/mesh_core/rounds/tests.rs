@@ -65,7 +65,11 @@ struct Ring {
     ids: Vec<PeerId>,
     nodes: Vec<Rounds>,
     params: Vec<Vec<f32>>,
+    /// Each node's trainer step, handed over with its parameters.
+    steps: Vec<u64>,
     means: Vec<Option<Vec<f32>>>,
+    /// The members' step each node's last `Combine` handed it.
+    mean_steps: Vec<Option<u64>>,
     offences: usize,
 }
 
@@ -100,7 +104,9 @@ impl Ring {
             ids,
             nodes,
             params,
+            steps: vec![0; n],
             means: vec![None; n],
+            mean_steps: vec![None; n],
             offences: 0,
         }
     }
@@ -163,12 +169,16 @@ impl Ring {
             let mut out = Vec::new();
             match o {
                 Output::Trainer(TrainerCommand::TakeParams) => {
-                    self.nodes[i].params(self.params[i].clone(), 0, now, &mut out)
+                    self.nodes[i].params(self.params[i].clone(), self.steps[i], now, &mut out)
                 }
                 Output::Trainer(TrainerCommand::TakeGradient { batch }) => {
-                    self.nodes[i].gradient(self.params[i].clone(), batch, 0, now, &mut out)
+                    let step = self.steps[i];
+                    self.nodes[i].gradient(self.params[i].clone(), batch, step, now, &mut out)
                 }
-                Output::Trainer(TrainerCommand::Combine { mean, .. }) => self.means[i] = Some(mean),
+                Output::Trainer(TrainerCommand::Combine { mean, step, .. }) => {
+                    self.means[i] = Some(mean);
+                    self.mean_steps[i] = step;
+                }
                 Output::SendRing { peer, msg } => {
                     let j = self.ids.iter().position(|p| *p == peer).expect("peer");
                     if alive[j] {
@@ -494,39 +504,14 @@ fn a_ring_without_a_synced_member_founds_one_state() {
     for node in &mut ring.nodes {
         node.round = Some(4);
     }
+    // The members' steps differ; each hands over its parameters at its own.
+    ring.steps = vec![10, 11, 12];
     ring.hear_all(now);
-    let mut queue = VecDeque::new();
-    for i in 0..3 {
-        let mut out = Vec::new();
-        ring.nodes[i].tick(0, true, now, &mut out);
-        // The members' steps differ; each hands over its parameters at its own.
-        ring.nodes[i].params(ring.params[i].clone(), 10 + i as u64, now, &mut out);
-        queue.extend(out.into_iter().map(|o| (i, o)));
-    }
-    let mut steps = [None; 3];
-    while let Some((i, o)) = queue.pop_front() {
-        let mut out = Vec::new();
-        match o {
-            Output::Trainer(TrainerCommand::TakeParams) => {
-                ring.nodes[i].params(ring.params[i].clone(), 10 + i as u64, now, &mut out)
-            }
-            Output::Trainer(TrainerCommand::Combine { mean, step, .. }) => {
-                ring.means[i] = Some(mean);
-                steps[i] = Some(step);
-            }
-            Output::SendRing { peer, msg } => {
-                let j = ring.ids.iter().position(|p| *p == peer).expect("peer");
-                ring.nodes[j].message(ring.ids[i], msg, now, &mut out);
-                queue.extend(out.drain(..).map(|o| (j, o)));
-            }
-            _ => {}
-        }
-        queue.extend(out.into_iter().map(|o| (i, o)));
-    }
+    ring.run(now, &[true; 3]);
     let want: Vec<f32> = (0..10)
         .map(|j| (0..3).map(|i| ring.params[i][j]).sum::<f32>() / 3.0)
         .collect();
-    for (i, step) in steps.iter().enumerate() {
+    for i in 0..3 {
         let mean = ring.means[i].clone().expect("a mean");
         assert_eq!(mean.len(), 10, "node {i} keeps its own parameters");
         assert_eq!(bits(&mean), bits(&ring.means[0].clone().expect("a mean")));
@@ -536,7 +521,7 @@ fn a_ring_without_a_synced_member_founds_one_state() {
                 "{got} vs {want}"
             );
         }
-        assert_eq!(*step, Some(Some(12)), "node {i}");
+        assert_eq!(ring.mean_steps[i], Some(12), "node {i}");
         let st = ring.nodes[i].status();
         assert!(st.synced, "node {i}: {st:?}");
         assert_eq!(st.aborted.get("no member synced"), Some(&1), "node {i}");

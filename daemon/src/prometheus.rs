@@ -546,6 +546,7 @@ mod tests {
                 leaving: false,
                 in_rounds: false,
                 round: None,
+                needs_state: false,
                 seq: 0,
             }),
         });

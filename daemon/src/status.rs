@@ -472,6 +472,7 @@ pub(crate) mod tests {
                 leaving: false,
                 in_rounds: true,
                 round: Some(3),
+                needs_state: false,
                 seq: 4,
             }),
         };

@@ -210,6 +210,12 @@ pub struct Heartbeat {
     /// The round that node works on, once it knows it.
     #[serde(default)]
     pub round: Option<u64>,
+    /// Set by a `diloco` member whose round anchor and outer velocity are not the members'
+    /// (a joiner, a node resumed from a checkpoint, a ring founding its state): its ring's
+    /// parameter rounds carry them until one has made it a member like the others. Sent
+    /// only when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub needs_state: bool,
     /// Counts the node's heartbeats. Gossip addresses messages by content and drops one it has
     /// seen in the last two minutes: without it, a node whose progress stands still (held at a
     /// round's boundary, stopped) went unheard.
@@ -268,6 +274,7 @@ mod tests {
             leaving: true,
             in_rounds: true,
             round: Some(3),
+            needs_state: true,
             seq: 9,
         };
         assert_eq!(

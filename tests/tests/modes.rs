@@ -108,6 +108,15 @@ fn fedavg_members_hold_identical_parameters_through_a_kill_and_a_join() {
     members_hold_identical_parameters_through_a_kill_and_a_join("fedavg");
 }
 
+/// The same for `diloco`: every member takes its outer step from the same round start and
+/// velocity, so all hold the same bits after each round; a newcomer (and the two nodes that
+/// join the founder at the start) gets the members' round start and velocity in the first
+/// round it takes part in, which carries them because it says it needs them.
+#[test]
+fn diloco_members_hold_identical_parameters_through_a_kill_and_a_join() {
+    members_hold_identical_parameters_through_a_kill_and_a_join("diloco");
+}
+
 fn members_hold_identical_parameters_through_a_kill_and_a_join(mode: &str) {
     let _cores = crate::harness::cpu_sensitive();
     let tmp = tempfile::tempdir().expect("tmp");

@@ -453,6 +453,7 @@ impl SyncConfig {
             min_members: self.min_members,
             batch: batch_size,
             balance: self.balance_batches && self.mode == SyncMode::Ddp,
+            outer_state: self.mode == SyncMode::Diloco,
         })
     }
 

@@ -83,10 +83,20 @@ pub(super) struct Membership {
     next_refresh: Option<Instant>,
     next_heartbeat: Option<Instant>,
     heartbeats_sent: u64,
-    /// What the last heartbeat told the rounds: whether this node is ready for them, and
-    /// whether it knew its speed. When either changes, the next heartbeat goes out at once
-    /// (a `ddp` member's batch depends on the others' speeds).
-    announced: (bool, bool),
+    /// What the last heartbeat told the rounds: whether this node is ready for them,
+    /// whether it knew its speed, and whether it needs the members' state. When any of it
+    /// changes, the next heartbeat goes out at once (a `ddp` member's batch depends on the
+    /// others' speeds; a `diloco` ring's layout on who needs the state).
+    announced: (bool, bool, bool),
+}
+
+/// What a heartbeat says of this node's rounds; the core reads it off `Rounds`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RoundsNews {
+    /// The round it works on, or in a goodbye one past the last whose ring it completed.
+    pub round: Option<u64>,
+    /// `diloco`: its round anchor and outer velocity are not the members'.
+    pub needs_state: bool,
 }
 
 impl Membership {
@@ -111,7 +121,7 @@ impl Membership {
             next_refresh: None,
             next_heartbeat: None,
             heartbeats_sent: 0,
-            announced: (false, false),
+            announced: (false, false, false),
         }
     }
 
@@ -209,32 +219,33 @@ impl Membership {
         &mut self,
         now: Instant,
         progress: &Progress,
-        round: Option<u64>,
+        rounds: RoundsNews,
     ) -> Option<Output> {
         let due = self.next_heartbeat.is_none_or(|t| now >= t);
-        if !due && self.rounds_news(progress) == self.announced {
+        if !due && self.readiness(progress, rounds) == self.announced {
             return None;
         }
         self.next_heartbeat = Some(now + HEARTBEAT_EVERY);
-        Some(self.heartbeat(progress, round, false))
+        Some(self.heartbeat(progress, rounds, false))
     }
 
     /// The heartbeat that tells the mesh this node leaves.
-    pub(super) fn leaving_heartbeat(&mut self, progress: &Progress, round: Option<u64>) -> Output {
-        self.heartbeat(progress, round, true)
+    pub(super) fn leaving_heartbeat(&mut self, progress: &Progress, rounds: RoundsNews) -> Output {
+        self.heartbeat(progress, rounds, true)
     }
 
-    /// What a heartbeat tells the rounds now: ready for them, and speed known.
-    fn rounds_news(&self, progress: &Progress) -> (bool, bool) {
+    /// What a heartbeat tells the rounds now: ready for them, speed known, state needed.
+    fn readiness(&self, progress: &Progress, rounds: RoundsNews) -> (bool, bool, bool) {
         (
             self.synchronous && progress.phase == Phase::Training,
             self.synchronous && progress.ms_per_sample.is_some(),
+            self.synchronous && rounds.needs_state,
         )
     }
 
-    fn heartbeat(&mut self, progress: &Progress, round: Option<u64>, leaving: bool) -> Output {
+    fn heartbeat(&mut self, progress: &Progress, rounds: RoundsNews, leaving: bool) -> Output {
         self.heartbeats_sent += 1;
-        let news = self.rounds_news(progress);
+        let news = self.readiness(progress, rounds);
         self.announced = news;
         let hb = Heartbeat {
             step: progress.step,
@@ -244,7 +255,8 @@ impl Membership {
             ms_per_sample: progress.ms_per_sample,
             leaving,
             in_rounds: news.0 && !leaving,
-            round,
+            round: rounds.round,
+            needs_state: news.2,
             seq: self.heartbeats_sent,
         };
         Output::Publish {
@@ -353,6 +365,13 @@ mod tests {
             phase: Phase::Training,
             step,
             ..Progress::default()
+        }
+    }
+
+    fn in_round(round: u64) -> RoundsNews {
+        RoundsNews {
+            round: Some(round),
+            needs_state: false,
         }
     }
 
@@ -504,13 +523,13 @@ mod tests {
         let t0 = Instant::now();
         let (mut m, _) = membership(false);
         let p = training(3);
-        let first = decode(m.tick_heartbeat(t0, &p, None));
+        let first = decode(m.tick_heartbeat(t0, &p, RoundsNews::default()));
         assert_eq!((first.step, first.seq), (3, 1));
         assert!(!first.in_rounds, "gossip mode has no rounds");
         assert!(m
-            .tick_heartbeat(t0 + HEARTBEAT_EVERY / 2, &p, None)
+            .tick_heartbeat(t0 + HEARTBEAT_EVERY / 2, &p, RoundsNews::default())
             .is_none());
-        let second = decode(m.tick_heartbeat(t0 + HEARTBEAT_EVERY, &p, None));
+        let second = decode(m.tick_heartbeat(t0 + HEARTBEAT_EVERY, &p, RoundsNews::default()));
         assert_eq!(second.seq, 2);
     }
 
@@ -519,37 +538,69 @@ mod tests {
         let t0 = Instant::now();
         let (mut m, _) = membership(true);
         let starting = Progress::default();
-        assert!(!decode(m.tick_heartbeat(t0, &starting, None)).in_rounds);
+        assert!(!decode(m.tick_heartbeat(t0, &starting, RoundsNews::default())).in_rounds);
         // Training now: told at once, not a period later.
-        let ready = decode(m.tick_heartbeat(t0 + Duration::from_millis(10), &training(0), Some(1)));
+        let ready =
+            decode(m.tick_heartbeat(t0 + Duration::from_millis(10), &training(0), in_round(1)));
         assert!(ready.in_rounds);
         assert_eq!(ready.round, Some(1));
         let t1 = t0 + Duration::from_millis(20);
-        assert!(m.tick_heartbeat(t1, &training(0), None).is_none());
+        assert!(m
+            .tick_heartbeat(t1, &training(0), RoundsNews::default())
+            .is_none());
         m.peer_up(PeerId::random(), t1);
         assert!(m
-            .tick_heartbeat(t1 + NEW_MEMBER_HEARTBEAT_AFTER / 2, &training(0), None)
+            .tick_heartbeat(
+                t1 + NEW_MEMBER_HEARTBEAT_AFTER / 2,
+                &training(0),
+                RoundsNews::default()
+            )
             .is_none());
         assert!(m
-            .tick_heartbeat(t1 + NEW_MEMBER_HEARTBEAT_AFTER, &training(0), None)
+            .tick_heartbeat(
+                t1 + NEW_MEMBER_HEARTBEAT_AFTER,
+                &training(0),
+                RoundsNews::default()
+            )
             .is_some());
+    }
+
+    /// A `diloco` node that needs the members' state says so at once, and again when it
+    /// no longer does: its ring's layout waits on the word.
+    #[test]
+    fn a_need_for_the_members_state_brings_the_heartbeat_forward() {
+        let t0 = Instant::now();
+        let (mut m, _) = membership(true);
+        let news = |needs_state| RoundsNews {
+            round: Some(2),
+            needs_state,
+        };
+        assert!(!decode(m.tick_heartbeat(t0, &training(0), news(false))).needs_state);
+        let soon = t0 + Duration::from_millis(10);
+        assert!(decode(m.tick_heartbeat(soon, &training(0), news(true))).needs_state);
+        assert!(m.tick_heartbeat(soon, &training(0), news(true)).is_none());
+        assert!(!decode(m.tick_heartbeat(soon, &training(0), news(false))).needs_state);
     }
 
     #[test]
     fn in_gossip_mode_a_new_member_waits_for_the_period() {
         let t0 = Instant::now();
         let (mut m, _) = membership(false);
-        m.tick_heartbeat(t0, &training(0), None);
+        m.tick_heartbeat(t0, &training(0), RoundsNews::default());
         m.peer_up(PeerId::random(), t0);
         assert!(m
-            .tick_heartbeat(t0 + NEW_MEMBER_HEARTBEAT_AFTER, &training(0), None)
+            .tick_heartbeat(
+                t0 + NEW_MEMBER_HEARTBEAT_AFTER,
+                &training(0),
+                RoundsNews::default()
+            )
             .is_none());
     }
 
     #[test]
     fn a_leaving_heartbeat_says_so_and_is_in_no_round() {
         let (mut m, _) = membership(true);
-        let leaving = m.leaving_heartbeat(&training(9), Some(4));
+        let leaving = m.leaving_heartbeat(&training(9), in_round(4));
         let Output::Publish { data, .. } = &leaving else {
             panic!("a heartbeat: {leaving:?}");
         };

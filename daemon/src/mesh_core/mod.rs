@@ -36,7 +36,7 @@ use p2ptrain_models::params::Layout;
 
 use crate::guard::GuardConfig;
 use crate::policy::{Action, PolicyConfig, PolicyEvent, SyncPolicy};
-use membership::{HeartbeatNews, Membership, NeighbourChange};
+use membership::{HeartbeatNews, Membership, NeighbourChange, RoundsNews};
 use rounds::{RoundConfig, Rounds};
 use syncs::{SyncDone, Syncs};
 use updates::{Updates, Verdict};
@@ -296,8 +296,11 @@ impl MeshCore {
             Input::TrainerBusy(cmd) => self.on_trainer_busy(cmd, now, &mut out),
             Input::Tick => self.on_tick(now, &mut out),
             Input::Leave => {
-                let round = self.rounds.as_ref().and_then(Rounds::leaving_round);
-                out.push(self.membership.leaving_heartbeat(&self.progress, round));
+                let news = RoundsNews {
+                    round: self.rounds.as_ref().and_then(Rounds::leaving_round),
+                    needs_state: false,
+                };
+                out.push(self.membership.leaving_heartbeat(&self.progress, news));
             }
         }
         out
@@ -381,8 +384,11 @@ impl MeshCore {
             let changes = self.membership.refresh(now);
             self.neighbours_changed(changes, now, out);
         }
-        let round = self.rounds.as_ref().and_then(Rounds::round);
-        if let Some(beat) = self.membership.tick_heartbeat(now, &self.progress, round) {
+        let news = RoundsNews {
+            round: self.rounds.as_ref().and_then(Rounds::round),
+            needs_state: self.rounds.as_ref().is_some_and(Rounds::needs_state),
+        };
+        if let Some(beat) = self.membership.tick_heartbeat(now, &self.progress, news) {
             out.push(beat);
         }
         if let Some(cmd) = self.round_command.take() {
@@ -622,7 +628,7 @@ impl MeshCore {
                 neighbour,
             } => {
                 if let Some(r) = self.rounds.as_mut().filter(|_| member) {
-                    r.heard(peer, hb.in_rounds, hb.round, hb.ms_per_sample, now);
+                    r.heard(peer, &hb, now);
                 }
                 if neighbour {
                     self.feed(

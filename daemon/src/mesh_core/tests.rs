@@ -324,6 +324,7 @@ fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
             min_members: 2,
             batch: 32,
             balance: true,
+            outer_state: false,
         },
         true,
     ));
@@ -470,6 +471,7 @@ fn round_config(gradients: Option<u64>, steps: u64, min_members: usize) -> Round
         min_members,
         batch: 32,
         balance: false,
+        outer_state: false,
     }
 }
 
@@ -534,6 +536,7 @@ fn a_ring_of_unsynced_members_under_churn_ends_identical() {
         min_members: 1,
         batch: 32,
         balance: true,
+        outer_state: false,
     };
     let r = Sim::new(SimParams {
         churn_every_ms: 5_000,

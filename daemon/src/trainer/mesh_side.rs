@@ -62,7 +62,9 @@ impl Loop {
 
     /// Takes a round's mean (an empty one keeps the parameters): as it is, or, with an outer
     /// optimizer (DiLoCo), by a Nesterov step along `round start - mean` from the round's
-    /// start. Answers the parameters' digest, so members can show they hold the same bits.
+    /// start. A DiLoCo mean may carry the members' round start and outer velocity after the
+    /// parameters (a member needed them): they replace this node's before the step.
+    /// Answers the parameters' digest, so members can show they hold the same bits.
     pub(super) fn combine(&mut self, mean: &[f32]) -> Result<String, TrainerError> {
         if mean.is_empty() {
             self.reset_round_anchor()?;
@@ -71,6 +73,8 @@ impl Loop {
         let numel = self.s.model.params().numel();
         let state = if self.s.rounds_carry_state {
             self.s.optimizer.state_len()
+        } else if self.s.outer.is_some() && mean.len() == 3 * numel {
+            2 * numel
         } else {
             0
         };
@@ -80,7 +84,6 @@ impl Loop {
                 mean.len()
             )));
         }
-        let (mean, mean_state) = mean.split_at(numel);
         if state > 0 {
             // Checked whole before anything is written: a bad mean changes nothing.
             if let Some(i) = mean.iter().position(|v| !v.is_finite()) {
@@ -89,6 +92,13 @@ impl Loop {
                     mean[i]
                 )));
             }
+        }
+        let (mean, mean_state) = mean.split_at(numel);
+        if state > 0 && self.s.outer.is_some() {
+            let (anchor, velocity) = mean_state.split_at(numel);
+            self.round_anchor = anchor.to_vec();
+            self.outer_velocity = velocity.to_vec();
+        } else if state > 0 {
             self.s.optimizer.write_state(mean_state)?;
         }
         let next = match self.s.outer {
@@ -203,6 +213,23 @@ impl Loop {
             self.counters.step = step;
             self.last_checkpoint_step = step;
             self.publish();
+        }
+    }
+
+    /// Appends the round's start and the outer velocity (zeros before the first outer step)
+    /// to `values`, the parameters: a DiLoCo member's contribution to a round, of which the
+    /// ring carries the state only when a member needs it.
+    pub(super) fn extend_with_outer_state(&self, values: &mut Vec<f32>) {
+        let numel = self.s.model.params().numel();
+        if self.round_anchor.len() == numel {
+            values.extend_from_slice(&self.round_anchor);
+        } else {
+            values.extend_from_within(..numel);
+        }
+        if self.outer_velocity.len() == numel {
+            values.extend_from_slice(&self.outer_velocity);
+        } else {
+            values.resize(3 * numel, 0.0);
         }
     }
 

@@ -292,6 +292,9 @@ impl Loop {
                 if self.s.rounds_carry_state {
                     values.extend(self.s.optimizer.flatten_state()?);
                 }
+                if self.s.outer.is_some() {
+                    self.extend_with_outer_state(&mut values);
+                }
                 self.tell(TrainerEvent::Params {
                     step: self.counters.step,
                     values,

@@ -170,8 +170,8 @@ impl Rounds {
             ring.last_progress = now;
             if ring.next_hop == ring.hops() {
                 let acc = std::mem::take(&mut ring.acc);
-                let step = ring.step;
-                self.finish(round, acc, step, now, out);
+                let (step, carried) = (ring.step, ring.carries_state);
+                self.finish(round, acc, step, carried, now, out);
                 return;
             }
             let msg = hop_message(round, attempt, ring, ring.next_hop);

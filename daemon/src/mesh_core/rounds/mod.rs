@@ -19,7 +19,11 @@
 //! first hop that reaches it, and contributes with weight 0: it leaves the round with the
 //! members' mean, that is the current state, at a round boundary. A parameter attempt whose
 //! members are all unsynced (weights summing to 0) founds one state instead: each marks
-//! itself synced and the round is retried with their parameters at full weight.
+//! itself synced and the round is retried with their parameters at full weight. In `diloco`
+//! ([`RoundConfig::outer_state`]) the members' outer steps also need one round start and one
+//! velocity: a member without them says so in its heartbeats, and the parameter attempts of
+//! a ring with such a member carry every member's start and velocity too (the member digest
+//! covers that choice, so members that disagree on it abort as on different lists).
 //!
 //! In `ddp` ([`RoundConfig::gradients`]) there is a round at every step and most rounds sum
 //! gradients, not parameters: the trainer steps only with a round's mean gradient. Those hops
@@ -41,6 +45,7 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
+use crate::wire::Heartbeat;
 use ring::{hop_message, members_digest, Ring};
 
 pub use ring::balanced_batch;
@@ -110,6 +115,13 @@ pub struct RoundConfig {
     /// the fastest computes the whole one ([`balanced_batch`]), so a slow box adds what it
     /// can instead of holding every step back.
     pub balance: bool,
+    /// `diloco`: the trainer's parameters come with its round anchor and outer velocity
+    /// (three parts of one length), and a parameter attempt carries all three only when a
+    /// member of its ring needs them ([`Rounds::needs_state`]); otherwise the parameters
+    /// alone. Every member then takes its outer step from the same anchor and velocity, so a
+    /// joiner holds the members' bits from its first round on, at three times a round's
+    /// bytes once, not in every round.
+    pub outer_state: bool,
 }
 
 impl RoundConfig {
@@ -195,7 +207,10 @@ enum Stage {
         since: Instant,
     },
     /// The mean went to the trainer.
-    Combining,
+    Combining {
+        /// The ring carried the members' round anchor and outer velocity (`diloco`).
+        carried_state: bool,
+    },
 }
 
 /// The rounds of one node; see the module docs.
@@ -216,6 +231,9 @@ pub struct Rounds {
     inbox: BTreeMap<HopKey, Hop>,
     retry_at: Option<Instant>,
     ready: HashMap<PeerId, Instant>,
+    /// Ready members whose last heartbeat said they need the members' state (`diloco`), with
+    /// the round it named: a word from before a round that gave them the state is stale.
+    needs_state: HashMap<PeerId, Option<u64>>,
     /// Ready members' forward-backward milliseconds per sample, from their heartbeats.
     speeds: HashMap<PeerId, f64>,
     /// This node's own.
@@ -260,6 +278,7 @@ impl Rounds {
             inbox: BTreeMap::new(),
             retry_at: None,
             ready: HashMap::new(),
+            needs_state: HashMap::new(),
             speeds: HashMap::new(),
             own_ms_per_sample: None,
             batch: 0,
@@ -291,7 +310,7 @@ impl Rounds {
     /// and an event dropped for a full channel never comes.
     pub fn leaving_round(&self) -> Option<u64> {
         match self.stage {
-            Stage::Combining => self.round.map(|r| r.saturating_add(1)),
+            Stage::Combining { .. } => self.round.map(|r| r.saturating_add(1)),
             _ => self.round,
         }
     }
@@ -318,29 +337,50 @@ impl Rounds {
         }
     }
 
-    /// A member's heartbeat said whether it is ready for rounds, and how fast it computes
-    /// (a claim that is not a positive number is no claim).
-    pub fn heard(
-        &mut self,
-        peer: PeerId,
-        in_rounds: bool,
-        round: Option<u64>,
-        ms_per_sample: Option<f64>,
-        now: Instant,
-    ) {
-        if in_rounds {
+    /// A member's heartbeat said whether it is ready for rounds, how fast it computes (a
+    /// claim that is not a positive number is no claim) and whether it needs the members'
+    /// state.
+    pub fn heard(&mut self, peer: PeerId, hb: &Heartbeat, now: Instant) {
+        if hb.in_rounds {
             self.ready.insert(peer, now);
-            if round.is_some() {
+            if hb.round.is_some() {
                 self.rounds_heard = Some(now);
             }
-            match ms_per_sample.filter(|v| v.is_finite() && *v > 0.0) {
+            match hb.ms_per_sample.filter(|v| v.is_finite() && *v > 0.0) {
                 Some(v) => self.speeds.insert(peer, v),
                 None => self.speeds.remove(&peer),
+            };
+            match hb.needs_state {
+                true => self.needs_state.insert(peer, hb.round),
+                false => self.needs_state.remove(&peer),
             };
         } else {
             self.ready.remove(&peer);
             self.speeds.remove(&peer);
+            self.needs_state.remove(&peer);
         }
+    }
+
+    /// Whether this node's round anchor and outer velocity are not the members' (`diloco`):
+    /// it is not synced, or it founds the members' state with others. Its heartbeats say so,
+    /// and its parameter attempts carry the state until one completes.
+    pub fn needs_state(&self) -> bool {
+        self.cfg.outer_state && (!self.synced || self.founding)
+    }
+
+    /// Whether an attempt at parameter round `round` with `members` carries the state: some
+    /// member needs it (a member's word naming an earlier round is stale: that round's ring
+    /// gave it the state).
+    fn carries_state(&self, round: u64, members: &[PeerId]) -> bool {
+        if !self.cfg.outer_state || self.cfg.sums_gradients(round) {
+            return false;
+        }
+        self.needs_state()
+            || members.iter().any(|m| {
+                self.needs_state
+                    .get(m)
+                    .is_some_and(|said| said.is_none_or(|r| r >= round))
+            })
     }
 
     /// This node's own forward-backward milliseconds per sample.
@@ -353,6 +393,7 @@ impl Rounds {
     pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
         self.ready.remove(&peer);
         self.speeds.remove(&peer);
+        self.needs_state.remove(&peer);
         self.inbox.retain(|_, (from, _, _, _)| *from != peer);
         let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
         if self.ring_has(&peer) && !completed {
@@ -573,15 +614,9 @@ impl Rounds {
                 return;
             }
         }
-        let Stage::Reducing {
-            contribution,
-            ring,
-            step,
-            ..
-        } = &mut self.stage
-        else {
+        if !matches!(self.stage, Stage::Reducing { .. }) {
             return;
-        };
+        }
         // Someone may already be at a later attempt of this round: join it.
         if let Some(a) = self
             .inbox
@@ -604,11 +639,27 @@ impl Rounds {
         }
         members.sort();
         let me = members.iter().position(|p| *p == self.me).unwrap_or(0);
+        let carries_state = self.carries_state(round, &members);
+        let Stage::Reducing {
+            contribution,
+            ring,
+            step,
+            ..
+        } = &mut self.stage
+        else {
+            return;
+        };
+        let acc = if self.cfg.outer_state && !carries_state {
+            parameters_only(contribution)
+        } else {
+            contribution.clone()
+        };
         let r = Ring {
-            digest: members_digest(&members),
+            digest: members_digest(&members, carries_state),
             members,
             me,
-            acc: contribution.clone(),
+            acc,
+            carries_state,
             compact: self.cfg.sums_gradients(round),
             step: *step,
             next_hop: 0,
@@ -620,7 +671,7 @@ impl Rounds {
         self.retry_at = None;
         if r.len() == 1 {
             let (acc, step) = (r.acc, r.step);
-            self.finish(round, acc, step, now, out);
+            self.finish(round, acc, step, carries_state, now, out);
             return;
         }
         let mut r = r;
@@ -641,6 +692,7 @@ impl Rounds {
         round: u64,
         mut acc: Vec<f32>,
         step: u64,
+        carried_state: bool,
         now: Instant,
         out: &mut Vec<Output>,
     ) {
@@ -651,9 +703,8 @@ impl Rounds {
             // whose synced peers died): each would keep its own, and they would differ.
             // They found one state together instead, as founders do: synced from now, they
             // try the round again with their parameters at full weight and all leave it
-            // with one mean and the highest step among them. (In `diloco` each then takes
-            // its outer step from its own round anchor, so they agree only as closely as
-            // a joiner does: see the README's `diloco`.)
+            // with one mean and the highest step among them (in `diloco` with the means of
+            // their round anchors and outer velocities too: founding needs the state).
             tracing::info!(
                 round,
                 "no member of the ring is synced; founding one state together"
@@ -674,7 +725,7 @@ impl Rounds {
             self.round_ms_sum.0 += self.last_round_ms;
             self.round_ms_sum.1 += 1;
         }
-        self.stage = Stage::Combining;
+        self.stage = Stage::Combining { carried_state };
         let step = (!gradient && (!self.synced || self.founding)).then_some(step);
         if total > 0.0 {
             acc.iter_mut().for_each(|v| *v /= total);
@@ -700,12 +751,17 @@ impl Rounds {
     /// A parameter round leaves every member with the mean, so synced; a gradient round
     /// changes nothing in that. In gradient rounds the next one starts at once.
     pub fn combined(&mut self, round: u64, step: u64, digest: String, out: &mut Vec<Output>) {
-        if !matches!(self.stage, Stage::Combining) || self.round != Some(round) {
+        let Stage::Combining { carried_state } = self.stage else {
+            return;
+        };
+        if self.round != Some(round) {
             return;
         }
         self.round = Some(round + 1);
         self.attempt = 0;
-        if !self.cfg.sums_gradients(round) {
+        // A parameter round leaves every member the mean; in `diloco` only one that carried
+        // the state leaves them the same anchor and velocity too.
+        if !self.cfg.sums_gradients(round) && (carried_state || !self.cfg.outer_state) {
             self.synced = true;
             self.founding = false;
         }
@@ -730,7 +786,7 @@ impl Rounds {
     /// The trainer could not take the mean: hold, and let the round be retried. The trainer
     /// keeps its parameters, which are no longer the members': it is unsynced.
     pub fn combine_failed(&mut self) {
-        if matches!(self.stage, Stage::Combining) {
+        if matches!(self.stage, Stage::Combining { .. }) {
             self.synced = false;
             self.stage = Stage::Training;
             self.abort_counter("trainer failed");
@@ -763,4 +819,13 @@ impl Rounds {
     fn abort_counter(&mut self, why: &str) {
         *self.aborted.entry(why.to_string()).or_default() += 1;
     }
+}
+
+/// A `diloco` contribution without its state: the first of its three equal parts (the
+/// parameters; then the round anchor, the outer velocity) and the weight after them.
+fn parameters_only(contribution: &[f32]) -> Vec<f32> {
+    let (values, weight) = contribution.split_at(contribution.len().saturating_sub(1));
+    let mut only = values[..values.len() / 3].to_vec();
+    only.extend_from_slice(weight);
+    only
 }

@@ -20,6 +20,10 @@ pub(super) struct Ring {
     pub(super) me: usize,
     /// The running sums, then the finished ones.
     pub(super) acc: Vec<f32>,
+    /// They carry the members' round anchor and outer velocity besides the parameters
+    /// (`diloco`, when a member needs them); the member digest says so, so that members that
+    /// disagree on it abort, as with different lists.
+    pub(super) carries_state: bool,
     /// Hops travel as bf16 (gradient rounds): half the bytes. Every value is rounded where
     /// it is sent, the sender's own copy included, so the members still end bit-identical.
     pub(super) compact: bool,
@@ -150,11 +154,14 @@ pub(super) fn hop_message(round: u64, attempt: u32, ring: &mut Ring, hop: u32) -
     }
 }
 
-/// Digest of a sorted member list.
-pub(super) fn members_digest(members: &[PeerId]) -> u64 {
+/// Digest of a sorted member list, and of whether the attempt carries the state.
+pub(super) fn members_digest(members: &[PeerId], carries_state: bool) -> u64 {
     let mut h = Sha256::new();
     for m in members {
         h.update(m.to_bytes());
+    }
+    if carries_state {
+        h.update(b"+state");
     }
     let d = h.finalize();
     u64::from_le_bytes(d[..8].try_into().unwrap_or_default())

@@ -6,7 +6,18 @@ use serde_bytes::ByteBuf;
 
 use super::ring::*;
 use super::*;
-use crate::wire::RingMessage;
+use crate::wire::{Heartbeat, RingMessage};
+
+/// A member's heartbeat saying it is ready for rounds, at `round`, computing at `ms` per
+/// sample.
+fn ready_in(round: Option<u64>, ms: Option<f64>) -> Heartbeat {
+    Heartbeat {
+        in_rounds: true,
+        round,
+        ms_per_sample: ms,
+        ..Heartbeat::default()
+    }
+}
 
 /// The hops' own bf16 rounding is `half`'s, bit for bit, on edge cases and on a sweep of
 /// bit patterns; and a compact hop decodes to exactly the values its sender kept.
@@ -44,6 +55,7 @@ fn bf16_rounding_matches_half_and_round_trips() {
         members: vec![PeerId::random(), PeerId::random()],
         me: 0,
         acc: values.clone(),
+        carries_state: false,
         compact: true,
         step: 0,
         next_hop: 0,
@@ -90,6 +102,7 @@ impl Ring {
                         min_members: 1,
                         batch: 4,
                         balance: false,
+                        outer_state: false,
                     },
                     ids[i],
                     0,
@@ -116,7 +129,12 @@ impl Ring {
             for j in 0..self.nodes.len() {
                 if i != j {
                     let round = self.nodes[j].status().round;
-                    self.nodes[i].heard(self.ids[j], true, round, None, now);
+                    let needs_state = self.nodes[j].needs_state();
+                    let word = Heartbeat {
+                        needs_state,
+                        ..ready_in(round, None)
+                    };
+                    self.nodes[i].heard(self.ids[j], &word, now);
                 }
             }
         }
@@ -134,7 +152,7 @@ impl Ring {
     fn sorted(&self) -> (Vec<PeerId>, u64) {
         let mut ids = self.ids.clone();
         ids.sort();
-        let digest = members_digest(&ids);
+        let digest = members_digest(&ids, false);
         (ids, digest)
     }
 
@@ -279,7 +297,7 @@ fn a_balanced_gradient_round_weighs_each_member_by_its_samples() {
     let now = Instant::now();
     for (i, j, ms) in [(0, 1, 2.0), (1, 0, 1.0)] {
         let round = ring.nodes[j].status().round;
-        ring.nodes[i].heard(ring.ids[j], true, round, Some(ms), now);
+        ring.nodes[i].heard(ring.ids[j], &ready_in(round, Some(ms)), now);
     }
     // Round 0 sums parameters; round 1 is the first gradient round.
     ring.run(now, &alive);
@@ -392,7 +410,7 @@ fn rounds_wait_for_the_minimum_of_members() {
     let now = Instant::now();
     // Nodes 0 and 1 know each other only.
     for (i, j) in [(0, 1), (1, 0)] {
-        ring.nodes[i].heard(ring.ids[j], true, Some(0), None, now);
+        ring.nodes[i].heard(ring.ids[j], &ready_in(Some(0), None), now);
     }
     ring.run(now, &[true, true, false]);
     assert!(
@@ -456,7 +474,7 @@ fn a_member_that_leaves_after_completing_the_round_does_not_abort_it() {
             ring.nodes[i].tick(step, true, now, &mut out);
             queue.extend(out.into_iter().map(|o| (i, o)));
         }
-        let combining = |n: &Rounds| matches!(n.stage, Stage::Combining);
+        let combining = |n: &Rounds| matches!(n.stage, Stage::Combining { .. });
         let rest = ring.carry_until(queue, now, &[true; 3], |r| r.nodes.iter().any(combining));
         let first = ring.nodes.iter().position(combining).expect("a mean");
         assert_eq!(ring.nodes.iter().filter(|n| combining(n)).count(), 1);
@@ -566,7 +584,9 @@ fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
     let mut ring = Ring::with_gradients(2, &[1.0; 2], &[true, false], Some(4));
     let node = &mut ring.nodes[1];
     node.round = Some(1);
-    node.stage = Stage::Combining;
+    node.stage = Stage::Combining {
+        carried_state: false,
+    };
     node.combined(1, 1, "gradient".into(), &mut Vec::new());
     assert!(!node.status().synced);
     assert!(
@@ -576,7 +596,9 @@ fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
     );
     // Round 4 sums parameters: the node leaves it with the members' mean.
     node.round = Some(4);
-    node.stage = Stage::Combining;
+    node.stage = Stage::Combining {
+        carried_state: false,
+    };
     node.combined(4, 4, "params".into(), &mut Vec::new());
     assert!(node.status().synced);
     assert_eq!(node.status().digests, vec![(4, "params".to_string())]);
@@ -782,4 +804,93 @@ fn hostile_hops_are_offences_and_never_reach_the_mean() {
         ring.nodes[0].status().aborted.get("hop of the wrong size"),
         Some(&1)
     );
+}
+
+/// `diloco`: a member that needs the state (here a joiner) makes its ring carry the members'
+/// round anchors and outer velocities beside their parameters, at weight 0 for its own, so
+/// that it leaves the round synced with theirs; once no member needs it, a round carries the
+/// parameters alone. A member that has not heard the need builds another ring (its digest
+/// differs), and the attempt aborts instead of summing contributions of two layouts.
+#[test]
+fn a_diloco_ring_carries_the_state_only_while_a_member_needs_it() {
+    let mut ring = Ring::new(3, &[1.0; 3], &[true, true, false]);
+    for node in &mut ring.nodes {
+        node.cfg.outer_state = true;
+    }
+    // Parameters, round anchor and outer velocity: three parts of ten values each.
+    for (i, p) in ring.params.iter_mut().enumerate() {
+        *p = (0..30).map(|j| (i * 30 + j) as f32 * 0.25).collect();
+    }
+    let now = Instant::now();
+    assert!(ring.nodes[2].needs_state() && !ring.nodes[0].needs_state());
+
+    // Node 0 has not heard node 2's need yet: its digest differs, nothing is summed.
+    ring.hear_all(now);
+    ring.nodes[0].heard(ring.ids[2], &ready_in(None, None), now);
+    ring.run(now, &[true; 3]);
+    assert!(ring.means.iter().all(Option::is_none), "{:?}", ring.means);
+    assert!(ring
+        .nodes
+        .iter()
+        .any(|n| n.status().aborted.contains_key("member lists differ")));
+
+    // Everyone heard it: the state travels, the synced members' parts make the mean.
+    let later = now + RETRY_PAUSE;
+    ring.hear_all(later);
+    for i in 0..3 {
+        let mut out = Vec::new();
+        ring.nodes[i].tick(0, true, later, &mut out);
+        let queue = out.into_iter().map(|o| (i, o)).collect();
+        ring.carry(queue, later, &[true; 3]);
+    }
+    let expected: Vec<f32> = (0..30)
+        .map(|j| (ring.params[0][j] + ring.params[1][j]) / 2.0)
+        .collect();
+    for (i, mean) in ring.means.iter().enumerate() {
+        assert_eq!(mean.as_deref(), Some(&expected[..]), "node {i}");
+    }
+    for i in 0..3 {
+        ring.nodes[i].combined(0, 5, format!("d{i}"), &mut Vec::new());
+        assert!(ring.nodes[i].status().synced && !ring.nodes[i].needs_state());
+    }
+
+    // Round 1: nobody needs the state, the parameters travel alone.
+    ring.means = vec![None; 3];
+    let next = later + Duration::from_secs(1);
+    ring.hear_all(next);
+    ring.run(next, &[true; 3]);
+    let expected: Vec<f32> = (0..10)
+        .map(|j| (ring.params[0][j] + ring.params[1][j] + ring.params[2][j]) / 3.0)
+        .collect();
+    for (i, mean) in ring.means.iter().enumerate() {
+        assert_eq!(mean.as_deref(), Some(&expected[..]), "node {i}");
+    }
+}
+
+/// A `diloco` member that heard a need named at an earlier round does not carry the state
+/// for it: that round's ring gave it (a heartbeat sent before it completed arrives late).
+#[test]
+fn a_need_for_the_state_named_at_an_earlier_round_is_stale() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    ring.nodes[0].cfg.outer_state = true;
+    ring.nodes[0].round = Some(4);
+    let members = ring.sorted().0;
+    let stale = Heartbeat {
+        needs_state: true,
+        ..ready_in(Some(3), None)
+    };
+    ring.nodes[0].heard(ring.ids[1], &stale, Instant::now());
+    assert!(!ring.nodes[0].carries_state(4, &members));
+    let current = Heartbeat {
+        needs_state: true,
+        ..ready_in(Some(4), None)
+    };
+    ring.nodes[0].heard(ring.ids[1], &current, Instant::now());
+    assert!(ring.nodes[0].carries_state(4, &members));
+    let unknown_round = Heartbeat {
+        needs_state: true,
+        ..ready_in(None, None)
+    };
+    ring.nodes[0].heard(ring.ids[1], &unknown_round, Instant::now());
+    assert!(ring.nodes[0].carries_state(4, &members));
 }

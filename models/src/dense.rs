@@ -2,11 +2,57 @@
 //! products and a sum per layer): the MLP's whole step, and the CNN's dense head.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::Linear;
 
 use crate::cpu::{fused, matmul};
-use crate::Result;
+use crate::{init, Result};
+
+/// Fully connected layers of `widths` (input first) with weights drawn from `seed`: He
+/// uniform before a ReLU, Glorot uniform for the last layer, zero biases; each parameter is
+/// appended to `vars` as `fc{i}.weight` and `fc{i}.bias`.
+pub(crate) fn fully_connected(
+    widths: &[usize],
+    seed: u64,
+    dev: &Device,
+    vars: &mut Vec<(String, Var)>,
+) -> Result<Vec<Linear>> {
+    let mut linears = Vec::new();
+    let layers = widths.len().saturating_sub(1);
+    for (i, pair) in widths.windows(2).enumerate() {
+        let (fan_in, fan_out) = (pair[0], pair[1]);
+        let wname = format!("fc{i}.weight");
+        let bname = format!("fc{i}.bias");
+        let shape = [fan_out, fan_in];
+        let w = if i + 1 == layers {
+            init::glorot_uniform(seed, &wname, &shape, fan_in, fan_out, dev)?
+        } else {
+            init::he_uniform(seed, &wname, &shape, fan_in, dev)?
+        };
+        let b = init::zeros(&[fan_out], dev)?;
+        linears.push(Linear::new(
+            w.as_tensor().clone(),
+            Some(b.as_tensor().clone()),
+        ));
+        vars.push((wname, w));
+        vars.push((bname, b));
+    }
+    Ok(linears)
+}
+
+/// The layers' logits for `xs`, on Candle's graph (autograd can take gradients of them): a
+/// ReLU after every layer but the last.
+pub(crate) fn logits(layers: &[Linear], xs: &Tensor) -> Result<Tensor> {
+    let mut xs = xs.clone();
+    let last = layers.len().saturating_sub(1);
+    for (i, layer) in layers.iter().enumerate() {
+        xs = matmul::linear_nd(&xs, layer.weight(), layer.bias())?;
+        if i < last {
+            xs = xs.relu()?;
+        }
+    }
+    Ok(xs)
+}
 
 /// An MLP's mean cross-entropy loss and its gradients, by hand: per layer two matrix
 /// products and a sum, nothing else. Candle's autograd gives the same numbers (a test checks)

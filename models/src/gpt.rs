@@ -12,11 +12,15 @@
 //! are [`crate::cpu::fused`]'s kernels, which carry their own backward passes (candle-nn's fused
 //! softmax and layer norm have none).
 
-use candle_core::{DType, Device, Module, Tensor};
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{Embedding, Linear};
 use serde::{Deserialize, Serialize};
 
 use crate::cpu::{fused, matmul};
+use crate::kind::{Kind, Network};
 use crate::{init, Error, Result};
 
 mod backward;
@@ -110,6 +114,44 @@ impl GptSpec {
         let block =
             2 * (2 * w) + (3 * w * w + 3 * w) + (w * w + w) + (4 * w * w + 4 * w) + (4 * w * w + w);
         VOCAB * w + self.context * w + self.layers * block + 2 * w
+    }
+}
+
+impl Kind for GptSpec {
+    fn name(&self) -> String {
+        GptSpec::name(self)
+    }
+
+    fn input_dim(&self) -> usize {
+        self.context
+    }
+
+    fn classes(&self) -> usize {
+        VOCAB
+    }
+
+    fn validate(&self) -> Result<()> {
+        GptSpec::validate(self)
+    }
+
+    fn build(
+        &self,
+        seed: u64,
+        dev: &Device,
+        vars: &mut Vec<(String, Var)>,
+    ) -> Result<Arc<dyn Network>> {
+        Ok(Arc::new(Gpt::new(self, seed, dev, vars)?))
+    }
+}
+
+impl Network for Gpt {
+    fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        Gpt::forward(self, tokens)
+    }
+
+    fn loss_and_grads(&self, xs: &Tensor, ys: &Tensor) -> Option<Result<(Tensor, GradStore)>> {
+        self.has_hand_backward()
+            .then(|| Gpt::loss_and_grads(self, xs, ys))
     }
 }
 

@@ -6,7 +6,7 @@
 //! every node of a run must agree on. It knows nothing about threads, sockets or disks beyond
 //! reading a data file: the daemon wires it to those.
 
-mod cnn;
+pub mod cnn;
 pub mod codec;
 pub mod cpu;
 pub mod data;
@@ -14,6 +14,8 @@ mod dense;
 pub mod error;
 pub mod gpt;
 pub mod init;
+pub mod kind;
+pub mod mlp;
 pub mod model;
 pub mod optim;
 pub mod params;
@@ -25,7 +27,9 @@ pub mod train;
 #[cfg(test)]
 mod testing;
 
+pub use cnn::CnnSpec;
 pub use error::{Error, Result};
+pub use mlp::MlpSpec;
 pub use model::{Model, ModelSpec};
 pub use optim::{Optimizer, OptimizerSpec};
 pub use params::{Layout, Params};

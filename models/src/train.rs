@@ -22,19 +22,13 @@ pub fn train_step(model: &Model, opt: &mut Optimizer, xs: &Tensor, ys: &Tensor) 
 /// MLP, and a GPT or a CNN on the CPU, take their hand-written backward passes (the same gradients as
 /// autograd, without its zero-seeded accumulation); other models take Candle's autograd.
 pub fn forward_backward(model: &Model, xs: &Tensor, ys: &Tensor) -> Result<(Tensor, GradStore)> {
-    let gpt = model.gpt().filter(|g| g.has_hand_backward());
-    let cnn = model.cnn_layers().filter(|_| crate::cpu::fused::serves(xs));
-    match (model.mlp_layers(), gpt, cnn) {
-        (Some(layers), _, _) => crate::dense::mlp_loss_and_grads(layers, xs, ys),
-        (None, Some(gpt), _) => gpt.loss_and_grads(xs, ys),
-        (None, None, Some(cnn)) => crate::cnn::loss_and_grads(&cnn, xs, ys),
-        (None, None, None) => {
-            let (logits, ys) = per_prediction(model.forward(xs)?, ys)?;
-            let loss = crate::cpu::fused::cross_entropy(&logits, &ys)?;
-            let grads = loss.backward()?;
-            Ok((loss, grads))
-        }
+    if let Some(by_hand) = model.network().loss_and_grads(xs, ys) {
+        return by_hand;
     }
+    let (logits, ys) = per_prediction(model.forward(xs)?, ys)?;
+    let loss = crate::cpu::fused::cross_entropy(&logits, &ys)?;
+    let grads = loss.backward()?;
+    Ok((loss, grads))
 }
 
 /// A scalar loss tensor's value as an `f32` (on a GPU, this waits for the step to finish).
@@ -106,6 +100,7 @@ pub fn evaluate(model: &Model, data: &dyn Samples, dev: &Device) -> Result<Evalu
 mod tests {
     use super::*;
     use crate::data::{load_digits, split_seeded, Sampler};
+    use crate::mlp::MlpSpec;
     use crate::model::ModelSpec;
     use crate::optim::OptimizerSpec;
 
@@ -114,9 +109,9 @@ mod tests {
         let dev = Device::Cpu;
         let split = split_seeded(&load_digits(None).expect("digits"), 0.2, 1).expect("split");
         let model = Model::new(
-            &ModelSpec::Mlp {
+            &ModelSpec::Mlp(MlpSpec {
                 widths: vec![64, 64, 10],
-            },
+            }),
             3,
             &dev,
         )
@@ -153,16 +148,19 @@ mod tests {
     fn the_mlp_backward_by_hand_matches_autograd() {
         let dev = Device::Cpu;
         let split = split_seeded(&load_digits(None).expect("digits"), 0.2, 1).expect("split");
-        let spec = ModelSpec::Mlp {
+        let spec = ModelSpec::Mlp(MlpSpec {
             widths: vec![64, 48, 32, 10],
-        };
+        });
         let model = Model::new(&spec, 5, &dev).expect("model");
         let (xs, ys) = split
             .train
             .batch(&(0..37).collect::<Vec<_>>(), &dev)
             .expect("batch");
-        let layers = model.mlp_layers().expect("an mlp");
-        let (loss, grads) = crate::dense::mlp_loss_and_grads(layers, &xs, &ys).expect("by hand");
+        let (loss, grads) = model
+            .network()
+            .loss_and_grads(&xs, &ys)
+            .expect("an mlp has its own backward pass")
+            .expect("by hand");
         let auto_loss =
             candle_nn::loss::cross_entropy(&model.forward(&xs).expect("fwd"), &ys).expect("loss");
         let auto = auto_loss.backward().expect("backward");

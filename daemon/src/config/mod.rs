@@ -21,7 +21,7 @@ use p2ptrain_models::data::{self, Data};
 use p2ptrain_models::gpt::GptSpec;
 use p2ptrain_models::optim::Schedule;
 use p2ptrain_models::text::{self, TextOptions};
-use p2ptrain_models::{ModelSpec, OptimizerSpec};
+use p2ptrain_models::{CnnSpec, MlpSpec, ModelSpec, OptimizerSpec};
 use serde::{de, Deserialize, Deserializer, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -423,9 +423,9 @@ impl Config {
                         self.data.describe()
                     )));
                 }
-                ModelSpec::Mlp {
+                ModelSpec::Mlp(MlpSpec {
                     widths: widths.clone(),
-                }
+                })
             }
             ModelConfig::Cnn { channels, hidden } => {
                 let image = split.train.image.ok_or_else(|| {
@@ -434,12 +434,12 @@ impl Config {
                         self.data.describe()
                     ))
                 })?;
-                ModelSpec::Cnn {
+                ModelSpec::Cnn(CnnSpec {
                     image,
                     channels: *channels,
                     hidden: hidden.clone(),
                     classes,
-                }
+                })
             }
             ModelConfig::Gpt(g) => ModelSpec::Gpt(*g),
         };

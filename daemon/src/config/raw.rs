@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use p2ptrain_models::gpt::GptSpec;
 use p2ptrain_models::optim::Schedule;
-use p2ptrain_models::{ModelSpec, OptimizerSpec};
+use p2ptrain_models::{MlpSpec, ModelSpec, OptimizerSpec};
 use serde::Deserialize;
 
 use super::sections::{
@@ -118,9 +118,9 @@ impl RawModel {
                 let widths = self
                     .widths
                     .ok_or_else(|| "model.widths is required for kind = \"mlp\"".to_string())?;
-                ModelSpec::Mlp {
+                ModelSpec::Mlp(MlpSpec {
                     widths: widths.clone(),
-                }
+                })
                 .validate()
                 .map_err(|e| format!("model.widths: {e}"))?;
                 ModelConfig::Mlp { widths }

@@ -408,6 +408,7 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
     let summary = summary?;
     let acc = summary
         .stats
+        .training
         .eval
         .map(|e| format!(", held-out {}", e.headline()))
         .unwrap_or_default();
@@ -415,7 +416,7 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
         .final_checkpoint
         .map(|c| format!(", final checkpoint {} ({})", c.id, c.file))
         .unwrap_or_default();
-    eprintln!("stopped at step {}{acc}{ck}", summary.stats.step);
+    eprintln!("stopped at step {}{acc}{ck}", summary.stats.training.step);
     Ok(ExitCode::SUCCESS)
 }
 

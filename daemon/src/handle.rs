@@ -17,7 +17,7 @@ use crate::device::DeviceSpec;
 use crate::mesh::MeshStatus;
 use crate::status::{
     CheckpointRef, CheckpointStatus, CheckpointView, MeshReport, ModelInfo, NodeStatus, Peers,
-    Status, SyncSettings, SyncStatus, TrainingStatus,
+    Status, SyncSettings, SyncStatus,
 };
 use crate::store::{Store, StoreError};
 use crate::trainer::{Command, Stats};
@@ -154,7 +154,7 @@ impl NodeHandle {
         let sync = SyncStatus::new(&self.sync, &net, &mesh, &stats);
         Status {
             node: self.node_status(),
-            training: TrainingStatus::from(&stats),
+            training: stats.training.clone(),
             checkpoints: self.checkpoint_status(),
             peers,
             network: net.status,

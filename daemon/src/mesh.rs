@@ -186,14 +186,15 @@ impl MeshActor {
     fn note_progress(&mut self) {
         if self.stats_rx.has_changed().unwrap_or(false) {
             let s = self.stats_rx.borrow_and_update().clone();
+            let t = &s.training;
             let progress = Progress {
-                phase: s.phase,
-                step: s.step,
+                phase: t.phase,
+                step: t.step,
                 param_norm: s.param_norm,
-                loss: s.loss,
-                samples_per_sec: s.samples_per_sec,
-                accuracy: s.eval.map(|e| e.accuracy),
-                ms_per_sample: s.ms_per_sample,
+                loss: t.loss,
+                samples_per_sec: t.samples_per_sec,
+                accuracy: t.eval.map(|e| e.accuracy),
+                ms_per_sample: t.ms_per_sample,
             };
             let _ = self.core.handle(Input::Progress(progress), Instant::now());
         }

@@ -16,7 +16,8 @@ use crate::checkpoint::CheckpointMeta;
 use crate::mesh::{FullSyncCounters, MeshStatus, SyncInfo, UpdateCounters};
 pub use crate::network::NetworkStatus;
 use crate::network::{NetSnapshot, PeerInfo};
-use crate::trainer::{EvalStats, Phase, Stats};
+use crate::trainer::Stats;
+pub use crate::trainer::TrainingStatus;
 use crate::transfer::DownloadReport;
 use crate::wire::Heartbeat;
 
@@ -135,41 +136,6 @@ pub struct MemoryStatus {
     /// Bytes resident (`VmRSS`): the heap plus what the allocator keeps, stacks and the
     /// mapped binary. `None` where `/proc` does not say (not Linux).
     pub resident_bytes: Option<u64>,
-}
-
-/// The trainer's progress, as status shows it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TrainingStatus {
-    /// What the trainer is doing.
-    pub phase: Phase,
-    /// Training steps taken.
-    pub step: u64,
-    /// Samples trained on.
-    pub samples_seen: u64,
-    /// Mean loss over recent steps.
-    pub loss: Option<f64>,
-    /// Latest evaluation on the held-out set.
-    pub eval: Option<EvalStats>,
-    /// Recent throughput.
-    pub samples_per_sec: f64,
-    /// Forward-backward milliseconds per sample, waits and evaluations left out: how fast
-    /// this box computes (`ddp` members size their batches by it).
-    #[serde(default)]
-    pub ms_per_sample: Option<f64>,
-}
-
-impl From<&Stats> for TrainingStatus {
-    fn from(s: &Stats) -> TrainingStatus {
-        TrainingStatus {
-            phase: s.phase,
-            step: s.step,
-            samples_seen: s.samples_seen,
-            loss: s.loss,
-            eval: s.eval,
-            samples_per_sec: s.samples_per_sec,
-            ms_per_sample: s.ms_per_sample,
-        }
-    }
 }
 
 /// Checkpoints, as status shows them.
@@ -404,7 +370,7 @@ pub(crate) mod tests {
                 api: "http://127.0.0.1:1".into(),
                 memory: MemoryStatus::default(),
             },
-            training: TrainingStatus::from(&Stats::default()),
+            training: TrainingStatus::default(),
             checkpoints: CheckpointStatus::default(),
             peers: Peers::default(),
             network: NetworkStatus::default(),

@@ -54,14 +54,14 @@ impl Loop {
                     step = self.counters.step,
                     bits_per_byte = format!("{bpb:.3}"),
                     loss = format!("{:.4}", e.loss),
-                    samples_per_sec = format!("{:.0}", self.stats.samples_per_sec),
+                    samples_per_sec = format!("{:.0}", self.stats.training.samples_per_sec),
                     "evaluated on held-out text"
                 ),
                 None => tracing::info!(
                     step = self.counters.step,
                     accuracy = format!("{:.4}", e.accuracy),
                     loss = format!("{:.4}", e.loss),
-                    samples_per_sec = format!("{:.0}", self.stats.samples_per_sec),
+                    samples_per_sec = format!("{:.0}", self.stats.training.samples_per_sec),
                     "evaluated on held-out set"
                 ),
             }
@@ -74,7 +74,7 @@ impl Loop {
                 "evaluated on held-out set"
             );
         }
-        self.stats.eval = Some(EvalStats {
+        self.stats.training.eval = Some(EvalStats {
             accuracy: e.accuracy,
             loss: e.loss,
             step: self.counters.step,

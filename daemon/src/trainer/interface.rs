@@ -155,9 +155,10 @@ impl EvalStats {
     }
 }
 
-/// Progress the trainer publishes; read by the status API.
-#[derive(Debug, Clone, PartialEq, Serialize, Default)]
-pub struct Stats {
+/// The trainer's progress as status shows it (the `training` part of [`Stats`], flattened into
+/// the status report).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct TrainingStatus {
     /// What the trainer is doing.
     pub phase: Phase,
     /// Training steps taken (including those restored from a checkpoint).
@@ -166,10 +167,23 @@ pub struct Stats {
     pub samples_seen: u64,
     /// Mean loss over the last steps.
     pub loss: Option<f64>,
-    /// Latest evaluation.
+    /// Latest evaluation on the held-out set.
     pub eval: Option<EvalStats>,
     /// Recent throughput.
     pub samples_per_sec: f64,
+    /// Milliseconds of forward and backward pass per sample, a running mean of recent steps
+    /// (batch gathering included, evaluation and waits not): how fast this box computes,
+    /// whatever the mesh makes it wait for. `ddp` members size their batches by each other's.
+    #[serde(default)]
+    pub ms_per_sample: Option<f64>,
+}
+
+/// Progress the trainer publishes; read by the status API.
+#[derive(Debug, Clone, PartialEq, Serialize, Default)]
+pub struct Stats {
+    /// What status shows of it as `training`.
+    #[serde(flatten)]
+    pub training: TrainingStatus,
     /// Steps taken since this process started.
     pub steps_this_run: u64,
     /// Seconds spent in the training loop since this process started (evaluation included).
@@ -187,10 +201,6 @@ pub struct Stats {
     pub held: bool,
     /// Seconds spent held back by the staleness bound.
     pub held_secs: f64,
-    /// Milliseconds of forward and backward pass per sample, a running mean of recent steps
-    /// (batch gathering included, evaluation and waits not): how fast this box computes,
-    /// whatever the mesh makes it wait for. `ddp` members size their batches by each other's.
-    pub ms_per_sample: Option<f64>,
 }
 
 /// Everything the trainer thread needs, prepared (and validated) before it starts.

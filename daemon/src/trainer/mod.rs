@@ -38,7 +38,7 @@ use crate::timeline::{self, Lane};
 pub use evaluation::EvalRecord;
 pub use interface::{
     Command, Counters, EvalStats, Finish, Handle, Identity, OuterSgd, Phase, RestoreFrom, Setup,
-    Stats, StepLimit, TrainerError, FINAL_ROUND_WAIT, LOCKSTEP_EVAL_ALIGN_STEPS,
+    Stats, StepLimit, TrainerError, TrainingStatus, FINAL_ROUND_WAIT, LOCKSTEP_EVAL_ALIGN_STEPS,
 };
 pub use state::{build, outer_velocity};
 
@@ -166,8 +166,11 @@ impl Loop {
             sampler,
             counters,
             stats: Stats {
-                step: counters.step,
-                samples_seen: counters.samples_seen,
+                training: TrainingStatus {
+                    step: counters.step,
+                    samples_seen: counters.samples_seen,
+                    ..TrainingStatus::default()
+                },
                 ..Stats::default()
             },
             stats_tx,
@@ -212,10 +215,10 @@ impl Loop {
     }
 
     fn publish(&mut self) {
-        self.stats.step = self.counters.step;
-        self.stats.samples_seen = self.counters.samples_seen;
+        self.stats.training.step = self.counters.step;
+        self.stats.training.samples_seen = self.counters.samples_seen;
         if !self.losses.is_empty() {
-            self.stats.loss = Some(
+            self.stats.training.loss = Some(
                 self.losses.iter().map(|&l| f64::from(l)).sum::<f64>() / self.losses.len() as f64,
             );
         }
@@ -366,7 +369,7 @@ impl Loop {
             return;
         }
         let ms = took.as_secs_f64() * 1e3 / samples as f64;
-        self.stats.ms_per_sample = Some(match self.stats.ms_per_sample {
+        self.stats.training.ms_per_sample = Some(match self.stats.training.ms_per_sample {
             Some(old) => old + SPEED_SMOOTHING * (ms - old),
             None => ms,
         });
@@ -391,7 +394,7 @@ impl Loop {
     }
 
     fn finish(&mut self, reached_max_steps: bool) -> Result<Finish, TrainerError> {
-        self.stats.phase = Phase::Stopped;
+        self.stats.training.phase = Phase::Stopped;
         self.publish();
         Ok(Finish {
             snapshot: self.snapshot()?,
@@ -449,7 +452,7 @@ impl Loop {
         if now.duration_since(self.clock.last_publish) >= PUBLISH_EVERY {
             let dt = now.duration_since(self.clock.rate_mark.0).as_secs_f64();
             if dt >= 1.0 {
-                self.stats.samples_per_sec =
+                self.stats.training.samples_per_sec =
                     (self.counters.samples_seen - self.clock.rate_mark.1) as f64 / dt;
                 self.clock.rate_mark = (now, self.counters.samples_seen);
             }
@@ -481,7 +484,7 @@ impl Loop {
             rate_mark: (Instant::now(), self.counters.samples_seen),
             last_publish: Instant::now(),
         };
-        self.stats.phase = Phase::Training;
+        self.stats.training.phase = Phase::Training;
         self.publish();
         let mut reached_max_steps = false;
         let mut final_wait: Option<Instant> = None;
@@ -532,7 +535,7 @@ impl Loop {
         self.released();
         self.stats.train_secs = self.clock.started.elapsed().as_secs_f64();
         let evaluates = self.s.eval_every > 0 || !self.s.eval_every_time.is_zero();
-        if evaluates && self.stats.eval.map(|e| e.step) != Some(self.counters.step) {
+        if evaluates && self.stats.training.eval.map(|e| e.step) != Some(self.counters.step) {
             self.evaluate()?;
         }
         self.finish(reached_max_steps)

@@ -75,7 +75,7 @@ impl Joiner {
                         c.insert(Arc::new(Frozen::new(report.step, bytes)));
                     }
                     let mut report = report;
-                    report.first_accuracy = self.stats.borrow().eval.map(|e| e.accuracy);
+                    report.first_accuracy = self.stats.borrow().training.eval.map(|e| e.accuracy);
                     if let Ok(mut d) = self.report.lock() {
                         *d = Some(report);
                     }

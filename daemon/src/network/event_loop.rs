@@ -1,8 +1,9 @@
 //! The task that owns the `Swarm`: it runs commands from [`super::Client`]s, turns swarm
 //! events into [`Event`]s for the node, and once a second drops silent members, bans
 //! graylisted ones, redials lost ones and looks for a relay. Peer memory lives in the
-//! [`PeerBook`], byte counts in [`super::metrics`]; the reactions to swarm and protocol
-//! events are in `swarm_events`.
+//! [`PeerBook`], byte counts in [`super::metrics`]'s `Traffic`, who may be a member (and what
+//! was turned away) in `admission`; the reactions to swarm and protocol events are in
+//! `swarm_events`.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -14,7 +15,7 @@ use libp2p::{Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, oneshot};
 
 use super::behaviour::Behaviour;
-use super::metrics::{Bandwidth, Envelope, TopicSent};
+use super::metrics::{Bandwidth, Envelope, Traffic};
 use super::peer_book::PeerBook;
 use super::{
     BulkResponse, Command, Event, NetConfig, NetError, NetSnapshot, NetworkStatus, PeerInfo,
@@ -23,32 +24,25 @@ use super::{
 use crate::nat::{self, Links, Nat};
 use crate::scoring;
 
+mod admission;
 mod swarm_events;
 
-/// Delay between refusing a peer and closing its connection.
-const HANG_UP_AFTER: Duration = Duration::from_millis(500);
+use admission::Admission;
 
 /// Owns the swarm; see the module docs.
 pub struct EventLoop {
     swarm: Swarm<Behaviour>,
     cmd_rx: mpsc::Receiver<Command>,
     event_tx: mpsc::Sender<Event>,
-    /// Bytes through every connection, counted by the transport.
-    bandwidth: Bandwidth,
-    /// Gossip this node published, per topic.
-    topic_sent: TopicSent,
-    /// The wire size of this node's gossip messages, for [`TopicSent`].
-    envelope: Envelope,
-    protocol_version: String,
+    /// Bytes through every connection, and gossip this node published per topic.
+    traffic: Traffic,
+    /// Who may be a member, and what was turned away.
+    admission: Admission,
     members: HashMap<PeerId, PeerInfo>,
-    refused: HashSet<PeerId>,
-    refused_count: u64,
     listen_addrs: Vec<Multiaddr>,
     pending_requests: HashMap<OutboundRequestId, oneshot::Sender<Result<BulkResponse, NetError>>>,
     topics: HashSet<String>,
     walk: WalkClock,
-    /// Refused peers to disconnect, and when.
-    hang_up: Vec<(PeerId, Instant)>,
     /// Peers named in bootstrap addresses, whose dial failures the user needs to see.
     bootstrap_peers: HashSet<PeerId>,
     /// When each member was last heard from: a ping answer, a gossip message or a bulk
@@ -57,16 +51,8 @@ pub struct EventLoop {
     last_heard: HashMap<PeerId, Instant>,
     /// Members seen (to redial when lost), bans and offences.
     book: PeerBook,
-    /// The private network key's fingerprint, if any.
-    psk_fingerprint: Option<String>,
-    /// Size of the allowlist, if one is in force.
-    allowlist: Option<usize>,
-    /// Connections that failed in the security handshake (a wrong or missing network key).
-    handshake_failures: u64,
     /// See [`NetworkStatus::peer_drops`].
     peer_drops: u64,
-    /// Connections refused (or not dialled) because of the allowlist.
-    denied_connections: u64,
     /// Open connections, direct or relayed.
     links: Links,
     /// Peers of this run connected only through a relay: shown in status, never synced with.
@@ -122,13 +108,9 @@ impl EventLoop {
             swarm,
             cmd_rx,
             event_tx,
-            bandwidth,
-            topic_sent: TopicSent::default(),
-            envelope,
-            protocol_version,
+            traffic: Traffic::new(bandwidth, envelope),
+            admission: Admission::new(cfg, protocol_version),
             members: HashMap::new(),
-            refused: HashSet::new(),
-            refused_count: 0,
             listen_addrs: Vec::new(),
             pending_requests: HashMap::new(),
             topics: HashSet::new(),
@@ -136,7 +118,6 @@ impl EventLoop {
                 every: cfg.kad_walk_every,
                 last: Instant::now(),
             },
-            hang_up: Vec::new(),
             bootstrap_peers: cfg
                 .bootstrap
                 .iter()
@@ -149,11 +130,7 @@ impl EventLoop {
                 .collect(),
             last_heard: HashMap::new(),
             book: PeerBook::default(),
-            psk_fingerprint: cfg.psk.map(|k| k.fingerprint().to_string()),
-            allowlist: cfg.allow.as_ref().map(HashSet::len),
-            handshake_failures: 0,
             peer_drops: 0,
-            denied_connections: 0,
             links: Links::default(),
             relayed_members: HashMap::new(),
             nat: Nat::new(cfg.relay_server, cfg.upnp),
@@ -201,14 +178,7 @@ impl EventLoop {
         self.ban_graylisted(now).await;
         self.redial_lost(now);
         self.find_relay(now);
-        let due: Vec<PeerId> = self
-            .hang_up
-            .iter()
-            .filter(|(_, t)| *t <= now)
-            .map(|(p, _)| *p)
-            .collect();
-        self.hang_up.retain(|(_, t)| *t > now);
-        for peer in due {
+        for peer in self.admission.hang_ups_due(now) {
             let _ = self.swarm.disconnect_peer_id(peer);
         }
         if self.walk.last.elapsed() >= self.walk.every && !self.members.is_empty() {
@@ -222,10 +192,12 @@ impl EventLoop {
     /// a Kademlia walk (which may have dropped the unreachable peers from its table).
     fn redial_lost(&mut self, now: Instant) {
         let members = &self.members;
-        let refused = &self.refused;
-        let due = self
-            .book
-            .redial_due(now, |p| members.contains_key(p), |p| refused.contains(p));
+        let admission = &self.admission;
+        let due = self.book.redial_due(
+            now,
+            |p| members.contains_key(p),
+            |p| admission.is_refused(p),
+        );
         for (peer, addrs) in due {
             // The relay gate would refuse such a circuit, but only after the relay opened
             // it: this loop runs every few seconds, so it leaves circuits out itself.
@@ -325,7 +297,7 @@ impl EventLoop {
     /// default) a message goes to every peer subscribed to the topic whose score is above
     /// the publish threshold.
     fn publish(&mut self, topic: String, data: Vec<u8>) -> Result<(), NetError> {
-        let bytes = self.envelope.len(&topic, data.len()) as u64;
+        let data_len = data.len();
         let topic = IdentTopic::new(topic);
         let gossip = &mut self.swarm.behaviour_mut().gossipsub;
         gossip.publish(topic.clone(), data)?;
@@ -336,7 +308,7 @@ impl EventLoop {
             .filter(|(_, topics)| topics.contains(&&hash))
             .filter(|(p, _)| gossip.peer_score(p).is_none_or(|s| s >= threshold))
             .count() as u64;
-        self.topic_sent.record(hash.as_str(), copies, bytes);
+        self.traffic.published(hash.as_str(), data_len, copies);
         Ok(())
     }
 
@@ -442,8 +414,8 @@ impl EventLoop {
             .chain(self.relayed_members.iter())
             .map(|(id, p)| PeerInfo {
                 score: gossip.peer_score(id),
-                bytes_sent: self.bandwidth.of_peer(id).map(|b| b.0),
-                bytes_received: self.bandwidth.of_peer(id).map(|b| b.1),
+                bytes_sent: self.traffic.bandwidth.of_peer(id).map(|b| b.0),
+                bytes_received: self.traffic.bandwidth.of_peer(id).map(|b| b.1),
                 path: self.links.path(id).map(str::to_string),
                 remote: self.links.remote(id),
                 ..p.clone()
@@ -452,26 +424,24 @@ impl EventLoop {
         peers.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
         let mut topics: Vec<String> = self.topics.iter().cloned().collect();
         topics.sort();
+        let mut status = NetworkStatus {
+            listen_addrs: listen
+                .into_iter()
+                .map(|a| format!("{a}/p2p/{me}"))
+                .collect(),
+            bytes_sent: self.traffic.bandwidth.sent(),
+            bytes_received: self.traffic.bandwidth.received(),
+            topics,
+            banned_peers: self.book.banned(Instant::now()),
+            peer_drops: self.peer_drops,
+            nat: self.nat.report(&self.listen_addrs),
+            ..NetworkStatus::default()
+        };
+        self.admission.report(&mut status);
         NetSnapshot {
             peers,
-            topic_sent: self.topic_sent.by_topic(),
-            status: NetworkStatus {
-                listen_addrs: listen
-                    .into_iter()
-                    .map(|a| format!("{a}/p2p/{me}"))
-                    .collect(),
-                bytes_sent: self.bandwidth.sent(),
-                bytes_received: self.bandwidth.received(),
-                refused_peers: self.refused_count,
-                topics,
-                banned_peers: self.book.banned(Instant::now()),
-                psk_fingerprint: self.psk_fingerprint.clone(),
-                allowlist: self.allowlist,
-                handshake_failures: self.handshake_failures,
-                peer_drops: self.peer_drops,
-                denied_connections: self.denied_connections,
-                nat: self.nat.report(&self.listen_addrs),
-            },
+            topic_sent: self.traffic.by_topic(),
+            status,
         }
     }
 }

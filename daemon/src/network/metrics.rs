@@ -293,6 +293,41 @@ impl TopicSent {
     }
 }
 
+/// What the event loop counts of its traffic: the transport's byte counters, and gossip it
+/// published per topic, each message at its wire size.
+#[derive(Debug)]
+pub struct Traffic {
+    /// Bytes through every connection (shared with the transport, which increments them).
+    pub bandwidth: Bandwidth,
+    topic_sent: TopicSent,
+    envelope: Envelope,
+}
+
+impl Traffic {
+    /// Counts for a node whose transport adds to `bandwidth` and whose gossip carries
+    /// `envelope`.
+    pub fn new(bandwidth: Bandwidth, envelope: Envelope) -> Traffic {
+        Traffic {
+            bandwidth,
+            topic_sent: TopicSent::default(),
+            envelope,
+        }
+    }
+
+    /// Counts a message of `data_len` bytes published on `topic` (the hash gossip carries,
+    /// which is the topic's name: topics are identity-hashed) to `copies` peers, with its
+    /// envelope.
+    pub fn published(&mut self, topic: &str, data_len: usize, copies: u64) {
+        let bytes = self.envelope.len(topic, data_len) as u64;
+        self.topic_sent.record(topic, copies, bytes);
+    }
+
+    /// Gossip published so far, by topic: `(copies, bytes)`.
+    pub fn by_topic(&self) -> BTreeMap<String, (u64, u64)> {
+        self.topic_sent.by_topic()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,7 +12,7 @@ use libp2p::{
     request_response, upnp, PeerId,
 };
 
-use super::{emit, EventLoop, HANG_UP_AFTER};
+use super::{emit, EventLoop};
 use crate::nat;
 use crate::network::behaviour::BehaviourEvent;
 use crate::network::peer_book::ip_of;
@@ -48,18 +48,6 @@ fn nothing_answers(text: &str) -> bool {
 }
 
 impl EventLoop {
-    /// What a failed handshake most likely means, for the log: the commonest cause on a
-    /// private network is a key mismatch, which pnet itself cannot detect (both sides just
-    /// see garbage once the nonces are exchanged).
-    fn key_hint(&self) -> String {
-        match &self.psk_fingerprint {
-            Some(f) => format!(
-                "this node is on a private network (PSK fingerprint {f}): the peer may use another key, or none"
-            ),
-            None => "this node has no network key (--psk): if the peer runs a private network, this node needs its key".into(),
-        }
-    }
-
     /// Tracks which connections are relayed and keeps the relay for signalling only: a
     /// relayed connection is closed once a direct one to the same peer exists.
     fn on_connection_opened(
@@ -147,7 +135,7 @@ impl EventLoop {
                 self.listen_addrs.retain(|a| a != &address)
             }
             SwarmEvent::ConnectionEstablished { peer_id, .. }
-                if self.refused.contains(&peer_id) =>
+                if self.admission.is_refused(&peer_id) =>
             {
                 let _ = self.swarm.disconnect_peer_id(peer_id);
             }
@@ -197,11 +185,11 @@ impl EventLoop {
             }
         }
         if matches!(error, libp2p::swarm::DialError::Denied { .. }) {
-            self.denied_connections += 1;
+            self.admission.denied();
             tracing::warn!(peer = ?peer_id, "not connecting: the peer is not on network.allow");
         } else if looks_like_handshake_failure(&text) {
-            self.handshake_failures += 1;
-            tracing::warn!(peer = ?peer_id, "handshake with a peer failed: {text}; {}", self.key_hint());
+            self.admission.handshake_failed();
+            tracing::warn!(peer = ?peer_id, "handshake with a peer failed: {text}; {}", self.admission.key_hint());
         } else if peer_id.is_some_and(|p| self.bootstrap_peers.contains(&p)) || peer_id.is_none() {
             // A PSK mismatch can also look like a timeout (one side waits for a
             // protocol answer the other cannot decrypt), so the hint goes here too;
@@ -209,7 +197,7 @@ impl EventLoop {
             let hint = if nothing_answers(&text) {
                 "nothing listens there: the member may have stopped".to_string()
             } else {
-                self.key_hint()
+                self.admission.key_hint()
             };
             tracing::warn!(peer = ?peer_id, "cannot reach a bootstrap member: {text}; {hint}");
         } else {
@@ -240,13 +228,13 @@ impl EventLoop {
         }
         let banned_there = ip_of(send_back_addr).and_then(|ip| self.book.banned_at(ip));
         if matches!(error, libp2p::swarm::ListenError::Denied { .. }) {
-            self.denied_connections += 1;
+            self.admission.denied();
             tracing::warn!(from = %send_back_addr, "refused a connection: the peer is not on network.allow");
         } else if let (true, Some(p)) = (looks_like_handshake_failure(&text), banned_there) {
             tracing::info!(from = %send_back_addr, "an incoming connection broke off during the handshake ({text}): most likely banned peer {p} redialling, whose connections are refused for the ban");
         } else if looks_like_handshake_failure(&text) {
-            self.handshake_failures += 1;
-            tracing::warn!(from = %send_back_addr, "handshake with an incoming peer failed: {text}; {}", self.key_hint());
+            self.admission.handshake_failed();
+            tracing::warn!(from = %send_back_addr, "handshake with an incoming peer failed: {text}; {}", self.admission.key_hint());
         } else {
             tracing::debug!(from = %send_back_addr, "incoming connection failed: {text}");
         }
@@ -288,7 +276,7 @@ impl EventLoop {
             BehaviourEvent::Kad(kad::Event::RoutingUpdated {
                 peer, addresses, ..
             }) if !self.swarm.is_connected(&peer)
-                && !self.refused.contains(&peer)
+                && !self.admission.is_refused(&peer)
                 && peer != *self.swarm.local_peer_id() =>
             {
                 // A circuit to a peer behind the relay gate is refused by the gate.
@@ -300,7 +288,7 @@ impl EventLoop {
             BehaviourEvent::Mdns(mdns::Event::Discovered(found)) => {
                 let now = Instant::now();
                 for (peer, addr) in found {
-                    if !self.swarm.is_connected(&peer) && !self.refused.contains(&peer) {
+                    if !self.swarm.is_connected(&peer) && !self.admission.is_refused(&peer) {
                         tracing::info!(peer = %peer, %addr, "found on the local network (mDNS)");
                         self.book.discovered(peer, addr.clone(), now);
                         self.dial_unless_connected(peer, vec![addr]);
@@ -362,21 +350,18 @@ impl EventLoop {
     /// refused; one seen only over a relay is shown but is not a member; one over a direct
     /// connection becomes a member (announced to the mesh when new).
     async fn on_identified(&mut self, peer_id: PeerId, info: identify::Info) {
-        if info.protocol_version != self.protocol_version {
-            if self.refused.insert(peer_id) {
-                self.refused_count += 1;
+        if info.protocol_version != self.admission.protocol_version() {
+            // The connection closes a moment later (see `Admission::refuse`).
+            if self.admission.refuse(peer_id, Instant::now()) {
                 tracing::warn!(
                     peer = %peer_id,
                     "refused peer: it speaks {:?} ({}), this node speaks {:?}; a different run id (model, optimizer, data spec or seed), sync mode or shared sync setting (allreduce every, ddp resync_every, diloco inner_steps/outer_lr/outer_momentum, fedavg local_epochs) or gossip size limit cannot train together",
                     info.protocol_version,
                     info.agent_version,
-                    self.protocol_version
+                    self.admission.protocol_version()
                 );
             }
             self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
-            // Hang up a moment later, so the stranger receives our identify too and
-            // can say why it was turned away instead of seeing a bare disconnect.
-            self.hang_up.push((peer_id, Instant::now() + HANG_UP_AFTER));
             return;
         }
         if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {

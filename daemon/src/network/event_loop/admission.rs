@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
 
-use super::{NetConfig, NetworkStatus};
+use crate::network::{NetConfig, NetworkStatus};
 
 /// Delay between refusing a peer and closing its connection: the stranger receives this
 /// node's identify too, and can say why it was turned away instead of seeing a bare

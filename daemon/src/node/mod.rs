@@ -8,7 +8,6 @@
 //! SIGTERM, `p2ptrain stop`, or reaching `max_steps`) lets the current step finish, writes a
 //! final checkpoint, and only then returns.
 
-use std::fs::File;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -26,47 +25,13 @@ use crate::handle::NodeHandle;
 use crate::mesh::{MeshActor, MeshConfig, MeshStatus};
 use crate::mesh_core::{CoreConfig, MeshCore, WallClock};
 use crate::status::{ModelInfo, SyncSettings};
-use crate::store::Store;
 use crate::trainer::{self, Command, Stats};
-use crate::{control, identity, network, store, transfer};
+use crate::{control, network, store, transfer};
+use data_dir::{open_data_dir, OpenedDataDir};
+pub use error::NodeError;
 
-/// Why a node could not start or stopped with an error; one line each.
-#[derive(Debug, thiserror::Error)]
-pub enum NodeError {
-    /// Configuration problem.
-    #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
-    /// Data could not be loaded.
-    #[error("cannot load data: {0}")]
-    Data(p2ptrain_models::Error),
-    /// Device unavailable.
-    #[error(transparent)]
-    Device(#[from] crate::device::DeviceError),
-    /// The data shard asked for is empty.
-    #[error("{0}")]
-    Shard(String),
-    /// The private network key is missing or malformed.
-    #[error("{0}")]
-    Psk(String),
-    /// Control API could not be served.
-    #[error(transparent)]
-    Api(#[from] control::BindError),
-    /// The node's identity key could not be loaded or created.
-    #[error(transparent)]
-    Identity(#[from] identity::IdentityError),
-    /// The data directory is unusable.
-    #[error("{0}")]
-    DataDir(String),
-    /// The checkpoint store failed.
-    #[error(transparent)]
-    Store(#[from] crate::store::StoreError),
-    /// The trainer failed.
-    #[error("trainer: {0}")]
-    Trainer(String),
-    /// The network could not start.
-    #[error(transparent)]
-    Network(#[from] crate::network::NetError),
-}
+mod data_dir;
+mod error;
 
 /// Settings that belong to this node's process, not to the run, and are no config key (the
 /// config's own settings, command-line overrides included, are in [`Config`]).
@@ -185,25 +150,6 @@ pub struct Summary {
     pub reached_max_steps: bool,
 }
 
-/// Holds an exclusive lock on the data directory for the node's lifetime, so two nodes never
-/// share one (they would fight over the identity and corrupt each other's checkpoints).
-fn lock_data_dir(dir: &Path) -> Result<File, NodeError> {
-    let path = dir.join("LOCK");
-    let file =
-        File::create(&path).map_err(|e| NodeError::DataDir(format!("{}: {e}", path.display())))?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => Err(NodeError::DataDir(format!(
-            "data dir {} is in use by another p2ptrain node",
-            dir.display()
-        ))),
-        Err(std::fs::TryLockError::Error(e)) => Err(NodeError::DataDir(format!(
-            "{}: cannot lock: {e}",
-            path.display()
-        ))),
-    }
-}
-
 /// A node's data order seed from its peer id, so each node samples differently without
 /// configuration and keeps its order across restarts.
 fn seed_from(peer_id: &str) -> u64 {
@@ -211,32 +157,6 @@ fn seed_from(peer_id: &str) -> u64 {
     let mut b = [0u8; 8];
     b.copy_from_slice(&digest[..8]);
     u64::from_le_bytes(b)
-}
-
-/// Opens the checkpoint store in `data_dir` and loads its newest valid checkpoint, which must
-/// be of run `run_id` (a data directory holds one run).
-fn open_store(
-    data_dir: &Path,
-    run_id: &str,
-) -> Result<(Arc<Store>, Option<store::Loaded>), NodeError> {
-    let (store, notes) = Store::open(data_dir)?;
-    for note in notes {
-        tracing::warn!("{note}");
-    }
-    let (resume, skipped) = store.load_newest_valid();
-    for s in &skipped {
-        tracing::warn!("{}", s.reason);
-    }
-    if let Some(loaded) = &resume {
-        if loaded.meta.info.run_id != run_id {
-            return Err(NodeError::DataDir(format!(
-                "data dir {} holds checkpoints of run {} but this configuration is run {run_id}; use another --data-dir or the matching config",
-                data_dir.display(),
-                loaded.meta.info.run_id,
-            )));
-        }
-    }
-    Ok((Arc::new(store), resume))
 }
 
 /// The network's settings from the config: addresses, the run and its sync terms (which the
@@ -683,42 +603,6 @@ impl Stopping {
         let _ = self.server.await;
         let _ = std::fs::remove_file(&self.addr_file);
     }
-}
-
-/// The data directory, opened for this node's lifetime: its lock, identity and checkpoints.
-struct OpenedDataDir {
-    key: libp2p::identity::Keypair,
-    local_peer: libp2p::PeerId,
-    ident: trainer::Identity,
-    store: Arc<Store>,
-    /// The newest valid checkpoint, to resume from.
-    resume: Option<store::Loaded>,
-    /// Held until the node has stopped ([`lock_data_dir`]); the last field, so that it is
-    /// released after the store closes.
-    _lock: File,
-}
-
-/// Creates and locks the data directory, loads or creates the node's key, and opens its
-/// checkpoints (which must be of this configuration's run).
-fn open_data_dir(config: &Config, data_dir: &Path) -> Result<OpenedDataDir, NodeError> {
-    std::fs::create_dir_all(data_dir)
-        .map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
-    let lock = lock_data_dir(data_dir)?;
-    let key = identity::load_or_create(data_dir)?;
-    let local_peer = identity::peer_id(&key);
-    let ident = trainer::Identity {
-        run_id: config.run_id(),
-        config_hash: config.config_hash(),
-    };
-    let (store, resume) = open_store(data_dir, &ident.run_id)?;
-    Ok(OpenedDataDir {
-        _lock: lock,
-        key,
-        local_peer,
-        ident,
-        store,
-        resume,
-    })
 }
 
 /// The optimizer's kind as status names it.

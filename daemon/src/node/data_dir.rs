@@ -1,0 +1,93 @@
+//! The node's data directory: created and locked for the node's lifetime (two nodes never
+//! share one), its identity key loaded or created, and its checkpoint store opened with the
+//! newest valid checkpoint to resume from, which must be of this configuration's run.
+
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+
+use super::error::NodeError;
+use crate::config::Config;
+use crate::store::{self, Store};
+use crate::{identity, trainer};
+
+/// The data directory, opened for this node's lifetime: its lock, identity and checkpoints.
+pub(super) struct OpenedDataDir {
+    pub(super) key: libp2p::identity::Keypair,
+    pub(super) local_peer: libp2p::PeerId,
+    pub(super) ident: trainer::Identity,
+    pub(super) store: Arc<Store>,
+    /// The newest valid checkpoint, to resume from.
+    pub(super) resume: Option<store::Loaded>,
+    /// Held until the node has stopped ([`lock_data_dir`]); the last field, so that it is
+    /// released after the store closes.
+    _lock: File,
+}
+
+/// Creates and locks the data directory, loads or creates the node's key, and opens its
+/// checkpoints (which must be of this configuration's run).
+pub(super) fn open_data_dir(config: &Config, data_dir: &Path) -> Result<OpenedDataDir, NodeError> {
+    std::fs::create_dir_all(data_dir)
+        .map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
+    let lock = lock_data_dir(data_dir)?;
+    let key = identity::load_or_create(data_dir)?;
+    let local_peer = identity::peer_id(&key);
+    let ident = trainer::Identity {
+        run_id: config.run_id(),
+        config_hash: config.config_hash(),
+    };
+    let (store, resume) = open_store(data_dir, &ident.run_id)?;
+    Ok(OpenedDataDir {
+        _lock: lock,
+        key,
+        local_peer,
+        ident,
+        store,
+        resume,
+    })
+}
+
+/// Holds an exclusive lock on the data directory for the node's lifetime, so two nodes never
+/// share one (they would fight over the identity and corrupt each other's checkpoints).
+fn lock_data_dir(dir: &Path) -> Result<File, NodeError> {
+    let path = dir.join("LOCK");
+    let file =
+        File::create(&path).map_err(|e| NodeError::DataDir(format!("{}: {e}", path.display())))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(NodeError::DataDir(format!(
+            "data dir {} is in use by another p2ptrain node",
+            dir.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(NodeError::DataDir(format!(
+            "{}: cannot lock: {e}",
+            path.display()
+        ))),
+    }
+}
+
+/// Opens the checkpoint store in `data_dir` and loads its newest valid checkpoint, which must
+/// be of run `run_id` (a data directory holds one run).
+fn open_store(
+    data_dir: &Path,
+    run_id: &str,
+) -> Result<(Arc<Store>, Option<store::Loaded>), NodeError> {
+    let (store, notes) = Store::open(data_dir)?;
+    for note in notes {
+        tracing::warn!("{note}");
+    }
+    let (resume, skipped) = store.load_newest_valid();
+    for s in &skipped {
+        tracing::warn!("{}", s.reason);
+    }
+    if let Some(loaded) = &resume {
+        if loaded.meta.info.run_id != run_id {
+            return Err(NodeError::DataDir(format!(
+                "data dir {} holds checkpoints of run {} but this configuration is run {run_id}; use another --data-dir or the matching config",
+                data_dir.display(),
+                loaded.meta.info.run_id,
+            )));
+        }
+    }
+    Ok((Arc::new(store), resume))
+}

@@ -95,11 +95,23 @@ fn label(k: &str, v: impl ToString) -> Labels {
     vec![(k.to_string(), v.to_string())]
 }
 
-/// p2ptrain's own metrics of `s`, as a registry.
+/// p2ptrain's own metrics of `s`, as a registry: one section per part of the node.
 fn own_metrics(s: &Status) -> Registry {
     let mut b = Builder {
         reg: Registry::with_prefix("p2ptrain"),
     };
+    node_metrics(&mut b, s);
+    training_metrics(&mut b, s);
+    updates_metrics(&mut b, s);
+    bytes_metrics(&mut b, s);
+    full_syncs_metrics(&mut b, s);
+    peers_metrics(&mut b, s);
+    transfer_metrics(&mut b, s);
+    b.reg
+}
+
+/// Who this node is and what it trains, its uptime and memory.
+fn node_metrics(b: &mut Builder, s: &Status) {
     b.reg.register(
         "node",
         "Who this node is and what it trains",
@@ -142,8 +154,10 @@ fn own_metrics(s: &Status) -> Registry {
             r as f64,
         );
     }
+}
 
-    // Training.
+/// The trainer's progress: steps, samples, loss, evaluations, speed, waits.
+fn training_metrics(b: &mut Builder, s: &Status) {
     let t = &s.training;
     b.counter("training_steps", "Training steps taken", None, t.step);
     b.counter(
@@ -189,8 +203,10 @@ fn own_metrics(s: &Status) -> Registry {
             );
         }
     }
+}
 
-    // Updates.
+/// Neighbours' updates: published, received, applied, rejected and why.
+fn updates_metrics(b: &mut Builder, s: &Status) {
     let u = &s.mesh.updates;
     b.counter("updates_sent", "Own updates published", None, u.sent);
     b.counter(
@@ -246,8 +262,10 @@ fn own_metrics(s: &Status) -> Registry {
             .iter()
             .map(|(p, n)| (label("peer", p), *n)),
     );
+}
 
-    // Bytes.
+/// Bytes: in all, by kind of message, per topic.
+fn bytes_metrics(b: &mut Builder, s: &Status) {
     b.counter(
         "network_sent",
         "Bytes sent on all connections",
@@ -315,8 +333,10 @@ fn own_metrics(s: &Status) -> Registry {
         None,
         s.sync.residual_norm,
     );
+}
 
-    // Full syncs.
+/// Full syncs with neighbours, and refusals.
+fn full_syncs_metrics(b: &mut Builder, s: &Status) {
     let f = &s.mesh.full_syncs;
     b.counters(
         "full_syncs",
@@ -349,8 +369,10 @@ fn own_metrics(s: &Status) -> Registry {
             d,
         );
     }
+}
 
-    // Peers.
+/// Peers, bans, the network's refusals, and bytes per peer.
+fn peers_metrics(b: &mut Builder, s: &Status) {
     b.gauge(
         "peers",
         "Connected peers of this run",
@@ -444,8 +466,11 @@ fn own_metrics(s: &Status) -> Registry {
             .iter()
             .filter_map(|p| Some((label("peer", &p.link.peer_id), p.link.bytes_received?))),
     );
+}
 
-    // State transfer and checkpoints.
+/// The state download, serving joiners, and checkpoints.
+fn transfer_metrics(b: &mut Builder, s: &Status) {
+    let t = &s.training;
     if let Some(d) = &s.mesh.state_download {
         b.gauge(
             "state_download",
@@ -501,7 +526,6 @@ fn own_metrics(s: &Status) -> Registry {
             c.step as f64,
         );
     }
-    b.reg
 }
 
 /// The exposition: p2ptrain's series for `status`, then those in `libp2p` (the network's

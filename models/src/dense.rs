@@ -1,5 +1,6 @@
-//! Fully connected layers with ReLUs between them, forward and backward by hand (two matrix
-//! products and a sum per layer): the MLP's whole step, and the CNN's dense head.
+//! Fully connected layers with ReLUs between them: built from the seed, forward on Candle's
+//! graph, and forward and backward by hand (two matrix products and a sum per layer): the
+//! MLP's whole step, and the CNN's dense head.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var, D};

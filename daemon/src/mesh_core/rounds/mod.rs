@@ -471,6 +471,9 @@ impl Rounds {
                         tracing::info!("no ring heard; starting the rounds at round 0");
                         self.round = Some(0);
                         self.synced = true;
+                        // Others may have started too, each from its own checkpoint: in
+                        // `diloco` their first ring founds one round start and velocity.
+                        self.founding = self.cfg.outer_state;
                     }
                 }
                 if self.retry_at.is_none_or(|t| now >= t) {
@@ -748,8 +751,9 @@ impl Rounds {
     }
 
     /// The trainer took round `round`'s mean at `step`; `digest` is its parameters' digest.
-    /// A parameter round leaves every member with the mean, so synced; a gradient round
-    /// changes nothing in that. In gradient rounds the next one starts at once.
+    /// A parameter round leaves every member with the mean, so synced (in `diloco`, only one
+    /// that carried the members' round start and velocity); a gradient round changes nothing
+    /// in that. In gradient rounds the next one starts at once.
     pub fn combined(&mut self, round: u64, step: u64, digest: String, out: &mut Vec<Output>) {
         let Stage::Combining { carried_state } = self.stage else {
             return;

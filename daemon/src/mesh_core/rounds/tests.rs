@@ -894,3 +894,19 @@ fn a_need_for_the_state_named_at_an_earlier_round_is_stale() {
     ring.nodes[0].heard(ring.ids[1], &unknown_round, Instant::now());
     assert!(ring.nodes[0].carries_state(4, &members));
 }
+
+/// A `diloco` node that starts the rounds itself after resuming (no ring heard) still needs
+/// the members' state: others may have started from their own checkpoints at the same time.
+#[test]
+fn a_diloco_node_that_starts_the_rounds_itself_still_needs_the_state() {
+    let mut ring = Ring::new(1, &[1.0], &[false]);
+    ring.nodes[0].cfg.outer_state = true;
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    ring.nodes[0].tick(0, true, t0, &mut out);
+    ring.nodes[0].params(ring.params[0].repeat(3), 0, t0, &mut out);
+    ring.nodes[0].tick(0, true, t0, &mut out);
+    ring.nodes[0].tick(0, true, t0 + ADOPT_WAIT, &mut out);
+    assert_eq!(ring.nodes[0].round(), Some(0));
+    assert!(ring.nodes[0].needs_state());
+}

@@ -18,7 +18,10 @@ use serde_bytes::ByteBuf;
 /// layout, sender and step; checksum) instead of raw little-endian floats.
 /// Version 3: ring messages of the synchronous sync modes ([`RingMessage`]); heartbeats say
 /// whether their node takes part in rounds.
-pub const WIRE_VERSION: u32 = 3;
+/// Version 4: heartbeats say whether their node needs the members' round start and velocity
+/// (`diloco`), and a diloco ring may carry them beside the parameters; an older node would
+/// digest such a ring's members differently and abort every round.
+pub const WIRE_VERSION: u32 = 4;
 
 /// Largest request on the bulk channel: a ring message carries one chunk of a model (a share
 /// of its parameters), so requests may be as large as responses.
@@ -241,7 +244,7 @@ mod tests {
     fn bulk_protocol_name_carries_the_wire_version() {
         // Peers negotiate exactly this name: one of another wire version is not spoken to.
         assert_eq!(bulk_protocol(), format!("/p2ptrain/bulk/{WIRE_VERSION}"));
-        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/3");
+        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/4");
     }
 
     #[test]

@@ -231,8 +231,9 @@ const CHURN_NODES: usize = 6;
 /// Seconds the mesh trains before the churned run's measured phase. A node's memory grows for
 /// its first two minutes as gossipsub's time caches fill (the duplicate cache and peer
 /// scoring's delivery records keep 120 s of message ids; the latter's 120 s is a constant of
-/// libp2p's, not a setting) and then stays flat: measured on a 6-node mesh, 43.0 MB at 15 s,
-/// 48.9 MB at 135 s, 49.3 MB from 210 s to 270 s. Memory growth under churn is only
+/// libp2p's, not a setting) and then stays flat but for a step when a cache's table doubles
+/// (see [`HeapSteps`]): measured on a 6-node mesh, 39.0 MB at 10 s, 45.5 MB at 130 s, 47.4 MB
+/// at 160 s, and within 0.2 MB of that to 250 s. Memory growth under churn is only
 /// meaningful from that steady state on: against the churn-free run's growth over the same
 /// first minute instead (its control, without the wait), CI saw +13.2% under churn and +7.1%
 /// without, and this machine +15.0% and +14.3%: the caches' filling varies by more than the
@@ -266,10 +267,17 @@ struct ChurnRun {
     anchor_steps_per_sec: f64,
     /// That node's resident memory at the start and end of the churn, KiB.
     anchor_rss: (u64, u64),
-    /// The floor of its live heap at the start and end of the churn, bytes.
-    anchor_heap: (u64, u64),
+    /// The floor of its live heap over the last [`HEAP_WINDOW`] before each 10 s mark (each
+    /// kill and join in the churned run) and before the end, bytes: one more than the events.
+    anchor_heap_floors: Vec<u64>,
     /// Kills and joins done.
     events: Vec<String>,
+    /// The nodes that joined during the churn: name, how ("restarted" on its data directory
+    /// or "fresh") and the anchor's step when it was started; a name that joined twice, twice.
+    joins: Vec<(String, &'static str, u64)>,
+    /// The status of every node alive at the end, by name, once it has evaluated after the
+    /// last event and sees all the others.
+    finals: Vec<(String, Value)>,
 }
 
 /// Six nodes train for `secs`; with `churn`, after [`WARM_UP_SECS`] and every 10 s one random node but
@@ -309,6 +317,7 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
     let mut rng = Lcg(0x2545_f491_4f6c_dd1d);
     let mut fresh = CHURN_NODES;
     let mut events = Vec::new();
+    let mut joins = Vec::new();
     // Per node name: (time of the last poll where its step advanced, that step).
     let mut last_advance: std::collections::HashMap<String, (Instant, u64)> = Default::default();
     let mut worst_stall: f64 = 0.0;
@@ -316,7 +325,8 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
     let mut mesh_stall: f64 = 0.0;
     let t0 = Instant::now();
     let rss_start = nodes[0].1.rss_kib().expect("rss");
-    let heap_start = nodes[0].1.heap_floor_bytes().expect("heap bytes");
+    let mut heap_floors = Vec::new();
+    let mut heap_window: Option<u64> = None;
     let anchor_step0 = step(&nodes[0].1.status().expect("status"));
     let mut next_event = Duration::from_secs(10);
     let mut restart_next = true;
@@ -324,11 +334,20 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
     while t0.elapsed() < Duration::from_secs(secs) {
         let round = Instant::now();
         let mut any_advanced = false;
-        for (name, n) in &nodes {
+        for (i, (name, n)) in nodes.iter().enumerate() {
             // A node that does not answer (hung, its API stuck) is not advancing: it counts
             // towards the stall from its last advance. Only a joiner not yet training (still
             // downloading its state) has no clock yet.
             let status = n.status();
+            let mark = next_event.min(Duration::from_secs(secs));
+            if i == 0 && t0.elapsed() + HEAP_WINDOW >= mark {
+                let heap = status
+                    .as_ref()
+                    .and_then(|s| s["memory"]["heap_bytes"].as_u64());
+                if let Some(h) = heap {
+                    heap_window = Some(heap_window.map_or(h, |m| m.min(h)));
+                }
+            }
             let training = status.as_ref().is_some_and(|s| s["phase"] == "training");
             if !training && !last_advance.contains_key(name) {
                 continue;
@@ -352,11 +371,15 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
         } else {
             mesh_stall = mesh_stall.max(now.duration_since(mesh_last_advance).as_secs_f64());
         }
-        if churn
-            && t0.elapsed() >= next_event
-            && t0.elapsed() + Duration::from_secs(5) < Duration::from_secs(secs)
-        {
+        // A 10 s mark: the heap window before it closes, and in the churned run a node is
+        // killed and another joins.
+        let mark_due = t0.elapsed() >= next_event
+            && t0.elapsed() + Duration::from_secs(5) < Duration::from_secs(secs);
+        if mark_due {
             next_event += Duration::from_secs(10);
+            heap_floors.extend(heap_window.take());
+        }
+        if mark_due && churn {
             let victim = 1 + rng.below(nodes.len() - 1);
             let (name, mut node) = nodes.remove(victim);
             node.kill9();
@@ -374,6 +397,8 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
                 "{:.1} s: killed {name}, {how} {new_name} joined",
                 t0.elapsed().as_secs_f64()
             ));
+            let anchor_step = last_advance.get("n0").map_or(0, |&(_, st)| st);
+            joins.push((new_name.clone(), how, anchor_step));
             nodes.push((new_name, joined));
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -382,17 +407,26 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
     let anchor_steps_per_sec =
         (step(&anchor_status) - anchor_step0) as f64 / t0.elapsed().as_secs_f64();
     let rss_end = nodes[0].1.rss_kib().expect("rss");
-    let heap_end = nodes[0].1.heap_floor_bytes().expect("heap bytes");
+    heap_floors.extend(heap_window.take());
     // Let every node finish an evaluation after the last event.
-    let accuracies = nodes
+    let finals: Vec<(String, Value)> = nodes
         .iter()
-        .map(|(_, n)| {
+        .map(|(name, n)| {
             let s0 = step(&n.status().expect("status"));
-            let s = n.wait_status("a fresh evaluation", Duration::from_secs(60), |s| {
-                s["eval"]["step"].as_u64().unwrap_or(0) > s0
-            });
-            s["eval"]["accuracy"].as_f64().expect("accuracy")
+            let s = n.wait_status(
+                "a fresh evaluation, every other node a peer",
+                Duration::from_secs(60),
+                |s| {
+                    s["eval"]["step"].as_u64().unwrap_or(0) > s0
+                        && peers(s) == CHURN_NODES as u64 - 1
+                },
+            );
+            (name.clone(), s)
         })
+        .collect();
+    let accuracies = finals
+        .iter()
+        .map(|(_, s)| s["eval"]["accuracy"].as_f64().expect("accuracy"))
         .collect();
     ChurnRun {
         accuracies,
@@ -401,17 +435,23 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
         poll_round,
         anchor_steps_per_sec,
         anchor_rss: (rss_start, rss_end),
-        anchor_heap: (heap_start, heap_end),
+        anchor_heap_floors: heap_floors,
         events,
+        joins,
+        finals,
     }
 }
 
 /// The churn scenario against a churn-free run of the same measured length (without the
 /// warm-up, which only the heap measure needs): the mesh never stops training for longer than
 /// two full-sync intervals (a node that stops answering counts as stopped), the survivors'
-/// accuracy is within 1 pp of the churn-free mesh's, and the longest-lived node's live heap
-/// grows by at most 5% from the steady state (total RSS is reported beside it; see
-/// [`Node::heap_floor_bytes`] for why it is not asserted on).
+/// accuracy is within 1 pp of the churn-free mesh's, every node that joined took up the mesh's
+/// progress (a restarted one from its checkpoint, a fresh one from a donor: at least 90% of
+/// the anchor's step when it started), no node rejects an update, and the longest-lived node's live heap
+/// (its allocator's count, status `memory.heap_bytes`) grows by at most 1% per kill and join
+/// from the steady state, its largest single step aside (see [`HeapSteps`]). Resident memory is
+/// reported beside it, not asserted on: it cannot tell a leak from what the allocator keeps
+/// after a peak.
 #[test]
 fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without() {
     let _cores = crate::harness::cpu_hog();
@@ -421,17 +461,17 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let interval_secs = CHURN_SYNC_EVERY as f64 / churned.anchor_steps_per_sec;
     let (rss0, rss1) = churned.anchor_rss;
-    let (heap0, heap1) = churned.anchor_heap;
-    let growth = heap1 as f64 / heap0 as f64 - 1.0;
-    let calm_growth = calm.anchor_heap.1 as f64 / calm.anchor_heap.0 as f64 - 1.0;
+    let heap = HeapSteps::of(&churned.anchor_heap_floors);
     eprintln!(
-        "churn events: {:?}\n\
+        "churn events: {:?}, joins (name, how, anchor step) {:?}\n\
          churn-free: accuracies {:?} (mean {:.4}), worst stall {:.2} s, anchor {:.0} steps/s\n\
          churn: accuracies {:?} (mean {:.4}), worst stall of a node {:.2} s, of the mesh {:.2} s \
          (status polled in rounds of up to {:.2} s), full-sync interval {:.2} s, anchor {:.0} steps/s\n\
-         anchor heap {} -> {} bytes ({:+.1}%), RSS {} KiB -> {} KiB ({:+.1}%); \
-         churn-free run heap {} -> {} bytes ({:+.1}%), RSS {} -> {} KiB",
+         anchor heap floors before each event and at the end {:?} bytes: {:+.1}% in all, \
+         {:+.1}% without its largest step; RSS {} KiB -> {} KiB ({:+.1}%)\n\
+         churn-free run heap floors at the same marks (no warm-up) {:?}, RSS {} -> {} KiB",
         churned.events,
+        churned.joins,
         calm.accuracies,
         mean(&calm.accuracies),
         calm.worst_stall,
@@ -443,15 +483,13 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
         churned.poll_round,
         interval_secs,
         churned.anchor_steps_per_sec,
-        heap0,
-        heap1,
-        growth * 100.0,
+        churned.anchor_heap_floors,
+        heap.total * 100.0,
+        heap.without_largest * 100.0,
         rss0,
         rss1,
         (rss1 as f64 / rss0 as f64 - 1.0) * 100.0,
-        calm.anchor_heap.0,
-        calm.anchor_heap.1,
-        calm_growth * 100.0,
+        calm.anchor_heap_floors,
         calm.anchor_rss.0,
         calm.anchor_rss.1,
     );
@@ -469,10 +507,82 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
         mean(&churned.accuracies),
         mean(&calm.accuracies)
     );
-    assert!(
-        growth <= 0.05,
-        "the anchor's live heap grew {:.1}% under churn after the warm-up ({:.1}% in the churn-free run's first minute)",
-        growth * 100.0,
-        calm_growth * 100.0
+    // The mesh, not only the model (a node alone reaches these accuracies on digits): every
+    // node that joined took up the mesh's progress, a restarted one from its own checkpoint
+    // and a fresh one from a donor, and no node rejected an honest update.
+    for (name, s) in &churned.finals {
+        let Some((_, how, anchor_step)) = churned.joins.iter().rev().find(|(n, ..)| n == name)
+        else {
+            continue;
+        };
+        let started_at = match *how {
+            "restarted" => &s["resumed_from"]["step"],
+            _ => &s["state_download"]["step"],
+        };
+        let started_at = started_at.as_u64().unwrap_or(0);
+        assert!(
+            started_at as f64 >= 0.9 * *anchor_step as f64,
+            "{name} ({how}) started from step {started_at}; the anchor was at {anchor_step}"
+        );
+    }
+    for (name, s) in calm.finals.iter().chain(&churned.finals) {
+        assert_eq!(
+            s["updates"]["rejected"].as_u64(),
+            Some(0),
+            "{name} rejected updates: {}",
+            s["last_rejection"]
+        );
+    }
+    assert_eq!(
+        churned.anchor_heap_floors.len(),
+        churned.events.len() + 1,
+        "a heap floor before each event and at the end"
     );
+    let bound = HEAP_GROWTH_PER_EVENT * (churned.events.len() - 1) as f64;
+    assert!(
+        heap.without_largest <= bound,
+        "the anchor's live heap grew {:.1}% over the {} kills and joins besides its largest \
+         step (at most {:.0}%): floors {:?}",
+        heap.without_largest * 100.0,
+        churned.events.len() - 1,
+        bound * 100.0,
+        churned.anchor_heap_floors
+    );
+}
+
+/// The most the anchor's live heap may grow per kill and join, as a fraction of its floor
+/// before the first: 1% (a leak of 0.46 MB per event at the 46 MB a node holds here).
+const HEAP_GROWTH_PER_EVENT: f64 = 0.01;
+
+/// How much of the anchor's live heap [`HEAP_WINDOW`]s before the marks sample: a floor is the
+/// least heap count the status polls saw in it, so a state served or messages queued at one
+/// instant do not count.
+const HEAP_WINDOW: Duration = Duration::from_secs(2);
+
+/// The growth of a series of heap floors, as fractions of the first.
+struct HeapSteps {
+    /// From the first floor to the last.
+    total: f64,
+    /// The same without the largest single step between two floors. Gossipsub's time caches
+    /// (see [`WARM_UP_SECS`]) are hash tables that double when the message ids of their last
+    /// 120 s first pass a power of two and never shrink: one such step of 1-2 MB can come at
+    /// any mark once the message rate peaks (a churn-free mesh's anchor: +1.8 MB, 3.9%,
+    /// between 150 s and 160 s, then within 0.2 MB to 250 s). A leak grows at every event.
+    without_largest: f64,
+}
+
+impl HeapSteps {
+    fn of(floors: &[u64]) -> HeapSteps {
+        let first = floors.first().copied().unwrap_or(1).max(1) as f64;
+        let steps: Vec<f64> = floors
+            .windows(2)
+            .map(|w| w[1] as f64 - w[0] as f64)
+            .collect();
+        let largest = steps.iter().copied().fold(0.0, f64::max);
+        let total: f64 = steps.iter().sum();
+        HeapSteps {
+            total: total / first,
+            without_largest: (total - largest) / first,
+        }
+    }
 }

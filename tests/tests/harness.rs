@@ -375,22 +375,6 @@ impl Node {
         self.proc_status_kib("VmRSS")
     }
 
-    /// The floor of the node's live heap (status `memory.heap_bytes`, counted by its
-    /// allocator): the least of 10 samples 0.2 s apart (a sample that fails is skipped). One
-    /// sample also counts whatever buffers are in flight at that instant (a state being served,
-    /// queued messages); what the node keeps shows in the floor, transients do not. Resident
-    /// memory cannot tell a leak from what the allocator keeps after a peak.
-    pub fn heap_floor_bytes(&self) -> Option<u64> {
-        (0..10)
-            .filter_map(|i| {
-                if i > 0 {
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-                self.status_http()?["memory"]["heap_bytes"].as_u64()
-            })
-            .min()
-    }
-
     /// One `kB` field of the process's `/proc/PID/status`.
     fn proc_status_kib(&self, field: &str) -> Option<u64> {
         let pid = self.child.as_ref()?.id();

@@ -217,7 +217,9 @@ fn truncated_newest_checkpoint_is_skipped_and_the_previous_loaded() {
 #[test]
 fn status_checkpoints_export_and_restore_over_the_api() {
     let tmp = tempfile::tempdir().expect("tmp");
-    let config = digits_config(tmp.path(), 0, 10);
+    // Automatic checkpoints too, so that the restore goes back behind one of them; kept
+    // long enough that the saved one is still there.
+    let config = digits_config(tmp.path(), 2000, 1000);
     let data = tmp.path().join("node");
     let mut node = Node::start(&data, &["--config", config.to_str().expect("utf8")]);
     let api = node.wait_api();
@@ -305,13 +307,17 @@ fn status_checkpoints_export_and_restore_over_the_api() {
         .values()
         .all(|(_, v)| v.iter().all(|x| x.is_finite())));
 
-    // Restore the earlier checkpoint: the step goes back to it, then training goes on. A
-    // second of training first makes the way back much longer than the few steps the node
-    // takes between the restore and the next status request.
+    // Restore the earlier checkpoint: the step goes back to it, behind an automatic
+    // checkpoint written since, then training goes on. A second of training first makes the
+    // way back much longer than the few steps the node takes between the restore and the next
+    // status request.
     std::thread::sleep(Duration::from_secs(1));
-    let before = node.status().expect("status")["step"]
-        .as_u64()
-        .expect("step");
+    let s = node.wait_status(
+        "an automatic checkpoint after the saved one",
+        Duration::from_secs(60),
+        |s| s["last_checkpoint"]["step"].as_u64() > Some(saved_step),
+    );
+    let before = s["step"].as_u64().expect("step");
     let id = saved["id"].as_u64().expect("id").to_string();
     let (st, out, err) = cli(
         &["checkpoint", "restore", &id, "--json", "--api", &api],
@@ -326,6 +332,11 @@ fn status_checkpoints_export_and_restore_over_the_api() {
     assert!(
         after < before,
         "step went from {before} to {after} after restoring step {saved_step}"
+    );
+    node.wait_status(
+        "training on from the restored step, past the next checkpoint",
+        Duration::from_secs(60),
+        |s| s["step"].as_u64() > Some(before + 2000),
     );
 
     let (st, _, err) = cli(&["stop", "--api", &api], Duration::from_secs(30));

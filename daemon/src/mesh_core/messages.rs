@@ -89,11 +89,13 @@ pub enum TrainerEvent {
         /// What happened.
         outcome: AverageOutcome,
     },
-    /// The parameters asked for with [`TrainerCommand::TakeParams`].
+    /// The parameters asked for with [`TrainerCommand::TakeParams`]; in `diloco`, followed
+    /// by the round start and the outer velocity (three equal parts), which a round carries
+    /// only while a member needs them.
     Params {
         /// The step they were taken at.
         step: u64,
-        /// Flat, in canonical order.
+        /// Flat, in canonical order (each part).
         values: Vec<f32>,
     },
     /// The gradient asked for with [`TrainerCommand::TakeGradient`].
@@ -126,7 +128,8 @@ pub enum TrainerEvent {
 /// What the core asks of the trainer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TrainerCommand {
-    /// Hand over the current parameters ([`TrainerEvent::Params`]): a round's boundary.
+    /// Hand over the current parameters, and in `diloco` the round start and outer velocity
+    /// after them ([`TrainerEvent::Params`]): a round's boundary.
     TakeParams,
     /// Compute the next batch's gradient at the current parameters, keep it, and hand it
     /// over ([`TrainerEvent::Gradient`]): a `ddp` round, whose mean gradient makes the step.

@@ -79,8 +79,18 @@ impl Loop {
             0
         };
         if mean.len() != numel + state {
+            let expected = if self.s.rounds_carry_state {
+                format!("{numel} parameters and {state} values of optimizer state")
+            } else if self.s.outer.is_some() {
+                format!(
+                    "{numel} parameters, or {} with the round start and outer velocity",
+                    3 * numel
+                )
+            } else {
+                format!("{numel} parameters")
+            };
             return Err(TrainerError::Refused(format!(
-                "a round's mean of {} values for {numel} parameters and {state} values of optimizer state",
+                "a round's mean of {} values, not {expected}",
                 mean.len()
             )));
         }

@@ -265,6 +265,10 @@ impl Loop {
                         self.sampler.seek(c.samples_seen);
                         self.losses.clear();
                         self.last_delta_step = c.step;
+                        // The next automatic checkpoint counts from the restored step, not
+                        // from a later one written before the restore.
+                        self.last_checkpoint_step = c.step;
+                        self.clock.rate_mark = (Instant::now(), c.samples_seen);
                         self.reset_anchor()?;
                         self.outer_velocity = state::outer_velocity(&loaded);
                         self.reset_round_anchor()?;
@@ -433,7 +437,8 @@ impl Loop {
             std::thread::sleep(self.s.step_delay);
         }
         let by_steps = self.s.checkpoint_every_steps > 0
-            && self.counters.step - self.last_checkpoint_step >= self.s.checkpoint_every_steps;
+            && self.counters.step.saturating_sub(self.last_checkpoint_step)
+                >= self.s.checkpoint_every_steps;
         let by_time = !self.s.checkpoint_every.is_zero()
             && self.last_checkpoint_at.elapsed() >= self.s.checkpoint_every;
         if by_steps || by_time {
@@ -453,7 +458,10 @@ impl Loop {
             let dt = now.duration_since(self.clock.rate_mark.0).as_secs_f64();
             if dt >= 1.0 {
                 self.stats.training.samples_per_sec =
-                    (self.counters.samples_seen - self.clock.rate_mark.1) as f64 / dt;
+                    self.counters
+                        .samples_seen
+                        .saturating_sub(self.clock.rate_mark.1) as f64
+                        / dt;
                 self.clock.rate_mark = (now, self.counters.samples_seen);
             }
             self.stats.train_secs = self.clock.started.elapsed().as_secs_f64();

@@ -769,6 +769,13 @@ impl Rounds {
             self.synced = true;
             self.founding = false;
         }
+        // The ring gave its members the state: a need heard before it is met. One said before
+        // its node had a round names none to go stale by; the node's next heartbeat says
+        // whether it still needs the state (it was not in this ring).
+        if carried_state {
+            self.needs_state
+                .retain(|_, said| said.is_some_and(|r| r > round));
+        }
         // As a synced member's first boundary: `steps` on, or in gradient rounds, none.
         self.boundary = self.cfg.first_boundary(step, true);
         self.stage = Stage::Training;

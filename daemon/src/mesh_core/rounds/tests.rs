@@ -895,6 +895,35 @@ fn a_need_for_the_state_named_at_an_earlier_round_is_stale() {
     assert!(ring.nodes[0].carries_state(4, &members));
 }
 
+/// A need said before its node had a round (a joiner's first heartbeats) names no round to go
+/// stale by: the carried round that completes meets it, and only a later heartbeat renews it.
+#[test]
+fn a_carried_round_meets_the_needs_heard_before_it() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    ring.nodes[0].cfg.outer_state = true;
+    ring.nodes[0].round = Some(4);
+    let members = ring.sorted().0;
+    let joiner = Heartbeat {
+        needs_state: true,
+        ..ready_in(None, None)
+    };
+    ring.nodes[0].heard(ring.ids[1], &joiner, Instant::now());
+    assert!(ring.nodes[0].carries_state(4, &members));
+    ring.nodes[0].stage = Stage::Combining {
+        carried_state: true,
+    };
+    let mut out = Vec::new();
+    ring.nodes[0].combined(4, 100, String::new(), &mut out);
+    assert_eq!(ring.nodes[0].round(), Some(5));
+    assert!(!ring.nodes[0].carries_state(5, &members));
+    let still = Heartbeat {
+        needs_state: true,
+        ..ready_in(Some(5), None)
+    };
+    ring.nodes[0].heard(ring.ids[1], &still, Instant::now());
+    assert!(ring.nodes[0].carries_state(5, &members));
+}
+
 /// A `diloco` node that starts the rounds itself after resuming (no ring heard) still needs
 /// the members' state: others may have started from their own checkpoints at the same time.
 #[test]

@@ -249,13 +249,21 @@ impl Store {
         self.read_verified(id, &meta.file)
     }
 
-    /// The newest checkpoint that verifies, with a note for every newer one that did not (those
-    /// are set aside and dropped from the index so they are never tried again).
-    pub fn load_newest_valid(&self) -> (Option<Loaded>, Vec<Skipped>) {
+    /// The newest checkpoint that verifies, with a note for every newer one that did not (a
+    /// corrupt one, or one whose file is gone: set aside and dropped from the index so it is
+    /// never tried again). A file that cannot be read for another reason (too many open
+    /// files, a failing disk) may be good: that is an error, the file is left as it is, and
+    /// nothing older is loaded in its place.
+    pub fn load_newest_valid(&self) -> Result<(Option<Loaded>, Vec<Skipped>), StoreError> {
         let mut skipped = Vec::new();
         for meta in self.list().into_iter().rev() {
             match self.read_verified(meta.id, &meta.file) {
-                Ok(loaded) => return (Some(loaded), skipped),
+                Ok(loaded) => return Ok((Some(loaded), skipped)),
+                Err(StoreError::Io { path, source })
+                    if source.kind() != std::io::ErrorKind::NotFound =>
+                {
+                    return Err(StoreError::Io { path, source });
+                }
                 Err(e) => {
                     let reason = self.set_aside(meta.id, &meta.file, &e);
                     skipped.push(Skipped {
@@ -265,7 +273,7 @@ impl Store {
                 }
             }
         }
-        (None, skipped)
+        Ok((None, skipped))
     }
 
     fn read_verified(&self, id: u64, file: &str) -> Result<Loaded, StoreError> {
@@ -384,7 +392,7 @@ mod tests {
         let ids: Vec<u64> = store.list().iter().map(|m| m.id).collect();
         assert_eq!(ids, [2, 3, 4]);
         assert!(!store.dir().join(checkpoint::file_name(1)).exists());
-        let (newest, skipped) = store.load_newest_valid();
+        let (newest, skipped) = store.load_newest_valid().expect("load");
         assert!(skipped.is_empty());
         assert_eq!(newest.expect("newest").meta.info.step, 40);
     }
@@ -402,7 +410,7 @@ mod tests {
             .open(&path)
             .and_then(|f| f.set_len(len - 5))
             .expect("truncate");
-        let (loaded, skipped) = store.load_newest_valid();
+        let (loaded, skipped) = store.load_newest_valid().expect("load");
         assert_eq!(loaded.expect("previous").meta.info.step, 10);
         assert_eq!(skipped.len(), 1);
         assert!(
@@ -413,6 +421,31 @@ mod tests {
         // The bad file is out of the way and a new save does not reuse its name.
         let next = store.save(&snapshot(30), 5).expect("save");
         assert_eq!(next.id, 3);
+    }
+
+    #[test]
+    fn a_checkpoint_that_cannot_be_read_is_an_error_and_left_in_place() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let (store, _) = Store::open(tmp.path()).expect("open");
+        store.save(&snapshot(10), 5).expect("save");
+        let newest = store.save(&snapshot(20), 5).expect("save");
+        // A read that fails for another reason than what the file holds: a directory where
+        // the file was (which even root cannot read as a file).
+        let path = store.path_of(&newest);
+        fs::remove_file(&path).expect("remove");
+        fs::create_dir(&path).expect("a directory in its place");
+        let err = store
+            .load_newest_valid()
+            .expect_err("an unreadable newest checkpoint");
+        assert!(matches!(err, StoreError::Io { .. }), "{err}");
+        assert!(path.is_dir(), "left where it was");
+        assert_eq!(store.list().len(), 2, "still in the index");
+        // A file that is gone is not worth keeping in the index.
+        fs::remove_dir(&path).expect("remove the directory");
+        let (loaded, skipped) = store.load_newest_valid().expect("load");
+        assert_eq!(loaded.expect("previous").meta.info.step, 10);
+        assert_eq!(skipped.len(), 1);
+        assert_eq!(store.list().len(), 1);
     }
 
     #[test]

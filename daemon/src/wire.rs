@@ -188,8 +188,10 @@ pub fn decode_update_frame(data: &[u8]) -> Result<UpdateFrame<'_>, &'static str>
     }
 }
 
-/// What a peer last told the mesh about itself.
+/// What a peer last told the mesh about itself. A field this version does not know makes
+/// the heartbeat malformed: nodes of one wire version write the same fields.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Heartbeat {
     /// Its step.
     pub step: u64,
@@ -219,11 +221,28 @@ pub struct Heartbeat {
     /// only when set.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub needs_state: bool,
-    /// Counts the node's heartbeats. Gossip addresses messages by content and drops one it has
-    /// seen in the last two minutes: without it, a node whose progress stands still (held at a
-    /// round's boundary, stopped) went unheard.
+    /// Rises with each of the node's heartbeats, across its restarts too (it starts from the
+    /// node's start time, see `Membership`). Gossip addresses messages by content and drops
+    /// one it has seen in the last two minutes: without it, a node whose progress stands still
+    /// (held at a round's boundary, stopped) went unheard. Receivers ignore a heartbeat whose
+    /// number is not above the last they took from its author, so an old one replayed (a
+    /// goodbye, to make the mesh forget an honest peer) says nothing.
     #[serde(default)]
     pub seq: u64,
+}
+
+/// The largest heartbeat a node reads: one has a dozen short fields (about 200 bytes).
+pub const HEARTBEAT_MAX_BYTES: usize = 1024;
+
+/// Why a heartbeat's bytes were not read.
+#[derive(Debug, thiserror::Error)]
+pub enum HeartbeatError {
+    /// Larger than [`HEARTBEAT_MAX_BYTES`]: not decoded at all.
+    #[error("a heartbeat of {0} bytes, more than {HEARTBEAT_MAX_BYTES}")]
+    TooLarge(usize),
+    /// Not a heartbeat of this wire version.
+    #[error("a malformed heartbeat: {0}")]
+    Malformed(#[from] serde_json::Error),
 }
 
 /// A heartbeat's bytes (JSON: small, rare, and readable in a packet capture).
@@ -231,9 +250,12 @@ pub fn encode_heartbeat(hb: &Heartbeat) -> Vec<u8> {
     serde_json::to_vec(hb).unwrap_or_default()
 }
 
-/// Reads a heartbeat.
-pub fn decode_heartbeat(data: &[u8]) -> Result<Heartbeat, serde_json::Error> {
-    serde_json::from_slice(data)
+/// Reads a heartbeat, refusing one too large to be honest before decoding anything.
+pub fn decode_heartbeat(data: &[u8]) -> Result<Heartbeat, HeartbeatError> {
+    if data.len() > HEARTBEAT_MAX_BYTES {
+        return Err(HeartbeatError::TooLarge(data.len()));
+    }
+    Ok(serde_json::from_slice(data)?)
 }
 
 #[cfg(test)]
@@ -285,5 +307,41 @@ mod tests {
             hb
         );
         assert!(decode_heartbeat(b"{not json").is_err());
+    }
+
+    #[test]
+    fn a_heartbeat_with_an_unknown_field_or_too_large_is_refused() {
+        let mut value = serde_json::to_value(Heartbeat::default()).expect("json");
+        value["shout"] = serde_json::Value::from("x");
+        let unknown = serde_json::to_vec(&value).expect("bytes");
+        assert!(matches!(
+            decode_heartbeat(&unknown),
+            Err(HeartbeatError::Malformed(_))
+        ));
+        // Padding that JSON would skip still makes it too large to read.
+        let mut padded = encode_heartbeat(&Heartbeat::default());
+        padded.extend(std::iter::repeat_n(b' ', HEARTBEAT_MAX_BYTES));
+        assert!(matches!(
+            decode_heartbeat(&padded),
+            Err(HeartbeatError::TooLarge(_))
+        ));
+        let full = Heartbeat {
+            step: u64::MAX,
+            loss: Some(f64::MAX),
+            samples_per_sec: f64::MAX,
+            accuracy: Some(f64::MAX),
+            ms_per_sample: Some(f64::MAX),
+            leaving: true,
+            in_rounds: true,
+            round: Some(u64::MAX),
+            needs_state: true,
+            seq: u64::MAX,
+        };
+        let bytes = encode_heartbeat(&full);
+        assert!(bytes.len() <= HEARTBEAT_MAX_BYTES / 2, "{}", bytes.len());
+        assert_eq!(
+            decode_heartbeat(&bytes).expect("the largest honest one"),
+            full
+        );
     }
 }

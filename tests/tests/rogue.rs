@@ -230,6 +230,7 @@ impl Rogue {
                     for step in 1u64.. {
                         let hb = Heartbeat {
                             step: step * 500,
+                            seq: step,
                             ..Heartbeat::default()
                         };
                         let bytes = serde_json::to_vec(&hb).expect("heartbeat json");

@@ -1,12 +1,13 @@
 //! Who is in the run and who of them this node listens to: the members (connected peers of
 //! the run), the `degree` neighbours drawn among them from a seeded RNG and re-chosen as
 //! members come and go, the heartbeats this node publishes on the run's topic and the latest
-//! one heard from each peer.
+//! one heard from each peer. A heartbeat numbered no higher than the last taken from its
+//! author is ignored ([`REPLAY_MEMORY`]).
 //!
 //! It tells the core what changed ([`NeighbourChange`], [`HeartbeatNews`]) and leaves the
 //! policy, the rounds and the update guard to the core, which routes the news to them.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
@@ -25,6 +26,16 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
 /// connects (time for gossip to learn its subscriptions), not up to [`HEARTBEAT_EVERY`] later:
 /// a round waits for every member's word that it is ready.
 pub const NEW_MEMBER_HEARTBEAT_AFTER: Duration = Duration::from_millis(300);
+/// How long the number of an author's last heartbeat is remembered: one numbered no higher
+/// within that time is old (replayed, or overtaken in gossip) and ignored. A live node
+/// renews it every [`HEARTBEAT_EVERY`], so an old goodbye replayed cannot make the mesh
+/// forget it; a node whose clock went back (its numbers start from its start time) is unheard
+/// for at most this long.
+pub const REPLAY_MEMORY: Duration = Duration::from_secs(60);
+/// Heartbeat numbers start at the node's start time in seconds shifted by this much, so a
+/// restarted node's go on above its previous run's (which would need a million heartbeats a
+/// second to catch up).
+const SEQ_SHIFT: u32 = 20;
 
 /// A change of neighbours, for the core to tell the network and the policy.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,6 +75,8 @@ pub(super) enum HeartbeatNews {
     },
     /// Not a heartbeat (an offence was named when the author is known).
     Malformed,
+    /// A heartbeat numbered no higher than the last taken from its author: told nothing.
+    Old,
 }
 
 /// Members, neighbours and heartbeats; see the module docs.
@@ -83,6 +96,11 @@ pub(super) struct Membership {
     next_refresh: Option<Instant>,
     next_heartbeat: Option<Instant>,
     heartbeats_sent: u64,
+    /// This node's heartbeats are numbered from here (see [`SEQ_SHIFT`]).
+    seq_base: u64,
+    /// The number of the last heartbeat taken from each author and when (see
+    /// [`REPLAY_MEMORY`]): members always, others up to [`PER_PEER_CAP`].
+    last_seq: HashMap<PeerId, (u64, Instant)>,
     /// What the last heartbeat told the rounds: whether this node is ready for them,
     /// whether it knew its speed, and whether it needs the members' state. When any of it
     /// changes, the next heartbeat goes out at once (a `ddp` member's batch depends on the
@@ -121,8 +139,17 @@ impl Membership {
             next_refresh: None,
             next_heartbeat: None,
             heartbeats_sent: 0,
+            seq_base: 0,
+            last_seq: HashMap::new(),
             announced: (false, false, false),
         }
+    }
+
+    /// Numbers this node's heartbeats from its start time, `unix_secs`, so that they rise
+    /// across its restarts.
+    pub(super) fn numbering_from(mut self, unix_secs: u64) -> Membership {
+        self.seq_base = unix_secs << SEQ_SHIFT;
+        self
     }
 
     /// The run's heartbeat topic.
@@ -189,6 +216,10 @@ impl Membership {
     /// the seeded RNG: the gone ones first, then the new, each in the peers' order.
     pub(super) fn refresh(&mut self, now: Instant) -> Vec<NeighbourChange> {
         self.next_refresh = Some(now + REFRESH_EVERY);
+        let members = &self.members;
+        self.last_seq.retain(|p, (_, at)| {
+            members.contains(p) || now.saturating_duration_since(*at) < REPLAY_MEMORY
+        });
         let before = self.neighbours.clone();
         self.neighbours.retain(|p| self.members.contains(p));
         let want = self.degree.saturating_sub(self.neighbours.len());
@@ -257,7 +288,7 @@ impl Membership {
             in_rounds: news.0 && !leaving,
             round: rounds.round,
             needs_state: news.2,
-            seq: self.heartbeats_sent,
+            seq: self.seq_base.saturating_add(self.heartbeats_sent),
         };
         Output::Publish {
             topic: self.topic.clone(),
@@ -266,41 +297,63 @@ impl Membership {
     }
 
     /// Reads a heartbeat of `author`'s and keeps it. A malformed one with a known author is an
-    /// offence (pushed onto `out`).
+    /// offence (pushed onto `out`); an old one is ignored.
     pub(super) fn on_heartbeat(
         &mut self,
         author: Option<PeerId>,
         data: &[u8],
+        now: Instant,
         out: &mut Vec<Output>,
     ) -> HeartbeatNews {
-        match (author, wire::decode_heartbeat(data)) {
-            (Some(a), Ok(hb)) if hb.leaving => HeartbeatNews::Leaving {
+        let (a, hb) = match (author, wire::decode_heartbeat(data)) {
+            (Some(a), Ok(hb)) => (a, hb),
+            (author, result) => {
+                if let Some(a) = author {
+                    let why = match result {
+                        Err(e) => e.to_string(),
+                        Ok(_) => "a heartbeat without an author".into(),
+                    };
+                    tracing::warn!(peer = %a, "rejected a heartbeat: {why}");
+                    out.push(Output::Offence { peer: a, why });
+                }
+                return HeartbeatNews::Malformed;
+            }
+        };
+        if !self.take_seq(a, hb.seq, now) {
+            return HeartbeatNews::Old;
+        }
+        if hb.leaving {
+            return HeartbeatNews::Leaving {
                 peer: a,
                 round: hb.round,
-            },
-            (Some(a), Ok(hb)) => {
-                let member = self.members.contains(&a);
-                if self.heard.len() < PER_PEER_CAP || member {
-                    self.heard.insert(a, hb.clone());
-                }
-                HeartbeatNews::Heard {
-                    peer: a,
-                    heartbeat: hb,
-                    member,
-                    neighbour: self.neighbours.contains(&a),
-                }
-            }
-            (author, _) => {
-                if let Some(a) = author {
-                    tracing::warn!(peer = %a, "rejected a malformed heartbeat");
-                    out.push(Output::Offence {
-                        peer: a,
-                        why: "malformed heartbeat".into(),
-                    });
-                }
-                HeartbeatNews::Malformed
-            }
+            };
         }
+        let member = self.members.contains(&a);
+        if self.heard.len() < PER_PEER_CAP || member {
+            self.heard.insert(a, hb.clone());
+        }
+        HeartbeatNews::Heard {
+            peer: a,
+            heartbeat: hb,
+            member,
+            neighbour: self.neighbours.contains(&a),
+        }
+    }
+
+    /// Whether heartbeat number `seq` of `author`'s is newer than the last taken from it
+    /// within [`REPLAY_MEMORY`]; if so, it is the last taken now.
+    fn take_seq(&mut self, author: PeerId, seq: u64, now: Instant) -> bool {
+        let old = self.last_seq.get(&author).is_some_and(|&(last, at)| {
+            seq <= last && now.saturating_duration_since(at) < REPLAY_MEMORY
+        });
+        if old {
+            return false;
+        }
+        let member = self.members.contains(&author);
+        if self.last_seq.len() < PER_PEER_CAP || member || self.last_seq.contains_key(&author) {
+            self.last_seq.insert(author, (seq, now));
+        }
+        true
     }
 
     /// Whether `peer` is a member now.
@@ -375,10 +428,12 @@ mod tests {
         }
     }
 
+    /// A heartbeat at `step`, numbered by it.
     fn beat(step: u64, leaving: bool) -> Vec<u8> {
         wire::encode_heartbeat(&Heartbeat {
             step,
             leaving,
+            seq: step,
             ..Heartbeat::default()
         })
     }
@@ -422,7 +477,7 @@ mod tests {
         let p = PeerId::random();
         let mut out = Vec::new();
         // Heard while not yet a member.
-        m.on_heartbeat(Some(p), &beat(42, false), &mut out);
+        m.on_heartbeat(Some(p), &beat(42, false), Instant::now(), &mut out);
         let changes = m.peer_up(p, Instant::now());
         assert_eq!(
             changes,
@@ -512,7 +567,7 @@ mod tests {
         let (mut m, _) = membership(false);
         let p = PeerId::random();
         m.peer_up(p, now);
-        m.on_heartbeat(Some(p), &beat(5, false), &mut Vec::new());
+        m.on_heartbeat(Some(p), &beat(5, false), Instant::now(), &mut Vec::new());
         assert_eq!(m.heard_len(), 1);
         m.drop(p, now);
         assert_eq!(m.heard_len(), 0);
@@ -610,7 +665,7 @@ mod tests {
         let mut out = Vec::new();
         let p = PeerId::random();
         assert_eq!(
-            m.on_heartbeat(Some(p), &data, &mut out),
+            m.on_heartbeat(Some(p), &data, Instant::now(), &mut out),
             HeartbeatNews::Leaving {
                 peer: p,
                 round: Some(4)
@@ -624,13 +679,13 @@ mod tests {
         let (mut m, _) = membership(false);
         let mut out = Vec::new();
         assert_eq!(
-            m.on_heartbeat(None, b"junk", &mut out),
+            m.on_heartbeat(None, b"junk", Instant::now(), &mut out),
             HeartbeatNews::Malformed
         );
         assert!(out.is_empty());
         let p = PeerId::random();
         assert_eq!(
-            m.on_heartbeat(Some(p), b"junk", &mut out),
+            m.on_heartbeat(Some(p), b"junk", Instant::now(), &mut out),
             HeartbeatNews::Malformed
         );
         assert!(matches!(&out[..], [Output::Offence { peer, .. }] if *peer == p));
@@ -642,12 +697,69 @@ mod tests {
         let (mut m, _) = membership(false);
         let mut out = Vec::new();
         for _ in 0..PER_PEER_CAP + 10 {
-            m.on_heartbeat(Some(PeerId::random()), &beat(1, false), &mut out);
+            m.on_heartbeat(
+                Some(PeerId::random()),
+                &beat(1, false),
+                Instant::now(),
+                &mut out,
+            );
         }
         assert_eq!(m.heard_len(), PER_PEER_CAP);
         let member = PeerId::random();
         m.peer_up(member, now);
-        m.on_heartbeat(Some(member), &beat(1, false), &mut out);
+        m.on_heartbeat(Some(member), &beat(1, false), Instant::now(), &mut out);
         assert_eq!(m.heard_len(), PER_PEER_CAP + 1);
+    }
+
+    #[test]
+    fn an_old_heartbeat_replayed_tells_nothing_while_its_author_is_heard() {
+        let now = Instant::now();
+        let (mut m, _) = membership(false);
+        let p = PeerId::random();
+        m.peer_up(p, now);
+        let mut out = Vec::new();
+        let goodbye = beat(5, true);
+        assert!(matches!(
+            m.on_heartbeat(Some(p), &beat(10, false), now, &mut out),
+            HeartbeatNews::Heard { .. }
+        ));
+        // An earlier goodbye replayed, and the last heartbeat again: nothing.
+        for old in [&goodbye, &beat(10, false)] {
+            assert_eq!(
+                m.on_heartbeat(Some(p), old, now, &mut out),
+                HeartbeatNews::Old
+            );
+        }
+        assert!(
+            out.is_empty(),
+            "no offence: gossip may deliver out of order"
+        );
+        let later = now + REPLAY_MEMORY / 2;
+        assert!(matches!(
+            m.on_heartbeat(Some(p), &beat(11, false), later, &mut out),
+            HeartbeatNews::Heard { .. }
+        ));
+        // Kept while p is a member; once it is gone and unheard for REPLAY_MEMORY, a
+        // goodbye of its says what is true anyway.
+        m.drop(p, later);
+        m.refresh(later + REPLAY_MEMORY);
+        assert!(matches!(
+            m.on_heartbeat(Some(p), &goodbye, later + REPLAY_MEMORY, &mut out),
+            HeartbeatNews::Leaving { .. }
+        ));
+    }
+
+    #[test]
+    fn a_restarted_nodes_heartbeats_number_on_above_its_previous_runs() {
+        let me = PeerId::random();
+        let seq_of = |out: Output| decode(Some(out)).seq;
+        let mut first = Membership::new(me, "00aa", 2, false, 7).numbering_from(1_000);
+        let mut last = 0;
+        for _ in 0..10_000 {
+            last = seq_of(first.leaving_heartbeat(&training(1), RoundsNews::default()));
+        }
+        let mut second = Membership::new(me, "00aa", 2, false, 7).numbering_from(1_001);
+        let next = seq_of(second.leaving_heartbeat(&training(1), RoundsNews::default()));
+        assert!(next > last, "{next} after {last}");
     }
 }

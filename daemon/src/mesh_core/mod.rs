@@ -189,7 +189,8 @@ impl MeshCore {
         MeshCore {
             progress: Progress::default(),
             policy: SyncPolicy::new(policy, start_step),
-            membership: Membership::new(me, &run_id, mesh.degree, rounds.is_some(), seed),
+            membership: Membership::new(me, &run_id, mesh.degree, rounds.is_some(), seed)
+                .numbering_from(wall_clock.unix_secs),
             syncs: Syncs::new(
                 &me,
                 &run_id,
@@ -611,7 +612,7 @@ impl MeshCore {
         now: Instant,
         out: &mut Vec<Output>,
     ) -> MessageAcceptance {
-        match self.membership.on_heartbeat(author, data, out) {
+        match self.membership.on_heartbeat(author, data, now, out) {
             HeartbeatNews::Leaving { peer, round } => {
                 tracing::info!(peer = %peer, "peer is leaving");
                 if let Some(r) = &mut self.rounds {
@@ -643,6 +644,7 @@ impl MeshCore {
                 MessageAcceptance::Accept
             }
             HeartbeatNews::Malformed => MessageAcceptance::Reject,
+            HeartbeatNews::Old => MessageAcceptance::Ignore,
         }
     }
 }

@@ -76,7 +76,11 @@ fn open_store(
     for note in notes {
         tracing::warn!("{note}");
     }
-    let (resume, skipped) = store.load_newest_valid();
+    let (resume, skipped) = store.load_newest_valid().map_err(|e| {
+        NodeError::DataDir(format!(
+            "cannot read a checkpoint ({e}); it is left as it is: start again once it can be read"
+        ))
+    })?;
     for s in &skipped {
         tracing::warn!("{}", s.reason);
     }

@@ -55,12 +55,18 @@ pub fn read_psk(path: &Path) -> Result<network::PreSharedKey, NodeError> {
             path.display()
         ))
     })?;
-    text.parse().map_err(|e| {
+    let not_a_key = |why: String| {
         NodeError::Psk(format!(
-            "{} is not a network key file ({e}); write one with `p2ptrain keygen --psk FILE`",
+            "{} is not a network key file ({why}); write one with `p2ptrain keygen --psk FILE`",
             path.display()
         ))
-    })
+    };
+    // libp2p-pnet slices the key line at every second byte, which panics inside a character
+    // of more than one byte.
+    if !text.is_ascii() {
+        return Err(not_a_key("it holds characters that are not ASCII".into()));
+    }
+    text.parse().map_err(|e| not_a_key(format!("{e}")))
 }
 
 /// A fresh random private network key in the key file format.
@@ -160,12 +166,13 @@ fn seed_from(peer_id: &str) -> u64 {
 }
 
 /// The network's settings from the config: addresses, the run and its sync terms (which the
-/// handshake compares), and a private mesh's key, read from its file.
-fn net_config(config: &Config, run_id: &str) -> Result<network::NetConfig, NodeError> {
-    let psk = match &config.network.psk {
-        Some(path) => Some(read_psk(path)?),
-        None => None,
-    };
+/// handshake compares), and a private mesh's key (read from its file before the node writes
+/// anything).
+fn net_config(
+    config: &Config,
+    run_id: &str,
+    psk: Option<network::PreSharedKey>,
+) -> Result<network::NetConfig, NodeError> {
     if let Some(k) = &psk {
         tracing::info!(
             "private network: PSK fingerprint {} (TCP only; peers without this key cannot connect)",
@@ -334,6 +341,8 @@ pub async fn run(
     let listener = control::bind(config.api.listen, opts.api_token.as_deref()).await?;
     let api_addr = listener.local_addr().map_err(control::BindError::Socket)?;
 
+    // A bad key file is refused before the node writes anything.
+    let psk = config.network.psk.as_deref().map(read_psk).transpose()?;
     // From here on the node writes to its data directory.
     let data_dir = opts.data_dir.clone();
     let mut opened = open_data_dir(&config, &data_dir)?;
@@ -345,7 +354,7 @@ pub async fn run(
     let layout = model.params().layout();
     let start_step = start.step;
     // The network: listen, dial the bootstrap members.
-    let net_cfg = net_config(&config, &opened.ident.run_id)?;
+    let net_cfg = net_config(&config, &opened.ident.run_id, psk)?;
     let mut registry = network::Registry::default();
     let (net, net_events, event_loop) = network::new(opened.key.clone(), &net_cfg, &mut registry)?;
     let net_task = tokio::spawn(event_loop.run());
@@ -737,5 +746,42 @@ async fn print_listen_addrs(net: &network::Client, peer_id: &str) {
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key file that is not one (missing, a short key, characters that are not hex, bytes
+    /// that are not ASCII) is a clear error, never a panic inside the key parser.
+    #[test]
+    fn a_bad_network_key_file_is_an_error() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let good = tmp.path().join("good.key");
+        std::fs::write(&good, new_psk_file()).expect("write");
+        assert!(read_psk(&good).is_ok());
+        let header = "/key/swarm/psk/1.0.0/\n/base16/\n";
+        // 64 bytes whose second byte starts a two-byte character.
+        let non_ascii = format!("a{}a", "\u{e9}".repeat(31));
+        assert_eq!(non_ascii.len(), 64);
+        for (name, key) in [
+            ("short", "abcd".to_string()),
+            ("not-hex", "zz".repeat(32)),
+            ("non-ascii", non_ascii),
+        ] {
+            let path = tmp.path().join(name);
+            std::fs::write(&path, format!("{header}{key}\n")).expect("write");
+            let err = read_psk(&path).expect_err(name);
+            assert!(
+                err.to_string().contains("is not a network key file"),
+                "{name}: {err}"
+            );
+        }
+        let err = read_psk(&tmp.path().join("missing")).expect_err("missing");
+        assert!(
+            err.to_string().contains("cannot read the network key"),
+            "{err}"
+        );
     }
 }

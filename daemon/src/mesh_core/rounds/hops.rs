@@ -7,13 +7,14 @@ use std::time::Instant;
 use libp2p::PeerId;
 
 use super::ring::{all_finite, decode_values, hop_message};
-use super::{Hop, HopKey, Output, Rounds, Stage, INBOX_CAP};
+use super::{Hop, HopKey, Output, Rounds, Stage, ATTEMPT_LIMIT, INBOX_CAP, ROUND_LIMIT};
 use crate::wire::RingMessage;
 
 impl Rounds {
     /// A hop from `from`. Hops of a later attempt make this node join it; hops of attempts
     /// it has not reached wait in the inbox; stale ones are dropped. A hop that cannot be
-    /// honest (wrong size, not finite) is an offence and aborts the attempt.
+    /// honest is an offence: one of odd size, with values that are not finite, or naming a
+    /// round or attempt past any mesh's changes nothing.
     pub fn message(&mut self, from: PeerId, msg: RingMessage, now: Instant, out: &mut Vec<Output>) {
         let Some(values) = decode_values(&msg.values, msg.bf16) else {
             out.push(Output::Offence {
@@ -29,6 +30,16 @@ impl Rounds {
             });
             return;
         }
+        if msg.round >= ROUND_LIMIT || msg.attempt >= ATTEMPT_LIMIT {
+            out.push(Output::Offence {
+                peer: from,
+                why: format!(
+                    "ring hop of round {} attempt {}, past what any mesh reaches",
+                    msg.round, msg.attempt
+                ),
+            });
+            return;
+        }
         // A hop is proof that its sender takes part in rounds now.
         self.ready.insert(from, now);
         let key = (msg.round, msg.attempt, msg.hop);
@@ -41,7 +52,7 @@ impl Rounds {
             // the mesh went on without this node (it joined, was cut off, or aborted an
             // attempt the others completed): `start` takes the mesh's round.
             Some(r) if msg.round > r => {
-                let finishing = msg.round == r + 1
+                let finishing = msg.round == r.saturating_add(1)
                     && matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. } if ring.next_hop > 0);
                 self.keep(key, (from, msg.members, values, msg.step));
                 if reducing && !finishing {

@@ -76,6 +76,11 @@ pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
 pub const ADOPT_WAIT: Duration = Duration::from_secs(5);
 /// Hops kept for an attempt this node has not reached yet.
 const INBOX_CAP: usize = 256;
+/// Rounds no mesh reaches (2^48: 8,900 years at a thousand rounds a second): a hop that names
+/// one cannot be honest, and would make the round counter wrap.
+const ROUND_LIMIT: u64 = 1 << 48;
+/// Attempts no round takes (2^24: a month of retries, each at least [`RETRY_PAUSE`] apart).
+const ATTEMPT_LIMIT: u32 = 1 << 24;
 /// Digests of recent rounds kept in status.
 const DIGESTS_KEPT: usize = 32;
 /// A `ddp` member whose forward-backward per sample is within this fraction of the fastest
@@ -714,7 +719,7 @@ impl Rounds {
             );
             self.synced = true;
             self.founding = true;
-            self.attempt += 1;
+            self.attempt = self.attempt.saturating_add(1);
             self.abort_counter("no member synced");
             self.ask(false, out);
             return;
@@ -761,7 +766,7 @@ impl Rounds {
         if self.round != Some(round) {
             return;
         }
-        self.round = Some(round + 1);
+        self.round = Some(round.saturating_add(1));
         self.attempt = 0;
         // A parameter round leaves every member the mean; in `diloco` only one that carried
         // the state leaves them the same anchor and velocity too.
@@ -820,7 +825,7 @@ impl Rounds {
         if let Stage::Reducing { ring, .. } = &mut self.stage {
             if ring.take().is_some() {
                 tracing::info!(round = ?self.round, attempt = self.attempt, why, "round attempt aborted; retrying");
-                self.attempt += 1;
+                self.attempt = self.attempt.saturating_add(1);
                 self.retry_at = Some(now + RETRY_PAUSE);
                 self.abort_counter(why);
             }

@@ -647,6 +647,45 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
     assert!(own.values.iter().all(|b| *b == 0), "weight 0: zeros");
 }
 
+/// A hop naming a round or attempt no mesh reaches (`u64::MAX` would wrap the round counter
+/// at the next round) is an offence and changes nothing: no round adopted, no attempt
+/// restarted, nothing kept.
+#[test]
+fn a_hop_past_any_meshs_round_or_attempt_is_an_offence_and_changes_nothing() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    ring.bring_to_boundary(0, now);
+    let before = ring.nodes[0].status();
+    for (round, attempt) in [(u64::MAX, 0), (ROUND_LIMIT, 0), (0, u32::MAX)] {
+        let msg = RingMessage {
+            attempt,
+            ..next_round_hop(&ring, round)
+        };
+        let mut out = Vec::new();
+        ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
+        assert!(
+            matches!(&out[..], [Output::Offence { peer, .. }] if *peer == ring.ids[1]),
+            "round {round} attempt {attempt}: {out:?}"
+        );
+        let st = ring.nodes[0].status();
+        assert_eq!((st.round, st.attempt), (before.round, before.attempt));
+        assert!(ring.nodes[0].inbox.is_empty());
+    }
+    // The last round and attempt below the limits are taken as any later ones are.
+    let mut out = Vec::new();
+    let msg = RingMessage {
+        attempt: ATTEMPT_LIMIT - 1,
+        ..next_round_hop(&ring, ROUND_LIMIT - 1)
+    };
+    ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
+    let st = ring.nodes[0].status();
+    assert_eq!(
+        (st.round, st.attempt),
+        (Some(ROUND_LIMIT - 1), ATTEMPT_LIMIT - 1)
+    );
+}
+
 /// A hop of the next round (node 1's, to node 0) as the members' list makes it.
 fn next_round_hop(ring: &Ring, round: u64) -> RingMessage {
     let (sorted, digest) = ring.sorted();

@@ -264,7 +264,7 @@ impl Optimizer {
     /// Applies one update from `grads` to `params` (which must be the set this optimizer was
     /// created for).
     pub fn step(&mut self, params: &Params, grads: &GradStore) -> Result<()> {
-        self.steps += 1;
+        self.steps = self.steps.saturating_add(1);
         let factor = self.schedule.factor(self.steps);
         for (i, (_, var)) in params.vars().iter().enumerate() {
             let Some(g) = grads.get(var.as_tensor()) else {
@@ -331,7 +331,9 @@ impl Optimizer {
                     weight_decay,
                 } => {
                     let lr = lr * factor;
-                    let t = self.steps as i32;
+                    // Past 2^31 steps the bias correction is 1 to the last bit; a cast of
+                    // the count itself wraps (2^32 steps made it 0: a division by zero).
+                    let t = self.steps.min(i32::MAX as u64) as i32;
                     let (m, v) = (&self.buffers[0][i], &self.buffers[1][i]);
                     if in_place_applies(&[p, g, m, v]) {
                         m.inplace_op2(
@@ -785,6 +787,32 @@ mod tests {
         let got = p.as_tensor().to_vec1::<f32>().expect("vec");
         for (g, w) in got.iter().zip(want) {
             assert!((f64::from(*g) - w).abs() < 1e-6, "{got:?} vs {want:?}");
+        }
+    }
+
+    /// A step count from a loaded state that no run reaches (a hostile donor's) still gives
+    /// finite parameters: AdamW's bias correction neither wraps nor overflows.
+    #[test]
+    fn adamw_stays_finite_at_any_step_count() {
+        let spec = OptimizerSpec::Adamw {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        for steps in [u64::from(u32::MAX), u64::MAX - 1, u64::MAX] {
+            let p = Var::from_slice(&[0.5f32, -1.5], 2, &Device::Cpu).expect("var");
+            let params = Params::new(vec![("p".into(), p.clone())]).expect("params");
+            let mut opt = Optimizer::new(&spec, &params).expect("opt");
+            opt.skip_steps(steps);
+            for _ in 0..2 {
+                let loss = p.as_tensor().sqr().and_then(|x| x.sum_all()).expect("loss");
+                let grads = loss.backward().expect("grads");
+                opt.step(&params, &grads).expect("step");
+            }
+            let got = p.as_tensor().to_vec1::<f32>().expect("vec");
+            assert!(got.iter().all(|v| v.is_finite()), "{steps}: {got:?}");
         }
     }
 

@@ -341,10 +341,7 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
             let status = n.status();
             let mark = next_event.min(Duration::from_secs(secs));
             if i == 0 && t0.elapsed() + HEAP_WINDOW >= mark {
-                let heap = status
-                    .as_ref()
-                    .and_then(|s| s["memory"]["heap_bytes"].as_u64());
-                if let Some(h) = heap {
+                if let Some(h) = status.as_ref().and_then(heap_bytes) {
                     heap_window = Some(heap_window.map_or(h, |m| m.min(h)));
                 }
             }
@@ -377,7 +374,9 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
             && t0.elapsed() + Duration::from_secs(5) < Duration::from_secs(secs);
         if mark_due {
             next_event += Duration::from_secs(10);
-            heap_floors.extend(heap_window.take());
+            // A round of polls longer than the window may have left it without a sample.
+            let floor = heap_window.take().or_else(|| anchor_heap(&nodes[0].1));
+            heap_floors.extend(floor);
         }
         if mark_due && churn {
             let victim = 1 + rng.below(nodes.len() - 1);
@@ -407,7 +406,7 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
     let anchor_steps_per_sec =
         (step(&anchor_status) - anchor_step0) as f64 / t0.elapsed().as_secs_f64();
     let rss_end = nodes[0].1.rss_kib().expect("rss");
-    heap_floors.extend(heap_window.take());
+    heap_floors.extend(heap_window.take().or_else(|| anchor_heap(&nodes[0].1)));
     // Let every node finish an evaluation after the last event.
     let finals: Vec<(String, Value)> = nodes
         .iter()
@@ -515,11 +514,15 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
         else {
             continue;
         };
+        // A restarted node killed before its first checkpoint was on disk joins as a fresh
+        // one does.
+        let resumed = s["resumed_from"]["step"].as_u64();
+        let downloaded = s["state_download"]["step"].as_u64();
         let started_at = match *how {
-            "restarted" => &s["resumed_from"]["step"],
-            _ => &s["state_download"]["step"],
-        };
-        let started_at = started_at.as_u64().unwrap_or(0);
+            "restarted" => resumed.or(downloaded),
+            _ => downloaded,
+        }
+        .unwrap_or(0);
         assert!(
             started_at as f64 >= 0.9 * *anchor_step as f64,
             "{name} ({how}) started from step {started_at}; the anchor was at {anchor_step}"
@@ -548,6 +551,16 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
         bound * 100.0,
         churned.anchor_heap_floors
     );
+}
+
+/// A node's live heap as its status counts it.
+fn heap_bytes(status: &Value) -> Option<u64> {
+    status["memory"]["heap_bytes"].as_u64()
+}
+
+/// The anchor's live heap now, from one status poll.
+fn anchor_heap(anchor: &Node) -> Option<u64> {
+    anchor.status().as_ref().and_then(heap_bytes)
 }
 
 /// The most the anchor's live heap may grow per kill and join, as a fraction of its floor

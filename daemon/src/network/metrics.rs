@@ -23,9 +23,14 @@ use libp2p::PeerId;
 pub struct Bandwidth {
     total: Counters,
     /// Each peer's bytes since this node started, over all its connections. A peer that
-    /// leaves keeps its entry (a few bytes) so a reconnecting peer's counts keep growing.
+    /// leaves keeps its entry (a few bytes) so a reconnecting peer's counts keep growing, up
+    /// to [`PEERS_KEPT`] peers.
     per_peer: Arc<Mutex<HashMap<PeerId, Counters>>>,
 }
+
+/// Peers whose byte counts are kept: past it, a new peer's entry makes room by dropping the
+/// counts of every peer without a connection (a public mesh sees ever new peer ids).
+const PEERS_KEPT: usize = 1024;
 
 /// A pair of byte counters, shared between the substreams that add to them and the readers.
 #[derive(Debug, Clone, Default)]
@@ -63,15 +68,24 @@ impl Bandwidth {
     /// Wraps the multiplexer of a connection to `peer` so that every substream it opens or
     /// accepts counts into the totals and the peer's counters.
     pub fn count(&self, peer: PeerId, muxer: StreamMuxerBox) -> StreamMuxerBox {
-        let peer_counters = self
-            .per_peer
-            .lock()
-            .map(|mut m| m.entry(peer).or_default().clone())
-            .unwrap_or_default();
         StreamMuxerBox::new(CountingMuxer {
             inner: muxer,
-            counters: [self.total.clone(), peer_counters],
+            counters: [self.total.clone(), self.peer_counters(peer)],
         })
+    }
+
+    /// `peer`'s counters, shared with every connection to it that counts into them.
+    fn peer_counters(&self, peer: PeerId) -> Counters {
+        self.per_peer
+            .lock()
+            .map(|mut m| {
+                if !m.contains_key(&peer) && m.len() >= PEERS_KEPT {
+                    // Counters that only this map holds belong to no open connection.
+                    m.retain(|_, c| Arc::strong_count(&c.sent) > 1);
+                }
+                m.entry(peer).or_default().clone()
+            })
+            .unwrap_or_default()
     }
 }
 
@@ -384,6 +398,28 @@ mod tests {
         assert_eq!((bw.sent(), bw.received()), (10, 3));
         assert_eq!(bw.of_peer(&a), Some((10, 3)));
         assert_eq!(bw.of_peer(&b), None);
+    }
+
+    #[test]
+    fn a_full_map_drops_the_counts_of_peers_without_a_connection() {
+        let bw = Bandwidth::default();
+        let mut live = Vec::new();
+        let mut gone = Vec::new();
+        for i in 0..PEERS_KEPT {
+            let p = PeerId::random();
+            let c = bw.peer_counters(p);
+            if i % 2 == 0 {
+                live.push((p, c));
+            } else {
+                gone.push(p);
+            }
+        }
+        let newcomer = PeerId::random();
+        let _held = bw.peer_counters(newcomer);
+        let map = bw.per_peer.lock().expect("lock");
+        assert_eq!(map.len(), live.len() + 1);
+        assert!(live.iter().all(|(p, _)| map.contains_key(p)));
+        assert!(gone.iter().all(|p| !map.contains_key(p)));
     }
 
     #[test]

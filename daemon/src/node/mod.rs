@@ -396,12 +396,12 @@ pub async fn run(
                 cmd_tx,
                 stats_rx,
                 events_rx: trainer_events,
-                mut done_rx,
+                done_rx,
             },
         snapshots,
         limit,
     } = start_trainer(&config, &data_dir, trainer_start, rounds.as_ref())?;
-    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let (stop_tx, stop_rx) = watch::channel(false);
     let shared = node_handle(
         &config,
         &opts,
@@ -440,20 +440,7 @@ pub async fn run(
     }
     tracing::info!(peer_id = %shared.peer_id, run_id = %shared.run_id, api = %format!("http://{api_addr}"), data_dir = %data_dir.display(), model = %spec.name(), "node started");
 
-    tokio::pin!(shutdown);
-    let finished = tokio::select! {
-        done = &mut done_rx => Some(done),
-        _ = &mut shutdown => None,
-        _ = stop_rx.wait_for(|stop| *stop) => None,
-    };
-    let finished = match finished {
-        Some(done) => done,
-        None => {
-            tracing::info!("stopping: finishing the current step and writing a final checkpoint");
-            let _ = cmd_tx.send(Command::Stop).await;
-            (&mut done_rx).await
-        }
-    };
+    let finished = until_finished(shutdown, stop_rx, done_rx, &cmd_tx).await;
     let result = final_summary(&shared, writer, finished).await;
     Stopping {
         shared,
@@ -469,6 +456,25 @@ pub async fn run(
     // Last: the store closes before the data directory's lock is released.
     drop(opened);
     result
+}
+
+/// The trainer's end: when it finishes by itself (`max_steps`, a fault), or when a stop is
+/// asked (a signal, the API), after it has finished its step and written its final checkpoint.
+async fn until_finished(
+    shutdown: impl Future<Output = ()>,
+    mut stop_rx: watch::Receiver<bool>,
+    mut done_rx: oneshot::Receiver<Result<trainer::Finish, trainer::TrainerError>>,
+    cmd_tx: &mpsc::Sender<Command>,
+) -> Result<Result<trainer::Finish, trainer::TrainerError>, oneshot::error::RecvError> {
+    tokio::pin!(shutdown);
+    tokio::select! {
+        done = &mut done_rx => return done,
+        _ = &mut shutdown => {}
+        _ = stop_rx.wait_for(|stop| *stop) => {}
+    }
+    tracing::info!("stopping: finishing the current step and writing a final checkpoint");
+    let _ = cmd_tx.send(Command::Stop).await;
+    done_rx.await
 }
 
 /// Builds the model and its optimizer, restored from the checkpoint to resume from if any.

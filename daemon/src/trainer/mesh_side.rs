@@ -210,9 +210,10 @@ impl Loop {
 
     /// Takes the members' step with their parameters (this node was not synced): its step
     /// count and its optimizer's move forward by the same amount, so evaluations, checkpoints
-    /// and the learning-rate schedule fall where the members' do. Never backwards.
+    /// and the learning-rate schedule fall where the members' do. Never backwards, and never
+    /// to a step no run reaches.
     pub(super) fn take_mesh_step(&mut self, step: u64) {
-        if step > self.counters.step {
+        if step > self.counters.step && step < super::state::COUNTER_LIMIT {
             let ahead = step - self.counters.step;
             tracing::info!(
                 from = self.counters.step,

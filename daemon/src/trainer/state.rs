@@ -30,6 +30,10 @@ pub fn build(
     Ok((model, optimizer, counters))
 }
 
+/// A counter in a checkpoint at or past this (2^48: 8,900 years at a million a second) is not
+/// an honest run's.
+pub(super) const COUNTER_LIMIT: u64 = 1 << 48;
+
 /// Loads a verified checkpoint into model and optimizer; refuses one of another run or layout
 /// and changes nothing then.
 pub(super) fn restore_into(
@@ -63,6 +67,21 @@ pub(super) fn restore_into(
             "checkpoint {} holds NaN or infinite values in {name}",
             loaded.meta.id
         )));
+    }
+    // Counters no run reaches (a hostile donor's: a step count at its maximum wraps at the
+    // next step) are refused too. Below the limit any count is safe: AdamW's bias correction
+    // no longer wraps at 2^32 steps (see its test in models' optim).
+    for (name, n) in [
+        ("step", info.step),
+        ("samples_seen", info.samples_seen),
+        ("optimizer_steps", info.optimizer_steps),
+    ] {
+        if n >= COUNTER_LIMIT {
+            return Err(TrainerError::Refused(format!(
+                "checkpoint {} counts {n} for {name}, past what any run reaches",
+                loaded.meta.id
+            )));
+        }
     }
     let device = model
         .params()
@@ -163,4 +182,92 @@ pub(super) fn snapshot(
         },
         tensors,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::CheckpointMeta;
+    use p2ptrain_models::MlpSpec;
+
+    fn built() -> (Model, Optimizer, Identity) {
+        let spec = ModelSpec::Mlp(MlpSpec {
+            widths: vec![4, 3, 2],
+        });
+        let opt = OptimizerSpec::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 0.0,
+        };
+        let identity = Identity {
+            run_id: "run".into(),
+            config_hash: "cfg".into(),
+        };
+        let (model, optimizer, _) = build(
+            &spec,
+            &opt,
+            Schedule::Constant,
+            1,
+            &Device::Cpu,
+            &identity,
+            None,
+        )
+        .expect("built");
+        (model, optimizer, identity)
+    }
+
+    /// A state whose counters no run reaches is refused like one with NaN, and changes
+    /// nothing; the same state with honest counters loads.
+    #[test]
+    fn a_state_with_counters_past_any_runs_is_refused() {
+        let (model, mut optimizer, identity) = built();
+        let counters = Counters {
+            step: 100,
+            samples_seen: 3200,
+        };
+        let snap = snapshot(&model, &optimizer, &identity, counters, &[]).expect("snapshot");
+        let loaded = |info: StateInfo| Loaded {
+            meta: CheckpointMeta {
+                id: 1,
+                info,
+                created_unix: 0,
+                checksum: String::new(),
+                file: String::new(),
+                bytes: 0,
+            },
+            tensors: snap.tensors.clone(),
+        };
+        let honest = restore_into(
+            &model,
+            &mut optimizer,
+            &identity,
+            &loaded(snap.info.clone()),
+        )
+        .expect("honest counters");
+        assert_eq!(honest.step, 100);
+        for liar in [
+            StateInfo {
+                optimizer_steps: COUNTER_LIMIT,
+                ..snap.info.clone()
+            },
+            StateInfo {
+                step: u64::MAX,
+                ..snap.info.clone()
+            },
+            StateInfo {
+                samples_seen: COUNTER_LIMIT,
+                ..snap.info.clone()
+            },
+        ] {
+            let before = optimizer.steps();
+            let err = restore_into(&model, &mut optimizer, &identity, &loaded(liar))
+                .expect_err("a liar's counters");
+            assert!(
+                err.to_string().contains("past what any run reaches"),
+                "{err}"
+            );
+            assert_eq!(optimizer.steps(), before);
+        }
+    }
 }

@@ -54,7 +54,12 @@ impl Joiner {
         for _ in 0..JOIN_ATTEMPTS {
             let (loaded, report, bytes) = match self.download_state(&donors).await {
                 Ok(v) => v,
-                Err(e) => {
+                Err(JoinFailure::Donor { donor, why }) => {
+                    tracing::warn!(donor = %donor, "downloaded state refused: {why}; trying another donor");
+                    donors.retain(|p| p.to_string() != donor);
+                    continue;
+                }
+                Err(JoinFailure::Download(e)) => {
                     tracing::warn!(
                         "state download failed ({e}); training from the run's initial weights"
                     );
@@ -120,7 +125,7 @@ impl Joiner {
     async fn download_state(
         &self,
         members: &[PeerId],
-    ) -> Result<(store::Loaded, DownloadReport, Vec<u8>), String> {
+    ) -> Result<(store::Loaded, DownloadReport, Vec<u8>), JoinFailure> {
         let started = Instant::now();
         let downloaded = download(&self.net, members, &self.limits).await;
         crate::timeline::record(
@@ -130,20 +135,44 @@ impl Joiner {
             Instant::now(),
             None,
         );
-        let (bytes, report) = downloaded.map_err(|e| e.to_string())?;
+        let (bytes, report) = downloaded.map_err(|e| JoinFailure::Download(e.to_string()))?;
+        let refuse = |why: String| JoinFailure::Donor {
+            donor: report.donor.clone(),
+            why,
+        };
         let decoded = {
             let bytes = bytes.clone();
             tokio::task::spawn_blocking(move || {
                 crate::checkpoint::decode(&bytes, "downloaded state")
             })
             .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("downloaded state failed verification: {e}"))?
+            .map_err(|e| JoinFailure::Download(e.to_string()))?
+            .map_err(|e| refuse(format!("it failed verification: {e}")))?
         };
         let (meta, tensors) = decoded;
         if meta.info.run_id != self.run_id {
-            return Err(format!("donor sent a state of run {}", meta.info.run_id));
+            return Err(refuse(format!("a state of run {}", meta.info.run_id)));
+        }
+        if meta.info.step != report.step {
+            return Err(refuse(format!(
+                "its manifest claimed step {}, the state holds {}",
+                report.step, meta.info.step
+            )));
         }
         Ok((store::Loaded { meta, tensors }, report, bytes))
     }
+}
+
+/// Why a download gave no state to restore.
+enum JoinFailure {
+    /// The donor's state is no good (it fails verification, is of another run, or is not
+    /// at the step its manifest claimed): the next donor is tried.
+    Donor {
+        /// The donor's peer id, as the report names it.
+        donor: String,
+        /// What was wrong.
+        why: String,
+    },
+    /// No state could be downloaded at all.
+    Download(String),
 }

@@ -302,30 +302,7 @@ pub async fn download(
     if manifests.is_empty() {
         return Err(DownloadError::NoValidState);
     }
-    // Most advanced first; among those within 10% of the best step, the one most peers hold
-    // (its chunks come from all of them at once, and no single donor carries the crowd), then
-    // the least loaded.
-    let best_step = manifests.iter().map(|m| m.1.step).max().unwrap_or(0);
-    let holders = |m: &StateManifest| {
-        manifests
-            .iter()
-            .filter(|(_, o)| o.hash == m.hash || o.cached.contains(&m.hash))
-            .count()
-    };
-    let mut keyed: Vec<_> = manifests
-        .iter()
-        .map(|(p, m)| {
-            let key = (
-                m.step.saturating_mul(10) < best_step.saturating_mul(9),
-                std::cmp::Reverse(holders(m)),
-                m.load,
-                std::cmp::Reverse(m.step),
-            );
-            (key, (*p, m.clone()))
-        })
-        .collect();
-    keyed.sort_by_key(|k| k.0);
-    let manifests: Vec<(PeerId, StateManifest)> = keyed.into_iter().map(|(_, v)| v).collect();
+    let manifests = donor_order(manifests);
     let mut order = manifests.clone();
     // A state left half-downloaded goes first while some peer still serves it; otherwise its
     // chunks are of no use any more.
@@ -608,6 +585,57 @@ async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
     .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
+/// Steps a claim may lie above the median claim besides its 10%: honest members of a young
+/// mesh differ by a few hundred steps.
+const CLAIM_SLACK: u64 = 1000;
+
+/// The donors in the order a joiner tries them. Most advanced first, as the median claim
+/// measures it: a step more than 10% (plus [`CLAIM_SLACK`]) above the median of the claims is
+/// no credible progress (a liar claiming the highest step would otherwise always go first), so
+/// such a state goes last. Among the credible states within 10% of the best of them, the one
+/// most peers hold (its chunks come from all of them at once, and no single donor carries the
+/// crowd), then the least loaded. This assumes that most of the members a joiner asks are
+/// honest.
+fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateManifest)> {
+    let mut steps: Vec<u64> = manifests.iter().map(|m| m.1.step).collect();
+    steps.sort_unstable();
+    let median = steps
+        .get(steps.len().saturating_sub(1) / 2)
+        .copied()
+        .unwrap_or(0);
+    let ceiling = median
+        .saturating_add(median / 10)
+        .saturating_add(CLAIM_SLACK);
+    let credible = |step: u64| step <= ceiling;
+    let best_step = steps
+        .iter()
+        .copied()
+        .filter(|s| credible(*s))
+        .max()
+        .unwrap_or(0);
+    let holders = |m: &StateManifest| {
+        manifests
+            .iter()
+            .filter(|(_, o)| o.hash == m.hash || o.cached.contains(&m.hash))
+            .count()
+    };
+    let mut keyed: Vec<_> = manifests
+        .iter()
+        .map(|(p, m)| {
+            let key = (
+                !credible(m.step),
+                m.step.saturating_mul(10) < best_step.saturating_mul(9),
+                std::cmp::Reverse(holders(m)),
+                m.load,
+                std::cmp::Reverse(m.step),
+            );
+            (key, (*p, m.clone()))
+        })
+        .collect();
+    keyed.sort_by_key(|k| k.0);
+    keyed.into_iter().map(|(_, v)| v).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -628,6 +656,27 @@ mod tests {
         stale.insert(Arc::new(old));
         assert!(stale.reusable().is_none(), "a freeze past REUSE_WITHIN");
         assert_eq!(stale.hashes().len(), 1, "still served by hash");
+    }
+
+    /// A liar claiming the highest step goes last while most claims are honest; an honest
+    /// mesh's states go by step, then by holders.
+    #[test]
+    fn a_claim_far_above_the_median_goes_last() {
+        let state = |step: u64, tag: u8| Frozen::new(step, vec![tag; 10]).manifest(0, Vec::new());
+        let (liar, a, b) = (PeerId::random(), PeerId::random(), PeerId::random());
+        for claim in [u64::MAX, 1 << 40, 20_000] {
+            let order = donor_order(vec![
+                (liar, state(claim, 1)),
+                (a, state(10_000, 2)),
+                (b, state(10_200, 3)),
+            ]);
+            let peers: Vec<PeerId> = order.iter().map(|(p, _)| *p).collect();
+            assert_eq!(peers, [b, a, liar], "a claim of {claim}");
+        }
+        // Within the 10% and the slack, the most advanced state goes first.
+        let order = donor_order(vec![(a, state(10_000, 2)), (b, state(11_500, 3))]);
+        assert_eq!(order[0].0, b);
+        assert!(donor_order(Vec::new()).is_empty());
     }
 
     #[test]

@@ -7,14 +7,16 @@ use std::time::Instant;
 use libp2p::PeerId;
 
 use super::ring::{all_finite, decode_values, hop_message};
-use super::{Hop, HopKey, Output, Rounds, Stage, ATTEMPT_LIMIT, INBOX_CAP, ROUND_LIMIT};
+use super::{
+    Hop, HopKey, Output, Rounds, Stage, ATTEMPT_LIMIT, INBOX_CAP, ROUND_LIMIT, STEP_LIMIT,
+};
 use crate::wire::RingMessage;
 
 impl Rounds {
     /// A hop from `from`. Hops of a later attempt make this node join it; hops of attempts
     /// it has not reached wait in the inbox; stale ones are dropped. A hop that cannot be
     /// honest is an offence: one of odd size, with values that are not finite, or naming a
-    /// round or attempt past any mesh's changes nothing.
+    /// round, attempt or step past any mesh's changes nothing.
     pub fn message(&mut self, from: PeerId, msg: RingMessage, now: Instant, out: &mut Vec<Output>) {
         let Some(values) = decode_values(&msg.values, msg.bf16) else {
             out.push(Output::Offence {
@@ -30,12 +32,12 @@ impl Rounds {
             });
             return;
         }
-        if msg.round >= ROUND_LIMIT || msg.attempt >= ATTEMPT_LIMIT {
+        if msg.round >= ROUND_LIMIT || msg.attempt >= ATTEMPT_LIMIT || msg.step >= STEP_LIMIT {
             out.push(Output::Offence {
                 peer: from,
                 why: format!(
-                    "ring hop of round {} attempt {}, past what any mesh reaches",
-                    msg.round, msg.attempt
+                    "ring hop of round {} attempt {} at step {}, past what any mesh reaches",
+                    msg.round, msg.attempt, msg.step
                 ),
             });
             return;

@@ -81,6 +81,9 @@ const INBOX_CAP: usize = 256;
 const ROUND_LIMIT: u64 = 1 << 48;
 /// Attempts no round takes (2^24: a month of retries, each at least [`RETRY_PAUSE`] apart).
 const ATTEMPT_LIMIT: u32 = 1 << 24;
+/// Steps no run reaches (2^48, as a checkpoint's counters are bounded): a hop that carries
+/// one cannot be honest, and an unsynced member would take it as its step.
+const STEP_LIMIT: u64 = 1 << 48;
 /// Digests of recent rounds kept in status.
 const DIGESTS_KEPT: usize = 32;
 /// A `ddp` member whose forward-backward per sample is within this fraction of the fastest
@@ -134,7 +137,7 @@ impl RoundConfig {
     /// boundary; a joiner, a resumed node and any node in gradient rounds hold at once.
     pub fn first_boundary(&self, step: u64, synced: bool) -> u64 {
         if synced && self.gradients.is_none() {
-            step + self.steps.max(1)
+            step.saturating_add(self.steps.max(1))
         } else {
             step
         }

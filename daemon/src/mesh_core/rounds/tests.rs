@@ -647,19 +647,25 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
     assert!(own.values.iter().all(|b| *b == 0), "weight 0: zeros");
 }
 
-/// A hop naming a round or attempt no mesh reaches (`u64::MAX` would wrap the round counter
-/// at the next round) is an offence and changes nothing: no round adopted, no attempt
-/// restarted, nothing kept.
+/// A hop naming a round, attempt or step no mesh reaches (`u64::MAX` would wrap the round
+/// counter at the next round, or an unsynced member's step) is an offence and changes
+/// nothing: no round adopted, no attempt restarted, nothing kept.
 #[test]
-fn a_hop_past_any_meshs_round_or_attempt_is_an_offence_and_changes_nothing() {
+fn a_hop_past_any_meshs_round_attempt_or_step_is_an_offence_and_changes_nothing() {
     let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
     let now = Instant::now();
     ring.hear_all(now);
     ring.bring_to_boundary(0, now);
     let before = ring.nodes[0].status();
-    for (round, attempt) in [(u64::MAX, 0), (ROUND_LIMIT, 0), (0, u32::MAX)] {
+    for (round, attempt, step) in [
+        (u64::MAX, 0, 0),
+        (ROUND_LIMIT, 0, 0),
+        (0, u32::MAX, 0),
+        (1, 0, u64::MAX),
+    ] {
         let msg = RingMessage {
             attempt,
+            step,
             ..next_round_hop(&ring, round)
         };
         let mut out = Vec::new();

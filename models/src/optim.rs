@@ -755,15 +755,20 @@ mod tests {
         assert!(minimise(&adamw, 500) < 1e-2);
     }
 
-    #[test]
-    fn in_place_adamw_matches_the_tensor_formula() {
-        let spec = OptimizerSpec::Adamw {
+    /// AdamW with lr 0.01, betas 0.9 and 0.99, eps 1e-8 and weight decay 0.1.
+    fn adamw_0_01() -> OptimizerSpec {
+        OptimizerSpec::Adamw {
             lr: 0.01,
             beta1: 0.9,
             beta2: 0.99,
             eps: 1e-8,
             weight_decay: 0.1,
-        };
+        }
+    }
+
+    #[test]
+    fn in_place_adamw_matches_the_tensor_formula() {
+        let spec = adamw_0_01();
         let start = [0.5f32, -1.5, 2.0, 0.0];
         let p = Var::from_slice(&start, 4, &Device::Cpu).expect("var");
         let params = Params::new(vec![("p".into(), p.clone())]).expect("params");
@@ -794,13 +799,7 @@ mod tests {
     /// finite parameters: AdamW's bias correction neither wraps nor overflows.
     #[test]
     fn adamw_stays_finite_at_any_step_count() {
-        let spec = OptimizerSpec::Adamw {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
+        let spec = adamw_0_01();
         for steps in [u64::from(u32::MAX), u64::MAX - 1, u64::MAX] {
             let p = Var::from_slice(&[0.5f32, -1.5], 2, &Device::Cpu).expect("var");
             let params = Params::new(vec![("p".into(), p.clone())]).expect("params");

@@ -307,17 +307,13 @@ impl Membership {
     ) -> HeartbeatNews {
         let (a, hb) = match (author, wire::decode_heartbeat(data)) {
             (Some(a), Ok(hb)) => (a, hb),
-            (author, result) => {
-                if let Some(a) = author {
-                    let why = match result {
-                        Err(e) => e.to_string(),
-                        Ok(_) => "a heartbeat without an author".into(),
-                    };
-                    tracing::warn!(peer = %a, "rejected a heartbeat: {why}");
-                    out.push(Output::Offence { peer: a, why });
-                }
+            (Some(a), Err(e)) => {
+                let why = e.to_string();
+                tracing::warn!(peer = %a, "rejected a heartbeat: {why}");
+                out.push(Output::Offence { peer: a, why });
                 return HeartbeatNews::Malformed;
             }
+            (None, _) => return HeartbeatNews::Malformed,
         };
         if !self.take_seq(a, hb.seq, now) {
             return HeartbeatNews::Old;

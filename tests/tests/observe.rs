@@ -353,6 +353,25 @@ fn the_live_page_shows_the_peer_and_the_curves_in_a_real_browser() {
     eprintln!("screenshot of the live page: {}", shot.display());
 }
 
+/// The median held-out accuracy of the evaluations a node in `dir` logged in the last
+/// `window_ms` before its last one.
+fn recent_median_accuracy(dir: &Path, window_ms: u64) -> f64 {
+    let log = std::fs::read_to_string(dir.join("evals.jsonl")).expect("the node's evals.jsonl");
+    let evals: Vec<(u64, f64)> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|e| Some((e["unix_ms"].as_u64()?, e["accuracy"].as_f64()?)))
+        .collect();
+    let end = evals.iter().map(|e| e.0).max().expect("the node evaluated");
+    let mut recent: Vec<f64> = evals
+        .iter()
+        .filter(|e| e.0 + window_ms >= end)
+        .map(|e| e.1)
+        .collect();
+    recent.sort_by(f64::total_cmp);
+    recent[recent.len() / 2]
+}
+
 /// The README's first command: `local` without a config runs the demo, where each node holds
 /// a few digits. Each node's part alone stays far below what the node reaches in the mesh,
 /// the mesh stays whole (every node sees the others, no drops, no bans), and 1-bit updates
@@ -367,9 +386,20 @@ fn the_demo_shows_each_node_alone_against_the_mesh() {
     // behind the others'; the demo's staleness bound makes the others wait for it. (At a
     // fifth, the bounded mesh of a loaded CI box took only 12.6k steps in 25 s, 83-86%.)
     let throttled = std::cell::Cell::new(false);
+    let data = tempfile::tempdir().expect("data dir");
+    let data_arg = data.path().to_string_lossy().into_owned();
     let (st, out, err) = cli_with(
         None,
-        &["local", "--nodes", "3", "--duration", "25", "--json"],
+        &[
+            "local",
+            "--nodes",
+            "3",
+            "--duration",
+            "25",
+            "--json",
+            "--data-dir",
+            &data_arg,
+        ],
         Duration::from_secs(240),
         |local| {
             let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -407,18 +437,28 @@ fn the_demo_shows_each_node_alone_against_the_mesh() {
         );
         all_classes.extend(classes);
         let alone = n["alone"]["accuracy"].as_f64().expect("alone accuracy");
-        let mesh = n["accuracy"].as_f64().expect("mesh accuracy");
+        let last = n["accuracy"].as_f64().expect("mesh accuracy");
         assert!(
             alone < 0.6,
             "node {}: a part of the data alone cannot pass the held-out set ({alone})",
             n["index"]
         );
+        // A skewed node's model leans to its own classes by an amount that swings from moment
+        // to moment: its held-out accuracy, evaluated every 200 steps, spans 0.55-0.98 in the
+        // second half of one run, and CI saw a final checkpoint at 0.74 beside evaluations
+        // mostly above 0.9. So what the mesh taught is the median of the node's evaluations
+        // over the last 10 s (about 40 of them), held to the level the single final figure
+        // was; the final checkpoint must still beat the lone part by as much.
+        let index = n["index"].as_u64().expect("index");
+        let recent = recent_median_accuracy(&data.path().join(format!("node-{index}")), 10_000);
         assert!(
-            // 0.8, not more: a skewed node's final model leans to its own classes for the
-            // steps since its last neighbour update (measured 83-99% over ~25 runs).
-            mesh > alone + 0.3 && mesh > 0.8,
-            "node {}: the mesh must teach it the other classes: {alone} alone, {mesh} in the mesh",
-            n["index"]
+            recent > alone + 0.3 && recent > 0.8,
+            "node {index}: the mesh must teach it the other classes: {alone} alone, \
+             {recent} in the mesh (median of the last 10 s; the final checkpoint {last})"
+        );
+        assert!(
+            last > alone + 0.3,
+            "node {index}: its final checkpoint ({last}) must beat its part alone ({alone})"
         );
         assert_eq!(
             n["peers"], 2,

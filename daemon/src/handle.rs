@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -22,6 +22,10 @@ use crate::status::{
 use crate::store::{Store, StoreError};
 use crate::trainer::{Command, Stats};
 use crate::{network, transfer};
+
+/// How long status waits for the network task's part: a status request must answer even
+/// when that task is swamped (its other parts are the node's own).
+pub const NET_ANSWER_WAIT: Duration = Duration::from_secs(3);
 
 /// Why a checkpoint or restore asked of a running node failed.
 #[derive(Debug, thiserror::Error)]
@@ -147,7 +151,17 @@ impl NodeHandle {
 
     /// The status report, one section from each part of the node.
     pub async fn status(&self) -> Status {
-        let net = self.net.snapshot().await.unwrap_or_default();
+        let net = match tokio::time::timeout(NET_ANSWER_WAIT, self.net.snapshot()).await {
+            Ok(answer) => answer.unwrap_or_default(),
+            Err(_) => {
+                tracing::warn!(
+                    "the network task did not answer a status request within {NET_ANSWER_WAIT:?}"
+                );
+                let mut net = network::NetSnapshot::default();
+                net.status.unanswered = true;
+                net
+            }
+        };
         let mesh = self.mesh.lock().map(|m| m.clone()).unwrap_or_default();
         let stats = self.stats_rx.borrow().clone();
         let peers = Peers::new(&net.peers, &mesh);

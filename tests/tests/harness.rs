@@ -370,6 +370,11 @@ impl Node {
         cli_in(self.netns.as_deref(), &all, timeout)
     }
 
+    /// The process id, while the node runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Resident memory of the process in KiB (Linux `/proc`), all of it (`VmRSS`).
     pub fn rss_kib(&self) -> Option<u64> {
         self.proc_status_kib("VmRSS")

@@ -3,6 +3,7 @@
 
 mod bench;
 mod churn;
+mod flood;
 mod harness;
 mod hostile_sync;
 mod join;

@@ -7,6 +7,8 @@
 //! [`Rogue::join_donor`] offers joiners a hostile state (see [`DonorAnswer`]).
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use libp2p::identity::Keypair;
@@ -322,6 +324,94 @@ impl Rogue {
             }
             result
         })
+    }
+}
+
+/// What a flood sent, counted as it goes.
+#[derive(Debug, Default)]
+pub struct Flood {
+    /// Heartbeats gossip took.
+    pub heartbeats: AtomicU64,
+    /// Topics subscribed.
+    pub subscriptions: AtomicU64,
+    /// Bulk requests answered (refused or not).
+    pub requests: AtomicU64,
+}
+
+impl Rogue {
+    /// Floods `target` from tasks of the rogue's runtime until `span` has passed: valid
+    /// heartbeats as fast as gossip takes them (each numbered anew, claiming a rising step),
+    /// subscriptions to ever new topics of the run, and bulk requests (state manifests,
+    /// parameters, state chunks) from 32 tasks at once. Returns at once; the counts grow as
+    /// the flood goes.
+    pub fn flood(&self, target: PeerId, span: Duration) -> Arc<Flood> {
+        let flood = Arc::new(Flood::default());
+        let end = tokio::time::Instant::now() + span;
+        let (client, run) = (self.client.clone(), self.run_id.clone());
+        let sent = flood.clone();
+        self.rt.spawn(async move {
+            let topic = heartbeat_topic(&run);
+            // Numbered as a node started now numbers them, so none is taken for a replay.
+            let first = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_secs() << 20);
+            for seq in first.. {
+                if tokio::time::Instant::now() >= end {
+                    break;
+                }
+                let hb = Heartbeat {
+                    step: seq - first,
+                    seq,
+                    ..Heartbeat::default()
+                };
+                let bytes = serde_json::to_vec(&hb).expect("heartbeat json");
+                if client.publish(topic.clone(), bytes).await.is_ok() {
+                    sent.heartbeats.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        });
+        let (client, run) = (self.client.clone(), self.run_id.clone());
+        let sent = flood.clone();
+        self.rt.spawn(async move {
+            for n in 0u64.. {
+                if tokio::time::Instant::now() >= end {
+                    break;
+                }
+                let _ = client.subscribe(format!("{run}/flood/{n}")).await;
+                sent.subscriptions.fetch_add(1, Ordering::Relaxed);
+                tokio::task::yield_now().await;
+            }
+        });
+        for task in 0..32u32 {
+            let client = self.client.clone();
+            let sent = flood.clone();
+            self.rt.spawn(async move {
+                for n in 0u32.. {
+                    if tokio::time::Instant::now() >= end {
+                        break;
+                    }
+                    let request = match (task + n) % 3 {
+                        0 => BulkRequest::StateManifest,
+                        1 => BulkRequest::Params,
+                        _ => BulkRequest::StateChunk {
+                            state: ByteBuf::from(vec![0u8; 32]),
+                            index: n,
+                        },
+                    };
+                    let answered = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        client.request(target, request),
+                    )
+                    .await;
+                    if matches!(answered, Ok(Ok(_))) {
+                        sent.requests.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+        flood
     }
 }
 

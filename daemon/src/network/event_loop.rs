@@ -5,7 +5,7 @@
 //! was turned away) in `admission`; the reactions to swarm and protocol events are in
 //! `swarm_events`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -29,11 +29,17 @@ mod swarm_events;
 
 use admission::Admission;
 
+/// Events the loop holds for the node before it stops polling the swarm: as many as the
+/// channel to the node holds, so a node that keeps up never sees the swarm paused.
+const OUTBOX_CAP: usize = super::EVENT_CAP;
+
 /// Owns the swarm; see the module docs.
 pub struct EventLoop {
     swarm: Swarm<Behaviour>,
     cmd_rx: mpsc::Receiver<Command>,
     event_tx: mpsc::Sender<Event>,
+    /// Events the node has not taken yet, oldest first (see [`EventLoop::run`]).
+    outbox: VecDeque<Event>,
     /// Bytes through every connection, and gossip this node published per topic.
     traffic: Traffic,
     /// Who may be a member, and what was turned away.
@@ -70,12 +76,6 @@ pub struct EventLoop {
     libp2p_metrics: libp2p::metrics::Metrics,
 }
 
-/// Hands an event to the node. Backpressure: the node drains this channel; if it falls
-/// behind, the swarm waits.
-async fn emit(tx: &mpsc::Sender<Event>, event: Event) {
-    let _ = tx.send(event).await;
-}
-
 /// Seconds since the Unix epoch, for ban ends shown to operators.
 fn unix_now() -> u64 {
     std::time::SystemTime::now()
@@ -108,6 +108,7 @@ impl EventLoop {
             swarm,
             cmd_rx,
             event_tx,
+            outbox: VecDeque::new(),
             traffic: Traffic::new(bandwidth, envelope),
             admission: Admission::new(cfg, protocol_version),
             members: HashMap::new(),
@@ -141,21 +142,45 @@ impl EventLoop {
 
     /// Runs until every [`super::Client`] is dropped. Pending bulk requests are answered
     /// with [`NetError::Stopped`] when the swarm goes with it.
+    ///
+    /// The loop never waits on the node: events go to an outbox, handed on as the node takes
+    /// them, and commands are served all the while. While the outbox is full the swarm is not
+    /// polled (backpressure on the peers, not on the node), so a node busy with a flood can
+    /// still publish, answer requests and report status. (It once awaited a full event
+    /// channel while the node awaited its answer to a publish: neither moved again.)
     pub async fn run(mut self) {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
+            let swarm_room = self.outbox.len() < OUTBOX_CAP;
+            let event_tx = self.event_tx.clone();
             tokio::select! {
-                event = self.swarm.select_next_some() => self.on_swarm_event(event).await,
+                permit = event_tx.reserve(), if !self.outbox.is_empty() => match permit {
+                    Ok(permit) => {
+                        if let Some(event) = self.outbox.pop_front() {
+                            permit.send(event);
+                        }
+                    }
+                    // The node is gone: nothing will read what waits.
+                    Err(_) => self.outbox.clear(),
+                },
+                event = self.swarm.select_next_some(), if swarm_room => self.on_swarm_event(event),
                 cmd = self.cmd_rx.recv() => match cmd {
                     Some(cmd) => self.on_command(cmd),
                     None => return,
                 },
-                _ = tick.tick() => self.on_tick().await,
+                _ = tick.tick() => self.on_tick(),
             }
         }
     }
 
-    async fn on_tick(&mut self) {
+    /// Hands an event to the node, through the outbox (see [`EventLoop::run`]).
+    fn emit(&mut self, event: Event) {
+        if !self.event_tx.is_closed() {
+            self.outbox.push_back(event);
+        }
+    }
+
+    fn on_tick(&mut self) {
         let now = Instant::now();
         let silent: Vec<PeerId> = self
             .members
@@ -169,13 +194,13 @@ impl EventLoop {
             .collect();
         for peer in silent {
             tracing::info!(peer = %peer, "nothing heard (no ping answer, gossip or bulk message) for {SILENT_AFTER:?}; dropping the peer");
-            self.drop_member(peer).await;
+            self.drop_member(peer);
         }
         let gossip = &mut self.swarm.behaviour_mut().gossipsub;
         for (peer, score) in self.sync_refusals.decay() {
             gossip.set_application_score(&peer, score);
         }
-        self.ban_graylisted(now).await;
+        self.ban_graylisted(now);
         self.redial_lost(now);
         self.find_relay(now);
         for peer in self.admission.hang_ups_due(now) {
@@ -248,7 +273,7 @@ impl EventLoop {
     /// Disconnects members whose gossip score fell below the graylist threshold and refuses
     /// them for [`scoring::BAN_FOR`]: gossipsub already ignores what they send, and the ban
     /// also frees the neighbour slot and the bulk channel they hold.
-    async fn ban_graylisted(&mut self, now: Instant) {
+    fn ban_graylisted(&mut self, now: Instant) {
         for peer in self.book.end_expired_bans(now) {
             tracing::info!(peer = %peer, "ban ended; the peer may connect again");
             self.swarm.behaviour_mut().banned.unblock_peer(peer);
@@ -271,7 +296,7 @@ impl EventLoop {
             // refused at the connection level, it is never mistaken for a failed handshake.
             self.swarm.behaviour_mut().banned.block_peer(peer);
             self.swarm.behaviour_mut().kad.remove_peer(&peer);
-            self.drop_member(peer).await;
+            self.drop_member(peer);
         }
     }
 
@@ -284,12 +309,12 @@ impl EventLoop {
 
     /// Disconnects a peer and tells the mesh at once: a hung peer's connections can take many
     /// seconds more to finish closing.
-    async fn drop_member(&mut self, peer: PeerId) {
+    fn drop_member(&mut self, peer: PeerId) {
         let _ = self.swarm.disconnect_peer_id(peer);
         self.last_heard.remove(&peer);
         if self.members.remove(&peer).is_some() {
             self.peer_drops += 1;
-            emit(&self.event_tx, Event::PeerDown(peer)).await;
+            self.emit(Event::PeerDown(peer));
         }
     }
 

@@ -265,6 +265,10 @@ pub struct NetworkStatus {
     /// Reachability (AutoNAT), relays and hole punching.
     #[serde(default)]
     pub nat: NatReport,
+    /// The network task did not answer in time (see `handle::NET_ANSWER_WAIT`): every other
+    /// figure of this section is empty, not zero. Shown only when true.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unanswered: bool,
 }
 
 /// Network settings of one node.
@@ -495,6 +499,80 @@ mod tests {
             protocol_version("abc", "allreduce/every/4"),
             "/p2ptrain/4/run/abc/sync/allreduce/every/4/gossip-max/2097152"
         );
+    }
+
+    fn loopback_config(bootstrap: Vec<Multiaddr>) -> NetConfig {
+        NetConfig {
+            listen: vec!["/ip4/127.0.0.1/tcp/0".parse().expect("addr")],
+            bootstrap,
+            run_id: "wedge".into(),
+            sync_terms: "gossip".into(),
+            mdns: false,
+            psk: None,
+            allow: None,
+            relay_server: false,
+            upnp: false,
+            kad_walk_every: KAD_WALK_EVERY,
+        }
+    }
+
+    /// A node that does not take its events (busy, or waiting on the network itself) still
+    /// gets its commands served: 1,000 gossip messages from a peer are more events than the
+    /// channel and the outbox hold, and publish and snapshot must still answer. (The loop
+    /// once awaited room in the event channel, and a node waiting on a publish's answer
+    /// never drained it again: this test fails on that loop, the snapshot unanswered.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn commands_are_served_while_the_node_takes_no_events() {
+        let mut registry = Registry::default();
+        let (a, _a_events, a_loop) = new(
+            libp2p::identity::Keypair::generate_ed25519(),
+            &loopback_config(vec![]),
+            &mut registry,
+        )
+        .expect("a");
+        tokio::spawn(a_loop.run());
+        let a_addr = eventually_listening(&a).await;
+        let (b, mut b_events, b_loop) = new(
+            libp2p::identity::Keypair::generate_ed25519(),
+            &loopback_config(vec![a_addr]),
+            &mut Registry::default(),
+        )
+        .expect("b");
+        tokio::spawn(b_loop.run());
+        tokio::spawn(async move { while b_events.recv().await.is_some() {} });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while b.snapshot().await.expect("b").peers.is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "b never met a");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        a.subscribe("wedge/t".into()).await.expect("subscribe");
+        b.subscribe("wedge/t".into()).await.expect("subscribe");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        for n in 0..1000u32 {
+            let _ = b.publish("wedge/t".into(), n.to_le_bytes().to_vec()).await;
+        }
+        // Time for the messages to reach a and fill its channel and outbox.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let answered = tokio::time::timeout(Duration::from_secs(5), async {
+            a.publish("wedge/t".into(), b"a".to_vec()).await?;
+            a.snapshot().await
+        })
+        .await;
+        let snapshot = answered
+            .expect("a's commands went unanswered while its events waited")
+            .expect("a's network runs");
+        assert_eq!(snapshot.peers.len(), 1, "a still holds its peer");
+    }
+
+    async fn eventually_listening(client: &Client) -> Multiaddr {
+        for _ in 0..200 {
+            let snap = client.snapshot().await.expect("snapshot");
+            if let Some(addr) = snap.status.listen_addrs.first() {
+                return addr.parse().expect("listen address");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("never listening");
     }
 
     #[tokio::test]

@@ -12,7 +12,7 @@ use libp2p::{
     request_response, upnp, PeerId,
 };
 
-use super::{emit, EventLoop};
+use super::EventLoop;
 use crate::nat;
 use crate::network::behaviour::BehaviourEvent;
 use crate::network::peer_book::ip_of;
@@ -71,7 +71,7 @@ impl EventLoop {
         }
     }
 
-    pub(super) async fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+    pub(super) fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
         self.record_metrics(&event);
         match &event {
             SwarmEvent::ConnectionEstablished {
@@ -151,7 +151,7 @@ impl EventLoop {
                         if self.links.connected(&peer_id) {
                             self.relayed_members.insert(peer_id, info);
                         }
-                        emit(&self.event_tx, Event::PeerDown(peer_id)).await;
+                        self.emit(Event::PeerDown(peer_id));
                     }
                 }
             }
@@ -163,7 +163,7 @@ impl EventLoop {
                 error,
                 ..
             } => self.on_incoming_failed(&send_back_addr, &error),
-            SwarmEvent::Behaviour(event) => self.on_behaviour_event(event).await,
+            SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
             _ => {}
         }
     }
@@ -256,10 +256,10 @@ impl EventLoop {
         }
     }
 
-    async fn on_behaviour_event(&mut self, event: BehaviourEvent) {
+    fn on_behaviour_event(&mut self, event: BehaviourEvent) {
         match event {
             BehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. }) => {
-                self.on_identified(peer_id, info).await;
+                self.on_identified(peer_id, info);
             }
             BehaviourEvent::Ping(ping::Event { peer, result, .. }) => match result {
                 Ok(rtt) => {
@@ -301,33 +301,25 @@ impl EventLoop {
                 message,
             }) => {
                 self.heard_from(propagation_source);
-                emit(
-                    &self.event_tx,
-                    Event::Gossip {
-                        source: propagation_source,
-                        author: message.source,
-                        id: message_id,
-                        topic: message.topic.into_string(),
-                        data: message.data,
-                    },
-                )
-                .await;
+                self.emit(Event::Gossip {
+                    source: propagation_source,
+                    author: message.source,
+                    id: message_id,
+                    topic: message.topic.into_string(),
+                    data: message.data,
+                });
             }
             BehaviourEvent::Gossipsub(gossipsub::Event::Subscribed { peer_id, topic }) => {
-                emit(
-                    &self.event_tx,
-                    Event::Subscribed {
-                        peer: peer_id,
-                        topic: topic.into_string(),
-                    },
-                )
-                .await;
+                self.emit(Event::Subscribed {
+                    peer: peer_id,
+                    topic: topic.into_string(),
+                });
             }
             BehaviourEvent::Bulk(request_response::Event::Message {
                 peer,
                 message,
                 connection_id,
-            }) => self.on_bulk_message(peer, message, connection_id).await,
+            }) => self.on_bulk_message(peer, message, connection_id),
             BehaviourEvent::Bulk(request_response::Event::OutboundFailure {
                 request_id,
                 error,
@@ -349,7 +341,7 @@ impl EventLoop {
     /// A peer identified itself: one of another run (or sync terms, or gossip limit) is
     /// refused; one seen only over a relay is shown but is not a member; one over a direct
     /// connection becomes a member (announced to the mesh when new).
-    async fn on_identified(&mut self, peer_id: PeerId, info: identify::Info) {
+    fn on_identified(&mut self, peer_id: PeerId, info: identify::Info) {
         if info.protocol_version != self.admission.protocol_version() {
             // The connection closes a moment later (see `Admission::refuse`).
             if self.admission.refuse(peer_id, Instant::now()) {
@@ -431,13 +423,13 @@ impl EventLoop {
             if self.members.len() == 1 {
                 let _ = self.swarm.behaviour_mut().kad.bootstrap();
             }
-            emit(&self.event_tx, Event::PeerUp(peer_id)).await;
+            self.emit(Event::PeerUp(peer_id));
         }
     }
 
     /// A bulk request (served by the mesh actor when its sender is a member over a direct
     /// connection, refused otherwise) or the response to one of ours.
-    async fn on_bulk_message(
+    fn on_bulk_message(
         &mut self,
         peer: PeerId,
         message: request_response::Message<BulkRequest, BulkResponse>,
@@ -457,15 +449,11 @@ impl EventLoop {
                         ),
                     );
                 } else if self.members.contains_key(&peer) {
-                    emit(
-                        &self.event_tx,
-                        Event::Request {
-                            peer,
-                            request,
-                            channel,
-                        },
-                    )
-                    .await;
+                    self.emit(Event::Request {
+                        peer,
+                        request,
+                        channel,
+                    });
                 } else {
                     let _ = self.swarm.behaviour_mut().bulk.send_response(
                         channel,

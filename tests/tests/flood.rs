@@ -1,0 +1,132 @@
+//! A flood: one peer of the run sends heartbeats, subscriptions and bulk requests as fast as
+//! it can at one node of a three-node mesh whose third node gets a fifth of the CPU. The
+//! flooded node keeps training, answers status, keeps its honest peers and stops when asked;
+//! nobody bans the starved honest node. Latencies and rates go to `flood.json` beside the
+//! test binary's scratch files, not into asserts.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::harness::{Node, Throttle};
+use crate::mesh::{config, listen_addr, peers, start, step};
+use crate::rogue::Rogue;
+
+/// How long the rogue floods.
+const FLOOD_FOR: Duration = Duration::from_secs(30);
+
+/// The flooded node's resident memory must stay under this (it trains the digits MLP in
+/// about 60 MB unflooded): a flood must not make it buffer without bound.
+const RSS_BOUND_KIB: u64 = 512 * 1024;
+
+fn peer_id(n: &Node) -> String {
+    n.status().expect("status")["peer_id"]
+        .as_str()
+        .expect("peer id")
+        .to_string()
+}
+
+fn lists(s: &Value, list: &str, peer: &str) -> bool {
+    s[list]
+        .as_array()
+        .is_some_and(|l| l.iter().any(|p| p["peer_id"] == peer))
+}
+
+#[test]
+fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() {
+    let _cores = crate::harness::cpu_sensitive();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = config(tmp.path(), "c.toml", &[], "");
+    let mut a = start(tmp.path(), "a", &cfg, None, &[]);
+    let addr = listen_addr(&a);
+    let b = start(tmp.path(), "b", &cfg, Some(&addr), &[]);
+    let c = start(tmp.path(), "c", &cfg, Some(&addr), &[]);
+    let period = Duration::from_millis(100);
+    let _starved = Throttle::start(c.pid().expect("c runs"), period * 4 / 5, period);
+    let (b_id, c_id) = (peer_id(&b), peer_id(&c));
+    a.wait_status("a sees b and c", Duration::from_secs(60), |s| peers(s) >= 2);
+    let rogue = Rogue::join(&cfg, &addr);
+    let rogue_id = rogue.id.to_string();
+    let target: libp2p::PeerId = peer_id(&a).parse().expect("peer id");
+    let before = a.wait_status("a takes the rogue in", Duration::from_secs(60), |s| {
+        peers(s) >= 3
+    });
+
+    let flood = rogue.flood(target, FLOOD_FOR);
+    let started = Instant::now();
+    let mut polls = Vec::new();
+    let mut unanswered = 0;
+    let mut rss_max = 0;
+    let mut last = before.clone();
+    while started.elapsed() < FLOOD_FOR {
+        let asked = Instant::now();
+        match a.status_http() {
+            Some(s) => {
+                polls.push(asked.elapsed().as_secs_f64());
+                last = s;
+            }
+            None => unanswered += 1,
+        }
+        rss_max = rss_max.max(a.rss_kib().unwrap_or(0));
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let flooded_for = started.elapsed().as_secs_f64();
+    let sent = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    let (heartbeats, subscriptions, requests) = (
+        sent(&flood.heartbeats),
+        sent(&flood.subscriptions),
+        sent(&flood.requests),
+    );
+    polls.sort_by(f64::total_cmp);
+    let steps = step(&last).saturating_sub(step(&before));
+    let report = json!({
+        "flood_secs": flooded_for,
+        "heartbeats": heartbeats,
+        "subscriptions": subscriptions,
+        "requests_answered": requests,
+        "status_polls": polls.len(),
+        "status_unanswered": unanswered,
+        "status_median_secs": polls.get(polls.len() / 2),
+        "status_max_secs": polls.last(),
+        "steps_during_flood": steps,
+        "rss_max_kib": rss_max,
+        "rogue_banned": lists(&last, "banned_peers", &rogue_id),
+    });
+    let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("flood.json");
+    std::fs::write(&out, report.to_string()).expect("flood.json");
+    eprintln!("flood: {report}");
+
+    assert!(
+        heartbeats + subscriptions + requests > 1000,
+        "the rogue flooded: {report}"
+    );
+    assert_eq!(
+        unanswered, 0,
+        "status went unanswered under the flood: {report}"
+    );
+    assert!(
+        steps >= 1000,
+        "the flooded node kept training: {steps} steps in {flooded_for:.0} s"
+    );
+    assert!(rss_max < RSS_BOUND_KIB, "resident memory: {report}");
+    for (name, node) in [("a", &a), ("b", &b)] {
+        let s = node.status().expect("status");
+        assert!(
+            !lists(&s, "banned_peers", &c_id),
+            "{name} banned the starved honest node: {s}"
+        );
+    }
+    let s = a.wait_status("a with both honest peers", Duration::from_secs(30), |s| {
+        let listed = |id: &str| {
+            s["peers"]["list"]
+                .as_array()
+                .is_some_and(|l| l.iter().any(|p| p["peer_id"] == id))
+        };
+        listed(&b_id) && listed(&c_id)
+    });
+    assert!(!lists(&s, "banned_peers", &b_id), "{s}");
+    let (st, _, err) = a.cli(&["stop"], Duration::from_secs(30));
+    assert!(st.success(), "stop: {err}");
+    let exit = a.wait_exit(Duration::from_secs(30));
+    assert!(exit.success(), "the flooded node's exit: {exit}");
+}

@@ -99,10 +99,35 @@ impl std::fmt::Display for Refusal {
     }
 }
 
+/// A token bucket: `rate` tokens a second up to `burst`, one taken per message. The update
+/// guard keeps one per author, and membership one per heartbeat author.
 #[derive(Debug, Clone)]
-struct Bucket {
+pub struct TokenBucket {
     tokens: f64,
     at: Instant,
+}
+
+impl TokenBucket {
+    /// A full bucket of `burst` tokens at `now`.
+    pub fn full(burst: f64, now: Instant) -> TokenBucket {
+        TokenBucket {
+            tokens: burst.max(1.0),
+            at: now,
+        }
+    }
+
+    /// Refills for the time since the last call, then takes a token if one is there.
+    pub fn take(&mut self, rate: f64, burst: f64, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * rate).min(burst.max(1.0));
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 /// See the module docs.
@@ -111,7 +136,7 @@ pub struct UpdateGuard<K> {
     cfg: GuardConfig,
     /// Norms and spans of recently accepted updates.
     norms: VecDeque<(f64, u64)>,
-    buckets: HashMap<K, Bucket>,
+    buckets: HashMap<K, TokenBucket>,
 }
 
 impl<K: Hash + Eq + Clone> UpdateGuard<K> {
@@ -131,16 +156,12 @@ impl<K: Hash + Eq + Clone> UpdateGuard<K> {
         if rate <= 0.0 {
             return Ok(());
         }
-        let cap = self.cfg.burst.max(1.0);
-        let b = self.buckets.entry(author.clone()).or_insert(Bucket {
-            tokens: cap,
-            at: now,
-        });
-        let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
-        b.tokens = (b.tokens + elapsed * rate).min(cap);
-        b.at = now;
-        if b.tokens >= 1.0 {
-            b.tokens -= 1.0;
+        let burst = self.cfg.burst;
+        let bucket = self
+            .buckets
+            .entry(author.clone())
+            .or_insert_with(|| TokenBucket::full(burst, now));
+        if bucket.take(rate, burst, now) {
             Ok(())
         } else {
             Err(Refusal::RateLimited)

@@ -1,8 +1,9 @@
-//! A flood: one peer of the run sends heartbeats, subscriptions and bulk requests as fast as
-//! it can at one node of a three-node mesh whose third node gets a fifth of the CPU. The
+//! A flood: one peer of the run sends subscriptions and bulk requests, then heartbeats too,
+//! as fast as it can at one node of a three-node mesh whose third node gets a fifth of the CPU. The
 //! flooded node keeps training, answers status, keeps its honest peers and stops when asked;
-//! nobody bans the starved honest node. Latencies and rates go to `flood.json` beside the
-//! test binary's scratch files, not into asserts.
+//! nobody bans the starved honest node, and the flooder is banned for its heartbeats.
+//! Latencies, rates and the time to the ban go to `flood.json` beside the test binary's
+//! scratch files, not into asserts.
 
 use std::time::{Duration, Instant};
 
@@ -14,6 +15,9 @@ use crate::rogue::Rogue;
 
 /// How long the rogue floods.
 const FLOOD_FOR: Duration = Duration::from_secs(30);
+/// When its heartbeats join the flood: they get it banned within a second, so the requests
+/// and subscriptions go first, alone.
+const HEARTBEATS_AFTER: Duration = Duration::from_secs(20);
 
 /// The flooded node's resident memory must stay under this (it trains the digits MLP in
 /// about 60 MB unflooded): a flood must not make it buffer without bound.
@@ -52,17 +56,24 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
         peers(s) >= 3
     });
 
-    let flood = rogue.flood(target, FLOOD_FOR);
+    let flood = rogue.flood(target, FLOOD_FOR, HEARTBEATS_AFTER);
     let started = Instant::now();
     let mut polls = Vec::new();
     let mut unanswered = 0;
     let mut rss_max = 0;
+    let mut banned_after = None;
     let mut last = before.clone();
     while started.elapsed() < FLOOD_FOR {
         let asked = Instant::now();
         match a.status_http() {
             Some(s) => {
                 polls.push(asked.elapsed().as_secs_f64());
+                if banned_after.is_none() && lists(&s, "banned_peers", &rogue_id) {
+                    // From the start of the heartbeat flood.
+                    banned_after = Some(
+                        (started.elapsed() - HEARTBEATS_AFTER.min(started.elapsed())).as_secs_f64(),
+                    );
+                }
                 last = s;
             }
             None => unanswered += 1,
@@ -90,7 +101,7 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
         "status_max_secs": polls.last(),
         "steps_during_flood": steps,
         "rss_max_kib": rss_max,
-        "rogue_banned": lists(&last, "banned_peers", &rogue_id),
+        "rogue_banned_after_secs": banned_after,
     });
     let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("flood.json");
     std::fs::write(&out, report.to_string()).expect("flood.json");
@@ -109,6 +120,18 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
         "the flooded node kept training: {steps} steps in {flooded_for:.0} s"
     );
     assert!(rss_max < RSS_BOUND_KIB, "resident memory: {report}");
+    // Heartbeats beyond their author's rate, sent by the author itself, are rejected: the
+    // gossip score falls and the rogue is banned, the reason in status.
+    let ban = last["banned_peers"]
+        .as_array()
+        .and_then(|l| l.iter().find(|b| b["peer_id"] == rogue_id.as_str()))
+        .unwrap_or_else(|| panic!("the rogue was not banned: {report}"));
+    assert!(
+        ban["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("heartbeats above")),
+        "the ban names the heartbeat flood: {ban}"
+    );
     for (name, node) in [("a", &a), ("b", &b)] {
         let s = node.status().expect("status");
         assert!(

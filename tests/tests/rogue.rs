@@ -339,17 +339,19 @@ pub struct Flood {
 }
 
 impl Rogue {
-    /// Floods `target` from tasks of the rogue's runtime until `span` has passed: valid
-    /// heartbeats as fast as gossip takes them (each numbered anew, claiming a rising step),
-    /// subscriptions to ever new topics of the run, and bulk requests (state manifests,
-    /// parameters, state chunks) from 32 tasks at once. Returns at once; the counts grow as
-    /// the flood goes.
-    pub fn flood(&self, target: PeerId, span: Duration) -> Arc<Flood> {
+    /// Floods `target` from tasks of the rogue's runtime until `span` has passed:
+    /// subscriptions to ever new topics of the run and bulk requests (state manifests,
+    /// parameters, state chunks) from 32 tasks at once, and from `heartbeats_after` on,
+    /// valid heartbeats as fast as gossip takes them (each numbered anew, claiming a rising
+    /// step). Returns at once; the counts grow as the flood goes.
+    pub fn flood(&self, target: PeerId, span: Duration, heartbeats_after: Duration) -> Arc<Flood> {
         let flood = Arc::new(Flood::default());
-        let end = tokio::time::Instant::now() + span;
+        let start = tokio::time::Instant::now();
+        let end = start + span;
         let (client, run) = (self.client.clone(), self.run_id.clone());
         let sent = flood.clone();
         self.rt.spawn(async move {
+            tokio::time::sleep_until(start + heartbeats_after).await;
             let topic = heartbeat_topic(&run);
             // Numbered as a node started now numbers them, so none is taken for a replay.
             let first = std::time::SystemTime::now()

@@ -16,6 +16,7 @@ use rand::seq::IteratorRandom;
 use rand::{Rng, SeedableRng};
 
 use super::{heartbeat_topic, Output, Phase, Progress, PER_PEER_CAP};
+use crate::guard::TokenBucket;
 use crate::wire::{self, Heartbeat};
 
 /// How often neighbours are re-chosen.
@@ -32,6 +33,13 @@ pub const NEW_MEMBER_HEARTBEAT_AFTER: Duration = Duration::from_millis(300);
 /// forget it; a node whose clock went back (its numbers start from its start time) is unheard
 /// for at most this long.
 pub const REPLAY_MEMORY: Duration = Duration::from_secs(60);
+/// Heartbeats taken from one author per second, and in a burst: an honest node sends one
+/// every [`HEARTBEAT_EVERY`] and a few sooner (a new member, news for the rounds). Beyond
+/// them a heartbeat is ignored, not forwarded: a flood of valid heartbeats would otherwise
+/// cost every node of the mesh the work of each.
+pub const HEARTBEAT_RATE: f64 = 2.0;
+/// See [`HEARTBEAT_RATE`].
+pub const HEARTBEAT_BURST: f64 = 10.0;
 /// Heartbeat numbers start at the node's start time in seconds shifted by this much, so a
 /// restarted node's go on above its previous run's (which would need a million heartbeats a
 /// second to catch up).
@@ -75,6 +83,14 @@ pub(super) enum HeartbeatNews {
     },
     /// Not a heartbeat (an offence was named when the author is known).
     Malformed,
+    /// Beyond its author's [`HEARTBEAT_RATE`]: not read. `first` for the first of a run of
+    /// them, so the author is named once, not once a message.
+    OverRate {
+        /// The author.
+        peer: PeerId,
+        /// Whether the heartbeat before it from this author was within the rate.
+        first: bool,
+    },
     /// A heartbeat numbered no higher than the last taken from its author: told nothing.
     Old,
 }
@@ -101,6 +117,9 @@ pub(super) struct Membership {
     /// The number of the last heartbeat taken from each author and when (see
     /// [`REPLAY_MEMORY`]): members always, others up to [`PER_PEER_CAP`].
     last_seq: HashMap<PeerId, (u64, Instant)>,
+    /// Each heartbeat author's rate (see [`HEARTBEAT_RATE`]) and whether its last heartbeat
+    /// was refused: members always, others up to [`PER_PEER_CAP`].
+    heartbeat_rate: HashMap<PeerId, (TokenBucket, bool)>,
     /// What the last heartbeat told the rounds: whether this node is ready for them,
     /// whether it knew its speed, and whether it needs the members' state. When any of it
     /// changes, the next heartbeat goes out at once (a `ddp` member's batch depends on the
@@ -141,6 +160,7 @@ impl Membership {
             heartbeats_sent: 0,
             seq_base: 0,
             last_seq: HashMap::new(),
+            heartbeat_rate: HashMap::new(),
             announced: (false, false, false),
         }
     }
@@ -305,6 +325,11 @@ impl Membership {
         now: Instant,
         out: &mut Vec<Output>,
     ) -> HeartbeatNews {
+        if let Some(a) = author {
+            if let Some(first) = self.over_rate(a, now) {
+                return HeartbeatNews::OverRate { peer: a, first };
+            }
+        }
         let (a, hb) = match (author, wire::decode_heartbeat(data)) {
             (Some(a), Ok(hb)) => (a, hb),
             (Some(a), Err(e)) => {
@@ -333,6 +358,35 @@ impl Membership {
             heartbeat: hb,
             member,
             neighbour: self.neighbours.contains(&a),
+        }
+    }
+
+    /// Takes a token from `author`'s heartbeat bucket: None when there was one, else
+    /// whether this is the first refusal of a run.
+    fn over_rate(&mut self, author: PeerId, now: Instant) -> Option<bool> {
+        let known = self.members.contains(&author) || self.heartbeat_rate.contains_key(&author);
+        if !known && self.heartbeat_rate.len() >= PER_PEER_CAP {
+            // Full: the authors within their rate that are not members make room (each
+            // comes back with a full bucket, a burst at most); if every entry is refusing,
+            // so is the newcomer.
+            let members = &self.members;
+            self.heartbeat_rate
+                .retain(|p, (_, refusing)| *refusing || members.contains(p));
+            if self.heartbeat_rate.len() >= PER_PEER_CAP {
+                return Some(false);
+            }
+        }
+        let (bucket, refusing) = self
+            .heartbeat_rate
+            .entry(author)
+            .or_insert_with(|| (TokenBucket::full(HEARTBEAT_BURST, now), false));
+        if bucket.take(HEARTBEAT_RATE, HEARTBEAT_BURST, now) {
+            *refusing = false;
+            None
+        } else {
+            let first = !*refusing;
+            *refusing = true;
+            Some(first)
         }
     }
 
@@ -705,6 +759,56 @@ mod tests {
         m.peer_up(member, now);
         m.on_heartbeat(Some(member), &beat(1, false), Instant::now(), &mut out);
         assert_eq!(m.heard_len(), PER_PEER_CAP + 1);
+    }
+
+    #[test]
+    fn heartbeats_beyond_their_authors_rate_are_refused_and_named_once_a_run() {
+        let t0 = Instant::now();
+        let (mut m, _) = membership(false);
+        let p = PeerId::random();
+        m.peer_up(p, t0);
+        let mut out = Vec::new();
+        let mut seq = 0;
+        let mut next = |m: &mut Membership, at: Instant, out: &mut Vec<Output>| {
+            seq += 1;
+            m.on_heartbeat(Some(p), &beat(seq, false), at, out)
+        };
+        // An honest author for ten minutes: one every HEARTBEAT_EVERY, and every minute a
+        // few at once (news for the rounds, new members). None is refused.
+        for i in 0..300u32 {
+            let at = t0 + HEARTBEAT_EVERY * i;
+            let extra = if i % 30 == 0 { 5 } else { 0 };
+            for _ in 0..=extra {
+                assert!(
+                    matches!(next(&mut m, at, &mut out), HeartbeatNews::Heard { .. }),
+                    "an honest heartbeat refused at {i}"
+                );
+            }
+        }
+        // A flood of 100 at once: the burst is read, the rest refused, the first says so.
+        let flood = t0 + HEARTBEAT_EVERY * 301;
+        let news: Vec<HeartbeatNews> = (0..100).map(|_| next(&mut m, flood, &mut out)).collect();
+        let heard = news
+            .iter()
+            .filter(|n| matches!(n, HeartbeatNews::Heard { .. }))
+            .count();
+        assert_eq!(heard, HEARTBEAT_BURST as usize);
+        let refused: Vec<bool> = news
+            .iter()
+            .filter_map(|n| match n {
+                HeartbeatNews::OverRate { peer, first } if *peer == p => Some(*first),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(refused.len(), 100 - HEARTBEAT_BURST as usize);
+        assert_eq!(refused.iter().filter(|f| **f).count(), 1);
+        assert!(refused[0]);
+        // The rate refills: a heartbeat a few seconds later is read again.
+        assert!(matches!(
+            next(&mut m, flood + HEARTBEAT_EVERY * 2, &mut out),
+            HeartbeatNews::Heard { .. }
+        ));
+        assert!(out.is_empty(), "membership names no offence itself");
     }
 
     #[test]

@@ -41,7 +41,9 @@ use rounds::{RoundConfig, Rounds};
 use syncs::{SyncDone, Syncs};
 use updates::{Updates, Verdict};
 
-pub use membership::{HEARTBEAT_EVERY, NEW_MEMBER_HEARTBEAT_AFTER, REFRESH_EVERY};
+pub use membership::{
+    HEARTBEAT_BURST, HEARTBEAT_EVERY, HEARTBEAT_RATE, NEW_MEMBER_HEARTBEAT_AFTER, REFRESH_EVERY,
+};
 pub use messages::{
     AverageOutcome, FetchAnswer, Input, Output, Phase, Progress, RequestFailed, TrainerCommand,
     TrainerEvent,
@@ -244,7 +246,7 @@ impl MeshCore {
                 data,
             } => {
                 let verdict = if topic == self.membership.topic() {
-                    Verdict::Judged(self.on_heartbeat(author, &data, now, &mut out))
+                    Verdict::Judged(self.on_heartbeat(source, author, &data, now, &mut out))
                 } else if let Some(owner) = self.updates.owner_of(&topic) {
                     let param_norm = self.is_training().then_some(self.progress.param_norm);
                     self.updates
@@ -604,9 +606,12 @@ impl MeshCore {
     }
 
     /// Routes a heartbeat's news: a leaving peer is dropped, a member's readiness goes to the
-    /// rounds, a neighbour's step to the policy.
+    /// rounds, a neighbour's step to the policy. One over its author's rate is not forwarded,
+    /// and rejected (a gossip penalty) only when its author sent it to us itself: an honest
+    /// peer that forwarded it is not to blame.
     fn on_heartbeat(
         &mut self,
+        source: PeerId,
         author: Option<PeerId>,
         data: &[u8],
         now: Instant,
@@ -645,6 +650,20 @@ impl MeshCore {
             }
             HeartbeatNews::Malformed => MessageAcceptance::Reject,
             HeartbeatNews::Old => MessageAcceptance::Ignore,
+            HeartbeatNews::OverRate { peer, first } => {
+                if first {
+                    let why = format!(
+                        "heartbeats above {HEARTBEAT_RATE}/s (a burst of {HEARTBEAT_BURST})"
+                    );
+                    tracing::warn!(peer = %peer, "ignoring heartbeats: {why}");
+                    out.push(Output::Offence { peer, why });
+                }
+                if source == peer {
+                    MessageAcceptance::Reject
+                } else {
+                    MessageAcceptance::Ignore
+                }
+            }
         }
     }
 }

@@ -313,6 +313,59 @@ fn arbitrary_inputs_never_panic_and_memory_stays_bounded() {
 /// A synchronous mesh's first round waits for every member's word that it is ready: that
 /// word goes out as soon as the node trains, and a new member hears from it within
 /// `NEW_MEMBER_HEARTBEAT_AFTER`, not a whole heartbeat period later.
+/// A heartbeat flood is rejected (a gossip penalty) when its author sends it itself, only
+/// ignored when an honest peer forwards it; either way the author is named once.
+#[test]
+fn heartbeats_over_their_rate_are_rejected_from_the_author_and_ignored_from_a_forwarder() {
+    let mut core = fuzz_core(3);
+    let (flooder, forwarder) = (PeerId::random(), PeerId::random());
+    let now = Instant::now();
+    core.handle(Input::PeerUp(flooder), now);
+    core.handle(Input::PeerUp(forwarder), now);
+    let topic = heartbeat_topic("00aa");
+    let mut verdicts = Vec::new();
+    let mut offences = 0;
+    for seq in 1..=40u64 {
+        let source = if seq % 2 == 0 { flooder } else { forwarder };
+        let data = wire::encode_heartbeat(&Heartbeat {
+            seq,
+            ..Heartbeat::default()
+        });
+        let out = core.handle(
+            Input::Gossip {
+                source,
+                author: Some(flooder),
+                id: MessageId::from(seq.to_le_bytes().to_vec()),
+                topic: topic.clone(),
+                data,
+            },
+            now,
+        );
+        for o in out {
+            match o {
+                Output::Validate {
+                    source, acceptance, ..
+                } => verdicts.push((source, acceptance)),
+                Output::Offence { peer, .. } if peer == flooder => offences += 1,
+                _ => {}
+            }
+        }
+    }
+    let burst = HEARTBEAT_BURST as usize;
+    assert!(verdicts[..burst]
+        .iter()
+        .all(|(_, a)| *a == MessageAcceptance::Accept));
+    for (source, acceptance) in &verdicts[burst..] {
+        let expected = if *source == flooder {
+            MessageAcceptance::Reject
+        } else {
+            MessageAcceptance::Ignore
+        };
+        assert_eq!(*acceptance, expected, "from {source}");
+    }
+    assert_eq!(offences, 1);
+}
+
 #[test]
 fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
     let mut cfg = fuzz_config(7);

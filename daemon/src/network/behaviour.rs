@@ -15,8 +15,8 @@ use libp2p::request_response::{self, ProtocolSupport};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{
-    allow_block_list, autonat, dcutr, identify, kad, mdns, noise, ping, relay, tcp, upnp, yamux,
-    PeerId, StreamProtocol, Swarm,
+    allow_block_list, autonat, connection_limits, dcutr, identify, kad, mdns, noise, ping, relay,
+    tcp, upnp, yamux, PeerId, StreamProtocol, Swarm,
 };
 use sha2::{Digest, Sha256};
 
@@ -41,6 +41,17 @@ pub const BULK_TIMEOUT: Duration = Duration::from_secs(30);
 /// this long.
 pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(8);
 
+/// Connections a node accepts that are still in their handshake: a peer (or many) opening
+/// connections as fast as it can waits for a slot instead of costing a handshake each.
+pub const MAX_PENDING_INCOMING: u32 = 64;
+/// Established connections a node accepts from others, all peers together: far above any
+/// home lab's mesh (each member keeps a connection or two to a few others), far below what
+/// exhausts a box.
+pub const MAX_ESTABLISHED_INCOMING: u32 = 512;
+/// Established connections to one peer: a direct one, a relayed one and a hole-punched one
+/// at most are honest; more is a peer opening connections to hold resources.
+pub const MAX_ESTABLISHED_PER_PEER: u32 = 8;
+
 // The derive generates an event enum without docs; keep it in a module that allows that.
 #[allow(missing_docs)]
 mod composed {
@@ -49,6 +60,7 @@ mod composed {
     /// The composed behaviour.
     #[derive(NetworkBehaviour)]
     pub struct Behaviour {
+        pub(in crate::network) limits: connection_limits::Behaviour,
         pub(in crate::network) identify: identify::Behaviour,
         pub(in crate::network) ping: ping::Behaviour,
         pub(in crate::network) kad: kad::Behaviour<kad::store::MemoryStore>,
@@ -231,7 +243,12 @@ fn behaviour(
     let relay = cfg
         .relay_server
         .then(|| relay::Behaviour::new(peer_id, relay::Config::default()));
+    let limits = connection_limits::ConnectionLimits::default()
+        .with_max_pending_incoming(Some(MAX_PENDING_INCOMING))
+        .with_max_established_incoming(Some(MAX_ESTABLISHED_INCOMING))
+        .with_max_established_per_peer(Some(MAX_ESTABLISHED_PER_PEER));
     Ok(Behaviour {
+        limits: connection_limits::Behaviour::new(limits),
         mdns: Toggle::from(mdns),
         allow: Toggle::from(allow),
         banned: allow_block_list::Behaviour::default(),

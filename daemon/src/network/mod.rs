@@ -258,6 +258,10 @@ pub struct NetworkStatus {
     /// Connections refused or not dialled because the peer is not on the allowlist.
     #[serde(default)]
     pub denied_connections: u64,
+    /// Connections refused or not dialled because a connection limit was reached (see
+    /// `behaviour::MAX_ESTABLISHED_INCOMING` and its neighbours).
+    #[serde(default)]
+    pub connections_over_limit: u64,
     /// Times a member was lost without saying goodbye: silent too long, its last direct
     /// connection closed, or banned. An honest mesh on a healthy box never loses one.
     #[serde(default)]

@@ -8,7 +8,8 @@ use libp2p::PeerId;
 
 use super::ring::{all_finite, decode_values, hop_message};
 use super::{
-    Hop, HopKey, Output, Rounds, Stage, ATTEMPT_LIMIT, INBOX_CAP, ROUND_LIMIT, STEP_LIMIT,
+    Hop, HopKey, Output, Rounds, Stage, ATTEMPT_LIMIT, INBOX_CAP, INBOX_VALUES, ROUND_LIMIT,
+    STEP_LIMIT,
 };
 use crate::wire::RingMessage;
 
@@ -101,9 +102,20 @@ impl Rounds {
         self.start(now, out);
     }
 
+    /// Keeps a hop in the inbox; the oldest go first when it is full, in hops
+    /// ([`INBOX_CAP`]) or in values ([`INBOX_VALUES`]). A hop larger than the whole bound
+    /// is not kept.
     pub(super) fn keep(&mut self, key: HopKey, hop: Hop) {
-        if self.inbox.len() >= INBOX_CAP {
-            self.inbox.pop_first();
+        if hop.2.len() > INBOX_VALUES {
+            return;
+        }
+        self.inbox.remove(&key);
+        let mut held: usize = self.inbox.values().map(|h| h.2.len()).sum();
+        while self.inbox.len() >= INBOX_CAP || held + hop.2.len() > INBOX_VALUES {
+            match self.inbox.pop_first() {
+                Some((_, old)) => held -= old.2.len(),
+                None => break,
+            }
         }
         self.inbox.insert(key, hop);
     }

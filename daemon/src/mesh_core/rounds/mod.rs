@@ -76,6 +76,10 @@ pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
 pub const ADOPT_WAIT: Duration = Duration::from_secs(5);
 /// Hops kept for an attempt this node has not reached yet.
 const INBOX_CAP: usize = 256;
+/// Values all the hops kept hold together (256 MiB as `f32`): four of the largest hops the
+/// wire carries. A member waits for a hop or two of the next round; without a bound in bytes
+/// a peer could make it keep 256 hops of 64 MiB each.
+const INBOX_VALUES: usize = 64 * 1024 * 1024;
 /// Rounds no mesh reaches (2^48: 8,900 years at a thousand rounds a second): a hop that names
 /// one cannot be honest, and would make the round counter wrap.
 const ROUND_LIMIT: u64 = 1 << 48;

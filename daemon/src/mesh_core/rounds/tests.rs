@@ -984,3 +984,26 @@ fn a_diloco_node_that_starts_the_rounds_itself_still_needs_the_state() {
     assert_eq!(ring.nodes[0].round(), Some(0));
     assert!(ring.nodes[0].needs_state());
 }
+
+/// The inbox is bounded in values as well as in hops: the oldest hops make room, and a hop
+/// larger than the whole bound is never kept. (Zeroed vectors: the pages are never touched.)
+#[test]
+fn the_inbox_keeps_at_most_its_bound_in_values_oldest_out_first() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    let node = &mut ring.nodes[0];
+    let from = PeerId::random();
+    let quarter = INBOX_VALUES / 4;
+    for round in 10..15u64 {
+        node.keep((round, 0, 0), (from, 0, vec![0.0; quarter], 0));
+    }
+    let rounds: Vec<u64> = node.inbox.keys().map(|k| k.0).collect();
+    assert_eq!(rounds, vec![11, 12, 13, 14]);
+    node.keep((20, 0, 0), (from, 0, vec![0.0; INBOX_VALUES + 1], 0));
+    assert!(!node.inbox.contains_key(&(20, 0, 0)));
+    assert_eq!(node.inbox.len(), 4);
+    // Small hops are bounded by count.
+    for hop in 0..(INBOX_CAP as u32 + 5) {
+        node.keep((30, 0, hop), (from, 0, vec![0.0; 4], 0));
+    }
+    assert_eq!(node.inbox.len(), INBOX_CAP);
+}

@@ -31,7 +31,14 @@ pub(super) struct Admission {
     handshake_failures: u64,
     /// Connections refused (or not dialled) because of the allowlist.
     denied_connections: u64,
+    /// Connections refused (or not dialled) at a connection limit.
+    over_limit: u64,
 }
+
+/// Peers refused for another protocol that are remembered (so not redialled): a public
+/// mesh's strangers must not grow the set without bound. A full set starts over: a peer
+/// forgotten so is refused again at its next identify.
+const REFUSED_KEPT: usize = 4096;
 
 impl Admission {
     /// Admission for a node speaking `protocol_version`, with `cfg`'s key and allowlist.
@@ -45,6 +52,7 @@ impl Admission {
             allowlist: cfg.allow.as_ref().map(HashSet::len),
             handshake_failures: 0,
             denied_connections: 0,
+            over_limit: 0,
         }
     }
 
@@ -62,6 +70,9 @@ impl Admission {
     /// [`HANG_UP_AFTER`] from `now`. Answers whether it is newly refused (worth a warning).
     pub(super) fn refuse(&mut self, peer: PeerId, now: Instant) -> bool {
         self.hang_up.push((peer, now + HANG_UP_AFTER));
+        if self.refused.len() >= REFUSED_KEPT && !self.refused.contains(&peer) {
+            self.refused.clear();
+        }
         let new = self.refused.insert(peer);
         if new {
             self.refused_count += 1;
@@ -84,6 +95,13 @@ impl Admission {
     /// A connection was refused, or not dialled, because the peer is not on the allowlist.
     pub(super) fn denied(&mut self) {
         self.denied_connections += 1;
+    }
+
+    /// A connection was refused, or not dialled, at a connection limit; answers whether
+    /// that is worth a warning (the first time, and then at each doubling of the count).
+    pub(super) fn over_limit(&mut self) -> bool {
+        self.over_limit += 1;
+        self.over_limit.is_power_of_two()
     }
 
     /// A connection broke off in the security handshake.
@@ -110,6 +128,7 @@ impl Admission {
         status.allowlist = self.allowlist;
         status.handshake_failures = self.handshake_failures;
         status.denied_connections = self.denied_connections;
+        status.connections_over_limit = self.over_limit;
     }
 }
 
@@ -127,6 +146,7 @@ mod tests {
             allowlist: None,
             handshake_failures: 0,
             denied_connections: 0,
+            over_limit: 0,
         }
     }
 
@@ -146,14 +166,35 @@ mod tests {
         let mut status = NetworkStatus::default();
         a.denied();
         a.handshake_failed();
+        let warned: Vec<bool> = (0..5).map(|_| a.over_limit()).collect();
         a.report(&mut status);
         assert_eq!(
             (
                 status.refused_peers,
                 status.denied_connections,
-                status.handshake_failures
+                status.handshake_failures,
+                status.connections_over_limit
             ),
-            (1, 1, 1)
+            (1, 1, 1, 5)
         );
+        assert_eq!(
+            warned,
+            [true, true, false, true, false],
+            "warned at 1, 2, 4"
+        );
+    }
+
+    /// Strangers of another protocol are remembered up to a bound, and counted all the same.
+    #[test]
+    fn the_refused_set_stays_bounded() {
+        let mut a = admission();
+        let t0 = Instant::now();
+        for _ in 0..REFUSED_KEPT + 10 {
+            a.refuse(PeerId::random(), t0);
+        }
+        assert!(a.refused.len() <= REFUSED_KEPT);
+        assert_eq!(a.refused_count, (REFUSED_KEPT + 10) as u64);
+        a.hang_ups_due(t0 + HANG_UP_AFTER);
+        assert!(a.hang_up.is_empty());
     }
 }

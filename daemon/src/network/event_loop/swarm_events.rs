@@ -184,6 +184,14 @@ impl EventLoop {
                 return;
             }
         }
+        if let libp2p::swarm::DialError::Denied { cause, .. } = error {
+            if let Some(limit) = cause.downcast_ref::<libp2p::connection_limits::Exceeded>() {
+                if self.admission.over_limit() {
+                    tracing::warn!(peer = ?peer_id, "not connecting: {limit}");
+                }
+                return;
+            }
+        }
         if matches!(error, libp2p::swarm::DialError::Denied { .. }) {
             self.admission.denied();
             tracing::warn!(peer = ?peer_id, "not connecting: the peer is not on network.allow");
@@ -223,6 +231,14 @@ impl EventLoop {
             if let Some(b) = cause.downcast_ref::<allow_block_list::Blocked>() {
                 let why = self.book.ban_text(&b.to_string(), Instant::now());
                 tracing::info!(from = %send_back_addr, "refused a connection: {why}");
+                return;
+            }
+        }
+        if let libp2p::swarm::ListenError::Denied { cause } = error {
+            if let Some(limit) = cause.downcast_ref::<libp2p::connection_limits::Exceeded>() {
+                if self.admission.over_limit() {
+                    tracing::warn!(from = %send_back_addr, "refused a connection: {limit}");
+                }
                 return;
             }
         }

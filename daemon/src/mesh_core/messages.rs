@@ -153,6 +153,10 @@ pub enum TrainerCommand {
         /// The members' step, for a node that was not synced and takes their parameters:
         /// its step count (and its optimizer's, so its learning-rate schedule) moves there.
         step: Option<u64>,
+        /// This member held the mesh's parameters before the round: a mean of parameters
+        /// must lie within a distance bound of its own
+        /// ([`crate::sync_guard::judge_round_mean`]).
+        judged: bool,
     },
     /// Hand over the own change since the last delta ([`TrainerEvent::Delta`]).
     TakeDelta,

@@ -65,7 +65,11 @@ impl Loop {
     /// start. A DiLoCo mean may carry the members' round start and outer velocity after the
     /// parameters (a member needed them): they replace this node's before the step.
     /// Answers the parameters' digest, so members can show they hold the same bits.
-    pub(super) fn combine(&mut self, mean: &[f32]) -> Result<String, TrainerError> {
+    ///
+    /// The mean is judged first ([`sync_guard::judge_round_mean`]; by distance when `judged`,
+    /// this member holding the mesh's parameters): one a hostile member spoiled is refused
+    /// and changes nothing, where a huge one made every member diverge and exit.
+    pub(super) fn combine(&mut self, mean: &[f32], judged: bool) -> Result<String, TrainerError> {
         if mean.is_empty() {
             self.reset_round_anchor()?;
             return Ok(p2ptrain_models::params::params_digest(&self.flat()?));
@@ -94,16 +98,16 @@ impl Loop {
                 mean.len()
             )));
         }
-        if state > 0 {
-            // Checked whole before anything is written: a bad mean changes nothing.
-            if let Some(i) = mean.iter().position(|v| !v.is_finite()) {
-                return Err(TrainerError::Refused(format!(
-                    "a round's mean with {} at index {i}",
-                    mean[i]
-                )));
-            }
+        // Checked whole before anything is written: a bad mean changes nothing.
+        if let Some(i) = mean.iter().position(|v| !v.is_finite()) {
+            return Err(TrainerError::Refused(format!(
+                "a round's mean with {} at index {i}",
+                mean[i]
+            )));
         }
         let (mean, mean_state) = mean.split_at(numel);
+        let bound = judged.then_some(sync_guard::ROUND_MEAN_MAX_DISTANCE);
+        sync_guard::judge_round_mean(&self.flat()?, mean, bound).map_err(TrainerError::Refused)?;
         if state > 0 && self.s.outer.is_some() {
             let (anchor, velocity) = mean_state.split_at(numel);
             self.round_anchor = anchor.to_vec();
@@ -174,6 +178,7 @@ impl Loop {
             loss,
             grads,
             samples: indices.len(),
+            norm: l2_norm(&values),
             values,
         })
     }
@@ -189,6 +194,9 @@ impl Loop {
     ) -> Result<Result<String, String>, TrainerError> {
         if let Some(mut p) = self.pending.take() {
             if !mean.is_empty() {
+                if let Err(why) = sync_guard::judge_mean_gradient(p.norm, mean) {
+                    return Ok(Err(why));
+                }
                 if let Err(e) = self.s.model.params().replace_grads(&mut p.grads, mean) {
                     return Ok(Err(format!("a round's mean gradient refused: {e}")));
                 }

@@ -142,6 +142,8 @@ struct PendingStep {
     samples: usize,
     /// The gradient, flat, until it is handed to the mesh.
     values: Vec<f32>,
+    /// Its L2 norm: a round's mean gradient is judged against it.
+    norm: f64,
 }
 
 /// The trainer's clocks for rates and publishing.
@@ -326,11 +328,12 @@ impl Loop {
                 mean,
                 gradient: false,
                 step,
+                judged,
             }) => {
                 // A gradient kept for a round that turned out to sum parameters (this node
                 // adopted the mesh's round) is stale.
                 self.pending = None;
-                let outcome = self.combine(&mean).map_err(|e| e.to_string());
+                let outcome = self.combine(&mean, judged).map_err(|e| e.to_string());
                 if let (Ok(_), Some(step)) = (&outcome, step) {
                     self.take_mesh_step(step);
                 }

@@ -742,6 +742,7 @@ impl Rounds {
         }
         self.stage = Stage::Combining { carried_state };
         let step = (!gradient && (!self.synced || self.founding)).then_some(step);
+        let judged = self.synced && !self.founding;
         if total > 0.0 {
             acc.iter_mut().for_each(|v| *v /= total);
             out.push(Output::Trainer(TrainerCommand::Combine {
@@ -749,6 +750,7 @@ impl Rounds {
                 mean: acc,
                 gradient,
                 step,
+                judged,
             }));
         } else {
             // A gradient round in which no member is synced: each steps with its own
@@ -758,6 +760,7 @@ impl Rounds {
                 mean: Vec::new(),
                 gradient,
                 step: None,
+                judged,
             }));
         }
     }

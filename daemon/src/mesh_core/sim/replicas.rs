@@ -154,6 +154,7 @@ impl Sim {
                 mean,
                 gradient,
                 step,
+                ..
             } => {
                 let kept = n.kept_gradient.take();
                 // A member whose parameters are the mesh's: after a parameter round every

@@ -23,6 +23,8 @@ pub mod checkpoint;
 pub mod config;
 pub mod control;
 pub mod device;
+#[cfg(test)]
+mod fuzz;
 pub mod guard;
 pub mod handle;
 pub mod identity;

@@ -97,6 +97,14 @@ fn message_id(m: &gossipsub::Message) -> MessageId {
     MessageId::from(h.finalize()[..20].to_vec())
 }
 
+/// The bulk channel's codec: CBOR, with the wire's size limits. What reads every bulk
+/// request and response a peer sends (the fuzz tests read through it too).
+pub fn bulk_codec() -> request_response::cbor::codec::Codec<BulkRequest, BulkResponse> {
+    request_response::cbor::codec::Codec::default()
+        .set_request_size_maximum(wire::BULK_REQUEST_MAX)
+        .set_response_size_maximum(wire::BULK_RESPONSE_MAX)
+}
+
 /// Sets [`TCP_USER_TIMEOUT`] on a fresh connection's socket (Linux; a no-op elsewhere).
 fn abort_when_unacked(stream: &tokio::net::TcpStream) {
     #[cfg(any(target_os = "linux", target_os = "android"))]
@@ -202,9 +210,7 @@ fn behaviour(
     // bootstrap would only warn that a founder knows nobody yet.
     kad_cfg.set_periodic_bootstrap_interval(None);
     let kad = kad::Behaviour::with_config(peer_id, kad::store::MemoryStore::new(peer_id), kad_cfg);
-    let codec = request_response::cbor::codec::Codec::<BulkRequest, BulkResponse>::default()
-        .set_request_size_maximum(wire::BULK_REQUEST_MAX)
-        .set_response_size_maximum(wire::BULK_RESPONSE_MAX);
+    let codec = bulk_codec();
     let bulk_protocol =
         StreamProtocol::try_from_owned(wire::bulk_protocol()).map_err(|e| e.to_string())?;
     let bulk = request_response::Behaviour::with_codec(

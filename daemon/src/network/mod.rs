@@ -36,7 +36,7 @@ mod event_loop;
 mod metrics;
 mod peer_book;
 
-pub use behaviour::{Behaviour, BehaviourEvent, BULK_TIMEOUT, TCP_USER_TIMEOUT};
+pub use behaviour::{bulk_codec, Behaviour, BehaviourEvent, BULK_TIMEOUT, TCP_USER_TIMEOUT};
 pub use event_loop::EventLoop;
 pub use peer_book::{BannedPeer, FORGET_AFTER, REDIAL_MAX, REDIAL_MIN};
 // The bulk types live in `wire`, versioned; re-exported so users of the network need not care.

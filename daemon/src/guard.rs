@@ -116,6 +116,11 @@ impl TokenBucket {
         }
     }
 
+    /// When a token was last asked of it.
+    pub fn last_taken(&self) -> Instant {
+        self.at
+    }
+
     /// Refills for the time since the last call, then takes a token if one is there.
     pub fn take(&mut self, rate: f64, burst: f64, now: Instant) -> bool {
         let elapsed = now.saturating_duration_since(self.at).as_secs_f64();

@@ -142,6 +142,22 @@ pub fn judge_round_mean(mine: &[f32], mean: &[f32], bound: Option<f64>) -> Resul
     }
 }
 
+/// Judges optimizer state a round carries beside its mean (`ddp`: the members' moments, for
+/// a joiner): at most [`UNSYNCED_MEAN_NORM_FACTOR`] times the norm of this member's own state
+/// or, when that is smaller (a joiner's is zeros), of its parameters. (Finiteness is judged
+/// with the mean.) A second moment made negative within that bound is not caught.
+pub fn judge_carried_state(params: &[f32], own: &[f32], carried: &[f32]) -> Result<(), String> {
+    let reference = l2_norm(own).max(l2_norm(params)).max(f64::MIN_POSITIVE);
+    let norm = l2_norm(carried);
+    if norm <= UNSYNCED_MEAN_NORM_FACTOR * reference {
+        Ok(())
+    } else {
+        Err(format!(
+            "optimizer state carried by a round of norm {norm:.3e}, beyond {UNSYNCED_MEAN_NORM_FACTOR} x this member's {reference:.3e}"
+        ))
+    }
+}
+
 /// Judges a round's mean gradient against the norm of the member's own (`own_norm`): finite,
 /// and at most [`MEAN_GRADIENT_NORM_FACTOR`] times as long. Answers why it is refused.
 pub fn judge_mean_gradient(own_norm: f64, mean: &[f32]) -> Result<(), String> {
@@ -274,6 +290,16 @@ mod tests {
         assert!(judge_round_mean(&mine, &trained, None).is_ok());
         let why = judge_round_mean(&mine, &huge, None).expect_err("huge");
         assert!(why.contains("norm"), "{why}");
+    }
+
+    #[test]
+    fn spoiled_carried_state_is_refused() {
+        let params = model(1000, 5);
+        let zeros = vec![0.0f32; 2000];
+        let honest: Vec<f32> = model(2000, 6).iter().map(|v| v * 0.01).collect();
+        assert!(judge_carried_state(&params, &zeros, &honest).is_ok());
+        assert!(judge_carried_state(&params, &honest, &honest).is_ok());
+        assert!(judge_carried_state(&params, &zeros, &vec![1e30; 2000]).is_err());
     }
 
     #[test]

@@ -83,6 +83,9 @@ pub(super) enum HeartbeatNews {
     },
     /// Not a heartbeat (an offence was named when the author is known).
     Malformed,
+    /// A strange author's, while the table of authors' rates is full of recent others
+    /// ([`PER_PEER_CAP`]): not read, nobody punished.
+    Untracked,
     /// Beyond its author's [`HEARTBEAT_RATE`]: not read. `first` for the first of a run of
     /// them, so the author is named once, not once a message.
     OverRate {
@@ -93,6 +96,19 @@ pub(super) enum HeartbeatNews {
     },
     /// A heartbeat numbered no higher than the last taken from its author: told nothing.
     Old,
+}
+
+/// What an author's heartbeat rate says of its latest heartbeat.
+enum RateVerdict {
+    /// Within [`HEARTBEAT_RATE`].
+    Within,
+    /// Beyond it; `first` for the first of a run of refusals.
+    Over {
+        /// Whether the heartbeat before it from this author was within the rate.
+        first: bool,
+    },
+    /// The table of authors' rates is full of recent non-members: not read, not punished.
+    Untracked,
 }
 
 /// Members, neighbours and heartbeats; see the module docs.
@@ -325,11 +341,6 @@ impl Membership {
         now: Instant,
         out: &mut Vec<Output>,
     ) -> HeartbeatNews {
-        if let Some(a) = author {
-            if let Some(first) = self.over_rate(a, now) {
-                return HeartbeatNews::OverRate { peer: a, first };
-            }
-        }
         let (a, hb) = match (author, wire::decode_heartbeat(data)) {
             (Some(a), Ok(hb)) => (a, hb),
             (Some(a), Err(e)) => {
@@ -342,6 +353,13 @@ impl Membership {
         };
         if !self.take_seq(a, hb.seq, now) {
             return HeartbeatNews::Old;
+        }
+        // Counted only now: a replay of the author's old heartbeats (by anyone) must not use
+        // up its rate, or its own next ones would be refused and it punished.
+        match self.over_rate(a, now) {
+            RateVerdict::Within => {}
+            RateVerdict::Over { first } => return HeartbeatNews::OverRate { peer: a, first },
+            RateVerdict::Untracked => return HeartbeatNews::Untracked,
         }
         if hb.leaving {
             return HeartbeatNews::Leaving {
@@ -361,19 +379,19 @@ impl Membership {
         }
     }
 
-    /// Takes a token from `author`'s heartbeat bucket: None when there was one, else
-    /// whether this is the first refusal of a run.
-    fn over_rate(&mut self, author: PeerId, now: Instant) -> Option<bool> {
+    /// Takes a token from `author`'s heartbeat bucket (see [`RateVerdict`]).
+    fn over_rate(&mut self, author: PeerId, now: Instant) -> RateVerdict {
         let known = self.members.contains(&author) || self.heartbeat_rate.contains_key(&author);
         if !known && self.heartbeat_rate.len() >= PER_PEER_CAP {
-            // Full: the authors within their rate that are not members make room (each
-            // comes back with a full bucket, a burst at most); if every entry is refusing,
-            // so is the newcomer.
+            // Full: authors that are not members and have sent nothing for as long as their
+            // bucket takes to refill make room (one coming back has a burst, as before).
             let members = &self.members;
-            self.heartbeat_rate
-                .retain(|p, (_, refusing)| *refusing || members.contains(p));
+            let refill = Duration::from_secs_f64(HEARTBEAT_BURST / HEARTBEAT_RATE);
+            self.heartbeat_rate.retain(|p, (bucket, _)| {
+                members.contains(p) || now.saturating_duration_since(bucket.last_taken()) < refill
+            });
             if self.heartbeat_rate.len() >= PER_PEER_CAP {
-                return Some(false);
+                return RateVerdict::Untracked;
             }
         }
         let (bucket, refusing) = self
@@ -382,11 +400,11 @@ impl Membership {
             .or_insert_with(|| (TokenBucket::full(HEARTBEAT_BURST, now), false));
         if bucket.take(HEARTBEAT_RATE, HEARTBEAT_BURST, now) {
             *refusing = false;
-            None
+            RateVerdict::Within
         } else {
             let first = !*refusing;
             *refusing = true;
-            Some(first)
+            RateVerdict::Over { first }
         }
     }
 
@@ -785,6 +803,18 @@ mod tests {
                 );
             }
         }
+        // Its old heartbeats replayed by anyone, many at once, use up none of its rate.
+        let replayed = t0 + HEARTBEAT_EVERY * 300;
+        for old in 1..=100 {
+            assert_eq!(
+                m.on_heartbeat(Some(p), &beat(old, false), replayed, &mut out),
+                HeartbeatNews::Old
+            );
+        }
+        assert!(matches!(
+            next(&mut m, replayed, &mut out),
+            HeartbeatNews::Heard { .. }
+        ));
         // A flood of 100 at once: the burst is read, the rest refused, the first says so.
         let flood = t0 + HEARTBEAT_EVERY * 301;
         let news: Vec<HeartbeatNews> = (0..100).map(|_| next(&mut m, flood, &mut out)).collect();

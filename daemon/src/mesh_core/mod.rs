@@ -649,7 +649,7 @@ impl MeshCore {
                 MessageAcceptance::Accept
             }
             HeartbeatNews::Malformed => MessageAcceptance::Reject,
-            HeartbeatNews::Old => MessageAcceptance::Ignore,
+            HeartbeatNews::Old | HeartbeatNews::Untracked => MessageAcceptance::Ignore,
             HeartbeatNews::OverRate { peer, first } => {
                 if first {
                     let why = format!(

@@ -310,9 +310,6 @@ fn arbitrary_inputs_never_panic_and_memory_stays_bounded() {
     }
 }
 
-/// A synchronous mesh's first round waits for every member's word that it is ready: that
-/// word goes out as soon as the node trains, and a new member hears from it within
-/// `NEW_MEMBER_HEARTBEAT_AFTER`, not a whole heartbeat period later.
 /// A heartbeat flood is rejected (a gossip penalty) when its author sends it itself, only
 /// ignored when an honest peer forwards it; either way the author is named once.
 #[test]
@@ -366,6 +363,9 @@ fn heartbeats_over_their_rate_are_rejected_from_the_author_and_ignored_from_a_fo
     assert_eq!(offences, 1);
 }
 
+/// A synchronous mesh's first round waits for every member's word that it is ready: that
+/// word goes out as soon as the node trains, and a new member hears from it within
+/// `NEW_MEMBER_HEARTBEAT_AFTER`, not a whole heartbeat period later.
 #[test]
 fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
     let mut cfg = fuzz_config(7);

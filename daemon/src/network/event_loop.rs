@@ -40,6 +40,8 @@ pub struct EventLoop {
     event_tx: mpsc::Sender<Event>,
     /// Events the node has not taken yet, oldest first (see [`EventLoop::run`]).
     outbox: VecDeque<Event>,
+    /// Since when the swarm has not been read because the outbox is full.
+    paused_at: Option<Instant>,
     /// Bytes through every connection, and gossip this node published per topic.
     traffic: Traffic,
     /// Who may be a member, and what was turned away.
@@ -109,6 +111,7 @@ impl EventLoop {
             cmd_rx,
             event_tx,
             outbox: VecDeque::new(),
+            paused_at: None,
             traffic: Traffic::new(bandwidth, envelope),
             admission: Admission::new(cfg, protocol_version),
             members: HashMap::new(),
@@ -152,6 +155,17 @@ impl EventLoop {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             let swarm_room = self.outbox.len() < OUTBOX_CAP;
+            match (swarm_room, self.paused_at) {
+                (false, None) => self.paused_at = Some(Instant::now()),
+                (true, Some(at)) => {
+                    // Nothing could be heard while the swarm was not read: the pause does not
+                    // count towards a peer's silence.
+                    let pause = at.elapsed();
+                    self.last_heard.values_mut().for_each(|t| *t += pause);
+                    self.paused_at = None;
+                }
+                _ => {}
+            }
             let event_tx = self.event_tx.clone();
             tokio::select! {
                 permit = event_tx.reserve(), if !self.outbox.is_empty() => match permit {
@@ -182,9 +196,11 @@ impl EventLoop {
 
     fn on_tick(&mut self) {
         let now = Instant::now();
+        let paused = self.paused_at.is_some();
         let silent: Vec<PeerId> = self
             .members
             .keys()
+            .filter(|_| !paused)
             .filter(|p| {
                 self.last_heard
                     .get(p)

@@ -528,7 +528,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn commands_are_served_while_the_node_takes_no_events() {
         let mut registry = Registry::default();
-        let (a, _a_events, a_loop) = new(
+        let (a, a_events, a_loop) = new(
             libp2p::identity::Keypair::generate_ed25519(),
             &loopback_config(vec![]),
             &mut registry,
@@ -557,6 +557,7 @@ mod tests {
         }
         // Time for the messages to reach a and fill its channel and outbox.
         tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(a_events.len(), EVENT_CAP, "a's events wait untaken");
         let answered = tokio::time::timeout(Duration::from_secs(5), async {
             a.publish("wedge/t".into(), b"a".to_vec()).await?;
             a.snapshot().await

@@ -617,7 +617,13 @@ impl Stopping {
         let _ = self.api_stop_tx.send(());
         // The API drains its open requests, but a client that never finishes one cannot
         // hold the node up.
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.server).await;
+        let mut server = self.server;
+        if tokio::time::timeout(Duration::from_secs(5), &mut server)
+            .await
+            .is_err()
+        {
+            server.abort();
+        }
         let _ = std::fs::remove_file(&self.addr_file);
     }
 }

@@ -106,24 +106,36 @@ impl Loop {
             )));
         }
         let (mean, mean_state) = mean.split_at(numel);
+        let own = self.flat()?;
         let bound = judged.then_some(sync_guard::ROUND_MEAN_MAX_DISTANCE);
-        sync_guard::judge_round_mean(&self.flat()?, mean, bound).map_err(TrainerError::Refused)?;
-        if state > 0 && self.s.outer.is_some() {
-            let (anchor, velocity) = mean_state.split_at(numel);
-            self.round_anchor = anchor.to_vec();
-            self.outer_velocity = velocity.to_vec();
-        } else if state > 0 {
-            self.s.optimizer.write_state(mean_state)?;
-        }
-        let next = match self.s.outer {
-            None => mean.to_vec(),
+        sync_guard::judge_round_mean(&own, mean, bound).map_err(TrainerError::Refused)?;
+        // What the round leaves is worked out on copies and judged before anything is
+        // written: a carried anchor, velocity or optimizer state could spoil it otherwise.
+        let (next, velocity) = match self.s.outer {
+            None => (mean.to_vec(), None),
             Some(outer) => {
-                if self.outer_velocity.len() != numel {
-                    self.outer_velocity = vec![0.0; numel];
-                }
-                outer.step(&self.round_anchor, mean, &mut self.outer_velocity)
+                let (anchor, mut velocity) = if state > 0 {
+                    let (anchor, velocity) = mean_state.split_at(numel);
+                    (anchor, velocity.to_vec())
+                } else if self.outer_velocity.len() == numel {
+                    (self.round_anchor.as_slice(), self.outer_velocity.clone())
+                } else {
+                    (self.round_anchor.as_slice(), vec![0.0; numel])
+                };
+                let next = outer.step(anchor, mean, &mut velocity);
+                sync_guard::judge_round_mean(&own, &next, bound).map_err(TrainerError::Refused)?;
+                (next, Some(velocity))
             }
         };
+        if state > 0 && self.s.outer.is_none() {
+            let own_state = self.s.optimizer.flatten_state()?;
+            sync_guard::judge_carried_state(&own, &own_state, mean_state)
+                .map_err(TrainerError::Refused)?;
+            self.s.optimizer.write_state(mean_state)?;
+        }
+        if let Some(velocity) = velocity {
+            self.outer_velocity = velocity;
+        }
         self.s.model.params().write_back(&next)?;
         self.stats.param_norm = l2_norm(&next);
         let digest = p2ptrain_models::params::params_digest(&next);

@@ -74,6 +74,11 @@ pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
 /// this long while ready starts the rounds itself, at round 0: a whole mesh restarted from
 /// checkpoints must not wait for each other forever.
 pub const ADOPT_WAIT: Duration = Duration::from_secs(5);
+/// Means a synced member refuses in a row before it takes the next one unsynced (judged by
+/// norm alone, see `sync_guard::judge_round_mean`): a member whose own parameters drifted
+/// far must not refuse the mesh's forever; a member spoiling every round makes the mesh lose
+/// them all either way, and decides every fourth.
+pub const REFUSALS_BEFORE_UNSYNCED: u32 = 3;
 /// Hops kept for an attempt this node has not reached yet.
 const INBOX_CAP: usize = 256;
 /// Values all the hops kept hold together (256 MiB as `f32`): four of the largest hops the
@@ -257,6 +262,8 @@ pub struct Rounds {
     /// When a ready member last said it knows the round: then rounds are running, and a
     /// node without a round waits for their hops instead of starting its own.
     rounds_heard: Option<Instant>,
+    /// Means refused in a row (see [`Rounds::combine_failed`]).
+    refused_in_a_row: u32,
     /// What status counts; the rest of [`RoundStatus`] is read off the fields above.
     ring_size: usize,
     completed: u64,
@@ -297,6 +304,7 @@ impl Rounds {
             waiting_since: None,
             rounds_heard: None,
             ring_size: 0,
+            refused_in_a_row: 0,
             completed: 0,
             aborted: BTreeMap::new(),
             last_round_ms: 0.0,
@@ -796,6 +804,7 @@ impl Rounds {
         self.stage = Stage::Training;
         self.waiting_since = None;
         self.completed += 1;
+        self.refused_in_a_row = 0;
         // A trainer digests gradient rounds only now and then (see `DIGEST_EVERY`). An
         // unsynced member (a joiner, or one that adopted a round the mesh completed without
         // it) holds parameters that are not the mesh's: it claims no digest until a parameter
@@ -809,11 +818,20 @@ impl Rounds {
         self.stepped(step, out);
     }
 
-    /// The trainer could not take the mean: hold, and let the round be retried. The trainer
-    /// keeps its parameters, which are no longer the members': it is unsynced.
+    /// The trainer could not take the mean (it refused it, see
+    /// `sync_guard::judge_round_mean`): hold, and let the round be retried. The trainer kept
+    /// its parameters, those it had before the round, so the member stays as synced as it
+    /// was: made unsynced, it would take the next mean judged by norm alone, and a member
+    /// that spoiled one round would decide the next (the honest members' weights 0). Only
+    /// after [`REFUSALS_BEFORE_UNSYNCED`] refusals in a row does it give up its parameters
+    /// as the mesh's: an honest member that drifted far must come back some time.
     pub fn combine_failed(&mut self) {
         if matches!(self.stage, Stage::Combining { .. }) {
-            self.synced = false;
+            self.refused_in_a_row += 1;
+            if self.refused_in_a_row >= REFUSALS_BEFORE_UNSYNCED {
+                self.synced = false;
+                self.refused_in_a_row = 0;
+            }
             self.stage = Stage::Training;
             self.abort_counter("trainer failed");
         }

@@ -106,7 +106,7 @@ pub const MEAN_GRADIENT_NORM_FACTOR: f64 = 1e4;
 /// data drift most between rounds); parameters scaled by -1 are at 2, and a sum shifted by
 /// 1e6 or a mean of 1e30 at many orders more. Above `sync.max_sync_distance` (under 1): a
 /// round's mean is the members' together, a full sync's reply one neighbour's. A refusal
-/// costs an honest member a retry unsynced, never a ban.
+/// costs an honest member a retry, never a ban.
 pub const ROUND_MEAN_MAX_DISTANCE: f64 = 2.0;
 
 /// Judges a round's mean of parameters before the trainer takes it: finite, and for a synced

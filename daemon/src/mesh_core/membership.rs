@@ -107,7 +107,7 @@ enum RateVerdict {
         /// Whether the heartbeat before it from this author was within the rate.
         first: bool,
     },
-    /// The table of authors' rates is full of recent non-members: not read, not punished.
+    /// The table of authors' rates is full of recent authors: not read, not punished.
     Untracked,
 }
 
@@ -344,6 +344,11 @@ impl Membership {
         let (a, hb) = match (author, wire::decode_heartbeat(data)) {
             (Some(a), Ok(hb)) => (a, hb),
             (Some(a), Err(e)) => {
+                // Malformed heartbeats count towards the rate too (only the author can have
+                // signed them): past it they are refused unread, the author named once.
+                if let RateVerdict::Over { first } = self.over_rate(a, now) {
+                    return HeartbeatNews::OverRate { peer: a, first };
+                }
                 let why = e.to_string();
                 tracing::warn!(peer = %a, "rejected a heartbeat: {why}");
                 out.push(Output::Offence { peer: a, why });

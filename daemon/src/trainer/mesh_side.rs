@@ -63,7 +63,7 @@ impl Loop {
     /// Takes a round's mean (an empty one keeps the parameters): as it is, or, with an outer
     /// optimizer (DiLoCo), by a Nesterov step along `round start - mean` from the round's
     /// start. A DiLoCo mean may carry the members' round start and outer velocity after the
-    /// parameters (a member needed them): they replace this node's before the step.
+    /// parameters (a member needed them): the step starts from them instead of this node's.
     /// Answers the parameters' digest, so members can show they hold the same bits.
     ///
     /// The mean is judged first ([`sync_guard::judge_round_mean`]; by distance when `judged`,
@@ -123,20 +123,29 @@ impl Loop {
                     (self.round_anchor.as_slice(), vec![0.0; numel])
                 };
                 let next = outer.step(anchor, mean, &mut velocity);
-                sync_guard::judge_round_mean(&own, &next, bound).map_err(TrainerError::Refused)?;
+                // A carried anchor or velocity shows in the step's result: judged by norm, as
+                // the outer momentum takes an honest step several times the mean's distance.
+                if state > 0 {
+                    sync_guard::judge_round_mean(&own, &next, None)
+                        .map_err(TrainerError::Refused)?;
+                }
                 (next, Some(velocity))
             }
         };
-        if state > 0 && self.s.outer.is_none() {
+        let carried_optimizer = state > 0 && self.s.outer.is_none();
+        if carried_optimizer {
             let own_state = self.s.optimizer.flatten_state()?;
             sync_guard::judge_carried_state(&own, &own_state, mean_state)
                 .map_err(TrainerError::Refused)?;
+        }
+        // The parameters first: if they cannot be written, nothing else is.
+        self.s.model.params().write_back(&next)?;
+        if carried_optimizer {
             self.s.optimizer.write_state(mean_state)?;
         }
         if let Some(velocity) = velocity {
             self.outer_velocity = velocity;
         }
-        self.s.model.params().write_back(&next)?;
         self.stats.param_norm = l2_norm(&next);
         let digest = p2ptrain_models::params::params_digest(&next);
         if self.s.outer.is_some() {

@@ -102,9 +102,10 @@ impl Rounds {
         self.start(now, out);
     }
 
-    /// Keeps a hop in the inbox, within [`INBOX_CAP`] hops and [`INBOX_VALUES`] values. When
-    /// full, the hops of the furthest rounds and attempts give way (the nearest are needed
-    /// first); a hop further than all those kept is not kept, nor one larger than the bound.
+    /// Keeps a hop in the inbox, within [`INBOX_CAP`] hops and [`INBOX_VALUES`] values: when
+    /// full, the hops of the oldest rounds and attempts give way, as they always did (a node
+    /// left behind needs the mesh's newest round to take it); one larger than the whole bound
+    /// is not kept.
     pub(super) fn keep(&mut self, key: HopKey, hop: Hop) {
         if hop.2.len() > INBOX_VALUES {
             return;
@@ -112,13 +113,9 @@ impl Rounds {
         self.inbox.remove(&key);
         let mut held: usize = self.inbox.values().map(|h| h.2.len()).sum();
         while self.inbox.len() >= INBOX_CAP || held + hop.2.len() > INBOX_VALUES {
-            match self.inbox.last_key_value() {
-                Some((&furthest, _)) if furthest > key => {
-                    if let Some((_, old)) = self.inbox.pop_last() {
-                        held -= old.2.len();
-                    }
-                }
-                _ => return,
+            match self.inbox.pop_first() {
+                Some((_, old)) => held -= old.2.len(),
+                None => break,
             }
         }
         self.inbox.insert(key, hop);

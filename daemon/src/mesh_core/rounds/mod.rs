@@ -734,6 +734,7 @@ impl Rounds {
             );
             self.synced = true;
             self.founding = true;
+            self.refused_in_a_row = 0;
             self.attempt = self.attempt.saturating_add(1);
             self.abort_counter("no member synced");
             self.ask(false, out);
@@ -840,6 +841,7 @@ impl Rounds {
     /// The parameters were replaced (a checkpoint, a downloaded state): they are no longer the
     /// mesh's; hold and adopt the mesh's round.
     pub fn restored(&mut self, step: u64) {
+        self.refused_in_a_row = 0;
         self.round = None;
         self.attempt = 0;
         self.synced = false;

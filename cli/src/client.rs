@@ -14,8 +14,13 @@ pub struct Client {
 }
 
 impl Client {
-    /// A client for the daemon at `addr` (`host:port` or a full `http://` URL).
+    /// A client for the daemon at `addr` (`host:port` or a full `http://` URL), with `token`,
+    /// else the one the node listed for this user under its address (see
+    /// `p2ptrain_daemon::control::token`), so that nobody types it.
     pub fn new(addr: &str, token: Option<String>) -> Result<Client> {
+        let token = token
+            .filter(|t| !t.is_empty())
+            .or_else(|| p2ptrain_daemon::control::token::lookup(addr));
         let base = if addr.starts_with("http://") || addr.starts_with("https://") {
             addr.trim_end_matches('/').to_string()
         } else {

@@ -217,8 +217,8 @@ fn status_with_no_daemon() {
 }
 
 #[test]
-fn non_loopback_api_without_token() {
-    join_fails(&["--api", "0.0.0.0:0"], &["non-loopback", "token"]);
+fn api_token_that_no_header_can_carry() {
+    join_fails(&["--api-token", "two words"], &["--api-token", "printable"]);
 }
 
 #[test]

@@ -64,8 +64,6 @@ pub struct NodeHandle {
     pub train_classes: Vec<u64>,
     /// Actual API address.
     pub api_addr: SocketAddr,
-    /// Access token, if any.
-    pub api_token: Option<String>,
     /// Checkpoints.
     pub store: Arc<Store>,
     /// How many checkpoints to keep.

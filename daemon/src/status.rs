@@ -183,7 +183,7 @@ pub struct MeshReport {
     pub state_download_progress: Option<DownloadProgressView>,
     /// Synchronous rounds (sync modes `allreduce`, `diloco`, `fedavg`).
     #[serde(default)]
-    pub rounds: Option<crate::mesh_core::rounds::RoundStatus>,
+    pub rounds: Option<crate::mesh_core::status::RoundStatus>,
 }
 
 impl MeshReport {

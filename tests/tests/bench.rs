@@ -254,3 +254,166 @@ fn bench_sim_reports_the_rounds_of_a_synchronous_mode() {
     );
     assert!(!st.success() && err.contains("diloco"), "{err}");
 }
+
+/// `bench trainer` for one short run: the report parses, holds one timing of each side, and
+/// the real node (trainer thread, control API, evaluations) took its steps.
+#[test]
+fn bench_trainer_reports_a_bare_loop_beside_a_real_node() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let file = out.path().join("trainer.json");
+    let (st, _, err) = cli(
+        &[
+            "bench",
+            "trainer",
+            "--steps",
+            "300",
+            "--runs",
+            "2",
+            "--out",
+            file.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(st.success(), "{err}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("report")).expect("json");
+    assert_eq!(
+        report["benchmark"], "trainer-in-daemon-vs-bare-loop",
+        "{report}"
+    );
+    assert_eq!(report["steps_per_run"], 300, "{report}");
+    for key in [
+        "bare_steps_per_sec",
+        "daemon_steps_per_sec",
+        "daemon_steps_per_sec_with_eval",
+    ] {
+        let runs = report[key].as_array().expect(key);
+        assert_eq!(runs.len(), 2, "{key}: {report}");
+        assert!(
+            runs.iter().all(|r| r.as_f64().is_some_and(|v| v > 0.0)),
+            "{key}: {report}"
+        );
+    }
+    for key in ["ratio_of_medians", "median_of_paired_ratios"] {
+        assert!(
+            report[key].as_f64().is_some_and(|v| v > 0.0),
+            "{key}: {report}"
+        );
+    }
+}
+
+/// `bench step` on the digits MLP without PyTorch: one case per optimizer, each timed, no
+/// ratio where there is no PyTorch side, and each codec's update smaller than the dense one
+/// (4 bytes a parameter) it compresses.
+#[test]
+fn bench_step_reports_each_optimizer_and_what_the_codecs_save() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let file = out.path().join("step.json");
+    let configs = repo_root().join("configs");
+    let (st, _, err) = cli(
+        &[
+            "bench",
+            "step",
+            "--models",
+            "digits-mlp",
+            "--optimizers",
+            "sgd,adamw",
+            "--seconds",
+            "0.3",
+            "--runs",
+            "1",
+            "--no-torch",
+            "--configs",
+            configs.to_str().expect("utf8"),
+            "--out",
+            file.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(st.success(), "{err}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("report")).expect("json");
+    assert_eq!(
+        report["benchmark"], "train-step-vs-pytorch-eager",
+        "{report}"
+    );
+    let cases = report["cases"].as_array().expect("cases");
+    let optimizers: Vec<&str> = cases
+        .iter()
+        .filter_map(|c| c["optimizer"].as_str())
+        .collect();
+    assert_eq!(optimizers, ["sgd", "adamw"], "{report}");
+    for c in cases {
+        assert_eq!(c["config"], "digits-mlp", "{c}");
+        assert!(
+            c["p2ptrain_median"].as_f64().is_some_and(|v| v > 0.0),
+            "{c}"
+        );
+        assert!(c["torch_median"].is_null() && c["ratio"].is_null(), "{c}");
+    }
+    let params = cases[0]["params"].as_u64().expect("params");
+    let codecs = report["codecs"].as_array().expect("codecs");
+    assert!(!codecs.is_empty(), "{report}");
+    for c in codecs {
+        let bytes = c["bytes"].as_u64().expect("bytes");
+        assert!(bytes > 0 && bytes < 4 * params, "{c}: {params} parameters");
+        assert!(c["encode_us"].as_f64().is_some_and(|v| v > 0.0), "{c}");
+    }
+}
+
+/// `bench mesh` with two nodes and two codecs: a run per codec, each node's updates sent and
+/// applied by the other, and 1-bit updates at least eight times smaller than dense ones as
+/// gossipsub counted them on the wire.
+#[test]
+fn bench_mesh_reports_a_run_per_codec_with_updates_flowing() {
+    let _cores = crate::harness::cpu_hog();
+    let out = tempfile::tempdir().expect("tempdir");
+    let (st, _, err) = cli(
+        &[
+            "bench",
+            "mesh",
+            "--nodes",
+            "2",
+            "--codec",
+            "dense,onebit",
+            "--duration",
+            "6",
+            "--step-delay-ms",
+            "1",
+            "--out",
+            out.path().to_str().expect("utf8"),
+        ],
+        Duration::from_secs(180),
+    );
+    assert!(st.success(), "{err}");
+    let report: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.path().join("report.json")).expect("report.json"),
+    )
+    .expect("json");
+    assert_eq!(report["benchmark"], "mesh", "{report}");
+    let runs = report["runs"].as_array().expect("runs");
+    let codecs: Vec<&str> = runs.iter().filter_map(|r| r["codec"].as_str()).collect();
+    assert_eq!(codecs, ["dense", "onebit"], "{report}");
+    let bytes_per_update = |r: &Value| r["bytes_per_update"].as_f64().expect("bytes_per_update");
+    for r in runs {
+        assert_eq!(r["nodes"], 2, "{r}");
+        for key in ["updates_sent", "updates_applied"] {
+            let per_node = r[key].as_array().expect(key);
+            assert_eq!(per_node.len(), 2, "{key}: {r}");
+            assert!(
+                per_node.iter().all(|n| n.as_u64().is_some_and(|v| v > 0)),
+                "{key}: every node's updates flow: {r}"
+            );
+        }
+        assert!(r["final_accuracy"]["mean"].as_f64().is_some(), "{r}");
+        assert!(bytes_per_update(r) > 0.0, "{r}");
+    }
+    assert!(
+        bytes_per_update(&runs[1]) * 8.0 < bytes_per_update(&runs[0]),
+        "1-bit updates of {} bytes against dense ones of {}",
+        bytes_per_update(&runs[1]),
+        bytes_per_update(&runs[0])
+    );
+    let svg = std::fs::read_to_string(out.path().join("report.svg")).expect("report.svg");
+    assert!(svg.contains("<svg"), "not an SVG");
+}

@@ -1,11 +1,12 @@
 //! Churn and faults (issue 5, first scenarios): how fast the mesh routes around a node that
 //! leaves politely and one that dies without a word.
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::harness::{cli, eventually, Node};
+use crate::harness::{cli, eventually, recent_median_accuracy, Node};
 use crate::mesh::{config, listen_addr, peers, start, step};
 
 fn neighbours(s: &Value) -> Vec<String> {
@@ -67,13 +68,10 @@ fn a_leaving_node_is_replaced_at_once_a_crashed_or_hung_one_within_the_ping_time
     }
     let mut ids: Vec<String> = nodes.iter().map(peer_id).collect();
 
-    // The leaver: the node most others hold as a neighbour (10 slots over 5 nodes: some node
-    // is held by at least two).
+    // The leaver: the node most others hold as a neighbour, so that its going empties the
+    // most neighbour slots (10 slots over 5 nodes: at least two, by counting alone, so there
+    // is nothing to assert about it).
     let (leaver, held_by) = most_held(&nodes, &ids);
-    assert!(
-        held_by >= 2,
-        "10 neighbour slots over 5 nodes, yet the most held node is in {held_by}"
-    );
     let t0 = Instant::now();
     let (st, _, err) = cli(
         &["leave", "--api", nodes[leaver].api.as_deref().expect("api")],
@@ -253,10 +251,42 @@ impl Lcg {
     }
 }
 
+/// The churn scenario's config for part `k` of 3 of the digits, cut by label as in
+/// `skewed.rs` (four classes each): a node alone on a part stays near 40% on the held-out
+/// set, so a node above that has learnt digits it never trained on, from the mesh (on IID
+/// digits a node alone reaches the mesh's 98% in seconds, and churn could not show).
+///
+/// Neighbours' updates weigh the default 1/(neighbours + 1), not `skewed.rs`'s whole updates:
+/// in this mesh of six with three neighbours each, whole updates (and four contributions to
+/// every step) left the nodes at 0.08-0.38 after 60 s churn-free, and at chance (0.08-0.11)
+/// with all five as neighbours; with the default weight they were at 0.57-0.69. Nor is the
+/// staleness bound on: a killed neighbour held its neighbours for up to 6 s, which the stall
+/// bound below rightly counts.
+fn churn_config(dir: &Path, k: usize) -> PathBuf {
+    config(
+        dir,
+        &format!("c{k}.toml"),
+        &[
+            ("every_steps = 0", "every_steps = 1000"),
+            ("threads = 1", &format!("threads = 1\nshard = \"{k}/3\"")),
+            ("split_seed = 1", "split_seed = 1\npartition = \"by_label\""),
+        ],
+        &format!("\n[sync]\ndegree = 3\nfull_sync_every = {CHURN_SYNC_EVERY}\n"),
+    )
+}
+
+/// What each node's accuracy is taken over: the median of its evaluations in this window
+/// before its last (about ten of them), since one evaluation of a skewed node is a noisy
+/// sample (see [`recent_median_accuracy`]).
+const ACCURACY_WINDOW: Duration = Duration::from_secs(10);
+
 /// What one run of the churn scenario measured.
 struct ChurnRun {
-    /// Held-out accuracy of every node alive at the end.
-    accuracies: Vec<f64>,
+    /// Held-out accuracy of every node alive at the end, by name (over [`ACCURACY_WINDOW`]).
+    accuracies: Vec<(String, f64)>,
+    /// Held-out accuracy of the lone control: a node on the first part, alone, beside the
+    /// mesh for the whole run (over the same window).
+    lone_accuracy: f64,
     /// The longest time any node alive across it went without its step advancing, seconds.
     worst_stall: f64,
     /// The longest time no node's step advanced, seconds.
@@ -280,27 +310,25 @@ struct ChurnRun {
     finals: Vec<(String, Value)>,
 }
 
-/// Six nodes train for `secs`; with `churn`, after [`WARM_UP_SECS`] and every 10 s one random node but
-/// the anchor (node 0) is killed with SIGKILL and another joins: alternately the victim
-/// restarted on its data directory (resuming from its checkpoint) or a fresh node, each
-/// bootstrapping through a random live node.
+/// Six nodes, node `i` on part `i mod 3` of the digits ([`churn_config`]), train for `secs`
+/// beside a lone control; with `churn`, after [`WARM_UP_SECS`] and every 10 s one random node
+/// but the anchor (node 0) is killed with SIGKILL and another joins: alternately the victim
+/// restarted on its data directory (resuming from its checkpoint, on its part) or a fresh node
+/// (on the next part in turn), each bootstrapping through a random live node.
 fn churn_run(churn: bool, secs: u64) -> ChurnRun {
     let tmp = tempfile::tempdir().expect("tmp");
-    let cfg = config(
-        tmp.path(),
-        "c.toml",
-        &[("every_steps = 0", "every_steps = 1000")],
-        &format!("\n[sync]\ndegree = 3\nfull_sync_every = {CHURN_SYNC_EVERY}\n"),
-    );
+    let cfgs: Vec<PathBuf> = (0..3).map(|k| churn_config(tmp.path(), k)).collect();
+    let part_of = |name: &str| name[1..].parse::<usize>().expect("a node's number") % 3;
     let mut nodes: Vec<(String, Node)> = Vec::new();
-    let anchor = start(tmp.path(), "n0", &cfg, None, &[]);
+    let anchor = start(tmp.path(), "n0", &cfgs[0], None, &[]);
     let addr = listen_addr(&anchor);
     nodes.push(("n0".into(), anchor));
     for i in 1..CHURN_NODES {
         let name = format!("n{i}");
-        let node = start(tmp.path(), &name, &cfg, Some(&addr), &[]);
+        let node = start(tmp.path(), &name, &cfgs[part_of(&name)], Some(&addr), &[]);
         nodes.push((name, node));
     }
+    let lone = start(tmp.path(), "lone", &cfgs[0], None, &[]);
     for (_, n) in &nodes {
         n.wait_status("a trained mesh", Duration::from_secs(120), |s| {
             peers(s) == CHURN_NODES as u64 - 1 && step(s) > 1000
@@ -391,7 +419,13 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
                 (format!("n{fresh}"), "fresh")
             };
             restart_next = !restart_next;
-            let joined = start(tmp.path(), &new_name, &cfg, Some(&via), &[]);
+            let joined = start(
+                tmp.path(),
+                &new_name,
+                &cfgs[part_of(&new_name)],
+                Some(&via),
+                &[],
+            );
             events.push(format!(
                 "{:.1} s: killed {name}, {how} {new_name} joined",
                 t0.elapsed().as_secs_f64()
@@ -423,12 +457,24 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
             (name.clone(), s)
         })
         .collect();
-    let accuracies = finals
+    let accuracies = nodes
         .iter()
-        .map(|(_, s)| s["eval"]["accuracy"].as_f64().expect("accuracy"))
+        .map(|(name, n)| {
+            (
+                name.clone(),
+                recent_median_accuracy(&n.data_dir, ACCURACY_WINDOW),
+            )
+        })
         .collect();
+    let lone_status = lone.status().expect("status");
+    assert_eq!(
+        peers(&lone_status),
+        0,
+        "the control trains alone: {lone_status}"
+    );
     ChurnRun {
         accuracies,
+        lone_accuracy: recent_median_accuracy(&lone.data_dir, ACCURACY_WINDOW),
         worst_stall,
         mesh_stall,
         poll_round,
@@ -443,8 +489,11 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
 
 /// The churn scenario against a churn-free run of the same measured length (without the
 /// warm-up, which only the heap measure needs): the mesh never stops training for longer than
-/// two full-sync intervals (a node that stops answering counts as stopped), the survivors'
-/// accuracy is within 1 pp of the churn-free mesh's, every node that joined took up the mesh's
+/// two full-sync intervals (a node that stops answering counts as stopped), each node holds
+/// four of the ten digits ([`churn_config`]) and the mesh teaches every node of either run
+/// the others (above a lone control on one part, beside it in the same run: see
+/// [`MESH_TAUGHT`]), churn costs the survivors' mean accuracy at most [`CHURN_COST`] against
+/// the churn-free mesh's, every node that joined took up the mesh's
 /// progress (a restarted one from its checkpoint, a fresh one from a donor: at least 90% of
 /// the anchor's step when it started), no node rejects an update, and the longest-lived node's live heap
 /// (its allocator's count, status `memory.heap_bytes`) grows by at most 1% per kill and join
@@ -457,14 +506,14 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
     const SECS: u64 = 60;
     let calm = churn_run(false, SECS);
     let churned = churn_run(true, SECS);
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let mean = |v: &[(String, f64)]| v.iter().map(|a| a.1).sum::<f64>() / v.len() as f64;
     let interval_secs = CHURN_SYNC_EVERY as f64 / churned.anchor_steps_per_sec;
     let (rss0, rss1) = churned.anchor_rss;
     let heap = HeapSteps::of(&churned.anchor_heap_floors);
     eprintln!(
         "churn events: {:?}, joins (name, how, anchor step) {:?}\n\
-         churn-free: accuracies {:?} (mean {:.4}), worst stall {:.2} s, anchor {:.0} steps/s\n\
-         churn: accuracies {:?} (mean {:.4}), worst stall of a node {:.2} s, of the mesh {:.2} s \
+         churn-free: accuracies {:?} (mean {:.4}), lone control {:.4}, worst stall {:.2} s, anchor {:.0} steps/s\n\
+         churn: accuracies {:?} (mean {:.4}), lone control {:.4}, worst stall of a node {:.2} s, of the mesh {:.2} s \
          (status polled in rounds of up to {:.2} s), full-sync interval {:.2} s, anchor {:.0} steps/s\n\
          anchor heap floors before each event and at the end {:?} bytes: {:+.1}% in all, \
          {:+.1}% without its largest step; RSS {} KiB -> {} KiB ({:+.1}%)\n\
@@ -473,10 +522,12 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
         churned.joins,
         calm.accuracies,
         mean(&calm.accuracies),
+        calm.lone_accuracy,
         calm.worst_stall,
         calm.anchor_steps_per_sec,
         churned.accuracies,
         mean(&churned.accuracies),
+        churned.lone_accuracy,
         churned.worst_stall,
         churned.mesh_stall,
         churned.poll_round,
@@ -499,15 +550,29 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
         churned.worst_stall,
         2.0 * interval_secs
     );
-    let delta = (mean(&churned.accuracies) - mean(&calm.accuracies)).abs();
+    for (run, what) in [(&calm, "churn-free"), (&churned, "churned")] {
+        assert!(
+            run.lone_accuracy < 0.45,
+            "a node alone on four of ten classes reached {:.4}: the parts are not skewed",
+            run.lone_accuracy
+        );
+        for (name, a) in &run.accuracies {
+            assert!(
+                *a > run.lone_accuracy + MESH_TAUGHT,
+                "{what} run: {name} at {a:.4}, not above the lone control's {:.4} by \
+                 {MESH_TAUGHT}: it learnt too little from the mesh ({:?})",
+                run.lone_accuracy,
+                run.accuracies
+            );
+        }
+    }
     assert!(
-        delta <= 0.01,
-        "survivors' mean accuracy {:.4} vs churn-free {:.4}",
+        mean(&churned.accuracies) >= mean(&calm.accuracies) - CHURN_COST,
+        "survivors' mean accuracy {:.4} vs churn-free {:.4}: churn cost more than {CHURN_COST}",
         mean(&churned.accuracies),
         mean(&calm.accuracies)
     );
-    // The mesh, not only the model (a node alone reaches these accuracies on digits): every
-    // node that joined took up the mesh's progress, a restarted one from its own checkpoint
+    // The mesh, not only the model: every node that joined took up the mesh's progress, a restarted one from its own checkpoint
     // and a fresh one from a donor, and no node rejected an honest update.
     for (name, s) in &churned.finals {
         let Some((_, how, anchor_step)) = churned.joins.iter().rev().find(|(n, ..)| n == name)
@@ -552,6 +617,17 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
         churned.anchor_heap_floors
     );
 }
+
+/// How far above the lone control every node of the mesh must be, each taken as the median
+/// of its last 10 s of evaluations. Measured here: the lone control at 0.407, churn-free nodes
+/// 0.53-0.64, churned ones 0.55-0.69 (so the least taught node 0.12 above it). A single
+/// final evaluation per node, as this test first took, is noisier: CI saw one node at 0.454
+/// against a bound of 0.457 where this machine's runs had 0.53 and more.
+const MESH_TAUGHT: f64 = 0.05;
+
+/// How much churn may cost the survivors' mean accuracy against the churn-free mesh's (nodes
+/// of one churn-free run spread 0.53-0.64; measured: churn-free mean 0.585, churned 0.626).
+const CHURN_COST: f64 = 0.1;
 
 /// A node's live heap as its status counts it.
 fn heap_bytes(status: &Value) -> Option<u64> {

@@ -446,8 +446,12 @@ impl Node {
         let addr: std::net::SocketAddr = api.parse().ok()?;
         let mut conn = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
         conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {api}\r\n\r\n").as_bytes())
-            .ok()?;
+        let token = self.api_token().unwrap_or_default();
+        conn.write_all(
+            format!("GET {path} HTTP/1.0\r\nHost: {api}\r\nAuthorization: Bearer {token}\r\n\r\n")
+                .as_bytes(),
+        )
+        .ok()?;
         let mut reply = String::new();
         conn.read_to_string(&mut reply).ok()?;
         let (head, body) = reply.split_once("\r\n\r\n")?;
@@ -455,6 +459,13 @@ impl Node {
             return None;
         }
         Some(body.to_string())
+    }
+
+    /// The API's access token, which the node keeps in its data directory.
+    pub fn api_token(&self) -> Option<String> {
+        std::fs::read_to_string(self.data_dir.join("api.token"))
+            .ok()
+            .map(|t| t.trim().to_string())
     }
 
     /// Waits until status satisfies `pred`.
@@ -566,6 +577,30 @@ pub fn newest_checkpoint(data_dir: &Path) -> Option<PathBuf> {
         .collect();
     files.sort();
     files.pop()
+}
+
+/// The median held-out accuracy of the evaluations a node in `data_dir` logged in the
+/// `window` before its last one: a skewed node's accuracy swings from one evaluation to the
+/// next (0.55-0.98 within seconds), so one figure, such as the final checkpoint's, is a noisy
+/// sample of what the mesh taught it.
+pub fn recent_median_accuracy(data_dir: &Path, window: Duration) -> f64 {
+    let window_ms = window.as_millis() as u64;
+    let evals: Vec<(u64, f64)> = evals(data_dir)
+        .iter()
+        .filter_map(|e| Some((e["unix_ms"].as_u64()?, e["accuracy"].as_f64()?)))
+        .collect();
+    let end = evals
+        .iter()
+        .map(|e| e.0)
+        .max()
+        .unwrap_or_else(|| panic!("{} logged no evaluation", data_dir.display()));
+    let mut recent: Vec<f64> = evals
+        .iter()
+        .filter(|e| e.0 + window_ms >= end)
+        .map(|e| e.1)
+        .collect();
+    recent.sort_by(f64::total_cmp);
+    recent[recent.len() / 2]
 }
 
 /// Every evaluation a node logged (`evals.jsonl` in its data directory), oldest first: each

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::harness::{child_with_arg, cli_with, eventually, skip_or_fail, Node, Throttle};
+use crate::harness::{
+    child_with_arg, cli_with, eventually, recent_median_accuracy, skip_or_fail, Node, Throttle,
+};
 use crate::mesh::{config, listen_addr, peers, start};
 
 /// Parses an OpenMetrics exposition with the Python Prometheus client's parser; returns
@@ -306,7 +308,11 @@ fn the_live_page_shows_the_peer_and_the_curves_in_a_real_browser() {
         .expect("id")
         .to_string();
     assert_eq!(s["peers"]["list"][0]["peer_id"], b_id.as_str());
-    let url = format!("http://{}/", a.api.as_deref().expect("api"));
+    let url = format!(
+        "http://{}/?token={}",
+        a.api.as_deref().expect("api"),
+        a.api_token().expect("the node's token")
+    );
     let html = a.http_get("/").expect("GET /");
     // Self-contained: nothing loaded from elsewhere (the SVG namespace URI is a name, not a
     // fetch).
@@ -351,25 +357,6 @@ fn the_live_page_shows_the_peer_and_the_curves_in_a_real_browser() {
         "screenshot"
     );
     eprintln!("screenshot of the live page: {}", shot.display());
-}
-
-/// The median held-out accuracy of the evaluations a node in `dir` logged in the last
-/// `window_ms` before its last one.
-fn recent_median_accuracy(dir: &Path, window_ms: u64) -> f64 {
-    let log = std::fs::read_to_string(dir.join("evals.jsonl")).expect("the node's evals.jsonl");
-    let evals: Vec<(u64, f64)> = log
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter_map(|e| Some((e["unix_ms"].as_u64()?, e["accuracy"].as_f64()?)))
-        .collect();
-    let end = evals.iter().map(|e| e.0).max().expect("the node evaluated");
-    let mut recent: Vec<f64> = evals
-        .iter()
-        .filter(|e| e.0 + window_ms >= end)
-        .map(|e| e.1)
-        .collect();
-    recent.sort_by(f64::total_cmp);
-    recent[recent.len() / 2]
 }
 
 /// The README's first command: `local` without a config runs the demo, where each node holds
@@ -450,7 +437,10 @@ fn the_demo_shows_each_node_alone_against_the_mesh() {
         // over the last 10 s (about 40 of them), held to the level the single final figure
         // was; the final checkpoint must still beat the lone part by as much.
         let index = n["index"].as_u64().expect("index");
-        let recent = recent_median_accuracy(&data.path().join(format!("node-{index}")), 10_000);
+        let recent = recent_median_accuracy(
+            &data.path().join(format!("node-{index}")),
+            Duration::from_secs(10),
+        );
         assert!(
             recent > alone + 0.3 && recent > 0.8,
             "node {index}: the mesh must teach it the other classes: {alone} alone, \
@@ -480,11 +470,20 @@ fn the_demo_shows_each_node_alone_against_the_mesh() {
         );
     }
     assert_eq!(all_classes.len(), 10, "the parts together hold every class");
+    // SSP holds every node within `staleness_bound` (100 steps in the demo's config) of its
+    // slowest neighbour as it last heard of it (an update every 20 steps); the final steps
+    // are those of the nodes' final checkpoints, each written when the stop reached it, and
+    // the starved node may take a few more steps alone while its stop waits out a pause. So
+    // twice the bound: the old check (the slowest at least 80% of the fastest) allowed some
+    // 2,500 steps, 25 times the bound, in a run of 12k.
+    const STALENESS_BOUND: u64 = 100;
     let steps: Vec<u64> = nodes.iter().filter_map(|n| n["step"].as_u64()).collect();
     let (slowest, fastest) = (steps.iter().min(), steps.iter().max());
+    eprintln!("demo: final steps {steps:?}");
     assert!(
-        matches!((slowest, fastest), (Some(&lo), Some(&hi)) if lo * 5 >= hi * 4),
-        "SSP keeps the starved node's steps near the others': {steps:?}"
+        matches!((slowest, fastest), (Some(&lo), Some(&hi)) if hi - lo <= 2 * STALENESS_BOUND),
+        "SSP keeps the starved node's steps within twice the bound ({STALENESS_BOUND}) of the \
+         others': {steps:?}"
     );
     eprintln!(
         "demo: alone {:.3}, in the mesh {:.3}",

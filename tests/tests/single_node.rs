@@ -347,3 +347,101 @@ fn status_checkpoints_export_and_restore_over_the_api() {
         "a stopped node leaves no address file"
     );
 }
+
+/// One raw HTTP/1.0 request to `api` with the given extra header lines; answers the status
+/// code.
+fn raw_request(api: &str, method: &str, path: &str, headers: &[String]) -> u16 {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(api).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut req = format!("{method} {path} HTTP/1.0\r\n");
+    for h in headers {
+        req.push_str(h);
+        req.push_str("\r\n");
+    }
+    req.push_str("\r\n");
+    conn.write_all(req.as_bytes()).expect("write");
+    let mut reply = String::new();
+    let _ = conn.read_to_string(&mut reply);
+    reply
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {reply:?}"))
+}
+
+/// The control API asks for the token the node made at its first start, on loopback too: a
+/// request without it, with a wrong one, naming a foreign Host (DNS rebinding) or coming
+/// from a foreign web page (Origin) is refused, and a refused `stop` stops nothing. The CLI
+/// finds the token by itself (nobody types it), and a wrong one given is refused with one
+/// `error:` line.
+#[test]
+fn the_api_refuses_requests_without_the_token_or_from_a_foreign_host_or_origin() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let config = digits_config(tmp.path(), 0, 5);
+    let data = tmp.path().join("node");
+    let mut node = Node::start(&data, &["--config", config.to_str().expect("utf8")]);
+    let api = node.wait_api();
+    let token = node.api_token().expect("a token in the data directory");
+    assert_eq!(token.len(), 64, "{token}");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(data.join("api.token"))
+            .expect("token file")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "the token file is the user's alone");
+    }
+    let host = format!("Host: {api}");
+    let auth = format!("Authorization: Bearer {token}");
+    let status =
+        |method: &str, path: &str, headers: &[String]| raw_request(&api, method, path, headers);
+    assert_eq!(
+        status("GET", "/v1/status", &[host.clone(), auth.clone()]),
+        200
+    );
+    assert_eq!(
+        status("GET", "/v1/status", std::slice::from_ref(&host)),
+        401
+    );
+    assert_eq!(status("GET", "/metrics", std::slice::from_ref(&host)), 401);
+    let wrong = format!("Authorization: Bearer {}x", &token[..63]);
+    assert_eq!(status("GET", "/v1/status", &[host.clone(), wrong]), 401);
+    let rebound = "Host: attacker.example:80".to_string();
+    assert_eq!(status("GET", "/v1/status", &[rebound, auth.clone()]), 403);
+    let foreign = "Origin: http://attacker.example".to_string();
+    assert_eq!(
+        status("POST", "/v1/stop", &[host.clone(), auth.clone(), foreign]),
+        403
+    );
+    assert_eq!(status("POST", "/v1/stop", std::slice::from_ref(&host)), 401);
+    let own = format!("Origin: http://{api}");
+    assert_eq!(
+        status("GET", "/v1/status", &[host.clone(), auth.clone(), own]),
+        200
+    );
+    // Nothing refused stopped the node.
+    node.wait_status("still training", Duration::from_secs(30), |s| {
+        s["phase"] == "training"
+    });
+    // The CLI without a token, then with a wrong one.
+    let (st, out, err) = cli(
+        &["status", "--json", "--api", &api],
+        Duration::from_secs(30),
+    );
+    assert!(st.success(), "the CLI found no token: {err}");
+    assert!(out.contains("peer_id"), "{out}");
+    let (st, _, err) = cli(
+        &["status", "--api", &api, "--api-token", "wrong"],
+        Duration::from_secs(30),
+    );
+    assert!(!st.success());
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(errors[0].contains("401"), "{err}");
+    let (st, _, err) = cli(&["stop", "--api", &api], Duration::from_secs(30));
+    assert!(st.success(), "{err}");
+    assert!(node.wait_exit(Duration::from_secs(60)).success());
+}

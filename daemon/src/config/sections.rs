@@ -104,7 +104,7 @@ impl Default for CheckpointConfig {
     }
 }
 
-/// Default control API address: loopback, so the API needs no token by default.
+/// Default control API address: loopback (the API asks for its token there too).
 pub const DEFAULT_API: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7070));
 
 /// Default data directory of `p2ptrain join`, relative to the working directory.
@@ -119,12 +119,18 @@ pub const DEFAULT_LISTEN_PORT: u16 = 4001;
 pub struct ApiConfig {
     /// The address (`--api` wins); default [`DEFAULT_API`].
     pub listen: SocketAddr,
+    /// Host names the API answers to besides IP addresses and `localhost` (a request naming
+    /// another in its `Host` header is refused: see `control::access`). Left out of the
+    /// config's text when empty, so that configs written before it hash as they did.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allowed_hosts: Vec<String>,
 }
 
 impl Default for ApiConfig {
     fn default() -> ApiConfig {
         ApiConfig {
             listen: DEFAULT_API,
+            allowed_hosts: Vec::new(),
         }
     }
 }

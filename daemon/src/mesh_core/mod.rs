@@ -48,7 +48,9 @@ pub use messages::{
     AverageOutcome, FetchAnswer, Input, Output, Phase, Progress, RequestFailed, TrainerCommand,
     TrainerEvent,
 };
-pub use status::{FullSyncCounters, MeshStatus, SyncInfo, SyncRefusalInfo, UpdateCounters};
+pub use status::{
+    FullSyncCounters, MeshStatus, RoundStatus, SyncInfo, SyncRefusalInfo, UpdateCounters,
+};
 pub use syncs::ParamsEncoder;
 
 /// Peers kept in each per-peer map (rejections, refusals, heard heartbeats): beyond it a new

@@ -21,6 +21,9 @@ pub enum NodeError {
     /// The private network key is missing or malformed.
     #[error("{0}")]
     Psk(String),
+    /// The access token given cannot be sent in an HTTP header.
+    #[error("--api-token (or P2PTRAIN_API_TOKEN) must be printable ASCII without spaces")]
+    ApiToken,
     /// Control API could not be served.
     #[error(transparent)]
     Api(#[from] control::BindError),

@@ -27,9 +27,11 @@ use crate::mesh_core::{CoreConfig, MeshCore, WallClock};
 use crate::status::{ModelInfo, SyncSettings};
 use crate::trainer::{self, Command, Stats};
 use crate::{control, network, store, transfer};
+use api::{api_access, check_api_token, serve_api, ServedApi};
 use data_dir::{open_data_dir, OpenedDataDir};
 pub use error::NodeError;
 
+mod api;
 mod data_dir;
 mod error;
 
@@ -39,8 +41,8 @@ mod error;
 pub struct Options {
     /// Where identity, checkpoints and index live.
     pub data_dir: PathBuf,
-    /// Access token for the API (required off loopback); kept out of [`Config`] so that it is
-    /// never serialised or hashed.
+    /// Access token for the API; none: the one kept in the data directory (made at the first
+    /// start). Kept out of [`Config`] so that it is never serialised or hashed.
     pub api_token: Option<String>,
     /// Where a joiner's state download reports its progress (the CLI draws a bar from it).
     pub download_progress: Arc<transfer::DownloadProgress>,
@@ -234,6 +236,42 @@ struct TrainerStart {
     ends_on_a_round: bool,
 }
 
+impl TrainerStart {
+    /// This start's: the model, optimizer and counters built or restored, the node's data
+    /// and device, and from the data directory the run's identity and, on a resumed DiLoCo
+    /// node, its outer velocity.
+    fn new(
+        (model, optimizer, start): (
+            p2ptrain_models::Model,
+            p2ptrain_models::Optimizer,
+            trainer::Counters,
+        ),
+        data: Arc<Data>,
+        device: Device,
+        opened: &OpenedDataDir,
+        node_seed: u64,
+        joining: bool,
+        rounds: Option<&(crate::mesh_core::rounds::RoundConfig, bool)>,
+    ) -> TrainerStart {
+        TrainerStart {
+            model,
+            optimizer,
+            data,
+            device,
+            identity: opened.ident.clone(),
+            start,
+            node_seed,
+            joining,
+            outer_velocity: opened
+                .resume
+                .as_ref()
+                .map(trainer::outer_velocity)
+                .unwrap_or_default(),
+            ends_on_a_round: rounds.is_some_and(|(rc, _)| rc.gradients.is_none()),
+        }
+    }
+}
+
 /// The trainer's setup: the config's training, checkpoint, sync and debug settings around
 /// what this start brings.
 fn trainer_setup(config: &Config, data_dir: &Path, t: TrainerStart) -> trainer::Setup {
@@ -306,24 +344,6 @@ async fn write_checkpoints(
     }
 }
 
-/// Serves the control API on `listener` until the returned sender fires.
-fn serve_api(
-    listener: tokio::net::TcpListener,
-    shared: Arc<NodeHandle>,
-) -> (oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let router = control::router(shared);
-    let server = tokio::spawn(async move {
-        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
-            let _ = stop_rx.await;
-        });
-        if let Err(e) = serve.await {
-            tracing::error!("control API stopped: {e}");
-        }
-    });
-    (stop_tx, server)
-}
-
 /// Runs a node until `shutdown` resolves, it is asked to stop, or it reaches `max_steps`:
 /// opens the data directory, builds or restores the model, starts the network, the trainer,
 /// the mesh and the API, waits, and stops them in order.
@@ -338,14 +358,17 @@ pub async fn run(
         spec,
         device,
     } = prepared;
-    let listener = control::bind(config.api.listen, opts.api_token.as_deref()).await?;
+    let listener = control::bind(config.api.listen).await?;
     let api_addr = listener.local_addr().map_err(control::BindError::Socket)?;
 
-    // A bad key file is refused before the node writes anything.
+    // A bad key file, or a token no header can carry, is refused before the node writes
+    // anything.
     let psk = config.network.psk.as_deref().map(read_psk).transpose()?;
+    check_api_token(&opts)?;
     // From here on the node writes to its data directory.
     let data_dir = opts.data_dir.clone();
     let mut opened = open_data_dir(&config, &data_dir)?;
+    let access = api_access(&config, &opts, &data_dir)?;
     let (model, optimizer, start) = build_model(&config, &spec, &device, &opened)?;
     let model_info = ModelInfo {
         name: spec.name(),
@@ -372,24 +395,15 @@ pub async fn run(
         .labeled()
         .map(|s| s.train.class_counts())
         .unwrap_or_default();
-    let trainer_start = TrainerStart {
-        model,
-        optimizer,
+    let trainer_start = TrainerStart::new(
+        (model, optimizer, start),
         data,
         device,
-        identity: opened.ident.clone(),
-        start,
+        &opened,
         node_seed,
         joining,
-        outer_velocity: opened
-            .resume
-            .as_ref()
-            .map(trainer::outer_velocity)
-            .unwrap_or_default(),
-        ends_on_a_round: rounds
-            .as_ref()
-            .is_some_and(|(rc, _)| rc.gradients.is_none()),
-    };
+        rounds.as_ref(),
+    );
     let StartedTrainer {
         handle:
             trainer::Handle {
@@ -433,11 +447,7 @@ pub async fn run(
     print_listen_addrs(&net, &shared.peer_id).await;
 
     let writer = tokio::spawn(write_checkpoints(shared.clone(), snapshots));
-    let (api_stop_tx, server) = serve_api(listener, shared.clone());
-    let addr_file = data_dir.join(API_ADDR_FILE);
-    if let Err(e) = std::fs::write(&addr_file, format!("{api_addr}\n")) {
-        tracing::warn!("cannot write {}: {e}", addr_file.display());
-    }
+    let api = serve_api(listener, shared.clone(), access);
     tracing::info!(peer_id = %shared.peer_id, run_id = %shared.run_id, api = %format!("http://{api_addr}"), data_dir = %data_dir.display(), model = %spec.name(), "node started");
 
     let finished = until_finished(shutdown, stop_rx, done_rx, &cmd_tx).await;
@@ -447,9 +457,7 @@ pub async fn run(
         mesh_task,
         net,
         net_task,
-        api_stop_tx,
-        server,
-        addr_file,
+        api,
     }
     .stop()
     .await;
@@ -543,7 +551,6 @@ fn node_handle(
         data: config.data.describe(),
         train_classes: parts.train_classes,
         api_addr: parts.api_addr,
-        api_token: opts.api_token.clone(),
         store: opened.store.clone(),
         keep: config.checkpoint.keep,
         started: Instant::now(),
@@ -599,9 +606,7 @@ struct Stopping {
     mesh_task: tokio::task::JoinHandle<()>,
     net: network::Client,
     net_task: tokio::task::JoinHandle<()>,
-    api_stop_tx: oneshot::Sender<()>,
-    server: tokio::task::JoinHandle<()>,
-    addr_file: PathBuf,
+    api: ServedApi,
 }
 
 impl Stopping {
@@ -614,17 +619,7 @@ impl Stopping {
         drop(self.net);
         drop(self.shared);
         let _ = tokio::time::timeout(Duration::from_secs(2), self.net_task).await;
-        let _ = self.api_stop_tx.send(());
-        // The API drains its open requests, but a client that never finishes one cannot
-        // hold the node up.
-        let mut server = self.server;
-        if tokio::time::timeout(Duration::from_secs(5), &mut server)
-            .await
-            .is_err()
-        {
-            server.abort();
-        }
-        let _ = std::fs::remove_file(&self.addr_file);
+        self.api.stop().await;
     }
 }
 

@@ -58,7 +58,17 @@ pub(super) fn status(dir: &Path, netns: Option<&str>) -> Option<serde_json::Valu
             .timeout(Duration::from_secs(5))
             .build()
             .ok()?;
-        client.get(url).send().await.ok()?.json().await.ok()
+        let token = std::fs::read_to_string(dir.join(p2ptrain_daemon::control::token::TOKEN_FILE))
+            .unwrap_or_default();
+        client
+            .get(url)
+            .bearer_auth(token.trim())
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()
     })
 }
 

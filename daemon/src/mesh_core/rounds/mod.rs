@@ -42,8 +42,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
-use serde::{Deserialize, Serialize};
 
+use super::status::RoundStatus;
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
 use crate::wire::Heartbeat;
 use ring::{hop_message, members_digest, Ring};
@@ -157,44 +157,6 @@ impl RoundConfig {
         self.gradients
             .is_some_and(|k| k > 1 && !round.is_multiple_of(k))
     }
-}
-
-/// Rounds as status shows them.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct RoundStatus {
-    /// Rounds completed mesh-wide before the one under way (`None`: not yet known, a joiner
-    /// waiting for its first ring).
-    pub round: Option<u64>,
-    /// The attempt at it.
-    pub attempt: u32,
-    /// Members in the last ring this node built.
-    pub ring_size: usize,
-    /// Rounds this node completed.
-    pub completed: u64,
-    /// Attempts aborted, by reason.
-    pub aborted: BTreeMap<String, u64>,
-    /// Milliseconds from this node's contribution to the mean, in the last round.
-    pub last_round_ms: f64,
-    /// Samples this node was last asked to compute a gradient of: the whole batch, or fewer
-    /// where it is slower than another member ([`balanced_batch`]); 0 before its first
-    /// gradient round.
-    #[serde(default)]
-    pub batch: usize,
-    /// Mean of the same over every round this node completed in a ring of two or more: what
-    /// a round costs here, waits for slower members included.
-    #[serde(default)]
-    pub mean_round_ms: f64,
-    /// Bytes of ring hops this node sent.
-    pub bytes_sent: u64,
-    /// The step of the next boundary.
-    pub boundary: u64,
-    /// Whether this node's parameters come from a completed round (a joiner's do not, and it
-    /// contributes with weight 0 until they do).
-    pub synced: bool,
-    /// Digest of the parameters after recent rounds (`round`, first 8 bytes of SHA-256 of the
-    /// little-endian values, hex), kept only for rounds after which this node was synced:
-    /// equal digests for a round mean bit-identical parameters.
-    pub digests: Vec<(u64, String)>,
 }
 
 /// A hop's place: (round, attempt, hop).

@@ -2,22 +2,27 @@
 //! Prometheus scraper at `/metrics` all speak to the daemon the same way.
 //!
 //! It only reads the node's state and sends commands, through a [`NodeHandle`]; it never
-//! touches the model itself and knows nothing of how the node is wired. Bound to
-//! loopback by default; any other address requires an access token (checked on every request
-//! whenever one is set), because this API can stop the node and read out its weights. A
-//! browser cannot send a header when it opens a page, so the token may also come as
-//! `?token=` in the query string (the page then sends it as a header on its own requests).
+//! touches the model itself and knows nothing of how the node is wired. Every request needs
+//! the node's access token, on loopback too, and must be for this API's host and from no
+//! foreign web page ([`access`]): this API can stop the node, roll it back and read out its
+//! weights. The token is made at the first start and found by the CLI without typing
+//! ([`token`]); connections are bounded in number and in how long their headers take
+//! ([`serve`]).
 //!
 //! The page (`assets/status.html`) is one self-contained file compiled into the binary:
 //! nothing is fetched from elsewhere, since a lab's boxes may have no internet.
+
+pub mod access;
+pub mod serve;
+pub mod token;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path, Request, State};
+use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
-use axum::middleware::{self, Next};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -42,10 +47,6 @@ impl IntoResponse for ApiError {
 /// Why the control API could not be served.
 #[derive(Debug, thiserror::Error)]
 pub enum BindError {
-    /// A non-loopback address without an access token: anyone on the network could stop the
-    /// node or read its weights.
-    #[error("refusing to serve the control API on non-loopback address {0} without an access token; set {TOKEN_ENV} or --api-token")]
-    NoToken(SocketAddr),
     /// The socket could not be bound.
     #[error("cannot listen on {addr} for the control API: {source}{hint}", hint = in_use_hint(source))]
     Listen {
@@ -67,19 +68,16 @@ fn in_use_hint(e: &std::io::Error) -> &'static str {
     }
 }
 
-/// Binds the API socket, refusing a non-loopback address without a token. Binding happens
-/// before the node writes anything, so a busy port fails fast and leaves no trace.
-pub async fn bind(addr: SocketAddr, token: Option<&str>) -> Result<TcpListener, BindError> {
-    if !addr.ip().is_loopback() && token.is_none_or(str::is_empty) {
-        return Err(BindError::NoToken(addr));
-    }
+/// Binds the API socket. Binding happens before the node writes anything, so a busy port
+/// fails fast and leaves no trace.
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, BindError> {
     TcpListener::bind(addr)
         .await
         .map_err(|source| BindError::Listen { addr, source })
 }
 
-/// The API's routes over the node's handle.
-pub fn router(shared: Arc<NodeHandle>) -> Router {
+/// The API's routes over the node's handle, behind the checks of `access`.
+pub fn router(shared: Arc<NodeHandle>, access: access::Access) -> Router {
     Router::new()
         .route("/v1/status", get(status))
         .route(
@@ -92,50 +90,14 @@ pub fn router(shared: Arc<NodeHandle>) -> Router {
         .route("/metrics", get(metrics))
         .route("/", get(page))
         .layer(middleware::from_fn_with_state(
-            shared.clone(),
-            require_token,
+            Arc::new(access),
+            access::check,
         ))
         .with_state(shared)
 }
 
-/// Compares in time independent of where the strings first differ.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-async fn require_token(
-    State(shared): State<Arc<NodeHandle>>,
-    req: Request,
-    next: Next,
-) -> Response {
-    if let Some(token) = shared.api_token.as_deref() {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .or_else(|| query_token(req.uri().query()))
-            .unwrap_or("");
-        if !same_secret(given.as_bytes(), token.as_bytes()) {
-            return ApiError(
-                StatusCode::UNAUTHORIZED,
-                "missing or wrong access token".into(),
-            )
-            .into_response();
-        }
-    }
-    next.run(req).await
-}
-
-/// The `token` parameter of a query string, if there is one.
-fn query_token(query: Option<&str>) -> Option<&str> {
-    query?
-        .split('&')
-        .find_map(|pair| pair.strip_prefix("token="))
-}
-
 /// The live page: one HTML file with its script and styles inline.
-const PAGE: &str = include_str!("../assets/status.html");
+const PAGE: &str = include_str!("../../assets/status.html");
 
 async fn page() -> Response {
     (

@@ -1,0 +1,242 @@
+//! The control API's access token, made the way Jupyter makes its own: a random secret
+//! created at a node's first start, kept in its data directory (`api.token`, mode 0600), and
+//! listed under the user's runtime directory by the address the API serves, so that the CLI
+//! run by the same user finds it from `--api` alone and nobody types it. Without it a request
+//! is refused even on loopback: any web page the operator opens, and any other user of the
+//! box, can reach 127.0.0.1.
+//!
+//! The runtime listing holds one small file per serving node (`<netns>_<ip>_<port>`: the
+//! node's pid and the token); a node removes its own at a clean stop, and entries of processes no longer
+//! alive are pruned whenever a node lists itself.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+
+use rand::RngCore;
+
+use crate::atomic_file::{self, Durability};
+
+/// The token's file in a node's data directory.
+pub const TOKEN_FILE: &str = "api.token";
+
+/// Overrides where nodes list their tokens for the CLI (default: `$XDG_RUNTIME_DIR/p2ptrain`,
+/// else `$HOME/.p2ptrain/run`, else `p2ptrain-run-<uid>` in the temporary folder).
+pub const RUNTIME_DIR_ENV: &str = "P2PTRAIN_RUNTIME_DIR";
+
+/// Random bytes in a token (hex-encoded: 64 characters).
+const TOKEN_BYTES: usize = 32;
+
+/// The token kept in `data_dir`, created at the first start. A file that holds no usable
+/// token (empty, or not one line of printable ASCII) is replaced by a new one.
+pub fn load_or_create(data_dir: &Path) -> std::io::Result<String> {
+    let path = data_dir.join(TOKEN_FILE);
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        let token = text.trim();
+        if is_usable(token) {
+            return Ok(token.to_string());
+        }
+        tracing::warn!("{} holds no usable token: making a new one", path.display());
+    }
+    let token = new_token();
+    atomic_file::write(&path, token.as_bytes(), Some(0o600), Durability::Flushed)?;
+    Ok(token)
+}
+
+/// A token is sent in a header: one run of printable ASCII without spaces.
+pub fn is_usable(token: &str) -> bool {
+    !token.is_empty() && token.bytes().all(|b| b.is_ascii_graphic())
+}
+
+fn new_token() -> String {
+    let mut bytes = [0u8; TOKEN_BYTES];
+    rand::rng().fill_bytes(&mut bytes);
+    hex::encode(bytes)
+}
+
+/// Where nodes list their tokens, if this user has such a place.
+fn runtime_dir() -> Option<PathBuf> {
+    let from_env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    if let Some(dir) = from_env(RUNTIME_DIR_ENV) {
+        return Some(PathBuf::from(dir));
+    }
+    if let Some(dir) = from_env("XDG_RUNTIME_DIR") {
+        return Some(PathBuf::from(dir).join("p2ptrain"));
+    }
+    if let Some(home) = from_env("HOME") {
+        return Some(PathBuf::from(home).join(".p2ptrain").join("run"));
+    }
+    // No home (a service account, a bare CI box): the temporary folder, one per user.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let uid = std::fs::metadata("/proc/self").ok()?.uid();
+        Some(std::env::temp_dir().join(format!("p2ptrain-run-{uid}")))
+    }
+    #[cfg(not(unix))]
+    None
+}
+
+/// The listing's file for an API address in this process's network namespace: two nodes in
+/// two namespaces (a test lab's hosts) may serve the same loopback address and port.
+fn entry_name(addr: SocketAddr) -> String {
+    format!("{}{}_{}", namespace_prefix(), addr.ip(), addr.port())
+}
+
+/// This process's network namespace as a name prefix (`4026531840_`), where the OS has them.
+fn namespace_prefix() -> String {
+    std::fs::read_link("/proc/self/ns/net")
+        .ok()
+        .map(|link| {
+            let digits: String = link
+                .to_string_lossy()
+                .chars()
+                .filter(char::is_ascii_digit)
+                .collect();
+            format!("{digits}_")
+        })
+        .unwrap_or_default()
+}
+
+/// A node's entry in the runtime listing; removed when dropped (a clean stop).
+#[derive(Debug)]
+pub struct Listed {
+    path: PathBuf,
+}
+
+impl Drop for Listed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Lists `token` under the address the API serves, for the CLI. A box without a runtime or
+/// home directory, or one that cannot be written, only costs the user typing the token (the
+/// reason is logged).
+pub fn list(addr: SocketAddr, token: &str) -> Option<Listed> {
+    list_in(&runtime_dir()?, addr, token)
+}
+
+fn list_in(dir: &Path, addr: SocketAddr, token: &str) -> Option<Listed> {
+    let listed = (|| -> std::io::Result<Listed> {
+        std::fs::create_dir_all(dir)?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        }
+        prune(dir);
+        let path = dir.join(entry_name(addr));
+        let text = format!("{}\n{token}\n", std::process::id());
+        atomic_file::write(&path, text.as_bytes(), Some(0o600), Durability::Cached)?;
+        Ok(Listed { path })
+    })();
+    listed
+        .map_err(|e| {
+            tracing::warn!(
+                "cannot list the API token under {} for the CLI ({e}); pass it with --api-token",
+                dir.display()
+            )
+        })
+        .ok()
+}
+
+/// Removes the entries of processes that are gone (a node killed without a clean stop).
+fn prune(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let pid = std::fs::read_to_string(e.path())
+            .ok()
+            .and_then(|t| t.lines().next()?.trim().parse::<u32>().ok());
+        if pid.is_some_and(|pid| !alive(pid)) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Whether a process is alive, where the OS says so (`/proc`); else assumed alive.
+fn alive(pid: u32) -> bool {
+    let proc = Path::new("/proc");
+    !proc.is_dir() || proc.join(pid.to_string()).exists()
+}
+
+/// The token a node serving at `api` (`host:port` or an `http://` URL) listed for this user,
+/// if any.
+pub fn lookup(api: &str) -> Option<String> {
+    lookup_in(&runtime_dir()?, api)
+}
+
+fn lookup_in(dir: &Path, api: &str) -> Option<String> {
+    let host_port = api
+        .trim_start_matches("http://")
+        .trim_start_matches("https://")
+        .split('/')
+        .next()?;
+    let addrs = host_port.to_socket_addrs().ok()?;
+    addrs.into_iter().find_map(|addr| {
+        let text = std::fs::read_to_string(dir.join(entry_name(addr))).ok()?;
+        let token = text.lines().nth(1)?.trim();
+        is_usable(token).then(|| token.to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The token is made once and read back after (a restart keeps it, so the CLI's listing
+    /// and a Prometheus scrape config stay valid), it is private to the user, and a file that
+    /// holds no usable token is replaced.
+    #[test]
+    fn a_token_is_made_once_private_and_replaced_when_unusable() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let first = load_or_create(tmp.path()).expect("create");
+        assert_eq!(first.len(), 2 * TOKEN_BYTES);
+        assert!(is_usable(&first));
+        assert_eq!(load_or_create(tmp.path()).expect("read"), first);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(tmp.path().join(TOKEN_FILE))
+                .expect("meta")
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+        std::fs::write(tmp.path().join(TOKEN_FILE), "two words\n").expect("write");
+        let second = load_or_create(tmp.path()).expect("replace");
+        assert_ne!(second, first);
+        assert!(is_usable(&second));
+        assert_ne!(
+            load_or_create(tempfile::tempdir().expect("tmp").path()).ok(),
+            Some(second)
+        );
+    }
+
+    /// What a node lists is what the CLI finds from the address alone, in any of the forms a
+    /// user writes it; the entry goes at a clean stop, and an entry of a dead process is
+    /// pruned by the next node that lists itself.
+    #[test]
+    fn the_cli_finds_a_listed_token_by_address_until_the_node_stops() {
+        let runtime = tempfile::tempdir().expect("tmp");
+        let dir = runtime.path().join("p2ptrain");
+        let addr: SocketAddr = "127.0.0.1:45123".parse().expect("addr");
+        let listed = list_in(&dir, addr, "abc123").expect("listed");
+        for form in [
+            "127.0.0.1:45123",
+            "http://127.0.0.1:45123",
+            "http://127.0.0.1:45123/",
+        ] {
+            assert_eq!(lookup_in(&dir, form).as_deref(), Some("abc123"), "{form}");
+        }
+        assert_eq!(lookup_in(&dir, "127.0.0.1:45124"), None);
+        drop(listed);
+        assert_eq!(lookup_in(&dir, "127.0.0.1:45123"), None);
+        // A dead process's entry (pid beyond any the kernel hands out) is pruned.
+        let stale = dir.join(entry_name("127.0.0.1:45125".parse().expect("addr")));
+        std::fs::write(&stale, "4294967295\nold\n").expect("write");
+        let _other = list_in(&dir, "127.0.0.1:45126".parse().expect("addr"), "def");
+        assert!(!stale.exists() || !Path::new("/proc").is_dir());
+    }
+}

@@ -140,11 +140,12 @@ fn all_but(nodes: &[Node], skip: usize) -> Vec<&Node> {
         .collect()
 }
 
-/// The index of the node held as a neighbour by the most others, and by how many.
+/// The index of the node held as a neighbour by the most others, and by how many. Every node
+/// must answer: one that does not would count as holding nobody.
 fn most_held(nodes: &[Node], ids: &[String]) -> (usize, usize) {
     let sets: Vec<Vec<String>> = nodes
         .iter()
-        .map(|n| n.status().map(|s| neighbours(&s)).unwrap_or_default())
+        .map(|n| neighbours(&n.status().expect("a live node's status")))
         .collect();
     (0..ids.len())
         .map(|i| (i, sets.iter().filter(|s| s.contains(&ids[i])).count()))
@@ -492,8 +493,8 @@ fn churn_run(churn: bool, secs: u64) -> ChurnRun {
 /// two full-sync intervals (a node that stops answering counts as stopped), each node holds
 /// four of the ten digits ([`churn_config`]) and the mesh teaches every node of either run
 /// the others (above a lone control on one part, beside it in the same run: see
-/// [`MESH_TAUGHT`]), churn costs the survivors' mean accuracy at most [`CHURN_COST`] against
-/// the churn-free mesh's, every node that joined took up the mesh's
+/// [`MESH_TAUGHT`]), churn costs at most half of what the mesh teaches ([`CHURN_KEEPS`]),
+/// every node that joined took up the mesh's
 /// progress (a restarted one from its checkpoint, a fresh one from a donor: at least 90% of
 /// the anchor's step when it started), no node rejects an update, and the longest-lived node's live heap
 /// (its allocator's count, status `memory.heap_bytes`) grows by at most 1% per kill and join
@@ -566,11 +567,14 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
             );
         }
     }
+    let gain = |run: &ChurnRun| mean(&run.accuracies) - run.lone_accuracy;
     assert!(
-        mean(&churned.accuracies) >= mean(&calm.accuracies) - CHURN_COST,
-        "survivors' mean accuracy {:.4} vs churn-free {:.4}: churn cost more than {CHURN_COST}",
-        mean(&churned.accuracies),
-        mean(&calm.accuracies)
+        gain(&churned) >= CHURN_KEEPS * gain(&calm),
+        "the churned mesh taught {:.4} over its lone control, the churn-free one {:.4}: churn \
+         cost more than {:.0}% of it",
+        gain(&churned),
+        gain(&calm),
+        (1.0 - CHURN_KEEPS) * 100.0
     );
     // The mesh, not only the model: every node that joined took up the mesh's progress, a restarted one from its own checkpoint
     // and a fresh one from a donor, and no node rejected an honest update.
@@ -625,9 +629,10 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
 /// against a bound of 0.457 where this machine's runs had 0.53 and more.
 const MESH_TAUGHT: f64 = 0.05;
 
-/// How much churn may cost the survivors' mean accuracy against the churn-free mesh's (nodes
-/// of one churn-free run spread 0.53-0.64; measured: churn-free mean 0.585, churned 0.626).
-const CHURN_COST: f64 = 0.1;
+/// How much of what the mesh teaches churn may cost: the survivors' mean gain over the lone
+/// control must be at least this share of the churn-free mesh's (measured: churn-free gain
+/// 0.178, churned 0.219; nodes of one churn-free run spread 0.53-0.64).
+const CHURN_KEEPS: f64 = 0.5;
 
 /// A node's live heap as its status counts it.
 fn heap_bytes(status: &Value) -> Option<u64> {

@@ -599,8 +599,19 @@ pub fn recent_median_accuracy(data_dir: &Path, window: Duration) -> f64 {
         .filter(|e| e.0 + window_ms >= end)
         .map(|e| e.1)
         .collect();
+    assert!(
+        recent.len() >= 3,
+        "{}: {} evaluations in the last {window:?}, too few for a median",
+        data_dir.display(),
+        recent.len()
+    );
     recent.sort_by(f64::total_cmp);
-    recent[recent.len() / 2]
+    let half = recent.len() / 2;
+    if recent.len().is_multiple_of(2) {
+        (recent[half - 1] + recent[half]) / 2.0
+    } else {
+        recent[half]
+    }
 }
 
 /// Every evaluation a node logged (`evals.jsonl` in its data directory), oldest first: each

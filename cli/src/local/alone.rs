@@ -111,7 +111,8 @@ pub(super) async fn lone_to_target(
         flags,
         cores.as_deref(),
     )?]);
-    let client = Client::new(&wait_api(&dir, &mut child.0[0]).await?, None)?;
+    let api = wait_api(&dir, &mut child.0[0]).await?;
+    let client = Client::new(&api, p2ptrain_daemon::control::token::read(&dir))?;
     let limit = args
         .duration
         .map_or(TARGET_TIMEOUT, |d| Duration::from_secs_f64(d.max(0.0)));

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use p2ptrain_daemon::config::{reaches_target, Overrides, PartitionKind};
+use p2ptrain_daemon::control::token;
 use p2ptrain_daemon::status::Status;
 use p2ptrain_daemon::trainer::EvalRecord;
 use p2ptrain_daemon::Config;
@@ -207,7 +208,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
         place_of(0),
     )?);
     let first_api = wait_api(&dirs[0], &mut children.0[0]).await?;
-    let first = Client::new(&first_api, None)?;
+    let first = Client::new(&first_api, token::read(&dirs[0]))?;
     let bootstrap = {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -238,7 +239,7 @@ async fn run_mesh(args: &LocalArgs, base: &Path) -> Result<LocalSummary> {
     let mut clients = vec![first];
     for (i, dir) in dirs.iter().enumerate().skip(1) {
         let api = wait_api(dir, &mut children.0[i]).await?;
-        clients.push(Client::new(&api, None)?);
+        clients.push(Client::new(&api, token::read(dir))?);
     }
 
     let target = args.target;

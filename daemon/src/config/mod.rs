@@ -289,6 +289,7 @@ impl Config {
             return Err(err("checkpoint.keep must be at least 1".into()));
         }
         raw.sync.check().map_err(err)?;
+        raw.api.check().map_err(err)?;
 
         let config = Config {
             origin: origin.to_string(),

@@ -126,6 +126,23 @@ pub struct ApiConfig {
     pub allowed_hosts: Vec<String>,
 }
 
+impl ApiConfig {
+    /// A host name is matched against the `Host` header's name alone: one written with a
+    /// scheme, a port or a path would never match, silently.
+    pub fn check(&self) -> Result<(), String> {
+        match self
+            .allowed_hosts
+            .iter()
+            .find(|h| h.is_empty() || h.contains([':', '/', '@', ' ']))
+        {
+            Some(h) => Err(format!(
+                "api.allowed_hosts: {h:?} is not a bare host name (no scheme, port or path)"
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 impl Default for ApiConfig {
     fn default() -> ApiConfig {
         ApiConfig {

@@ -489,3 +489,18 @@ fn a_target_is_bits_per_byte_for_a_gpt_an_accuracy_otherwise_and_never_out_of_re
     assert!(!reaches_target(Some(2.8), 1.0, Some(2.81)));
     assert!(!reaches_target(None, 1.0, Some(0.0)));
 }
+
+/// Host names for the control API are bare names, lower or upper case; one written with a
+/// port or a scheme is refused at load, not left to never match.
+#[test]
+fn api_allowed_hosts_are_bare_names() {
+    let with = |hosts: &str| format!("{DEFAULT_CONFIG_TOML}\n[api]\nallowed_hosts = {hosts}\n");
+    let c = Config::parse(&with(r#"["labbox.lan", "Box2"]"#), "x.toml", None).expect("parse");
+    assert_eq!(c.api.allowed_hosts, ["labbox.lan", "Box2"]);
+    for bad in [r#"["labbox.lan:7070"]"#, r#"["http://labbox"]"#, r#"[""]"#] {
+        let e = Config::parse(&with(bad), "x.toml", None)
+            .expect_err("must fail")
+            .to_string();
+        assert!(e.contains("api.allowed_hosts"), "{bad}: {e}");
+    }
+}

@@ -90,7 +90,11 @@ impl Access {
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|v| {
+                // The scheme's name is case-insensitive (RFC 7235).
+                let (scheme, token) = v.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then_some(token)
+            })
             .or_else(|| query_token(query))
             .unwrap_or("");
         if !same_secret(given.as_bytes(), self.token.as_bytes()) {
@@ -151,6 +155,7 @@ mod tests {
         let host = (header::HOST, "127.0.0.1:7070");
         let with = |auth: &str| headers(&[host.clone(), (header::AUTHORIZATION, auth)]);
         assert_eq!(refused(&with("Bearer s3cret"), None), None);
+        assert_eq!(refused(&with("bearer s3cret"), None), None);
         assert_eq!(
             refused(
                 &headers(std::slice::from_ref(&host)),

@@ -1,8 +1,11 @@
 //! Serving the control API's connections with bounds a client cannot hold open: at most
-//! [`MAX_CONNECTIONS`] at once (one more is closed at once, and counted), and a request's
-//! headers must arrive within [`HEADER_READ_TIMEOUT`] (a client that sends them a byte at a
-//! time, or opens connections and sends nothing, gives its slot back). `axum::serve` has
-//! neither bound, so connections are accepted here and handed to hyper's HTTP/1 server.
+//! [`MAX_CONNECTIONS`] at once (one more is closed at once, told 503 where its socket takes
+//! it, and counted),
+//! and a request's headers must arrive within [`HEADER_READ_TIMEOUT`], the first and each
+//! next one on a kept-alive connection (a client that sends them a byte at a time, or opens
+//! connections and sends nothing, gives its slot back after that). `axum::serve` has neither
+//! bound, so connections are accepted here and handed to hyper's HTTP/1 server. At stop each
+//! connection finishes the request under way and closes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,7 +15,8 @@ use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::{oneshot, watch, Semaphore};
+use tokio::task::JoinSet;
 
 /// Connections served at once: the CLI, a browser page or two and a scraper need a few.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -50,8 +54,13 @@ impl Refused {
     }
 }
 
-/// Serves `router` on `listener` until `stop` fires (or its sender is dropped). Connections
-/// under way are served to their end on their own tasks.
+/// What a connection beyond the cap is told before it is closed.
+const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n\
+Content-Length: 40\r\nConnection: close\r\n\r\ntoo many connections to the control API\r\n";
+
+/// Serves `router` on `listener` until `stop` fires (or its sender is dropped); then every
+/// open connection finishes the request under way and closes, and this returns when all
+/// have (the caller bounds how long it waits).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
@@ -60,9 +69,13 @@ pub async fn serve(
     limits: Limits,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let (closing_tx, closing_rx) = watch::channel(false);
+    let mut connections = JoinSet::new();
     loop {
         let stream = tokio::select! {
-            _ = &mut stop => return,
+            _ = &mut stop => break,
+            // Finished connections' tasks are reaped as they end.
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(e) => {
@@ -77,25 +90,40 @@ pub async fn serve(
             let n = refused.0.fetch_add(1, Ordering::Relaxed) + 1;
             if n.is_power_of_two() {
                 tracing::warn!(
-                    "control API: {n} connections closed at once, {} being open",
+                    "control API: {n} connections refused, {} being open",
                     limits.max_connections
                 );
             }
+            // Told why, if its socket takes the few bytes at once; never waited on.
+            let _ = stream.try_write(BUSY);
             continue;
         };
         let service = TowerToHyperService::new(router.clone());
-        tokio::spawn(async move {
-            let served = hyper::server::conn::http1::Builder::new()
+        let mut closing = closing_rx.clone();
+        connections.spawn(async move {
+            let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout)
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+                .serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(connection);
+            let served = tokio::select! {
+                served = connection.as_mut() => served,
+                () = async {
+                    // The guard the wait answers is dropped here, not held across the close.
+                    let _ = closing.wait_for(|closing| *closing).await;
+                } => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
             if let Err(e) = served {
                 tracing::debug!("control API connection: {e}");
             }
             drop(slot);
         });
     }
+    let _ = closing_tx.send(true);
+    while connections.join_next().await.is_some() {}
 }
 
 #[cfg(test)]
@@ -112,12 +140,18 @@ mod tests {
     };
 
     async fn started() -> (std::net::SocketAddr, oneshot::Sender<()>, Arc<Refused>) {
+        started_with(LIMITS).await
+    }
+
+    async fn started_with(
+        limits: Limits,
+    ) -> (std::net::SocketAddr, oneshot::Sender<()>, Arc<Refused>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (stop_tx, stop_rx) = oneshot::channel();
         let refused = Arc::new(Refused::default());
         let router = Router::new().route("/", get(|| async { "ok" }));
-        tokio::spawn(serve(listener, router, stop_rx, refused.clone(), LIMITS));
+        tokio::spawn(serve(listener, router, stop_rx, refused.clone(), limits));
         (addr, stop_tx, refused)
     }
 
@@ -131,11 +165,17 @@ mod tests {
         Some(reply)
     }
 
-    /// Clients that open connections and send nothing take every slot: one more is closed
-    /// at once and counted, and once the silent ones are dropped the API answers again.
+    /// Clients that open connections and send nothing take every slot: one more is closed at
+    /// once (told 503 where the close does not reset it) and counted; once the silent ones are dropped the API answers
+    /// again. (A long header timeout here, so that the silent ones keep their slots however
+    /// loaded the box.)
     #[tokio::test]
     async fn connections_beyond_the_cap_are_closed_and_slots_come_back() {
-        let (addr, _stop, refused) = started().await;
+        let (addr, _stop, refused) = started_with(Limits {
+            header_read_timeout: Duration::from_secs(60),
+            ..LIMITS
+        })
+        .await;
         let mut silent = Vec::new();
         for _ in 0..LIMITS.max_connections {
             silent.push(TcpStream::connect(addr).await.expect("connect"));
@@ -143,7 +183,11 @@ mod tests {
         // Let the server accept them all.
         tokio::time::sleep(Duration::from_millis(200)).await;
         let reply = get_root(addr).await.unwrap_or_default();
-        assert!(!reply.contains("ok"), "served beyond the cap: {reply}");
+        // Told 503, or reset where its request came in before the close: never served.
+        assert!(
+            reply.is_empty() || reply.starts_with("HTTP/1.1 503"),
+            "served beyond the cap: {reply}"
+        );
         assert_eq!(refused.count(), 1);
         drop(silent);
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -152,6 +196,42 @@ mod tests {
             reply.starts_with("HTTP/1.1 200") && reply.ends_with("ok"),
             "{reply}"
         );
+    }
+
+    /// At stop the server returns once its open connections have closed: a kept-alive one
+    /// is closed rather than left serving a stopped node.
+    #[tokio::test]
+    async fn at_stop_kept_alive_connections_close_and_the_server_returns() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let router = Router::new().route("/", get(|| async { "ok" }));
+        let server = tokio::spawn(serve(
+            listener,
+            router,
+            stop_rx,
+            Arc::default(),
+            Limits {
+                header_read_timeout: Duration::from_secs(60),
+                ..LIMITS
+            },
+        ));
+        let mut kept = TcpStream::connect(addr).await.expect("connect");
+        kept.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let mut first = [0u8; 256];
+        let n = kept.read(&mut first).await.expect("read");
+        assert!(first[..n].starts_with(b"HTTP/1.1 200"));
+        let _ = stop_tx.send(());
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .expect("the server returned")
+            .expect("joined");
+        let mut rest = Vec::new();
+        let closed =
+            tokio::time::timeout(Duration::from_secs(5), kept.read_to_end(&mut rest)).await;
+        assert!(closed.is_ok(), "the kept-alive connection is still open");
     }
 
     /// A client that sends half its headers and then nothing is cut off once the header

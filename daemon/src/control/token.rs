@@ -29,17 +29,33 @@ const TOKEN_BYTES: usize = 32;
 /// The token kept in `data_dir`, created at the first start. A file that holds no usable
 /// token (empty, or not one line of printable ASCII) is replaced by a new one.
 pub fn load_or_create(data_dir: &Path) -> std::io::Result<String> {
+    if let Some(token) = read(data_dir) {
+        return Ok(token);
+    }
     let path = data_dir.join(TOKEN_FILE);
-    if let Ok(text) = std::fs::read_to_string(&path) {
-        let token = text.trim();
-        if is_usable(token) {
-            return Ok(token.to_string());
-        }
+    if path.exists() {
         tracing::warn!("{} holds no usable token: making a new one", path.display());
     }
     let token = new_token();
-    atomic_file::write(&path, token.as_bytes(), Some(0o600), Durability::Flushed)?;
+    keep(data_dir, &token)?;
     Ok(token)
+}
+
+/// Keeps `token` in `data_dir` (a token given with `--api-token` too), so that whatever reads
+/// the file (a scrape config, a script, `local`) has the one the node asks for.
+pub fn keep(data_dir: &Path, token: &str) -> std::io::Result<()> {
+    if read(data_dir).as_deref() == Some(token) {
+        return Ok(());
+    }
+    let path = data_dir.join(TOKEN_FILE);
+    atomic_file::write(&path, token.as_bytes(), Some(0o600), Durability::Flushed)
+}
+
+/// The token a node keeps in `data_dir`, if it holds a usable one.
+pub fn read(data_dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(data_dir.join(TOKEN_FILE)).ok()?;
+    let token = text.trim();
+    is_usable(token).then(|| token.to_string())
 }
 
 /// A token is sent in a header: one run of printable ASCII without spaces.
@@ -76,25 +92,34 @@ fn runtime_dir() -> Option<PathBuf> {
     None
 }
 
-/// The listing's file for an API address in this process's network namespace: two nodes in
-/// two namespaces (a test lab's hosts) may serve the same loopback address and port.
+/// The listing's file for an API address: this boot of this machine (a home directory may be
+/// shared between boxes), this process's network namespace (two of a test lab's hosts may
+/// serve the same loopback address and port), the address.
 fn entry_name(addr: SocketAddr) -> String {
-    format!("{}{}_{}", namespace_prefix(), addr.ip(), addr.port())
+    format!("{}{}_{}", entry_prefix(), addr.ip(), addr.port())
 }
 
-/// This process's network namespace as a name prefix (`4026531840_`), where the OS has them.
-fn namespace_prefix() -> String {
-    std::fs::read_link("/proc/self/ns/net")
-        .ok()
+/// `<boot id>_<network namespace>_`, where the OS has them (Linux), else empty.
+fn entry_prefix() -> String {
+    let boot: String = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .unwrap_or_default()
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(12)
+        .collect();
+    let namespace: String = std::fs::read_link("/proc/self/ns/net")
         .map(|link| {
-            let digits: String = link
-                .to_string_lossy()
+            link.to_string_lossy()
                 .chars()
                 .filter(char::is_ascii_digit)
-                .collect();
-            format!("{digits}_")
+                .collect()
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    if boot.is_empty() && namespace.is_empty() {
+        String::new()
+    } else {
+        format!("{boot}_{namespace}_")
+    }
 }
 
 /// A node's entry in the runtime listing; removed when dropped (a clean stop).
@@ -104,9 +129,23 @@ pub struct Listed {
 }
 
 impl Drop for Listed {
+    /// Removes the entry unless a newer node on the same address has written its own.
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if entry_pid(&self.path) == Some(std::process::id()) {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
+}
+
+/// The pid an entry names.
+fn entry_pid(path: &Path) -> Option<u32> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .lines()
+        .next()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Lists `token` under the address the API serves, for the CLI. A box without a runtime or
@@ -118,12 +157,7 @@ pub fn list(addr: SocketAddr, token: &str) -> Option<Listed> {
 
 fn list_in(dir: &Path, addr: SocketAddr, token: &str) -> Option<Listed> {
     let listed = (|| -> std::io::Result<Listed> {
-        std::fs::create_dir_all(dir)?;
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-        }
+        private_dir(dir)?;
         prune(dir);
         let path = dir.join(entry_name(addr));
         let text = format!("{}\n{token}\n", std::process::id());
@@ -140,16 +174,48 @@ fn list_in(dir: &Path, addr: SocketAddr, token: &str) -> Option<Listed> {
         .ok()
 }
 
-/// Removes the entries of processes that are gone (a node killed without a clean stop).
+/// Makes `dir` (mode 0700) or checks the one there: a real folder, not a link, of this user
+/// and no one else's (in a shared temporary folder another user could have made it first).
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let meta = std::fs::symlink_metadata(dir)?;
+        let own_uid = std::fs::metadata("/proc/self").map(|m| m.uid()).ok();
+        let mine = own_uid.is_none_or(|uid| meta.uid() == uid);
+        if !meta.is_dir() || !mine {
+            return Err(std::io::Error::other(
+                "not a folder of this user's (a link, or another user's)",
+            ));
+        }
+        if meta.permissions().mode() & 0o077 != 0 {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        }
+        Ok(())
+    }
+    #[cfg(not(unix))]
+    std::fs::create_dir_all(dir)
+}
+
+/// Removes the entries of this boot's processes that are gone (a node killed without a clean
+/// stop); another box's or boot's entries are left to their own.
 fn prune(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
+    let prefix = entry_prefix();
+    let boot = prefix.split('_').next().unwrap_or("");
     for e in entries.flatten() {
-        let pid = std::fs::read_to_string(e.path())
-            .ok()
-            .and_then(|t| t.lines().next()?.trim().parse::<u32>().ok());
-        if pid.is_some_and(|pid| !alive(pid)) {
+        let ours = e.file_name().to_string_lossy().starts_with(boot);
+        if ours && entry_pid(&e.path()).is_some_and(|pid| !alive(pid)) {
             let _ = std::fs::remove_file(e.path());
         }
     }
@@ -174,8 +240,22 @@ fn lookup_in(dir: &Path, api: &str) -> Option<String> {
         .split('/')
         .next()?;
     let addrs = host_port.to_socket_addrs().ok()?;
-    addrs.into_iter().find_map(|addr| {
-        let text = std::fs::read_to_string(dir.join(entry_name(addr))).ok()?;
+    // A node bound to every address (0.0.0.0 or ::) is listed under that one.
+    let candidates = addrs.flat_map(|addr| {
+        let any = match addr {
+            SocketAddr::V4(_) => SocketAddr::from(([0, 0, 0, 0], addr.port())),
+            SocketAddr::V6(_) => SocketAddr::from(([0u16; 8], addr.port())),
+        };
+        [addr, any]
+    });
+    candidates.into_iter().find_map(|addr| {
+        let path = dir.join(entry_name(addr));
+        // An entry of a node that is gone is no one's: whoever serves that address now may
+        // be someone else, and must not be handed the old token.
+        if !entry_pid(&path).is_some_and(alive) {
+            return None;
+        }
+        let text = std::fs::read_to_string(&path).ok()?;
         let token = text.lines().nth(1)?.trim();
         is_usable(token).then(|| token.to_string())
     })
@@ -236,7 +316,22 @@ mod tests {
         // A dead process's entry (pid beyond any the kernel hands out) is pruned.
         let stale = dir.join(entry_name("127.0.0.1:45125".parse().expect("addr")));
         std::fs::write(&stale, "4294967295\nold\n").expect("write");
+        // A gone node's token is handed to no one, then pruned by the next node listed.
+        assert_eq!(lookup_in(&dir, "127.0.0.1:45125"), None);
         let _other = list_in(&dir, "127.0.0.1:45126".parse().expect("addr"), "def");
         assert!(!stale.exists() || !Path::new("/proc").is_dir());
+        // A node bound to every address is found by its loopback address.
+        let _any = list_in(&dir, "0.0.0.0:45127".parse().expect("addr"), "ghi");
+        assert_eq!(lookup_in(&dir, "127.0.0.1:45127").as_deref(), Some("ghi"));
+        // The listing's folder is the user's alone, and a link in its place is refused.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&dir).expect("dir").permissions().mode();
+            assert_eq!(mode & 0o777, 0o700);
+            let link = runtime.path().join("link");
+            std::os::unix::fs::symlink(runtime.path(), &link).expect("symlink");
+            assert!(list_in(&link, "127.0.0.1:45128".parse().expect("addr"), "x").is_none());
+        }
     }
 }

@@ -24,10 +24,20 @@ pub(super) fn serve_api(
     // Listed for the CLI before the address file is written: whoever reads the address can
     // find the token.
     let listed = control::token::list(api_addr, &access.token);
-    println!(
-        "p2ptrain node {}: status page http://{api_addr}/?token={}",
-        shared.peer_id, access.token
-    );
+    // The page's address with its token on a terminal, as Jupyter prints it; where the
+    // output goes to a log others may read, where the token is kept instead.
+    if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        println!(
+            "p2ptrain node {}: status page http://{api_addr}/?token={}",
+            shared.peer_id, access.token
+        );
+    } else {
+        println!(
+            "p2ptrain node {}: status page http://{api_addr}/?token=<the token in {}>",
+            shared.peer_id,
+            shared.data_dir.join(control::token::TOKEN_FILE).display()
+        );
+    }
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let router = control::router(shared.clone(), access);
     let server = tokio::spawn(control::serve::serve(
@@ -59,8 +69,9 @@ pub(super) struct ServedApi {
 }
 
 impl ServedApi {
-    /// Stops serving: the open requests get 5 s to drain (a client that never finishes one
-    /// cannot hold the node up), then the address file and the listing go.
+    /// Stops serving: the connections open are closed once their requests under way are
+    /// answered, within 5 s (a client that never finishes one cannot hold the node up), then
+    /// the address file and the listing go.
     pub(super) async fn stop(self) {
         let _ = self.stop_tx.send(());
         let mut server = self.server;
@@ -89,15 +100,17 @@ pub(super) fn api_access(
     opts: &Options,
     data_dir: &Path,
 ) -> Result<control::access::Access, NodeError> {
-    let token = match opts.api_token.clone() {
-        Some(token) => token,
-        None => control::token::load_or_create(data_dir).map_err(|e| {
-            NodeError::DataDir(format!(
-                "{}: {e}",
-                data_dir.join(control::token::TOKEN_FILE).display()
-            ))
-        })?,
+    let kept = match opts.api_token.as_deref() {
+        // Kept too, so that what reads the file has the token the node asks for.
+        Some(token) => control::token::keep(data_dir, token).map(|()| token.to_string()),
+        None => control::token::load_or_create(data_dir),
     };
+    let token = kept.map_err(|e| {
+        NodeError::DataDir(format!(
+            "{}: {e}",
+            data_dir.join(control::token::TOKEN_FILE).display()
+        ))
+    })?;
     Ok(control::access::Access {
         token,
         allowed_hosts: config

@@ -2,6 +2,7 @@
 //! listen address.
 
 use super::*;
+use p2ptrain_daemon::control::token;
 
 pub(super) fn spawn(
     bench: &Bench,
@@ -44,6 +45,10 @@ pub(super) fn status(dir: &Path, netns: Option<&str>) -> Option<serde_json::Valu
             .args(["netns", "exec", ns])
             .arg(exe)
             .args(["status", "--json", "--api", addr])
+            .env(
+                p2ptrain_daemon::control::TOKEN_ENV,
+                token::read(dir).unwrap_or_default(),
+            )
             .output()
             .ok()?;
         return serde_json::from_slice(&out.stdout).ok();
@@ -58,11 +63,9 @@ pub(super) fn status(dir: &Path, netns: Option<&str>) -> Option<serde_json::Valu
             .timeout(Duration::from_secs(5))
             .build()
             .ok()?;
-        let token = std::fs::read_to_string(dir.join(p2ptrain_daemon::control::token::TOKEN_FILE))
-            .unwrap_or_default();
         client
             .get(url)
-            .bearer_auth(token.trim())
+            .bearer_auth(token::read(dir).unwrap_or_default())
             .send()
             .await
             .ok()?

@@ -230,6 +230,23 @@ pub fn peers_table(s: &Status) -> String {
             link.remote.as_deref().unwrap_or(&link.address)
         ));
     }
+    let offenders: Vec<_> = s
+        .peers
+        .list
+        .iter()
+        .filter(|p| p.link.offences > 0)
+        .collect();
+    if !offenders.is_empty() {
+        out.push_str("\noffences (what a ban would name):\n");
+        for p in offenders {
+            out.push_str(&format!(
+                "  {}: {} (last: {})\n",
+                p.link.peer_id,
+                p.link.offences,
+                p.link.last_offence.as_deref().unwrap_or("-")
+            ));
+        }
+    }
     if !s.network.banned_peers.is_empty() {
         out.push_str("\nbanned:\n");
         for b in &s.network.banned_peers {

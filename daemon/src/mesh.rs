@@ -283,8 +283,8 @@ impl MeshActor {
                 let _ = self.net.validate(id, source, acceptance).await;
             }
             Output::Offence { peer, why } => self.net.report_offence(peer, why),
-            Output::SyncRefused(peer) => {
-                let _ = self.net.sync_refused(peer).await;
+            Output::Penalise(peer) => {
+                let _ = self.net.penalise(peer).await;
             }
             Output::Forget(peer) => {
                 let _ = self.net.forget(peer).await;

@@ -559,6 +559,8 @@ mod tests {
                 remote: None,
                 bytes_sent: Some(1000),
                 bytes_received: Some(2000),
+                offences: 0,
+                last_offence: None,
             },
             neighbour: true,
             heartbeat: Some(crate::wire::Heartbeat {

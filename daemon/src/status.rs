@@ -425,6 +425,8 @@ pub(crate) mod tests {
             remote: None,
             bytes_sent: Some(10),
             bytes_received: Some(20),
+            offences: 0,
+            last_offence: None,
         };
         let heard = PeerStatus {
             link: link.clone(),

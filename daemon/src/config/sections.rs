@@ -314,6 +314,10 @@ pub struct SyncConfig {
     /// averaged; below it the bound follows recent accepted syncs (see
     /// [`crate::sync_guard`]). In (0, 1): a reply scaled by 2, or zeros, is at 1.
     pub max_sync_distance: f64,
+    /// Synchronous modes: seconds an attempt of a round may make no progress before it is
+    /// aborted and retried (a member hung without closing its connection, or one that takes
+    /// hops and never forwards them). A local setting: members may differ.
+    pub stall_timeout_secs: f64,
 }
 
 impl Default for SyncConfig {
@@ -344,6 +348,7 @@ impl Default for SyncConfig {
             max_updates_per_sec: 200.0,
             clip_value: 0.0,
             max_sync_distance: crate::sync_guard::DEFAULT_MAX_SYNC_DISTANCE,
+            stall_timeout_secs: crate::mesh_core::rounds::STALL_TIMEOUT.as_secs_f64(),
         }
     }
 }
@@ -477,6 +482,12 @@ impl SyncConfig {
             batch: batch_size,
             balance: self.balance_batches && self.mode == SyncMode::Ddp,
             outer_state: self.mode == SyncMode::Diloco,
+            stall_timeout: std::time::Duration::from_secs_f64(self.stall_timeout_secs),
+            max_weight: if self.mode == SyncMode::Fedavg {
+                f32::INFINITY
+            } else {
+                1.0
+            },
         })
     }
 
@@ -506,6 +517,14 @@ impl SyncConfig {
             return Err(format!(
                 "sync.max_sync_distance = {} must be a number in (0, 1): a reply of zeros or scaled by 2 is at 1",
                 self.max_sync_distance
+            ));
+        }
+        // Below a second an honest member still training towards the boundary, or sending a
+        // hop of a large model over a home link, would abort every attempt.
+        if !(self.stall_timeout_secs >= 1.0 && self.stall_timeout_secs <= 86_400.0) {
+            return Err(format!(
+                "sync.stall_timeout_secs = {} must be a number of seconds from 1 to 86400",
+                self.stall_timeout_secs
             ));
         }
         if !(self.clip_value >= 0.0 && self.clip_value.is_finite()) {

@@ -448,6 +448,36 @@ fn ddp_rounds_sum_gradients_every_step_with_a_parameter_round_every_resync_every
     assert!(e.contains("sync.resync_every"), "{e}");
 }
 
+/// The stall timeout reaches the rounds, and one that would abort honest attempts (under a
+/// second) or never (not a number) is refused at load.
+#[test]
+fn the_stall_timeout_is_a_setting_of_whole_seconds_or_more() {
+    let with = |v: &str| {
+        Config::parse(
+            &format!(
+                "{DEFAULT_CONFIG_TOML}\n[sync]\nmode = \"allreduce\"\nstall_timeout_secs = {v}\n"
+            ),
+            "x.toml",
+            None,
+        )
+    };
+    let rc = with("2.5")
+        .expect("valid")
+        .sync
+        .rounds(100, 32)
+        .expect("rounds");
+    assert_eq!(rc.stall_timeout, std::time::Duration::from_millis(2500));
+    let default = Config::load(None).expect("default").sync;
+    assert_eq!(
+        default.stall_timeout_secs,
+        crate::mesh_core::rounds::STALL_TIMEOUT.as_secs_f64()
+    );
+    for bad in ["0.5", "0", "-3", "nan", "inf", "1e9"] {
+        let e = with(bad).expect_err(bad).to_string();
+        assert!(e.contains("sync.stall_timeout_secs"), "{bad}: {e}");
+    }
+}
+
 #[test]
 fn a_target_is_bits_per_byte_for_a_gpt_an_accuracy_otherwise_and_never_out_of_reach() {
     let with = |text: &str, target: &str| {

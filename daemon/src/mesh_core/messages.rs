@@ -291,8 +291,10 @@ pub enum Output {
         /// What it did.
         why: String,
     },
-    /// Lower a peer's score for a refused full-sync reply.
-    SyncRefused(PeerId),
+    /// Lower a peer's score for a provable offence outside gossip, where gossipsub's own
+    /// rejection count cannot see it: a refused full-sync reply, a ring hop no honest member
+    /// sends. Enough of them in a short time ban the peer (see [`crate::scoring::Refusals`]).
+    Penalise(PeerId),
     /// Forget a peer that said goodbye (no redial).
     Forget(PeerId),
     /// Fetch an announced update from its author, then report [`Input::Fetched`].

@@ -352,7 +352,7 @@ impl Syncs {
                     peer,
                     why: format!("refused full-sync reply: {why}"),
                 });
-                out.push(Output::SyncRefused(peer));
+                out.push(Output::Penalise(peer));
             }
         }
         Some(SyncDone { peer, ok: false })
@@ -600,7 +600,7 @@ mod tests {
                 "{text}"
             );
             match &out[..] {
-                [Output::Offence { peer, why }, Output::SyncRefused(refused)] => {
+                [Output::Offence { peer, why }, Output::Penalise(refused)] => {
                     assert_eq!((*peer, *refused), (p, p));
                     assert!(why.starts_with("refused full-sync reply: "), "{why}");
                     assert!(why.contains(text), "{text}: {why}");
@@ -648,7 +648,7 @@ mod tests {
                 Some(SyncDone { peer: p, ok: false })
             );
             match &out[..] {
-                [Output::Offence { peer, why }, Output::SyncRefused(refused)] => {
+                [Output::Offence { peer, why }, Output::Penalise(refused)] => {
                     assert_eq!((*peer, *refused), (p, p));
                     assert_eq!(
                         *why,

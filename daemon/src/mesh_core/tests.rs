@@ -378,6 +378,8 @@ fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
             batch: 32,
             balance: true,
             outer_state: false,
+            stall_timeout: rounds::STALL_TIMEOUT,
+            max_weight: f32::INFINITY,
         },
         true,
     ));
@@ -525,6 +527,8 @@ fn round_config(gradients: Option<u64>, steps: u64, min_members: usize) -> Round
         batch: 32,
         balance: false,
         outer_state: false,
+        stall_timeout: rounds::STALL_TIMEOUT,
+        max_weight: f32::INFINITY,
     }
 }
 
@@ -590,6 +594,8 @@ fn a_ring_of_unsynced_members_under_churn_ends_identical() {
         batch: 32,
         balance: true,
         outer_state: false,
+        stall_timeout: rounds::STALL_TIMEOUT,
+        max_weight: f32::INFINITY,
     };
     let r = Sim::new(SimParams {
         churn_every_ms: 5_000,

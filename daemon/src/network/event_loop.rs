@@ -70,8 +70,9 @@ pub struct EventLoop {
     /// Members that offer the relay service (identify lists the hop protocol): the only
     /// ones a private node asks to relay for it.
     relay_capable: HashSet<PeerId>,
-    /// Refused bulk replies per peer, behind their application score.
-    sync_refusals: scoring::Refusals<PeerId>,
+    /// Provable offences outside gossip per peer (refused full-sync replies, bad ring hops),
+    /// behind their application score.
+    penalties: scoring::Refusals<PeerId>,
     /// libp2p's Prometheus metrics of swarm and protocol events (connections, dials,
     /// identify, ping round trips, Kademlia, gossip messages), registered in the registry the
     /// control API serves.
@@ -139,7 +140,7 @@ impl EventLoop {
             relayed_members: HashMap::new(),
             nat: Nat::new(cfg.relay_server, cfg.upnp),
             relay_capable: HashSet::new(),
-            sync_refusals: scoring::Refusals::default(),
+            penalties: scoring::Refusals::default(),
         }
     }
 
@@ -213,7 +214,7 @@ impl EventLoop {
             self.drop_member(peer);
         }
         let gossip = &mut self.swarm.behaviour_mut().gossipsub;
-        for (peer, score) in self.sync_refusals.decay() {
+        for (peer, score) in self.penalties.decay() {
             gossip.set_application_score(&peer, score);
         }
         self.ban_graylisted(now);
@@ -430,8 +431,8 @@ impl EventLoop {
                 self.last_heard.remove(&peer);
                 let _ = self.swarm.disconnect_peer_id(peer);
             }
-            Command::SyncRefused(peer) => {
-                let score = self.sync_refusals.add(peer);
+            Command::Penalise(peer) => {
+                let score = self.penalties.add(peer);
                 self.swarm
                     .behaviour_mut()
                     .gossipsub
@@ -459,6 +460,8 @@ impl EventLoop {
                 bytes_received: self.traffic.bandwidth.of_peer(id).map(|b| b.1),
                 path: self.links.path(id).map(str::to_string),
                 remote: self.links.remote(id),
+                offences: self.book.offences_of(id).map_or(0, |o| o.0),
+                last_offence: self.book.offences_of(id).map(|o| o.1.to_string()),
                 ..p.clone()
             })
             .collect();

@@ -139,9 +139,10 @@ pub enum Command {
     Snapshot(oneshot::Sender<NetSnapshot>),
     /// A peer left for good: close its connections and stop redialling it.
     Forget(PeerId),
-    /// This node refused a bulk reply of the peer's: lower its application score (see
-    /// [`crate::scoring::Refusals`]), which takes a peer that keeps doing it to the graylist and the ban.
-    SyncRefused(PeerId),
+    /// The peer did what no honest peer does outside gossip (a refused full-sync reply, a
+    /// bad ring hop): lower its application score (see [`crate::scoring::Refusals`]), which
+    /// takes a peer that keeps doing it to the graylist and the ban.
+    Penalise(PeerId),
 }
 
 /// What the network tells the node.
@@ -208,6 +209,13 @@ pub struct PeerInfo {
     /// Bytes received from it.
     #[serde(default)]
     pub bytes_received: Option<u64>,
+    /// Offences this node reported of it (rejected messages, refused syncs, bad ring hops)
+    /// since its last ban ended: what a ban would name. An honest peer has none.
+    #[serde(default)]
+    pub offences: u64,
+    /// The last of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_offence: Option<String>,
 }
 
 /// The network's state for status reports.
@@ -438,9 +446,9 @@ impl Client {
         self.send(Command::Forget(peer)).await
     }
 
-    /// Lowers a peer's score for a refused bulk reply.
-    pub async fn sync_refused(&self, peer: PeerId) -> Result<(), NetError> {
-        self.send(Command::SyncRefused(peer)).await
+    /// Lowers a peer's score for a provable offence outside gossip.
+    pub async fn penalise(&self, peer: PeerId) -> Result<(), NetError> {
+        self.send(Command::Penalise(peer)).await
     }
 }
 

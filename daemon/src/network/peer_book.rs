@@ -188,6 +188,11 @@ impl PeerBook {
         o.last = why;
     }
 
+    /// How many offences of `peer` were reported since its last ban ended, and the last one.
+    pub fn offences_of(&self, peer: &PeerId) -> Option<(u64, &str)> {
+        self.offences.get(peer).map(|o| (o.count, o.last.as_str()))
+    }
+
     /// Ends the bans that are over at `now` (their offences are forgiven with them) and
     /// returns the peers, for the block list to let in again.
     pub fn end_expired_bans(&mut self, now: Instant) -> Vec<PeerId> {
@@ -408,6 +413,10 @@ mod tests {
         let p = PeerId::random();
         book.note_offence(p, "rejected update (bad shape)".into());
         book.note_offence(p, "rejected update (replayed)".into());
+        assert_eq!(
+            book.offences_of(&p),
+            Some((2, "rejected update (replayed)"))
+        );
         let reason = book.ban(p, -123.45, t0, 1_000, None);
         assert_eq!(
             reason,

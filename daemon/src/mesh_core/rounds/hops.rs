@@ -13,6 +13,15 @@ use super::{
 };
 use crate::wire::RingMessage;
 
+/// Reports a hop no honest member sends: named for a ban's reason, logged, and penalised (the
+/// peer's score falls; enough such hops in a short time ban it). Hops travel as bulk
+/// requests, which gossipsub's own rejection count never sees.
+fn offence(out: &mut Vec<Output>, from: PeerId, why: String) {
+    tracing::warn!(peer = %from, "refused a ring hop: {why}");
+    out.push(Output::Offence { peer: from, why });
+    out.push(Output::Penalise(from));
+}
+
 impl Rounds {
     /// A hop from `from`. Hops of a later attempt make this node join it; hops of attempts
     /// it has not reached wait in the inbox; stale ones are dropped. A hop that cannot be
@@ -20,27 +29,22 @@ impl Rounds {
     /// round, attempt or step past any mesh's changes nothing.
     pub fn message(&mut self, from: PeerId, msg: RingMessage, now: Instant, out: &mut Vec<Output>) {
         let Some(values) = decode_values(&msg.values, msg.bf16) else {
-            out.push(Output::Offence {
-                peer: from,
-                why: "ring hop of odd length".into(),
-            });
+            offence(out, from, "ring hop of odd length".into());
             return;
         };
         if !all_finite(&values) {
-            out.push(Output::Offence {
-                peer: from,
-                why: "ring hop with NaN or infinite values".into(),
-            });
+            offence(out, from, "ring hop with NaN or infinite values".into());
             return;
         }
         if msg.round >= ROUND_LIMIT || msg.attempt >= ATTEMPT_LIMIT || msg.step >= STEP_LIMIT {
-            out.push(Output::Offence {
-                peer: from,
-                why: format!(
+            offence(
+                out,
+                from,
+                format!(
                     "ring hop of round {} attempt {} at step {}, past what any mesh reaches",
                     msg.round, msg.attempt, msg.step
                 ),
-            });
+            );
             return;
         }
         // A hop is proof that its sender takes part in rounds now.
@@ -162,24 +166,22 @@ impl Rounds {
             }
             if from != ring.predecessor() {
                 // The same list puts the sender elsewhere: cannot be honest.
-                out.push(Output::Offence {
-                    peer: from,
-                    why: "ring hop out of turn".into(),
-                });
+                offence(out, from, "ring hop out of turn".into());
                 self.abort("hop out of turn", now);
                 return;
             }
             let hop = ring.next_hop;
             let range = ring.received_range(hop);
             if values.len() != range.len() {
-                out.push(Output::Offence {
-                    peer: from,
-                    why: format!(
+                offence(
+                    out,
+                    from,
+                    format!(
                         "ring hop of {} values where {} belong",
                         values.len(),
                         range.len()
                     ),
-                });
+                );
                 self.abort("hop of the wrong size", now);
                 return;
             }

@@ -58,9 +58,9 @@ mod tests;
 /// A member heard ready within this long is put in the ring: three heartbeats, so one lost
 /// heartbeat does not drop it, while a hung member falls out of the next attempt.
 pub const READY_FRESH: Duration = Duration::from_secs(3 * HEARTBEAT_EVERY.as_secs());
-/// An attempt that made no progress for this long is aborted and retried (a member that hung
-/// without closing its connection). An honest member still training towards the boundary
-/// costs only a retry, never a punishment.
+/// By default, an attempt that made no progress for this long is aborted and retried (a
+/// member that hung without closing its connection). An honest member still training towards
+/// the boundary costs only a retry, never a punishment. `sync.stall_timeout_secs` sets it.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(20);
 /// An attempt whose predecessor has sent a hop of the next round, and that made no progress
 /// for this long since that hop came, is aborted; the retry takes the mesh's round. The
@@ -139,6 +139,15 @@ pub struct RoundConfig {
     /// joiner holds the members' bits from its first round on, at three times a round's
     /// bytes once, not in every round.
     pub outer_state: bool,
+    /// An attempt that made no progress for this long is aborted and retried
+    /// (`sync.stall_timeout_secs`, by default [`STALL_TIMEOUT`]).
+    pub stall_timeout: Duration,
+    /// The most any one member's weight can be: 1 where members weigh 1 or less (`allreduce`,
+    /// `diloco`; a `ddp` member with a smaller batch its share; a joiner 0), so a round whose
+    /// weight total exceeds the ring's size was inflated by a member, which shrinks the mean
+    /// towards zero by an amount the distance judge may admit. `f32::INFINITY` in `fedavg`,
+    /// whose weights are the members' sample counts, which nothing proves yet.
+    pub max_weight: f32,
 }
 
 impl RoundConfig {
@@ -429,7 +438,7 @@ impl Rounds {
             // A step report at the boundary may have been dropped: the tick asks instead.
             Stage::Training if training => self.stepped(step, out),
             Stage::Reducing { ring: Some(r), .. }
-                if now.saturating_duration_since(r.last_progress) >= STALL_TIMEOUT =>
+                if now.saturating_duration_since(r.last_progress) >= self.cfg.stall_timeout =>
             {
                 self.abort("stalled", now);
             }
@@ -683,6 +692,18 @@ impl Rounds {
     ) {
         let total = acc.pop().unwrap_or(0.0);
         let gradient = self.cfg.sums_gradients(round);
+        // Every member sees the same total (the all-gather copies it), so all refuse alike.
+        let most = self.cfg.max_weight * self.ring_size as f32 * (1.0 + 1e-5);
+        if !(total.is_finite() && total <= most) {
+            tracing::warn!(
+                round,
+                total,
+                ring = self.ring_size,
+                "a round's weight total is past what its members can weigh; refused"
+            );
+            self.abort("weight total past the members' weights", now);
+            return;
+        }
         if total <= 0.0 && !gradient {
             // Nobody in the ring holds parameters from a round (joiners only, or members
             // whose synced peers died): each would keep its own, and they would differ.

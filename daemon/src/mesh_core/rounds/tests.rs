@@ -103,6 +103,8 @@ impl Ring {
                         batch: 4,
                         balance: false,
                         outer_state: false,
+                        stall_timeout: STALL_TIMEOUT,
+                        max_weight: f32::INFINITY,
                     },
                     ids[i],
                     0,
@@ -250,6 +252,31 @@ fn every_member_ends_a_round_with_the_same_bits_of_the_weighted_mean() {
             "{per_member} vs {optimal}"
         );
         assert_eq!(ring.offences, 0);
+    }
+}
+
+/// A member that puts more weight into the sum than any member has (here 5, where each
+/// weighs at most 1) shrinks the mean towards zero, by an amount a distance judge may admit:
+/// every member refuses the round instead of taking it; honest weights pass the same bound.
+#[test]
+fn a_round_whose_weight_total_is_past_its_members_weights_is_refused() {
+    for (weights, refused) in [([1.0, 1.0, 5.0], true), ([1.0; 3], false)] {
+        let mut ring = Ring::new(3, &weights, &[true; 3]);
+        for node in &mut ring.nodes {
+            node.cfg.max_weight = 1.0;
+        }
+        let now = Instant::now();
+        ring.hear_all(now);
+        ring.run(now, &[true; 3]);
+        for (i, node) in ring.nodes.iter().enumerate() {
+            let aborted = node
+                .status()
+                .aborted
+                .get("weight total past the members' weights")
+                .copied();
+            assert_eq!(ring.means[i].is_none(), refused, "{weights:?}: node {i}");
+            assert_eq!(aborted, refused.then_some(1), "{weights:?}: node {i}");
+        }
     }
 }
 
@@ -671,7 +698,8 @@ fn a_hop_past_any_meshs_round_attempt_or_step_is_an_offence_and_changes_nothing(
         let mut out = Vec::new();
         ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
         assert!(
-            matches!(&out[..], [Output::Offence { peer, .. }] if *peer == ring.ids[1]),
+            matches!(&out[..], [Output::Offence { peer, .. }, Output::Penalise(p)]
+                if *peer == ring.ids[1] && *p == ring.ids[1]),
             "round {round} attempt {attempt}: {out:?}"
         );
         let st = ring.nodes[0].status();
@@ -828,6 +856,12 @@ fn hostile_hops_are_offences_and_never_reach_the_mean() {
             out.iter().any(|o| matches!(o, Output::Offence { .. })),
             "{out:?}"
         );
+        // Penalised too: hops travel outside gossip, whose rejections alone lower a score.
+        assert!(
+            out.iter()
+                .any(|o| matches!(o, Output::Penalise(p) if *p == from)),
+            "{out:?}"
+        );
         assert!(!out
             .iter()
             .any(|o| matches!(o, Output::Trainer(TrainerCommand::Combine { .. }))));
@@ -845,6 +879,9 @@ fn hostile_hops_are_offences_and_never_reach_the_mean() {
     };
     ring.nodes[0].message(from, msg, now, &mut out);
     assert!(out.iter().any(|o| matches!(o, Output::Offence { .. })));
+    assert!(out
+        .iter()
+        .any(|o| matches!(o, Output::Penalise(p) if *p == from)));
     assert_eq!(
         ring.nodes[0].status().aborted.get("hop of the wrong size"),
         Some(&1)

@@ -161,7 +161,7 @@ impl Sim {
                     let _ = acceptance == MessageAcceptance::Reject;
                 }
                 Output::Offence { peer, why } => self.blame(i, &peer, &why),
-                Output::SyncRefused(_) | Output::Forget(_) => {}
+                Output::Penalise(_) | Output::Forget(_) => {}
                 Output::Fetch {
                     owner,
                     source,

@@ -411,6 +411,8 @@ impl EventLoop {
                     remote: None,
                     bytes_sent: None,
                     bytes_received: None,
+                    offences: 0,
+                    last_offence: None,
                 },
             );
             return;
@@ -429,6 +431,8 @@ impl EventLoop {
             remote: None,
             bytes_sent: None,
             bytes_received: None,
+            offences: 0,
+            last_offence: None,
         });
         entry.agent = Some(info.agent_version.clone());
         if entry.address.is_empty() {

@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 use serde_bytes::ByteBuf;
 
 use crate::checkpoint::{self, HostTensor, Snapshot, StateInfo};
-use crate::network::bulk_codec;
+use crate::network::{BulkCodec, BulkLimits};
 use crate::wire::{self, BulkRequest, BulkResponse, Heartbeat, RingMessage, StateManifest};
 
 /// Inputs per target in a normal test run.
@@ -88,6 +88,11 @@ fn mutate(rng: &mut StdRng, bytes: &mut Vec<u8>) {
 
 fn protocol() -> StreamProtocol {
     StreamProtocol::new("/p2ptrain/bulk/fuzz")
+}
+
+/// The codec every bulk message a peer sends is read with, at the wire's maxima.
+fn bulk_codec() -> BulkCodec {
+    BulkCodec::new(BulkLimits::default())
 }
 
 fn encode_request(request: BulkRequest) -> Vec<u8> {

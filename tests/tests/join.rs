@@ -115,7 +115,7 @@ fn a_joiner_refuses_hostile_donors_and_joins_from_an_honest_one() {
     ] {
         assert!(log.contains(why), "no \"{why}\" in the log: {log}");
     }
-    // The 10 GiB claim was never allocated: the whole process stays far below it (a digits
+    // The 1 GiB claim was never allocated: the whole process stays far below it (a digits
     // node runs in well under 1 GiB).
     assert!(rss_kib < 1024 * 1024, "joiner RSS {rss_kib} KiB");
     let ids: Vec<String> = rogues.iter().map(|r| r.id.to_string()).collect();

@@ -31,7 +31,9 @@ pub enum SyncAnswer {
 /// What a hostile donor offers a joiner.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum DonorAnswer {
-    /// A manifest of 10 GiB, with a hash for every chunk: far beyond any checkpoint of the run.
+    /// A manifest of 1 GiB, with a hash for every chunk: far beyond any checkpoint of the run,
+    /// within what the bulk channel reads of a response (a 10 GiB one, 1.4 MB of hashes, is
+    /// cut off there, before the joiner's own check: see `BulkLimits`).
     Oversized,
     /// A plausible manifest of the most advanced state, whose chunks come back 1,000 bytes long.
     WrongLength,
@@ -47,7 +49,7 @@ const HOSTILE_STATE: u64 = 2 * p2ptrain_daemon::transfer::CHUNK_SIZE as u64 + 10
 fn hostile_manifest(answer: DonorAnswer) -> network::StateManifest {
     let chunk = p2ptrain_daemon::transfer::CHUNK_SIZE as u64;
     let total = match answer {
-        DonorAnswer::Oversized => 10 << 30,
+        DonorAnswer::Oversized => 1 << 30,
         _ => HOSTILE_STATE,
     };
     network::StateManifest {
@@ -131,6 +133,7 @@ impl Rogue {
             relay_server: false,
             upnp: false,
             kad_walk_every: network::KAD_WALK_EVERY,
+            bulk: network::BulkLimits::for_model(random.len()),
         };
         let client = rt.block_on(async {
             let (client, mut events, event_loop) =

@@ -20,6 +20,7 @@ use libp2p::{
 };
 use sha2::{Digest, Sha256};
 
+use super::bulk_codec::BulkCodec;
 use super::metrics::Bandwidth;
 use super::Registry;
 
@@ -28,8 +29,12 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 use super::{agent_version, NetConfig, NetError, MAX_TRANSMIT_SIZE, PING_INTERVAL, PING_TIMEOUT};
 use crate::nat;
 use crate::scoring;
-use crate::wire::{self, BulkRequest, BulkResponse};
+use crate::wire;
 
+/// Bulk requests one connection may have in flight each way (libp2p's default is 100): with
+/// ring hops of up to [`super::BulkLimits::ring_request`] bytes each, what a peer can make a node buffer.
+/// A node sends at most 32 at a time itself (its request slots), and serves far fewer.
+pub const BULK_STREAMS: usize = 32;
 /// Time a bulk request may take before it fails (and the caller tries another peer).
 pub const BULK_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -65,7 +70,7 @@ mod composed {
         pub(in crate::network) ping: ping::Behaviour,
         pub(in crate::network) kad: kad::Behaviour<kad::store::MemoryStore>,
         pub(in crate::network) gossipsub: gossipsub::Behaviour,
-        pub(in crate::network) bulk: request_response::cbor::Behaviour<BulkRequest, BulkResponse>,
+        pub(in crate::network) bulk: request_response::Behaviour<BulkCodec>,
         pub(in crate::network) mdns: Toggle<mdns::tokio::Behaviour>,
         pub(in crate::network) allow:
             Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
@@ -95,14 +100,6 @@ fn message_id(m: &gossipsub::Message) -> MessageId {
     h.update([0]);
     h.update(&m.data);
     MessageId::from(h.finalize()[..20].to_vec())
-}
-
-/// The bulk channel's codec: CBOR, with the wire's size limits. What reads every bulk
-/// request and response a peer sends (the fuzz tests read through it too).
-pub fn bulk_codec() -> request_response::cbor::codec::Codec<BulkRequest, BulkResponse> {
-    request_response::cbor::codec::Codec::default()
-        .set_request_size_maximum(wire::BULK_REQUEST_MAX)
-        .set_response_size_maximum(wire::BULK_RESPONSE_MAX)
 }
 
 /// Sets [`TCP_USER_TIMEOUT`] on a fresh connection's socket (Linux; a no-op elsewhere).
@@ -210,13 +207,15 @@ fn behaviour(
     // bootstrap would only warn that a founder knows nobody yet.
     kad_cfg.set_periodic_bootstrap_interval(None);
     let kad = kad::Behaviour::with_config(peer_id, kad::store::MemoryStore::new(peer_id), kad_cfg);
-    let codec = bulk_codec();
+    let codec = BulkCodec::new(cfg.bulk);
     let bulk_protocol =
         StreamProtocol::try_from_owned(wire::bulk_protocol()).map_err(|e| e.to_string())?;
     let bulk = request_response::Behaviour::with_codec(
         codec,
         [(bulk_protocol, ProtocolSupport::Full)],
-        request_response::Config::default().with_request_timeout(BULK_TIMEOUT),
+        request_response::Config::default()
+            .with_request_timeout(BULK_TIMEOUT)
+            .with_max_concurrent_streams(BULK_STREAMS),
     );
     let mdns = if cfg.mdns {
         Some(

@@ -32,11 +32,13 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 mod behaviour;
+mod bulk_codec;
 mod event_loop;
 mod metrics;
 mod peer_book;
 
-pub use behaviour::{bulk_codec, Behaviour, BehaviourEvent, BULK_TIMEOUT, TCP_USER_TIMEOUT};
+pub use behaviour::{Behaviour, BehaviourEvent, BULK_TIMEOUT, TCP_USER_TIMEOUT};
+pub use bulk_codec::{BulkCodec, BulkLimits};
 pub use event_loop::EventLoop;
 pub use peer_book::{BannedPeer, FORGET_AFTER, REDIAL_MAX, REDIAL_MIN};
 // The bulk types live in `wire`, versioned; re-exported so users of the network need not care.
@@ -310,6 +312,8 @@ pub struct NetConfig {
     pub upnp: bool,
     /// How often to walk the DHT for new peers ([`KAD_WALK_EVERY`] unless a test asks).
     pub kad_walk_every: Duration,
+    /// The largest bulk messages this node reads, by kind ([`BulkLimits::for_model`]).
+    pub bulk: BulkLimits,
 }
 
 /// Why the network could not start, or could not do what a [`Client`] asked. Callers tell
@@ -525,6 +529,7 @@ mod tests {
             relay_server: false,
             upnp: false,
             kad_walk_every: KAD_WALK_EVERY,
+            bulk: BulkLimits::default(),
         }
     }
 

@@ -168,12 +168,13 @@ fn seed_from(peer_id: &str) -> u64 {
 }
 
 /// The network's settings from the config: addresses, the run and its sync terms (which the
-/// handshake compares), and a private mesh's key (read from its file before the node writes
-/// anything).
+/// handshake compares), a private mesh's key (read from its file before the node writes
+/// anything), and the bulk channel's limits for a model of `model_params` values.
 fn net_config(
     config: &Config,
     run_id: &str,
     psk: Option<network::PreSharedKey>,
+    model_params: usize,
 ) -> Result<network::NetConfig, NodeError> {
     if let Some(k) = &psk {
         tracing::info!(
@@ -195,6 +196,7 @@ fn net_config(
             .map(|ids| ids.iter().copied().collect()),
         relay_server: config.network.relay_server,
         upnp: config.network.upnp,
+        bulk: network::BulkLimits::for_model(model_params),
         kad_walk_every: match config.debug.kad_walk_secs {
             0 => network::KAD_WALK_EVERY,
             secs => Duration::from_secs(secs),
@@ -377,7 +379,7 @@ pub async fn run(
     let layout = model.params().layout();
     let start_step = start.step;
     // The network: listen, dial the bootstrap members.
-    let net_cfg = net_config(&config, &opened.ident.run_id, psk)?;
+    let net_cfg = net_config(&config, &opened.ident.run_id, psk, model_info.params)?;
     let mut registry = network::Registry::default();
     let (net, net_events, event_loop) = network::new(opened.key.clone(), &net_cfg, &mut registry)?;
     let net_task = tokio::spawn(event_loop.run());

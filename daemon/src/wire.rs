@@ -1,7 +1,7 @@
 //! What p2ptrain nodes say to each other, byte for byte: the bulk channel's requests and
 //! replies (a state to join from, parameters to sync with, a large update) with the size
-//! limits both sides enforce, the framing of update messages on a node's gossip topic, and the
-//! heartbeats every member publishes. It owns the formats and their version, not the
+//! limits both sides enforce, the gossip topics' names, the framing of update messages on a
+//! node's gossip topic, and the heartbeats every member publishes. It owns the formats and their version, not the
 //! transport: the network carries them and never looks inside.
 //!
 //! [`WIRE_VERSION`] is part of the bulk protocol name and of the identify protocol version
@@ -9,8 +9,33 @@
 //! at the handshake instead of failing to decode each other's messages. Bump it whenever a
 //! type here changes in a way an older node cannot read.
 
+use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
+
+/// The topic a node publishes its updates on.
+pub fn update_topic(run_id: &str, peer: &PeerId) -> String {
+    format!("{}{peer}", update_topic_prefix(run_id))
+}
+
+/// What every update topic of a run begins with; the owner's peer id follows.
+pub fn update_topic_prefix(run_id: &str) -> String {
+    format!("p2ptrain/{run_id}/updates/")
+}
+
+/// The topic every member publishes its progress on.
+pub fn heartbeat_topic(run_id: &str) -> String {
+    format!("p2ptrain/{run_id}/heartbeat")
+}
+
+/// Whether `topic` is one of run `run_id`'s: its heartbeat topic, or the update topic of a
+/// well-formed peer id.
+pub fn is_run_topic(run_id: &str, topic: &str) -> bool {
+    topic == heartbeat_topic(run_id)
+        || topic
+            .strip_prefix(&update_topic_prefix(run_id))
+            .is_some_and(|p| p.parse::<PeerId>().is_ok())
+}
 
 /// Version of this wire format. Peers compare it through the protocol names below, so it
 /// changes only together with an incompatible change to these types.

@@ -269,7 +269,7 @@ fn churn_config(dir: &Path, k: usize) -> PathBuf {
         &format!("c{k}.toml"),
         &[
             ("every_steps = 0", "every_steps = 1000"),
-            // Not a divisor or multiple of the full-sync interval (see [`EVAL_EVERY`]).
+            // Neither a divisor nor a multiple of the full-sync interval (see [`EVAL_EVERY`]).
             ("eval_every = 500", &format!("eval_every = {EVAL_EVERY}")),
             ("threads = 1", &format!("threads = 1\nshard = \"{k}/3\"")),
             ("split_seed = 1", "split_seed = 1\npartition = \"by_label\""),
@@ -282,8 +282,8 @@ fn churn_config(dir: &Path, k: usize) -> PathBuf {
 /// between two full syncs and is pulled back at each, so its accuracy may rise and fall with
 /// the sync interval ([`CHURN_SYNC_EVERY`] steps). Evaluated every 500 steps, the evaluations
 /// of a node's window could all fall at one phase of that cycle (its syncs start from its
-/// last one, not at multiples of 500); at 170 steps (coprime with 500) its ~30 evaluations
-/// sample the whole cycle. Measured on this scenario, one run each: evaluations every 500
+/// last one, not at multiples of 500); at 170 steps its ~30 evaluations fall at 50 phases of
+/// the cycle, 10 steps apart (170 and 500 share only the factor 10). Measured on this scenario, one run each: evaluations every 500
 /// steps, nodes at 0.51-0.70; every 170, 0.54-0.68 (CI's failed run, at 500 and with
 /// unbalanced parts, 0.45-0.62).
 const EVAL_EVERY: u64 = 170;

@@ -2,7 +2,8 @@
 //! chunks of the wrong length, chunks that fail their hash) with bounded memory and joins from
 //! an honest one; and a joiner killed in the middle of its state download and started again on
 //! the same data directory fetches only the chunks it lacks; and a state three peers hold is
-//! fetched from several of them at once.
+//! fetched from several of them at once; a donor that drips its chunks holds a joiner no
+//! longer than its join deadline.
 
 use std::time::Duration;
 
@@ -74,6 +75,44 @@ fn a_joiner_killed_mid_download_resumes_with_the_chunks_it_kept() {
     again.wait_status("training on with its donor", Duration::from_secs(60), |t| {
         peers(t) == 1 && step(t) > dl["step"].as_u64().unwrap_or(0)
     });
+}
+
+/// A donor that answers each chunk after a minute (past the 30 s request timeout, so every
+/// request fails and is tried again) would hold a joiner for ever; with
+/// `network.join_deadline_secs = 3` the joiner gives up on the state and trains from the
+/// run's initial weights, on the mesh with its donor. Without the deadline it is still
+/// downloading after 30 s (the first chunk requests have not even failed yet).
+#[test]
+fn a_donor_that_drips_its_chunks_holds_a_joiner_no_longer_than_its_join_deadline() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (_, donor, addr) = wide_donor(tmp.path(), "serve_chunk_delay_ms = 60000\n");
+    let joiner_cfg = config(
+        tmp.path(),
+        "joiner.toml",
+        &[("widths = [64, 128, 10]", "widths = [64, 2048, 10]")],
+        "\n[network]\njoin_deadline_secs = 3\n",
+    );
+    let joiner = start(tmp.path(), "joiner", &joiner_cfg, Some(&addr), &[]);
+    let s = joiner.wait_status(
+        "the joiner training without the state",
+        Duration::from_secs(30),
+        |s| s["phase"] == "training" && step(s) > 0,
+    );
+    assert!(s["state_download"].is_null(), "a state came: {s}");
+    let log = joiner.log_text();
+    assert!(
+        log.contains("join deadline"),
+        "no deadline in the log: {log}"
+    );
+    // Still in the mesh: the donor is its peer, and it is not banned for being slow.
+    joiner.wait_status("its donor a peer", Duration::from_secs(30), |s| {
+        peers(s) == 1
+    });
+    let d = donor.status().expect("donor status");
+    assert!(
+        d["banned_peers"].as_array().is_none_or(Vec::is_empty),
+        "{d}"
+    );
 }
 
 #[test]

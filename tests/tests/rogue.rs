@@ -134,6 +134,7 @@ impl Rogue {
             upnp: false,
             kad_walk_every: network::KAD_WALK_EVERY,
             bulk: network::BulkLimits::for_model(random.len()),
+            request_timeout: network::BULK_TIMEOUT,
         };
         let client = rt.block_on(async {
             let (client, mut events, event_loop) =
@@ -380,11 +381,14 @@ impl Rogue {
         let (client, run) = (self.client.clone(), self.run_id.clone());
         let sent = flood.clone();
         self.rt.spawn(async move {
-            for n in 0u64.. {
+            loop {
                 if tokio::time::Instant::now() >= end {
                     break;
                 }
-                let _ = client.subscribe(format!("{run}/flood/{n}")).await;
+                // Update topics of made-up members: topics of the run, so they pass both
+                // the rogue's own subscription filter and its target's, whose count caps them.
+                let topic = update_topic(&run, &PeerId::random());
+                let _ = client.subscribe(topic).await;
                 sent.subscriptions.fetch_add(1, Ordering::Relaxed);
                 tokio::task::yield_now().await;
             }

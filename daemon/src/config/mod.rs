@@ -290,6 +290,7 @@ impl Config {
         }
         raw.sync.check().map_err(err)?;
         raw.api.check().map_err(err)?;
+        raw.network.check().map_err(err)?;
 
         let config = Config {
             origin: origin.to_string(),

@@ -176,6 +176,46 @@ pub struct NetworkConfig {
     /// Ask the router for a port mapping with UPnP (off by default: it talks to the real
     /// router of the machine's network).
     pub upnp: bool,
+    /// Seconds a joiner waits for a member of the run to connect before it trains from the
+    /// run's initial weights.
+    pub join_wait_secs: f64,
+    /// Seconds a joiner may spend on the mesh's state in all, over every donor it tries (0: no
+    /// limit). Past it, it trains from the run's initial weights, and full syncs or the rounds
+    /// bring it to the mesh: a donor that drips each chunk just inside the request timeout
+    /// cannot hold it for ever.
+    pub join_deadline_secs: f64,
+    /// Seconds a bulk request (a state chunk, a neighbour's parameters, an update, a ring hop)
+    /// may take before it fails and the caller tries another peer.
+    pub request_timeout_secs: f64,
+}
+
+impl NetworkConfig {
+    /// What serde cannot check: the join's and requests' times out of range.
+    pub(super) fn check(&self) -> Result<(), String> {
+        for (key, v, least) in [
+            ("network.join_wait_secs", self.join_wait_secs, 0.0),
+            ("network.join_deadline_secs", self.join_deadline_secs, 0.0),
+            // Under a second an honest chunk or hop over a home link would fail.
+            (
+                "network.request_timeout_secs",
+                self.request_timeout_secs,
+                1.0,
+            ),
+        ] {
+            if !(v >= least && v <= 86_400.0) {
+                return Err(format!(
+                    "{key} = {v} must be a number of seconds from {least} to 86400"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The overall join deadline, `None` for none.
+    pub fn join_deadline(&self) -> Option<std::time::Duration> {
+        (self.join_deadline_secs > 0.0)
+            .then(|| std::time::Duration::from_secs_f64(self.join_deadline_secs))
+    }
 }
 
 impl Default for NetworkConfig {
@@ -190,6 +230,9 @@ impl Default for NetworkConfig {
             allow: None,
             relay_server: true,
             upnp: false,
+            join_wait_secs: crate::transfer::JOIN_WAIT.as_secs_f64(),
+            join_deadline_secs: 1800.0,
+            request_timeout_secs: crate::network::BULK_TIMEOUT.as_secs_f64(),
         }
     }
 }
@@ -247,6 +290,10 @@ impl std::str::FromStr for SyncMode {
         })
     }
 }
+
+/// The most neighbours a node keeps: with its heartbeat and own update topics, 100
+/// subscriptions, what its peers' gossipsub takes of one peer.
+pub const MAX_DEGREE: usize = 98;
 
 /// The sync section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -570,6 +617,15 @@ impl SyncConfig {
         }
         if self.degree == 0 {
             return Err("sync.degree must be at least 1".into());
+        }
+        // A node subscribes to its heartbeat topic, its own update topic and one per
+        // neighbour; its peers' subscription filters take at most 100 (a message naming more is
+        // ignored whole, and its updates would silently stop reaching them).
+        if self.degree > MAX_DEGREE {
+            return Err(format!(
+                "sync.degree = {} must be at most {MAX_DEGREE} (gossipsub takes at most 100 subscriptions of a peer)",
+                self.degree
+            ));
         }
         if self.inline_max_bytes > crate::network::MAX_TRANSMIT_SIZE - 4096 {
             return Err(format!(

@@ -478,6 +478,49 @@ fn the_stall_timeout_is_a_setting_of_whole_seconds_or_more() {
     }
 }
 
+/// The join's wait and deadline and the requests' timeout are settings in range; a deadline
+/// of 0 is none; a degree whose subscriptions gossipsub would not take is refused.
+#[test]
+fn join_and_request_times_are_settings_and_the_degree_is_bounded() {
+    let with = |section: &str| {
+        Config::parse(
+            &format!("{DEFAULT_CONFIG_TOML}\n{section}\n"),
+            "x.toml",
+            None,
+        )
+    };
+    let c = with("[network]\njoin_wait_secs = 2\njoin_deadline_secs = 0\nrequest_timeout_secs = 5")
+        .expect("valid");
+    assert_eq!(c.network.join_wait_secs, 2.0);
+    assert_eq!(c.network.join_deadline(), None);
+    assert_eq!(c.network.request_timeout_secs, 5.0);
+    let default = Config::load(None).expect("default").network;
+    assert_eq!(
+        default.join_deadline(),
+        Some(std::time::Duration::from_secs(1800))
+    );
+    for (bad, key) in [
+        ("[network]\njoin_wait_secs = -1", "network.join_wait_secs"),
+        (
+            "[network]\njoin_deadline_secs = nan",
+            "network.join_deadline_secs",
+        ),
+        (
+            "[network]\nrequest_timeout_secs = 0.5",
+            "network.request_timeout_secs",
+        ),
+        (
+            "[network]\nrequest_timeout_secs = 1e9",
+            "network.request_timeout_secs",
+        ),
+        ("[sync]\ndegree = 99", "sync.degree"),
+    ] {
+        let e = with(bad).expect_err(bad).to_string();
+        assert!(e.contains(key), "{bad}: {e}");
+    }
+    assert!(with("[sync]\ndegree = 98").is_ok());
+}
+
 #[test]
 fn a_target_is_bits_per_byte_for_a_gpt_an_accuracy_otherwise_and_never_out_of_reach() {
     let with = |text: &str, target: &str| {

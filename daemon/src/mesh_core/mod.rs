@@ -36,6 +36,7 @@ use p2ptrain_models::params::Layout;
 
 use crate::guard::GuardConfig;
 use crate::policy::{Action, PolicyConfig, PolicyEvent, SyncPolicy};
+pub use crate::wire::{heartbeat_topic, update_topic};
 use membership::{HeartbeatNews, Membership, NeighbourChange, RoundsNews};
 use rounds::{RoundConfig, Rounds};
 use syncs::{SyncDone, Syncs};
@@ -163,16 +164,6 @@ pub struct MeshCore {
     rounds: Option<Rounds>,
     /// A round's trainer command the trainer's full queue refused, sent again at the next tick.
     round_command: Option<TrainerCommand>,
-}
-
-/// The topic a node publishes its updates on.
-pub fn update_topic(run_id: &str, peer: &PeerId) -> String {
-    format!("p2ptrain/{run_id}/updates/{peer}")
-}
-
-/// The topic every member publishes its progress on.
-pub fn heartbeat_topic(run_id: &str) -> String {
-    format!("p2ptrain/{run_id}/heartbeat")
 }
 
 impl MeshCore {

@@ -84,7 +84,7 @@ impl Updates {
     ) -> Updates {
         Updates {
             ids: HeaderIds::new(me, run_id, &layout),
-            topic_prefix: format!("p2ptrain/{run_id}/updates/"),
+            topic_prefix: crate::wire::update_topic_prefix(run_id),
             own_topic: super::update_topic(run_id, me),
             guard: UpdateGuard::new(cfg.guard),
             seen_steps: HashMap::new(),

@@ -31,11 +31,14 @@ use crate::nat;
 use crate::scoring;
 use crate::wire;
 
-/// Bulk requests one connection may have in flight each way (libp2p's default is 100): with
-/// ring hops of up to [`super::BulkLimits::ring_request`] bytes each, what a peer can make a node buffer.
-/// A node sends at most 32 at a time itself (its request slots), and serves far fewer.
+/// Bulk requests one connection may have in flight, inbound and outbound together (libp2p's
+/// default is 100): with ring hops of up to [`super::BulkLimits::ring_request`] bytes each,
+/// what a peer can make a node buffer. An honest pair has a few in flight at a time (a
+/// fetch, a sync, a ring hop, a joiner's chunks); one beyond the cap is dropped, and its
+/// sender's request fails as a timed-out one does.
 pub const BULK_STREAMS: usize = 32;
-/// Time a bulk request may take before it fails (and the caller tries another peer).
+/// Time a bulk request may take by default before it fails (and the caller tries another
+/// peer): `network.request_timeout_secs`.
 pub const BULK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long data sent on a connection may stay unacknowledged before the kernel aborts it.
@@ -69,7 +72,7 @@ mod composed {
         pub(in crate::network) identify: identify::Behaviour,
         pub(in crate::network) ping: ping::Behaviour,
         pub(in crate::network) kad: kad::Behaviour<kad::store::MemoryStore>,
-        pub(in crate::network) gossipsub: gossipsub::Behaviour,
+        pub(in crate::network) gossipsub: Gossipsub,
         pub(in crate::network) bulk: request_response::Behaviour<BulkCodec>,
         pub(in crate::network) mdns: Toggle<mdns::tokio::Behaviour>,
         pub(in crate::network) allow:
@@ -158,10 +161,47 @@ fn transport(
         .boxed())
 }
 
+/// gossipsub with subscriptions to run `run_id`'s topics only ([`RunTopics`]), at most
+/// [`gossipsub::MaxCountSubscriptionFilter`]'s default of 100 per peer and per message.
+pub type Gossipsub = gossipsub::Behaviour<
+    gossipsub::IdentityTransform,
+    gossipsub::MaxCountSubscriptionFilter<RunTopics>,
+>;
+
+/// Keeps a peer's subscriptions to topics of other runs (or to names that are no topic of
+/// any run) out of gossipsub's tables: each would take an entry per peer in them, and a peer
+/// of this run has no honest reason to name one. An honest node subscribes to its run's
+/// heartbeat topic, its own update topic and its neighbours'.
+#[derive(Debug, Clone)]
+pub struct RunTopics {
+    run_id: String,
+}
+
+impl gossipsub::TopicSubscriptionFilter for RunTopics {
+    fn can_subscribe(&mut self, topic: &gossipsub::TopicHash) -> bool {
+        wire::is_run_topic(&self.run_id, topic.as_str())
+    }
+}
+
+/// Run `run_id`'s topics only, at most 100 a peer and 100 in one message (gossipsub's
+/// default counts).
+fn subscription_filter(run_id: &str) -> gossipsub::MaxCountSubscriptionFilter<RunTopics> {
+    let counts =
+        gossipsub::MaxCountSubscriptionFilter::<gossipsub::AllowAllSubscriptionFilter>::default();
+    gossipsub::MaxCountSubscriptionFilter {
+        filter: RunTopics {
+            run_id: run_id.to_string(),
+        },
+        max_subscribed_topics: counts.max_subscribed_topics,
+        max_subscriptions_per_request: counts.max_subscriptions_per_request,
+    }
+}
+
 /// The gossipsub behaviour: strict signing, every message held until the node's verdict,
-/// content-hash ids, peer scoring, and the size limit every node shares.
-/// Its own Prometheus metrics (mesh peers, scores, messages per topic) go into `registry`.
-fn gossipsub(key: &Keypair, registry: &mut Registry) -> Result<gossipsub::Behaviour, BoxError> {
+/// content-hash ids, peer scoring, the size limit every node shares, and subscriptions to
+/// run `run_id`'s topics only. Its own Prometheus metrics (mesh peers, scores, messages per
+/// topic) go into `registry`.
+fn gossipsub(key: &Keypair, run_id: &str, registry: &mut Registry) -> Result<Gossipsub, BoxError> {
     let gossip_cfg = gossipsub::ConfigBuilder::default()
         .heartbeat_interval(Duration::from_millis(700))
         .validation_mode(gossipsub::ValidationMode::Strict)
@@ -171,9 +211,10 @@ fn gossipsub(key: &Keypair, registry: &mut Registry) -> Result<gossipsub::Behavi
         .duplicate_cache_time(Duration::from_secs(120))
         .build()
         .map_err(|e| e.to_string())?;
-    let mut gossipsub = gossipsub::Behaviour::new(
+    let mut gossipsub = Gossipsub::new_with_subscription_filter(
         gossipsub::MessageAuthenticity::Signed(key.clone()),
         gossip_cfg,
+        subscription_filter(run_id),
     )
     .map_err(|e| e.to_string())?
     .with_metrics(registry, gossip_metrics_config());
@@ -214,7 +255,7 @@ fn behaviour(
         codec,
         [(bulk_protocol, ProtocolSupport::Full)],
         request_response::Config::default()
-            .with_request_timeout(BULK_TIMEOUT)
+            .with_request_timeout(cfg.request_timeout)
             .with_max_concurrent_streams(BULK_STREAMS),
     );
     let mdns = if cfg.mdns {
@@ -275,7 +316,7 @@ fn behaviour(
                 .with_timeout(PING_TIMEOUT),
         ),
         kad,
-        gossipsub: gossipsub(key, registry)?,
+        gossipsub: gossipsub(key, &cfg.run_id, registry)?,
         bulk,
     })
 }
@@ -308,6 +349,33 @@ pub fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer's subscriptions to other runs' topics and to non-topics are dropped, its run's
+    /// kept (gossipsub asks `can_subscribe` of every incoming subscription), at most 100 a
+    /// peer and a message.
+    #[test]
+    fn subscriptions_are_kept_to_the_runs_topics_and_counted() {
+        use gossipsub::{TopicHash, TopicSubscriptionFilter};
+        let peer = PeerId::random();
+        let mut filter = subscription_filter("run1");
+        let mut allows = |topic: String| filter.can_subscribe(&TopicHash::from_raw(topic));
+        assert!(allows(wire::heartbeat_topic("run1")));
+        assert!(allows(wire::update_topic("run1", &peer)));
+        assert!(!allows(wire::heartbeat_topic("run2")));
+        assert!(!allows(wire::update_topic("run2", &peer)));
+        assert!(!allows(format!(
+            "{}nobody",
+            wire::update_topic_prefix("run1")
+        )));
+        assert!(!allows("junk".into()));
+        assert_eq!(
+            (
+                filter.max_subscribed_topics,
+                filter.max_subscriptions_per_request
+            ),
+            (100, 100)
+        );
+    }
 
     fn message(source: Option<PeerId>, data: &[u8]) -> gossipsub::Message {
         gossipsub::Message {

@@ -314,6 +314,8 @@ pub struct NetConfig {
     pub kad_walk_every: Duration,
     /// The largest bulk messages this node reads, by kind ([`BulkLimits::for_model`]).
     pub bulk: BulkLimits,
+    /// How long a bulk request may take before it fails ([`BULK_TIMEOUT`] by default).
+    pub request_timeout: Duration,
 }
 
 /// Why the network could not start, or could not do what a [`Client`] asked. Callers tell
@@ -413,7 +415,7 @@ impl Client {
         .await
     }
 
-    /// Sends a bulk request and waits for the answer (at most [`BULK_TIMEOUT`]).
+    /// Sends a bulk request and waits for the answer (at most [`NetConfig::request_timeout`]).
     pub async fn request(
         &self,
         peer: PeerId,
@@ -530,6 +532,7 @@ mod tests {
             upnp: false,
             kad_walk_every: KAD_WALK_EVERY,
             bulk: BulkLimits::default(),
+            request_timeout: BULK_TIMEOUT,
         }
     }
 
@@ -562,17 +565,27 @@ mod tests {
             assert!(tokio::time::Instant::now() < deadline, "b never met a");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        a.subscribe("wedge/t".into()).await.expect("subscribe");
-        b.subscribe("wedge/t".into()).await.expect("subscribe");
+        a.subscribe(crate::wire::heartbeat_topic("wedge"))
+            .await
+            .expect("subscribe");
+        b.subscribe(crate::wire::heartbeat_topic("wedge"))
+            .await
+            .expect("subscribe");
         tokio::time::sleep(Duration::from_secs(2)).await;
         for n in 0..1000u32 {
-            let _ = b.publish("wedge/t".into(), n.to_le_bytes().to_vec()).await;
+            let _ = b
+                .publish(
+                    crate::wire::heartbeat_topic("wedge"),
+                    n.to_le_bytes().to_vec(),
+                )
+                .await;
         }
         // Time for the messages to reach a and fill its channel and outbox.
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(a_events.len(), EVENT_CAP, "a's events wait untaken");
         let answered = tokio::time::timeout(Duration::from_secs(5), async {
-            a.publish("wedge/t".into(), b"a".to_vec()).await?;
+            a.publish(crate::wire::heartbeat_topic("wedge"), b"a".to_vec())
+                .await?;
             a.snapshot().await
         })
         .await;

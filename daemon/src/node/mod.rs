@@ -197,6 +197,7 @@ fn net_config(
         relay_server: config.network.relay_server,
         upnp: config.network.upnp,
         bulk: network::BulkLimits::for_model(model_params),
+        request_timeout: Duration::from_secs_f64(config.network.request_timeout_secs),
         kad_walk_every: match config.debug.kad_walk_secs {
             0 => network::KAD_WALK_EVERY,
             secs => Duration::from_secs(secs),
@@ -317,7 +318,11 @@ fn trainer_setup(config: &Config, data_dir: &Path, t: TrainerStart) -> trainer::
 
 /// A fresh node's join: it waits for members on the mesh actor's watch, downloads the
 /// mesh's state and hands it to the trainer.
-fn joiner(shared: &NodeHandle, members: watch::Receiver<Vec<libp2p::PeerId>>) -> transfer::Joiner {
+fn joiner(
+    shared: &NodeHandle,
+    members: watch::Receiver<Vec<libp2p::PeerId>>,
+    network: &crate::config::NetworkConfig,
+) -> transfer::Joiner {
     transfer::Joiner {
         net: shared.net.clone(),
         run_id: shared.run_id.clone(),
@@ -331,6 +336,8 @@ fn joiner(shared: &NodeHandle, members: watch::Receiver<Vec<libp2p::PeerId>>) ->
         },
         cache: shared.cache.clone(),
         report: shared.download.clone(),
+        wait: Duration::from_secs_f64(network.join_wait_secs),
+        deadline: network.join_deadline(),
     }
 }
 
@@ -695,7 +702,7 @@ fn start_mesh(
     );
     let mesh_task = tokio::spawn(mesh.run(net_events, shared.stop_tx.subscribe()));
     if joining {
-        tokio::spawn(joiner(shared, members_rx).run());
+        tokio::spawn(joiner(shared, members_rx, &config.network).run());
     }
     mesh_task
 }

@@ -304,6 +304,15 @@ impl Loop {
                 if self.s.outer.is_some() {
                     self.extend_with_outer_state(&mut values);
                 }
+                // A step's loss is checked before its optimizer step: parameters it made
+                // non-finite are caught here, before its ring refuses the hop as an offence
+                // (and its score falls for what is no attack).
+                if values.iter().any(|v| !v.is_finite()) {
+                    return Err(TrainerError::Diverged {
+                        step: self.counters.step,
+                        loss: f32::NAN,
+                    });
+                }
                 self.tell(TrainerEvent::Params {
                     step: self.counters.step,
                     values,

@@ -1,8 +1,9 @@
 //! A joiner's start: wait for members of the run to connect (told by the mesh actor's members
 //! watch, never by polling status), download the mesh's state from them ([`super::download`]),
 //! check it is of this run, have the trainer load it, and offer it to later joiners; a state
-//! the trainer refuses rules its donor out and the next is tried. With no member within
-//! [`JOIN_WAIT`], or no state to be had, the node trains from the run's initial weights.
+//! the trainer refuses rules its donor out and the next is tried. With no member within its
+//! wait ([`JOIN_WAIT`] by default), no state to be had, or none by its deadline, the node
+//! trains from the run's initial weights.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,7 +16,8 @@ use crate::network::Client;
 use crate::store;
 use crate::trainer::{self, Command, Stats};
 
-/// How long a joiner waits for members to show up before it trains from its own start.
+/// How long a joiner waits by default for members to show up before it trains from its own
+/// start (`network.join_wait_secs`).
 pub const JOIN_WAIT: Duration = Duration::from_secs(20);
 /// After the first member connects, how long to wait for the others: more donors, less load
 /// on each.
@@ -43,6 +45,11 @@ pub struct Joiner {
     pub cache: Arc<Mutex<Cache>>,
     /// Where the finished download's report goes, for status.
     pub report: Arc<Mutex<Option<DownloadReport>>>,
+    /// How long to wait for a member to connect (`network.join_wait_secs`).
+    pub wait: Duration,
+    /// How long the downloads may take in all, over every donor tried
+    /// (`network.join_deadline_secs`; `None`: no limit).
+    pub deadline: Option<Duration>,
 }
 
 impl Joiner {
@@ -51,8 +58,20 @@ impl Joiner {
         let Some(mut donors) = self.wait_for_members().await else {
             return;
         };
+        let until = self.deadline.map(|d| tokio::time::Instant::now() + d);
         for _ in 0..JOIN_ATTEMPTS {
-            let (loaded, report, bytes) = match self.download_state(&donors).await {
+            let downloaded = match until {
+                Some(until) => tokio::time::timeout_at(until, self.download_state(&donors)).await,
+                None => Ok(self.download_state(&donors).await),
+            };
+            let Ok(downloaded) = downloaded else {
+                tracing::warn!(
+                    "no state within the join deadline of {:?}; training from the run's initial weights",
+                    self.deadline.unwrap_or_default()
+                );
+                break;
+            };
+            let (loaded, report, bytes) = match downloaded {
                 Ok(v) => v,
                 Err(JoinFailure::Donor { donor, why }) => {
                     tracing::warn!(donor = %donor, "downloaded state refused: {why}; trying another donor");
@@ -98,9 +117,9 @@ impl Joiner {
 
     /// The members once at least one is connected (and the others had a moment to show up);
     /// `None` when the node stops first, or after starting the trainer on its own weights
-    /// when nobody came within [`JOIN_WAIT`].
+    /// when nobody came within its wait.
     async fn wait_for_members(&mut self) -> Option<Vec<PeerId>> {
-        let deadline = tokio::time::Instant::now() + JOIN_WAIT;
+        let deadline = tokio::time::Instant::now() + self.wait;
         let came = tokio::select! {
             came = tokio::time::timeout_at(deadline, self.members.wait_for(|m| !m.is_empty())) => {
                 came.map(|seen| seen.map(drop))
@@ -112,7 +131,7 @@ impl Joiner {
             // The mesh actor is gone: the node is stopping.
             Ok(Err(_)) => return None,
             Err(_) => {
-                tracing::warn!("no member of run {} answered within {JOIN_WAIT:?}; training from the run's initial weights", self.run_id);
+                tracing::warn!("no member of run {} answered within {:?}; training from the run's initial weights", self.run_id, self.wait);
                 let _ = self.trainer.send(Command::Start).await;
                 return None;
             }

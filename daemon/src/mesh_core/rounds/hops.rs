@@ -13,11 +13,13 @@ use super::{
 };
 use crate::wire::RingMessage;
 
-/// Reports a hop no honest member sends: named for a ban's reason, logged, and penalised (the
-/// peer's score falls; enough such hops in a short time ban it). Hops travel as bulk
-/// requests, which gossipsub's own rejection count never sees.
+/// Reports a hop no honest member sends: named for a ban's reason (status shows each peer's
+/// count and last offence; the ban is logged with it), and penalised (the peer's score falls;
+/// enough such hops in a short time ban it). Hops travel as bulk requests, which gossipsub's
+/// own rejection count never sees. Logged at debug level: a peer sending them as fast as it
+/// can would otherwise fill the log before its ban.
 fn offence(out: &mut Vec<Output>, from: PeerId, why: String) {
-    tracing::warn!(peer = %from, "refused a ring hop: {why}");
+    tracing::debug!(peer = %from, "refused a ring hop: {why}");
     out.push(Output::Offence { peer: from, why });
     out.push(Output::Penalise(from));
 }

@@ -310,6 +310,161 @@ fn arbitrary_inputs_never_panic_and_memory_stays_bounded() {
     }
 }
 
+/// `values` with every non-finite value made 0.
+fn finite(mut values: Vec<f32>) -> Vec<f32> {
+    values
+        .iter_mut()
+        .filter(|v| !v.is_finite())
+        .for_each(|v| *v = 0.0);
+    values
+}
+
+/// The property above with rounds switched on: an `allreduce`, `ddp` or `diloco` member (by
+/// seed, founder or joiner) takes ring hops of every shape (its ring's digest or not, this
+/// round and attempt or any, past the limits, of every size, f32 or bf16, with NaN now and
+/// then), heartbeats of members ready for rounds (with their round), the trainer's
+/// parameters (finite, as the trainer guarantees), gradients and combines, undelivered hops and
+/// ticks: the core never panics, the hops it holds stay within their bounds, and no peer's hop
+/// makes a mean it hands the trainer non-finite.
+#[test]
+fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
+    let mut combines = 0;
+    for seed in 0..30u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let kind = seed % 3;
+        let mut cfg = fuzz_config(seed);
+        let me = cfg.me;
+        cfg.rounds = Some((
+            rounds::RoundConfig {
+                steps: 3,
+                weight: 1.0,
+                gradients: (kind == 1).then_some(4),
+                min_members: 1 + (seed % 2) as usize,
+                batch: 4,
+                balance: kind == 1,
+                outer_state: kind == 2,
+                stall_timeout: rounds::STALL_TIMEOUT,
+                max_weight: 1.0,
+            },
+            seed % 4 != 0,
+        ));
+        let mut core = MeshCore::new(cfg);
+        let pool: Vec<PeerId> = (0..5).map(|_| PeerId::random()).collect();
+        let mut seqs = vec![0u64; pool.len()];
+        let base = Instant::now() + Duration::from_secs(3600);
+        let mut t = 0u64;
+        for k in 0..4_000u64 {
+            t += rng.random_range(0..1_500);
+            let now = base + Duration::from_millis(t);
+            let i = rng.random_range(0..pool.len());
+            let peer = pool[i];
+            let input = match rng.random_range(0..13) {
+                0 => Input::PeerUp(peer),
+                1 => Input::PeerDown(peer),
+                2 | 3 => {
+                    seqs[i] += 1;
+                    let beat = Heartbeat {
+                        seq: seqs[i],
+                        step: rng.random_range(0..200),
+                        in_rounds: rng.random_range(0..5) > 0,
+                        round: [None, Some(0), Some(1), Some(2)][rng.random_range(0..4)],
+                        needs_state: kind == 2 && rng.random_range(0..4) == 0,
+                        ..Heartbeat::default()
+                    };
+                    Input::Gossip {
+                        source: peer,
+                        author: Some(peer),
+                        id: MessageId::from(k.to_le_bytes().to_vec()),
+                        topic: heartbeat_topic("00aa"),
+                        data: wire::encode_heartbeat(&beat),
+                    }
+                }
+                4..=6 => {
+                    let mut members: Vec<PeerId> =
+                        pool.iter().copied().filter(|_| rng.random()).collect();
+                    members.push(me);
+                    members.sort();
+                    let n = [0, 1, 2, 4, 5, 8, 9, 16, 24, 25][rng.random_range(0..10)];
+                    let values: Vec<f32> = (0..n)
+                        .map(|_| match rng.random_range(0..30) {
+                            0 => f32::NAN,
+                            _ => rng.random_range(-10.0..10.0),
+                        })
+                        .collect();
+                    let bf16 = rng.random_range(0..4) == 0;
+                    let bytes: Vec<u8> = if bf16 {
+                        values
+                            .iter()
+                            .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+                            .collect()
+                    } else {
+                        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+                    };
+                    let digest = if rng.random_range(0..3) > 0 {
+                        rounds::members_digest(&members, kind == 2 && rng.random())
+                    } else {
+                        rng.random()
+                    };
+                    Input::Ring {
+                        peer,
+                        msg: wire::RingMessage {
+                            round: [0, 1, 2, 3, 1 << 48, u64::MAX][rng.random_range(0..6)],
+                            attempt: [0, 1, 2, u32::MAX][rng.random_range(0..4)],
+                            members: digest,
+                            hop: rng.random_range(0..6),
+                            step: rng.random_range(0..200),
+                            bf16,
+                            values: ByteBuf::from(bytes),
+                        },
+                    }
+                }
+                // The trainer hands over finite values only (non-finite ones are its
+                // divergence, `TrainerError::Diverged`): of any length, though.
+                7 => Input::Trainer(TrainerEvent::Params {
+                    step: rng.random_range(0..200),
+                    values: finite(random_values(&mut rng)),
+                }),
+                8 => Input::Trainer(TrainerEvent::Gradient {
+                    step: rng.random_range(0..200),
+                    values: finite(random_values(&mut rng)),
+                    samples: rng.random_range(0..8),
+                }),
+                9 => Input::Trainer(TrainerEvent::Combined {
+                    round: rng.random_range(0..4),
+                    step: rng.random_range(0..200),
+                    outcome: if rng.random() {
+                        Ok("digest".into())
+                    } else {
+                        Err("refused".into())
+                    },
+                }),
+                10 => Input::RingUndelivered {
+                    peer,
+                    round: rng.random_range(0..4),
+                    attempt: rng.random_range(0..4),
+                },
+                11 => Input::Progress(Progress {
+                    phase: Phase::Training,
+                    step: rng.random_range(0..200),
+                    param_norm: rng.random_range(0.0..10.0),
+                    ..Progress::default()
+                }),
+                _ => Input::Tick,
+            };
+            for out in core.handle(input, now) {
+                if let Output::Trainer(TrainerCommand::Combine { mean, .. }) = out {
+                    combines += 1;
+                    assert!(mean.iter().all(|v| v.is_finite()), "seed {seed}: {mean:?}");
+                }
+            }
+            let rounds = core.rounds.as_ref().expect("rounds on");
+            assert!(rounds.inbox_within_bounds(), "seed {seed}, input {k}");
+        }
+    }
+    // The inputs reach the end of a round now and then, not only its checks.
+    assert!(combines > 0, "no round ever combined");
+}
+
 /// A heartbeat flood is rejected (a gossip penalty) when its author sends it itself, only
 /// ignored when an honest peer forwards it; either way the author is named once.
 #[test]

@@ -31,12 +31,6 @@ use crate::nat;
 use crate::scoring;
 use crate::wire;
 
-/// Bulk requests one connection may have in flight, inbound and outbound together (libp2p's
-/// default is 100): with ring hops of up to [`super::BulkLimits::ring_request`] bytes each,
-/// what a peer can make a node buffer. An honest pair has a few in flight at a time (a
-/// fetch, a sync, a ring hop, a joiner's chunks); one beyond the cap is dropped, and its
-/// sender's request fails as a timed-out one does.
-pub const BULK_STREAMS: usize = 32;
 /// Time a bulk request may take by default before it fails (and the caller tries another
 /// peer): `network.request_timeout_secs`.
 pub const BULK_TIMEOUT: Duration = Duration::from_secs(30);
@@ -254,9 +248,7 @@ fn behaviour(
     let bulk = request_response::Behaviour::with_codec(
         codec,
         [(bulk_protocol, ProtocolSupport::Full)],
-        request_response::Config::default()
-            .with_request_timeout(cfg.request_timeout)
-            .with_max_concurrent_streams(BULK_STREAMS),
+        request_response::Config::default().with_request_timeout(cfg.request_timeout),
     );
     let mdns = if cfg.mdns {
         Some(

@@ -46,7 +46,11 @@ use libp2p::PeerId;
 use super::status::RoundStatus;
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
 use crate::wire::Heartbeat;
-use ring::{hop_message, members_digest, Ring};
+#[cfg(test)]
+pub(in crate::mesh_core) use ring::members_digest;
+#[cfg(not(test))]
+use ring::members_digest;
+use ring::{hop_message, Ring};
 
 pub use ring::balanced_batch;
 
@@ -843,6 +847,14 @@ impl Rounds {
                 self.abort_counter(why);
             }
         }
+    }
+
+    /// Whether the hops held for later are within their bounds in count and in values (for
+    /// the core's property tests).
+    #[cfg(test)]
+    pub(in crate::mesh_core) fn inbox_within_bounds(&self) -> bool {
+        let values: usize = self.inbox.values().map(|(_, _, v, _)| v.len()).sum();
+        self.inbox.len() <= INBOX_CAP && values <= INBOX_VALUES
     }
 
     fn abort_counter(&mut self, why: &str) {

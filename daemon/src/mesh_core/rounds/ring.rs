@@ -155,7 +155,7 @@ pub(super) fn hop_message(round: u64, attempt: u32, ring: &mut Ring, hop: u32) -
 }
 
 /// Digest of a sorted member list, and of whether the attempt carries the state.
-pub(super) fn members_digest(members: &[PeerId], carries_state: bool) -> u64 {
+pub(in crate::mesh_core) fn members_digest(members: &[PeerId], carries_state: bool) -> u64 {
     let mut h = Sha256::new();
     for m in members {
         h.update(m.to_bytes());

@@ -13,9 +13,11 @@
 //! slow or cut link), and a reconnect's burst of grafts is tolerated: the partition test
 //! showed libp2p's defaults banning every honest peer when a split healed.
 //!
-//! Refused full-sync replies (see [`crate::sync_guard`]) are punished through the
-//! application-specific score (P5), which this module also shapes: a decaying count per peer
-//! ([`Refusals`]), squared like P4, so repeated refusals lead to the same graylisting and ban.
+//! What the node itself finds wrong outside gossip, refused full-sync replies (see
+//! [`crate::sync_guard`]) and ring hops that break a round's rules, is punished through the
+//! application-specific score (P5), which this module also shapes: a decaying count of such
+//! penalties per peer ([`Penalties`]), squared like P4, so repeated penalties lead to the same
+//! graylisting and ban.
 
 use std::time::Duration;
 
@@ -52,17 +54,16 @@ const BEHAVIOUR_DECAY: f64 = 0.9;
 const TIME_IN_MESH_WEIGHT: f64 = 0.01;
 const TIME_IN_MESH_CAP: f64 = 300.0;
 /// Weight of the application-specific score (P5), which is the squared (decaying) count of a
-/// peer's refused full-sync replies (see [`Refusals`]): one refusal costs 2, so an honest
-/// outlier refused once or twice stays above the gossip threshold (-8 at two); seven within a
-/// minute take even a peer with the best positive score on two topics below the graylist
-/// threshold, and it is banned like a peer whose messages are rejected. Syncs are rarer than
-/// updates (one per `full_sync_every` steps, rotating through the neighbours), so fewer
-/// refusals are needed than rejections.
-pub const REFUSAL_WEIGHT: f64 = -2.0;
-/// Per-second decay of the refusal count: the same half-life (about 69 s) as rejections.
-pub const REFUSAL_DECAY: f64 = 0.99;
-/// Below this a decayed refusal count is forgotten.
-const REFUSAL_FORGET: f64 = 0.01;
+/// peer's penalties, refused full-sync replies and bad ring hops (see [`Penalties`]): one
+/// costs 2, so an honest outlier refused once or twice stays above the gossip threshold (-8
+/// at two); seven within a minute take even a peer with the best positive score on two topics
+/// below the graylist threshold, and it is banned like a peer whose messages are rejected.
+/// Syncs and rounds are rarer than updates, so fewer penalties are needed than rejections.
+pub const PENALTY_WEIGHT: f64 = -2.0;
+/// Per-second decay of the penalty count: the same half-life (about 69 s) as rejections.
+pub const PENALTY_DECAY: f64 = 0.99;
+/// Below this a decayed penalty count is forgotten.
+const PENALTY_FORGET: f64 = 0.01;
 
 /// The most a well-behaved peer can score on one topic: what rejections must outweigh.
 pub fn max_positive_topic_score() -> f64 {
@@ -76,32 +77,33 @@ pub fn rejections_to_graylist() -> u32 {
     needed.sqrt().floor() as u32 + 1
 }
 
-/// Refused full syncs in a short time that take a peer with the best positive score on two
+/// Penalties (refused full syncs, bad ring hops) in a short time that take a peer with the best positive score on two
 /// topics (heartbeats and its own updates) below the graylist threshold.
-pub fn refusals_to_graylist() -> u32 {
-    let needed = (2.0 * max_positive_topic_score() - GRAYLIST_THRESHOLD) / -REFUSAL_WEIGHT;
+pub fn penalties_to_graylist() -> u32 {
+    let needed = (2.0 * max_positive_topic_score() - GRAYLIST_THRESHOLD) / -PENALTY_WEIGHT;
     needed.sqrt().floor() as u32 + 1
 }
 
-/// The decaying count of refused full-sync replies per peer, turned into gossipsub's
-/// application-specific score (P5, weighted by [`REFUSAL_WEIGHT`]). gossipsub keeps P5 as the
-/// application sets it and never decays it, so the decay lives here; the network's event loop
-/// owns one and calls [`Refusals::decay`] once a second.
+/// The decaying count of penalties per peer (refused full-sync replies, ring hops that break
+/// a round's rules), turned into gossipsub's application-specific score (P5, weighted by
+/// [`PENALTY_WEIGHT`]). gossipsub keeps P5 as the application sets it and never decays it, so
+/// the decay lives here; the network's event loop owns one and calls [`Penalties::decay`] once
+/// a second.
 #[derive(Debug, Clone)]
-pub struct Refusals<K> {
+pub struct Penalties<K> {
     counts: std::collections::HashMap<K, f64>,
 }
 
-impl<K> Default for Refusals<K> {
+impl<K> Default for Penalties<K> {
     fn default() -> Self {
-        Refusals {
+        Penalties {
             counts: std::collections::HashMap::new(),
         }
     }
 }
 
-impl<K: std::hash::Hash + Eq + Clone> Refusals<K> {
-    /// Counts one refusal of `peer`; answers its new application score.
+impl<K: std::hash::Hash + Eq + Clone> Penalties<K> {
+    /// Counts one penalty of `peer`; answers its new application score.
     pub fn add(&mut self, peer: K) -> f64 {
         let c = self.counts.entry(peer).or_insert(0.0);
         *c += 1.0;
@@ -113,8 +115,8 @@ impl<K: std::hash::Hash + Eq + Clone> Refusals<K> {
     pub fn decay(&mut self) -> Vec<(K, f64)> {
         let mut out = Vec::with_capacity(self.counts.len());
         self.counts.retain(|peer, c| {
-            *c *= REFUSAL_DECAY;
-            let keep = *c >= REFUSAL_FORGET;
+            *c *= PENALTY_DECAY;
+            let keep = *c >= PENALTY_FORGET;
             out.push((peer.clone(), if keep { *c * *c } else { 0.0 }));
             keep
         });
@@ -163,8 +165,9 @@ pub fn peer_params() -> PeerScoreParams {
         // peer's: with libp2p's default weight, 30 s of partition left ~1,000 expired messages
         // and got honest peers banned the moment the partition healed. Off.
         slow_peer_weight: 0.0,
-        // P5 carries refused full syncs (see [`Refusals`]); nothing else sets it.
-        app_specific_weight: REFUSAL_WEIGHT,
+        // P5 carries refused full syncs and bad ring hops (see [`Penalties`]); nothing else
+        // sets it.
+        app_specific_weight: PENALTY_WEIGHT,
         ..PeerScoreParams::default()
     }
 }
@@ -237,12 +240,12 @@ mod tests {
 
     /// What an application score adds to the peer's score (P5).
     fn p5(app_score: f64) -> f64 {
-        REFUSAL_WEIGHT * app_score
+        PENALTY_WEIGHT * app_score
     }
 
     #[test]
     fn one_or_two_refused_syncs_of_an_honest_outlier_cost_little() {
-        let mut r = Refusals::default();
+        let mut r = Penalties::default();
         assert_eq!(p5(r.add(1u8)), -2.0);
         assert!(p5(r.add(1u8)) > GOSSIP_THRESHOLD);
         assert!(p5(r.add(1u8)) < GOSSIP_THRESHOLD);
@@ -250,9 +253,9 @@ mod tests {
 
     #[test]
     fn repeated_refused_syncs_graylist_even_the_best_scored_peer() {
-        let n = refusals_to_graylist();
+        let n = penalties_to_graylist();
         let best = 2.0 * max_positive_topic_score();
-        let mut r = Refusals::default();
+        let mut r = Penalties::default();
         let mut score = 0.0;
         for _ in 0..n {
             score = r.add("rogue");
@@ -267,14 +270,14 @@ mod tests {
 
     #[test]
     fn refusal_counts_decay_per_peer_and_are_forgotten() {
-        let mut r = Refusals::default();
+        let mut r = Penalties::default();
         r.add(1u8);
         r.add(1u8);
         r.add(2u8);
         let mut scores: Vec<(u8, f64)> = r.decay();
         scores.sort_by_key(|(p, _)| *p);
-        assert!((scores[0].1 - (2.0 * REFUSAL_DECAY).powi(2)).abs() < 1e-9);
-        assert!((scores[1].1 - REFUSAL_DECAY.powi(2)).abs() < 1e-9);
+        assert!((scores[0].1 - (2.0 * PENALTY_DECAY).powi(2)).abs() < 1e-9);
+        assert!((scores[1].1 - PENALTY_DECAY.powi(2)).abs() < 1e-9);
         // Half-life of about 69 s; after ten minutes a single refusal is forgotten.
         for _ in 0..600 {
             r.decay();

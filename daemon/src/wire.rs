@@ -1,8 +1,8 @@
 //! What p2ptrain nodes say to each other, byte for byte: the bulk channel's requests and
 //! replies (a state to join from, parameters to sync with, a large update) with the size
 //! limits both sides enforce, the gossip topics' names, the framing of update messages on a
-//! node's gossip topic, and the heartbeats every member publishes. It owns the formats and their version, not the
-//! transport: the network carries them and never looks inside.
+//! node's gossip topic, and the heartbeats every member publishes. It owns the formats and
+//! their version, not the transport: the network carries them and never looks inside.
 //!
 //! [`WIRE_VERSION`] is part of the bulk protocol name and of the identify protocol version
 //! (see `network::protocol_version`), so nodes whose wire formats differ refuse each other
@@ -28,13 +28,31 @@ pub fn heartbeat_topic(run_id: &str) -> String {
     format!("p2ptrain/{run_id}/heartbeat")
 }
 
-/// Whether `topic` is one of run `run_id`'s: its heartbeat topic, or the update topic of a
-/// well-formed peer id.
-pub fn is_run_topic(run_id: &str, topic: &str) -> bool {
-    topic == heartbeat_topic(run_id)
-        || topic
-            .strip_prefix(&update_topic_prefix(run_id))
-            .is_some_and(|p| p.parse::<PeerId>().is_ok())
+/// The names of run `run_id`'s topics, made once, to tell a run's topic from any other name
+/// (gossipsub asks for every subscription a peer sends).
+#[derive(Debug, Clone)]
+pub struct RunTopicNames {
+    heartbeat: String,
+    update_prefix: String,
+}
+
+impl RunTopicNames {
+    /// The topic names of run `run_id`.
+    pub fn new(run_id: &str) -> Self {
+        RunTopicNames {
+            heartbeat: heartbeat_topic(run_id),
+            update_prefix: update_topic_prefix(run_id),
+        }
+    }
+
+    /// Whether `topic` is one of the run's: its heartbeat topic, or the update topic of a
+    /// well-formed peer id.
+    pub fn contains(&self, topic: &str) -> bool {
+        topic == self.heartbeat
+            || topic
+                .strip_prefix(&self.update_prefix)
+                .is_some_and(|p| p.parse::<PeerId>().is_ok())
+    }
 }
 
 /// Version of this wire format. Peers compare it through the protocol names below, so it

@@ -2,8 +2,11 @@
 //! as fast as it can at one node of a three-node mesh whose third node gets a fifth of the CPU. The
 //! flooded node keeps training, answers status, keeps its honest peers and stops when asked;
 //! nobody bans the starved honest node, and the flooder is banned for its heartbeats.
-//! Latencies, rates and the time to the ban go to `flood.json` beside the test binary's
-//! scratch files, not into asserts.
+//! Latencies, rates, the time to the ban, the lowest score the flooded node gave the starved
+//! one and the gossip score penalties it handed out go to `flood.json` beside the test
+//! binary's scratch files, not into asserts. `FLOOD_KEEP_LOGS=DIR` copies the three nodes'
+//! logs there (with `P2PTRAIN_TEST_LOG=info,libp2p_gossipsub::peer_score=debug` they name
+//! each penalty and its peer).
 
 use std::time::{Duration, Instant};
 
@@ -28,6 +31,31 @@ fn peer_id(n: &Node) -> String {
         .as_str()
         .expect("peer id")
         .to_string()
+}
+
+/// The gossip score `s`'s node gives `peer`, if it lists it.
+fn score_of(s: &Value, peer: &str) -> Option<f64> {
+    s["peers"]["list"]
+        .as_array()?
+        .iter()
+        .find(|p| p["peer_id"] == peer)?["score"]
+        .as_f64()
+}
+
+/// Gossipsub's count of each kind of score penalty the node has handed out (grafts during a
+/// backoff, broken promises, ...), read from its `/metrics`: what a ban without a rejected
+/// message was for.
+fn score_penalties(n: &Node) -> Value {
+    let text = n.http_get("/metrics").unwrap_or_default();
+    let counts: serde_json::Map<String, Value> = text
+        .lines()
+        .filter(|l| l.contains("scoring_penalties") && !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, count) = l.rsplit_once(' ')?;
+            Some((name.to_string(), json!(count.parse::<f64>().ok()?)))
+        })
+        .collect();
+    Value::Object(counts)
 }
 
 fn lists(s: &Value, list: &str, peer: &str) -> bool {
@@ -62,6 +90,8 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
     let mut unanswered = 0;
     let mut rss_max = 0;
     let mut banned_after = None;
+    // The lowest score the flooded node gives the starved honest node, and when.
+    let mut c_lowest: Option<(f64, f64)> = None;
     let mut last = before.clone();
     while started.elapsed() < FLOOD_FOR {
         let asked = Instant::now();
@@ -73,6 +103,11 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
                     banned_after = Some(
                         (started.elapsed() - HEARTBEATS_AFTER.min(started.elapsed())).as_secs_f64(),
                     );
+                }
+                if let Some(score) = score_of(&s, &c_id) {
+                    if c_lowest.is_none_or(|(low, _)| score < low) {
+                        c_lowest = Some((score, started.elapsed().as_secs_f64()));
+                    }
                 }
                 last = s;
             }
@@ -102,10 +137,18 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
         "steps_during_flood": steps,
         "rss_max_kib": rss_max,
         "rogue_banned_after_secs": banned_after,
+        "c_lowest_score_at_a": c_lowest.map(|(score, _)| score),
+        "c_lowest_score_at_a_secs": c_lowest.map(|(_, at)| at),
+        "score_penalties_at_a": score_penalties(&a),
     });
     let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("flood.json");
     std::fs::write(&out, report.to_string()).expect("flood.json");
     eprintln!("flood: {report}");
+    if let Ok(keep) = std::env::var("FLOOD_KEEP_LOGS") {
+        for (name, node) in [("a", &a), ("b", &b), ("c", &c)] {
+            let _ = std::fs::copy(&node.log, format!("{keep}/{name}.log"));
+        }
+    }
 
     assert!(
         heartbeats + subscriptions + requests > 1000,

@@ -127,7 +127,7 @@ fn a_hostile_sync_partner_is_refused_punished_and_syncs_go_on_with_the_honest_pe
             s["rejected_by_peer"]
         );
         assert!(
-            n <= 2 * u64::from(scoring::refusals_to_graylist()),
+            n <= 2 * u64::from(scoring::penalties_to_graylist()),
             "the ban came late: {by_peer:?}"
         );
     }

@@ -293,7 +293,7 @@ pub enum Output {
     },
     /// Lower a peer's score for a provable offence outside gossip, where gossipsub's own
     /// rejection count cannot see it: a refused full-sync reply, a ring hop no honest member
-    /// sends. Enough of them in a short time ban the peer (see [`crate::scoring::Refusals`]).
+    /// sends. Enough of them in a short time ban the peer (see [`crate::scoring::Penalties`]).
     Penalise(PeerId),
     /// Forget a peer that said goodbye (no redial).
     Forget(PeerId),

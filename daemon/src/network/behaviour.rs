@@ -168,12 +168,12 @@ pub type Gossipsub = gossipsub::Behaviour<
 /// heartbeat topic, its own update topic and its neighbours'.
 #[derive(Debug, Clone)]
 pub struct RunTopics {
-    run_id: String,
+    names: wire::RunTopicNames,
 }
 
 impl gossipsub::TopicSubscriptionFilter for RunTopics {
     fn can_subscribe(&mut self, topic: &gossipsub::TopicHash) -> bool {
-        wire::is_run_topic(&self.run_id, topic.as_str())
+        self.names.contains(topic.as_str())
     }
 }
 
@@ -184,7 +184,7 @@ fn subscription_filter(run_id: &str) -> gossipsub::MaxCountSubscriptionFilter<Ru
         gossipsub::MaxCountSubscriptionFilter::<gossipsub::AllowAllSubscriptionFilter>::default();
     gossipsub::MaxCountSubscriptionFilter {
         filter: RunTopics {
-            run_id: run_id.to_string(),
+            names: wire::RunTopicNames::new(run_id),
         },
         max_subscribed_topics: counts.max_subscribed_topics,
         max_subscriptions_per_request: counts.max_subscriptions_per_request,

@@ -70,9 +70,12 @@ pub struct EventLoop {
     /// Members that offer the relay service (identify lists the hop protocol): the only
     /// ones a private node asks to relay for it.
     relay_capable: HashSet<PeerId>,
+    /// Members whose score is below the graylist threshold with no offence recorded
+    /// ([`PeerBook::offended`]): not banned, named in the log once per such spell.
+    graylisted_unproven: HashSet<PeerId>,
     /// Provable offences outside gossip per peer (refused full-sync replies, bad ring hops),
     /// behind their application score.
-    penalties: scoring::Refusals<PeerId>,
+    penalties: scoring::Penalties<PeerId>,
     /// libp2p's Prometheus metrics of swarm and protocol events (connections, dials,
     /// identify, ping round trips, Kademlia, gossip messages), registered in the registry the
     /// control API serves.
@@ -140,7 +143,8 @@ impl EventLoop {
             relayed_members: HashMap::new(),
             nat: Nat::new(cfg.relay_server, cfg.upnp),
             relay_capable: HashSet::new(),
-            penalties: scoring::Refusals::default(),
+            graylisted_unproven: HashSet::new(),
+            penalties: scoring::Penalties::default(),
         }
     }
 
@@ -289,7 +293,9 @@ impl EventLoop {
 
     /// Disconnects members whose gossip score fell below the graylist threshold and refuses
     /// them for [`scoring::BAN_FOR`]: gossipsub already ignores what they send, and the ban
-    /// also frees the neighbour slot and the bulk channel they hold.
+    /// also frees the neighbour slot and the bulk channel they hold. Only a member with an
+    /// offence on record is banned ([`PeerBook::offended`]): gossip protocol penalties alone
+    /// are what a starved honest box earns by answering late.
     fn ban_graylisted(&mut self, now: Instant) {
         for peer in self.book.end_expired_bans(now) {
             tracing::info!(peer = %peer, "ban ended; the peer may connect again");
@@ -302,7 +308,22 @@ impl EventLoop {
             .filter_map(|p| gossip.peer_score(p).map(|s| (*p, s)))
             .filter(|(_, s)| *s < scoring::GRAYLIST_THRESHOLD)
             .collect();
-        for (peer, score) in graylisted {
+        let unproven: HashSet<PeerId> = graylisted
+            .iter()
+            .filter(|(p, _)| !self.book.offended(p))
+            .map(|(p, _)| *p)
+            .collect();
+        for (peer, score) in graylisted.iter().filter(|(p, _)| unproven.contains(p)) {
+            if !self.graylisted_unproven.contains(peer) {
+                tracing::info!(peer = %peer, "gossip score {score:.1} is below the graylist threshold through gossip protocol penalties alone (broken IWANT promises or grafts during a prune backoff, which a late answer earns too): gossipsub ignores the peer meanwhile; not banned");
+            }
+        }
+        let proven: Vec<(PeerId, f64)> = graylisted
+            .into_iter()
+            .filter(|(p, _)| !unproven.contains(p))
+            .collect();
+        self.graylisted_unproven = unproven;
+        for (peer, score) in proven {
             let seen_at = self
                 .members
                 .get(&peer)
@@ -390,10 +411,14 @@ impl EventLoop {
                 source,
                 verdict,
             } => {
+                let rejected = matches!(verdict, libp2p::gossipsub::MessageAcceptance::Reject);
                 self.swarm
                     .behaviour_mut()
                     .gossipsub
                     .report_message_validation_result(&id, &source, verdict);
+                if rejected {
+                    self.book.note_rejected(source);
+                }
             }
             Command::Request {
                 peer,
@@ -454,15 +479,18 @@ impl EventLoop {
             .members
             .iter()
             .chain(self.relayed_members.iter())
-            .map(|(id, p)| PeerInfo {
-                score: gossip.peer_score(id),
-                bytes_sent: self.traffic.bandwidth.of_peer(id).map(|b| b.0),
-                bytes_received: self.traffic.bandwidth.of_peer(id).map(|b| b.1),
-                path: self.links.path(id).map(str::to_string),
-                remote: self.links.remote(id),
-                offences: self.book.offences_of(id).map_or(0, |o| o.0),
-                last_offence: self.book.offences_of(id).map(|o| o.1.to_string()),
-                ..p.clone()
+            .map(|(id, p)| {
+                let offences = self.book.offences_of(id);
+                PeerInfo {
+                    score: gossip.peer_score(id),
+                    bytes_sent: self.traffic.bandwidth.of_peer(id).map(|b| b.0),
+                    bytes_received: self.traffic.bandwidth.of_peer(id).map(|b| b.1),
+                    path: self.links.path(id).map(str::to_string),
+                    remote: self.links.remote(id),
+                    offences: offences.map_or(0, |o| o.0),
+                    last_offence: offences.map(|o| o.1.to_string()),
+                    ..p.clone()
+                }
             })
             .collect();
         peers.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));

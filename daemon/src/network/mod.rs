@@ -142,7 +142,7 @@ pub enum Command {
     /// A peer left for good: close its connections and stop redialling it.
     Forget(PeerId),
     /// The peer did what no honest peer does outside gossip (a refused full-sync reply, a
-    /// bad ring hop): lower its application score (see [`crate::scoring::Refusals`]), which
+    /// bad ring hop): lower its application score (see [`crate::scoring::Penalties`]), which
     /// takes a peer that keeps doing it to the graylist and the ban.
     Penalise(PeerId),
 }

@@ -100,7 +100,7 @@ fn ban_reason(score: f64, offences: Option<&Offences>) -> String {
             o.count, o.last
         ),
         _ => format!(
-            "gossip score {score:.1} fell below the graylist threshold {threshold} through gossip protocol misbehaviour (grafts during a prune backoff or broken gossip promises), with no rejected message"
+            "gossip score {score:.1} fell below the graylist threshold {threshold} with no offence recorded"
         ),
     }
 }
@@ -186,6 +186,23 @@ impl PeerBook {
         let o = self.offences.entry(peer).or_default();
         o.count += 1;
         o.last = why;
+    }
+
+    /// Records that gossipsub was told to reject a message `peer` forwarded, unless an
+    /// offence of its is recorded already (the mesh names most rejections itself, just before).
+    pub fn note_rejected(&mut self, peer: PeerId) {
+        if !self.offended(&peer) {
+            self.note_offence(peer, "a gossip message the node rejected".into());
+        }
+    }
+
+    /// Whether an offence of `peer` was recorded since its last ban ended: only then does a
+    /// score below the graylist threshold ban it. gossipsub's behaviour penalty (P7: broken
+    /// IWANT promises, grafts during a prune backoff) also lowers scores, and an honest box
+    /// starved of CPU earns it by answering late; gossipsub ignores such a peer while its
+    /// score is below the threshold (seconds, as the penalty decays), and the node keeps it.
+    pub fn offended(&self, peer: &PeerId) -> bool {
+        self.offences.get(peer).is_some_and(|o| o.count > 0)
     }
 
     /// How many offences of `peer` were reported since its last ban ended, and the last one.
@@ -434,18 +451,28 @@ mod tests {
     }
 
     #[test]
-    fn a_ban_without_offences_blames_gossip_misbehaviour() {
+    fn only_a_peer_with_an_offence_is_offended_and_a_rejection_is_one() {
         let mut book = PeerBook::default();
-        let reason = book.ban(PeerId::random(), -80.0, Instant::now(), 0, None);
+        let (named, rejected, idle) = (PeerId::random(), PeerId::random(), PeerId::random());
+        book.note_offence(named, "rejected update (replayed)".into());
+        book.note_rejected(named);
+        book.note_rejected(rejected);
+        assert!(book.offended(&named) && book.offended(&rejected));
+        assert!(!book.offended(&idle));
+        // The mesh's own word is kept: a rejection it already named adds nothing.
+        assert_eq!(
+            book.offences_of(&named),
+            Some((1, "rejected update (replayed)"))
+        );
+        assert_eq!(
+            book.offences_of(&rejected),
+            Some((1, "a gossip message the node rejected"))
+        );
+        let reason = book.ban(idle, -80.0, Instant::now(), 0, None);
         assert!(
-            reason.starts_with("gossip score -80.0 fell below"),
+            reason.starts_with("gossip score -80.0 fell below") && reason.contains("no offence"),
             "{reason}"
         );
-        assert!(
-            reason.contains("through gossip protocol misbehaviour"),
-            "{reason}"
-        );
-        assert!(reason.contains("with no rejected message"), "{reason}");
     }
 
     #[test]
@@ -464,7 +491,7 @@ mod tests {
         assert!(book.banned(t0 + scoring::BAN_FOR).is_empty());
         // Banned again later, the old offence is not held against it.
         let reason = book.ban(p, -100.0, t0 + scoring::BAN_FOR, 0, None);
-        assert!(reason.contains("with no rejected message"), "{reason}");
+        assert!(reason.contains("with no offence recorded"), "{reason}");
     }
 
     #[test]

@@ -13,9 +13,10 @@
 //! slow or cut link), and a reconnect's burst of grafts is tolerated: the partition test
 //! showed libp2p's defaults banning every honest peer when a split healed.
 //!
-//! What the node itself finds wrong outside gossip, refused full-sync replies (see
-//! [`crate::sync_guard`]) and ring hops that break a round's rules, is punished through the
-//! application-specific score (P5), which this module also shapes: a decaying count of such
+//! What the node itself finds wrong outside gossip's own rejections, refused full-sync replies
+//! (see [`crate::sync_guard`]), ring hops that break a round's rules and heartbeats past their
+//! author's rate (which only this node's count makes wrong: rejected, they would cost every
+//! honest peer that relayed one), is punished through the application-specific score (P5), which this module also shapes: a decaying count of such
 //! penalties per peer ([`Penalties`]), squared like P4, so repeated penalties lead to the same
 //! graylisting and ban.
 
@@ -54,7 +55,8 @@ const BEHAVIOUR_DECAY: f64 = 0.9;
 const TIME_IN_MESH_WEIGHT: f64 = 0.01;
 const TIME_IN_MESH_CAP: f64 = 300.0;
 /// Weight of the application-specific score (P5), which is the squared (decaying) count of a
-/// peer's penalties, refused full-sync replies and bad ring hops (see [`Penalties`]): one
+/// peer's penalties, refused full-sync replies, bad ring hops and over-rate heartbeats it
+/// sent (see [`Penalties`]): one
 /// costs 2, so an honest outlier refused once or twice stays above the gossip threshold (-8
 /// at two); seven within a minute take even a peer with the best positive score on two topics
 /// below the graylist threshold, and it is banned like a peer whose messages are rejected.
@@ -85,7 +87,7 @@ pub fn penalties_to_graylist() -> u32 {
 }
 
 /// The decaying count of penalties per peer (refused full-sync replies, ring hops that break
-/// a round's rules), turned into gossipsub's application-specific score (P5, weighted by
+/// a round's rules, over-rate heartbeats), turned into gossipsub's application-specific score (P5, weighted by
 /// [`PENALTY_WEIGHT`]). gossipsub keeps P5 as the application sets it and never decays it, so
 /// the decay lives here; the network's event loop owns one and calls [`Penalties::decay`] once
 /// a second.
@@ -165,7 +167,8 @@ pub fn peer_params() -> PeerScoreParams {
         // peer's: with libp2p's default weight, 30 s of partition left ~1,000 expired messages
         // and got honest peers banned the moment the partition healed. Off.
         slow_peer_weight: 0.0,
-        // P5 carries refused full syncs and bad ring hops (see [`Penalties`]); nothing else
+        // P5 carries refused full syncs, bad ring hops and over-rate heartbeats (see
+        // [`Penalties`]); nothing else
         // sets it.
         app_specific_weight: PENALTY_WEIGHT,
         ..PeerScoreParams::default()

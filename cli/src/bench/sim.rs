@@ -130,7 +130,7 @@ fn rounds_report(mode: SyncMode, sizes: &[u64], seeds: &[u64], churns: &[u64]) -
         mode,
         ..SyncConfig::default()
     };
-    let Some(rounds) = sync.rounds(1, 1, 32) else {
+    let Some(rounds) = sync.rounds(1, 32) else {
         bail!("--sync-mode {}: no rounds", mode.name());
     };
     let mut runs = Vec::new();

@@ -500,13 +500,11 @@ impl SyncConfig {
         }
     }
 
-    /// The rounds of a synchronous mode, for a node with `train_samples` training samples of
-    /// a training set of `whole_train_samples` (every member's parts are cut from it) and
+    /// The rounds of a synchronous mode, for a node with `train_samples` training samples and
     /// batches of `batch_size`; `None` in `gossip`.
     pub fn rounds(
         &self,
         train_samples: usize,
-        whole_train_samples: usize,
         batch_size: usize,
     ) -> Option<crate::mesh_core::rounds::RoundConfig> {
         let mut gradients = None;
@@ -533,7 +531,7 @@ impl SyncConfig {
             outer_state: self.mode == SyncMode::Diloco,
             stall_timeout: std::time::Duration::from_secs_f64(self.stall_timeout_secs),
             max_weight: if self.mode == SyncMode::Fedavg {
-                whole_train_samples.max(train_samples) as f32
+                f32::INFINITY
             } else {
                 1.0
             },

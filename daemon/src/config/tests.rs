@@ -275,10 +275,8 @@ fn overrides_replace_or_extend_as_documented() {
     assert_eq!(c.train.shard, Some((2, 5)));
     assert_eq!(c.train.target, Some(0.97));
     // Federated averaging's round is one epoch over the node's own data, weighted by it.
-    let rc = c.sync.rounds(100, 500, 32).expect("rounds");
+    let rc = c.sync.rounds(100, 32).expect("rounds");
     assert_eq!((rc.steps, rc.weight), (4, 100.0));
-    // No member can honestly hold more samples than the whole training set.
-    assert_eq!(rc.max_weight, 500.0);
     let bad = c.apply(&Overrides {
         sync_mode: Some("ring".into()),
         ..Overrides::default()
@@ -429,7 +427,7 @@ fn ddp_rounds_sum_gradients_every_step_with_a_parameter_round_every_resync_every
     let text = format!("{DEFAULT_CONFIG_TOML}\n[sync]\nmode = \"ddp\"\nresync_every = 4\n");
     let c = Config::parse(&text, "x.toml", None).expect("parse");
     assert_eq!(c.sync.mode, SyncMode::Ddp);
-    let rc = c.sync.rounds(100, 500, 32).expect("rounds");
+    let rc = c.sync.rounds(100, 32).expect("rounds");
     assert_eq!((rc.steps, rc.gradients), (1, Some(4)));
     let kinds: Vec<bool> = (0..6).map(|r| rc.sums_gradients(r)).collect();
     assert_eq!(kinds, [false, true, true, true, false, true]);
@@ -440,7 +438,7 @@ fn ddp_rounds_sum_gradients_every_step_with_a_parameter_round_every_resync_every
     let rc = Config::parse(&allreduce, "x.toml", None)
         .expect("parse")
         .sync
-        .rounds(100, 500, 32)
+        .rounds(100, 32)
         .expect("rounds");
     assert!(!(0..6).any(|r| rc.sums_gradients(r)));
     let bad = format!("{DEFAULT_CONFIG_TOML}\n[sync]\nmode = \"ddp\"\nresync_every = 1\n");
@@ -466,7 +464,7 @@ fn the_stall_timeout_is_a_setting_of_whole_seconds_or_more() {
     let rc = with("2.5")
         .expect("valid")
         .sync
-        .rounds(100, 500, 32)
+        .rounds(100, 32)
         .expect("rounds");
     assert_eq!(rc.stall_timeout, std::time::Duration::from_millis(2500));
     let default = Config::load(None).expect("default").sync;

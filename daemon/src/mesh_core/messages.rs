@@ -291,9 +291,9 @@ pub enum Output {
         /// What it did.
         why: String,
     },
-    /// Lower a peer's score for a provable offence outside gossip, where gossipsub's own
-    /// rejection count cannot see it: a refused full-sync reply, a ring hop no honest member
-    /// sends. Enough of them in a short time ban the peer (see [`crate::scoring::Penalties`]).
+    /// Lower a peer's score for a provable offence that gossipsub's own rejection count
+    /// cannot punish alone: a refused full-sync reply, a ring hop no honest member sends, a
+    /// heartbeat it sent over its rate. Enough of them in a short time ban the peer (see [`crate::scoring::Penalties`]).
     Penalise(PeerId),
     /// Forget a peer that said goodbye (no redial).
     Forget(PeerId),

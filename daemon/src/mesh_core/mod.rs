@@ -651,11 +651,16 @@ impl MeshCore {
                     tracing::warn!(peer = %peer, "ignoring heartbeats: {why}");
                     out.push(Output::Offence { peer, why });
                 }
+                // Whether a heartbeat is over its author's rate is this node's own count: an
+                // honest member may have taken and forwarded the same one within its count.
+                // Rejected, gossipsub would also penalise every peer that delivered a copy
+                // while the author's own was judged (the flood test's starved honest node was
+                // banned that way, for relaying the flooder's heartbeats). So it is ignored,
+                // and the author alone penalised, when it sent the heartbeat itself.
                 if source == peer {
-                    MessageAcceptance::Reject
-                } else {
-                    MessageAcceptance::Ignore
+                    out.push(Output::Penalise(peer));
                 }
+                MessageAcceptance::Ignore
             }
         }
     }

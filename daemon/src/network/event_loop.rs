@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::behaviour::Behaviour;
 use super::metrics::{Bandwidth, Envelope, Traffic};
-use super::peer_book::PeerBook;
+use super::peer_book::{GraylistVerdict, PeerBook};
 use super::{
     BulkResponse, Command, Event, NetConfig, NetError, NetSnapshot, NetworkStatus, PeerInfo,
     SILENT_AFTER,
@@ -70,9 +70,6 @@ pub struct EventLoop {
     /// Members that offer the relay service (identify lists the hop protocol): the only
     /// ones a private node asks to relay for it.
     relay_capable: HashSet<PeerId>,
-    /// Members whose score is below the graylist threshold with no offence recorded
-    /// ([`PeerBook::offended`]): not banned, named in the log once per such spell.
-    graylisted_unproven: HashSet<PeerId>,
     /// Provable offences outside gossip per peer (refused full-sync replies, bad ring hops),
     /// behind their application score.
     penalties: scoring::Penalties<PeerId>,
@@ -143,7 +140,6 @@ impl EventLoop {
             relayed_members: HashMap::new(),
             nat: Nat::new(cfg.relay_server, cfg.upnp),
             relay_capable: HashSet::new(),
-            graylisted_unproven: HashSet::new(),
             penalties: scoring::Penalties::default(),
         }
     }
@@ -293,37 +289,38 @@ impl EventLoop {
 
     /// Disconnects members whose gossip score fell below the graylist threshold and refuses
     /// them for [`scoring::BAN_FOR`]: gossipsub already ignores what they send, and the ban
-    /// also frees the neighbour slot and the bulk channel they hold. Only a member with an
-    /// offence on record is banned ([`PeerBook::offended`]): gossip protocol penalties alone
-    /// are what a starved honest box earns by answering late.
+    /// also frees the neighbour slot and the bulk channel they hold. A member with no offence
+    /// on record is spared unless it stays below or comes back below
+    /// ([`PeerBook::graylisted`]): gossip protocol penalties alone are what a starved honest
+    /// box earns by answering late.
     fn ban_graylisted(&mut self, now: Instant) {
         for peer in self.book.end_expired_bans(now) {
             tracing::info!(peer = %peer, "ban ended; the peer may connect again");
             self.swarm.behaviour_mut().banned.unblock_peer(peer);
         }
+        let members = &self.members;
+        self.book.forget_stale(now, |p| members.contains_key(p));
         let gossip = &self.swarm.behaviour().gossipsub;
-        let graylisted: Vec<(PeerId, f64)> = self
+        let scores: Vec<(PeerId, f64)> = self
             .members
             .keys()
             .filter_map(|p| gossip.peer_score(p).map(|s| (*p, s)))
-            .filter(|(_, s)| *s < scoring::GRAYLIST_THRESHOLD)
             .collect();
-        let unproven: HashSet<PeerId> = graylisted
-            .iter()
-            .filter(|(p, _)| !self.book.offended(p))
-            .map(|(p, _)| *p)
-            .collect();
-        for (peer, score) in graylisted.iter().filter(|(p, _)| unproven.contains(p)) {
-            if !self.graylisted_unproven.contains(peer) {
-                tracing::info!(peer = %peer, "gossip score {score:.1} is below the graylist threshold through gossip protocol penalties alone (broken IWANT promises or grafts during a prune backoff, which a late answer earns too): gossipsub ignores the peer meanwhile; not banned");
+        let mut to_ban = Vec::new();
+        for (peer, score) in scores {
+            if score >= scoring::GRAYLIST_THRESHOLD {
+                self.book.not_graylisted(&peer);
+                continue;
+            }
+            match self.book.graylisted(peer, now) {
+                GraylistVerdict::Ban => to_ban.push((peer, score)),
+                GraylistVerdict::Spare { new_spell: true } => {
+                    tracing::info!(peer = %peer, "gossip score {score:.1} is below the graylist threshold through gossip protocol penalties alone (broken IWANT promises or grafts during a prune backoff, which a late answer earns too): gossipsub ignores the peer meanwhile; not banned unless it stays below or comes back");
+                }
+                GraylistVerdict::Spare { new_spell: false } => {}
             }
         }
-        let proven: Vec<(PeerId, f64)> = graylisted
-            .into_iter()
-            .filter(|(p, _)| !unproven.contains(p))
-            .collect();
-        self.graylisted_unproven = unproven;
-        for (peer, score) in proven {
+        for (peer, score) in to_ban {
             let seen_at = self
                 .members
                 .get(&peer)
@@ -405,19 +402,26 @@ impl EventLoop {
                     .unsubscribe(&IdentTopic::new(topic.clone()));
                 self.topics.remove(&topic);
             }
-            Command::Offence { peer, why } => self.book.note_offence(peer, why),
+            Command::Offence { peer, why } => self.book.note_offence(peer, why, Instant::now()),
             Command::Validate {
                 id,
                 source,
                 verdict,
             } => {
                 let rejected = matches!(verdict, libp2p::gossipsub::MessageAcceptance::Reject);
-                self.swarm
+                let penalised = self
+                    .swarm
                     .behaviour_mut()
                     .gossipsub
                     .report_message_validation_result(&id, &source, verdict);
-                if rejected {
-                    self.book.note_rejected(source);
+                // The mesh names most rejections itself, but its word may have been dropped
+                // on a full channel: the one that lowered the score is evidence enough.
+                if rejected && penalised {
+                    self.book.note_unnamed_offence(
+                        source,
+                        "a gossip message the node rejected",
+                        Instant::now(),
+                    );
                 }
             }
             Command::Request {
@@ -457,6 +461,11 @@ impl EventLoop {
                 let _ = self.swarm.disconnect_peer_id(peer);
             }
             Command::Penalise(peer) => {
+                self.book.note_unnamed_offence(
+                    peer,
+                    "a refused full-sync reply, a bad ring hop or heartbeats over their rate",
+                    Instant::now(),
+                );
                 let score = self.penalties.add(peer);
                 self.swarm
                     .behaviour_mut()

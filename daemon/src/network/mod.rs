@@ -141,8 +141,8 @@ pub enum Command {
     Snapshot(oneshot::Sender<NetSnapshot>),
     /// A peer left for good: close its connections and stop redialling it.
     Forget(PeerId),
-    /// The peer did what no honest peer does outside gossip (a refused full-sync reply, a
-    /// bad ring hop): lower its application score (see [`crate::scoring::Penalties`]), which
+    /// The peer did what no honest peer does, where gossipsub's rejections cannot punish it
+    /// alone (a refused full-sync reply, a bad ring hop, a heartbeat over its rate): lower its application score (see [`crate::scoring::Penalties`]), which
     /// takes a peer that keeps doing it to the graylist and the ban.
     Penalise(PeerId),
 }

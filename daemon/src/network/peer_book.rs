@@ -1,7 +1,7 @@
 //! The peers a node remembers beyond its open connections: members it has seen (to redial
 //! with backoff when they are lost, and to forget when they stay away), bans (with the score,
-//! reason and end that status shows), and the offences the mesh reported (the evidence a ban
-//! names). It owns no sockets and reads no clock: the event loop passes `now` in and acts on
+//! reason and end that status shows), the offences the mesh reported (the evidence a ban
+//! names), and which graylisted members to ban ([`PeerBook::graylisted`]). It owns no sockets and reads no clock: the event loop passes `now` in and acts on
 //! what comes back (dial these, unblock those), so all of it is tested here without a swarm.
 
 use std::collections::{HashMap, HashSet};
@@ -24,6 +24,16 @@ pub const REDIAL_MIN: Duration = Duration::from_secs(1);
 pub const REDIAL_MAX: Duration = Duration::from_secs(8);
 /// A lost member not reached again for this long is forgotten.
 pub const FORGET_AFTER: Duration = Duration::from_secs(30 * 60);
+/// An offence counts towards a ban for this long (a ban's length: the squared rejection
+/// count behind the score has decayed long before, at a half-life of about 69 s).
+pub const OFFENCE_MEMORY: Duration = scoring::BAN_FOR;
+/// A member kept below the graylist threshold by gossipsub's behaviour penalty alone (no
+/// offence on record) is banned once such a spell lasts this long: a late answer earns the
+/// penalty too, and it decays in seconds once answers come in time, while a peer that keeps
+/// breaking its IWANT promises or grafting during a backoff stays below.
+pub const UNPROVEN_SPELL_MAX: Duration = Duration::from_secs(60);
+/// ... or at its this many-th such spell within [`OFFENCE_MEMORY`].
+pub const UNPROVEN_SPELLS_MAX: u32 = 3;
 
 /// A peer disconnected and refused for a while because its score fell below the graylist
 /// threshold. An operator who sees one needs to know what it did and when it may come back:
@@ -40,7 +50,8 @@ pub struct BannedPeer {
     #[serde(default)]
     pub until: u64,
     /// The offence: what the peer did that this node reported (rejected messages, refused
-    /// syncs), or that the score fell through gossip misbehaviour alone.
+    /// syncs, bad ring hops), or the gossip protocol penalties that kept its score below the
+    /// graylist threshold too long or too often.
     #[serde(default)]
     pub reason: String,
 }
@@ -72,6 +83,33 @@ struct Ban {
 struct Offences {
     count: u64,
     last: String,
+    /// When the last one was reported.
+    at: Option<Instant>,
+}
+
+/// A member's spells below the graylist threshold with no offence on record (see
+/// [`UNPROVEN_SPELL_MAX`]).
+#[derive(Debug, Clone)]
+struct UnprovenSpells {
+    /// The first of those counted (older ones are forgotten with it).
+    first: Instant,
+    count: u32,
+    /// When the spell under way began.
+    current: Option<Instant>,
+}
+
+/// What to do with a member whose score is below the graylist threshold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GraylistVerdict {
+    /// Ban it: it committed an offence, or gossip protocol penalties alone kept it below for
+    /// too long or too often.
+    Ban,
+    /// Keep it (gossipsub ignores it meanwhile); `new_spell` the first time this spell is
+    /// seen, for the log.
+    Spare {
+        /// This spell began now.
+        new_spell: bool,
+    },
 }
 
 /// Known peers, bans and offences; see the module docs.
@@ -80,6 +118,7 @@ pub struct PeerBook {
     known: HashMap<PeerId, KnownPeer>,
     banned: HashMap<PeerId, Ban>,
     offences: HashMap<PeerId, Offences>,
+    unproven: HashMap<PeerId, UnprovenSpells>,
 }
 
 /// The IP address in a multiaddr, if any: bans remember where a peer came from.
@@ -181,28 +220,94 @@ impl PeerBook {
             .collect()
     }
 
-    /// Records an offence of `peer`, for the reason a later ban gives.
-    pub fn note_offence(&mut self, peer: PeerId, why: String) {
+    /// Records an offence of `peer` at `now`, for the reason a later ban gives.
+    pub fn note_offence(&mut self, peer: PeerId, why: String, now: Instant) {
         let o = self.offences.entry(peer).or_default();
         o.count += 1;
         o.last = why;
+        o.at = Some(now);
     }
 
-    /// Records that gossipsub was told to reject a message `peer` forwarded, unless an
-    /// offence of its is recorded already (the mesh names most rejections itself, just before).
-    pub fn note_rejected(&mut self, peer: PeerId) {
-        if !self.offended(&peer) {
-            self.note_offence(peer, "a gossip message the node rejected".into());
+    /// Records an offence of `peer`'s that the mesh may not have named (gossipsub told to
+    /// reject its message, its score lowered for a refused sync or a bad ring hop), unless
+    /// one is on record already (the mesh names most of them itself, just before).
+    pub fn note_unnamed_offence(&mut self, peer: PeerId, what: &str, now: Instant) {
+        if !self.offended(&peer, now) {
+            self.note_offence(peer, what.to_string(), now);
         }
     }
 
-    /// Whether an offence of `peer` was recorded since its last ban ended: only then does a
-    /// score below the graylist threshold ban it. gossipsub's behaviour penalty (P7: broken
-    /// IWANT promises, grafts during a prune backoff) also lowers scores, and an honest box
-    /// starved of CPU earns it by answering late; gossipsub ignores such a peer while its
-    /// score is below the threshold (seconds, as the penalty decays), and the node keeps it.
-    pub fn offended(&self, peer: &PeerId) -> bool {
-        self.offences.get(peer).is_some_and(|o| o.count > 0)
+    /// Whether an offence of `peer` was recorded within [`OFFENCE_MEMORY`] of `now` (and
+    /// since its last ban ended).
+    pub fn offended(&self, peer: &PeerId, now: Instant) -> bool {
+        self.offences.get(peer).is_some_and(|o| {
+            o.count > 0
+                && o.at
+                    .is_some_and(|at| now.saturating_duration_since(at) < OFFENCE_MEMORY)
+        })
+    }
+
+    /// A member's score is below the graylist threshold at `now`: ban it if it committed an
+    /// offence lately. gossipsub's behaviour penalty (P7: broken IWANT promises, grafts during
+    /// a prune backoff) also lowers scores, and an honest box starved of CPU earns it by
+    /// answering late; gossipsub ignores such a peer while its score is below the threshold
+    /// (seconds, as the penalty decays) and the node keeps it, unless the spell lasts
+    /// [`UNPROVEN_SPELL_MAX`] or is the [`UNPROVEN_SPELLS_MAX`]-th within
+    /// [`OFFENCE_MEMORY`]: then the spells are the offence the ban names.
+    pub fn graylisted(&mut self, peer: PeerId, now: Instant) -> GraylistVerdict {
+        if self.offended(&peer, now) {
+            return GraylistVerdict::Ban;
+        }
+        let s = self.unproven.entry(peer).or_insert(UnprovenSpells {
+            first: now,
+            count: 0,
+            current: None,
+        });
+        if now.saturating_duration_since(s.first) >= OFFENCE_MEMORY {
+            s.first = now;
+            s.count = u32::from(s.current.is_some());
+        }
+        let new_spell = s.current.is_none();
+        let since = *s.current.get_or_insert(now);
+        if new_spell {
+            s.count += 1;
+        }
+        let why = if now.saturating_duration_since(since) >= UNPROVEN_SPELL_MAX {
+            format!(
+                "gossip protocol penalties alone (broken IWANT promises or grafts during a prune backoff) kept its score below the graylist threshold for {} s",
+                UNPROVEN_SPELL_MAX.as_secs()
+            )
+        } else if s.count >= UNPROVEN_SPELLS_MAX {
+            format!(
+                "gossip protocol penalties alone (broken IWANT promises or grafts during a prune backoff) took its score below the graylist threshold {} times within {} minutes",
+                s.count,
+                OFFENCE_MEMORY.as_secs() / 60
+            )
+        } else {
+            return GraylistVerdict::Spare { new_spell };
+        };
+        self.unproven.remove(&peer);
+        self.note_offence(peer, why, now);
+        GraylistVerdict::Ban
+    }
+
+    /// A member's score is at or above the graylist threshold: a spell of it below is over.
+    pub fn not_graylisted(&mut self, peer: &PeerId) {
+        if let Some(s) = self.unproven.get_mut(peer) {
+            s.current = None;
+        }
+    }
+
+    /// Forgets offences older than [`OFFENCE_MEMORY`] (a banned peer's stay until its ban
+    /// ends) and the spells of peers that are no longer members or whose first spell is that
+    /// old: both maps stay as small as the peers that misbehaved lately.
+    pub fn forget_stale(&mut self, now: Instant, is_member: impl Fn(&PeerId) -> bool) {
+        let fresh = |at: Instant| now.saturating_duration_since(at) < OFFENCE_MEMORY;
+        let banned = &self.banned;
+        self.offences
+            .retain(|p, o| banned.contains_key(p) || o.at.is_some_and(fresh));
+        self.unproven
+            .retain(|p, s| is_member(p) && (fresh(s.first) || s.current.is_some()));
     }
 
     /// How many offences of `peer` were reported since its last ban ended, and the last one.
@@ -428,8 +533,8 @@ mod tests {
         let mut book = PeerBook::default();
         let t0 = Instant::now();
         let p = PeerId::random();
-        book.note_offence(p, "rejected update (bad shape)".into());
-        book.note_offence(p, "rejected update (replayed)".into());
+        book.note_offence(p, "rejected update (bad shape)".into(), t0);
+        book.note_offence(p, "rejected update (replayed)".into(), t0);
         assert_eq!(
             book.offences_of(&p),
             Some((2, "rejected update (replayed)"))
@@ -451,15 +556,16 @@ mod tests {
     }
 
     #[test]
-    fn only_a_peer_with_an_offence_is_offended_and_a_rejection_is_one() {
+    fn only_a_peer_with_a_recent_offence_is_offended_and_an_unnamed_one_counts() {
         let mut book = PeerBook::default();
+        let t0 = Instant::now();
         let (named, rejected, idle) = (PeerId::random(), PeerId::random(), PeerId::random());
-        book.note_offence(named, "rejected update (replayed)".into());
-        book.note_rejected(named);
-        book.note_rejected(rejected);
-        assert!(book.offended(&named) && book.offended(&rejected));
-        assert!(!book.offended(&idle));
-        // The mesh's own word is kept: a rejection it already named adds nothing.
+        book.note_offence(named, "rejected update (replayed)".into(), t0);
+        book.note_unnamed_offence(named, "a gossip message the node rejected", t0);
+        book.note_unnamed_offence(rejected, "a gossip message the node rejected", t0);
+        assert!(book.offended(&named, t0) && book.offended(&rejected, t0));
+        assert!(!book.offended(&idle, t0));
+        // The mesh's own word is kept: an offence it already named adds nothing.
         assert_eq!(
             book.offences_of(&named),
             Some((1, "rejected update (replayed)"))
@@ -468,11 +574,70 @@ mod tests {
             book.offences_of(&rejected),
             Some((1, "a gossip message the node rejected"))
         );
-        let reason = book.ban(idle, -80.0, Instant::now(), 0, None);
+        // An old offence is no evidence, and is forgotten.
+        let later = t0 + OFFENCE_MEMORY;
+        assert!(!book.offended(&named, later));
+        book.forget_stale(later, |_| true);
+        assert_eq!(book.offences_of(&named), None);
+        let reason = book.ban(idle, -80.0, t0, 0, None);
         assert!(
             reason.starts_with("gossip score -80.0 fell below") && reason.contains("no offence"),
             "{reason}"
         );
+    }
+
+    /// The flood test's starved honest node (CI banned it for broken promises or grafts
+    /// during a backoff alone): a spell below the graylist threshold without an offence is
+    /// spared, one that lasts a minute or is the third within ten is banned, naming it; an
+    /// offence bans at once.
+    #[test]
+    fn a_graylisting_without_an_offence_bans_only_when_it_lasts_or_recurs() {
+        let mut book = PeerBook::default();
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let (late, stuck, recurring, offender) = (
+            PeerId::random(),
+            PeerId::random(),
+            PeerId::random(),
+            PeerId::random(),
+        );
+        let spared = |new_spell| GraylistVerdict::Spare { new_spell };
+        assert_eq!(book.graylisted(late, t0), spared(true));
+        assert_eq!(book.graylisted(late, t0 + s(8)), spared(false));
+        book.not_graylisted(&late);
+        assert!(!book.offended(&late, t0 + s(9)));
+        // One that stays below for a minute.
+        assert_eq!(book.graylisted(stuck, t0), spared(true));
+        assert_eq!(book.graylisted(stuck, t0 + s(59)), spared(false));
+        assert_eq!(book.graylisted(stuck, t0 + s(60)), GraylistVerdict::Ban);
+        assert!(book
+            .offences_of(&stuck)
+            .is_some_and(|(_, why)| why.contains("for 60 s")));
+        // One that comes back below: the third spell within ten minutes is banned, while
+        // spells further apart are not.
+        for (k, at) in [0, 200, 400].into_iter().enumerate() {
+            let verdict = book.graylisted(recurring, t0 + s(at));
+            book.not_graylisted(&recurring);
+            let want = if k < 2 {
+                spared(true)
+            } else {
+                GraylistVerdict::Ban
+            };
+            assert_eq!(verdict, want, "spell {k}");
+        }
+        assert!(book
+            .offences_of(&recurring)
+            .is_some_and(|(_, why)| why.contains("3 times within 10 minutes")));
+        let apart = PeerId::random();
+        for at in [0, 400, 800, 1200] {
+            assert_eq!(book.graylisted(apart, t0 + s(at)), spared(true), "at {at}");
+            book.not_graylisted(&apart);
+        }
+        book.note_offence(offender, "rejected update (replayed)".into(), t0);
+        assert_eq!(book.graylisted(offender, t0), GraylistVerdict::Ban);
+        // Spells of peers that left are forgotten.
+        book.forget_stale(t0 + s(1), |p| *p != late);
+        assert!(!book.unproven.contains_key(&late));
     }
 
     #[test]
@@ -480,7 +645,7 @@ mod tests {
         let mut book = PeerBook::default();
         let t0 = Instant::now();
         let p = PeerId::random();
-        book.note_offence(p, "first".into());
+        book.note_offence(p, "first".into(), t0);
         book.ban(p, -100.0, t0, 0, None);
         assert!(book.is_banned(&p));
         let almost = t0 + scoring::BAN_FOR - Duration::from_millis(1);

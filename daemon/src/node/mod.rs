@@ -97,10 +97,6 @@ pub struct Prepared {
     pub spec: ModelSpec,
     /// The opened device (`config.train.device`).
     pub device: Device,
-    /// Training samples (or text windows) of the whole training set, before `train.shard`
-    /// took this node's part: what every member of the run knows, so what bounds a
-    /// `fedavg` member's weight (its own samples).
-    pub whole_train: usize,
 }
 
 /// Loads the data, builds the model spec and opens the device, touching no file but the data.
@@ -109,7 +105,6 @@ pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
     let dev = config.train.device.open()?;
     let mut data = config.load_data().map_err(NodeError::Data)?;
     let spec = config.model_spec(&data)?;
-    let whole_train = data.train().len();
     if let (Some((k, n)), Data::Text(text)) = (config.train.shard, &mut data) {
         text.train = text
             .train
@@ -149,7 +144,6 @@ pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
         data: Arc::new(data),
         spec,
         device: dev,
-        whole_train,
     })
 }
 
@@ -372,7 +366,6 @@ pub async fn run(
         data,
         spec,
         device,
-        whole_train,
     } = prepared;
     let listener = control::bind(config.api.listen).await?;
     let api_addr = listener.local_addr().map_err(control::BindError::Socket)?;
@@ -405,7 +398,7 @@ pub async fn run(
         .unwrap_or_else(|| seed_from(&opened.local_peer.to_string()));
     let rounds = config
         .sync
-        .rounds(data.train().len(), whole_train, config.train.batch_size)
+        .rounds(data.train().len(), config.train.batch_size)
         .map(|rc| (rc, !joining && opened.resume.is_none()));
     let train_classes = data
         .labeled()

@@ -146,10 +146,9 @@ pub struct RoundConfig {
     /// The most any one member's weight can be: 1 where members weigh 1 or less (`allreduce`,
     /// `diloco`; a `ddp` member with a smaller batch its share; a joiner 0), so a round whose
     /// weight total exceeds the ring's size was inflated by a member, which shrinks the mean
-    /// towards zero by an amount the distance judge may admit. In `fedavg`, whose weights
-    /// are the members' sample counts, the whole training set's (every member's part is cut
-    /// from it): a member claiming 1e9 samples is refused, though one claiming the whole set
-    /// still weighs as much as that (the ring carries the total, not each member's weight).
+    /// towards zero by an amount the distance judge may admit. `f32::INFINITY` in `fedavg`,
+    /// whose weights are the members' sample counts, which nothing proves yet (members may
+    /// train on files of their own, so not even the training set's size is shared).
     pub max_weight: f32,
 }
 

@@ -282,7 +282,9 @@ impl MeshActor {
             } => {
                 let _ = self.net.validate(id, source, acceptance).await;
             }
-            Output::Offence { peer, why } => self.net.report_offence(peer, why),
+            Output::Offence { peer, why } => {
+                let _ = self.net.report_offence(peer, why).await;
+            }
             Output::Penalise(peer) => {
                 let _ = self.net.penalise(peer).await;
             }

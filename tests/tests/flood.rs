@@ -163,8 +163,8 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
         "the flooded node kept training: {steps} steps in {flooded_for:.0} s"
     );
     assert!(rss_max < RSS_BOUND_KIB, "resident memory: {report}");
-    // Heartbeats beyond their author's rate, sent by the author itself, are rejected: the
-    // gossip score falls and the rogue is banned, the reason in status.
+    // Heartbeats beyond their author's rate, sent by the author itself, are penalised: the
+    // score falls and the rogue is banned, the reason in status.
     let ban = last["banned_peers"]
         .as_array()
         .and_then(|l| l.iter().find(|b| b["peer_id"] == rogue_id.as_str()))

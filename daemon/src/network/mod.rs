@@ -394,10 +394,11 @@ impl Client {
         self.send(Command::Unsubscribe(topic)).await
     }
 
-    /// Records an offence of `peer` for the reason a later ban gives. Never waits: under
-    /// back-pressure the note is dropped (the score, kept by gossipsub, is what bans).
-    pub fn report_offence(&self, peer: PeerId, why: String) {
-        let _ = self.cmd_tx.try_send(Command::Offence { peer, why });
+    /// Records an offence of `peer` for the reason a later ban gives (and the evidence that
+    /// lets a low score ban it). Waits like the verdict that follows it: dropped under a
+    /// flood, a ban would name a vaguer reason than the one the mesh found.
+    pub async fn report_offence(&self, peer: PeerId, why: String) -> Result<(), NetError> {
+        self.send(Command::Offence { peer, why }).await
     }
 
     /// Reports the verdict on a gossip message.

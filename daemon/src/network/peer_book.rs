@@ -89,11 +89,10 @@ struct Offences {
 
 /// A member's spells below the graylist threshold with no offence on record (see
 /// [`UNPROVEN_SPELL_MAX`]).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 struct UnprovenSpells {
-    /// The first of those counted (older ones are forgotten with it).
-    first: Instant,
-    count: u32,
+    /// When the last few began, oldest first (at most [`UNPROVEN_SPELLS_MAX`]).
+    starts: std::collections::VecDeque<Instant>,
     /// When the spell under way began.
     current: Option<Instant>,
 }
@@ -258,29 +257,28 @@ impl PeerBook {
         if self.offended(&peer, now) {
             return GraylistVerdict::Ban;
         }
-        let s = self.unproven.entry(peer).or_insert(UnprovenSpells {
-            first: now,
-            count: 0,
-            current: None,
-        });
-        if now.saturating_duration_since(s.first) >= OFFENCE_MEMORY {
-            s.first = now;
-            s.count = u32::from(s.current.is_some());
-        }
+        let s = self.unproven.entry(peer).or_default();
         let new_spell = s.current.is_none();
         let since = *s.current.get_or_insert(now);
         if new_spell {
-            s.count += 1;
+            if s.starts.len() >= UNPROVEN_SPELLS_MAX as usize {
+                s.starts.pop_front();
+            }
+            s.starts.push_back(now);
         }
+        let recent = s
+            .starts
+            .iter()
+            .filter(|t| now.saturating_duration_since(**t) < OFFENCE_MEMORY)
+            .count();
         let why = if now.saturating_duration_since(since) >= UNPROVEN_SPELL_MAX {
             format!(
                 "gossip protocol penalties alone (broken IWANT promises or grafts during a prune backoff) kept its score below the graylist threshold for {} s",
                 UNPROVEN_SPELL_MAX.as_secs()
             )
-        } else if s.count >= UNPROVEN_SPELLS_MAX {
+        } else if recent >= UNPROVEN_SPELLS_MAX as usize {
             format!(
-                "gossip protocol penalties alone (broken IWANT promises or grafts during a prune backoff) took its score below the graylist threshold {} times within {} minutes",
-                s.count,
+                "gossip protocol penalties alone (broken IWANT promises or grafts during a prune backoff) took its score below the graylist threshold {recent} times within {} minutes",
                 OFFENCE_MEMORY.as_secs() / 60
             )
         } else {
@@ -299,15 +297,21 @@ impl PeerBook {
     }
 
     /// Forgets offences older than [`OFFENCE_MEMORY`] (a banned peer's stay until its ban
-    /// ends) and the spells of peers that are no longer members or whose first spell is that
-    /// old: both maps stay as small as the peers that misbehaved lately.
+    /// ends) and spells that old: both maps stay as small as the peers that misbehaved
+    /// lately. A peer that is no longer a member ends its spell, but its earlier ones are
+    /// kept: leaving and coming back does not start its count again.
     pub fn forget_stale(&mut self, now: Instant, is_member: impl Fn(&PeerId) -> bool) {
         let fresh = |at: Instant| now.saturating_duration_since(at) < OFFENCE_MEMORY;
         let banned = &self.banned;
         self.offences
             .retain(|p, o| banned.contains_key(p) || o.at.is_some_and(fresh));
-        self.unproven
-            .retain(|p, s| is_member(p) && (fresh(s.first) || s.current.is_some()));
+        self.unproven.retain(|p, s| {
+            if !is_member(p) {
+                s.current = None;
+            }
+            s.starts.retain(|t| fresh(*t));
+            s.current.is_some() || !s.starts.is_empty()
+        });
     }
 
     /// How many offences of `peer` were reported since its last ban ended, and the last one.
@@ -633,10 +637,30 @@ mod tests {
             assert_eq!(book.graylisted(apart, t0 + s(at)), spared(true), "at {at}");
             book.not_graylisted(&apart);
         }
+        // The ten minutes slide: three spells within 3 s are three, wherever they fall.
+        let sliding = PeerId::random();
+        for (at, want) in [
+            (0, spared(true)),
+            (598, spared(true)),
+            (600, spared(true)),
+            (601, GraylistVerdict::Ban),
+        ] {
+            assert_eq!(book.graylisted(sliding, t0 + s(at)), want, "at {at}");
+            book.not_graylisted(&sliding);
+        }
         book.note_offence(offender, "rejected update (replayed)".into(), t0);
         assert_eq!(book.graylisted(offender, t0), GraylistVerdict::Ban);
-        // Spells of peers that left are forgotten.
-        book.forget_stale(t0 + s(1), |p| *p != late);
+        // A peer that leaves ends its spell but not its count: back, its next two spells
+        // within ten minutes are its third.
+        let leaver = PeerId::random();
+        assert_eq!(book.graylisted(leaver, t0), spared(true));
+        assert_eq!(book.graylisted(leaver, t0 + s(50)), spared(false));
+        book.forget_stale(t0 + s(51), |p| *p != leaver);
+        assert_eq!(book.graylisted(leaver, t0 + s(52)), spared(true));
+        book.not_graylisted(&leaver);
+        assert_eq!(book.graylisted(leaver, t0 + s(53)), GraylistVerdict::Ban);
+        // Spells older than ten minutes are forgotten, and with them the peer.
+        book.forget_stale(t0 + s(9) + OFFENCE_MEMORY, |_| true);
         assert!(!book.unproven.contains_key(&late));
     }
 

@@ -141,11 +141,16 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--samples", type=int, default=8192)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N for a GPU yardstick")
+    ap.add_argument(
+        "--tf32", action="store_true", help="TF32 matrix products on a GPU (off by default, as in PyTorch)"
+    )
     args = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
     torch.manual_seed(0)
     spec = json.loads(args.spec)
     model, (kind, dim) = build(spec, torch)
@@ -186,6 +191,7 @@ def main():
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
                 "device": args.device,
+                "tf32": args.tf32,
                 "params": sum(p.numel() for p in model.parameters()),
                 "steps_per_sec": rates,
             }

@@ -7,7 +7,7 @@ use anyhow::Result;
 use p2ptrain_daemon::node::Prepared;
 use p2ptrain_models::data::Sampler;
 use p2ptrain_models::optim::Optimizer;
-use p2ptrain_models::train::train_step;
+use p2ptrain_models::train::{forward_backward, loss_value, train_step};
 use p2ptrain_models::Model;
 
 /// The median (mean of the middle two for an even count); NaN for none.
@@ -45,4 +45,28 @@ pub(crate) fn train_steps(p: &Prepared, model: &Model, steps: u64) -> Result<f64
         train_step(model, &mut opt, &xs, &ys)?;
     }
     Ok(steps as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Trains a fresh model `steps` steps, timing apart the host issuing each step (batch, forward,
+/// backward, optimizer) and the wait for the loss's value, which on a GPU is the wait for the
+/// step's kernels; returns the waits' share of the whole (near 0 for a host-bound step).
+pub(crate) fn gpu_wait_fraction(p: &Prepared, steps: u64) -> Result<f64> {
+    let model = Model::new(&p.spec, p.config.train.init_seed, &p.device)?;
+    let config = &p.config;
+    let mut opt =
+        Optimizer::new(&config.optimizer, model.params())?.with_schedule(config.schedule)?;
+    let mut sampler = Sampler::new(p.data.train().len(), 1);
+    let (mut issuing, mut waiting) = (0f64, 0f64);
+    for _ in 0..steps {
+        let start = Instant::now();
+        let idx = sampler.next_batch(config.train.batch_size);
+        let (xs, ys) = p.data.train().batch(&idx, &p.device)?;
+        let (loss, grads) = forward_backward(&model, &xs, &ys)?;
+        opt.step(model.params(), &grads)?;
+        let issued = Instant::now();
+        loss_value(&loss)?;
+        issuing += (issued - start).as_secs_f64();
+        waiting += issued.elapsed().as_secs_f64();
+    }
+    Ok(waiting / (issuing + waiting).max(f64::MIN_POSITIVE))
 }

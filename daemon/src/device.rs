@@ -1,6 +1,8 @@
 //! The compute device: `cpu`, `cuda` or `cuda:N`, parsed once (when the config is loaded or a
 //! `--device` override applied) into a [`DeviceSpec`] that the rest of the daemon carries, and
-//! opened once when the node is prepared. It does not pick a device by itself.
+//! opened once when the node is prepared, a GPU with its levers applied
+//! ([`p2ptrain_models::gpu::prepare`]) before any tensor exists on it. It does not pick a
+//! device by itself.
 //!
 //! The default build is CPU-only (the `cuda` feature needs nvcc at build time and the driver at
 //! run time), so asking a CPU build for CUDA must fail with a message that says how to get it.
@@ -38,6 +40,15 @@ pub enum DeviceError {
         ordinal: usize,
         /// Candle's reason.
         source: candle_core::Error,
+    },
+    /// The GPU opened, but its levers (`P2PTRAIN_CUDA_LEVERS`) could not be applied or its
+    /// kernels not compiled.
+    #[error("cannot prepare cuda:{ordinal}: {source}")]
+    Prepare {
+        /// The GPU asked for.
+        ordinal: usize,
+        /// Why.
+        source: p2ptrain_models::Error,
     },
 }
 
@@ -90,7 +101,11 @@ impl DeviceSpec {
                 if !cfg!(feature = "cuda") {
                     return Err(DeviceError::NoCudaSupport(n));
                 }
-                Device::new_cuda(n).map_err(|source| DeviceError::Cuda { ordinal: n, source })
+                let dev = Device::new_cuda(n)
+                    .map_err(|source| DeviceError::Cuda { ordinal: n, source })?;
+                p2ptrain_models::gpu::prepare(&dev)
+                    .map_err(|source| DeviceError::Prepare { ordinal: n, source })?;
+                Ok(dev)
             }
         }
     }

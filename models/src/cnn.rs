@@ -147,7 +147,8 @@ impl Network for Cnn {
     }
 
     fn loss_and_grads(&self, xs: &Tensor, ys: &Tensor) -> Option<Result<(Tensor, GradStore)>> {
-        fused::serves(xs).then(|| self.loss_and_grads_by_hand(xs, ys))
+        // The convolutions' kernels are the CPU's alone.
+        fused::on_cpu(xs).then(|| self.loss_and_grads_by_hand(xs, ys))
     }
 }
 

@@ -13,6 +13,7 @@ pub mod data;
 mod dense;
 pub mod error;
 pub mod gpt;
+pub mod gpu;
 pub mod init;
 pub mod kind;
 pub mod mlp;

@@ -264,6 +264,10 @@ impl Optimizer {
     /// Applies one update from `grads` to `params` (which must be the set this optimizer was
     /// created for).
     pub fn step(&mut self, params: &Params, grads: &GradStore) -> Result<()> {
+        let _uploads = params
+            .vars()
+            .first()
+            .map(|(_, var)| crate::gpu::step_guard(var.device()));
         self.steps = self.steps.saturating_add(1);
         let factor = self.schedule.factor(self.steps);
         for (i, (_, var)) in params.vars().iter().enumerate() {
@@ -502,11 +506,15 @@ struct AdamwUpdate {
     eps: f64,
 }
 
-/// Whether the in-place passes can run: every tensor on the CPU, `f32`, contiguous, one size.
+/// Whether the in-place passes can run: every tensor `f32`, contiguous and of one size, on the
+/// CPU or on a GPU whose kernels are on ([`crate::gpu`]).
 fn in_place_applies(tensors: &[&Tensor]) -> bool {
     let n = tensors[0].elem_count();
     tensors.iter().all(|t| {
-        t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() && t.elem_count() == n
+        crate::gpu::kernels_serve(t.device())
+            && t.dtype() == DType::F32
+            && t.is_contiguous()
+            && t.elem_count() == n
     })
 }
 
@@ -559,6 +567,25 @@ impl InplaceOp3 for SgdMomentum {
         }
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        g: &candle_core::CudaStorage,
+        g_l: &Layout,
+        p: &candle_core::CudaStorage,
+        p_l: &Layout,
+    ) -> candle_core::Result<()> {
+        crate::gpu::ops::sgd_momentum(
+            (dst, dst_l),
+            (g, g_l),
+            (p, p_l),
+            self.momentum,
+            self.weight_decay,
+        )
+    }
 }
 
 impl InplaceOp3 for SgdStep {
@@ -593,6 +620,26 @@ impl InplaceOp3 for SgdStep {
         }
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        g: &candle_core::CudaStorage,
+        g_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
+    ) -> candle_core::Result<()> {
+        crate::gpu::ops::sgd_step(
+            (dst, dst_l),
+            (g, g_l),
+            (v, v_l),
+            self.lr,
+            self.weight_decay,
+            self.nesterov,
+        )
+    }
 }
 
 impl InplaceOp2 for SgdPlain {
@@ -613,6 +660,17 @@ impl InplaceOp2 for SgdPlain {
             *p -= lr * (g + wd * *p);
         }
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        g: &candle_core::CudaStorage,
+        g_l: &Layout,
+    ) -> candle_core::Result<()> {
+        crate::gpu::ops::sgd_plain((dst, dst_l), (g, g_l), self.lr, self.weight_decay)
     }
 }
 
@@ -640,6 +698,17 @@ impl InplaceOp2 for MomentUpdate {
             }
         }
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        g: &candle_core::CudaStorage,
+        g_l: &Layout,
+    ) -> candle_core::Result<()> {
+        crate::gpu::ops::adam_moment((dst, dst_l), (g, g_l), self.decay, self.squared)
     }
 }
 
@@ -670,6 +739,24 @@ impl InplaceOp3 for AdamwUpdate {
             *p = decay * *p - lr * (m * m_scale) / ((v * v_scale).sqrt() + eps);
         }
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        m: &candle_core::CudaStorage,
+        m_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
+    ) -> candle_core::Result<()> {
+        crate::gpu::ops::adamw_step(
+            (dst, dst_l),
+            (m, m_l),
+            (v, v_l),
+            [self.lr, self.decay, self.m_scale, self.v_scale, self.eps],
+        )
     }
 }
 

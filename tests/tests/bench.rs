@@ -323,6 +323,8 @@ fn bench_step_reports_each_optimizer_and_what_the_codecs_save() {
             "--runs",
             "1",
             "--no-torch",
+            "--device",
+            "cpu",
             "--configs",
             configs.to_str().expect("utf8"),
             "--out",
@@ -337,6 +339,8 @@ fn bench_step_reports_each_optimizer_and_what_the_codecs_save() {
         report["benchmark"], "train-step-vs-pytorch-eager",
         "{report}"
     );
+    assert_eq!(report["device"], "cpu", "{report}");
+    assert_eq!(report["gpu_levers"], "none", "{report}");
     let cases = report["cases"].as_array().expect("cases");
     let optimizers: Vec<&str> = cases
         .iter()
@@ -350,6 +354,7 @@ fn bench_step_reports_each_optimizer_and_what_the_codecs_save() {
             "{c}"
         );
         assert!(c["torch_median"].is_null() && c["ratio"].is_null(), "{c}");
+        assert!(c["gpu_wait_fraction"].is_null(), "{c}");
     }
     let params = cases[0]["params"].as_u64().expect("params");
     let codecs = report["codecs"].as_array().expect("codecs");
@@ -359,6 +364,29 @@ fn bench_step_reports_each_optimizer_and_what_the_codecs_save() {
         assert!(bytes > 0 && bytes < 4 * params, "{c}: {params} parameters");
         assert!(c["encode_us"].as_f64().is_some_and(|v| v > 0.0), "{c}");
     }
+    // A GPU asked of a build without CUDA: one line that says how to get it, no report.
+    let gpu_file = out.path().join("gpu.json");
+    let (st, _, err) = cli(
+        &[
+            "bench",
+            "step",
+            "--models",
+            "digits-mlp",
+            "--no-torch",
+            "--device",
+            "cuda",
+            "--configs",
+            configs.to_str().expect("utf8"),
+            "--out",
+            gpu_file.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(
+        !st.success() && err.contains("without CUDA support"),
+        "{err}"
+    );
+    assert!(!gpu_file.exists());
 }
 
 /// `bench mesh` with two nodes and two codecs: a run per codec, each node's updates sent and

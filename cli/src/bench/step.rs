@@ -1,4 +1,5 @@
-//! `p2ptrain bench step`: how fast is one training step against PyTorch eager on this CPU?
+//! `p2ptrain bench step`: how fast is one training step against PyTorch eager on this CPU (or,
+//! with `--device cuda`, this GPU)?
 //!
 //! For each model (a shipped config) and optimizer, runs alternate timings of the bare Candle
 //! loop [`crate::measure::bare_loop`] (batch gather, forward, loss, backward, optimizer step) and
@@ -7,6 +8,11 @@
 //! times what the mesh adds to a step's CPU: compressing one update (error feedback included)
 //! and decoding it, for the 1-bit codecs (a scale per row, and per tensor) and top-k, on a real
 //! update of the model. The report holds every run, medians, spreads and ratios, as JSON.
+//!
+//! On a GPU the report also says which of the GPU levers were on (`P2PTRAIN_CUDA_LEVERS`, see
+//! `p2ptrain_models::gpu`; TF32 on one side means TF32 on both) and, per case, how a step's
+//! time splits between the host issuing its work and waiting for the GPU at the loss's read
+//! back: a host-bound step barely waits.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -53,6 +59,9 @@ pub struct StepArgs {
     /// Time p2ptrain alone (the report then has no ratios).
     #[arg(long)]
     no_torch: bool,
+    /// The device of both sides (`cpu`, `cuda`, `cuda:N`); each config's own when not given.
+    #[arg(long)]
+    device: Option<String>,
     /// Write the JSON report here (it is printed either way).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -61,6 +70,10 @@ pub struct StepArgs {
 #[derive(Serialize)]
 struct Report {
     benchmark: &'static str,
+    /// The device both sides ran on (the last case's, when configs differ).
+    device: String,
+    /// The GPU levers that were on (`none` on the CPU).
+    gpu_levers: String,
     threads: usize,
     seconds_per_run: f64,
     runs: usize,
@@ -89,6 +102,9 @@ struct Case {
     ratio: Option<f64>,
     /// Median of each p2ptrain run against the torch run just after it.
     median_of_paired_ratios: Option<f64>,
+    /// On a GPU: the fraction of a step's wall time spent waiting for the GPU when the loss is
+    /// read back (the rest is the host issuing the step's work), from one more run.
+    gpu_wait_fraction: Option<f64>,
 }
 
 /// What one update costs the sender and the receiver.
@@ -139,8 +155,9 @@ fn optimizer_for(name: &str, config: &OptimizerSpec) -> Result<OptimizerSpec> {
     })
 }
 
-/// Runs the PyTorch side once; its steps per second.
-fn torch_run(args: &StepArgs, p: &Prepared, steps: u64) -> Result<(f64, String)> {
+/// Runs the PyTorch side once on the case's device (with TF32 products when `tf32`); its steps
+/// per second.
+fn torch_run(args: &StepArgs, p: &Prepared, steps: u64, tf32: bool) -> Result<(f64, String)> {
     let out = Command::new(&args.python)
         .arg(&args.torch_script)
         .arg("--spec")
@@ -150,6 +167,8 @@ fn torch_run(args: &StepArgs, p: &Prepared, steps: u64) -> Result<(f64, String)>
         .args(["--batch", &p.config.train.batch_size.to_string()])
         .args(["--steps", &steps.to_string()])
         .args(["--threads", &p.config.train.threads.to_string()])
+        .args(["--device", &p.config.train.device.to_string()])
+        .args(tf32.then_some("--tf32"))
         .output()
         .with_context(|| format!("cannot run {}", args.python.display()))?;
     if !out.status.success() {
@@ -221,9 +240,12 @@ fn codec_timings(p: &Prepared, step_secs: f64, reps: usize) -> Result<Vec<CodecT
     Ok(out)
 }
 
-fn load(dir: &Path, name: &str) -> Result<Prepared> {
+fn load(dir: &Path, name: &str, device: Option<&str>) -> Result<Prepared> {
     let path = dir.join(format!("{name}.toml"));
     let mut config = Config::load(Some(&path))?;
+    if let Some(device) = device {
+        config.train.device = device.parse()?;
+    }
     // A schedule changes nothing a step costs, and PyTorch's side has none.
     config.schedule = Schedule::Constant;
     Ok(node::prepare(config)?)
@@ -241,6 +263,8 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
         );
     }
     let optimizers: Vec<&str> = args.optimizers.split(',').map(str::trim).collect();
+    let levers = p2ptrain_models::gpu::Levers::current()?;
+    let mut device = String::from("cpu");
     let mut cases = Vec::new();
     let mut codecs = Vec::new();
     let mut torch_version = None;
@@ -250,8 +274,10 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
     let mut progress = crate::progress::Counted::items("bench step", total_runs);
     let mut runs_done = 0;
     for name in models {
-        let base = load(&args.configs, name)?;
+        let base = load(&args.configs, name, args.device.as_deref())?;
         threads = base.config.train.threads;
+        device = base.config.train.device.to_string();
+        let on_gpu = !base.device.is_cpu();
         crate::runtime::set_compute_threads(threads);
         let mut first_step_secs = None;
         for opt in &optimizers {
@@ -268,7 +294,7 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
                 let b = bare_loop(&p, steps)?;
                 ours.push(b);
                 if !args.no_torch {
-                    let (t, version) = torch_run(&args, &p, steps)?;
+                    let (t, version) = torch_run(&args, &p, steps, on_gpu && levers.tf32)?;
                     theirs.push(t);
                     torch_version = Some(version);
                 }
@@ -286,6 +312,11 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
             first_step_secs.get_or_insert(1.0 / ours_median);
             let torch_median = (!theirs.is_empty()).then(|| median(&theirs));
             let paired: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
+            let gpu_wait_fraction = if on_gpu {
+                Some(crate::measure::gpu_wait_fraction(&p, steps)?)
+            } else {
+                None
+            };
             cases.push(Case {
                 model: p.spec.name(),
                 config: name.to_string(),
@@ -299,6 +330,7 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
                 torch_samples_per_sec: torch_median.map(|t| t * batch as f64),
                 ratio: torch_median.map(|t| ours_median / t),
                 median_of_paired_ratios: (!paired.is_empty()).then(|| median(&paired)),
+                gpu_wait_fraction,
                 p2ptrain_steps_per_sec: ours,
                 torch_steps_per_sec: theirs,
             });
@@ -309,6 +341,12 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
     }
     let report = Report {
         benchmark: "train-step-vs-pytorch-eager",
+        gpu_levers: if device == "cpu" {
+            "none".into()
+        } else {
+            levers.names()
+        },
+        device,
         threads,
         seconds_per_run: args.seconds,
         runs: args.runs,

@@ -364,7 +364,7 @@ fn evaluation_on_a_clock_takes_seconds_and_refuses_what_is_not() {
 #[test]
 fn the_text_configs_load_and_a_gpt_needs_text_and_text_a_gpt() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
-    for name in ["text-gpt.toml", "text-gpt-gpu.toml"] {
+    for name in ["text-gpt.toml", "text-gpt-gpu.toml", "text-gpt2s-gpu.toml"] {
         let c = Config::load(Some(&root.join(name))).expect(name);
         assert!(matches!(c.model, ModelConfig::Gpt(_)), "{name}");
         assert!(matches!(c.schedule, Schedule::Cosine { .. }), "{name}");

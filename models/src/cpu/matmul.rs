@@ -6,7 +6,8 @@
 //! one more pass over the output after it. Here the output is written once: by gemm alone
 //! ([`matmul`]), or starting from the bias in every row, onto which gemm adds the product
 //! ([`linear`]). The numbers are gemm's, as through Candle. Off the CPU, or for other float
-//! types, Candle's own ops run. Both ops carry a backward pass, so autograd can go through
+//! types, Candle's own ops run (on a GPU, cuBLAS: operands whose strides cuBLAS cannot take,
+//! such as the GPT's per-head views of one product, are copied contiguous first). Both ops carry a backward pass, so autograd can go through
 //! them; the hand-written backward passes call them on detached tensors.
 //!
 //! This is the crate's one module with `unsafe`: gemm takes raw pointers and strides. Before
@@ -18,16 +19,41 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use gemm::Parallelism;
 
-use crate::cpu::fused::{self, serves, sum_rows};
+use crate::cpu::fused::{self, on_cpu, serves, sum_rows};
 use crate::Result;
 
 /// `a @ b` for `a` `(…, m, k)` and `b` `(…, k, n)` with the same leading (batch) dimensions,
 /// any strides: what Candle's `matmul` gives, without zero-filling the output first.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if !serves(a) || !serves(b) {
-        return Ok(a.matmul(b)?);
+    if !on_cpu(a) || !on_cpu(b) {
+        return Ok(gemm_ready(a)?.matmul(&gemm_ready(b)?)?);
     }
     Ok(a.apply_op2(b, MatMul)?)
+}
+
+/// `t` itself if a strided batched product (cuBLAS through Candle) can read it: its last two
+/// dimensions row- or column-major and its leading ones one evenly strided batch; else a
+/// contiguous copy.
+fn gemm_ready(t: &Tensor) -> Result<Tensor> {
+    let (dims, strides) = (t.dims(), t.stride());
+    let rank = dims.len();
+    if t.is_contiguous() || rank < 2 {
+        return Ok(t.clone());
+    }
+    let (rows, cols) = (dims[rank - 2], dims[rank - 1]);
+    let (row_stride, col_stride) = (strides[rank - 2], strides[rank - 1]);
+    let inner = (col_stride == 1 || cols == 1) && (row_stride == cols || rows == 1)
+        || (row_stride == 1 || rows == 1) && (col_stride == rows || cols == 1);
+    let batch = match (&dims[..rank - 2], &strides[..rank - 2]) {
+        ([], []) | ([_], [_]) => true,
+        ([d0, d1], [s0, s1]) => *s0 == s1 * d1 || *d0 == 1 || *d1 == 1,
+        _ => false,
+    };
+    Ok(if inner && batch {
+        t.clone()
+    } else {
+        t.contiguous()?
+    })
 }
 
 /// `x @ weightᵀ + bias` for rows `x` `(rows, in)`, `weight` `(out, in)` and `bias` `(out,)`:
@@ -36,8 +62,13 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let Some(bias) = bias else {
         return matmul(x, &weight.t()?);
     };
-    if !serves(x) || !serves(weight) {
-        return Ok(x.matmul(&weight.t()?)?.broadcast_add(bias)?);
+    if !on_cpu(x) || !on_cpu(weight) {
+        let product = matmul(x, &weight.t()?)?;
+        return if serves(&product) {
+            fused::add_bias(&product, bias)
+        } else {
+            Ok(product.broadcast_add(bias)?)
+        };
     }
     Ok(x.apply_op3(weight, &bias.contiguous()?, Linear)?)
 }

@@ -1,4 +1,4 @@
-//! The GPT's training loss and every parameter's gradient, by hand, on the CPU.
+//! The GPT's training loss and every parameter's gradient, by hand, on the CPU or a GPU.
 //!
 //! Candle's autograd gives the same numbers (a test checks) but seeds each intermediate's
 //! gradient with a zero tensor and adds into it: on the 2-core box's small GPT that
@@ -62,7 +62,8 @@ fn affine_back(
 }
 
 impl Gpt {
-    /// Whether [`Gpt::loss_and_grads`] serves these parameters (f32 on the CPU).
+    /// Whether [`Gpt::loss_and_grads`] serves these parameters (f32 on the CPU, or on a GPU
+    /// whose kernels are on).
     pub(crate) fn has_hand_backward(&self) -> bool {
         fused::serves(&self.tok_weight)
     }
@@ -109,6 +110,13 @@ impl Gpt {
                 .reshape((batch, time, 3, heads, head_dim))?
                 .permute((2, 0, 3, 1, 4))?;
             let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+            // cuBLAS reads a batch of heads only as one evenly strided batch: on a GPU, copy
+            // each of the three once here rather than before each of its two products.
+            let (q, k, v) = if fused::on_cpu(&q) {
+                (q, k, v)
+            } else {
+                (q.contiguous()?, k.contiguous()?, v.contiguous()?)
+            };
             let weights = fused::causal_softmax(&matmul(&q, &k.t()?)?, scale)?;
             let attended = matmul(&weights, &v)?
                 .transpose(1, 2)?
@@ -162,6 +170,11 @@ impl Gpt {
             let d_out = d_attended
                 .reshape((batch, time, heads, head_dim))?
                 .transpose(1, 2)?;
+            let d_out = if fused::on_cpu(&d_out) {
+                d_out
+            } else {
+                d_out.contiguous()?
+            };
             let d_weights = matmul(&d_out, &c.v.t()?)?;
             let d_v = matmul(&c.weights.t()?, &d_out)?;
             let d_scores = fused::causal_softmax_grad(&c.weights, &d_weights, scale)?;

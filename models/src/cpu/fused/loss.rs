@@ -127,6 +127,17 @@ impl CustomOp2 for CrossEntropy {
         Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::cross_entropy((s1, l1), (s2, l2))
+    }
+
     fn bwd(
         &self,
         logits: &Tensor,
@@ -178,6 +189,17 @@ impl CustomOp2 for CrossEntropyGrad {
         }
         .run();
         Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::cross_entropy_grad((s1, l1), (s2, l2), self.scale)
     }
 }
 

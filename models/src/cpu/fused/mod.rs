@@ -7,8 +7,9 @@
 //! seeds and sums a gradient for every intermediate, and a bias's gradient (a sum over the rows
 //! of a broadcast) takes Candle's strided reduction, the slowest loop of the step. Here each
 //! composite is one loop over its rows forward and one backward. The numbers are those of the
-//! composition they replace (the tests compare values and gradients against it); off the CPU,
-//! or for other float types, the Candle composition itself runs.
+//! composition they replace (the tests compare values and gradients against it). On a GPU
+//! (the `cuda` feature, with the `kernels` lever of [`crate::gpu`]) each op runs its twin in
+//! `gpu/kernels.cu`; for other float types or devices, the Candle composition itself runs.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
 
@@ -25,8 +26,14 @@ mod silu;
 mod softmax;
 
 /// Whether the fused kernels (and the hand-written backward passes built on them) serve this
-/// tensor: f32 on the CPU; elsewhere the Candle composition runs.
+/// tensor: f32 on the CPU, or on a GPU whose kernels are on; elsewhere the Candle composition
+/// runs.
 pub(crate) fn serves(x: &Tensor) -> bool {
+    x.dtype() == DType::F32 && crate::gpu::kernels_serve(x.device())
+}
+
+/// Whether `x` is f32 on the CPU: what the CPU-only kernels (gemm, convolutions) need.
+pub(crate) fn on_cpu(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
 }
 
@@ -297,6 +304,17 @@ impl CustomOp2 for AddBias {
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::add_bias(s1, l1, s2, l2)
+    }
+
     fn bwd(
         &self,
         _x: &Tensor,
@@ -337,6 +355,15 @@ impl CustomOp1 for SumRows {
         let mut sum = vec![0f32; width];
         Kernel::SumRows { x, sum: &mut sum }.run();
         Ok((CpuStorage::F32(sum), Shape::from(width)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::sum_rows(s, l)
     }
 }
 

@@ -77,6 +77,19 @@ impl CustomOp3 for LayerNorm {
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::layer_norm((s1, l1), (s2, l2), (s3, l3), self.eps)
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -144,6 +157,19 @@ impl CustomOp3 for LayerNormGrad {
         }
         .run();
         Ok((CpuStorage::F32(out), Shape::from((rows + 2, width))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::layer_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps)
     }
 }
 

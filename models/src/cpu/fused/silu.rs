@@ -24,6 +24,15 @@ impl CustomOp1 for Silu {
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::silu(s, l)
+    }
+
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &SiluGrad)?))
     }
@@ -69,6 +78,17 @@ impl CustomOp2 for SiluGrad {
         }
         .run();
         Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::silu_grad(s1, l1, s2, l2)
     }
 }
 

@@ -59,6 +59,15 @@ impl CustomOp1 for CausalSoftmax {
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::causal_softmax(s, l, self.scale)
+    }
+
     fn bwd(
         &self,
         _scores: &Tensor,
@@ -131,6 +140,17 @@ impl CustomOp2 for SoftmaxGrad {
         }
         .run();
         Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::softmax_grad(s1, l1, s2, l2, self.scale)
     }
 }
 

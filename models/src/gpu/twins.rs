@@ -1,0 +1,294 @@
+//! Each GPU kernel against its CPU twin, on the GPU: every fused op's values and gradients, the
+//! optimizer passes, and the GPT's whole hand-written step. These tests need a GPU: without
+//! one (no driver, no device) each prints why it is skipped and passes; CI never builds the
+//! `cuda` feature, so they never run there.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::cpu::fused;
+use crate::gpt::{Gpt, GptSpec};
+use crate::optim::{Optimizer, OptimizerSpec};
+use crate::params::Params;
+use crate::testing::seeded;
+
+/// The first GPU, or `None` with the reason printed.
+fn gpu(test: &str) -> Option<Device> {
+    match Device::new_cuda(0).and_then(|d| {
+        crate::gpu::prepare(&d).map_err(candle_core::Error::wrap)?;
+        Ok(d)
+    }) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("{test}: skipped, no GPU here ({e})");
+            None
+        }
+    }
+}
+
+/// The largest absolute difference between a CPU tensor and a GPU one, relative to the CPU
+/// tensor's largest magnitude (at least 1).
+fn relative_diff(cpu: &Tensor, gpu: &Tensor) -> f32 {
+    let back = gpu.to_device(&Device::Cpu).expect("to cpu");
+    assert_eq!(cpu.dims(), back.dims(), "shapes");
+    let scalar = |t: Tensor| t.to_scalar::<f32>().expect("scalar");
+    let diff = scalar(
+        (cpu - &back)
+            .and_then(|d| d.abs()?.max_all())
+            .expect("diff"),
+    );
+    let size = scalar(cpu.abs().and_then(|d| d.max_all()).expect("size"));
+    diff / size.max(1.0)
+}
+
+/// Seeded values in [-2, 2) on the CPU and the same on `dev`.
+fn pair(shape: &[usize], seed: u64, dev: &Device) -> (Tensor, Tensor) {
+    let cpu = seeded(shape, seed, 2.0).as_tensor().clone();
+    let on_gpu = cpu.to_device(dev).expect("to gpu");
+    (cpu, on_gpu)
+}
+
+fn check(what: &str, cpu: &Tensor, gpu: &Tensor, bound: f32) {
+    let d = relative_diff(cpu, gpu);
+    assert!(
+        d <= bound,
+        "{what}: the GPU differs from the CPU by {d} (bound {bound})"
+    );
+}
+
+/// Sizes that are not multiples of a warp or a block, and one wide and long enough for many
+/// chunks of a column sum.
+const SHAPES: [(usize, usize); 3] = [(37, 50), (5, 7), (1000, 384)];
+
+#[test]
+fn row_kernels_match_their_cpu_twins() {
+    let Some(dev) = gpu("row_kernels_match_their_cpu_twins") else {
+        return;
+    };
+    for (i, &(rows, width)) in SHAPES.iter().enumerate() {
+        let seed = 10 * i as u64;
+        let (x, gx) = pair(&[rows, width], seed + 1, &dev);
+        let (w, gw) = pair(&[width], seed + 2, &dev);
+        let (b, gb) = pair(&[width], seed + 3, &dev);
+        let (g, gg) = pair(&[rows, width], seed + 4, &dev);
+        let case = format!("{rows}x{width}");
+        check(
+            &format!("add-bias {case}"),
+            &fused::add_bias(&x, &b).expect("cpu"),
+            &fused::add_bias(&gx, &gb).expect("gpu"),
+            1e-6,
+        );
+        check(
+            &format!("sum-rows {case}"),
+            &fused::sum_rows(&x).expect("cpu"),
+            &fused::sum_rows(&gx).expect("gpu"),
+            1e-5,
+        );
+        check(
+            &format!("layer norm {case}"),
+            &fused::layer_norm(&x, &w, &b, 1e-5).expect("cpu"),
+            &fused::layer_norm(&gx, &gw, &gb, 1e-5).expect("gpu"),
+            1e-5,
+        );
+        let cpu_grads = fused::layer_norm_grad(&x, &w, &g, 1e-5).expect("cpu");
+        let gpu_grads = fused::layer_norm_grad(&gx, &gw, &gg, 1e-5).expect("gpu");
+        check(
+            &format!("layer norm dx {case}"),
+            &cpu_grads.0,
+            &gpu_grads.0,
+            1e-4,
+        );
+        check(
+            &format!("layer norm dw {case}"),
+            &cpu_grads.1,
+            &gpu_grads.1,
+            1e-4,
+        );
+        check(
+            &format!("layer norm db {case}"),
+            &cpu_grads.2,
+            &gpu_grads.2,
+            1e-5,
+        );
+        check(
+            &format!("silu {case}"),
+            &fused::silu(&x).expect("cpu"),
+            &fused::silu(&gx).expect("gpu"),
+            1e-5,
+        );
+        check(
+            &format!("silu grad {case}"),
+            &fused::silu_grad(&x, &g).expect("cpu"),
+            &fused::silu_grad(&gx, &gg).expect("gpu"),
+            1e-5,
+        );
+        let targets: Vec<u32> = (0..rows).map(|r| ((r * 31 + 7) % width) as u32).collect();
+        let t = Tensor::from_vec(targets, rows, &Device::Cpu).expect("targets");
+        let gt = t.to_device(&dev).expect("targets to gpu");
+        check(
+            &format!("cross-entropy {case}"),
+            &fused::cross_entropy(&x, &t).expect("cpu"),
+            &fused::cross_entropy(&gx, &gt).expect("gpu"),
+            1e-5,
+        );
+        check(
+            &format!("cross-entropy grad {case}"),
+            &fused::cross_entropy_grad(&x, &t).expect("cpu"),
+            &fused::cross_entropy_grad(&gx, &gt).expect("gpu"),
+            1e-5,
+        );
+    }
+}
+
+#[test]
+fn attention_kernels_match_their_cpu_twins() {
+    let Some(dev) = gpu("attention_kernels_match_their_cpu_twins") else {
+        return;
+    };
+    for (seed, dims) in [
+        (1u64, [2usize, 3, 6, 6]),
+        (2, [4, 6, 256, 256]),
+        (3, [1, 1, 33, 33]),
+    ] {
+        let (s, gs) = pair(&dims, seed, &dev);
+        let (g, gg) = pair(&dims, seed + 100, &dev);
+        let case = format!("{dims:?}");
+        let y = fused::causal_softmax(&s, 0.35).expect("cpu");
+        let gy = fused::causal_softmax(&gs, 0.35).expect("gpu");
+        check(&format!("causal softmax {case}"), &y, &gy, 1e-5);
+        check(
+            &format!("softmax grad {case}"),
+            &fused::causal_softmax_grad(&y, &g, 0.35).expect("cpu"),
+            &fused::causal_softmax_grad(&gy, &gg, 0.35).expect("gpu"),
+            1e-5,
+        );
+    }
+}
+
+/// A tiny GPT's hand-written loss and every gradient on both devices, on a full context and a
+/// shorter one.
+#[test]
+fn a_gpt_step_matches_the_cpu() {
+    let Some(dev) = gpu("a_gpt_step_matches_the_cpu") else {
+        return;
+    };
+    let spec = GptSpec {
+        context: 16,
+        layers: 2,
+        width: 48,
+        heads: 4,
+    };
+    let build = |d: &Device| {
+        let mut vars = Vec::new();
+        let gpt = Gpt::new(&spec, 7, d, &mut vars).expect("gpt");
+        (gpt, Params::new(vars).expect("params"))
+    };
+    let ((cpu, cpu_params), (on_gpu, gpu_params)) = (build(&Device::Cpu), build(&dev));
+    crate::testing::nudge(&cpu_params, 0.2);
+    crate::testing::nudge(&gpu_params, 0.2);
+    let ids = |offset: usize, time: usize| -> Tensor {
+        let v: Vec<u32> = (0..3 * time)
+            .map(|i| ((i * 37 + offset) % 251) as u32)
+            .collect();
+        Tensor::from_vec(v, (3, time), &Device::Cpu).expect("ids")
+    };
+    for time in [16, 11] {
+        let (tokens, targets) = (ids(0, time), ids(11, time));
+        let (loss, grads) = cpu.loss_and_grads(&tokens, &targets).expect("cpu step");
+        let (gpu_loss, gpu_grads) = on_gpu
+            .loss_and_grads(
+                &tokens.to_device(&dev).expect("tokens"),
+                &targets.to_device(&dev).expect("targets"),
+            )
+            .expect("gpu step");
+        check(&format!("gpt loss, time {time}"), &loss, &gpu_loss, 1e-5);
+        for ((name, a), (_, b)) in cpu_params.vars().iter().zip(gpu_params.vars()) {
+            let (ga, gb) = (
+                grads.get(a.as_tensor()).expect(name),
+                gpu_grads.get(b.as_tensor()).expect(name),
+            );
+            check(&format!("gradient of {name}, time {time}"), ga, gb, 1e-4);
+        }
+    }
+}
+
+/// Each optimizer's in-place passes, three steps on the same parameters and gradients on both
+/// devices. (Not through the GPT's own gradients: AdamW scales every update to about the
+/// learning rate whatever the gradient's size, so a gradient that rounding moves across zero
+/// moves its parameter by a whole step either way.)
+#[test]
+fn the_optimizer_passes_match_the_cpu() {
+    let Some(dev) = gpu("the_optimizer_passes_match_the_cpu") else {
+        return;
+    };
+    let specs = [
+        OptimizerSpec::Adamw {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        },
+        OptimizerSpec::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 0.01,
+        },
+        OptimizerSpec::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 0.0,
+        },
+        OptimizerSpec::Sgd {
+            lr: 0.05,
+            momentum: 0.0,
+            nesterov: false,
+            weight_decay: 0.01,
+        },
+    ];
+    let shapes: [&[usize]; 3] = [&[37, 50], &[5], &[1000, 384]];
+    for spec in specs {
+        let vars = |d: &Device| -> Params {
+            let vars = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, shape)| {
+                    let values = seeded(shape, 40 + i as u64, 1.0).as_tensor().clone();
+                    let var = candle_core::Var::from_tensor(&values.to_device(d).expect("to"))
+                        .expect("var");
+                    (format!("p{i}"), var)
+                })
+                .collect();
+            Params::new(vars).expect("params")
+        };
+        let (cpu_params, gpu_params) = (vars(&Device::Cpu), vars(&dev));
+        let mut cpu_opt = Optimizer::new(&spec, &cpu_params).expect("cpu optimizer");
+        let mut gpu_opt = Optimizer::new(&spec, &gpu_params).expect("gpu optimizer");
+        for step in 0..3u64 {
+            let grads = |params: &Params, d: &Device| {
+                let mut store = candle_core::backprop::GradStore::default();
+                for (i, (_, var)) in params.vars().iter().enumerate() {
+                    let g = seeded(var.dims(), 100 + 10 * step + i as u64, 0.5);
+                    store.insert(var.as_tensor(), g.as_tensor().to_device(d).expect("grad"));
+                }
+                store
+            };
+            cpu_opt
+                .step(&cpu_params, &grads(&cpu_params, &Device::Cpu))
+                .expect("cpu optimizer step");
+            gpu_opt
+                .step(&gpu_params, &grads(&gpu_params, &dev))
+                .expect("gpu optimizer step");
+        }
+        let a = Tensor::new(cpu_params.flatten().expect("cpu flat"), &Device::Cpu).expect("a");
+        let b = Tensor::new(gpu_params.flatten().expect("gpu flat"), &Device::Cpu).expect("b");
+        check(
+            &format!("parameters after 3 steps of {spec:?}"),
+            &a,
+            &b,
+            1e-5,
+        );
+        assert_eq!(b.dtype(), DType::F32);
+    }
+}

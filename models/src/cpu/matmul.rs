@@ -7,13 +7,15 @@
 //! ([`matmul`]), or starting from the bias in every row, onto which gemm adds the product
 //! ([`linear`]). The numbers are gemm's, as through Candle. Off the CPU, or for other float
 //! types, Candle's own ops run (on a GPU, cuBLAS: operands whose strides cuBLAS cannot take,
-//! such as the GPT's per-head views of one product, are copied contiguous first). Both ops carry a backward pass, so autograd can go through
-//! them; the hand-written backward passes call them on detached tensors.
+//! such as the GPT's per-head views of one product, are copied contiguous first). Both ops
+//! carry a backward pass, so autograd can go through them; the hand-written backward passes
+//! call them on detached tensors.
 //!
-//! This is the crate's one module with `unsafe`: gemm takes raw pointers and strides. Before
-//! each call the operands' slices are checked to hold every element their dimensions and
-//! strides reach, and the output is a fresh vector of exactly the product's size, which gemm
-//! writes whole (it reads it only for the bias, which is written first).
+//! This is one of the crate's two modules with `unsafe` (the other, `gpu/ops.rs`, launches GPU
+//! kernels): gemm takes raw pointers and strides. Before each call the operands' slices are
+//! checked to hold every element their dimensions and strides reach, and the output is a fresh
+//! vector of exactly the product's size, which gemm writes whole (it reads it only for the
+//! bias, which is written first).
 #![allow(unsafe_code)]
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};

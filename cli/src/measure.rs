@@ -49,7 +49,9 @@ pub(crate) fn train_steps(p: &Prepared, model: &Model, steps: u64) -> Result<f64
 
 /// Trains a fresh model `steps` steps, timing apart the host issuing each step (batch, forward,
 /// backward, optimizer) and the wait for the loss's value, which on a GPU is the wait for the
-/// step's kernels; returns the waits' share of the whole (near 0 for a host-bound step).
+/// step's kernels; returns the waits' share of the whole (near 0 for a host-bound step). A step
+/// that reads values back before its end (the MLP's labels, autograd's loss scale) waits
+/// there too, counted as issuing: for those the share is a lower bound.
 pub(crate) fn gpu_wait_fraction(p: &Prepared, steps: u64) -> Result<f64> {
     let model = Model::new(&p.spec, p.config.train.init_seed, &p.device)?;
     let config = &p.config;

@@ -16,9 +16,9 @@
 //! What the node itself finds wrong outside gossip's own rejections, refused full-sync replies
 //! (see [`crate::sync_guard`]), ring hops that break a round's rules and heartbeats past their
 //! author's rate (which only this node's count makes wrong: rejected, they would cost every
-//! honest peer that relayed one), is punished through the application-specific score (P5), which this module also shapes: a decaying count of such
-//! penalties per peer ([`Penalties`]), squared like P4, so repeated penalties lead to the same
-//! graylisting and ban.
+//! honest peer that relayed one), is punished through the application-specific score (P5),
+//! which this module also shapes: a decaying count of such penalties per peer ([`Penalties`]),
+//! squared like P4, so repeated penalties lead to the same graylisting and ban.
 
 use std::time::Duration;
 
@@ -79,18 +79,19 @@ pub fn rejections_to_graylist() -> u32 {
     needed.sqrt().floor() as u32 + 1
 }
 
-/// Penalties (refused full syncs, bad ring hops) in a short time that take a peer with the best positive score on two
-/// topics (heartbeats and its own updates) below the graylist threshold.
+/// Penalties (refused full syncs, bad ring hops, over-rate heartbeats) in a short time that take
+/// a peer with the best positive score on two topics (heartbeats and its own updates) below the
+/// graylist threshold.
 pub fn penalties_to_graylist() -> u32 {
     let needed = (2.0 * max_positive_topic_score() - GRAYLIST_THRESHOLD) / -PENALTY_WEIGHT;
     needed.sqrt().floor() as u32 + 1
 }
 
 /// The decaying count of penalties per peer (refused full-sync replies, ring hops that break
-/// a round's rules, over-rate heartbeats), turned into gossipsub's application-specific score (P5, weighted by
-/// [`PENALTY_WEIGHT`]). gossipsub keeps P5 as the application sets it and never decays it, so
-/// the decay lives here; the network's event loop owns one and calls [`Penalties::decay`] once
-/// a second.
+/// a round's rules, over-rate heartbeats), turned into gossipsub's application-specific score
+/// (P5, weighted by [`PENALTY_WEIGHT`]). gossipsub keeps P5 as the application sets it and
+/// never decays it, so the decay lives here; the network's event loop owns one and calls
+/// [`Penalties::decay`] once a second.
 #[derive(Debug, Clone)]
 pub struct Penalties<K> {
     counts: std::collections::HashMap<K, f64>,

@@ -22,8 +22,6 @@ pub fn train_step(model: &Model, opt: &mut Optimizer, xs: &Tensor, ys: &Tensor) 
 /// MLP, and a GPT or a CNN on the CPU, take their hand-written backward passes (the same gradients as
 /// autograd, without its zero-seeded accumulation); other models take Candle's autograd.
 pub fn forward_backward(model: &Model, xs: &Tensor, ys: &Tensor) -> Result<(Tensor, GradStore)> {
-    // The batch is on the device already: what is uploaded from here on is the same every step.
-    let _uploads = crate::gpu::step_guard(xs.device());
     if let Some(by_hand) = model.network().loss_and_grads(xs, ys) {
         return by_hand;
     }

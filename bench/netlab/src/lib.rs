@@ -37,8 +37,10 @@ fn making() -> std::sync::MutexGuard<'static, ()> {
 pub enum Firewall {
     /// Drops it silently, like most home routers' firewalls: TCP hole punching can work.
     Drop,
-    /// Answers with a reset (Linux without a firewall rule): the reset also kills a hole
-    /// punch's crossing SYN.
+    /// Answers with a reset, also to a SYN that crosses one of its own host's on the way out:
+    /// no hole punch can work. (Without a rule, Linux resets only a SYN that matches no
+    /// connection; two SYNs that cross in flight match each other's and a punch succeeds, which
+    /// on the lab's near-zero latency happened only now and then.)
     Reset,
 }
 
@@ -221,14 +223,37 @@ impl Lab {
                 "MASQUERADE",
             ],
         )?;
-        if firewall == Firewall::Drop {
-            run(
+        match firewall {
+            Firewall::Drop => run(
                 "ip",
                 &[
                     "netns", "exec", &router, "iptables", "-A", "INPUT", "-i", "eth0", "-p", "tcp",
                     "--syn", "-j", "DROP",
                 ],
-            )?;
+            )?,
+            // A SYN from outside addressed to the router itself is reset by the kernel; one
+            // that conntrack would forward to the host (a crossing SYN of a hole punch) is
+            // reset here. Replies to the host's own connections carry ACK, so pass.
+            Firewall::Reset => run(
+                "ip",
+                &[
+                    "netns",
+                    "exec",
+                    &router,
+                    "iptables",
+                    "-A",
+                    "FORWARD",
+                    "-i",
+                    "eth0",
+                    "-p",
+                    "tcp",
+                    "--syn",
+                    "-j",
+                    "REJECT",
+                    "--reject-with",
+                    "tcp-reset",
+                ],
+            )?,
         }
         Ok(ns)
     }

@@ -263,7 +263,9 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
         );
     }
     let optimizers: Vec<&str> = args.optimizers.split(',').map(str::trim).collect();
-    let levers = p2ptrain_models::gpu::Levers::current()?;
+    // A malformed lever list fails a GPU's opening with its own message; the CPU ignores it.
+    let levers =
+        p2ptrain_models::gpu::Levers::current().unwrap_or(p2ptrain_models::gpu::Levers::NONE);
     let mut device = String::from("cpu");
     let mut cases = Vec::new();
     let mut codecs = Vec::new();

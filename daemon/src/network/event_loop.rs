@@ -70,8 +70,8 @@ pub struct EventLoop {
     /// Members that offer the relay service (identify lists the hop protocol): the only
     /// ones a private node asks to relay for it.
     relay_capable: HashSet<PeerId>,
-    /// Provable offences outside gossip per peer (refused full-sync replies, bad ring hops),
-    /// behind their application score.
+    /// Provable offences outside gossip per peer (refused full-sync replies, bad ring hops,
+    /// heartbeats over their author's rate), behind their application score.
     penalties: scoring::Penalties<PeerId>,
     /// libp2p's Prometheus metrics of swarm and protocol events (connections, dials,
     /// identify, ping round trips, Kademlia, gossip messages), registered in the registry the

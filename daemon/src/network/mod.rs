@@ -142,8 +142,9 @@ pub enum Command {
     /// A peer left for good: close its connections and stop redialling it.
     Forget(PeerId),
     /// The peer did what no honest peer does, where gossipsub's rejections cannot punish it
-    /// alone (a refused full-sync reply, a bad ring hop, a heartbeat over its rate): lower its application score (see [`crate::scoring::Penalties`]), which
-    /// takes a peer that keeps doing it to the graylist and the ban.
+    /// alone (a refused full-sync reply, a bad ring hop, a heartbeat over its rate): lower its
+    /// application score (see [`crate::scoring::Penalties`]), which takes a peer that keeps
+    /// doing it to the graylist and the ban.
     Penalise(PeerId),
 }
 

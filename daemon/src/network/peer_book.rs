@@ -1,8 +1,9 @@
 //! The peers a node remembers beyond its open connections: members it has seen (to redial
 //! with backoff when they are lost, and to forget when they stay away), bans (with the score,
 //! reason and end that status shows), the offences the mesh reported (the evidence a ban
-//! names), and which graylisted members to ban ([`PeerBook::graylisted`]). It owns no sockets and reads no clock: the event loop passes `now` in and acts on
-//! what comes back (dial these, unblock those), so all of it is tested here without a swarm.
+//! names), and which graylisted members to ban ([`PeerBook::graylisted`]). It owns no sockets
+//! and reads no clock: the event loop passes `now` in and acts on what comes back (dial these,
+//! unblock those), so all of it is tested here without a swarm.
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;

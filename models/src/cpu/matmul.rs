@@ -33,13 +33,13 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(a.apply_op2(b, MatMul)?)
 }
 
-/// `t` itself if a strided batched product (cuBLAS through Candle) can read it: its last two
-/// dimensions row- or column-major and its leading ones one evenly strided batch; else a
-/// contiguous copy.
+/// `t` itself on the CPU (Candle's own product takes any strides there) or if a strided batched
+/// product (cuBLAS through Candle) can read it: its last two dimensions row- or column-major
+/// and its leading ones one evenly strided batch; else a contiguous copy.
 fn gemm_ready(t: &Tensor) -> Result<Tensor> {
     let (dims, strides) = (t.dims(), t.stride());
     let rank = dims.len();
-    if t.is_contiguous() || rank < 2 {
+    if t.device().is_cpu() || t.is_contiguous() || rank < 2 {
         return Ok(t.clone());
     }
     let (rows, cols) = (dims[rank - 2], dims[rank - 1]);

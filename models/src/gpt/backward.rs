@@ -82,6 +82,9 @@ impl Gpt {
                 self.spec.context
             )));
         }
+        // The batch is on the device already, and nothing below uploads data: what it uploads
+        // (dimensions and strides) is the same for every step of this shape.
+        let _uploads = crate::gpu::step_guard(tokens.device());
         let w = self.spec.width;
         let heads = self.spec.heads;
         let head_dim = w / heads;

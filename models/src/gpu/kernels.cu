@@ -231,8 +231,10 @@ extern "C" __global__ void p2p_silu_grad(const float* x, const float* g, float* 
 }
 
 // Each row's cross-entropy against its class index (one warp per row), into `losses`; a
-// target outside the classes gives NaN, which the trainer refuses as a non-finite loss (the
-// CPU kernel refuses it before computing; here that check would cost a copy back per step).
+// target outside the classes gives NaN, and its gradient row is NaN too (p2p_cross_entropy_grad),
+// so the step's loss and every gradient it reaches are non-finite and the trainer refuses the
+// step (the CPU kernel refuses such a target before computing; here that check would cost a
+// copy back per step). Data sets check their labels when loaded, so this is a last guard.
 extern "C" __global__ void p2p_cross_entropy_rows(const float* logits, const u32* targets,
                                                   float* losses, u32 rows, u32 classes) {
     u32 r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -268,7 +270,8 @@ extern "C" __global__ void p2p_mean(const float* values, float* out, u32 n) {
     }
 }
 
-// Cross-entropy's gradient rows (one warp per row): per_row · (softmax − one-hot).
+// Cross-entropy's gradient rows (one warp per row): per_row · (softmax − one-hot); NaN for a
+// target outside the classes.
 extern "C" __global__ void p2p_cross_entropy_grad(const float* logits, const u32* targets,
                                                   float* out, u32 rows, u32 classes,
                                                   float per_row) {
@@ -286,7 +289,7 @@ extern "C" __global__ void p2p_cross_entropy_grad(const float* logits, const u32
     float scale = per_row / total;
     u32 t = targets[r];
     for (u32 j = lane; j < classes; j += 32u)
-        o[j] = expf(row[j] - top) * scale - (j == t ? per_row : 0.0f);
+        o[j] = t < classes ? expf(row[j] - top) * scale - (j == t ? per_row : 0.0f) : NAN_F32;
 }
 
 // AdamW's moment update in place: m = a·m + b·g, or with `squared`, v = a·v + b·g².

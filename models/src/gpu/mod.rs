@@ -11,9 +11,11 @@
 //! - `pool`: the stream-ordered memory pool hands its memory back to the driver at every
 //!   synchronisation (release threshold 0); with the threshold at its maximum it keeps it.
 //! - `htod-cache`: every strided or broadcast op uploads its dimensions and strides from
-//!   pageable host memory; Candle's upload cache keeps the ones of 4 KiB or less on the device,
-//!   keyed by content, while a step runs ([`step_guard`]). A step's shapes are the same every
-//!   time, so the cache stays small; the batch itself (larger) is uploaded before the guard.
+//!   pageable host memory; while a guard lives ([`step_guard`]), Candle's upload cache keeps
+//!   every upload of 4 KiB or less on the device, keyed by its content, for good (Candle never
+//!   evicts). So a guard may only cover work whose small uploads are the same every step: the
+//!   GPT's hand-written step (its batch uploaded before) and the optimizer, not the MLP's,
+//!   which uploads each batch's one-hot labels.
 //! - `kernels`: the fused kernels (layer norm, causal softmax, SiLU, cross-entropy, bias, row
 //!   sums, and their gradients) and the in-place optimizer passes run on the GPU too
 //!   (`kernels.cu`, compiled at run time by NVRTC), and with them the GPT's hand-written
@@ -33,8 +35,8 @@ pub(crate) mod ops;
 mod twins;
 
 /// The environment variable that picks the levers: unset or `default` for every lever but
-/// `tf32`, `none` for none, or a comma-separated list of lever names (`default` inside a list
-/// stands for the default set, so `default,tf32` adds TF32).
+/// `tf32`, `none` (or empty) for none, or a comma-separated list of lever names (`default`
+/// inside a list stands for the default set, so `default,tf32` adds TF32).
 pub const LEVERS_ENV: &str = "P2PTRAIN_CUDA_LEVERS";
 
 /// Which of the GPU levers are on for this process (read once from [`LEVERS_ENV`]).
@@ -147,9 +149,9 @@ pub fn prepare(dev: &Device) -> Result<()> {
 
 /// The upload cache for one step's ops on `dev`, for as long as the returned guard lives
 /// (nothing on the CPU or with the lever off): Candle caches the small host-to-device uploads
-/// (dimensions and strides) of the ops this thread runs meanwhile; see the module's
-/// `htod-cache`. Upload a step's batch before taking it: only what is the same every step
-/// belongs there.
+/// (dimensions and strides) of the ops this thread runs meanwhile, for good; see the module's
+/// `htod-cache`. Only work whose small uploads are the same every step belongs under it
+/// (upload a step's batch before taking it).
 #[must_use = "the cache is on only while the guard lives"]
 pub fn step_guard(dev: &Device) -> impl Sized {
     #[cfg(feature = "cuda")]
@@ -172,7 +174,9 @@ pub fn step_guard(dev: &Device) -> impl Sized {
 pub(crate) fn kernels_serve(dev: &Device) -> bool {
     match dev {
         Device::Cpu => true,
-        Device::Cuda(_) => matches!(Levers::current(), Ok(l) if l.kernels),
+        Device::Cuda(_) => {
+            cfg!(feature = "cuda") && matches!(Levers::current(), Ok(l) if l.kernels)
+        }
         _ => false,
     }
 }

@@ -1,7 +1,8 @@
 //! The launchers of `kernels.cu` behind the fused ops' and the optimizer passes' `cuda_fwd`,
 //! and the device-wide levers (events, memory pool, TF32). Every launcher checks the sizes the
-//! CPU kernel checks, reads contiguous `f32` inputs (with their offsets) and writes a fresh
-//! output of exactly the size the kernel writes whole, or updates its destination in place.
+//! CPU kernel checks and the sizes its launch can number in 32 bits, reads contiguous `f32`
+//! inputs (with their offsets) and writes a fresh output of exactly the size the kernel writes
+//! whole, or updates its destination in place.
 //!
 //! The crate's second module with `unsafe`: kernel launches, uninitialised device allocations
 //! that the kernel then writes in full, and the driver calls for the memory pool.
@@ -132,27 +133,35 @@ fn u32_of(op: &str, n: usize) -> CandleResult<u32> {
     u32::try_from(n).map_err(|_| size_error(op, "more than 2^32 - 1 rows or columns"))
 }
 
-/// One thread per value.
-fn per_value(n: usize) -> LaunchConfig {
-    LaunchConfig::for_num_elems(n.max(1) as u32)
+/// One thread per value, for at most 2^32 − 1 values (a grid of 1024-thread blocks).
+fn per_value(op: &str, n: usize) -> CandleResult<LaunchConfig> {
+    Ok(LaunchConfig::for_num_elems(u32_of(op, n.max(1))?))
 }
 
-/// One warp per row, four rows to a block.
-fn warp_per_row(rows: u32) -> LaunchConfig {
-    LaunchConfig {
+/// One warp per row, four rows to a block: the kernels number a row by its thread's index
+/// over 32 in 32 bits, so at most 2^27 − 1 rows.
+fn warp_per_row(op: &str, rows: u32) -> CandleResult<LaunchConfig> {
+    if rows >= 1 << 27 {
+        return Err(size_error(op, "more than 2^27 - 1 rows for one warp each"));
+    }
+    Ok(LaunchConfig {
         grid_dim: (rows.div_ceil(4).max(1), 1, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
-    }
+    })
 }
 
-/// One block per row, as many threads as pay for the row's width.
-fn block_per_row(rows: u32, width: u32) -> LaunchConfig {
-    LaunchConfig {
+/// One block per row, as many threads as pay for the row's width; at most 2^31 − 1 rows (the
+/// grid's limit, and layer norm's gradient keeps two statistics a row at index 2·row).
+fn block_per_row(op: &str, rows: u32, width: u32) -> CandleResult<LaunchConfig> {
+    if rows >= 1 << 31 {
+        return Err(size_error(op, "more than 2^31 - 1 rows for one block each"));
+    }
+    Ok(LaunchConfig {
         grid_dim: (rows.max(1), 1, 1),
         block_dim: (if width > 512 { 256 } else { 128 }, 1, 1),
         shared_mem_bytes: 0,
-    }
+    })
 }
 
 /// Rows per chunk of a column sum: about 128 chunks, at least 32 rows each.
@@ -197,7 +206,7 @@ pub(crate) fn add_bias(
     launch!(
         dev,
         "p2p_add_bias",
-        per_value(n),
+        per_value(op, n)?,
         &x,
         &bias,
         &out,
@@ -259,7 +268,7 @@ pub(crate) fn layer_norm(
     launch!(
         dev,
         "p2p_layer_norm",
-        block_per_row(rows, width32),
+        block_per_row(op, rows, width32)?,
         &x,
         &weight,
         &bias,
@@ -295,7 +304,7 @@ pub(crate) fn layer_norm_grad(
         launch!(
             dev,
             "p2p_layer_norm_grad_rows",
-            block_per_row(rows, width32),
+            block_per_row(op, rows, width32)?,
             &x,
             &weight,
             &grad,
@@ -355,7 +364,7 @@ pub(crate) fn causal_softmax(
     launch!(
         dev,
         "p2p_causal_softmax",
-        warp_per_row(rows),
+        warp_per_row(op, rows)?,
         &x,
         &out,
         &rows,
@@ -385,7 +394,7 @@ pub(crate) fn softmax_grad(
     launch!(
         dev,
         "p2p_softmax_grad",
-        warp_per_row(rows),
+        warp_per_row(op, rows)?,
         &y,
         &g,
         &out,
@@ -403,7 +412,7 @@ pub(crate) fn silu(s: &CudaStorage, l: &Layout) -> CandleResult<(CudaStorage, Sh
     let n = x.len();
     let out = output(dev, n)?;
     let n64 = n as u64;
-    launch!(dev, "p2p_silu", per_value(n), &x, &out, &n64);
+    launch!(dev, "p2p_silu", per_value("silu", n)?, &x, &out, &n64);
     Ok(done(dev, out, l.shape().clone()))
 }
 
@@ -423,7 +432,7 @@ pub(crate) fn silu_grad(
     let n = x.len();
     let out = output(dev, n)?;
     let n64 = n as u64;
-    launch!(dev, "p2p_silu_grad", per_value(n), &x, &g, &out, &n64);
+    launch!(dev, "p2p_silu_grad", per_value(op, n)?, &x, &g, &out, &n64);
     Ok(done(dev, out, l1.shape().clone()))
 }
 
@@ -460,7 +469,7 @@ pub(crate) fn cross_entropy(
     launch!(
         dev,
         "p2p_cross_entropy_rows",
-        warp_per_row(rows),
+        warp_per_row(op, rows)?,
         &logits,
         &targets,
         &losses,
@@ -492,7 +501,7 @@ pub(crate) fn cross_entropy_grad(
     launch!(
         dev,
         "p2p_cross_entropy_grad",
-        warp_per_row(rows),
+        warp_per_row(op, rows)?,
         &logits,
         &targets,
         &out,
@@ -527,7 +536,7 @@ pub(crate) fn adam_moment(
     launch!(
         dev,
         "p2p_adam_moment",
-        per_value(n as usize),
+        per_value(op, n as usize)?,
         &mut m,
         &g,
         &n,
@@ -554,7 +563,7 @@ pub(crate) fn adamw_step(
     launch!(
         dev,
         "p2p_adamw_step",
-        per_value(n as usize),
+        per_value(op, n as usize)?,
         &mut p,
         &m,
         &v,
@@ -585,7 +594,7 @@ pub(crate) fn sgd_momentum(
     launch!(
         dev,
         "p2p_sgd_momentum",
-        per_value(n as usize),
+        per_value(op, n as usize)?,
         &mut v,
         &g,
         &p,
@@ -619,7 +628,7 @@ pub(crate) fn sgd_step(
     launch!(
         dev,
         "p2p_sgd_step",
-        per_value(n as usize),
+        per_value(op, n as usize)?,
         &mut p,
         &g,
         &v,
@@ -648,7 +657,7 @@ pub(crate) fn sgd_plain(
     launch!(
         dev,
         "p2p_sgd_plain",
-        per_value(n as usize),
+        per_value(op, n as usize)?,
         &mut p,
         &g,
         &n,

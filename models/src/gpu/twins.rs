@@ -1,7 +1,8 @@
 //! Each GPU kernel against its CPU twin, on the GPU: every fused op's values and gradients, the
 //! optimizer passes, and the GPT's whole hand-written step. These tests need a GPU: without
 //! one (no driver, no device) each prints why it is skipped and passes; CI never builds the
-//! `cuda` feature, so they never run there.
+//! `cuda` feature, so they never run there. With a GPU, the kernels must be on and compile: a
+//! lever list without them, or NVRTC missing, fails the tests rather than skipping them.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -11,18 +12,24 @@ use crate::optim::{Optimizer, OptimizerSpec};
 use crate::params::Params;
 use crate::testing::seeded;
 
-/// The first GPU, or `None` with the reason printed.
+/// The first GPU, prepared with the kernels on, or `None` with the reason printed when there is
+/// no GPU.
 fn gpu(test: &str) -> Option<Device> {
-    match Device::new_cuda(0).and_then(|d| {
-        crate::gpu::prepare(&d).map_err(candle_core::Error::wrap)?;
-        Ok(d)
-    }) {
-        Ok(d) => Some(d),
+    let dev = match Device::new_cuda(0) {
+        Ok(d) => d,
         Err(e) => {
             println!("{test}: skipped, no GPU here ({e})");
-            None
+            return None;
         }
-    }
+    };
+    let levers = crate::gpu::Levers::current().expect("the lever list");
+    assert!(
+        levers.kernels,
+        "{test}: {} leaves the kernels off, so nothing here would test them",
+        crate::gpu::LEVERS_ENV
+    );
+    crate::gpu::prepare(&dev).expect("preparing the GPU (NVRTC must compile the kernels)");
+    Some(dev)
 }
 
 /// The largest absolute difference between a CPU tensor and a GPU one, relative to the CPU
@@ -55,9 +62,9 @@ fn check(what: &str, cpu: &Tensor, gpu: &Tensor, bound: f32) {
     );
 }
 
-/// Sizes that are not multiples of a warp or a block, and one wide and long enough for many
-/// chunks of a column sum.
-const SHAPES: [(usize, usize); 3] = [(37, 50), (5, 7), (1000, 384)];
+/// Sizes that are not multiples of a warp or a block, one wide and long enough for many chunks
+/// of a column sum, and one wider than 512 (a block of 256 threads per row).
+const SHAPES: [(usize, usize); 4] = [(37, 50), (5, 7), (1000, 384), (300, 768)];
 
 #[test]
 fn row_kernels_match_their_cpu_twins() {
@@ -107,6 +114,23 @@ fn row_kernels_match_their_cpu_twins() {
             &format!("layer norm db {case}"),
             &cpu_grads.2,
             &gpu_grads.2,
+            1e-5,
+        );
+        // An input that starts inside its storage (a view past the first row).
+        let (xv, gxv) = (
+            x.narrow(0, 1, rows - 1).expect("view"),
+            gx.narrow(0, 1, rows - 1).expect("view"),
+        );
+        check(
+            &format!("layer norm of a view {case}"),
+            &fused::layer_norm(&xv, &w, &b, 1e-5).expect("cpu"),
+            &fused::layer_norm(&gxv, &gw, &gb, 1e-5).expect("gpu"),
+            1e-5,
+        );
+        check(
+            &format!("silu of a view {case}"),
+            &fused::silu(&xv).expect("cpu"),
+            &fused::silu(&gxv).expect("gpu"),
             1e-5,
         );
         check(

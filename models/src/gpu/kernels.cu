@@ -38,6 +38,22 @@ __device__ float block_sum(float v, float* shared) {
     return total;
 }
 
+// A row's mean and reciprocal standard deviation (the biased variance, in two passes as the
+// CPU's `moments`), computed by the whole block and returned to every thread.
+__device__ void row_moments(const float* row, u32 width, float eps, float* shared, float* mean,
+                            float* rstd) {
+    float s = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) s += row[i];
+    float m = block_sum(s, shared) / (float)width;
+    float q = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
+        float d = row[i] - m;
+        q += d * d;
+    }
+    *mean = m;
+    *rstd = 1.0f / sqrtf(block_sum(q, shared) / (float)width + eps);
+}
+
 // out = x + bias, bias as wide as a row.
 extern "C" __global__ void p2p_add_bias(const float* x, const float* bias, float* out, u64 n,
                                         u32 width) {
@@ -85,15 +101,8 @@ extern "C" __global__ void p2p_layer_norm(const float* x, const float* weight, c
     if (r >= rows) return;
     const float* row = x + (u64)r * width;
     float* o = out + (u64)r * width;
-    float s = 0.0f;
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) s += row[i];
-    float mean = block_sum(s, shared) / (float)width;
-    float q = 0.0f;
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
-        float d = row[i] - mean;
-        q += d * d;
-    }
-    float rstd = 1.0f / sqrtf(block_sum(q, shared) / (float)width + eps);
+    float mean, rstd;
+    row_moments(row, width, eps, shared, &mean, &rstd);
     for (u32 i = threadIdx.x; i < width; i += blockDim.x)
         o[i] = (row[i] - mean) * rstd * weight[i] + bias[i];
 }
@@ -110,15 +119,8 @@ extern "C" __global__ void p2p_layer_norm_grad_rows(const float* x, const float*
     const float* row = x + (u64)r * width;
     const float* g = grad + (u64)r * width;
     float* o = dx + (u64)r * width;
-    float s = 0.0f;
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) s += row[i];
-    float mean = block_sum(s, shared) / (float)width;
-    float q = 0.0f;
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
-        float d = row[i] - mean;
-        q += d * d;
-    }
-    float rstd = 1.0f / sqrtf(block_sum(q, shared) / (float)width + eps);
+    float mean, rstd;
+    row_moments(row, width, eps, shared, &mean, &rstd);
     float sum_g = 0.0f, sum_gx = 0.0f;
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
         float gw = g[i] * weight[i];

@@ -494,6 +494,7 @@ impl MeshActor {
                 BulkRequest::StateManifest => Box::pin(transfer::serve::manifest(
                     self.cache.clone(),
                     self.trainer_tx.clone(),
+                    self.core.step(),
                 )),
                 BulkRequest::StateChunk { state, index } => Box::pin(transfer::serve::chunk(
                     &self.cache,

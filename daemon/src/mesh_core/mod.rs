@@ -140,7 +140,7 @@ pub struct CoreConfig {
 pub struct WallClock {
     /// Seconds since the Unix epoch at `at`.
     pub unix_secs: u64,
-    /// The instant those seconds were read.
+    /// The instant at which the Unix time was exactly `unix_secs` (a whole second).
     pub at: Instant,
 }
 
@@ -323,6 +323,11 @@ impl MeshCore {
         self.updates.pending_len()
     }
 
+    /// The step the trainer last reported: a donor's freeze is reused only near it.
+    pub fn step(&self) -> u64 {
+        self.progress.step
+    }
+
     /// Whether this node trains (and so may answer syncs and judge updates).
     pub fn is_training(&self) -> bool {
         self.progress.phase == Phase::Training
@@ -394,8 +399,6 @@ impl MeshCore {
             let training = self.progress.phase == Phase::Training;
             r.tick(self.progress.step, training, now, out);
         }
-        let done = self.syncs.tick(now);
-        self.sync_done(done, now, out);
         self.feed(PolicyEvent::Tick, now, out);
     }
 

@@ -7,7 +7,7 @@
 //! How a sync ended goes back to the core as a [`SyncDone`], for the policy to hear.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use libp2p::PeerId;
 use p2ptrain_models::codec::{self, Codec, UpdateHeader};
@@ -20,10 +20,6 @@ use super::{
 };
 use crate::sync_guard::{SyncGuard, SyncRefusal};
 use crate::wire::BulkResponse;
-
-/// Pause after a neighbour declined a sync, before the policy may start the next one: without
-/// it a lone neighbour that declines (a joiner still downloading) was asked ~300 times a second.
-pub(super) const SYNC_RETRY_PAUSE: Duration = Duration::from_millis(500);
 
 /// Encodes this node's parameters for a neighbour that syncs with it: the codec's dense
 /// format, whose header names run, layout, sender and step. Cheap to clone into the task that
@@ -102,8 +98,6 @@ pub(super) struct Syncs {
     guard: SyncGuard,
     in_flight: Option<SyncInFlight>,
     seq: u64,
-    /// A declined sync reported to the policy only after [`SYNC_RETRY_PAUSE`].
-    finish_at: Option<(PeerId, Instant)>,
     counters: FullSyncCounters,
     last_refusal: Option<Refusal>,
     /// The latest averaged sync: neighbour, our step, Unix seconds.
@@ -134,7 +128,6 @@ impl Syncs {
             guard,
             in_flight: None,
             seq: 0,
-            finish_at: None,
             last_refusal: None,
             last_sync: None,
             consensus_distance: None,
@@ -292,26 +285,16 @@ impl Syncs {
         }
     }
 
-    /// A declined sync whose pause is over, for the policy to hear of.
-    pub(super) fn tick(&mut self, now: Instant) -> Option<SyncDone> {
-        let (peer, at) = self.finish_at?;
-        if now < at {
-            return None;
-        }
-        self.finish_at = None;
-        Some(SyncDone { peer, ok: false })
-    }
-
     /// A checkpoint replaced the parameters: a sync under way measured the old ones, and its
     /// answer is ignored.
     pub(super) fn restored(&mut self) {
         self.in_flight = None;
-        self.finish_at = None;
     }
 
     /// Counts a sync that did not average; the policy then picks the least recently synced
-    /// other neighbour at its next step. A refusal lowers the neighbour's score and names the
-    /// offence; a decline is reported only after a pause.
+    /// other neighbour at its next step, and asks this one again only after
+    /// [`crate::policy::SYNC_RETRY_PAUSE`]. A refusal lowers the neighbour's score and names
+    /// the offence.
     fn end(
         &mut self,
         peer: PeerId,
@@ -328,8 +311,6 @@ impl Syncs {
             SyncEnd::Declined(e) => {
                 tracing::info!(%peer, "neighbour sync skipped: the neighbour declined: {e}");
                 self.counters.failed += 1;
-                self.finish_at = Some((peer, now + SYNC_RETRY_PAUSE));
-                return None;
             }
             SyncEnd::Refused(why) => {
                 let bound = why.bound().unwrap_or(self.guard.bound());
@@ -391,6 +372,8 @@ impl Syncs {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use p2ptrain_models::codec::HEADER_LEN;
     use serde_bytes::ByteBuf;
 
@@ -516,11 +499,10 @@ mod tests {
         let st = status(&s);
         assert_eq!((st.full_syncs.failed, st.full_syncs.refused), (1, 0));
         assert!(st.sync_refusals.is_empty());
-        assert_eq!(s.tick(t0 + SYNC_RETRY_PAUSE), None, "reported once");
     }
 
     #[test]
-    fn a_decline_ends_the_sync_only_after_the_retry_pause() {
+    fn a_decline_ends_the_sync_unblamed() {
         let t0 = Instant::now();
         let mut s = syncs(&PeerId::random(), t0);
         let p = PeerId::random();
@@ -528,18 +510,11 @@ mod tests {
         s.start(p, 0, t0, &mut out);
         out.clear();
         let declined = Ok(BulkResponse::Refused("still downloading".into()));
-        assert_eq!(s.on_reply(p, declined, t0, &mut out), None);
-        assert!(out.is_empty(), "no offence: {out:?}");
-        assert_eq!(s.tick(t0), None);
         assert_eq!(
-            s.tick(t0 + SYNC_RETRY_PAUSE - Duration::from_millis(1)),
-            None
-        );
-        assert_eq!(
-            s.tick(t0 + SYNC_RETRY_PAUSE),
+            s.on_reply(p, declined, t0, &mut out),
             Some(SyncDone { peer: p, ok: false })
         );
-        assert_eq!(s.tick(t0 + 2 * SYNC_RETRY_PAUSE), None, "reported once");
+        assert!(out.is_empty(), "no offence: {out:?}");
         let st = status(&s);
         assert_eq!((st.full_syncs.failed, st.full_syncs.refused), (1, 0));
     }

@@ -26,7 +26,7 @@ use crate::mesh::{MeshActor, MeshConfig, MeshStatus};
 use crate::mesh_core::{CoreConfig, MeshCore, WallClock};
 use crate::status::{ModelInfo, SyncSettings};
 use crate::trainer::{self, Command, Stats};
-use crate::{control, network, store, transfer};
+use crate::{control, network, transfer};
 use api::{api_access, check_api_token, serve_api, ServedApi};
 use data_dir::{open_data_dir, OpenedDataDir};
 pub use error::NodeError;
@@ -316,6 +316,21 @@ fn trainer_setup(config: &Config, data_dir: &Path, t: TrainerStart) -> trainer::
     }
 }
 
+/// The system clock now, for the core, anchored at the start of its current second: an
+/// anchor at the read itself, with the second's fraction dropped, dated the core's events up
+/// to a second early (CI read a sync refusal dated before the state download it followed).
+fn wall_clock_now() -> WallClock {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let now = Instant::now();
+    let fraction = Duration::from_nanos(u64::from(since_epoch.subsec_nanos()));
+    WallClock {
+        unix_secs: since_epoch.as_secs(),
+        at: now.checked_sub(fraction).unwrap_or(now),
+    }
+}
+
 /// A fresh node's join: it waits for members on the mesh actor's watch, downloads the
 /// mesh's state and hands it to the trainer.
 fn joiner(
@@ -600,10 +615,7 @@ fn mesh_core(
         update_weight: config.sync.update_weight.map(|w| w as f32),
         start_step,
         seed: node_seed,
-        wall_clock: WallClock {
-            unix_secs: store::unix_now(),
-            at: Instant::now(),
-        },
+        wall_clock: wall_clock_now(),
         rounds,
     })
 }

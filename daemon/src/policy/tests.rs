@@ -223,8 +223,9 @@ fn full_sync_rotates_least_recent_one_at_a_time() {
     for s in 16..=19 {
         assert!(step(&mut p, s, t).is_empty());
     }
-    // Peer 1 (least recent) has timed out; 2 and 3 are fresh: choose 2.
-    let later = ms(t, 200);
+    // Peer 1 (least recent) has timed out; 2 and 3 are fresh, and 2 past its retry pause:
+    // choose 2.
+    let later = ms(t, 600);
     heard(&mut p, 2, 0, later);
     heard(&mut p, 3, 0, later);
     assert_eq!(step(&mut p, 20, later), vec![Action::FullSync { peer: 2 }]);
@@ -445,4 +446,34 @@ fn odd_inputs_do_not_panic() {
     p.handle(PolicyEvent::NeighbourDown { peer: 7 }, t);
     p.handle(PolicyEvent::SyncFinished { peer: 7, ok: true }, t);
     p.handle(PolicyEvent::Tick, t);
+}
+
+/// A neighbour whose sync did not average is not asked again within the pause, while the
+/// others are; a lone one waits out the pause (a joiner far behind its neighbours refused
+/// their replies 173 times in a second, lowering their scores at each).
+#[test]
+fn a_neighbour_whose_sync_failed_waits_out_the_retry_pause() {
+    let t = Instant::now();
+    let mut p = SyncPolicy::<u32>::new(
+        PolicyConfig {
+            full_sync_every: 4,
+            ..cfg()
+        },
+        0,
+    );
+    up(&mut p, 1, t);
+    assert_eq!(step(&mut p, 1, t), vec![Action::FullSync { peer: 1 }]);
+    p.handle(PolicyEvent::SyncFinished { peer: 1, ok: false }, t);
+    let early = t + SYNC_RETRY_PAUSE - Duration::from_millis(1);
+    heard(&mut p, 1, 0, early);
+    for s in 2..=9 {
+        assert!(step(&mut p, s, early).is_empty(), "{s}: within the pause");
+    }
+    // Another neighbour is asked meanwhile.
+    up(&mut p, 2, early);
+    assert_eq!(step(&mut p, 10, early), vec![Action::FullSync { peer: 2 }]);
+    p.handle(PolicyEvent::SyncFinished { peer: 2, ok: false }, early);
+    let after = t + SYNC_RETRY_PAUSE;
+    heard(&mut p, 1, 0, after);
+    assert_eq!(step(&mut p, 11, after), vec![Action::FullSync { peer: 1 }]);
 }

@@ -14,10 +14,15 @@ use crate::checkpoint;
 use crate::network::BulkResponse;
 use crate::trainer::Command;
 
-/// The answer to a manifest request: the state frozen now (or a very recent freeze), with the
-/// donor's load and the other states it holds.
-pub async fn manifest(cache: Arc<Mutex<Cache>>, trainer: mpsc::Sender<Command>) -> BulkResponse {
-    match freeze(&cache, &trainer).await {
+/// The answer to a manifest request: the state frozen now (or a very recent freeze, while
+/// this node, at `step_now`, is within its step window), with the donor's load and the other
+/// states it holds.
+pub async fn manifest(
+    cache: Arc<Mutex<Cache>>,
+    trainer: mpsc::Sender<Command>,
+    step_now: u64,
+) -> BulkResponse {
+    match freeze(&cache, &trainer, step_now).await {
         Ok(frozen) => {
             let (load, cached) = cache
                 .lock()
@@ -54,12 +59,14 @@ pub fn chunk(
     }
 }
 
-/// Freezes the trainer's current state (or reuses a very recent freeze).
+/// Freezes the trainer's current state (or reuses a very recent freeze; see
+/// [`Cache::reusable`]).
 async fn freeze(
     cache: &Mutex<Cache>,
     trainer: &mpsc::Sender<Command>,
+    step_now: u64,
 ) -> Result<Arc<Frozen>, String> {
-    if let Some(f) = cache.lock().ok().and_then(|mut c| c.reusable()) {
+    if let Some(f) = cache.lock().ok().and_then(|mut c| c.reusable(step_now)) {
         return Ok(f);
     }
     let (tx, rx) = oneshot::channel();

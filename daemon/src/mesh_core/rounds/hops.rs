@@ -59,7 +59,8 @@ impl Rounds {
             // waits. A member can only have finished an attempt this node took part in once
             // this node had hops of it, so an attempt without any is not finishing. Otherwise
             // the mesh went on without this node (it joined, was cut off, or aborted an
-            // attempt the others completed): `start` takes the mesh's round.
+            // attempt the others completed): `start` takes the mesh's round (with weight 0
+            // only where most members say they are past this one, see `adopt_newer_round`).
             Some(r) if msg.round > r => {
                 let finishing = msg.round == r.saturating_add(1)
                     && matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. } if ring.next_hop > 0);

@@ -13,8 +13,10 @@
 //! the attempt at once when its connection closes or a hop to it cannot be delivered, and
 //! after [`STALL_TIMEOUT`] without progress otherwise; the retry leaves it out. An attempt that
 //! can no longer finish because its members went on to the next round without this node gives
-//! way at once (it had no hop yet) or [`LATE_ROUND_WAIT`] after its predecessor's first hop of
-//! the next round (it had some). A joiner (or a
+//! way at once (it had no hop yet) or [`LATE_ROUND_WAIT`] after its predecessor's first hop
+//! of the next round (it had some); it gives up its weight for that round only when most
+//! members' heartbeats say they are past its own (one member's hop is no proof, see
+//! [`Rounds::adopt_newer_round`]). A joiner (or a
 //! node restored from a checkpoint) holds before its first step, takes the round number of the
 //! first hop that reaches it, and contributes with weight 0: it leaves the round with the
 //! members' mean, that is the current state, at a round boundary. A parameter attempt whose
@@ -215,6 +217,10 @@ pub struct Rounds {
     /// The last parameter attempt's ring found no synced member: the one under way founds
     /// the members' state, and hands every one of them its highest step.
     founding: bool,
+    /// `diloco`: this synced member took a later round's number on one member's word, and
+    /// may have missed rounds' outer steps: it asks for the members' round start and
+    /// velocity until a ring carried them.
+    state_unproven: bool,
     stage: Stage,
     /// Hops for attempts this node has not reached: (round, attempt, hop) -> (sender, digest,
     /// values).
@@ -226,6 +232,10 @@ pub struct Rounds {
     needs_state: HashMap<PeerId, Option<u64>>,
     /// Ready members' forward-backward milliseconds per sample, from their heartbeats.
     speeds: HashMap<PeerId, f64>,
+    /// The round each ready member's last heartbeat named: a synced member gives up its
+    /// weight for a later round only when most of the others say they are past its own
+    /// ([`Rounds::mesh_is_past`]).
+    rounds_said: HashMap<PeerId, u64>,
     /// This node's own.
     own_ms_per_sample: Option<f64>,
     /// Samples of the last gradient asked of the trainer.
@@ -266,12 +276,14 @@ impl Rounds {
             boundary,
             synced,
             founding: false,
+            state_unproven: false,
             stage: Stage::Training,
             inbox: BTreeMap::new(),
             retry_at: None,
             ready: HashMap::new(),
             needs_state: HashMap::new(),
             speeds: HashMap::new(),
+            rounds_said: HashMap::new(),
             own_ms_per_sample: None,
             batch: 0,
             waiting_since: None,
@@ -347,18 +359,40 @@ impl Rounds {
                 true => self.needs_state.insert(peer, hb.round),
                 false => self.needs_state.remove(&peer),
             };
+            match hb.round {
+                Some(r) => self.rounds_said.insert(peer, r),
+                None => self.rounds_said.remove(&peer),
+            };
         } else {
             self.ready.remove(&peer);
             self.speeds.remove(&peer);
             self.needs_state.remove(&peer);
+            self.rounds_said.remove(&peer);
         }
+    }
+
+    /// Whether most of the other members heard ready say they are past round `mine`: then
+    /// the mesh went on without this node, and its parameters are not the mesh's. One
+    /// member's hop of a later round is no such proof (see [`Rounds::adopt_newer_round`]).
+    fn mesh_is_past(&self, mine: u64, now: Instant) -> bool {
+        let others: Vec<&PeerId> = self
+            .ready
+            .iter()
+            .filter(|(p, at)| **p != self.me && now.saturating_duration_since(**at) < READY_FRESH)
+            .map(|(p, _)| p)
+            .collect();
+        let past = others
+            .iter()
+            .filter(|p| self.rounds_said.get(**p).is_some_and(|r| *r > mine))
+            .count();
+        past * 2 > others.len()
     }
 
     /// Whether this node's round anchor and outer velocity are not the members' (`diloco`):
     /// it is not synced, or it founds the members' state with others. Its heartbeats say so,
     /// and its parameter attempts carry the state until one completes.
     pub fn needs_state(&self) -> bool {
-        self.cfg.outer_state && (!self.synced || self.founding)
+        self.cfg.outer_state && (!self.synced || self.founding || self.state_unproven)
     }
 
     /// Whether an attempt at parameter round `round` with `members` carries the state: some
@@ -387,6 +421,7 @@ impl Rounds {
         self.ready.remove(&peer);
         self.speeds.remove(&peer);
         self.needs_state.remove(&peer);
+        self.rounds_said.remove(&peer);
         self.inbox.retain(|_, (from, _, _, _)| *from != peer);
         let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
         if self.ring_has(&peer) && !completed {
@@ -568,28 +603,54 @@ impl Rounds {
     }
 
     /// Takes the newest round the inbox holds hops of, when it is past this node's (or this
-    /// node has none): the mesh completed rounds without it. Its parameters are then not
-    /// the mesh's, so it contributes with weight 0 and leaves the round with the mean.
-    fn adopt_newer_round(&mut self) {
+    /// node has none): the mesh completed rounds without it, or a member says so. When most
+    /// members' heartbeats say they are past this node's round ([`Rounds::mesh_is_past`]),
+    /// or in a gradient round, its parameters are not the mesh's: it contributes with weight
+    /// 0 and leaves the round with the mean. One member's hop alone is no such proof: taken
+    /// at its word, every member that got the hop would drop its weight, and the sender's
+    /// alone would make the mean (a hijack by one hop). A synced member then takes the round's
+    /// number and keeps its weight; in `diloco` it asks for the members' round start and
+    /// velocity too, which it may have missed.
+    fn adopt_newer_round(&mut self, now: Instant) {
         let Some(&(newest, attempt, _)) = self.inbox.keys().next_back() else {
             return;
         };
-        let Stage::Reducing { contribution, .. } = &mut self.stage else {
+        if !matches!(self.stage, Stage::Reducing { .. }) {
+            return;
+        }
+        let Some(mine) = self.round else {
+            self.round = Some(newest);
+            self.attempt = attempt;
             return;
         };
-        match self.round {
-            Some(mine) if newest <= mine => return,
-            Some(mine) => {
-                tracing::info!(
-                    mine,
-                    theirs = newest,
-                    "the mesh is rounds ahead; adopting its round"
-                );
-                self.synced = false;
-                self.founding = false;
-                contribution.iter_mut().for_each(|v| *v = 0.0);
-            }
-            None => {}
+        if newest <= mine {
+            return;
+        }
+        let proven = self.mesh_is_past(mine, now);
+        let Stage::Reducing {
+            contribution,
+            gradient,
+            ..
+        } = &mut self.stage
+        else {
+            return;
+        };
+        if proven || *gradient || !self.synced {
+            tracing::info!(
+                mine,
+                theirs = newest,
+                "the mesh is rounds ahead; adopting its round"
+            );
+            self.synced = false;
+            self.founding = false;
+            contribution.iter_mut().for_each(|v| *v = 0.0);
+        } else {
+            tracing::info!(
+                mine,
+                theirs = newest,
+                "a member is rounds ahead, most are not; taking its round's number and keeping this node's weight"
+            );
+            self.state_unproven = self.cfg.outer_state;
         }
         self.round = Some(newest);
         self.attempt = attempt;
@@ -597,7 +658,7 @@ impl Rounds {
 
     /// Starts an attempt with the members ready now, if the round is known.
     fn start(&mut self, now: Instant, out: &mut Vec<Output>) {
-        self.adopt_newer_round();
+        self.adopt_newer_round(now);
         let Some(round) = self.round else {
             return;
         };
@@ -784,6 +845,7 @@ impl Rounds {
         if carried_state {
             self.needs_state
                 .retain(|_, said| said.is_some_and(|r| r > round));
+            self.state_unproven = false;
         }
         // As a synced member's first boundary: `steps` on, or in gradient rounds, none.
         self.boundary = self.cfg.first_boundary(step, true);
@@ -795,7 +857,7 @@ impl Rounds {
         // unsynced member (a joiner, or one that adopted a round the mesh completed without
         // it) holds parameters that are not the mesh's: it claims no digest until a parameter
         // round syncs it, so equal rounds in two members' lists mean equal bits.
-        if !digest.is_empty() && self.synced {
+        if !digest.is_empty() && self.synced && !self.state_unproven {
             if self.digests.len() >= DIGESTS_KEPT {
                 self.digests.pop_front();
             }
@@ -831,6 +893,7 @@ impl Rounds {
         self.attempt = 0;
         self.synced = false;
         self.founding = false;
+        self.state_unproven = false;
         self.boundary = step;
         self.stage = Stage::Training;
         self.waiting_since = None;

@@ -657,6 +657,8 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
         values: ByteBuf::from(0.5f32.to_le_bytes().repeat(len)),
     };
     let mut out = Vec::new();
+    // Its heartbeat says so too: the only other member is past node 0's round.
+    ring.nodes[0].heard(ring.ids[1], &ready_in(Some(3), None), now);
     ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
     let st = ring.nodes[0].status();
     assert_eq!((st.round, st.attempt, st.synced), (Some(3), 2, false));
@@ -706,8 +708,10 @@ fn a_hop_past_any_meshs_round_attempt_or_step_is_an_offence_and_changes_nothing(
         assert_eq!((st.round, st.attempt), (before.round, before.attempt));
         assert!(ring.nodes[0].inbox.is_empty());
     }
-    // The last round and attempt below the limits are taken as any later ones are.
+    // The last round and attempt below the limits are taken as any later ones are (once
+    // the other member says it is past this node's round).
     let mut out = Vec::new();
+    ring.nodes[0].heard(ring.ids[1], &ready_in(Some(ROUND_LIMIT - 1), None), now);
     let msg = RingMessage {
         attempt: ATTEMPT_LIMIT - 1,
         ..next_round_hop(&ring, ROUND_LIMIT - 1)
@@ -747,12 +751,92 @@ fn an_attempt_without_hops_gives_way_to_a_member_already_in_the_next_round() {
     assert_eq!(ring.nodes[0].status().ring_size, 2);
     let msg = next_round_hop(&ring, 1);
     let mut out = Vec::new();
+    // Node 1's heartbeat says it is past round 0: node 0's parameters are not the mesh's.
+    ring.nodes[0].heard(ring.ids[1], &ready_in(Some(1), None), now);
     ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
     let st = ring.nodes[0].status();
     assert_eq!((st.round, st.synced), (Some(1), false), "{st:?}");
     assert!(out
         .iter()
         .any(|o| matches!(o, Output::SendRing { msg, .. } if msg.round == 1 && msg.hop == 0)));
+}
+
+/// One member's hop of a far later round is no proof that the mesh went on: taken at its
+/// word, every member that got it would drop its own weight, and the sender's alone would
+/// make the mean (a hijack by one hop). Its round's number is taken, but every synced member
+/// keeps its weight, and the round ends bit-identical with the plain mean; a member gives
+/// its weight up only when most of the others say they are past its round.
+#[test]
+fn one_members_hop_of_a_later_round_hijacks_nothing() {
+    let n = 4;
+    let mut ring = Ring::new(n, &[1.0; 4], &[true; 4]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    // Node 1 tells the three others, in a heartbeat and a hop, that the mesh is at round 1000.
+    let fake = next_round_hop(&ring, 1000);
+    for i in [0, 2, 3] {
+        let mut out = Vec::new();
+        ring.nodes[i].heard(ring.ids[1], &ready_in(Some(1000), None), now);
+        ring.nodes[i].message(ring.ids[1], fake.clone(), now, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+    }
+    ring.run(now, &[true; 4]);
+    // Its hop, out of turn in the ring of round 1000, aborted the first attempt (an offence
+    // each time); the retry completes.
+    assert!(ring.offences > 0);
+    assert!(ring.means.iter().all(Option::is_none));
+    // Each took round 1000's number and kept its weight (taken at node 1's word, nodes 0, 2
+    // and 3 would be unsynced, at weight 0, and node 1's parameters alone the mean).
+    for i in 0..n {
+        let st = ring.nodes[i].status();
+        assert_eq!(
+            (st.round, st.synced),
+            (Some(1000), true),
+            "member {i}: {st:?}"
+        );
+    }
+    let retry = now + RETRY_PAUSE;
+    let mut queue = VecDeque::new();
+    for i in 0..n {
+        let mut out = Vec::new();
+        let step = ring.nodes[i].step_limit();
+        ring.nodes[i].tick(step, true, retry, &mut out);
+        queue.extend(out.into_iter().map(|o| (i, o)));
+    }
+    ring.carry(queue, retry, &[true; 4]);
+    let first = ring.means[0].clone().expect("a mean");
+    for (i, m) in ring.means.iter().enumerate() {
+        assert_eq!(
+            bits(m.as_ref().expect("a mean")),
+            bits(&first),
+            "member {i}"
+        );
+        ring.nodes[i].combined(1000, 0, "params".into(), &mut Vec::new());
+        let st = ring.nodes[i].status();
+        assert_eq!(
+            (st.round, st.synced),
+            (Some(1001), true),
+            "member {i}: {st:?}"
+        );
+    }
+    // Every member's parameters at weight 1, not node 1's alone.
+    for (j, got) in first.iter().enumerate() {
+        let want: f32 = (0..n).map(|i| ring.params[i][j]).sum::<f32>() / n as f32;
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+            "{got} vs {want}"
+        );
+    }
+    // Most members past this node's round: it takes the later round with weight 0.
+    ring.bring_to_boundary(0, now);
+    for i in [2, 3] {
+        ring.nodes[0].heard(ring.ids[i], &ready_in(Some(1005), None), now);
+    }
+    let mut out = Vec::new();
+    let later = next_round_hop(&ring, 1005);
+    ring.nodes[0].message(ring.ids[2], later, now, &mut out);
+    let st = ring.nodes[0].status();
+    assert_eq!((st.round, st.synced), (Some(1005), false), "{st:?}");
 }
 
 #[test]
@@ -790,6 +874,9 @@ fn a_last_hop_that_never_comes_gives_way_to_the_next_round_soon() {
     ring.nodes[0].tick(5, true, later, &mut out);
     let st = ring.nodes[0].status();
     assert_eq!(st.aborted.get("the mesh went on"), Some(&1), "{st:?}");
+    // The retry takes the mesh's round, with weight 0: node 1's heartbeat (every 2 s, as
+    // long as the wait) says it is past round 0.
+    ring.nodes[0].heard(ring.ids[1], &ready_in(Some(1), None), later);
     ring.nodes[0].tick(5, true, later + RETRY_PAUSE, &mut out);
     let st = ring.nodes[0].status();
     assert_eq!((st.round, st.synced), (Some(1), false), "{st:?}");
@@ -1020,6 +1107,32 @@ fn a_diloco_node_that_starts_the_rounds_itself_still_needs_the_state() {
     ring.nodes[0].tick(0, true, t0 + ADOPT_WAIT, &mut out);
     assert_eq!(ring.nodes[0].round(), Some(0));
     assert!(ring.nodes[0].needs_state());
+}
+
+/// In `diloco`, a member that took a later round's number on one member's word (keeping its
+/// weight) may have missed that round's outer steps: it asks for the members' round start
+/// and velocity, and claims no digest, until a ring carried them.
+#[test]
+fn a_diloco_member_that_took_a_later_rounds_number_unproven_asks_for_the_state() {
+    let mut ring = Ring::new(3, &[1.0; 3], &[true; 3]);
+    for node in &mut ring.nodes {
+        node.cfg.outer_state = true;
+    }
+    let now = Instant::now();
+    ring.hear_all(now);
+    let mut out = Vec::new();
+    let step = ring.nodes[0].step_limit();
+    ring.nodes[0].tick(step, true, now, &mut out);
+    ring.nodes[0].params(ring.params[0].repeat(3), 0, now, &mut out);
+    assert!(!ring.nodes[0].needs_state());
+    let hop = next_round_hop(&ring, 7);
+    ring.nodes[0].message(ring.ids[1], hop, now, &mut out);
+    let st = ring.nodes[0].status();
+    assert_eq!((st.round, st.synced), (Some(7), true), "{st:?}");
+    assert!(ring.nodes[0].needs_state());
+    // A restore resets it with the rest.
+    ring.nodes[0].restored(0);
+    assert!(!ring.nodes[0].status().synced);
 }
 
 /// The inbox is bounded in values as well as in hops: the oldest rounds give way to newer

@@ -33,8 +33,10 @@ pub enum DeviceError {
     /// CUDA was asked of a build without the `cuda` feature.
     #[error("device cuda:{0} requested, but this p2ptrain was built without CUDA support; rebuild with `cargo build --release --features cuda` (needs the CUDA toolkit) or use --device cpu")]
     NoCudaSupport(usize),
-    /// The driver could not open the GPU.
-    #[error("cannot open cuda:{ordinal}: {source}")]
+    /// The driver could not open the GPU. The message leaves the reason to the error's
+    /// source, which the binary edge prints after it (`{:#}`): in the message too, the
+    /// driver's reason was printed twice on one line.
+    #[error("cannot open cuda:{ordinal}")]
     Cuda {
         /// The GPU asked for.
         ordinal: usize,
@@ -43,7 +45,7 @@ pub enum DeviceError {
     },
     /// The GPU opened, but its levers (`P2PTRAIN_CUDA_LEVERS`) could not be applied or its
     /// kernels not compiled.
-    #[error("cannot prepare cuda:{ordinal}: {source}")]
+    #[error("cannot prepare cuda:{ordinal}")]
     Prepare {
         /// The GPU asked for.
         ordinal: usize,

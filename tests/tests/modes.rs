@@ -57,7 +57,7 @@ pub(crate) fn digests(s: &Value) -> BTreeMap<u64, String> {
 
 /// Waits until the nodes have a round in common in their recent digests and asserts they
 /// agree there, bit for bit; returns that round.
-fn assert_identical(nodes: &[&Node]) -> u64 {
+pub(crate) fn assert_identical(nodes: &[&Node]) -> u64 {
     let (round, by_node) = eventually(
         Duration::from_secs(60),
         "a recent round every node has a digest for",
@@ -287,9 +287,20 @@ fn three_reach(mode: &str, partition: &str, sync: &str, target: f64) -> Vec<Valu
             .map(|s| (s["step"].clone(), completed(s), accuracy(s)))
             .collect::<Vec<_>>()
     );
+    eprintln!(
+        "{mode} on {partition} data: parts beyond the clipping radius {:?}",
+        statuses
+            .iter()
+            .map(|s| rounds(s)["parts_clipped"].clone())
+            .collect::<Vec<_>>()
+    );
     for s in &statuses {
         assert_eq!(s["sync"]["mode"], mode, "{s}");
         assert_eq!(peers(s), 2, "{s}");
+        // Members that each hold other classes are far apart, and still honest: none of
+        // their parts is refused, none of them blamed.
+        assert_eq!(rounds(s)["parts_refused"], 0, "{s}");
+        assert_no_offences(s);
     }
     statuses
 }
@@ -309,6 +320,13 @@ fn diloco_on_a_few_classes_per_node_reaches_90_percent_everywhere() {
 fn fedavg_on_a_few_classes_per_node_reaches_90_percent_everywhere() {
     let statuses = three_reach("fedavg", "by_label", "", 0.9);
     assert_four_classes_each(&statuses);
+}
+
+/// No peer in `s`'s list has an offence to its name.
+fn assert_no_offences(s: &Value) {
+    for p in s["peers"]["list"].as_array().into_iter().flatten() {
+        assert_eq!(p["offences"].as_u64().unwrap_or(0), 0, "{p}");
+    }
 }
 
 /// Each node trained on four of the ten digits only.

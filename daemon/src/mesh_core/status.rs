@@ -169,6 +169,16 @@ pub struct RoundStatus {
     pub mean_round_ms: f64,
     /// Bytes of ring hops this node sent.
     pub bytes_sent: u64,
+    /// Members' parts of this node's chunks refused as no honest member's (a weight past what
+    /// a member weighs, or a part beyond the bound the round's mean is judged by): each an
+    /// offence of its sender, and the round went on without it.
+    #[serde(default)]
+    pub parts_refused: u64,
+    /// Parts beyond the clipping radius of the plain mean of this node's chunks: then the
+    /// chunk's aggregate was CenteredClip's, not the plain mean (0 in an honest mesh, as a
+    /// rule; see `rounds::robust`).
+    #[serde(default)]
+    pub parts_clipped: u64,
     /// The step of the next boundary.
     pub boundary: u64,
     /// Whether this node's parameters come from a completed round (a joiner's do not, and it

@@ -726,6 +726,14 @@ fn rounds_keep_their_members_identical_through_kills_and_joins() {
         for (r, rounds) in [(&churned, &with), (&calm, &without)] {
             assert_eq!(rounds.split, 0, "{name}: {rounds:?}");
             assert_eq!(rounds.unsynced, 0, "{name}: {rounds:?}");
+            // Honest parts are never refused, and rarely beyond the clipping radius (then
+            // their chunk's aggregate is CenteredClip's, not the plain mean): at most one
+            // part in a hundred rounds a member completes.
+            assert_eq!(rounds.refused, 0, "{name}: {rounds:?}");
+            assert!(
+                rounds.clipped * 100 <= rounds.completed,
+                "{name}: {rounds:?}"
+            );
             assert_eq!(r.honest_blamed, 0, "{name}: {:?}", r.honest_why);
             assert!(r.finite && rounds.taken > 0, "{name}: {r:?}");
         }
@@ -739,7 +747,8 @@ fn rounds_keep_their_members_identical_through_kills_and_joins() {
 }
 
 /// `ddp` with the config's defaults (`min_members = 1`, a parameter round every 25) on four
-/// nodes whose members die every 5 s: twice a ring formed of members none of which was synced.
+/// nodes whose members die every 5 s: twice a ring formed of members none of which was synced
+/// (seed 10; the seed was 2 while rings were sequential, whose pace made the case there).
 /// Such a ring founds one state (`rounds::tests::a_ring_without_a_synced_member_founds_one_state`);
 /// before that rule, its members kept their own parameters, called themselves synced, and
 /// stepped from different parameters: 2 of 41 rings here ended split.
@@ -758,7 +767,7 @@ fn a_ring_of_unsynced_members_under_churn_ends_identical() {
     };
     let r = Sim::new(SimParams {
         churn_every_ms: 5_000,
-        ..SimParams::rounds(4, 2, rc)
+        ..SimParams::rounds(4, 10, rc)
     })
     .run();
     let rounds = r.rounds.clone().expect("rounds ran");

@@ -1,12 +1,15 @@
 //! The hops a node receives: which attempt a hop belongs to (a later one is joined, one not
-//! reached yet waits in the inbox, a stale one is dropped), and taking the expected hops in
-//! order, adding or copying each chunk and sending the next. Part of [`super::Rounds`].
+//! reached yet waits in the inbox, a stale one is dropped), and taking the running attempt's
+//! hops: judging each member's part and each owner's aggregate, aggregating this member's
+//! chunk when its parts are in, finishing when every aggregate is. Part of
+//! [`super::Rounds`].
 
 use std::time::Instant;
 
 use libp2p::PeerId;
 
-use super::ring::{all_finite, decode_values, hop_message};
+use super::ring::{all_finite, decode_values, AGGREGATE, PART};
+use super::robust::aggregate;
 use super::{
     Hop, HopKey, Output, Rounds, Stage, ATTEMPT_LIMIT, INBOX_CAP, INBOX_VALUES, ROUND_LIMIT,
     STEP_LIMIT,
@@ -51,34 +54,36 @@ impl Rounds {
         }
         // A hop is proof that its sender takes part in rounds now.
         self.ready.insert(from, now);
-        let key = (msg.round, msg.attempt, msg.hop);
+        let key = (msg.round, msg.attempt, msg.hop, from);
+        let hop = (msg.members, values, msg.step);
         let reducing = matches!(self.stage, Stage::Reducing { .. });
         match self.round {
             // A round this node has not reached. Right after a round, a faster member may
-            // already be in the next one while this node waits for its last hop: that hop
-            // waits. A member can only have finished an attempt this node took part in once
-            // this node had hops of it, so an attempt without any is not finishing. Otherwise
-            // the mesh went on without this node (it joined, was cut off, or aborted an
-            // attempt the others completed): `start` takes the mesh's round (with weight 0
-            // only where most members say they are past this one, see `adopt_newer_round`).
+            // already be in the next one while this node waits for an aggregate: that hop
+            // waits. A member can only have finished an attempt this node takes part in once
+            // this node sent its aggregate (in a direct ring, its part), so before that the
+            // attempt is not finishing. Otherwise the mesh went on without this node (it
+            // joined, was cut off, or aborted an attempt the others completed): `start` takes
+            // the mesh's round (with weight 0 only where most members say they are past this
+            // one, see `adopt_newer_round`).
             Some(r) if msg.round > r => {
                 let finishing = msg.round == r.saturating_add(1)
-                    && matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. } if ring.next_hop > 0);
-                self.keep(key, (from, msg.members, values, msg.step));
+                    && matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. } if ring.could_have_finished());
+                self.keep(key, hop);
                 if reducing && !finishing {
                     self.restart(now, out);
                 } else if let Stage::Reducing {
                     ring: Some(ring), ..
                 } = &mut self.stage
                 {
-                    if ring.predecessor() == from {
-                        ring.predecessor_went_on.get_or_insert(now);
+                    if ring.index_of(&from).is_some_and(|i| ring.awaits(i)) {
+                        ring.went_on.get_or_insert(now);
                     }
                 }
                 return;
             }
             None => {
-                self.keep(key, (from, msg.members, values, msg.step));
+                self.keep(key, hop);
                 if reducing {
                     self.restart(now, out);
                 }
@@ -88,7 +93,7 @@ impl Rounds {
             Some(_) if msg.attempt < self.attempt => return,
             Some(_) if msg.attempt > self.attempt => {
                 self.attempt = msg.attempt;
-                self.keep(key, (from, msg.members, values, msg.step));
+                self.keep(key, hop);
                 if reducing {
                     self.restart(now, out);
                 }
@@ -96,7 +101,7 @@ impl Rounds {
             }
             Some(_) => {}
         }
-        self.keep(key, (from, msg.members, values, msg.step));
+        self.keep(key, hop);
         self.drain(now, out);
     }
 
@@ -114,101 +119,186 @@ impl Rounds {
     /// left behind needs the mesh's newest round to take it); one larger than the whole bound
     /// is not kept.
     pub(super) fn keep(&mut self, key: HopKey, hop: Hop) {
-        if hop.2.len() > INBOX_VALUES {
+        if hop.1.len() > INBOX_VALUES {
             return;
         }
         self.inbox.remove(&key);
-        let mut held: usize = self.inbox.values().map(|h| h.2.len()).sum();
-        while self.inbox.len() >= INBOX_CAP || held + hop.2.len() > INBOX_VALUES {
+        let mut held: usize = self.inbox.values().map(|h| h.1.len()).sum();
+        while self.inbox.len() >= INBOX_CAP || held + hop.1.len() > INBOX_VALUES {
             match self.inbox.pop_first() {
-                Some((_, old)) => held -= old.2.len(),
+                Some((_, old)) => held -= old.1.len(),
                 None => break,
             }
         }
         self.inbox.insert(key, hop);
     }
 
-    /// Takes the hops the running attempt expects, in order, from the inbox.
+    /// Takes the hops of the running attempt from the inbox: each member's part of this
+    /// member's chunk (judged, then kept for the aggregate) and each owner's aggregate of its
+    /// chunk (judged, then copied into the result). With every part in, this member
+    /// aggregates its chunk and sends the aggregate to every member; with every aggregate
+    /// in, the round is done.
     pub(super) fn drain(&mut self, now: Instant, out: &mut Vec<Output>) {
-        loop {
-            let Some(round) = self.round else {
-                return;
+        let Some(round) = self.round else {
+            return;
+        };
+        let attempt = self.attempt;
+        // Hops of older attempts of this round, or of older rounds, are no use any more.
+        self.inbox
+            .retain(|(r, a, _, _), _| *r > round || (*r == round && *a >= attempt));
+        let Stage::Reducing {
+            ring: Some(ring), ..
+        } = &mut self.stage
+        else {
+            return;
+        };
+        let keys: Vec<HopKey> = self
+            .inbox
+            .keys()
+            .filter(|(r, a, _, _)| *r == round && *a == attempt)
+            .copied()
+            .collect();
+        let max_weight = self.cfg.max_weight;
+        for key in keys {
+            let Some((digest, mut values, step)) = self.inbox.remove(&key) else {
+                continue;
             };
-            let attempt = self.attempt;
-            let Stage::Reducing {
-                ring: Some(ring), ..
-            } = &mut self.stage
-            else {
-                return;
-            };
-            // Hops of older attempts of this round, or of older rounds, are no use any more.
-            let stale: Vec<_> = self
-                .inbox
-                .keys()
-                .filter(|(r, a, _)| *r < round || (*r == round && *a < attempt))
-                .copied()
-                .collect();
-            for k in stale {
-                self.inbox.remove(&k);
-            }
-            let key = (round, attempt, ring.next_hop);
-            let Some((from, digest, values, step)) = self.inbox.remove(&key) else {
-                // A hop of this attempt with another member list means the lists differ.
-                let differs = self
-                    .inbox
-                    .range((round, attempt, 0)..=(round, attempt, u32::MAX))
-                    .any(|(_, (_, d, _, _))| *d != ring.digest);
-                if differs {
-                    self.abort("member lists differ", now);
-                }
-                return;
-            };
+            let (_, _, hop, from) = key;
             if digest != ring.digest {
                 self.abort("member lists differ", now);
                 return;
             }
-            if from != ring.predecessor() {
-                // The same list puts the sender elsewhere: cannot be honest.
-                offence(out, from, "ring hop out of turn".into());
-                self.abort("hop out of turn", now);
-                return;
-            }
-            let hop = ring.next_hop;
-            let range = ring.received_range(hop);
-            if values.len() != range.len() {
+            let Some(i) = ring.index_of(&from).filter(|i| *i != ring.me) else {
+                // The same list leaves the sender out: cannot be honest.
+                offence(out, from, "ring hop from outside the ring".into());
+                continue;
+            };
+            let expected = match hop {
+                PART if ring.totals[ring.me].is_none() && ring.parts[i].is_none() => {
+                    ring.chunk_of(ring.me)
+                }
+                AGGREGATE if !ring.direct() && ring.totals[i].is_none() => ring.chunk_of(i),
+                _ => {
+                    // A second part, an aggregate of a direct ring, a hop no ring has.
+                    offence(out, from, format!("ring hop {hop} out of turn"));
+                    self.abort("hop out of turn", now);
+                    return;
+                }
+            };
+            if values.len() != expected.len() + 1 {
                 offence(
                     out,
                     from,
                     format!(
                         "ring hop of {} values where {} belong",
                         values.len(),
-                        range.len()
+                        expected.len() + 1
                     ),
                 );
                 self.abort("hop of the wrong size", now);
                 return;
             }
-            let reducing = hop < ring.len() as u32 - 1 || ring.direct();
-            for (a, v) in ring.acc[range].iter_mut().zip(&values) {
-                if reducing {
-                    *a += v;
+            let weight = values.pop().unwrap_or(0.0);
+            let own = &ring.acc[expected.clone()];
+            if hop == PART {
+                // A part that cannot be honest counts for nothing; the round goes on.
+                let refused = if !(0.0..=max_weight).contains(&weight) {
+                    Some(format!(
+                        "a ring part weighing {weight}, past what a member weighs ({max_weight})"
+                    ))
+                } else if weight > 0.0 {
+                    ring.judge
+                        .and_then(|j| j.beyond(&values, own))
+                        .map(|why| format!("a ring part refused: {why}"))
                 } else {
-                    *a = *v;
+                    None
+                };
+                let weight = match refused {
+                    Some(why) => {
+                        offence(out, from, why);
+                        self.parts_refused += 1;
+                        0.0
+                    }
+                    None => weight,
+                };
+                ring.parts[i] = Some((values, weight));
+            } else {
+                let most = max_weight * ring.len() as f32 * (1.0 + 1e-5);
+                if !(0.0..=most).contains(&weight) {
+                    offence(
+                        out,
+                        from,
+                        format!(
+                            "a ring aggregate of weight total {weight}, past what its {} members weigh",
+                            ring.len()
+                        ),
+                    );
+                    self.abort("weight total past the members' weights", now);
+                    return;
                 }
+                if let Some(why) = ring
+                    .judge
+                    .filter(|_| weight > 0.0)
+                    .and_then(|j| j.beyond(&values, own))
+                {
+                    offence(out, from, format!("a ring aggregate refused: {why}"));
+                    self.abort("aggregate refused", now);
+                    return;
+                }
+                ring.acc[expected].copy_from_slice(&values);
+                ring.totals[i] = Some(weight);
             }
             ring.step = ring.step.max(step);
-            ring.next_hop += 1;
             ring.last_progress = now;
-            if ring.next_hop == ring.hops() {
-                let acc = std::mem::take(&mut ring.acc);
-                let (step, carried) = (ring.step, ring.carries_state);
-                self.finish(round, acc, step, carried, now, out);
+        }
+        if ring.totals[ring.me].is_none() && ring.parts_complete() {
+            let me = ring.me;
+            let range = ring.chunk_of(me);
+            let parts = std::mem::replace(&mut ring.parts, vec![None; ring.members.len()]);
+            let own = ring.acc[range.clone()].to_vec();
+            let refs: Vec<(&[f32], f32)> = parts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| match p {
+                    _ if i == me => (own.as_slice(), ring.weight),
+                    Some((v, w)) => (v.as_slice(), *w),
+                    None => (&[][..], 0.0),
+                })
+                .collect();
+            let agg = aggregate(&refs, range.len());
+            if agg.clipped > 0 {
+                tracing::debug!(
+                    round,
+                    clipped = agg.clipped,
+                    "parts beyond the clipping radius of the plain mean"
+                );
+                self.parts_clipped += agg.clipped as u64;
+            }
+            ring.acc[range].copy_from_slice(&agg.mean);
+            ring.totals[me] = Some(agg.total);
+            if !ring.direct() {
+                for (peer, msg) in ring.aggregate_messages(round, attempt, agg.total) {
+                    self.bytes_sent += msg.values.len() as u64;
+                    out.push(Output::SendRing { peer, msg });
+                }
+            }
+        }
+        if ring.complete() {
+            // Every honest owner weighs the same parts alike: totals that differ in whether
+            // anything counted mean the members were not handed the same weights.
+            let counted = ring
+                .totals
+                .iter()
+                .filter(|t| t.is_some_and(|t| t > 0.0))
+                .count();
+            if counted != 0 && counted != ring.totals.len() && !ring.direct() {
+                self.abort("weight totals differ", now);
                 return;
             }
-            let msg = hop_message(round, attempt, ring, ring.next_hop);
-            let peer = ring.successor();
-            self.bytes_sent += msg.values.len() as u64;
-            out.push(Output::SendRing { peer, msg });
+            let total = ring.totals[ring.me].unwrap_or(0.0);
+            let acc = std::mem::take(&mut ring.acc);
+            let (step, carried) = (ring.step, ring.carries_state);
+            self.finish(round, acc, total, step, carried, now, out);
         }
     }
 }

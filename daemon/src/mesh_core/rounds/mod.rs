@@ -1,10 +1,16 @@
 //! Synchronous rounds, for the sync modes `allreduce`, `ddp`, `diloco` and `fedavg`: every `steps`
-//! steps each member stops at the round's boundary, the members sum a weighted copy of their
-//! parameters in a bandwidth-optimal ring (reduce-scatter, then all-gather: each member sends
-//! `2(N-1)/N` of the model per round), and every member hands its trainer the same mean, bit
-//! for bit, because each chunk is summed once, by one member, and then copied around the ring.
-//! What the trainer makes of the mean (take it, or an outer Nesterov step towards it) is the
-//! trainer's business ([`super::TrainerCommand::Combine`]).
+//! steps each member stops at the round's boundary, and the members average a weighted copy
+//! of their parameters in a butterfly all-reduce (each member owns one chunk of the model;
+//! every member sends each owner its part of that chunk, the owner aggregates the parts and
+//! sends the aggregate to every member: each member sends `2(N-1)/N` of the model per round,
+//! as in a ring, in two waves instead of `2(N-1)` turns), and every member hands its trainer
+//! the same mean, bit for bit, because each chunk is aggregated once, by its owner, and then
+//! copied. The aggregate is robust to one bad part among three or more ([`robust`]: weights
+//! bounded, then CenteredClip), and each member judges every part and aggregate it gets by
+//! the bound the trainer judges the round's result by: a part beyond it counts for nothing,
+//! an aggregate beyond it aborts the attempt, and either is an offence of its sender (a
+//! score penalty, so a ban). What the trainer makes of the mean (take it, or an outer
+//! Nesterov step towards it) is the trainer's business ([`super::TrainerCommand::Combine`]).
 //!
 //! No member leads. The ring of an attempt is the sorted list of members each node holds ready
 //! (heard saying so within [`READY_FRESH`]); every hop carries a digest of the sender's list,
@@ -13,8 +19,9 @@
 //! the attempt at once when its connection closes or a hop to it cannot be delivered, and
 //! after [`STALL_TIMEOUT`] without progress otherwise; the retry leaves it out. An attempt that
 //! can no longer finish because its members went on to the next round without this node gives
-//! way at once (it had no hop yet) or [`LATE_ROUND_WAIT`] after its predecessor's first hop
-//! of the next round (it had some); it gives up its weight for that round only when most
+//! way at once (it had not sent its aggregate yet, so no member can have finished it) or
+//! [`LATE_ROUND_WAIT`] after the first hop of the next round from a member it still waits
+//! for (it had sent it); it gives up its weight for that round only when most
 //! members' heartbeats say they are past its own (one member's hop is no proof, see
 //! [`Rounds::adopt_newer_round`]). A joiner (or a
 //! node restored from a checkpoint) holds before its first step, takes the round number of the
@@ -30,7 +37,7 @@
 //! In `ddp` ([`RoundConfig::gradients`]) there is a round at every step and most rounds sum
 //! gradients, not parameters: the trainer steps only with a round's mean gradient. Those hops
 //! travel as bf16 (rounded where sent, so the bits still agree), and a ring of two swaps whole
-//! contributions in one message each way. Every `resync_every`-th round sums parameters and
+//! contributions in one message each way (each aggregates both, in the members' order). Every `resync_every`-th round sums parameters and
 //! optimizer state, and hands a node that was not synced the members' step with them. No round
 //! starts with fewer than [`RoundConfig::min_members`] members. With
 //! [`RoundConfig::balance`], a member that computes slower than the fastest (by the
@@ -48,13 +55,15 @@ use libp2p::PeerId;
 use super::status::RoundStatus;
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
 use crate::wire::Heartbeat;
+#[cfg(test)]
 pub(in crate::mesh_core) use ring::members_digest;
-use ring::{hop_message, Ring};
+use ring::{Judge, Ring};
 
 pub use ring::balanced_batch;
 
 mod hops;
 mod ring;
+pub mod robust;
 #[cfg(test)]
 mod tests;
 
@@ -65,10 +74,10 @@ pub const READY_FRESH: Duration = Duration::from_secs(3 * HEARTBEAT_EVERY.as_sec
 /// member that hung without closing its connection). An honest member still training towards
 /// the boundary costs only a retry, never a punishment. `sync.stall_timeout_secs` sets it.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(20);
-/// An attempt whose predecessor has sent a hop of the next round, and that made no progress
-/// for this long since that hop came, is aborted; the retry takes the mesh's round. The
-/// predecessor sent its last hop of this round before that one, over the same connection, so
-/// a last hop still missing this long after is not coming (the predecessor finished the
+/// An attempt that a member it still waits for has sent a hop of the next round, and that
+/// made no progress for this long since that hop came, is aborted; the retry takes the
+/// mesh's round. The member sent its hops of this round before that one, over the same
+/// connection, so one still missing this long after is not coming (the member finished the
 /// round in an attempt this node left).
 pub const LATE_ROUND_WAIT: Duration = Duration::from_secs(2);
 /// Pause before an aborted attempt is retried, so the members' lists can settle.
@@ -172,10 +181,10 @@ impl RoundConfig {
     }
 }
 
-/// A hop's place: (round, attempt, hop).
-type HopKey = (u64, u32, u32);
-/// A hop waiting in the inbox: (sender, member-list digest, values, the step it carries).
-type Hop = (PeerId, u64, Vec<f32>, u64);
+/// A hop's place: (round, attempt, hop, sender).
+type HopKey = (u64, u32, u32, PeerId);
+/// A hop waiting in the inbox: (member-list digest, values, the step it carries).
+type Hop = (u64, Vec<f32>, u64);
 
 /// Where this node is in the round.
 #[derive(Debug)]
@@ -190,12 +199,16 @@ enum Stage {
     },
     /// Holding its contribution, with an attempt under way or waiting to be retried.
     Reducing {
+        /// Parameters or a gradient, unweighted.
         contribution: Vec<f32>,
+        /// Its weight in the mean (0 where this node's parameters are not the mesh's).
+        weight: f32,
         /// The contribution is a gradient (else parameters).
         gradient: bool,
         /// The trainer's step when it gave the contribution.
         step: u64,
-        ring: Option<Ring>,
+        /// The attempt under way (boxed: most of a node's life is spent in other stages).
+        ring: Option<Box<Ring>>,
         since: Instant,
     },
     /// The mean went to the trainer.
@@ -222,8 +235,8 @@ pub struct Rounds {
     /// velocity until a ring carried them.
     state_unproven: bool,
     stage: Stage,
-    /// Hops for attempts this node has not reached: (round, attempt, hop) -> (sender, digest,
-    /// values).
+    /// Hops for attempts this node has not reached, and those of the running attempt not
+    /// taken yet.
     inbox: BTreeMap<HopKey, Hop>,
     retry_at: Option<Instant>,
     ready: HashMap<PeerId, Instant>,
@@ -255,6 +268,10 @@ pub struct Rounds {
     /// Milliseconds summed over rounds in rings of two or more, and their count.
     round_ms_sum: (f64, u64),
     bytes_sent: u64,
+    /// Members' parts refused as no honest member's (each an offence of its sender).
+    parts_refused: u64,
+    /// Parts that lay beyond the clipping radius of the plain mean of this node's chunks.
+    parts_clipped: u64,
     digests: VecDeque<(u64, String)>,
 }
 
@@ -295,6 +312,8 @@ impl Rounds {
             last_round_ms: 0.0,
             round_ms_sum: (0.0, 0),
             bytes_sent: 0,
+            parts_refused: 0,
+            parts_clipped: 0,
             digests: VecDeque::new(),
         }
     }
@@ -336,6 +355,8 @@ impl Rounds {
                 0.0
             },
             bytes_sent: self.bytes_sent,
+            parts_refused: self.parts_refused,
+            parts_clipped: self.parts_clipped,
             boundary: self.boundary,
             synced: self.synced,
             digests: self.digests.iter().cloned().collect(),
@@ -422,7 +443,7 @@ impl Rounds {
         self.speeds.remove(&peer);
         self.needs_state.remove(&peer);
         self.rounds_said.remove(&peer);
-        self.inbox.retain(|_, (from, _, _, _)| *from != peer);
+        self.inbox.retain(|(_, _, _, from), _| *from != peer);
         let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
         if self.ring_has(&peer) && !completed {
             self.abort("member left", now);
@@ -438,7 +459,7 @@ impl Rounds {
     /// (Aborting it left the rest of a `ddp` mesh one round short of `max_steps`, waiting for
     /// the `min_members` it could no longer have.) Where that is not so (it completed the
     /// round in an attempt without this node, or a hop was never taken) the attempt ends as a
-    /// silent member's does: [`LATE_ROUND_WAIT`] after the predecessor went on, or
+    /// silent member's does: [`LATE_ROUND_WAIT`] after a member it waits for went on, or
     /// [`STALL_TIMEOUT`]. A forged round buys no more than going silent.
     pub fn peer_leaving(&mut self, peer: PeerId, their_round: Option<u64>) {
         let past = matches!((their_round, self.round), (Some(t), Some(mine)) if t > mine);
@@ -480,7 +501,7 @@ impl Rounds {
                 self.abort("stalled", now);
             }
             Stage::Reducing { ring: Some(r), .. }
-                if r.predecessor_went_on.is_some_and(|t| {
+                if r.went_on.is_some_and(|t| {
                     now.saturating_duration_since(t.max(r.last_progress)) >= LATE_ROUND_WAIT
                 }) =>
             {
@@ -566,9 +587,9 @@ impl Rounds {
         self.contribute(values, true, share, step, now, out);
     }
 
-    /// This node's contribution is `weight * share * values`, with that weight itself
-    /// appended, so the ring's sum divides into the weighted mean. An answer to another
-    /// question than the one asked (one from before a restore) is dropped.
+    /// This node's contribution is `values` at `weight * share` (0 where it is not synced).
+    /// An answer to another question than the one asked (one from before a restore) is
+    /// dropped.
     fn contribute(
         &mut self,
         values: Vec<f32>,
@@ -581,18 +602,14 @@ impl Rounds {
         if !matches!(self.stage, Stage::Asked { gradient: g } if g == gradient) {
             return;
         }
-        let w = if self.synced {
+        let weight = if self.synced {
             self.cfg.weight * share
         } else {
             0.0
         };
-        let mut contribution = values;
-        if w != 1.0 {
-            contribution.iter_mut().for_each(|v| *v *= w);
-        }
-        contribution.push(w);
         self.stage = Stage::Reducing {
-            contribution,
+            contribution: values,
+            weight,
             gradient,
             step,
             ring: None,
@@ -612,7 +629,7 @@ impl Rounds {
     /// number and keeps its weight; in `diloco` it asks for the members' round start and
     /// velocity too, which it may have missed.
     fn adopt_newer_round(&mut self, now: Instant) {
-        let Some(&(newest, attempt, _)) = self.inbox.keys().next_back() else {
+        let Some(&(newest, attempt, _, _)) = self.inbox.keys().next_back() else {
             return;
         };
         if !matches!(self.stage, Stage::Reducing { .. }) {
@@ -628,9 +645,7 @@ impl Rounds {
         }
         let proven = self.mesh_is_past(mine, now);
         let Stage::Reducing {
-            contribution,
-            gradient,
-            ..
+            weight, gradient, ..
         } = &mut self.stage
         else {
             return;
@@ -643,7 +658,7 @@ impl Rounds {
             );
             self.synced = false;
             self.founding = false;
-            contribution.iter_mut().for_each(|v| *v = 0.0);
+            *weight = 0.0;
         } else {
             tracing::info!(
                 mine,
@@ -677,8 +692,9 @@ impl Rounds {
         // Someone may already be at a later attempt of this round: join it.
         if let Some(a) = self
             .inbox
-            .range((round, 0, 0)..=(round, u32::MAX, u32::MAX))
-            .map(|((_, a, _), _)| *a)
+            .keys()
+            .filter(|(r, _, _, _)| *r == round)
+            .map(|(_, a, _, _)| *a)
             .max()
         {
             self.attempt = self.attempt.max(a);
@@ -697,8 +713,11 @@ impl Rounds {
         members.sort();
         let me = members.iter().position(|p| *p == self.me).unwrap_or(0);
         let carries_state = self.carries_state(round, &members);
+        let judged = self.synced && !self.founding && !self.state_unproven;
+        let gradient = self.cfg.sums_gradients(round);
         let Stage::Reducing {
             contribution,
+            weight,
             ring,
             step,
             ..
@@ -711,62 +730,60 @@ impl Rounds {
         } else {
             contribution.clone()
         };
-        let r = Ring {
-            digest: members_digest(&members, carries_state),
+        // What this member judges the others' parts and aggregates by: what the trainer
+        // judges the round's result by, where its own contribution is the mesh's.
+        let judge = if *weight <= 0.0 {
+            None
+        } else if gradient {
+            Some(Judge::GradientNorm {
+                norm: robust::norm(&acc),
+            })
+        } else {
+            judged.then(|| Judge::Distance {
+                norm: robust::norm(&acc),
+            })
+        };
+        let r = Ring::new(
             members,
             me,
             acc,
+            *weight,
+            judge,
             carries_state,
-            compact: self.cfg.sums_gradients(round),
-            step: *step,
-            next_hop: 0,
-            last_progress: now,
-            predecessor_went_on: None,
-            left_done: Vec::new(),
-        };
+            gradient,
+            *step,
+            now,
+        );
         self.ring_size = r.len();
         self.retry_at = None;
         if r.len() == 1 {
-            let (acc, step) = (r.acc, r.step);
-            self.finish(round, acc, step, carries_state, now, out);
+            let (acc, total, step) = (r.acc, r.weight, r.step);
+            self.finish(round, acc, total, step, carries_state, now, out);
             return;
         }
-        let mut r = r;
-        let first = hop_message(round, self.attempt, &mut r, 0);
-        self.bytes_sent += first.values.len() as u64;
-        out.push(Output::SendRing {
-            peer: r.successor(),
-            msg: first,
-        });
-        *ring = Some(r);
+        for (peer, msg) in r.part_messages(round, self.attempt) {
+            self.bytes_sent += msg.values.len() as u64;
+            out.push(Output::SendRing { peer, msg });
+        }
+        *ring = Some(Box::new(r));
         self.drain(now, out);
     }
 
-    /// The sums are complete: the weighted mean goes to the trainer, and with a parameter
-    /// mean, to a node that was not synced, the members' step.
+    /// The aggregates are complete: the weighted mean (`total` the weights of this node's
+    /// chunk) goes to the trainer, and with a parameter mean, to a node that was not synced,
+    /// the members' step.
+    #[allow(clippy::too_many_arguments)]
     fn finish(
         &mut self,
         round: u64,
-        mut acc: Vec<f32>,
+        mean: Vec<f32>,
+        total: f32,
         step: u64,
         carried_state: bool,
         now: Instant,
         out: &mut Vec<Output>,
     ) {
-        let total = acc.pop().unwrap_or(0.0);
         let gradient = self.cfg.sums_gradients(round);
-        // Every member sees the same total (the all-gather copies it), so all refuse alike.
-        let most = self.cfg.max_weight * self.ring_size as f32 * (1.0 + 1e-5);
-        if !(total.is_finite() && total <= most) {
-            tracing::warn!(
-                round,
-                total,
-                ring = self.ring_size,
-                "a round's weight total is past what its members can weigh; refused"
-            );
-            self.abort("weight total past the members' weights", now);
-            return;
-        }
         if total <= 0.0 && !gradient {
             // Nobody in the ring holds parameters from a round (joiners only, or members
             // whose synced peers died): each would keep its own, and they would differ.
@@ -799,10 +816,9 @@ impl Rounds {
         let step = (!gradient && (!self.synced || self.founding)).then_some(step);
         let judged = self.synced && !self.founding;
         if total > 0.0 {
-            acc.iter_mut().for_each(|v| *v /= total);
             out.push(Output::Trainer(TrainerCommand::Combine {
                 round,
-                mean: acc,
+                mean,
                 gradient,
                 step,
                 judged,
@@ -914,7 +930,7 @@ impl Rounds {
     /// the core's property tests).
     #[cfg(test)]
     pub(in crate::mesh_core) fn inbox_within_bounds(&self) -> bool {
-        let values: usize = self.inbox.values().map(|(_, _, v, _)| v.len()).sum();
+        let values: usize = self.inbox.values().map(|(_, v, _)| v.len()).sum();
         self.inbox.len() <= INBOX_CAP && values <= INBOX_VALUES
     }
 
@@ -924,10 +940,7 @@ impl Rounds {
 }
 
 /// A `diloco` contribution without its state: the first of its three equal parts (the
-/// parameters; then the round anchor, the outer velocity) and the weight after them.
+/// parameters; then the round anchor, the outer velocity).
 fn parameters_only(contribution: &[f32]) -> Vec<f32> {
-    let (values, weight) = contribution.split_at(contribution.len().saturating_sub(1));
-    let mut only = values[..values.len() / 3].to_vec();
-    only.extend_from_slice(weight);
-    only
+    contribution[..contribution.len() / 3].to_vec()
 }

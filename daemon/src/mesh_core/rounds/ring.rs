@@ -1,7 +1,9 @@
-//! One attempt's ring and what travels on it: which chunk each hop carries (reduce-scatter,
-//! then all-gather), the hop messages (little-endian, or bf16 rounded where sent so every
-//! member keeps the same bits), the member lists' digest, and a `ddp` member's balanced
-//! batch. Arithmetic only: [`super::Rounds`] decides when an attempt starts, goes on or ends.
+//! One attempt's ring and what travels on it: a butterfly all-reduce (each member owns one
+//! chunk of the model: every member sends each owner its part of the owner's chunk, the
+//! owner aggregates the parts robustly and sends the aggregate to every member), the hop
+//! messages (little-endian, or bf16 rounded where sent so every member keeps the same bits),
+//! the member lists' digest, and a `ddp` member's balanced batch. Arithmetic only:
+//! [`super::Rounds`] decides when an attempt starts, goes on or ends.
 
 use std::time::Instant;
 
@@ -9,8 +11,54 @@ use libp2p::PeerId;
 use serde_bytes::ByteBuf;
 use sha2::{Digest, Sha256};
 
+use super::robust::{distance, norm};
 use super::{BALANCE_SLACK, MAX_SHRINK};
+use crate::sync_guard::{MEAN_GRADIENT_NORM_FACTOR, ROUND_MEAN_MAX_DISTANCE};
 use crate::wire::RingMessage;
+
+/// The hop that carries a member's part of the receiver's chunk, its weight after it.
+pub(super) const PART: u32 = 0;
+/// The hop that carries the sender's chunk's aggregate, the weight total after it.
+pub(super) const AGGREGATE: u32 = 1;
+
+/// How a member tells a part or an aggregate no honest member sends: by what the trainer
+/// would judge the round's result by, so that what is refused here would have been refused
+/// there (where nobody could be named).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Judge {
+    /// A synced member's parameters: a chunk further from this member's own than the round
+    /// mean's bound (`ROUND_MEAN_MAX_DISTANCE` of the norm of its whole contribution) alone
+    /// puts the mean beyond that bound.
+    Distance { norm: f64 },
+    /// A gradient: a chunk longer than `MEAN_GRADIENT_NORM_FACTOR` times this member's whole
+    /// gradient alone puts the mean gradient beyond that bound.
+    GradientNorm { norm: f64 },
+}
+
+impl Judge {
+    /// How `values` (a chunk at `range`) compare with `own` (this member's contribution):
+    /// `None` when within the bound, else why not.
+    pub(super) fn beyond(&self, values: &[f32], own: &[f32]) -> Option<String> {
+        match *self {
+            Judge::Distance { norm } => {
+                let d = distance(values, own);
+                (d > ROUND_MEAN_MAX_DISTANCE * norm).then(|| {
+                    format!(
+                        "a chunk at distance {d:.3e}, beyond {ROUND_MEAN_MAX_DISTANCE} x the norm of this member's parameters ({norm:.3e})"
+                    )
+                })
+            }
+            Judge::GradientNorm { norm: own_norm } => {
+                let n = norm(values);
+                (n > MEAN_GRADIENT_NORM_FACTOR * own_norm.max(f64::MIN_POSITIVE)).then(|| {
+                    format!(
+                        "a gradient chunk of norm {n:.3e}, beyond {MEAN_GRADIENT_NORM_FACTOR} x this member's gradient ({own_norm:.3e})"
+                    )
+                })
+            }
+        }
+    }
+}
 
 /// One attempt's ring under way.
 #[derive(Debug)]
@@ -18,8 +66,14 @@ pub(super) struct Ring {
     pub(super) members: Vec<PeerId>,
     pub(super) digest: u64,
     pub(super) me: usize,
-    /// The running sums, then the finished ones.
+    /// This member's contribution (unweighted; in a compact ring rounded to bf16 as sent),
+    /// then, chunk by chunk as the aggregates come, the result.
     pub(super) acc: Vec<f32>,
+    /// This member's weight in the mean.
+    pub(super) weight: f32,
+    /// Whether, and by what, this member judges the parts and aggregates it gets (a member
+    /// whose contribution is not the mesh's judges nothing).
+    pub(super) judge: Option<Judge>,
     /// They carry the members' round anchor and outer velocity besides the parameters
     /// (`diloco`, when a member needs them); the member digest says so, so that members that
     /// disagree on it abort, as with different lists.
@@ -30,12 +84,15 @@ pub(super) struct Ring {
     /// The highest trainer step among the contributions this node has seen in the ring: at
     /// the end, the members' step, which a node that was not synced takes with the mean.
     pub(super) step: u64,
-    /// The hop expected next from the predecessor.
-    pub(super) next_hop: u32,
+    /// The members' parts of this member's chunk (of the whole, in a direct ring), by member
+    /// index: values and weight (0 for a part refused).
+    pub(super) parts: Vec<Option<(Vec<f32>, f32)>>,
+    /// The weight totals of the members' aggregates that came in, by member index (this
+    /// member's own once it made it: then it went out, and members may finish the attempt).
+    pub(super) totals: Vec<Option<f32>>,
     pub(super) last_progress: Instant,
-    /// When the predecessor's first hop of the next round came, while this attempt still
-    /// waited for one of this round.
-    pub(super) predecessor_went_on: Option<Instant>,
+    /// When a member this attempt still waits for sent a hop of the next round.
+    pub(super) went_on: Option<Instant>,
     /// Members that left after completing this round: a member completes a round only after
     /// it sent all its hops of it, and waits for them to be taken before it says goodbye, so
     /// the attempt still finishes without it (see [`super::Rounds::peer_leaving`]).
@@ -43,115 +100,172 @@ pub(super) struct Ring {
 }
 
 impl Ring {
+    /// A ring of `members` (sorted), `me` among them, with this member's contribution.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        members: Vec<PeerId>,
+        me: usize,
+        mut acc: Vec<f32>,
+        weight: f32,
+        judge: Option<Judge>,
+        carries_state: bool,
+        compact: bool,
+        step: u64,
+        now: Instant,
+    ) -> Ring {
+        let n = members.len();
+        let mut weight = weight;
+        if compact {
+            // Rounded as every receiver decodes it: in a direct ring both members aggregate
+            // the whole from the same bits.
+            round_to_bf16(&mut acc);
+            weight = half::bf16::from_f32(weight).to_f32();
+        }
+        Ring {
+            digest: members_digest(&members, carries_state),
+            members,
+            me,
+            acc,
+            weight,
+            judge,
+            carries_state,
+            compact,
+            step,
+            parts: vec![None; n],
+            totals: vec![None; n],
+            last_progress: now,
+            went_on: None,
+            left_done: Vec::new(),
+        }
+    }
+
     pub(super) fn len(&self) -> usize {
         self.members.len()
     }
 
-    pub(super) fn hops(&self) -> u32 {
-        if self.direct() {
-            1
-        } else {
-            2 * (self.len() as u32 - 1)
-        }
-    }
-
     /// Two members of a compact (gradient) round swap their whole contributions in one
-    /// message each way, rather than halves in two turns: the same bytes, half the waits.
-    /// Each adds the other's to its own; `a + b == b + a` in floating point, so both hold
-    /// the same bits.
+    /// message each way and each aggregates the whole (from the same bits, in the members'
+    /// order, so both hold the same result), rather than halves in two turns: the same
+    /// bytes, half the waits.
     pub(super) fn direct(&self) -> bool {
         self.compact && self.len() == 2
     }
 
-    /// The values sent at `hop`.
-    pub(super) fn sent_range(&self, hop: u32) -> std::ops::Range<usize> {
+    /// The member index of `peer`.
+    pub(super) fn index_of(&self, peer: &PeerId) -> Option<usize> {
+        self.members.iter().position(|p| p == peer)
+    }
+
+    /// The values of the chunk member `i` owns (all of them in a direct ring).
+    pub(super) fn chunk_of(&self, i: usize) -> std::ops::Range<usize> {
         if self.direct() {
-            0..self.acc.len()
-        } else {
-            self.chunk(self.sent_chunk(hop))
+            return 0..self.acc.len();
         }
-    }
-
-    /// The values received at `hop`.
-    pub(super) fn received_range(&self, hop: u32) -> std::ops::Range<usize> {
-        if self.direct() {
-            0..self.acc.len()
-        } else {
-            self.chunk(self.received_chunk(hop))
-        }
-    }
-
-    pub(super) fn successor(&self) -> PeerId {
-        self.members[(self.me + 1) % self.len()]
-    }
-
-    pub(super) fn predecessor(&self) -> PeerId {
-        self.members[(self.me + self.len() - 1) % self.len()]
-    }
-
-    /// The value range of chunk `c`.
-    pub(super) fn chunk(&self, c: usize) -> std::ops::Range<usize> {
         let (n, total) = (self.len(), self.acc.len());
-        (c * total / n)..((c + 1) * total / n)
+        (i * total / n)..((i + 1) * total / n)
     }
 
-    /// The chunk sent at `hop`: reduce-scatter sends chunk `me - hop`, all-gather chunk
-    /// `me + 1 - (hop - (N-1))`.
-    pub(super) fn sent_chunk(&self, hop: u32) -> usize {
-        let n = self.len() as i64;
-        let (me, hop) = (self.me as i64, i64::from(hop));
-        let c = if hop < n - 1 {
-            me - hop
-        } else {
-            me + 1 - (hop - (n - 1))
-        };
-        c.rem_euclid(n) as usize
+    /// Whether a member may have finished this attempt: each needs this member's aggregate
+    /// (in a direct ring, its part, sent at the start).
+    pub(super) fn could_have_finished(&self) -> bool {
+        self.direct() || self.totals[self.me].is_some()
     }
 
-    /// The chunk received at `hop`: the one the predecessor sent.
-    pub(super) fn received_chunk(&self, hop: u32) -> usize {
-        let n = self.len() as i64;
-        let (pred, hop) = ((self.me as i64 - 1).rem_euclid(n), i64::from(hop));
-        let c = if hop < n - 1 {
-            pred - hop
-        } else {
-            pred + 1 - (hop - (n - 1))
-        };
-        c.rem_euclid(n) as usize
+    /// Whether this attempt still waits for a hop from member `i`.
+    pub(super) fn awaits(&self, i: usize) -> bool {
+        i != self.me
+            && ((self.totals[self.me].is_none() && self.parts[i].is_none())
+                || (!self.direct() && self.totals[i].is_none()))
+    }
+
+    /// Whether every part of this member's chunk is in.
+    pub(super) fn parts_complete(&self) -> bool {
+        (0..self.len()).all(|i| i == self.me || self.parts[i].is_some())
+    }
+
+    /// Whether the result is complete.
+    pub(super) fn complete(&self) -> bool {
+        self.totals[self.me].is_some() && (self.direct() || self.totals.iter().all(Option::is_some))
+    }
+
+    /// The parts to send at the start: member `i`'s chunk of this member's contribution,
+    /// with its weight, to each other member.
+    pub(super) fn part_messages(&self, round: u64, attempt: u32) -> Vec<(PeerId, RingMessage)> {
+        (0..self.len())
+            .filter(|i| *i != self.me)
+            .map(|i| {
+                let values = &self.acc[self.chunk_of(i)];
+                let msg = self.message(round, attempt, PART, values, self.weight);
+                (self.members[i], msg)
+            })
+            .collect()
+    }
+
+    /// This member's aggregate, with its weight total, to each other member (rounded to
+    /// bf16 in place first in a compact ring, so this member keeps what the others get).
+    pub(super) fn aggregate_messages(
+        &mut self,
+        round: u64,
+        attempt: u32,
+        total: f32,
+    ) -> Vec<(PeerId, RingMessage)> {
+        let range = self.chunk_of(self.me);
+        if self.compact {
+            round_to_bf16(&mut self.acc[range.clone()]);
+        }
+        let values = &self.acc[range];
+        let msg = self.message(round, attempt, AGGREGATE, values, total);
+        (0..self.len())
+            .filter(|i| *i != self.me)
+            .map(|i| (self.members[i], msg.clone()))
+            .collect()
+    }
+
+    fn message(
+        &self,
+        round: u64,
+        attempt: u32,
+        hop: u32,
+        values: &[f32],
+        last: f32,
+    ) -> RingMessage {
+        RingMessage {
+            round,
+            attempt,
+            members: self.digest,
+            hop,
+            values: ByteBuf::from(encode_values(values, last, self.compact)),
+            step: self.step,
+            bf16: self.compact,
+        }
     }
 }
 
-/// The message of `hop`: the chunk the ring sends then, little-endian; in a compact ring
-/// as bf16, rounded in place first so this node keeps exactly what the others receive.
-pub(super) fn hop_message(round: u64, attempt: u32, ring: &mut Ring, hop: u32) -> RingMessage {
-    let range = ring.sent_range(hop);
-    let values = &mut ring.acc[range];
-    // Loops over pre-sized slices, not `extend`, so that they vectorise: on the critical
-    // path of every `ddp` step (0.83 M values for the small GPT).
-    let bytes = if ring.compact {
-        let mut bytes = vec![0u8; values.len() * 2];
-        for (v, out) in values.iter_mut().zip(bytes.chunks_exact_mut(2)) {
-            let bits = bf16_bits(*v);
-            *v = f32::from_bits(u32::from(bits) << 16);
-            out.copy_from_slice(&bits.to_le_bytes());
+/// Rounds every value to the nearest bf16, in place.
+fn round_to_bf16(values: &mut [f32]) {
+    for v in values.iter_mut() {
+        *v = f32::from_bits(u32::from(bf16_bits(*v)) << 16);
+    }
+}
+
+/// `values` and then `last`, little-endian, as bf16 or `f32`. Loops over pre-sized slices,
+/// not `extend`, so that they vectorise: on the critical path of every `ddp` step.
+pub(super) fn encode_values(values: &[f32], last: f32, bf16: bool) -> Vec<u8> {
+    let width = if bf16 { 2 } else { 4 };
+    let mut bytes = vec![0u8; (values.len() + 1) * width];
+    let (body, tail) = bytes.split_at_mut(values.len() * width);
+    if bf16 {
+        for (v, out) in values.iter().zip(body.chunks_exact_mut(2)) {
+            out.copy_from_slice(&bf16_bits(*v).to_le_bytes());
         }
-        bytes
+        tail.copy_from_slice(&bf16_bits(last).to_le_bytes());
     } else {
-        let mut bytes = vec![0u8; values.len() * 4];
-        for (v, out) in values.iter().zip(bytes.chunks_exact_mut(4)) {
+        for (v, out) in values.iter().zip(body.chunks_exact_mut(4)) {
             out.copy_from_slice(&v.to_le_bytes());
         }
-        bytes
-    };
-    RingMessage {
-        round,
-        attempt,
-        members: ring.digest,
-        hop,
-        values: ByteBuf::from(bytes),
-        step: ring.step,
-        bf16: ring.compact,
+        tail.copy_from_slice(&last.to_le_bytes());
     }
+    bytes
 }
 
 /// Digest of a sorted member list, and of whether the attempt carries the state.

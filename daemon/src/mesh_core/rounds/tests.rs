@@ -50,23 +50,26 @@ fn bf16_rounding_matches_half_and_round_trips() {
         }
     }
     let values: Vec<f32> = (0..1001).map(|i| (i as f32 - 500.0) * 0.0137).collect();
-    let mut r = super::Ring {
-        digest: 0,
-        members: vec![PeerId::random(), PeerId::random()],
-        me: 0,
-        acc: values.clone(),
-        carries_state: false,
-        compact: true,
-        step: 0,
-        next_hop: 0,
-        last_progress: Instant::now(),
-        predecessor_went_on: None,
-        left_done: Vec::new(),
+    let members = vec![PeerId::random(), PeerId::random()];
+    let r = super::Ring::new(
+        members,
+        0,
+        values,
+        1.0,
+        None,
+        false,
+        true,
+        0,
+        Instant::now(),
+    );
+    let [(_, msg)] = &r.part_messages(0, 0)[..] else {
+        panic!("one part for the other member");
     };
-    let msg = hop_message(0, 0, &mut r, 0);
     let sent = decode_values(&msg.values, true).expect("whole values");
-    assert_eq!(sent.len(), r.sent_range(0).len());
-    assert_eq!(&sent[..], &r.acc[r.sent_range(0)]);
+    // A direct ring's part is the whole contribution, then the weight.
+    assert_eq!(sent.len(), r.acc.len() + 1);
+    assert_eq!(&sent[..r.acc.len()], &r.acc[..]);
+    assert_eq!(sent[r.acc.len()], 1.0);
     assert!(all_finite(&sent));
     assert!(!all_finite(&[1.0, f32::NAN, 2.0]));
     assert!(decode_values(&[1, 2, 3], true).is_none());
@@ -83,6 +86,38 @@ struct Ring {
     /// The members' step each node's last `Combine` handed it.
     mean_steps: Vec<Option<u64>>,
     offences: usize,
+    /// Offences, by the member blamed.
+    blamed: Vec<usize>,
+    /// A hostile member and what it does to each hop it sends (given the receiver's index).
+    rogue: Option<(usize, Rogue)>,
+}
+
+/// What a hostile member does to a hop it sends to member `to`.
+type Rogue = Box<dyn Fn(&mut RingMessage, usize)>;
+
+/// Rewrites each value of a hop (and leaves its last one, the weight, alone).
+fn each_value(msg: &mut RingMessage, f: impl Fn(f32) -> f32) {
+    let mut values = decode_values(&msg.values, msg.bf16).expect("whole values");
+    let n = values.len() - 1;
+    values[..n].iter_mut().for_each(|v| *v = f(*v));
+    msg.values = ByteBuf::from(
+        values
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    );
+}
+
+/// Sets a hop's last value: a part's weight, an aggregate's weight total.
+fn set_weight(msg: &mut RingMessage, w: f32) {
+    let mut values = decode_values(&msg.values, msg.bf16).expect("whole values");
+    *values.last_mut().expect("a weight") = w;
+    msg.values = ByteBuf::from(
+        values
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    );
 }
 
 impl Ring {
@@ -112,8 +147,13 @@ impl Ring {
                 )
             })
             .collect();
+        // Members' parameters as after a round's steps: one model, apart by a little each.
         let params = (0..n)
-            .map(|i| (0..10).map(|j| (i * 10 + j) as f32 * 0.37).collect())
+            .map(|i| {
+                (0..10)
+                    .map(|j| 1.0 + (j as f32 * 0.37).sin() + 0.03 * i as f32)
+                    .collect()
+            })
             .collect();
         Ring {
             ids,
@@ -123,6 +163,8 @@ impl Ring {
             means: vec![None; n],
             mean_steps: vec![None; n],
             offences: 0,
+            blamed: Vec::new(),
+            rogue: None,
         }
     }
 
@@ -199,14 +241,23 @@ impl Ring {
                     self.means[i] = Some(mean);
                     self.mean_steps[i] = step;
                 }
-                Output::SendRing { peer, msg } => {
+                Output::SendRing { peer, mut msg } => {
                     let j = self.ids.iter().position(|p| *p == peer).expect("peer");
+                    if let Some((r, rogue)) = &self.rogue {
+                        if *r == i {
+                            rogue(&mut msg, j);
+                        }
+                    }
                     if alive[j] {
                         self.nodes[j].message(self.ids[i], msg, now, &mut out);
                         queue.extend(out.drain(..).map(|o| (j, o)));
                     }
                 }
-                Output::Offence { .. } => self.offences += 1,
+                Output::Offence { peer, .. } => {
+                    self.offences += 1;
+                    self.blamed
+                        .push(self.ids.iter().position(|p| *p == peer).expect("member"));
+                }
                 _ => {}
             }
             queue.extend(out.into_iter().map(|o| (i, o)));
@@ -243,7 +294,7 @@ fn every_member_ends_a_round_with_the_same_bits_of_the_weighted_mean() {
                 "{got} vs {want}"
             );
         }
-        // Each member sent 2(N-1)/N of the model (and the weight), no more.
+        // Each member sent 2(N-1)/N of the model (and a weight with each hop), no more.
         let per_member = ring.nodes[0].status().bytes_sent as f64;
         let model = 11.0 * 4.0;
         let optimal = 2.0 * (n as f64 - 1.0) / n as f64 * model;
@@ -255,11 +306,13 @@ fn every_member_ends_a_round_with_the_same_bits_of_the_weighted_mean() {
     }
 }
 
-/// A member that puts more weight into the sum than any member has (here 5, where each
-/// weighs at most 1) shrinks the mean towards zero, by an amount a distance judge may admit:
-/// every member refuses the round instead of taking it; honest weights pass the same bound.
+/// A member that claims more weight than any member has (here 5, where each weighs at most
+/// one) would shrink the mean towards zero, by an amount a distance judge may admit: its parts
+/// are refused by their owners (an offence each) and count for nothing, and its aggregate,
+/// whose total is past the ring's weights, is refused by every member (an offence, and the
+/// attempt aborts); honest weights pass the same bounds.
 #[test]
-fn a_round_whose_weight_total_is_past_its_members_weights_is_refused() {
+fn a_weight_past_what_a_member_weighs_is_refused() {
     for (weights, refused) in [([1.0, 1.0, 5.0], true), ([1.0; 3], false)] {
         let mut ring = Ring::new(3, &weights, &[true; 3]);
         for node in &mut ring.nodes {
@@ -268,15 +321,22 @@ fn a_round_whose_weight_total_is_past_its_members_weights_is_refused() {
         let now = Instant::now();
         ring.hear_all(now);
         ring.run(now, &[true; 3]);
-        for (i, node) in ring.nodes.iter().enumerate() {
-            let aborted = node
-                .status()
+        for (i, node) in ring.nodes.iter().enumerate().take(2) {
+            let st = node.status();
+            let aborted = st
                 .aborted
                 .get("weight total past the members' weights")
                 .copied();
             assert_eq!(ring.means[i].is_none(), refused, "{weights:?}: node {i}");
             assert_eq!(aborted, refused.then_some(1), "{weights:?}: node {i}");
+            assert_eq!(
+                st.parts_refused,
+                u64::from(refused),
+                "{weights:?}: node {i}"
+            );
         }
+        // Two owners refused its part, two members its aggregate.
+        assert_eq!(ring.offences, if refused { 4 } else { 0 });
     }
 }
 
@@ -387,8 +447,8 @@ fn gradient_rounds_of(n: usize) {
                 let sum = bf(ring.params[0][j]) + bf(ring.params[1][j]);
                 assert_eq!(got * 2.0, sum);
             } else if gradient {
-                // Each sum went through bf16 on its way round the ring.
-                assert_eq!(bf(got * n as f32), got * n as f32);
+                // Each chunk's aggregate went through bf16 on its way to the members.
+                assert_eq!(bf(*got), *got);
             }
         }
         // The trainers take the means; the next round is asked for at once, by kind.
@@ -414,15 +474,22 @@ fn gradient_rounds_of(n: usize) {
         ring.carry(queue, now, &alive);
     }
     assert_eq!(ring.offences, 0);
-    // Each member sent 2(N-1)/N of the model per round: for two, one whole contribution
-    // each way (the gradient rounds in bf16, half the bytes).
-    let model = 11.0 * 4.0;
-    let per_round = 2.0 * (n as f64 - 1.0) / n as f64 * model;
+    // Each member sent 2(N-1)/N of the model per round, with a weight in each of its
+    // 2(N-1) hops: for two in gradient rounds, one whole contribution each way (in bf16,
+    // half the bytes).
+    let model = 10.0 * 4.0;
+    let per_round = |n: f64, hops: f64| 2.0 * (n - 1.0) / n * model + hops * 4.0;
+    let gradient_round = if n == 2 {
+        per_round(2.0, 1.0) / 2.0
+    } else {
+        per_round(n as f64, 2.0 * (n as f64 - 1.0)) / 2.0
+    };
     let sent = ring.nodes[0].status().bytes_sent as f64;
     // Rounds 0 and 3 of parameters in f32, rounds 1, 2 and 4 of gradients in bf16.
-    let want = 2.0 * per_round + 3.0 * per_round / 2.0;
+    let want = 2.0 * per_round(n as f64, 2.0 * (n as f64 - 1.0)) + 3.0 * gradient_round;
+    // Chunks of 10 values among 3 are uneven: 4 of them at most, a value apart.
     assert!(
-        (sent - want).abs() <= 8.0 * n as f64,
+        (sent - want).abs() <= 5.0 * 4.0 * (n - 1) as f64,
         "n = {n}: {sent} vs {want}"
     );
 }
@@ -645,8 +712,7 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
     );
     // ... while the mesh went on: node 1 is at round 3 and sends it its first hop.
     let (sorted, digest) = ring.sorted();
-    let sender_index = sorted.iter().position(|p| *p == ring.ids[1]).expect("in");
-    let len = if sender_index == 0 { 5 } else { 6 };
+    let _ = sorted;
     let msg = RingMessage {
         step: 0,
         bf16: false,
@@ -654,7 +720,7 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
         attempt: 2,
         members: digest,
         hop: 0,
-        values: ByteBuf::from(0.5f32.to_le_bytes().repeat(len)),
+        values: ByteBuf::from(0.5f32.to_le_bytes().repeat(6)),
     };
     let mut out = Vec::new();
     // Its heartbeat says so too: the only other member is past node 0's round.
@@ -672,8 +738,9 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
         .collect();
     assert!(!sent.is_empty(), "{out:?}");
     assert!(sent.iter().all(|m| m.round == 3 && m.attempt == 2));
-    let own = sent.iter().find(|m| m.hop == 0).expect("its own first hop");
-    assert!(own.values.iter().all(|b| *b == 0), "weight 0: zeros");
+    let own = sent.iter().find(|m| m.hop == 0).expect("its own part");
+    let values = decode_values(&own.values, false).expect("values");
+    assert_eq!(values.last(), Some(&0.0), "weight 0");
 }
 
 /// A hop naming a round, attempt or step no mesh reaches (`u64::MAX` would wrap the round
@@ -724,11 +791,11 @@ fn a_hop_past_any_meshs_round_attempt_or_step_is_an_offence_and_changes_nothing(
     );
 }
 
-/// A hop of the next round (node 1's, to node 0) as the members' list makes it.
+/// Node 1's part of node 0's chunk in a ring of two (five values and the weight), of the next
+/// round, as the members' list makes it.
 fn next_round_hop(ring: &Ring, round: u64) -> RingMessage {
-    let (sorted, digest) = ring.sorted();
-    let sender_index = sorted.iter().position(|p| *p == ring.ids[1]).expect("in");
-    let len = if sender_index == 0 { 5 } else { 6 };
+    let (_, digest) = ring.sorted();
+    let len = 6;
     RingMessage {
         step: 0,
         bf16: false,
@@ -845,9 +912,9 @@ fn a_last_hop_that_never_comes_gives_way_to_the_next_round_soon() {
     let now = Instant::now();
     ring.hear_all(now);
     ring.bring_to_boundary(0, now);
-    // Node 0 had a hop of this attempt (so node 1 may have finished it with node 0)...
-    let (sorted, digest) = ring.sorted();
-    let sender_index = sorted.iter().position(|p| *p == ring.ids[1]).expect("in");
+    // Node 0 had node 1's part of this attempt, so it sent its aggregate (and node 1 may
+    // have finished it with node 0)...
+    let (_, digest) = ring.sorted();
     let msg = RingMessage {
         step: 0,
         bf16: false,
@@ -855,11 +922,7 @@ fn a_last_hop_that_never_comes_gives_way_to_the_next_round_soon() {
         attempt: 0,
         members: digest,
         hop: 0,
-        values: ByteBuf::from(
-            0.5f32
-                .to_le_bytes()
-                .repeat(if sender_index == 0 { 5 } else { 6 }),
-        ),
+        values: ByteBuf::from(0.5f32.to_le_bytes().repeat(6)),
     };
     let mut out = Vec::new();
     ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
@@ -888,28 +951,23 @@ fn a_last_hop_that_comes_after_the_next_rounds_first_still_completes_the_round()
     let now = Instant::now();
     ring.hear_all(now);
     ring.bring_to_boundary(0, now);
-    let (sorted, digest) = ring.sorted();
-    let me = sorted.iter().position(|p| *p == ring.ids[0]).expect("in");
-    let hop = |h: u32, chunk_of: usize| RingMessage {
+    let (_, digest) = ring.sorted();
+    let hop = |h: u32| RingMessage {
         step: 0,
         bf16: false,
         round: 0,
         attempt: 0,
         members: digest,
         hop: h,
-        values: ByteBuf::from(
-            0.5f32
-                .to_le_bytes()
-                .repeat(if chunk_of == 0 { 5 } else { 6 }),
-        ),
+        values: ByteBuf::from(0.5f32.to_le_bytes().repeat(6)),
     };
     let mut out = Vec::new();
-    // Hop 0 brings the sender's chunk (the other one's), hop 1 this node's own, summed.
-    ring.nodes[0].message(ring.ids[1], hop(0, 1 - me), now, &mut out);
+    // Hop 0 brings node 1's part of node 0's chunk, hop 1 node 1's aggregate of its own.
+    ring.nodes[0].message(ring.ids[1], hop(0), now, &mut out);
     let next = next_round_hop(&ring, 1);
     ring.nodes[0].message(ring.ids[1], next, now, &mut out);
     ring.nodes[0].tick(5, true, now + LATE_ROUND_WAIT / 2, &mut out);
-    ring.nodes[0].message(ring.ids[1], hop(1, me), now + LATE_ROUND_WAIT / 2, &mut out);
+    ring.nodes[0].message(ring.ids[1], hop(1), now + LATE_ROUND_WAIT / 2, &mut out);
     let st = ring.nodes[0].status();
     assert!(st.aborted.is_empty(), "{st:?}");
     assert!(
@@ -988,7 +1046,7 @@ fn a_diloco_ring_carries_the_state_only_while_a_member_needs_it() {
     }
     // Parameters, round anchor and outer velocity: three parts of ten values each.
     for (i, p) in ring.params.iter_mut().enumerate() {
-        *p = (0..30).map(|j| (i * 30 + j) as f32 * 0.25).collect();
+        *p = (0..30).map(|j| 8.0 + (i + j) as f32 * 0.25).collect();
     }
     let now = Instant::now();
     assert!(ring.nodes[2].needs_state() && !ring.nodes[0].needs_state());
@@ -1016,7 +1074,12 @@ fn a_diloco_ring_carries_the_state_only_while_a_member_needs_it() {
         .map(|j| (ring.params[0][j] + ring.params[1][j]) / 2.0)
         .collect();
     for (i, mean) in ring.means.iter().enumerate() {
-        assert_eq!(mean.as_deref(), Some(&expected[..]), "node {i}");
+        assert_eq!(
+            mean.as_deref(),
+            Some(&expected[..]),
+            "node {i}: {:?}",
+            ring.nodes[i].status()
+        );
     }
     for i in 0..3 {
         ring.nodes[i].combined(0, 5, format!("d{i}"), &mut Vec::new());
@@ -1145,16 +1208,16 @@ fn the_inbox_keeps_at_most_its_bound_in_values_oldest_out_first() {
     let from = PeerId::random();
     let quarter = INBOX_VALUES / 4;
     for round in 10..15u64 {
-        node.keep((round, 0, 0), (from, 0, vec![0.0; quarter], 0));
+        node.keep((round, 0, 0, from), (0, vec![0.0; quarter], 0));
     }
     let rounds: Vec<u64> = node.inbox.keys().map(|k| k.0).collect();
     assert_eq!(rounds, vec![11, 12, 13, 14]);
-    node.keep((20, 0, 0), (from, 0, vec![0.0; INBOX_VALUES + 1], 0));
-    assert!(!node.inbox.contains_key(&(20, 0, 0)));
+    node.keep((20, 0, 0, from), (0, vec![0.0; INBOX_VALUES + 1], 0));
+    assert!(!node.inbox.contains_key(&(20, 0, 0, from)));
     assert_eq!(node.inbox.len(), 4);
     // Small hops are bounded by count.
     for hop in 0..(INBOX_CAP as u32 + 5) {
-        node.keep((30, 0, hop), (from, 0, vec![0.0; 4], 0));
+        node.keep((30, 0, hop, from), (0, vec![0.0; 4], 0));
     }
     assert_eq!(node.inbox.len(), INBOX_CAP);
 }
@@ -1190,4 +1253,205 @@ fn a_refused_mean_leaves_members_synced_until_they_refused_several_in_a_row() {
             "after {refusals} refusals"
         );
     }
+}
+
+/// The honest members' plain mean (member `rogue` left out), by the parameters they hold.
+fn honest_mean(ring: &Ring, rogue: usize) -> Vec<f32> {
+    let honest: Vec<usize> = (0..ring.ids.len()).filter(|i| *i != rogue).collect();
+    (0..ring.params[0].len())
+        .map(|j| honest.iter().map(|i| ring.params[*i][j]).sum::<f32>() / honest.len() as f32)
+        .collect()
+}
+
+/// The values of the chunk member `i` owns in a parameter ring of all the members.
+fn chunk_owned_by(ring: &Ring, i: usize) -> std::ops::Range<usize> {
+    let (sorted, _) = ring.sorted();
+    let at = sorted
+        .iter()
+        .position(|p| *p == ring.ids[i])
+        .expect("member");
+    let (n, len) = (sorted.len(), ring.params[0].len());
+    (at * len / n)..((at + 1) * len / n)
+}
+
+/// `mean` is `want` outside the rogue's chunk (which the rogue aggregated itself, here
+/// honestly), but for the order of the sums.
+fn equal_outside(mean: &[f32], want: &[f32], rogue: std::ops::Range<usize>) -> bool {
+    (0..mean.len()).all(|j| rogue.contains(&j) || (mean[j] - want[j]).abs() <= 1e-6 * want[j].abs())
+}
+
+fn distance(a: &[f32], b: &[f32]) -> f64 {
+    robust::distance(a, b)
+}
+
+/// One round of 4 members, the rogue (member 3) doing `rogue` to its hops, weights `weights`
+/// (at most `max_weight` each); answers the ring after the round.
+fn round_with_a_rogue(rogue: Rogue, weights: [f32; 4], max_weight: f32) -> Ring {
+    let mut ring = Ring::new(4, &weights, &[true; 4]);
+    for node in &mut ring.nodes {
+        node.cfg.max_weight = max_weight;
+    }
+    ring.rogue = Some((3, rogue));
+    let now = Instant::now();
+    ring.hear_all(now);
+    ring.run(now, &[true; 4]);
+    ring
+}
+
+/// The attack matrix against the rounds' core, one member of four hostile. Poison (its parts
+/// shifted by 1e6) and kill (parts of 1e30): each honest owner refuses its part, an offence,
+/// and the round completes without it: the honest members end bit-identical at the honest
+/// members' plain mean. A hostile aggregate (1e30, or shifted by 1e6): every member refuses
+/// it, an offence each, and the attempt aborts (nothing adopted). A weight past a member's
+/// (5 where members weigh 1): refused as a part, an offence; in `fedavg` (1e9 samples, no
+/// cap): bounded at 4 times the median, so the subtle shift it carries moves the mean less
+/// than the plain mean would.
+#[test]
+fn one_hostile_member_of_four_poisons_no_round() {
+    let honest = [0, 1, 2];
+    for (name, shift) in [("poison", 1e6f32), ("kill", 1e30)] {
+        let ring = round_with_a_rogue(
+            Box::new(move |m, _| {
+                if m.hop == 0 {
+                    each_value(m, |v| v + shift)
+                }
+            }),
+            [1.0; 4],
+            1.0,
+        );
+        let want = honest_mean(&ring, 3);
+        let first = ring.means[0].clone().expect(name);
+        for i in honest {
+            let got = ring.means[i].clone().expect(name);
+            assert_eq!(bits(&got), bits(&first), "{name}: member {i}");
+            assert!(
+                equal_outside(&got, &want, chunk_owned_by(&ring, 3)),
+                "{name}: {got:?} {want:?}"
+            );
+            assert_eq!(
+                ring.nodes[i].status().parts_refused,
+                1,
+                "{name}: member {i}"
+            );
+        }
+        assert_eq!(ring.blamed, vec![3; 3], "{name}");
+    }
+    for (name, f) in [
+        ("aggregate of 1e30", (|_| 1e30) as fn(f32) -> f32),
+        ("aggregate shifted by 1e6", |v| v + 1e6),
+    ] {
+        let ring = round_with_a_rogue(
+            Box::new(move |m, _| {
+                if m.hop == 1 {
+                    each_value(m, f)
+                }
+            }),
+            [1.0; 4],
+            1.0,
+        );
+        for i in honest {
+            assert!(ring.means[i].is_none(), "{name}: member {i} adopted it");
+            let st = ring.nodes[i].status();
+            assert_eq!(
+                st.aborted.get("aggregate refused"),
+                Some(&1),
+                "{name}: {st:?}"
+            );
+        }
+        assert_eq!(ring.blamed, vec![3; 3], "{name}");
+    }
+    // A weight past what a member weighs: refused as a part; the round goes on without it.
+    let ring = round_with_a_rogue(
+        Box::new(|m, _| {
+            if m.hop == 0 {
+                set_weight(m, 5.0)
+            }
+        }),
+        [1.0; 4],
+        1.0,
+    );
+    let want = honest_mean(&ring, 3);
+    for i in honest {
+        let got = ring.means[i].as_ref().expect("a mean");
+        assert!(equal_outside(got, &want, chunk_owned_by(&ring, 3)));
+    }
+    assert_eq!(ring.blamed, vec![3; 3]);
+    // `fedavg`: 1e9 samples against ~600 each, with parameters moved within the distance
+    // bound (by 0.5 a value, some 20 times the honest spread).
+    let shifted = |m: &mut RingMessage, _: usize| {
+        if m.hop == 0 {
+            each_value(m, |v| v + 0.5);
+            set_weight(m, 1e9);
+        }
+    };
+    let ring = round_with_a_rogue(
+        Box::new(shifted),
+        [600.0, 650.0, 700.0, 600.0],
+        f32::INFINITY,
+    );
+    let want = honest_mean(&ring, 3);
+    let got = ring.means[0].clone().expect("a mean");
+    for i in honest {
+        assert_eq!(bits(ring.means[i].as_ref().expect("a mean")), bits(&got));
+    }
+    assert!(
+        ring.blamed.is_empty(),
+        "a large weight is no proof: {:?}",
+        ring.blamed
+    );
+    // The plain weighted mean would sit at the rogue's parameters (1e9 of ~1e9 + 2000); at
+    // the bounded weight (4 x the median, 675) it would still move by 58% of the way there.
+    // CenteredClip moves it less than that.
+    let rogue_at: Vec<f32> = ring.params[3].iter().map(|v| v + 0.5).collect();
+    let plain_moved = distance(&rogue_at, &want);
+    let capped_share = 4.0 * 675.0 / (4.0 * 675.0 + 1950.0);
+    let moved = distance(&got, &want);
+    assert!(
+        moved < capped_share * plain_moved,
+        "moved {moved}; the plain mean {plain_moved}, at the bounded weight {}",
+        capped_share * plain_moved
+    );
+    let clipped: u64 = honest
+        .iter()
+        .map(|i| ring.nodes[*i].status().parts_clipped)
+        .sum();
+    assert!(clipped > 0);
+}
+
+/// A rogue that sends each member a different part, or each member a different aggregate,
+/// within the distance bound: the parts' owners aggregate each chunk once, so the honest
+/// members still end bit-identical; different aggregates leave them apart, by no more than
+/// the shift the rogue's chunk carries, and every one of them judged what it took.
+#[test]
+fn a_rogue_that_tells_each_member_something_else_moves_them_a_bounded_amount() {
+    let ring = round_with_a_rogue(
+        Box::new(|m, to| {
+            if m.hop == 0 {
+                each_value(m, |v| v + 0.3 * to as f32)
+            }
+        }),
+        [1.0; 4],
+        1.0,
+    );
+    let first = ring.means[0].clone().expect("a mean");
+    for i in [1, 2] {
+        assert_eq!(bits(ring.means[i].as_ref().expect("a mean")), bits(&first));
+    }
+    let ring = round_with_a_rogue(
+        Box::new(|m, to| {
+            if m.hop == 1 {
+                each_value(m, |v| v + 0.3 * to as f32)
+            }
+        }),
+        [1.0; 4],
+        1.0,
+    );
+    let means: Vec<Vec<f32>> = (0..3)
+        .map(|i| ring.means[i].clone().expect("a mean"))
+        .collect();
+    assert_ne!(bits(&means[0]), bits(&means[1]));
+    let chunk = chunk_owned_by(&ring, 3);
+    let apart = distance(&means[0], &means[2]);
+    let shift = 0.6 * (chunk.len() as f64).sqrt();
+    assert!(apart <= shift * 1.0001, "{apart} vs {shift}");
 }

@@ -206,6 +206,11 @@ pub struct RoundsReport {
     pub unsynced: u64,
     /// Bytes of ring hops the live nodes sent, summed.
     pub ring_bytes: u64,
+    /// Parts the live nodes' aggregates clipped (beyond the clipping radius of the plain
+    /// mean), summed: where none is, the aggregate is the plain mean.
+    pub clipped: u64,
+    /// Parts the live nodes refused as no honest member's, summed (each an offence).
+    pub refused: u64,
 }
 
 /// A joiner started this long before a simulation's end is expected to have been brought in
@@ -631,6 +636,8 @@ impl Sim {
                 r.unsynced += 1;
             }
             r.ring_bytes += s.bytes_sent;
+            r.clipped += s.parts_clipped;
+            r.refused += s.parts_refused;
         }
         r
     }

@@ -36,6 +36,7 @@ pub mod network;
 pub mod node;
 pub mod policy;
 pub mod prometheus;
+pub mod ring_attack;
 pub mod scoring;
 pub mod status;
 pub mod store;

@@ -31,6 +31,7 @@ use crate::mesh_core::{
     FetchAnswer, Input, MeshCore, Output, Progress, RequestFailed, TrainerEvent,
 };
 use crate::network::{Client, Event};
+use crate::ring_attack::RingAttack;
 use crate::timeline::{self, Lane};
 use crate::trainer::{self, Command, Stats, StepLimit};
 use crate::transfer;
@@ -78,6 +79,8 @@ pub struct MeshActor {
     limit: StepLimit,
     /// Debug throttle: delay before serving each state chunk.
     serve_chunk_delay: Duration,
+    /// Test only (`debug.ring_attack`): what this node does to the round hops it sends.
+    ring_attack: Option<RingAttack>,
     tasks: JoinSet<()>,
     /// The ring hops under way, apart from `tasks`: a stopping node waits for them.
     ring_hops: JoinSet<()>,
@@ -100,6 +103,7 @@ impl MeshActor {
         cache: Arc<Mutex<transfer::Cache>>,
         limit: StepLimit,
         serve_chunk_delay: Duration,
+        ring_attack: Option<RingAttack>,
     ) -> MeshActor {
         let (results_tx, results_rx) = mpsc::channel(RESULT_CAP);
         MeshActor {
@@ -113,6 +117,7 @@ impl MeshActor {
             cache,
             limit,
             serve_chunk_delay,
+            ring_attack,
             tasks: JoinSet::new(),
             ring_hops: JoinSet::new(),
             permits: Arc::new(Semaphore::new(TASK_CAP)),
@@ -350,6 +355,11 @@ impl MeshActor {
             }
             Output::SendRing { peer, msg } => {
                 let (round, attempt) = (msg.round, msg.attempt);
+                // A rogue (test only) may send nothing: then nothing comes back either.
+                let msg = match self.ring_attack {
+                    Some(attack) => attack.apply(msg)?,
+                    None => msg,
+                };
                 let undelivered = Input::RingUndelivered {
                     peer,
                     round,

@@ -16,6 +16,7 @@ mod observe;
 mod partition;
 mod private;
 mod report;
+mod ring_rogue;
 mod rogue;
 mod single_node;
 mod skewed;

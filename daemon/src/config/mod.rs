@@ -291,6 +291,11 @@ impl Config {
         raw.sync.check().map_err(err)?;
         raw.api.check().map_err(err)?;
         raw.network.check().map_err(err)?;
+        if raw.debug.ring_attack.is_some() && !cfg!(debug_assertions) {
+            return Err(err(
+                "debug.ring_attack makes this node a hostile round member, for tests: a release build refuses it".into(),
+            ));
+        }
 
         let config = Config {
             origin: origin.to_string(),

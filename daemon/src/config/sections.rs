@@ -675,4 +675,7 @@ pub struct DebugConfig {
     /// Seconds between Kademlia random walks (0: the default, 30 s), so that a test which
     /// must see walks happen need not wait half a minute for each.
     pub kad_walk_secs: u64,
+    /// Test only: this node sends hostile round hops (`ring_attack::RingAttack`), so a test
+    /// can run a rogue round member as a real process. Release builds refuse it.
+    pub ring_attack: Option<crate::ring_attack::RingAttack>,
 }

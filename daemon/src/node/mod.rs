@@ -711,7 +711,14 @@ fn start_mesh(
         shared.cache.clone(),
         limit,
         Duration::from_millis(config.debug.serve_chunk_delay_ms),
+        config.debug.ring_attack,
     );
+    if let Some(attack) = config.debug.ring_attack {
+        tracing::warn!(
+            ?attack,
+            "debug.ring_attack: this node sends hostile round hops"
+        );
+    }
     let mesh_task = tokio::spawn(mesh.run(net_events, shared.stop_tx.subscribe()));
     if joining {
         tokio::spawn(joiner(shared, members_rx, &config.network).run());

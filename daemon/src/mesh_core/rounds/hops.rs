@@ -208,7 +208,7 @@ impl Rounds {
                     ))
                 } else if weight > 0.0 {
                     ring.judge
-                        .and_then(|j| j.beyond(&values, own))
+                        .beyond(&values, own)
                         .map(|why| format!("a ring part refused: {why}"))
                 } else {
                     None
@@ -236,10 +236,9 @@ impl Rounds {
                     self.abort("weight total past the members' weights", now);
                     return;
                 }
-                if let Some(why) = ring
-                    .judge
-                    .filter(|_| weight > 0.0)
-                    .and_then(|j| j.beyond(&values, own))
+                if let Some(why) = (weight > 0.0)
+                    .then(|| ring.judge.beyond(&values, own))
+                    .flatten()
                 {
                     offence(out, from, format!("a ring aggregate refused: {why}"));
                     self.abort("aggregate refused", now);

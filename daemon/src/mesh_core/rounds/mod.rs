@@ -713,7 +713,9 @@ impl Rounds {
         members.sort();
         let me = members.iter().position(|p| *p == self.me).unwrap_or(0);
         let carries_state = self.carries_state(round, &members);
-        let judged = self.synced && !self.founding && !self.state_unproven;
+        // As the trainer judges the round's result: a synced member by distance from its own
+        // parameters, one whose parameters are not the mesh's by norm alone.
+        let judged = self.synced && !self.founding;
         let gradient = self.cfg.sums_gradients(round);
         let Stage::Reducing {
             contribution,
@@ -731,17 +733,14 @@ impl Rounds {
             contribution.clone()
         };
         // What this member judges the others' parts and aggregates by: what the trainer
-        // judges the round's result by, where its own contribution is the mesh's.
-        let judge = if *weight <= 0.0 {
-            None
-        } else if gradient {
-            Some(Judge::GradientNorm {
-                norm: robust::norm(&acc),
-            })
+        // judges the round's result by.
+        let norm = robust::norm(&acc);
+        let judge = if gradient {
+            Judge::GradientNorm { norm }
+        } else if judged && *weight > 0.0 {
+            Judge::Distance { norm }
         } else {
-            judged.then(|| Judge::Distance {
-                norm: robust::norm(&acc),
-            })
+            Judge::Norm { norm }
         };
         let r = Ring::new(
             members,

@@ -13,7 +13,9 @@ use sha2::{Digest, Sha256};
 
 use super::robust::{distance, norm};
 use super::{BALANCE_SLACK, MAX_SHRINK};
-use crate::sync_guard::{MEAN_GRADIENT_NORM_FACTOR, ROUND_MEAN_MAX_DISTANCE};
+use crate::sync_guard::{
+    MEAN_GRADIENT_NORM_FACTOR, ROUND_MEAN_MAX_DISTANCE, UNSYNCED_MEAN_NORM_FACTOR,
+};
 use crate::wire::RingMessage;
 
 /// The hop that carries a member's part of the receiver's chunk, its weight after it.
@@ -30,6 +32,10 @@ pub(super) enum Judge {
     /// mean's bound (`ROUND_MEAN_MAX_DISTANCE` of the norm of its whole contribution) alone
     /// puts the mean beyond that bound.
     Distance { norm: f64 },
+    /// Parameters that are not the mesh's (a joiner's, an unsynced or founding member's): a
+    /// chunk longer than `UNSYNCED_MEAN_NORM_FACTOR` times this member's whole contribution
+    /// alone puts the mean beyond the norm bound it is judged by.
+    Norm { norm: f64 },
     /// A gradient: a chunk longer than `MEAN_GRADIENT_NORM_FACTOR` times this member's whole
     /// gradient alone puts the mean gradient beyond that bound.
     GradientNorm { norm: f64 },
@@ -45,6 +51,14 @@ impl Judge {
                 (d > ROUND_MEAN_MAX_DISTANCE * norm).then(|| {
                     format!(
                         "a chunk at distance {d:.3e}, beyond {ROUND_MEAN_MAX_DISTANCE} x the norm of this member's parameters ({norm:.3e})"
+                    )
+                })
+            }
+            Judge::Norm { norm: own_norm } => {
+                let n = norm(values);
+                (n > UNSYNCED_MEAN_NORM_FACTOR * own_norm.max(f64::MIN_POSITIVE)).then(|| {
+                    format!(
+                        "a chunk of norm {n:.3e}, beyond {UNSYNCED_MEAN_NORM_FACTOR} x this member's parameters ({own_norm:.3e})"
                     )
                 })
             }
@@ -71,9 +85,8 @@ pub(super) struct Ring {
     pub(super) acc: Vec<f32>,
     /// This member's weight in the mean.
     pub(super) weight: f32,
-    /// Whether, and by what, this member judges the parts and aggregates it gets (a member
-    /// whose contribution is not the mesh's judges nothing).
-    pub(super) judge: Option<Judge>,
+    /// What this member judges the parts and aggregates it gets by.
+    pub(super) judge: Judge,
     /// They carry the members' round anchor and outer velocity besides the parameters
     /// (`diloco`, when a member needs them); the member digest says so, so that members that
     /// disagree on it abort, as with different lists.
@@ -107,7 +120,7 @@ impl Ring {
         me: usize,
         mut acc: Vec<f32>,
         weight: f32,
-        judge: Option<Judge>,
+        judge: Judge,
         carries_state: bool,
         compact: bool,
         step: u64,

@@ -56,7 +56,7 @@ fn bf16_rounding_matches_half_and_round_trips() {
         0,
         values,
         1.0,
-        None,
+        Judge::GradientNorm { norm: 1.0 },
         false,
         true,
         0,
@@ -1454,4 +1454,29 @@ fn a_rogue_that_tells_each_member_something_else_moves_them_a_bounded_amount() {
     let apart = distance(&means[0], &means[2]);
     let shift = 0.6 * (chunk.len() as f64).sqrt();
     assert!(apart <= shift * 1.0001, "{apart} vs {shift}");
+}
+
+/// A member whose parameters are not the mesh's (a joiner, at weight 0) judges by norm alone,
+/// as its trainer would: an aggregate of 1e30 is refused there too, an offence of its owner,
+/// and never reaches the trainer (a rogue in `diloco` kept honest members that had taken a
+/// later round unsynced, and so unjudged, refusing its 1e30 means in the trainer, unpunished,
+/// for good).
+#[test]
+fn a_member_that_is_not_synced_refuses_a_huge_aggregate_too() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[false, true, true, true]);
+    ring.rogue = Some((
+        3,
+        Box::new(|m: &mut RingMessage, _| {
+            if m.hop == 1 {
+                each_value(m, |_| 1e30)
+            }
+        }),
+    ));
+    let now = Instant::now();
+    ring.hear_all(now);
+    ring.run(now, &[true; 4]);
+    assert!(ring.means.iter().take(3).all(Option::is_none));
+    let st = ring.nodes[0].status();
+    assert_eq!(st.aborted.get("aggregate refused"), Some(&1), "{st:?}");
+    assert_eq!(ring.blamed, vec![3; 3]);
 }

@@ -1,0 +1,123 @@
+//! A test-only switch (`debug.ring_attack`) that makes a node a hostile member of the
+//! synchronous modes' rounds: what it does to every round hop it sends. Everything else about
+//! the node stays honest (it heartbeats, trains and takes hops), so a test can run a rogue
+//! member as a real process beside honest ones. Only builds with debug assertions (the
+//! integration tests' binary) take it; a release build refuses a config that sets it.
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+use crate::wire::RingMessage;
+
+/// What a rogue member does to the round hops it sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RingAttack {
+    /// Every value it sends (its parts and its aggregate) shifted by 1e6.
+    Poison,
+    /// Every value it sends set to 1e30: a finite mean that would make every member diverge.
+    Kill,
+    /// Its parts claim a weight of 1e9 (in `fedavg`, a sample count nothing proves).
+    Weight,
+    /// It takes every hop and sends none: each attempt with it stalls.
+    Stall,
+    /// Its hops name a round 1,000 past the one they belong to.
+    Hijack,
+}
+
+impl RingAttack {
+    /// The hop to send instead of `msg`; `None` to send nothing.
+    pub fn apply(self, mut msg: RingMessage) -> Option<RingMessage> {
+        match self {
+            RingAttack::Stall => return None,
+            RingAttack::Hijack => msg.round = msg.round.saturating_add(1000),
+            RingAttack::Poison => rewrite(&mut msg, |values| {
+                let n = values.len().saturating_sub(1);
+                values[..n].iter_mut().for_each(|v| *v += 1e6);
+            }),
+            RingAttack::Kill => rewrite(&mut msg, |values| {
+                let n = values.len().saturating_sub(1);
+                values[..n].iter_mut().for_each(|v| *v = 1e30);
+            }),
+            RingAttack::Weight => {
+                if msg.hop == 0 {
+                    rewrite(&mut msg, |values| {
+                        if let Some(w) = values.last_mut() {
+                            *w = 1e9;
+                        }
+                    })
+                }
+            }
+        }
+        Some(msg)
+    }
+}
+
+/// Decodes a hop's values (the weight last), rewrites them, encodes them back as they came.
+fn rewrite(msg: &mut RingMessage, f: impl FnOnce(&mut Vec<f32>)) {
+    let width = if msg.bf16 { 2 } else { 4 };
+    let mut values: Vec<f32> = msg
+        .values
+        .chunks_exact(width)
+        .map(|b| match b {
+            [a, b] => half::bf16::from_le_bytes([*a, *b]).to_f32(),
+            [a, b, c, d] => f32::from_le_bytes([*a, *b, *c, *d]),
+            _ => 0.0,
+        })
+        .collect();
+    f(&mut values);
+    let bytes: Vec<u8> = if msg.bf16 {
+        values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect()
+    } else {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    };
+    msg.values = ByteBuf::from(bytes);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hop(hop: u32, values: &[f32]) -> RingMessage {
+        RingMessage {
+            round: 3,
+            attempt: 0,
+            members: 7,
+            hop,
+            values: ByteBuf::from(
+                values
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            ),
+            step: 10,
+            bf16: false,
+        }
+    }
+
+    fn values(msg: &RingMessage) -> Vec<f32> {
+        msg.values
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    #[test]
+    fn each_attack_does_what_it_says_to_a_hop() {
+        let honest = hop(0, &[1.0, 2.0, 1.0]);
+        let poisoned = RingAttack::Poison.apply(honest.clone()).expect("sent");
+        assert_eq!(values(&poisoned), vec![1e6 + 1.0, 1e6 + 2.0, 1.0]);
+        let killed = RingAttack::Kill.apply(honest.clone()).expect("sent");
+        assert_eq!(values(&killed), vec![1e30, 1e30, 1.0]);
+        let heavy = RingAttack::Weight.apply(honest.clone()).expect("sent");
+        assert_eq!(values(&heavy), vec![1.0, 2.0, 1e9]);
+        let aggregate = RingAttack::Weight.apply(hop(1, &[1.0, 3.0])).expect("sent");
+        assert_eq!(values(&aggregate), vec![1.0, 3.0]);
+        assert!(RingAttack::Stall.apply(honest.clone()).is_none());
+        let hijack = RingAttack::Hijack.apply(honest).expect("sent");
+        assert_eq!(hijack.round, 1003);
+    }
+}

@@ -1,0 +1,160 @@
+//! One hostile member among four in a synchronous mode, as a real process: a node of the test
+//! binary whose `debug.ring_attack` makes every round hop it sends hostile (its training,
+//! heartbeats and the hops it takes stay honest). One test per attack, the mode rotated. Each
+//! asserts that no honest process exits, that the honest members go on completing rounds
+//! (counted) with bit-identical parameters, and, for an attack that can be proven, that every
+//! honest member banned the rogue with the reason in status. A claimed weight is no proof: it
+//! is bounded, and the rogue stays a member.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::mesh::{config, listen_addr, start};
+use crate::modes::assert_identical;
+
+/// Node `k`'s config of `mode`: its own third of the digits, evaluated every 100 steps;
+/// `debug` lines go into the `[debug]` table.
+fn member_config(dir: &Path, name: &str, mode: &str, k: usize, debug: &str) -> PathBuf {
+    config(
+        dir,
+        &format!("{name}.toml"),
+        &[
+            ("threads = 1", &format!("threads = 1\nshard = \"{k}/3\"")),
+            ("eval_every = 500", "eval_every = 100"),
+        ],
+        &format!("{debug}\n[sync]\nmode = \"{mode}\"\n"),
+    )
+}
+
+fn rounds(s: &Value) -> &Value {
+    &s["rounds"]
+}
+
+fn completed(s: &Value) -> u64 {
+    rounds(s)["completed"].as_u64().unwrap_or(0)
+}
+
+/// The ban of `peer` in `s`, if there is one.
+fn ban_of<'a>(s: &'a Value, peer: &str) -> Option<&'a Value> {
+    s["banned_peers"]
+        .as_array()?
+        .iter()
+        .find(|b| b["peer_id"] == peer)
+}
+
+/// Three honest members of `mode` and a rogue doing `attack`; when `proven`, every honest
+/// member bans the rogue, and the three go on without it; otherwise the four go on together.
+fn one_rogue_among_four(mode: &str, attack: &str, proven: bool) {
+    let _cores = crate::harness::cpu_sensitive();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let honest_cfg: Vec<PathBuf> = (0..3)
+        .map(|k| member_config(tmp.path(), &format!("h{k}"), mode, k, ""))
+        .collect();
+    let rogue_cfg = member_config(
+        tmp.path(),
+        "rogue",
+        mode,
+        0,
+        &format!("ring_attack = \"{attack}\"\n"),
+    );
+    let a = start(tmp.path(), "a", &honest_cfg[0], None, &[]);
+    let addr = listen_addr(&a);
+    let b = start(tmp.path(), "b", &honest_cfg[1], Some(&addr), &[]);
+    let c = start(tmp.path(), "c", &honest_cfg[2], Some(&addr), &[]);
+    let honest = [&a, &b, &c];
+    for n in honest {
+        n.wait_status("rounds of three", Duration::from_secs(90), |s| {
+            rounds(s)["ring_size"].as_u64() == Some(3) && completed(s) > 5
+        });
+    }
+    let rogue = start(tmp.path(), "rogue", &rogue_cfg, Some(&addr), &[]);
+    let rogue_id = rogue.status().expect("the rogue's status")["peer_id"]
+        .as_str()
+        .expect("peer id")
+        .to_string();
+    let joined = Instant::now();
+    let before: Vec<u64> = honest
+        .iter()
+        .map(|n| completed(&n.status().expect("status")))
+        .collect();
+    if proven {
+        for (n, done) in honest.iter().zip(&before) {
+            let s = n.wait_status("the rogue banned", Duration::from_secs(60), |s| {
+                ban_of(s, &rogue_id).is_some()
+            });
+            let ban = ban_of(&s, &rogue_id).expect("ban");
+            eprintln!(
+                "{mode}/{attack}: banned {:.1} s after the rogue started, {} rounds completed since; {ban}",
+                joined.elapsed().as_secs_f64(),
+                completed(&s).saturating_sub(*done),
+            );
+            let reason = ban["reason"].as_str().unwrap_or("");
+            assert!(reason.contains("ring"), "{ban}");
+        }
+    } else {
+        for n in honest {
+            n.wait_status("rounds of four", Duration::from_secs(60), |s| {
+                rounds(s)["ring_size"].as_u64() == Some(4)
+            });
+        }
+    }
+    // The honest members go on completing rounds, in a ring without the rogue where it is
+    // banned, with it where it is not.
+    let ring = if proven { 3 } else { 4 };
+    let at: Vec<u64> = honest
+        .iter()
+        .map(|n| completed(&n.status().expect("status")))
+        .collect();
+    for (n, done) in honest.iter().zip(&at) {
+        n.wait_status("rounds after the attack", Duration::from_secs(60), |s| {
+            completed(s) >= done + 10 && rounds(s)["ring_size"].as_u64() == Some(ring)
+        });
+    }
+    assert_identical(&honest);
+    for n in honest {
+        let s = n.status().expect("an honest member answers");
+        eprintln!(
+            "{mode}/{attack}: {} rounds, aborted {}, parts refused {}, clipped {}, accuracy {}",
+            completed(&s),
+            rounds(&s)["aborted"],
+            rounds(&s)["parts_refused"],
+            rounds(&s)["parts_clipped"],
+            s["eval"]["accuracy"],
+        );
+        // No honest member was blamed by another.
+        for p in s["peers"]["list"].as_array().into_iter().flatten() {
+            if p["peer_id"] != rogue_id.as_str() {
+                assert_eq!(p["offences"].as_u64().unwrap_or(0), 0, "{p}");
+            }
+        }
+        assert!(s["banned_peers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .all(|b| b["peer_id"] == rogue_id.as_str()));
+    }
+    drop(rogue);
+}
+
+/// `allreduce`, a rogue whose parts and aggregates are shifted by 1e6: its parts count for
+/// nothing, its aggregates are refused, it is banned, and the three go on.
+#[test]
+fn allreduce_bans_a_member_that_poisons_its_hops() {
+    one_rogue_among_four("allreduce", "poison", true);
+}
+
+/// `diloco`, a rogue whose hops carry 1e30 (a mean that would make every member diverge):
+/// refused, banned, and no honest process exits.
+#[test]
+fn diloco_bans_a_member_whose_hops_would_kill_the_mesh() {
+    one_rogue_among_four("diloco", "kill", true);
+}
+
+/// `fedavg`, a rogue that claims 1e9 samples: bounded at four times the median member's
+/// weight; no proof, no ban; the four go on with bit-identical parameters among the honest.
+#[test]
+fn fedavg_bounds_a_member_that_claims_a_huge_weight() {
+    one_rogue_among_four("fedavg", "weight", false);
+}

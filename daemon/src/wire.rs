@@ -64,7 +64,10 @@ impl RunTopicNames {
 /// Version 4: heartbeats say whether their node needs the members' round start and velocity
 /// (`diloco`), and a diloco ring may carry them beside the parameters; an older node would
 /// digest such a ring's members differently and abort every round.
-pub const WIRE_VERSION: u32 = 4;
+/// Version 5: rounds run as a butterfly all-reduce (hop 0 a member's part of the receiver's
+/// chunk, hop 1 the sender's aggregate of its own chunk, each with a weight after the
+/// values): an older node's hops would be refused as out of turn or of the wrong size.
+pub const WIRE_VERSION: u32 = 5;
 
 /// Largest request on the bulk channel: a ring message carries one chunk of a model (a share
 /// of its parameters), so requests may be as large as responses.
@@ -100,8 +103,8 @@ pub enum BulkRequest {
     Ring(RingMessage),
 }
 
-/// One hop of a round's ring all-reduce: a chunk of the sender's running sums (reduce-scatter)
-/// or of the finished sums (all-gather). See `mesh_core::rounds`.
+/// One hop of a round's butterfly all-reduce: the sender's part of the receiver's chunk, or the
+/// sender's aggregate of its own chunk. See `mesh_core::rounds`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RingMessage {
     /// The round (rounds completed before it, mesh-wide).
@@ -111,9 +114,10 @@ pub struct RingMessage {
     /// Digest of the sorted member list the sender built its ring from: members whose lists
     /// differ cannot combine, and abort.
     pub members: u64,
-    /// The hop, `0..2(N-1)`: the first `N-1` reduce, the rest gather.
+    /// The hop: 0 a part (the values, then the sender's weight), 1 an aggregate (the values,
+    /// then the weight total of the parts it aggregated).
     pub hop: u32,
-    /// The chunk's values, little-endian `f32`.
+    /// The chunk's values and the weight after them, little-endian `f32` (or bf16).
     pub values: ByteBuf,
     /// The highest trainer step among the contributions the sender has seen this round: a
     /// node that was not synced takes the members' step with their mean (0 from a sender
@@ -309,7 +313,7 @@ mod tests {
     fn bulk_protocol_name_carries_the_wire_version() {
         // Peers negotiate exactly this name: one of another wire version is not spoken to.
         assert_eq!(bulk_protocol(), format!("/p2ptrain/bulk/{WIRE_VERSION}"));
-        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/4");
+        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/5");
     }
 
     #[test]

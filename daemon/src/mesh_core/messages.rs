@@ -312,7 +312,7 @@ pub enum Output {
     RequestParams(PeerId),
     /// Send a ring hop; if it cannot be delivered, report [`Input::RingUndelivered`].
     SendRing {
-        /// The successor in the ring.
+        /// The member it goes to.
         peer: PeerId,
         /// The hop.
         msg: RingMessage,

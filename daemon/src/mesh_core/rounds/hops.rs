@@ -12,7 +12,7 @@ use super::ring::{all_finite, decode_values, AGGREGATE, PART};
 use super::robust::aggregate;
 use super::{
     Hop, HopKey, Output, Rounds, Stage, ATTEMPT_LIMIT, INBOX_CAP, INBOX_VALUES, ROUND_LIMIT,
-    STEP_LIMIT,
+    STEP_LIMIT, WEIGHT_LIMIT,
 };
 use crate::wire::RingMessage;
 
@@ -158,7 +158,7 @@ impl Rounds {
             .filter(|(r, a, _, _)| *r == round && *a == attempt)
             .copied()
             .collect();
-        let max_weight = self.cfg.max_weight;
+        let max_weight = self.cfg.max_weight.min(WEIGHT_LIMIT);
         for key in keys {
             let Some((digest, mut values, step)) = self.inbox.remove(&key) else {
                 continue;
@@ -201,6 +201,7 @@ impl Rounds {
             let weight = values.pop().unwrap_or(0.0);
             let own = &ring.acc[expected.clone()];
             if hop == PART {
+                ring.part_weights[i] = Some(weight);
                 // A part that cannot be honest counts for nothing; the round goes on.
                 let refused = if !(0.0..=max_weight).contains(&weight) {
                     Some(format!(
@@ -214,6 +215,14 @@ impl Rounds {
                     None
                 };
                 let weight = match refused {
+                    // In a direct ring each member aggregates the whole: a part one of them
+                    // refused and the other kept would leave them apart.
+                    Some(why) if ring.direct() => {
+                        offence(out, from, why);
+                        self.parts_refused += 1;
+                        self.abort("part refused", now);
+                        return;
+                    }
                     Some(why) => {
                         offence(out, from, why);
                         self.parts_refused += 1;
@@ -240,8 +249,13 @@ impl Rounds {
                     .then(|| ring.judge.beyond(&values, own))
                     .flatten()
                 {
-                    offence(out, from, format!("a ring aggregate refused: {why}"));
-                    self.abort("aggregate refused", now);
+                    // Its owner is to blame only where it judges as this member does: a
+                    // synced member (its part here weighed something). An unsynced owner
+                    // judges by norm alone, and may have let in what this member would not.
+                    if ring.part_weights[i].is_some_and(|w| w > 0.0) {
+                        offence(out, from, format!("a ring aggregate refused: {why}"));
+                    }
+                    self.aggregate_refused(now);
                     return;
                 }
                 ring.acc[expected].copy_from_slice(&values);
@@ -264,7 +278,7 @@ impl Rounds {
                     None => (&[][..], 0.0),
                 })
                 .collect();
-            let agg = aggregate(&refs, range.len());
+            let agg = aggregate(&refs, range.len(), self.cfg.max_weight.is_infinite());
             if agg.clipped > 0 {
                 tracing::debug!(
                     round,

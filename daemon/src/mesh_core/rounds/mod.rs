@@ -19,7 +19,8 @@
 //! the attempt at once when its connection closes or a hop to it cannot be delivered, and
 //! after [`STALL_TIMEOUT`] without progress otherwise; the retry leaves it out. An attempt that
 //! can no longer finish because its members went on to the next round without this node gives
-//! way at once (it had not sent its aggregate yet, so no member can have finished it) or
+//! way at once (it had not sent its aggregate yet, so no member can have finished it; in a
+//! direct ring of two, whose parts are all there is, it always waits) or
 //! [`LATE_ROUND_WAIT`] after the first hop of the next round from a member it still waits
 //! for (it had sent it); it gives up its weight for that round only when most
 //! members' heartbeats say they are past its own (one member's hop is no proof, see
@@ -97,6 +98,10 @@ const INBOX_CAP: usize = 256;
 /// wire carries. A member waits for a hop or two of the next round; without a bound in bytes
 /// a peer could make it keep 256 hops of 64 MiB each.
 const INBOX_VALUES: usize = 64 * 1024 * 1024;
+/// A weight no member claims honestly (a `fedavg` sample count of a trillion): a part that
+/// claims more is refused. Below it, `fedavg` weights are bounded relative to the others'
+/// ([`robust::WEIGHT_SPREAD`]), and `w * x` stays far from `f32`'s range.
+const WEIGHT_LIMIT: f32 = 1e12;
 /// Rounds no mesh reaches (2^48: 8,900 years at a thousand rounds a second): a hop that names
 /// one cannot be honest, and would make the round counter wrap.
 const ROUND_LIMIT: u64 = 1 << 48;
@@ -453,9 +458,9 @@ impl Rounds {
     /// A member said goodbye at `their_round`, one past the last round whose ring it
     /// completed ([`Rounds::leaving_round`]). If that is past this node's round, it completed
     /// this round (a member stopping at `max_steps` leaves right after its last round, often
-    /// before its successors took their last hops): it sent every hop it had, and waited up
-    /// to the mesh actor's `RING_HOPS_DRAIN` for them to be taken before its goodbye, so its
-    /// going does not abort the attempt, which ends with the hops the others still forward.
+    /// before the others took its last hops): it sent every hop it had, and waited up to the
+    /// mesh actor's `RING_HOPS_DRAIN` for them to be taken before its goodbye, so its going
+    /// does not abort the attempt, which ends with the hops already sent.
     /// (Aborting it left the rest of a `ddp` mesh one round short of `max_steps`, waiting for
     /// the `min_members` it could no longer have.) Where that is not so (it completed the
     /// round in an attempt without this node, or a hop was never taken) the attempt ends as a
@@ -890,13 +895,33 @@ impl Rounds {
     /// as the mesh's: an honest member that drifted far must come back some time.
     pub fn combine_failed(&mut self) {
         if matches!(self.stage, Stage::Combining { .. }) {
-            self.refused_in_a_row += 1;
-            if self.refused_in_a_row >= REFUSALS_BEFORE_UNSYNCED {
-                self.synced = false;
-                self.refused_in_a_row = 0;
-            }
+            self.count_refusal();
             self.stage = Stage::Training;
+            // The retry is a new attempt: a member still in this one (waiting for a late
+            // aggregate) takes this node's new parts as the next attempt's, not as second
+            // parts of this one.
+            self.attempt = self.attempt.saturating_add(1);
             self.abort_counter("trainer failed");
+        }
+    }
+
+    /// An aggregate this member got was beyond the bound it judges by: the attempt is
+    /// aborted. It does not count towards [`REFUSALS_BEFORE_UNSYNCED`]: a rogue owner would
+    /// then make every honest member unsynced (weight 0) in three attempts, under the ban's
+    /// count, and its own parts the next mean. (A member whose own parameters drifted beyond
+    /// the bound, which honest ones do not come near, refuses every owner's aggregate and
+    /// blames them until it restores or rejoins.)
+    pub(super) fn aggregate_refused(&mut self, now: Instant) {
+        self.abort("aggregate refused", now);
+    }
+
+    /// One more mean refused in a row; after [`REFUSALS_BEFORE_UNSYNCED`], this member no
+    /// longer counts its parameters as the mesh's.
+    fn count_refusal(&mut self) {
+        self.refused_in_a_row += 1;
+        if self.refused_in_a_row >= REFUSALS_BEFORE_UNSYNCED {
+            self.synced = false;
+            self.refused_in_a_row = 0;
         }
     }
 

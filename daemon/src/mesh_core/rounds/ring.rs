@@ -42,7 +42,7 @@ pub(super) enum Judge {
 }
 
 impl Judge {
-    /// How `values` (a chunk at `range`) compare with `own` (this member's contribution):
+    /// How `values` (a chunk) compare with `own` (this member's contribution at that chunk):
     /// `None` when within the bound, else why not.
     pub(super) fn beyond(&self, values: &[f32], own: &[f32]) -> Option<String> {
         match *self {
@@ -100,6 +100,10 @@ pub(super) struct Ring {
     /// The members' parts of this member's chunk (of the whole, in a direct ring), by member
     /// index: values and weight (0 for a part refused).
     pub(super) parts: Vec<Option<(Vec<f32>, f32)>>,
+    /// The weights the members' parts of this member's chunk claimed, by member index: a
+    /// member whose part weighed something holds the mesh's parameters, and judges by
+    /// distance as this one does.
+    pub(super) part_weights: Vec<Option<f32>>,
     /// The weight totals of the members' aggregates that came in, by member index (this
     /// member's own once it made it: then it went out, and members may finish the attempt).
     pub(super) totals: Vec<Option<f32>>,
@@ -145,6 +149,7 @@ impl Ring {
             compact,
             step,
             parts: vec![None; n],
+            part_weights: vec![None; n],
             totals: vec![None; n],
             last_progress: now,
             went_on: None,

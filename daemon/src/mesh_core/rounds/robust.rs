@@ -8,9 +8,11 @@
 //! CenteredClip's fixed point and is returned as is: an honest round's result is the plain
 //! mean, bit for bit. Arithmetic only: [`super::Rounds`] decides whose parts count.
 
-/// No weight counts for more than this many times the median of the members' positive
-/// weights: a `fedavg` member claiming a weight of 1e9 weighs 4 times the median member,
-/// and honest members whose data differ in size by more than this lose some of their say.
+/// In `fedavg`, no weight counts for more than this many times the (lower) median of the
+/// members' positive weights: a member claiming a weight of 1e9 weighs 4 times the median
+/// member, and honest members whose data differ in size by more than this lose some of their
+/// say. (Elsewhere weights are bounded by what one member weighs, 1, and a `ddp` member's
+/// smaller share is an honest one: they are left as they are.)
 pub const WEIGHT_SPREAD: f32 = 4.0;
 /// The clipping radius, in medians of the parts' distances from their coordinate-wise
 /// median. A bad part moves the aggregate by at most this radius times its weight's share.
@@ -35,9 +37,10 @@ pub struct Aggregate {
 }
 
 /// The aggregate of `parts` (values of one length, each with its weight; a weight that is not
-/// a positive finite number counts for nothing).
-pub fn aggregate(parts: &[(&[f32], f32)], len: usize) -> Aggregate {
-    let weights = bounded_weights(parts.iter().map(|(_, w)| *w));
+/// a positive finite number counts for nothing); `bound_weights`: weights are claims nothing
+/// proves (`fedavg`), bounded by [`WEIGHT_SPREAD`] times their median.
+pub fn aggregate(parts: &[(&[f32], f32)], len: usize, bound_weights: bool) -> Aggregate {
+    let weights = valid_weights(parts.iter().map(|(_, w)| *w), bound_weights);
     let counted: Vec<(&[f32], f64)> = parts
         .iter()
         .zip(&weights)
@@ -109,22 +112,19 @@ fn clip_radius(parts: &[(&[f32], f64)], start: &[f32]) -> f64 {
     (CLIP_SPREAD * median_of_sorted(&distances)).max(ROUNDING * norm(start))
 }
 
-/// Each weight, or 0 where it is not a positive finite number, bounded by [`WEIGHT_SPREAD`]
-/// times the median of the positive ones.
-fn bounded_weights(weights: impl Iterator<Item = f32>) -> Vec<f32> {
+/// Each weight, or 0 where it is not a positive finite number; with `bound`, none above
+/// [`WEIGHT_SPREAD`] times the lower median of the positive ones (of two, the smaller: one of
+/// two members cannot outweigh the other fourfold).
+fn valid_weights(weights: impl Iterator<Item = f32>, bound: bool) -> Vec<f32> {
     let weights: Vec<f32> = weights
         .map(|w| if w.is_finite() && w > 0.0 { w } else { 0.0 })
         .collect();
-    let mut positive: Vec<f64> = weights
-        .iter()
-        .filter(|w| **w > 0.0)
-        .map(|w| f64::from(*w))
-        .collect();
-    if positive.is_empty() {
+    let mut positive: Vec<f32> = weights.iter().copied().filter(|w| *w > 0.0).collect();
+    if !bound || positive.is_empty() {
         return weights;
     }
-    positive.sort_by(f64::total_cmp);
-    let cap = (f64::from(WEIGHT_SPREAD) * median_of_sorted(&positive)) as f32;
+    positive.sort_by(f32::total_cmp);
+    let cap = WEIGHT_SPREAD * positive[(positive.len() - 1) / 2];
     weights.into_iter().map(|w| w.min(cap)).collect()
 }
 
@@ -215,7 +215,7 @@ mod tests {
     fn equal_parts_aggregate_to_their_plain_mean() {
         let part: Vec<f32> = (0..100).map(|j| (j as f32 * 0.37).sin() + 0.1).collect();
         let refs: Vec<(&[f32], f32)> = vec![(part.as_slice(), 1.0); 3];
-        let got = aggregate(&refs, 100);
+        let got = aggregate(&refs, 100, true);
         assert_eq!(got.clipped, 0);
         assert_eq!(
             got.mean,
@@ -233,7 +233,7 @@ mod tests {
                 .zip(&weights)
                 .map(|(p, w)| (p.as_slice(), *w))
                 .collect();
-            let got = aggregate(&refs, 257);
+            let got = aggregate(&refs, 257, true);
             assert_eq!(got.clipped, 0, "n = {n}");
             assert_eq!(got.total, weights.iter().sum::<f32>());
             let want = plain(&parts, &weights);
@@ -255,7 +255,7 @@ mod tests {
                 let refs: Vec<(&[f32], f32)> = parts.iter().map(|p| (p.as_slice(), 1.0)).collect();
                 let counted: Vec<(&[f32], f64)> = refs.iter().map(|(v, _)| (*v, 1.0)).collect();
                 let radius = clip_radius(&counted, &coordinate_median(&counted, 100));
-                let got = aggregate(&refs, 100);
+                let got = aggregate(&refs, 100, true);
                 assert!(got.clipped >= 1, "n = {n}, {bad}");
                 let moved = distance(&got.mean, &honest_mean);
                 let fixed_point = radius / (n - 1) as f64;
@@ -268,14 +268,19 @@ mod tests {
     }
 
     /// A claimed weight of 1e9 among honest weights of ~600 counts as [`WEIGHT_SPREAD`] times
-    /// the median; weights that are not positive finite numbers count for nothing.
+    /// the lower median (in a ring of two, the other's), where weights are bounded at all;
+    /// weights that are not positive finite numbers count for nothing.
     #[test]
     fn weights_are_bounded_by_a_multiple_of_the_median() {
-        let bounded = bounded_weights([600.0, 700.0, 1e9, 650.0].into_iter());
-        assert_eq!(bounded, vec![600.0, 700.0, 4.0 * 675.0, 650.0]);
-        let odd = bounded_weights([1.0, f32::NAN, -3.0, f32::INFINITY, 0.0].into_iter());
+        let bounded = valid_weights([600.0, 700.0, 1e9, 650.0].into_iter(), true);
+        assert_eq!(bounded, vec![600.0, 700.0, 4.0 * 650.0, 650.0]);
+        let two = valid_weights([600.0, 1e9].into_iter(), true);
+        assert_eq!(two, vec![600.0, 2400.0]);
+        let left = valid_weights([600.0, 1e9].into_iter(), false);
+        assert_eq!(left, vec![600.0, 1e9]);
+        let odd = valid_weights([1.0, f32::NAN, -3.0, f32::INFINITY, 0.0].into_iter(), true);
         assert_eq!(odd, vec![1.0, 0.0, 0.0, 0.0, 0.0]);
-        let none = aggregate(&[(&[1.0, 2.0][..], 0.0), (&[3.0, 4.0][..], 0.0)], 2);
+        let none = aggregate(&[(&[1.0, 2.0][..], 0.0), (&[3.0, 4.0][..], 0.0)], 2, true);
         assert_eq!((none.mean, none.total), (vec![0.0, 0.0], 0.0));
     }
 }

@@ -1480,3 +1480,38 @@ fn a_member_that_is_not_synced_refuses_a_huge_aggregate_too() {
     assert_eq!(st.aborted.get("aggregate refused"), Some(&1), "{st:?}");
     assert_eq!(ring.blamed, vec![3; 3]);
 }
+
+/// In a direct ring of two (`ddp`'s gradient rounds), each member aggregates the whole: a part
+/// one refuses would leave the two apart (one stepping with its own gradient, the other with
+/// the mean), so a refused part aborts the attempt there, an offence of its sender.
+#[test]
+fn a_direct_ring_aborts_on_a_refused_part() {
+    let alive = vec![true; 2];
+    let mut ring = Ring::with_gradients(2, &[1.0; 2], &alive, Some(3));
+    let now = Instant::now();
+    ring.hear_all(now);
+    // Round 0 sums parameters; round 1, a gradient round, is the rogue's.
+    ring.run(now, &alive);
+    assert!(ring.means.iter().all(Option::is_some));
+    ring.rogue = Some((
+        1,
+        Box::new(|m: &mut RingMessage, _| {
+            if m.bf16 {
+                each_value(m, |v| v * 1e6);
+                m.bf16 = false;
+            }
+        }),
+    ));
+    let mut queue = VecDeque::new();
+    for i in 0..2 {
+        let mut out = Vec::new();
+        ring.means[i] = None;
+        ring.nodes[i].combined(0, 1, "d0".into(), &mut out);
+        queue.extend(out.into_iter().map(|o| (i, o)));
+    }
+    ring.carry(queue, now, &alive);
+    assert!(ring.means[0].is_none(), "member 0 took a mean");
+    let st = ring.nodes[0].status();
+    assert_eq!(st.aborted.get("part refused"), Some(&1), "{st:?}");
+    assert_eq!(ring.blamed, vec![1]);
+}

@@ -53,8 +53,9 @@ impl RingAttack {
     }
 }
 
-/// Decodes a hop's values (the weight last), rewrites them, encodes them back as they came.
-fn rewrite(msg: &mut RingMessage, f: impl FnOnce(&mut Vec<f32>)) {
+/// Decodes a hop's values (the weight last), rewrites them, encodes them back as they came
+/// (the rounds' unit tests' rogues use it too).
+pub(crate) fn rewrite(msg: &mut RingMessage, f: impl FnOnce(&mut Vec<f32>)) {
     let width = if msg.bf16 { 2 } else { 4 };
     let mut values: Vec<f32> = msg
         .values

@@ -97,27 +97,19 @@ type Rogue = Box<dyn Fn(&mut RingMessage, usize)>;
 
 /// Rewrites each value of a hop (and leaves its last one, the weight, alone).
 fn each_value(msg: &mut RingMessage, f: impl Fn(f32) -> f32) {
-    let mut values = decode_values(&msg.values, msg.bf16).expect("whole values");
-    let n = values.len() - 1;
-    values[..n].iter_mut().for_each(|v| *v = f(*v));
-    msg.values = ByteBuf::from(
-        values
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect::<Vec<u8>>(),
-    );
+    crate::ring_attack::rewrite(msg, |values| {
+        let n = values.len() - 1;
+        values[..n].iter_mut().for_each(|v| *v = f(*v));
+    });
 }
 
 /// Sets a hop's last value: a part's weight, an aggregate's weight total.
 fn set_weight(msg: &mut RingMessage, w: f32) {
-    let mut values = decode_values(&msg.values, msg.bf16).expect("whole values");
-    *values.last_mut().expect("a weight") = w;
-    msg.values = ByteBuf::from(
-        values
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect::<Vec<u8>>(),
-    );
+    crate::ring_attack::rewrite(msg, |values| {
+        if let Some(last) = values.last_mut() {
+            *last = w;
+        }
+    });
 }
 
 impl Ring {
@@ -1424,28 +1416,20 @@ fn one_hostile_member_of_four_poisons_no_round() {
 /// the shift the rogue's chunk carries, and every one of them judged what it took.
 #[test]
 fn a_rogue_that_tells_each_member_something_else_moves_them_a_bounded_amount() {
-    let ring = round_with_a_rogue(
-        Box::new(|m, to| {
-            if m.hop == 0 {
+    // Shifts hop `hop` by 0.3 times the receiver's index.
+    let tell_each_else = |hop: u32| -> Rogue {
+        Box::new(move |m, to| {
+            if m.hop == hop {
                 each_value(m, |v| v + 0.3 * to as f32)
             }
-        }),
-        [1.0; 4],
-        1.0,
-    );
+        })
+    };
+    let ring = round_with_a_rogue(tell_each_else(0), [1.0; 4], 1.0);
     let first = ring.means[0].clone().expect("a mean");
     for i in [1, 2] {
         assert_eq!(bits(ring.means[i].as_ref().expect("a mean")), bits(&first));
     }
-    let ring = round_with_a_rogue(
-        Box::new(|m, to| {
-            if m.hop == 1 {
-                each_value(m, |v| v + 0.3 * to as f32)
-            }
-        }),
-        [1.0; 4],
-        1.0,
-    );
+    let ring = round_with_a_rogue(tell_each_else(1), [1.0; 4], 1.0);
     let means: Vec<Vec<f32>> = (0..3)
         .map(|i| ring.means[i].clone().expect("a mean"))
         .collect();
@@ -1498,7 +1482,6 @@ fn a_direct_ring_aborts_on_a_refused_part() {
         Box::new(|m: &mut RingMessage, _| {
             if m.bf16 {
                 each_value(m, |v| v * 1e6);
-                m.bf16 = false;
             }
         }),
     ));

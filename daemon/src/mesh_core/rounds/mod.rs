@@ -739,7 +739,7 @@ impl Rounds {
         };
         // What this member judges the others' parts and aggregates by: what the trainer
         // judges the round's result by.
-        let norm = robust::norm(&acc);
+        let norm = p2ptrain_models::params::l2_norm(&acc);
         let judge = if gradient {
             Judge::GradientNorm { norm }
         } else if judged && *weight > 0.0 {

@@ -11,7 +11,9 @@ use libp2p::PeerId;
 use serde_bytes::ByteBuf;
 use sha2::{Digest, Sha256};
 
-use super::robust::{distance, norm};
+use p2ptrain_models::params::l2_norm;
+
+use super::robust::distance;
 use super::{BALANCE_SLACK, MAX_SHRINK};
 use crate::sync_guard::{
     MEAN_GRADIENT_NORM_FACTOR, ROUND_MEAN_MAX_DISTANCE, UNSYNCED_MEAN_NORM_FACTOR,
@@ -55,7 +57,7 @@ impl Judge {
                 })
             }
             Judge::Norm { norm: own_norm } => {
-                let n = norm(values);
+                let n = l2_norm(values);
                 (n > UNSYNCED_MEAN_NORM_FACTOR * own_norm.max(f64::MIN_POSITIVE)).then(|| {
                     format!(
                         "a chunk of norm {n:.3e}, beyond {UNSYNCED_MEAN_NORM_FACTOR} x this member's parameters ({own_norm:.3e})"
@@ -63,7 +65,7 @@ impl Judge {
                 })
             }
             Judge::GradientNorm { norm: own_norm } => {
-                let n = norm(values);
+                let n = l2_norm(values);
                 (n > MEAN_GRADIENT_NORM_FACTOR * own_norm.max(f64::MIN_POSITIVE)).then(|| {
                     format!(
                         "a gradient chunk of norm {n:.3e}, beyond {MEAN_GRADIENT_NORM_FACTOR} x this member's gradient ({own_norm:.3e})"

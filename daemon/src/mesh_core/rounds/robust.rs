@@ -8,6 +8,8 @@
 //! CenteredClip's fixed point and is returned as is: an honest round's result is the plain
 //! mean, bit for bit. Arithmetic only: [`super::Rounds`] decides whose parts count.
 
+use p2ptrain_models::params::l2_norm;
+
 /// In `fedavg`, no weight counts for more than this many times the (lower) median of the
 /// members' positive weights: a member claiming a weight of 1e9 weighs 4 times the median
 /// member, and honest members whose data differ in size by more than this lose some of their
@@ -109,7 +111,7 @@ pub fn aggregate(parts: &[(&[f32], f32)], len: usize, bound_weights: bool) -> Ag
 fn clip_radius(parts: &[(&[f32], f64)], start: &[f32]) -> f64 {
     let mut distances: Vec<f64> = parts.iter().map(|(v, _)| distance(v, start)).collect();
     distances.sort_by(f64::total_cmp);
-    (CLIP_SPREAD * median_of_sorted(&distances)).max(ROUNDING * norm(start))
+    (CLIP_SPREAD * median_of_sorted(&distances)).max(ROUNDING * l2_norm(start))
 }
 
 /// Each weight, or 0 where it is not a positive finite number; with `bound`, none above
@@ -173,11 +175,6 @@ pub(super) fn distance(a: &[f32], b: &[f32]) -> f64 {
         .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
         .sum::<f64>()
         .sqrt()
-}
-
-/// The L2 norm, in `f64`.
-pub(super) fn norm(a: &[f32]) -> f64 {
-    a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt()
 }
 
 #[cfg(test)]

@@ -184,6 +184,19 @@ impl Ring {
         self.nodes[i].params(self.params[i].clone(), 0, now, &mut out);
     }
 
+    /// Every member's trainer took round 0's mean at step 1; answers what that asked for
+    /// (the next round's contribution), to carry.
+    fn combine_round_zero(&mut self) -> VecDeque<(usize, Output)> {
+        let mut queue = VecDeque::new();
+        for i in 0..self.nodes.len() {
+            let mut out = Vec::new();
+            self.means[i] = None;
+            self.nodes[i].combined(0, 1, "d0".into(), &mut out);
+            queue.extend(out.into_iter().map(|o| (i, o)));
+        }
+        queue
+    }
+
     /// The members' sorted list and its digest, as every node builds them.
     fn sorted(&self) -> (Vec<PeerId>, u64) {
         let mut ids = self.ids.clone();
@@ -381,13 +394,7 @@ fn a_balanced_gradient_round_weighs_each_member_by_its_samples() {
     // Round 0 sums parameters; round 1 is the first gradient round.
     ring.run(now, &alive);
     assert!(ring.means.iter().all(Option::is_some));
-    let mut queue = VecDeque::new();
-    for i in 0..2 {
-        let mut out = Vec::new();
-        ring.means[i] = None;
-        ring.nodes[i].combined(0, 1, "d0".into(), &mut out);
-        queue.extend(out.into_iter().map(|o| (i, o)));
-    }
+    let queue = ring.combine_round_zero();
     let asked: Vec<usize> = queue
         .iter()
         .filter_map(|(_, o)| match o {
@@ -1485,13 +1492,7 @@ fn a_direct_ring_aborts_on_a_refused_part() {
             }
         }),
     ));
-    let mut queue = VecDeque::new();
-    for i in 0..2 {
-        let mut out = Vec::new();
-        ring.means[i] = None;
-        ring.nodes[i].combined(0, 1, "d0".into(), &mut out);
-        queue.extend(out.into_iter().map(|o| (i, o)));
-    }
+    let queue = ring.combine_round_zero();
     ring.carry(queue, now, &alive);
     assert!(ring.means[0].is_none(), "member 0 took a mean");
     let st = ring.nodes[0].status();

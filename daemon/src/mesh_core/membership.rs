@@ -150,6 +150,8 @@ pub struct RoundsNews {
     pub round: Option<u64>,
     /// `diloco`: its round anchor and outer velocity are not the members'.
     pub needs_state: bool,
+    /// It sits out of the rounds for a while (`rounds::OUTVOTED_FOR`): not ready for them.
+    pub sitting_out: bool,
 }
 
 impl Membership {
@@ -304,7 +306,7 @@ impl Membership {
     /// What a heartbeat tells the rounds now: ready for them, speed known, state needed.
     fn readiness(&self, progress: &Progress, rounds: RoundsNews) -> (bool, bool, bool) {
         (
-            self.synchronous && progress.phase == Phase::Training,
+            self.synchronous && progress.phase == Phase::Training && !rounds.sitting_out,
             self.synchronous && progress.ms_per_sample.is_some(),
             self.synchronous && rounds.needs_state,
         )
@@ -498,6 +500,7 @@ mod tests {
         RoundsNews {
             round: Some(round),
             needs_state: false,
+            sitting_out: false,
         }
     }
 
@@ -695,6 +698,24 @@ mod tests {
 
     /// A `diloco` node that needs the members' state says so at once, and again when it
     /// no longer does: its ring's layout waits on the word.
+    /// A member that sits out of the rounds says at once that it is not ready, and that it
+    /// is again once it comes back.
+    #[test]
+    fn sitting_out_says_not_ready_at_once() {
+        let t0 = Instant::now();
+        let (mut m, _) = membership(true);
+        let news = |sitting_out| RoundsNews {
+            round: Some(2),
+            sitting_out,
+            ..RoundsNews::default()
+        };
+        assert!(decode(m.tick_heartbeat(t0, &training(0), news(false))).in_rounds);
+        let soon = t0 + Duration::from_millis(10);
+        assert!(!decode(m.tick_heartbeat(soon, &training(0), news(true))).in_rounds);
+        assert!(m.tick_heartbeat(soon, &training(0), news(true)).is_none());
+        assert!(decode(m.tick_heartbeat(soon, &training(0), news(false))).in_rounds);
+    }
+
     #[test]
     fn a_need_for_the_members_state_brings_the_heartbeat_forward() {
         let t0 = Instant::now();
@@ -702,6 +723,7 @@ mod tests {
         let news = |needs_state| RoundsNews {
             round: Some(2),
             needs_state,
+            sitting_out: false,
         };
         assert!(!decode(m.tick_heartbeat(t0, &training(0), news(false))).needs_state);
         let soon = t0 + Duration::from_millis(10);

@@ -295,6 +295,7 @@ impl MeshCore {
                 let news = RoundsNews {
                     round: self.rounds.as_ref().and_then(Rounds::leaving_round),
                     needs_state: false,
+                    sitting_out: false,
                 };
                 out.push(self.membership.leaving_heartbeat(&self.progress, news));
             }
@@ -388,6 +389,7 @@ impl MeshCore {
         let news = RoundsNews {
             round: self.rounds.as_ref().and_then(Rounds::round),
             needs_state: self.rounds.as_ref().is_some_and(Rounds::needs_state),
+            sitting_out: self.rounds.as_ref().is_some_and(|r| r.sitting_out(now)),
         };
         if let Some(beat) = self.membership.tick_heartbeat(now, &self.progress, news) {
             out.push(beat);

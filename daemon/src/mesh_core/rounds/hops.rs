@@ -165,8 +165,13 @@ impl Rounds {
             };
             let (_, _, hop, from) = key;
             if digest != ring.digest {
-                self.abort("member lists differ", now);
-                return;
+                // A hop from a peer this member does not list is no part of its attempt (a
+                // joiner's, before its heartbeat came; a member this one left out); from a
+                // member, the attempt ends once the hops of this member's list are judged.
+                if ring.index_of(&from).is_some() {
+                    ring.other_list(from, digest, now);
+                }
+                continue;
             }
             let Some(i) = ring.index_of(&from).filter(|i| *i != ring.me) else {
                 // The same list leaves the sender out: cannot be honest.
@@ -207,12 +212,15 @@ impl Rounds {
                     Some(format!(
                         "a ring part weighing {weight}, past what a member weighs ({max_weight})"
                     ))
-                } else if weight > 0.0 {
-                    ring.judge
+                } else {
+                    let judge = if weight > 0.0 {
+                        ring.judge
+                    } else {
+                        ring.judge.for_weightless()
+                    };
+                    judge
                         .beyond(&values, own)
                         .map(|why| format!("a ring part refused: {why}"))
-                } else {
-                    None
                 };
                 let weight = match refused {
                     // In a direct ring each member aggregates the whole: a part one of them
@@ -263,6 +271,12 @@ impl Rounds {
             }
             ring.step = ring.step.max(step);
             ring.last_progress = now;
+        }
+        if ring.lists_differ_since.is_some() {
+            if ring.parts_accounted_for() {
+                self.lists_differ(now);
+            }
+            return;
         }
         if ring.totals[ring.me].is_none() && ring.parts_complete() {
             let me = ring.me;

@@ -14,8 +14,9 @@
 //!
 //! No member leads. The ring of an attempt is the sorted list of members each node holds ready
 //! (heard saying so within [`READY_FRESH`]); every hop carries a digest of the sender's list,
-//! and lists that differ abort the attempt, which is retried with the next number after
-//! [`RETRY_PAUSE`] (by then heartbeats have made the lists agree). A member that dies aborts
+//! and lists that differ abort the attempt (once the parts of this node's list are judged,
+//! see [`LISTS_DIFFER_WAIT`]), which is retried with the next number after [`RETRY_PAUSE`]
+//! (by then heartbeats have made the lists agree). A member that dies aborts
 //! the attempt at once when its connection closes or a hop to it cannot be delivered, and
 //! after [`STALL_TIMEOUT`] without progress otherwise; the retry leaves it out. An attempt that
 //! can no longer finish because its members went on to the next round without this node gives
@@ -81,6 +82,24 @@ pub const STALL_TIMEOUT: Duration = Duration::from_secs(20);
 /// connection, so one still missing this long after is not coming (the member finished the
 /// round in an attempt this node left).
 pub const LATE_ROUND_WAIT: Duration = Duration::from_secs(2);
+/// An attempt that got a hop naming another member list waits at most this long for the
+/// parts of its own list's members, to judge them, before it aborts (see
+/// `Ring::lists_differ_since`): the members of one list start an attempt within a tick or
+/// two of each other ([`RETRY_PAUSE`] after the same abort).
+pub const LISTS_DIFFER_WAIT: Duration = Duration::from_millis(500);
+/// A member whose attempts keep failing because most of the others list a peer it left out
+/// (one it banned, or cannot reach: the butterfly needs every member to reach every other)
+/// sits out of the rounds once that has held this long (by then the others would have
+/// dropped a member that died), for [`SIT_OUT`]: it says so in its heartbeats, the others
+/// go on without it, and it comes back as a joiner does (weight 0, the members' mean). The
+/// lists of the rest then agree, and they judge the peer's hops themselves. Without it, one
+/// member that banned a rogue the others still listed stalled every round for as long as
+/// the ban lasted, and the others never got to judge the rogue.
+pub const OUTVOTED_FOR: Duration = READY_FRESH;
+/// How long a member sits out (see [`OUTVOTED_FOR`]) before it tries the rounds again.
+pub const SIT_OUT: Duration = Duration::from_secs(10);
+/// Peers that went away, remembered (for [`OUTVOTED_FOR`]) at most this many.
+const GONE_KEPT: usize = 64;
 /// Pause before an aborted attempt is retried, so the members' lists can settle.
 pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
 /// A node that has no round number yet (it resumed from a checkpoint) and hears no ring for
@@ -265,6 +284,17 @@ pub struct Rounds {
     rounds_heard: Option<Instant>,
     /// Means refused in a row (see [`Rounds::combine_failed`]).
     refused_in_a_row: u32,
+    /// Peers that went away (their connection closed, or a ban closed it), and when: the
+    /// ones other members may still list.
+    gone: HashMap<PeerId, Instant>,
+    /// A peer that most members listed, besides this member's list, in its last attempts, and
+    /// since when ([`OUTVOTED_FOR`]).
+    outvoted: Option<(PeerId, Instant)>,
+    /// Sitting out of the rounds until then ([`SIT_OUT`]).
+    sit_out_until: Option<Instant>,
+    /// Members most others left out of their lists, left out of this node's too until then
+    /// ([`SIT_OUT`]; see [`Rounds::lists_differ`]).
+    left_out: HashMap<PeerId, Instant>,
     /// What status counts; the rest of [`RoundStatus`] is read off the fields above.
     ring_size: usize,
     completed: u64,
@@ -312,6 +342,10 @@ impl Rounds {
             rounds_heard: None,
             ring_size: 0,
             refused_in_a_row: 0,
+            gone: HashMap::new(),
+            outvoted: None,
+            sit_out_until: None,
+            left_out: HashMap::new(),
             completed: 0,
             aborted: BTreeMap::new(),
             last_round_ms: 0.0,
@@ -374,6 +408,7 @@ impl Rounds {
     pub fn heard(&mut self, peer: PeerId, hb: &Heartbeat, now: Instant) {
         if hb.in_rounds {
             self.ready.insert(peer, now);
+            self.gone.remove(&peer);
             if hb.round.is_some() {
                 self.rounds_heard = Some(now);
             }
@@ -445,6 +480,12 @@ impl Rounds {
     /// completed it before it left ([`Rounds::peer_leaving`]).
     pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
         self.ready.remove(&peer);
+        if self.gone.len() >= GONE_KEPT {
+            if let Some(oldest) = self.gone.iter().min_by_key(|(_, at)| **at).map(|(p, _)| *p) {
+                self.gone.remove(&oldest);
+            }
+        }
+        self.gone.insert(peer, now);
         self.speeds.remove(&peer);
         self.needs_state.remove(&peer);
         self.rounds_said.remove(&peer);
@@ -511,6 +552,12 @@ impl Rounds {
                 }) =>
             {
                 self.abort("the mesh went on", now);
+            }
+            Stage::Reducing { ring: Some(r), .. }
+                if r.lists_differ_since
+                    .is_some_and(|t| now.saturating_duration_since(t) >= LISTS_DIFFER_WAIT) =>
+            {
+                self.lists_differ(now);
             }
             Stage::Reducing { ring: None, .. } => {
                 if self.round.is_none() {
@@ -676,8 +723,63 @@ impl Rounds {
         self.attempt = attempt;
     }
 
+    /// Whether this member sits out of the rounds now ([`OUTVOTED_FOR`]): its heartbeats
+    /// say it is not ready, and it starts no attempt.
+    pub fn sitting_out(&self, now: Instant) -> bool {
+        self.sit_out_until.is_some_and(|t| now < t)
+    }
+
+    /// The running attempt's lists differ, and every hop of this member's list that came is
+    /// judged: it is aborted. Where most members left out a member this node lists, this
+    /// node leaves it out too for [`SIT_OUT`] (most members banned it, or cannot reach it;
+    /// one rogue is never most). Where most members listed a peer this member leaves out,
+    /// for [`OUTVOTED_FOR`], this member sits out for [`SIT_OUT`] and comes back as a joiner.
+    fn lists_differ(&mut self, now: Instant) {
+        let Stage::Reducing {
+            ring: Some(ring), ..
+        } = &self.stage
+        else {
+            return;
+        };
+        if let Some(peer) = ring.left_out_by_most() {
+            tracing::info!(%peer, "most members leave a member out of their rounds; so does this node, for {SIT_OUT:?}");
+            self.left_out.retain(|_, until| *until > now);
+            if self.left_out.len() < GONE_KEPT {
+                self.left_out.insert(peer, now + SIT_OUT);
+            }
+        }
+        let gone = self.gone.keys().copied();
+        match ring.listed_by_most(gone) {
+            Some(peer) => {
+                let since = match self.outvoted {
+                    Some((p, since)) if p == peer => since,
+                    _ => now,
+                };
+                self.outvoted = Some((peer, since));
+            }
+            None => self.outvoted = None,
+        }
+        self.abort("member lists differ", now);
+        if let Some((peer, since)) = self.outvoted {
+            if now.saturating_duration_since(since) >= OUTVOTED_FOR {
+                tracing::warn!(
+                    %peer,
+                    "most members list a peer this node left out (banned, or out of reach); sitting out of the rounds for {SIT_OUT:?}"
+                );
+                self.outvoted = None;
+                self.sit_out_until = Some(now + SIT_OUT);
+                self.abort_counter("sat out");
+                let step = self.boundary;
+                self.restored(step);
+            }
+        }
+    }
+
     /// Starts an attempt with the members ready now, if the round is known.
     fn start(&mut self, now: Instant, out: &mut Vec<Output>) {
+        if self.sitting_out(now) {
+            return;
+        }
         self.adopt_newer_round(now);
         let Some(round) = self.round else {
             return;
@@ -704,11 +806,13 @@ impl Rounds {
         {
             self.attempt = self.attempt.max(a);
         }
+        let left_out = &self.left_out;
         let mut members: Vec<PeerId> = self
             .ready
             .iter()
             .filter(|(_, at)| now.saturating_duration_since(**at) < READY_FRESH)
             .map(|(p, _)| *p)
+            .filter(|p| left_out.get(p).is_none_or(|until| now >= *until))
             .collect();
         members.push(self.me);
         if members.len() < self.cfg.min_members {

@@ -44,6 +44,20 @@ pub(super) enum Judge {
 }
 
 impl Judge {
+    /// What a part that weighs nothing (a joiner's, an unsynced member's) is judged by: it
+    /// changes no mean, so only what no honest member sends is refused, a chunk beyond the
+    /// norm bound (an honest member's parameters, however far from the mesh's, are the
+    /// model's as initialised, restored or downloaded: of the mesh's size). Unjudged, a
+    /// rogue that joined sent what it liked in its parts unblamed, and was caught only by
+    /// its aggregates, which it makes only when every member sends it a part: a member that
+    /// had banned it sent none, and the others never banned it.
+    pub(super) fn for_weightless(self) -> Judge {
+        match self {
+            Judge::Distance { norm } => Judge::Norm { norm },
+            other => other,
+        }
+    }
+
     /// How `values` (a chunk) compare with `own` (this member's contribution at that chunk):
     /// `None` when within the bound, else why not.
     pub(super) fn beyond(&self, values: &[f32], own: &[f32]) -> Option<String> {
@@ -112,6 +126,16 @@ pub(super) struct Ring {
     pub(super) last_progress: Instant,
     /// When a member this attempt still waits for sent a hop of the next round.
     pub(super) went_on: Option<Instant>,
+    /// When the first hop naming another member list came: this attempt cannot finish, and
+    /// ends once every member of this list sent its part or showed another list (or after
+    /// [`super::LISTS_DIFFER_WAIT`]). Until then the parts of this list's members are still
+    /// judged: a rogue's part is an offence whatever else becomes of the attempt. (Aborted at
+    /// the first such hop, an attempt whose lists never agree, because one member banned a
+    /// rogue the others still hear, judged the rogue's parts only when they happened to come
+    /// first, and the others never banned it.)
+    pub(super) lists_differ_since: Option<Instant>,
+    /// The senders of hops naming another list, with the digest each named.
+    pub(super) other_lists: Vec<(PeerId, u64)>,
     /// Members that left after completing this round: a member completes a round only after
     /// it sent all its hops of it, and waits for them to be taken before it says goodbye, so
     /// the attempt still finishes without it (see [`super::Rounds::peer_leaving`]).
@@ -155,6 +179,8 @@ impl Ring {
             totals: vec![None; n],
             last_progress: now,
             went_on: None,
+            lists_differ_since: None,
+            other_lists: Vec::new(),
             left_done: Vec::new(),
         }
     }
@@ -196,6 +222,76 @@ impl Ring {
         i != self.me
             && ((self.totals[self.me].is_none() && self.parts[i].is_none())
                 || (!self.direct() && self.totals[i].is_none()))
+    }
+
+    /// `from` sent a hop naming another member list, of digest `digest`.
+    pub(super) fn other_list(&mut self, from: PeerId, digest: u64, now: Instant) {
+        self.lists_differ_since.get_or_insert(now);
+        if !self.other_lists.iter().any(|(p, _)| *p == from) {
+            self.other_lists.push((from, digest));
+        }
+    }
+
+    /// The member of this list that most of its other members (that one counted among them)
+    /// left out of theirs (their hops named this list without it, with or without the
+    /// state), if there is one: they banned it, or cannot reach it. One rogue alone is never
+    /// most: of a ring of three, the other two must agree.
+    pub(super) fn left_out_by_most(&self) -> Option<PeerId> {
+        let others = self.len() - 1;
+        (0..self.len())
+            .filter(|i| *i != self.me)
+            .map(|i| self.members[i])
+            .find(|x| {
+                let without: Vec<PeerId> =
+                    self.members.iter().filter(|p| *p != x).copied().collect();
+                let named = [
+                    members_digest(&without, false),
+                    members_digest(&without, true),
+                ];
+                let by = self
+                    .other_lists
+                    .iter()
+                    .filter(|(p, d)| p != x && self.members.contains(p) && named.contains(d))
+                    .count();
+                by * 2 > others
+            })
+    }
+
+    /// The peer among `candidates` that most of this list's other members put in their
+    /// lists besides this list's members (their hops named this list with it added, with or
+    /// without the state), if there is one.
+    pub(super) fn listed_by_most(
+        &self,
+        candidates: impl Iterator<Item = PeerId>,
+    ) -> Option<PeerId> {
+        let others = self.len() - 1;
+        candidates.into_iter().find(|x| {
+            if self.members.contains(x) {
+                return false;
+            }
+            let mut with: Vec<PeerId> = self.members.clone();
+            with.push(*x);
+            with.sort();
+            let named = [members_digest(&with, false), members_digest(&with, true)];
+            let by = self
+                .other_lists
+                .iter()
+                .filter(|(p, d)| {
+                    *p != self.members[self.me] && self.members.contains(p) && named.contains(d)
+                })
+                .count();
+            by * 2 > others
+        })
+    }
+
+    /// Whether each other member sent its part of this member's chunk (taken or refused) or
+    /// a hop naming another list: nothing more of this attempt is left to judge.
+    pub(super) fn parts_accounted_for(&self) -> bool {
+        (0..self.len()).all(|i| {
+            i == self.me
+                || self.part_weights[i].is_some()
+                || self.other_lists.iter().any(|(p, _)| *p == self.members[i])
+        })
     }
 
     /// Whether every part of this member's chunk is in.

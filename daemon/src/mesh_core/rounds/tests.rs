@@ -90,6 +90,8 @@ struct Ring {
     blamed: Vec<usize>,
     /// A hostile member and what it does to each hop it sends (given the receiver's index).
     rogue: Option<(usize, Rogue)>,
+    /// Links (sender, receiver) whose hops are lost (a ban closed the connection).
+    cut: Vec<(usize, usize)>,
 }
 
 /// What a hostile member does to a hop it sends to member `to`.
@@ -157,6 +159,7 @@ impl Ring {
             offences: 0,
             blamed: Vec::new(),
             rogue: None,
+            cut: Vec::new(),
         }
     }
 
@@ -253,7 +256,7 @@ impl Ring {
                             rogue(&mut msg, j);
                         }
                     }
-                    if alive[j] {
+                    if alive[j] && !self.cut.contains(&(i, j)) {
                         self.nodes[j].message(self.ids[i], msg, now, &mut out);
                         queue.extend(out.drain(..).map(|o| (j, o)));
                     }
@@ -1498,4 +1501,202 @@ fn a_direct_ring_aborts_on_a_refused_part() {
     let st = ring.nodes[0].status();
     assert_eq!(st.aborted.get("part refused"), Some(&1), "{st:?}");
     assert_eq!(ring.blamed, vec![1]);
+}
+
+/// A member that banned the rogue (member 0 no longer hears member 3) names a list without
+/// it, so no attempt of the four can finish; the members that still list the rogue judge its
+/// parts all the same, before they abort for lists that differ, so each blames it (and bans
+/// it in time, as member 0 did). Its hops come first here: aborted at once, the members
+/// dropped the rogue's parts that came after as stale, and never blamed it. A member of the
+/// list that sends nothing holds the attempt [`LISTS_DIFFER_WAIT`] at most.
+#[test]
+fn parts_are_judged_before_an_attempt_aborts_on_lists_that_differ() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    for node in &mut ring.nodes {
+        node.cfg.max_weight = 1.0;
+    }
+    ring.rogue = Some((
+        3,
+        Box::new(|m: &mut RingMessage, _| {
+            if m.hop == PART {
+                each_value(m, |v| v + 1e6)
+            }
+        }),
+    ));
+    let now = Instant::now();
+    ring.hear_all(now);
+    let gone = Heartbeat {
+        in_rounds: false,
+        ..Heartbeat::default()
+    };
+    ring.nodes[0].heard(ring.ids[3], &gone, now);
+    ring.run(now, &[true; 4]);
+    assert!(ring.means.iter().all(Option::is_none), "a mean was taken");
+    let mut blamed = ring.blamed.clone();
+    blamed.sort();
+    assert_eq!(blamed, vec![3, 3], "members 1 and 2 each blame the rogue");
+    for i in 0..3 {
+        let st = ring.nodes[i].status();
+        assert_eq!(
+            st.aborted.get("member lists differ"),
+            Some(&1),
+            "{i}: {st:?}"
+        );
+        assert_eq!(st.parts_refused, u64::from(i != 0), "{i}: {st:?}");
+    }
+
+    // The rogue silent: member 1's attempt waits for its part, then aborts.
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    ring.hear_all(now);
+    ring.nodes[0].heard(ring.ids[3], &gone, now);
+    let alive = [true, true, true, false];
+    ring.run(now, &alive);
+    let aborts = |ring: &Ring| {
+        ring.nodes[1]
+            .status()
+            .aborted
+            .get("member lists differ")
+            .copied()
+    };
+    assert_eq!(aborts(&ring), None);
+    let mut out = Vec::new();
+    let step = ring.nodes[1].step_limit();
+    ring.nodes[1].tick(step, true, now + LISTS_DIFFER_WAIT / 2, &mut out);
+    assert_eq!(aborts(&ring), None);
+    ring.nodes[1].tick(step, true, now + LISTS_DIFFER_WAIT, &mut out);
+    assert_eq!(aborts(&ring), Some(1));
+    assert_eq!(ring.offences, 0);
+}
+
+/// A part that weighs nothing (an unsynced member's) changes no mean, but one that no honest
+/// member sends (values of 1e30) is still an offence, judged by norm: a rogue that joined is
+/// blamed by every owner for its parts, not only for the aggregates it makes when every
+/// member sends it a part. An honest member's weightless part is no offence.
+#[test]
+fn a_weightless_part_no_honest_member_sends_is_an_offence() {
+    let synced = [true, true, true, false];
+    for hostile in [false, true] {
+        let mut ring = Ring::new(4, &[1.0; 4], &synced);
+        if hostile {
+            ring.rogue = Some((
+                3,
+                Box::new(|m: &mut RingMessage, _| {
+                    if m.hop == PART {
+                        each_value(m, |_| 1e30)
+                    }
+                }),
+            ));
+        }
+        let now = Instant::now();
+        ring.hear_all(now);
+        ring.run(now, &[true; 4]);
+        let want = if hostile { vec![3, 3, 3] } else { vec![] };
+        assert_eq!(ring.blamed, want, "hostile {hostile}");
+        // The part weighed nothing either way: every member takes the honest members' mean.
+        assert!(ring.means.iter().all(Option::is_some), "hostile {hostile}");
+        let first = bits(ring.means[0].as_ref().expect("mean"));
+        assert!(ring
+            .means
+            .iter()
+            .all(|m| bits(m.as_ref().expect("mean")) == first));
+    }
+}
+
+/// Member 0 banned member 3 (its connection closed, and member 0 no longer hears it); the
+/// others still list it, so no attempt can finish. Most of member 0's members list a peer
+/// it left out: after [`OUTVOTED_FOR`] of that, member 0 sits out for [`SIT_OUT`] (its
+/// heartbeats say it is not ready), and the other three complete the round without it. A
+/// peer that went away from one member only briefly (the others not yet noticing) is no
+/// reason: before [`OUTVOTED_FOR`], member 0 keeps trying.
+#[test]
+fn a_member_outvoted_on_a_peer_it_left_out_sits_out_and_the_rest_go_on() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    let alive = [true; 4];
+    let t0 = Instant::now();
+    let not_ready = Heartbeat {
+        in_rounds: false,
+        ..Heartbeat::default()
+    };
+    ring.nodes[0].peer_down(ring.ids[3], t0);
+    ring.cut = vec![(3, 0), (0, 3)];
+    let mut sat_out_at = None;
+    for k in 0..40u32 {
+        let now = t0 + RETRY_PAUSE * k;
+        for i in 0..4 {
+            for j in 0..4 {
+                let word = match (i, j) {
+                    _ if i == j => continue,
+                    (0, 3) => continue,
+                    (_, 0) if ring.nodes[0].sitting_out(now) => not_ready.clone(),
+                    _ => ready_in(ring.nodes[j].status().round, None),
+                };
+                let id = ring.ids[j];
+                ring.nodes[i].heard(id, &word, now);
+            }
+        }
+        if ring.nodes[0].sitting_out(now) {
+            sat_out_at.get_or_insert(now);
+        }
+        ring.run(now, &alive);
+        if ring.means[1..].iter().all(Option::is_some) {
+            break;
+        }
+    }
+    let sat_out_at = sat_out_at.expect("member 0 sat out");
+    assert!(
+        sat_out_at.duration_since(t0) >= OUTVOTED_FOR,
+        "{:?}",
+        sat_out_at - t0
+    );
+    assert!(ring.nodes[0].sitting_out(sat_out_at + SIT_OUT / 2));
+    assert!(!ring.nodes[0].sitting_out(sat_out_at + SIT_OUT));
+    assert!(ring.means[0].is_none(), "member 0 took a mean");
+    assert!(
+        ring.means[1..].iter().all(Option::is_some),
+        "the three completed no round"
+    );
+    let st = ring.nodes[0].status();
+    assert_eq!(st.aborted.get("sat out"), Some(&1), "{st:?}");
+    assert_eq!(st.round, None, "member 0 comes back as a joiner");
+    assert_eq!(ring.offences, 0);
+}
+
+/// Members 1 and 2 banned member 3; member 0 still hears it. Most of member 0's members
+/// leave member 3 out, so member 0 does too, and the three complete the round. One member
+/// leaving a peer out is no majority (the test above).
+#[test]
+fn a_member_most_others_left_out_is_left_out() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    let alive = [true; 4];
+    let t0 = Instant::now();
+    for i in [1, 2] {
+        ring.nodes[i].peer_down(ring.ids[3], t0);
+        ring.cut.extend([(3, i), (i, 3)]);
+    }
+    for k in 0..20u32 {
+        let now = t0 + RETRY_PAUSE * k;
+        for i in 0..4 {
+            for j in 0..4 {
+                if i != j && !ring.cut.contains(&(j, i)) {
+                    let word = ready_in(ring.nodes[j].status().round, None);
+                    let id = ring.ids[j];
+                    ring.nodes[i].heard(id, &word, now);
+                }
+            }
+        }
+        ring.run(now, &alive);
+        if ring.means[..3].iter().all(Option::is_some) {
+            break;
+        }
+    }
+    assert!(
+        ring.means[..3].iter().all(Option::is_some),
+        "the three completed no round"
+    );
+    let first = bits(ring.means[0].as_ref().expect("mean"));
+    assert!(ring.means[..3]
+        .iter()
+        .all(|m| bits(m.as_ref().expect("mean")) == first));
+    assert_eq!(ring.nodes[0].status().ring_size, 3);
+    assert_eq!(ring.offences, 0);
 }

@@ -150,7 +150,7 @@ pub struct RoundsNews {
     pub round: Option<u64>,
     /// `diloco`: its round anchor and outer velocity are not the members'.
     pub needs_state: bool,
-    /// It sits out of the rounds for a while (`rounds::OUTVOTED_FOR`): not ready for them.
+    /// It sits out of the rounds for a while (`rounds::lists`): not ready for them.
     pub sitting_out: bool,
 }
 
@@ -696,8 +696,6 @@ mod tests {
             .is_some());
     }
 
-    /// A `diloco` node that needs the members' state says so at once, and again when it
-    /// no longer does: its ring's layout waits on the word.
     /// A member that sits out of the rounds says at once that it is not ready, and that it
     /// is again once it comes back.
     #[test]
@@ -716,6 +714,8 @@ mod tests {
         assert!(decode(m.tick_heartbeat(soon, &training(0), news(false))).in_rounds);
     }
 
+    /// A `diloco` node that needs the members' state says so at once, and again when it
+    /// no longer does: its ring's layout waits on the word.
     #[test]
     fn a_need_for_the_members_state_brings_the_heartbeat_forward() {
         let t0 = Instant::now();

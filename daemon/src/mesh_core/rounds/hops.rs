@@ -214,12 +214,12 @@ impl Rounds {
                     ))
                 } else {
                     let judge = if weight > 0.0 {
-                        ring.judge
+                        Some(ring.judge)
                     } else {
                         ring.judge.for_weightless()
                     };
                     judge
-                        .beyond(&values, own)
+                        .and_then(|j| j.beyond(&values, own))
                         .map(|why| format!("a ring part refused: {why}"))
                 };
                 let weight = match refused {

@@ -57,6 +57,7 @@ use libp2p::PeerId;
 use super::status::RoundStatus;
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
 use crate::wire::Heartbeat;
+use lists::{Action, Lists, Verdict};
 #[cfg(test)]
 pub(in crate::mesh_core) use ring::members_digest;
 use ring::{Judge, Ring};
@@ -64,6 +65,7 @@ use ring::{Judge, Ring};
 pub use ring::balanced_batch;
 
 mod hops;
+pub mod lists;
 mod ring;
 pub mod robust;
 #[cfg(test)]
@@ -87,18 +89,7 @@ pub const LATE_ROUND_WAIT: Duration = Duration::from_secs(2);
 /// `Ring::lists_differ_since`): the members of one list start an attempt within a tick or
 /// two of each other ([`RETRY_PAUSE`] after the same abort).
 pub const LISTS_DIFFER_WAIT: Duration = Duration::from_millis(500);
-/// A member whose attempts keep failing because most of the others list a peer it left out
-/// (one it banned, or cannot reach: the butterfly needs every member to reach every other)
-/// sits out of the rounds once that has held this long (by then the others would have
-/// dropped a member that died), for [`SIT_OUT`]: it says so in its heartbeats, the others
-/// go on without it, and it comes back as a joiner does (weight 0, the members' mean). The
-/// lists of the rest then agree, and they judge the peer's hops themselves. Without it, one
-/// member that banned a rogue the others still listed stalled every round for as long as
-/// the ban lasted, and the others never got to judge the rogue.
-pub const OUTVOTED_FOR: Duration = READY_FRESH;
-/// How long a member sits out (see [`OUTVOTED_FOR`]) before it tries the rounds again.
-pub const SIT_OUT: Duration = Duration::from_secs(10);
-/// Peers that went away, remembered (for [`OUTVOTED_FOR`]) at most this many.
+/// Peers that went away, remembered (for [`lists`]) at most this many.
 const GONE_KEPT: usize = 64;
 /// Pause before an aborted attempt is retried, so the members' lists can settle.
 pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
@@ -287,14 +278,10 @@ pub struct Rounds {
     /// Peers that went away (their connection closed, or a ban closed it), and when: the
     /// ones other members may still list.
     gone: HashMap<PeerId, Instant>,
-    /// A peer that most members listed, besides this member's list, in its last attempts, and
-    /// since when ([`OUTVOTED_FOR`]).
-    outvoted: Option<(PeerId, Instant)>,
-    /// Sitting out of the rounds until then ([`SIT_OUT`]).
+    /// What attempts whose lists differed said, and what this node did about it.
+    lists: Lists,
+    /// Sitting out of the rounds until then ([`lists`]).
     sit_out_until: Option<Instant>,
-    /// Members most others left out of their lists, left out of this node's too until then
-    /// ([`SIT_OUT`]; see [`Rounds::lists_differ`]).
-    left_out: HashMap<PeerId, Instant>,
     /// What status counts; the rest of [`RoundStatus`] is read off the fields above.
     ring_size: usize,
     completed: u64,
@@ -343,9 +330,8 @@ impl Rounds {
             ring_size: 0,
             refused_in_a_row: 0,
             gone: HashMap::new(),
-            outvoted: None,
+            lists: Lists::default(),
             sit_out_until: None,
-            left_out: HashMap::new(),
             completed: 0,
             aborted: BTreeMap::new(),
             last_round_ms: 0.0,
@@ -542,6 +528,12 @@ impl Rounds {
             // A step report at the boundary may have been dropped: the tick asks instead.
             Stage::Training if training => self.stepped(step, out),
             Stage::Reducing { ring: Some(r), .. }
+                if r.lists_differ_since
+                    .is_some_and(|t| now.saturating_duration_since(t) >= LISTS_DIFFER_WAIT) =>
+            {
+                self.lists_differ(now);
+            }
+            Stage::Reducing { ring: Some(r), .. }
                 if now.saturating_duration_since(r.last_progress) >= self.cfg.stall_timeout =>
             {
                 self.abort("stalled", now);
@@ -553,13 +545,7 @@ impl Rounds {
             {
                 self.abort("the mesh went on", now);
             }
-            Stage::Reducing { ring: Some(r), .. }
-                if r.lists_differ_since
-                    .is_some_and(|t| now.saturating_duration_since(t) >= LISTS_DIFFER_WAIT) =>
-            {
-                self.lists_differ(now);
-            }
-            Stage::Reducing { ring: None, .. } => {
+            Stage::Reducing { ring: None, .. } if !self.sitting_out(now) => {
                 if self.round.is_none() {
                     let running = self
                         .rounds_heard
@@ -723,17 +709,17 @@ impl Rounds {
         self.attempt = attempt;
     }
 
-    /// Whether this member sits out of the rounds now ([`OUTVOTED_FOR`]): its heartbeats
-    /// say it is not ready, and it starts no attempt.
+    /// Whether this member sits out of the rounds now ([`lists`]): its heartbeats say it
+    /// is not ready, and it starts no attempt.
     pub fn sitting_out(&self, now: Instant) -> bool {
         self.sit_out_until.is_some_and(|t| now < t)
     }
 
     /// The running attempt's lists differ, and every hop of this member's list that came is
-    /// judged: it is aborted. Where most members left out a member this node lists, this
-    /// node leaves it out too for [`SIT_OUT`] (most members banned it, or cannot reach it;
-    /// one rogue is never most). Where most members listed a peer this member leaves out,
-    /// for [`OUTVOTED_FOR`], this member sits out for [`SIT_OUT`] and comes back as a joiner.
+    /// judged: it is aborted, and what the others' lists said is weighed ([`lists`]): a
+    /// member most others leave out is left out here too, one most others list again is
+    /// taken back, and where most others list a peer this node cannot take, it sits out and
+    /// comes back as a joiner (weight 0, the members' mean).
     fn lists_differ(&mut self, now: Instant) {
         let Stage::Reducing {
             ring: Some(ring), ..
@@ -741,34 +727,35 @@ impl Rounds {
         else {
             return;
         };
-        if let Some(peer) = ring.left_out_by_most() {
-            tracing::info!(%peer, "most members leave a member out of their rounds; so does this node, for {SIT_OUT:?}");
-            self.left_out.retain(|_, until| *until > now);
-            if self.left_out.len() < GONE_KEPT {
-                self.left_out.insert(peer, now + SIT_OUT);
-            }
-        }
-        let gone = self.gone.keys().copied();
-        match ring.listed_by_most(gone) {
-            Some(peer) => {
-                let since = match self.outvoted {
-                    Some((p, since)) if p == peer => since,
-                    _ => now,
-                };
-                self.outvoted = Some((peer, since));
-            }
-            None => self.outvoted = None,
-        }
+        let candidates: Vec<PeerId> = self
+            .gone
+            .keys()
+            .copied()
+            .chain(self.lists.ever_left_out())
+            .collect();
+        let verdict = ring.left_out_by_most().map(Verdict::LeftOut).or_else(|| {
+            ring.listed_by_most(candidates.into_iter())
+                .map(Verdict::Listed)
+        });
         self.abort("member lists differ", now);
-        if let Some((peer, since)) = self.outvoted {
-            if now.saturating_duration_since(since) >= OUTVOTED_FOR {
+        match self.lists.named(verdict, now) {
+            None => {}
+            Some(Action::LeaveOut(peer)) => {
+                tracing::info!(%peer, "most members leave a member out of their rounds; so does this node");
+                self.abort_counter("left a member out");
+            }
+            Some(Action::TakeBack(peer)) => {
+                tracing::info!(%peer, "most members list a member this node left out; taking it back");
+            }
+            Some(Action::SitOut(peer, last)) => {
                 tracing::warn!(
                     %peer,
-                    "most members list a peer this node left out (banned, or out of reach); sitting out of the rounds for {SIT_OUT:?}"
+                    "most members list a peer this node left out (banned, or out of reach); sitting out of the rounds for {last:?}"
                 );
-                self.outvoted = None;
-                self.sit_out_until = Some(now + SIT_OUT);
+                self.sit_out_until = Some(now + last);
                 self.abort_counter("sat out");
+                // Its hops held are of rings it is no longer in.
+                self.inbox.clear();
                 let step = self.boundary;
                 self.restored(step);
             }
@@ -806,13 +793,13 @@ impl Rounds {
         {
             self.attempt = self.attempt.max(a);
         }
-        let left_out = &self.left_out;
+        let lists = &self.lists;
         let mut members: Vec<PeerId> = self
             .ready
             .iter()
             .filter(|(_, at)| now.saturating_duration_since(**at) < READY_FRESH)
             .map(|(p, _)| *p)
-            .filter(|p| left_out.get(p).is_none_or(|until| now >= *until))
+            .filter(|p| !lists.left_out(p, now))
             .collect();
         members.push(self.me);
         if members.len() < self.cfg.min_members {
@@ -977,6 +964,7 @@ impl Rounds {
         self.waiting_since = None;
         self.completed += 1;
         self.refused_in_a_row = 0;
+        self.lists.agreed();
         // A trainer digests gradient rounds only now and then (see `DIGEST_EVERY`). An
         // unsynced member (a joiner, or one that adopted a round the mesh completed without
         // it) holds parameters that are not the mesh's: it claims no digest until a parameter

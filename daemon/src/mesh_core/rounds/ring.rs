@@ -45,16 +45,18 @@ pub(super) enum Judge {
 
 impl Judge {
     /// What a part that weighs nothing (a joiner's, an unsynced member's) is judged by: it
-    /// changes no mean, so only what no honest member sends is refused, a chunk beyond the
-    /// norm bound (an honest member's parameters, however far from the mesh's, are the
+    /// changes no mean, so only what no honest member sends is refused, parameters beyond
+    /// the norm bound (an honest member's parameters, however far from the mesh's, are the
     /// model's as initialised, restored or downloaded: of the mesh's size). Unjudged, a
     /// rogue that joined sent what it liked in its parts unblamed, and was caught only by
     /// its aggregates, which it makes only when every member sends it a part: a member that
-    /// had banned it sent none, and the others never banned it.
-    pub(super) fn for_weightless(self) -> Judge {
+    /// had banned it sent none, and the others never banned it. A weightless gradient is not
+    /// judged (finite is all): a joiner's gradient at its own parameters may be far longer
+    /// than a trained member's.
+    pub(super) fn for_weightless(self) -> Option<Judge> {
         match self {
-            Judge::Distance { norm } => Judge::Norm { norm },
-            other => other,
+            Judge::Distance { norm } | Judge::Norm { norm } => Some(Judge::Norm { norm }),
+            Judge::GradientNorm { .. } => None,
         }
     }
 
@@ -235,7 +237,8 @@ impl Ring {
     /// The member of this list that most of its other members (that one counted among them)
     /// left out of theirs (their hops named this list without it, with or without the
     /// state), if there is one: they banned it, or cannot reach it. One rogue alone is never
-    /// most: of a ring of three, the other two must agree.
+    /// most (and in a ring of three, no member is left out this way: of the two others, one
+    /// is the member named).
     pub(super) fn left_out_by_most(&self) -> Option<PeerId> {
         let others = self.len() - 1;
         (0..self.len())
@@ -259,7 +262,7 @@ impl Ring {
 
     /// The peer among `candidates` that most of this list's other members put in their
     /// lists besides this list's members (their hops named this list with it added, with or
-    /// without the state), if there is one.
+    /// without the state), if there is one. In a ring of two, the other member's word.
     pub(super) fn listed_by_most(
         &self,
         candidates: impl Iterator<Item = PeerId>,

@@ -1604,10 +1604,10 @@ fn a_weightless_part_no_honest_member_sends_is_an_offence() {
 
 /// Member 0 banned member 3 (its connection closed, and member 0 no longer hears it); the
 /// others still list it, so no attempt can finish. Most of member 0's members list a peer
-/// it left out: after [`OUTVOTED_FOR`] of that, member 0 sits out for [`SIT_OUT`] (its
+/// it left out: after [`lists::OUTVOTED_FOR`] of that, member 0 sits out for [`lists::SIT_OUT`] (its
 /// heartbeats say it is not ready), and the other three complete the round without it. A
 /// peer that went away from one member only briefly (the others not yet noticing) is no
-/// reason: before [`OUTVOTED_FOR`], member 0 keeps trying.
+/// reason: before [`lists::OUTVOTED_FOR`], member 0 keeps trying.
 #[test]
 fn a_member_outvoted_on_a_peer_it_left_out_sits_out_and_the_rest_go_on() {
     let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
@@ -1644,12 +1644,12 @@ fn a_member_outvoted_on_a_peer_it_left_out_sits_out_and_the_rest_go_on() {
     }
     let sat_out_at = sat_out_at.expect("member 0 sat out");
     assert!(
-        sat_out_at.duration_since(t0) >= OUTVOTED_FOR,
+        sat_out_at.duration_since(t0) >= lists::OUTVOTED_FOR,
         "{:?}",
         sat_out_at - t0
     );
-    assert!(ring.nodes[0].sitting_out(sat_out_at + SIT_OUT / 2));
-    assert!(!ring.nodes[0].sitting_out(sat_out_at + SIT_OUT));
+    assert!(ring.nodes[0].sitting_out(sat_out_at + lists::SIT_OUT / 2));
+    assert!(!ring.nodes[0].sitting_out(sat_out_at + lists::SIT_OUT));
     assert!(ring.means[0].is_none(), "member 0 took a mean");
     assert!(
         ring.means[1..].iter().all(Option::is_some),
@@ -1673,7 +1673,7 @@ fn a_member_most_others_left_out_is_left_out() {
         ring.nodes[i].peer_down(ring.ids[3], t0);
         ring.cut.extend([(3, i), (i, 3)]);
     }
-    for k in 0..20u32 {
+    for k in 0..40u32 {
         let now = t0 + RETRY_PAUSE * k;
         for i in 0..4 {
             for j in 0..4 {

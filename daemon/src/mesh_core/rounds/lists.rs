@@ -1,0 +1,212 @@
+//! What attempts whose member lists differed tell a member, and what it does about it: leave
+//! out a member that most others leave out (they banned it, or cannot reach it), take back
+//! one it left out that most others list, or sit out of the rounds when most others list a
+//! peer it cannot take (one it banned, or lost). A verdict is acted on once the attempts
+//! have named it for [`OUTVOTED_FOR`] (a joiner's heartbeat, or a death one member noticed
+//! first, settles well within that), or at once where the same verdict was acted on before
+//! (after a leave-out or a sit-out ends, the disagreement comes back at once if its cause
+//! remains: each time, it lasts twice as long, up to [`LONGEST`]). Pure state: part of
+//! [`super::Rounds`].
+//!
+//! Without it, one member that banned a rogue the others still listed stalled every round
+//! for as long as the ban lasted (10 minutes), and the others never got to judge the rogue.
+//! One rogue is never most in a ring of three or more; in a ring of two the other member's
+//! word decides, as it already does where a member is rounds ahead
+//! (`Rounds::mesh_is_past`).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use libp2p::PeerId;
+
+/// A verdict named by the attempts for this long is acted on: two heartbeats, by when the
+/// others heard a joiner's, and dropped a member that died (its connection closed) or hung
+/// (each drops it [`super::READY_FRESH`] after its last heartbeat, within a heartbeat of
+/// each other).
+pub const OUTVOTED_FOR: Duration = Duration::from_secs(2 * super::HEARTBEAT_EVERY.as_secs());
+/// How long a member is left out, or this member sits out, the first time.
+pub const SIT_OUT: Duration = Duration::from_secs(10);
+/// The longest a member is left out, or this member sits out (after doublings).
+pub const LONGEST: Duration = Duration::from_secs(320);
+/// Peers remembered (left out, sat out over) at most: a bound on a public mesh.
+const KEPT: usize = 64;
+/// A peer not named by a verdict for this long is forgotten (its doublings start over).
+const FORGET_AFTER: Duration = Duration::from_secs(600);
+
+/// What the attempts' lists said (see [`super::ring::Ring::left_out_by_most`] and
+/// [`super::ring::Ring::listed_by_most`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Most members leave out this member, which this node lists.
+    LeftOut(PeerId),
+    /// Most members list this peer, which this node does not.
+    Listed(PeerId),
+}
+
+/// What a member does about a verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Leave the member out of its lists (until [`Lists::left_out`] says otherwise).
+    LeaveOut(PeerId),
+    /// List again a member it had left out.
+    TakeBack(PeerId),
+    /// Sit out of the rounds for this long.
+    SitOut(PeerId, Duration),
+}
+
+/// One peer's record: until when it is left out (or this node sits out over it), how many
+/// times, and when a verdict last named it.
+#[derive(Debug, Clone, Copy)]
+struct Record {
+    until: Instant,
+    times: u32,
+    named: Instant,
+}
+
+/// The verdicts of a member's attempts and what it did about them.
+#[derive(Debug, Default)]
+pub struct Lists {
+    /// The verdict the last attempts named, and since when.
+    pending: Option<(Verdict, Instant)>,
+    /// Members left out of this node's lists.
+    left_out: HashMap<PeerId, Record>,
+    /// Peers this node sat out over.
+    sat_out_over: HashMap<PeerId, Record>,
+}
+
+impl Lists {
+    /// Whether `peer` is left out of this node's lists now.
+    pub fn left_out(&self, peer: &PeerId, now: Instant) -> bool {
+        self.left_out.get(peer).is_some_and(|r| now < r.until)
+    }
+
+    /// Peers this node left out, now or before (most members may list them again).
+    pub fn ever_left_out(&self) -> impl Iterator<Item = PeerId> + '_ {
+        self.left_out.keys().copied()
+    }
+
+    /// A round completed: the lists agreed, so what attempts before named is no longer news.
+    pub fn agreed(&mut self) {
+        self.pending = None;
+    }
+
+    /// An attempt whose lists differed named `verdict` (`None`: nothing most members agree
+    /// on, which changes nothing). Answers what to do now.
+    pub fn named(&mut self, verdict: Option<Verdict>, now: Instant) -> Option<Action> {
+        let verdict = verdict?;
+        self.forget_old(now);
+        if let Verdict::Listed(peer) = verdict {
+            if let Some(r) = self.left_out.get_mut(&peer) {
+                // Most members list a member this node left out: take it back at once (its
+                // leave-out would end the same way, later).
+                r.until = now;
+                r.named = now;
+                self.pending = None;
+                return Some(Action::TakeBack(peer));
+            }
+        }
+        let since = match self.pending {
+            Some((v, since)) if v == verdict => since,
+            _ => now,
+        };
+        self.pending = Some((verdict, since));
+        let (records, peer) = match verdict {
+            Verdict::LeftOut(p) => (&mut self.left_out, p),
+            Verdict::Listed(p) => (&mut self.sat_out_over, p),
+        };
+        let again = records.contains_key(&peer);
+        if !again && now.saturating_duration_since(since) < OUTVOTED_FOR {
+            return None;
+        }
+        if !again && records.len() >= KEPT {
+            return None;
+        }
+        let times = records.get(&peer).map_or(0, |r| r.times) + 1;
+        let last = SIT_OUT
+            .saturating_mul(1 << (times - 1).min(10))
+            .min(LONGEST);
+        records.insert(
+            peer,
+            Record {
+                until: now + last,
+                times,
+                named: now,
+            },
+        );
+        self.pending = None;
+        Some(match verdict {
+            Verdict::LeftOut(p) => Action::LeaveOut(p),
+            Verdict::Listed(p) => Action::SitOut(p, last),
+        })
+    }
+
+    fn forget_old(&mut self, now: Instant) {
+        for records in [&mut self.left_out, &mut self.sat_out_over] {
+            records.retain(|_, r| {
+                now < r.until || now.saturating_duration_since(r.named) < FORGET_AFTER
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A verdict is acted on only once named for `OUTVOTED_FOR`; named again after its
+    /// leave-out ended, at once and for twice as long; a member most others list again is
+    /// taken back at once.
+    #[test]
+    fn a_verdict_waits_then_repeats_at_once_for_longer() {
+        let (x, t0) = (PeerId::random(), Instant::now());
+        let mut lists = Lists::default();
+        let out = Some(Verdict::LeftOut(x));
+        assert_eq!(lists.named(out, t0), None);
+        // Nothing agreed on in between changes nothing.
+        assert_eq!(lists.named(None, t0 + OUTVOTED_FOR / 2), None);
+        assert_eq!(lists.named(out, t0 + OUTVOTED_FOR / 2), None);
+        let t1 = t0 + OUTVOTED_FOR;
+        assert_eq!(lists.named(out, t1), Some(Action::LeaveOut(x)));
+        assert!(lists.left_out(&x, t1 + SIT_OUT / 2));
+        assert!(!lists.left_out(&x, t1 + SIT_OUT));
+        let t2 = t1 + SIT_OUT;
+        assert_eq!(lists.named(out, t2), Some(Action::LeaveOut(x)));
+        assert!(lists.left_out(&x, t2 + SIT_OUT * 3 / 2));
+        assert_eq!(
+            lists.named(Some(Verdict::Listed(x)), t2 + SIT_OUT),
+            Some(Action::TakeBack(x))
+        );
+        assert!(!lists.left_out(&x, t2 + SIT_OUT));
+    }
+
+    /// Sitting out: after `OUTVOTED_FOR`, then at once and twice as long each time, up to
+    /// `LONGEST`; another verdict in between starts the wait over; a round that completed
+    /// clears what was pending.
+    #[test]
+    fn sitting_out_doubles_up_to_the_longest() {
+        let (x, y, t0) = (PeerId::random(), PeerId::random(), Instant::now());
+        let mut lists = Lists::default();
+        let listed = Some(Verdict::Listed(x));
+        assert_eq!(lists.named(listed, t0), None);
+        lists.agreed();
+        assert_eq!(lists.named(listed, t0 + OUTVOTED_FOR), None);
+        assert_eq!(
+            lists.named(Some(Verdict::LeftOut(y)), t0 + OUTVOTED_FOR),
+            None
+        );
+        let t1 = t0 + OUTVOTED_FOR * 2;
+        assert_eq!(lists.named(listed, t1), None);
+        let mut t = t1 + OUTVOTED_FOR;
+        let mut lasts = Vec::new();
+        for _ in 0..8 {
+            match lists.named(listed, t) {
+                Some(Action::SitOut(p, last)) if p == x => {
+                    lasts.push(last.as_secs());
+                    t += last;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(lasts, vec![10, 20, 40, 80, 160, 320, 320, 320]);
+    }
+}

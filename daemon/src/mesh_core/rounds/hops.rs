@@ -33,6 +33,16 @@ impl Rounds {
     /// honest is an offence: one of odd size, with values that are not finite, or naming a
     /// round, attempt or step past any mesh's changes nothing.
     pub fn message(&mut self, from: PeerId, msg: RingMessage, now: Instant, out: &mut Vec<Output>) {
+        let first = out.len();
+        self.take(from, msg, now, out);
+        for o in &out[first..] {
+            if let Output::Offence { peer, .. } = o {
+                self.blamed(*peer, now);
+            }
+        }
+    }
+
+    fn take(&mut self, from: PeerId, msg: RingMessage, now: Instant, out: &mut Vec<Output>) {
         let Some(values) = decode_values(&msg.values, msg.bf16) else {
             offence(out, from, "ring hop of odd length".into());
             return;

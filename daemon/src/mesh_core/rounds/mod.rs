@@ -278,6 +278,11 @@ pub struct Rounds {
     /// Peers that went away (their connection closed, or a ban closed it), and when: the
     /// ones other members may still list.
     gone: HashMap<PeerId, Instant>,
+    /// Peers whose hops this node found no honest member sends, and when: its own proof,
+    /// as behind a ban. Only a peer it went without for such a reason makes it sit out: a
+    /// peer that merely lost its connection to it (a rogue banned by it, which runs the same
+    /// rules) does not, or both would sit out together and the others never judge the rogue.
+    blamed_peers: HashMap<PeerId, Instant>,
     /// What attempts whose lists differed said, and what this node did about it.
     lists: Lists,
     /// Sitting out of the rounds until then ([`lists`]).
@@ -330,6 +335,7 @@ impl Rounds {
             ring_size: 0,
             refused_in_a_row: 0,
             gone: HashMap::new(),
+            blamed_peers: HashMap::new(),
             lists: Lists::default(),
             sit_out_until: None,
             completed: 0,
@@ -709,6 +715,21 @@ impl Rounds {
         self.attempt = attempt;
     }
 
+    /// This node found a hop of `peer` no honest member sends.
+    fn blamed(&mut self, peer: PeerId, now: Instant) {
+        if self.blamed_peers.len() >= GONE_KEPT && !self.blamed_peers.contains_key(&peer) {
+            if let Some(oldest) = self
+                .blamed_peers
+                .iter()
+                .min_by_key(|(_, at)| **at)
+                .map(|(p, _)| *p)
+            {
+                self.blamed_peers.remove(&oldest);
+            }
+        }
+        self.blamed_peers.insert(peer, now);
+    }
+
     /// Whether this member sits out of the rounds now ([`lists`]): its heartbeats say it
     /// is not ready, and it starts no attempt.
     pub fn sitting_out(&self, now: Instant) -> bool {
@@ -727,9 +748,11 @@ impl Rounds {
         else {
             return;
         };
+        let blamed = &self.blamed_peers;
         let candidates: Vec<PeerId> = self
             .gone
             .keys()
+            .filter(|p| blamed.contains_key(*p))
             .copied()
             .chain(self.lists.ever_left_out())
             .collect();

@@ -1602,8 +1602,9 @@ fn a_weightless_part_no_honest_member_sends_is_an_offence() {
     }
 }
 
-/// Member 0 banned member 3 (its connection closed, and member 0 no longer hears it); the
-/// others still list it, so no attempt can finish. Most of member 0's members list a peer
+/// Member 0 banned member 3 (it blamed it, its connection closed, and member 0 no longer
+/// hears it); the others still list it, so no attempt can finish. (Member 3, which only
+/// lost member 0, never sits out for it: see `Rounds::blamed_peers`.) Most of member 0's members list a peer
 /// it left out: after [`lists::OUTVOTED_FOR`] of that, member 0 sits out for [`lists::SIT_OUT`] (its
 /// heartbeats say it is not ready), and the other three complete the round without it. A
 /// peer that went away from one member only briefly (the others not yet noticing) is no
@@ -1617,6 +1618,19 @@ fn a_member_outvoted_on_a_peer_it_left_out_sits_out_and_the_rest_go_on() {
         in_rounds: false,
         ..Heartbeat::default()
     };
+    // Member 0 has its own proof against member 3 (a hop of NaN), as behind a ban.
+    let mut out = Vec::new();
+    let nan = RingMessage {
+        values: ByteBuf::from(f32::NAN.to_le_bytes().repeat(2)),
+        ..next_round_hop(&ring, 0)
+    };
+    ring.nodes[0].message(ring.ids[3], nan, t0, &mut out);
+    assert_eq!(
+        out.iter()
+            .filter(|o| matches!(o, Output::Offence { .. }))
+            .count(),
+        1
+    );
     ring.nodes[0].peer_down(ring.ids[3], t0);
     ring.cut = vec![(3, 0), (0, 3)];
     let mut sat_out_at = None;

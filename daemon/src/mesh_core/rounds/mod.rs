@@ -739,8 +739,9 @@ impl Rounds {
     /// The running attempt's lists differ, and every hop of this member's list that came is
     /// judged: it is aborted, and what the others' lists said is weighed ([`lists`]): a
     /// member most others leave out is left out here too, one most others list again is
-    /// taken back, and where most others list a peer this node cannot take, it sits out and
-    /// comes back as a joiner (weight 0, the members' mean).
+    /// taken back, and where most others list a peer this node lost and blamed itself
+    /// ([`Rounds::blamed_peers`]), it sits out and comes back as a joiner (weight 0, the
+    /// members' mean).
     fn lists_differ(&mut self, now: Instant) {
         let Stage::Reducing {
             ring: Some(ring), ..

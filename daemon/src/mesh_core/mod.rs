@@ -349,7 +349,7 @@ impl MeshCore {
     pub fn status(&self, now: Instant) -> MeshStatus {
         let mut status = MeshStatus {
             lead_over_slowest: self.policy.lead_over_slowest(now),
-            rounds: self.rounds.as_ref().map(Rounds::status),
+            rounds: self.rounds.as_ref().map(|r| r.status(now)),
             ..MeshStatus::default()
         };
         self.membership.render(&mut status);

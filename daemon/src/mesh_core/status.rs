@@ -184,6 +184,14 @@ pub struct RoundStatus {
     /// Whether this node's parameters come from a completed round (a joiner's do not, and it
     /// contributes with weight 0 until they do).
     pub synced: bool,
+    /// Members this node leaves out of its rounds now (most others left them out, or an
+    /// attempt stalled waiting for them: `rounds::lists`), peer ids.
+    #[serde(default)]
+    pub left_out: Vec<String>,
+    /// Whether this node sits out of the rounds now (most members list a peer it lost and
+    /// blamed: `rounds::lists`).
+    #[serde(default)]
+    pub sitting_out: bool,
     /// Digest of the parameters after recent rounds (`round`, first 8 bytes of SHA-256 of the
     /// little-endian values, hex), kept only for rounds after which this node was synced:
     /// equal digests for a round mean bit-identical parameters.

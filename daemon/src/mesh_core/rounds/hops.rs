@@ -11,8 +11,8 @@ use libp2p::PeerId;
 use super::ring::{all_finite, decode_values, AGGREGATE, PART};
 use super::robust::aggregate;
 use super::{
-    Hop, HopKey, Output, Rounds, Stage, ATTEMPT_LIMIT, INBOX_CAP, INBOX_VALUES, ROUND_LIMIT,
-    STEP_LIMIT, WEIGHT_LIMIT,
+    Hop, HopKey, Output, Rounds, Stage, ATTEMPT_LIMIT, FOLLOWED_ATTEMPT_LIMIT,
+    FOLLOWED_ROUND_LIMIT, INBOX_CAP, INBOX_VALUES, ROUND_LIMIT, STEP_LIMIT, WEIGHT_LIMIT,
 };
 use crate::wire::RingMessage;
 
@@ -60,6 +60,14 @@ impl Rounds {
                     msg.round, msg.attempt, msg.step
                 ),
             );
+            return;
+        }
+        // No member is followed past half the limits (a span no mesh reaches either):
+        // followed there, one member's hops would carry every member's counters towards the
+        // limits, where their own hops would be offences to each other. Not an offence
+        // itself: nothing shows which member is past.
+        if msg.round >= FOLLOWED_ROUND_LIMIT || msg.attempt >= FOLLOWED_ATTEMPT_LIMIT {
+            tracing::debug!(peer = %from, round = msg.round, attempt = msg.attempt, "a ring hop past the counters a member follows; dropped");
             return;
         }
         // A hop is proof that its sender takes part in rounds now.

@@ -5,8 +5,9 @@
 //! have named it for [`OUTVOTED_FOR`] (a joiner's heartbeat, or a death one member noticed
 //! first, settles well within that), or at once where the same verdict was acted on before
 //! (after a leave-out or a sit-out ends, the disagreement comes back at once if its cause
-//! remains: each time, it lasts twice as long, up to [`LONGEST`]). Pure state: part of
-//! [`super::Rounds`].
+//! remains: each time, it lasts twice as long, up to [`LONGEST`]). A member an attempt
+//! stalled waiting for is left out the same way, at once ([`Lists::stalled`]). Pure state:
+//! part of [`super::Rounds`].
 //!
 //! Without it, one member that banned a rogue the others still listed stalled every round
 //! for as long as the ban lasted (10 minutes), and the others never got to judge the rogue.
@@ -118,26 +119,36 @@ impl Lists {
         if !again && now.saturating_duration_since(since) < OUTVOTED_FOR {
             return None;
         }
-        if !again && records.len() >= KEPT {
-            return None;
-        }
-        let times = records.get(&peer).map_or(0, |r| r.times) + 1;
-        let last = SIT_OUT
-            .saturating_mul(1 << (times - 1).min(10))
-            .min(LONGEST);
-        records.insert(
-            peer,
-            Record {
-                until: now + last,
-                times,
-                named: now,
-            },
-        );
+        let last = record(records, peer, now)?;
         self.pending = None;
         Some(match verdict {
             Verdict::LeftOut(p) => Action::LeaveOut(p),
             Verdict::Listed(p) => Action::SitOut(p, last),
         })
+    }
+
+    /// An attempt stalled waiting for `peer`, which said it was at the boundary (its steps
+    /// did not move while this node waited): it is left out at once, no vote needed (the
+    /// stall itself took `sync.stall_timeout_secs`, and every member waiting for it sees
+    /// the same), for [`SIT_OUT`] the first time and twice as long each time after, up to
+    /// [`LONGEST`]. A stall proves nothing (a hung trainer, a link gone quiet): this is no
+    /// offence and no score, only a member the next attempts do not wait for. Answers how
+    /// long, or `None` where this node keeps no more records.
+    pub fn stalled(&mut self, peer: PeerId, now: Instant) -> Option<Duration> {
+        self.forget_old(now);
+        record(&mut self.left_out, peer, now)
+    }
+
+    /// Members left out of this node's lists now, for status.
+    pub fn left_out_now(&self, now: Instant) -> Vec<PeerId> {
+        let mut peers: Vec<PeerId> = self
+            .left_out
+            .iter()
+            .filter(|(_, r)| now < r.until)
+            .map(|(p, _)| *p)
+            .collect();
+        peers.sort();
+        peers
     }
 
     fn forget_old(&mut self, now: Instant) {
@@ -147,6 +158,27 @@ impl Lists {
             });
         }
     }
+}
+
+/// Records `peer` in `records` from now: for [`SIT_OUT`] the first time, twice as long each
+/// time after, up to [`LONGEST`]; `None` (nothing recorded) for a new peer past [`KEPT`].
+fn record(records: &mut HashMap<PeerId, Record>, peer: PeerId, now: Instant) -> Option<Duration> {
+    if !records.contains_key(&peer) && records.len() >= KEPT {
+        return None;
+    }
+    let times = records.get(&peer).map_or(0, |r| r.times) + 1;
+    let last = SIT_OUT
+        .saturating_mul(1 << (times - 1).min(10))
+        .min(LONGEST);
+    records.insert(
+        peer,
+        Record {
+            until: now + last,
+            times,
+            named: now,
+        },
+    );
+    Some(last)
 }
 
 #[cfg(test)]

@@ -117,6 +117,12 @@ const WEIGHT_LIMIT: f32 = 1e12;
 const ROUND_LIMIT: u64 = 1 << 48;
 /// Attempts no round takes (2^24: a month of retries, each at least [`RETRY_PAUSE`] apart).
 const ATTEMPT_LIMIT: u32 = 1 << 24;
+/// A hop naming this round or later is not followed (see `hops`): half of [`ROUND_LIMIT`],
+/// so members a rogue carried this far still take 2^47 rounds to reach it.
+const FOLLOWED_ROUND_LIMIT: u64 = ROUND_LIMIT / 2;
+/// A hop naming this attempt or later is not followed: half of [`ATTEMPT_LIMIT`] (attempts
+/// start at 0 every round).
+const FOLLOWED_ATTEMPT_LIMIT: u32 = ATTEMPT_LIMIT / 2;
 /// Steps no run reaches (2^48, as a checkpoint's counters are bounded): a hop that carries
 /// one cannot be honest, and an unsynced member would take it as its step.
 const STEP_LIMIT: u64 = 1 << 48;
@@ -264,6 +270,9 @@ pub struct Rounds {
     /// weight for a later round only when most of the others say they are past its own
     /// ([`Rounds::mesh_is_past`]).
     rounds_said: HashMap<PeerId, u64>,
+    /// The trainer step each ready member's last heartbeat named: a member an attempt waits
+    /// for whose step moves is still training towards the boundary (slow, not stalling).
+    steps_said: HashMap<PeerId, u64>,
     /// This node's own.
     own_ms_per_sample: Option<f64>,
     /// Samples of the last gradient asked of the trainer.
@@ -328,6 +337,7 @@ impl Rounds {
             needs_state: HashMap::new(),
             speeds: HashMap::new(),
             rounds_said: HashMap::new(),
+            steps_said: HashMap::new(),
             own_ms_per_sample: None,
             batch: 0,
             waiting_since: None,
@@ -371,8 +381,15 @@ impl Rounds {
     }
 
     /// What status shows.
-    pub fn status(&self) -> RoundStatus {
+    pub fn status(&self, now: Instant) -> RoundStatus {
         RoundStatus {
+            left_out: self
+                .lists
+                .left_out_now(now)
+                .iter()
+                .map(PeerId::to_string)
+                .collect(),
+            sitting_out: self.sitting_out(now),
             round: self.round,
             attempt: self.attempt,
             ring_size: self.ring_size,
@@ -416,8 +433,10 @@ impl Rounds {
                 Some(r) => self.rounds_said.insert(peer, r),
                 None => self.rounds_said.remove(&peer),
             };
+            self.steps_said.insert(peer, hb.step);
         } else {
             self.ready.remove(&peer);
+            self.steps_said.remove(&peer);
             self.speeds.remove(&peer);
             self.needs_state.remove(&peer);
             self.rounds_said.remove(&peer);
@@ -481,6 +500,7 @@ impl Rounds {
         self.speeds.remove(&peer);
         self.needs_state.remove(&peer);
         self.rounds_said.remove(&peer);
+        self.steps_said.remove(&peer);
         self.inbox.retain(|(_, _, _, from), _| *from != peer);
         let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
         if self.ring_has(&peer) && !completed {
@@ -542,7 +562,14 @@ impl Rounds {
             Stage::Reducing { ring: Some(r), .. }
                 if now.saturating_duration_since(r.last_progress) >= self.cfg.stall_timeout =>
             {
+                let stalled_by = self.stalled_by(r);
                 self.abort("stalled", now);
+                for peer in stalled_by {
+                    if let Some(last) = self.lists.stalled(peer, now) {
+                        tracing::info!(%peer, "an attempt stalled waiting for a member at the boundary; leaving it out of the rounds for {last:?}");
+                        self.abort_counter("left a staller out");
+                    }
+                }
             }
             Stage::Reducing { ring: Some(r), .. }
                 if r.went_on.is_some_and(|t| {
@@ -715,6 +742,29 @@ impl Rounds {
         self.attempt = attempt;
     }
 
+    /// The members a stalled attempt waited for that said they were at the boundary: their
+    /// trainer steps did not move since the attempt started (an honest member that is
+    /// merely slower is still training towards the boundary, and is waited for again).
+    /// Those it waited for a part from, if any: an owner whose aggregate is missing may
+    /// itself wait for a part (from the same member), and is to blame only where every
+    /// part of this member's chunk came.
+    fn stalled_by(&self, ring: &Ring) -> Vec<PeerId> {
+        let part_missing: Vec<usize> = (0..ring.len()).filter(|i| ring.awaits_part(*i)).collect();
+        let awaited = if part_missing.is_empty() {
+            (0..ring.len()).filter(|i| ring.awaits(*i)).collect()
+        } else {
+            part_missing
+        };
+        awaited
+            .into_iter()
+            .filter(|i| {
+                let now_said = self.steps_said.get(&ring.members[*i]).copied();
+                !matches!((ring.steps_said[*i], now_said), (Some(then), Some(now)) if now > then)
+            })
+            .map(|i| ring.members[i])
+            .collect()
+    }
+
     /// This node found a hop of `peer` no honest member sends.
     fn blamed(&mut self, peer: PeerId, now: Instant) {
         if self.blamed_peers.len() >= GONE_KEPT && !self.blamed_peers.contains_key(&peer) {
@@ -862,7 +912,9 @@ impl Rounds {
         } else {
             Judge::Norm { norm }
         };
-        let r = Ring::new(
+        let steps_said = &self.steps_said;
+        let said: Vec<Option<u64>> = members.iter().map(|m| steps_said.get(m).copied()).collect();
+        let mut r = Ring::new(
             members,
             me,
             acc,
@@ -873,6 +925,7 @@ impl Rounds {
             *step,
             now,
         );
+        r.steps_said = said;
         self.ring_size = r.len();
         self.retry_at = None;
         if r.len() == 1 {

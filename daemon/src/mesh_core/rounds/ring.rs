@@ -142,6 +142,10 @@ pub(super) struct Ring {
     /// it sent all its hops of it, and waits for them to be taken before it says goodbye, so
     /// the attempt still finishes without it (see [`super::Rounds::peer_leaving`]).
     pub(super) left_done: Vec<PeerId>,
+    /// The trainer step each member's last heartbeat named when the attempt started, by
+    /// member index: one it stalls waiting for whose step moved since is slow, not stalling
+    /// (see `Rounds::stalled_by`).
+    pub(super) steps_said: Vec<Option<u64>>,
 }
 
 impl Ring {
@@ -184,6 +188,7 @@ impl Ring {
             lists_differ_since: None,
             other_lists: Vec::new(),
             left_done: Vec::new(),
+            steps_said: vec![None; n],
         }
     }
 
@@ -221,9 +226,12 @@ impl Ring {
 
     /// Whether this attempt still waits for a hop from member `i`.
     pub(super) fn awaits(&self, i: usize) -> bool {
-        i != self.me
-            && ((self.totals[self.me].is_none() && self.parts[i].is_none())
-                || (!self.direct() && self.totals[i].is_none()))
+        self.awaits_part(i) || (i != self.me && !self.direct() && self.totals[i].is_none())
+    }
+
+    /// Whether this attempt still waits for member `i`'s part of this member's chunk.
+    pub(super) fn awaits_part(&self, i: usize) -> bool {
+        i != self.me && self.totals[self.me].is_none() && self.parts[i].is_none()
     }
 
     /// `from` sent a hop naming another member list, of digest `digest`.

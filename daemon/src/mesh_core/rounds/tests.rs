@@ -167,7 +167,7 @@ impl Ring {
         for i in 0..self.nodes.len() {
             for j in 0..self.nodes.len() {
                 if i != j {
-                    let round = self.nodes[j].status().round;
+                    let round = self.nodes[j].status(Instant::now()).round;
                     let needs_state = self.nodes[j].needs_state();
                     let word = Heartbeat {
                         needs_state,
@@ -303,7 +303,7 @@ fn every_member_ends_a_round_with_the_same_bits_of_the_weighted_mean() {
             );
         }
         // Each member sent 2(N-1)/N of the model (and a weight with each hop), no more.
-        let per_member = ring.nodes[0].status().bytes_sent as f64;
+        let per_member = ring.nodes[0].status(Instant::now()).bytes_sent as f64;
         let model = 11.0 * 4.0;
         let optimal = 2.0 * (n as f64 - 1.0) / n as f64 * model;
         assert!(
@@ -330,7 +330,7 @@ fn a_weight_past_what_a_member_weighs_is_refused() {
         ring.hear_all(now);
         ring.run(now, &[true; 3]);
         for (i, node) in ring.nodes.iter().enumerate().take(2) {
-            let st = node.status();
+            let st = node.status(Instant::now());
             let aborted = st
                 .aborted
                 .get("weight total past the members' weights")
@@ -391,7 +391,7 @@ fn a_balanced_gradient_round_weighs_each_member_by_its_samples() {
     ring.nodes[1].own_speed(Some(2.0));
     let now = Instant::now();
     for (i, j, ms) in [(0, 1, 2.0), (1, 0, 1.0)] {
-        let round = ring.nodes[j].status().round;
+        let round = ring.nodes[j].status(Instant::now()).round;
         ring.nodes[i].heard(ring.ids[j], &ready_in(round, Some(ms)), now);
     }
     // Round 0 sums parameters; round 1 is the first gradient round.
@@ -416,8 +416,8 @@ fn a_balanced_gradient_round_weighs_each_member_by_its_samples() {
             "{got} vs {want}"
         );
     }
-    assert_eq!(ring.nodes[1].status().batch, 2);
-    assert_eq!(ring.nodes[0].status().batch, 4);
+    assert_eq!(ring.nodes[1].status(Instant::now()).batch, 2);
+    assert_eq!(ring.nodes[0].status(Instant::now()).batch, 4);
 }
 
 fn gradient_rounds_of(n: usize) {
@@ -486,7 +486,7 @@ fn gradient_rounds_of(n: usize) {
     } else {
         per_round(n as f64, 2.0 * (n as f64 - 1.0)) / 2.0
     };
-    let sent = ring.nodes[0].status().bytes_sent as f64;
+    let sent = ring.nodes[0].status(Instant::now()).bytes_sent as f64;
     // Rounds 0 and 3 of parameters in f32, rounds 1, 2 and 4 of gradients in bf16.
     let want = 2.0 * per_round(n as f64, 2.0 * (n as f64 - 1.0)) + 3.0 * gradient_round;
     // Chunks of 10 values among 3 are uneven: 4 of them at most, a value apart.
@@ -513,7 +513,7 @@ fn rounds_wait_for_the_minimum_of_members() {
         ring.means.iter().all(Option::is_none),
         "a round of two started"
     );
-    assert_eq!(ring.nodes[0].status().ring_size, 0);
+    assert_eq!(ring.nodes[0].status(Instant::now()).ring_size, 0);
     // The third is heard: the next tick starts the round, with all three.
     ring.hear_all(now);
     let mut queue = VecDeque::new();
@@ -525,7 +525,7 @@ fn rounds_wait_for_the_minimum_of_members() {
     }
     ring.carry(queue, now, &[true; 3]);
     assert!(ring.means.iter().all(Option::is_some), "{:?}", ring.means);
-    assert_eq!(ring.nodes[0].status().ring_size, 3);
+    assert_eq!(ring.nodes[0].status(Instant::now()).ring_size, 3);
 }
 
 #[test]
@@ -539,7 +539,10 @@ fn a_member_that_dies_aborts_the_round_and_the_retry_leaves_it_out() {
     let dead = ring.ids[2];
     for node in &mut ring.nodes[..2] {
         node.peer_down(dead, now);
-        assert_eq!(node.status().aborted.get("member left"), Some(&1));
+        assert_eq!(
+            node.status(Instant::now()).aborted.get("member left"),
+            Some(&1)
+        );
     }
     // After the pause the retry, without it, completes.
     let later = now + RETRY_PAUSE;
@@ -551,7 +554,7 @@ fn a_member_that_dies_aborts_the_round_and_the_retry_leaves_it_out() {
         .map(|j| (ring.params[0][j] + ring.params[1][j]) / 2.0)
         .collect();
     assert_eq!(bits(&a), bits(&want));
-    assert_eq!(ring.nodes[0].status().ring_size, 2);
+    assert_eq!(ring.nodes[0].status(Instant::now()).ring_size, 2);
 }
 
 /// A member that completed the round and left at once (at `max_steps`) took nothing the
@@ -592,7 +595,11 @@ fn a_member_that_leaves_after_completing_the_round_does_not_abort_it() {
         ring.carry(rest, now, &alive);
         let want = ring.means[first].clone().expect("the leaver's mean");
         for j in (0..3).filter(|j| *j != first) {
-            let aborted = ring.nodes[j].status().aborted.get("member left").copied();
+            let aborted = ring.nodes[j]
+                .status(Instant::now())
+                .aborted
+                .get("member left")
+                .copied();
             if completed {
                 assert_eq!(aborted, None, "node {j}");
                 let got = ring.means[j].clone().expect("a mean without the leaver");
@@ -636,12 +643,12 @@ fn a_ring_without_a_synced_member_founds_one_state() {
             );
         }
         assert_eq!(ring.mean_steps[i], Some(12), "node {i}");
-        let st = ring.nodes[i].status();
+        let st = ring.nodes[i].status(Instant::now());
         assert!(st.synced, "node {i}: {st:?}");
         assert_eq!(st.aborted.get("no member synced"), Some(&1), "node {i}");
         ring.nodes[i].combined(4, 12, "founded".into(), &mut Vec::new());
         assert_eq!(
-            ring.nodes[i].status().digests,
+            ring.nodes[i].status(Instant::now()).digests,
             vec![(4, "founded".to_string())]
         );
     }
@@ -665,10 +672,10 @@ fn a_joiner_adopts_the_round_and_leaves_it_with_the_members_mean() {
         .map(|j| (ring.params[0][j] + ring.params[1][j]) / 2.0)
         .collect();
     assert_eq!(bits(&means[0]), bits(&want));
-    assert_eq!(ring.nodes[2].status().round, Some(0));
+    assert_eq!(ring.nodes[2].status(Instant::now()).round, Some(0));
     ring.nodes[2].combined(0, 0, "x".into(), &mut Vec::new());
-    assert!(ring.nodes[2].status().synced);
-    assert_eq!(ring.nodes[2].status().round, Some(1));
+    assert!(ring.nodes[2].status(Instant::now()).synced);
+    assert_eq!(ring.nodes[2].status(Instant::now()).round, Some(1));
     assert_eq!(ring.nodes[2].step_limit(), 5);
 }
 
@@ -684,11 +691,11 @@ fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
         carried_state: false,
     };
     node.combined(1, 1, "gradient".into(), &mut Vec::new());
-    assert!(!node.status().synced);
+    assert!(!node.status(Instant::now()).synced);
     assert!(
-        node.status().digests.is_empty(),
+        node.status(Instant::now()).digests.is_empty(),
         "{:?}",
-        node.status().digests
+        node.status(Instant::now()).digests
     );
     // Round 4 sums parameters: the node leaves it with the members' mean.
     node.round = Some(4);
@@ -696,8 +703,11 @@ fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
         carried_state: false,
     };
     node.combined(4, 4, "params".into(), &mut Vec::new());
-    assert!(node.status().synced);
-    assert_eq!(node.status().digests, vec![(4, "params".to_string())]);
+    assert!(node.status(Instant::now()).synced);
+    assert_eq!(
+        node.status(Instant::now()).digests,
+        vec![(4, "params".to_string())]
+    );
 }
 
 #[test]
@@ -709,7 +719,10 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
     ring.bring_to_boundary(0, now);
     ring.nodes[0].undelivered(ring.ids[1], 0, 0, now);
     assert_eq!(
-        ring.nodes[0].status().aborted.get("hop undelivered"),
+        ring.nodes[0]
+            .status(Instant::now())
+            .aborted
+            .get("hop undelivered"),
         Some(&1)
     );
     // ... while the mesh went on: node 1 is at round 3 and sends it its first hop.
@@ -728,7 +741,7 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
     // Its heartbeat says so too: the only other member is past node 0's round.
     ring.nodes[0].heard(ring.ids[1], &ready_in(Some(3), None), now);
     ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert_eq!((st.round, st.attempt, st.synced), (Some(3), 2, false));
     // It joined that attempt at once, contributing nothing of its own.
     let sent: Vec<&RingMessage> = out
@@ -754,7 +767,7 @@ fn a_hop_past_any_meshs_round_attempt_or_step_is_an_offence_and_changes_nothing(
     let now = Instant::now();
     ring.hear_all(now);
     ring.bring_to_boundary(0, now);
-    let before = ring.nodes[0].status();
+    let before = ring.nodes[0].status(Instant::now());
     for (round, attempt, step) in [
         (u64::MAX, 0, 0),
         (ROUND_LIMIT, 0, 0),
@@ -773,23 +786,41 @@ fn a_hop_past_any_meshs_round_attempt_or_step_is_an_offence_and_changes_nothing(
                 if *peer == ring.ids[1] && *p == ring.ids[1]),
             "round {round} attempt {attempt}: {out:?}"
         );
-        let st = ring.nodes[0].status();
+        let st = ring.nodes[0].status(Instant::now());
         assert_eq!((st.round, st.attempt), (before.round, before.attempt));
         assert!(ring.nodes[0].inbox.is_empty());
     }
-    // The last round and attempt below the limits are taken as any later ones are (once
-    // the other member says it is past this node's round).
-    let mut out = Vec::new();
+    // Between the limits a member follows and those of offences, a hop is dropped: no
+    // offence, nothing taken.
     ring.nodes[0].heard(ring.ids[1], &ready_in(Some(ROUND_LIMIT - 1), None), now);
+    for (round, attempt) in [
+        (ROUND_LIMIT - 1, 0),
+        (FOLLOWED_ROUND_LIMIT, 0),
+        (1, FOLLOWED_ATTEMPT_LIMIT),
+    ] {
+        let mut out = Vec::new();
+        let msg = RingMessage {
+            attempt,
+            ..next_round_hop(&ring, round)
+        };
+        ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        let st = ring.nodes[0].status(Instant::now());
+        assert_eq!((st.round, st.attempt), (before.round, before.attempt));
+        assert!(ring.nodes[0].inbox.is_empty());
+    }
+    // The last round and attempt below those are taken as any later ones are (once the
+    // other member says it is past this node's round).
+    let mut out = Vec::new();
     let msg = RingMessage {
-        attempt: ATTEMPT_LIMIT - 1,
-        ..next_round_hop(&ring, ROUND_LIMIT - 1)
+        attempt: FOLLOWED_ATTEMPT_LIMIT - 1,
+        ..next_round_hop(&ring, FOLLOWED_ROUND_LIMIT - 1)
     };
     ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert_eq!(
         (st.round, st.attempt),
-        (Some(ROUND_LIMIT - 1), ATTEMPT_LIMIT - 1)
+        (Some(FOLLOWED_ROUND_LIMIT - 1), FOLLOWED_ATTEMPT_LIMIT - 1)
     );
 }
 
@@ -817,13 +848,13 @@ fn an_attempt_without_hops_gives_way_to_a_member_already_in_the_next_round() {
     let now = Instant::now();
     ring.hear_all(now);
     ring.bring_to_boundary(0, now);
-    assert_eq!(ring.nodes[0].status().ring_size, 2);
+    assert_eq!(ring.nodes[0].status(Instant::now()).ring_size, 2);
     let msg = next_round_hop(&ring, 1);
     let mut out = Vec::new();
     // Node 1's heartbeat says it is past round 0: node 0's parameters are not the mesh's.
     ring.nodes[0].heard(ring.ids[1], &ready_in(Some(1), None), now);
     ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert_eq!((st.round, st.synced), (Some(1), false), "{st:?}");
     assert!(out
         .iter()
@@ -857,7 +888,7 @@ fn one_members_hop_of_a_later_round_hijacks_nothing() {
     // Each took round 1000's number and kept its weight (taken at node 1's word, nodes 0, 2
     // and 3 would be unsynced, at weight 0, and node 1's parameters alone the mean).
     for i in 0..n {
-        let st = ring.nodes[i].status();
+        let st = ring.nodes[i].status(Instant::now());
         assert_eq!(
             (st.round, st.synced),
             (Some(1000), true),
@@ -881,7 +912,7 @@ fn one_members_hop_of_a_later_round_hijacks_nothing() {
             "member {i}"
         );
         ring.nodes[i].combined(1000, 0, "params".into(), &mut Vec::new());
-        let st = ring.nodes[i].status();
+        let st = ring.nodes[i].status(Instant::now());
         assert_eq!(
             (st.round, st.synced),
             (Some(1001), true),
@@ -904,7 +935,7 @@ fn one_members_hop_of_a_later_round_hijacks_nothing() {
     let mut out = Vec::new();
     let later = next_round_hop(&ring, 1005);
     ring.nodes[0].message(ring.ids[2], later, now, &mut out);
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert_eq!((st.round, st.synced), (Some(1005), false), "{st:?}");
 }
 
@@ -931,19 +962,19 @@ fn a_last_hop_that_never_comes_gives_way_to_the_next_round_soon() {
     // ... and a hop of the next round waits for the last hop of this one ...
     let next = next_round_hop(&ring, 1);
     ring.nodes[0].message(ring.ids[1], next, now, &mut out);
-    assert_eq!(ring.nodes[0].status().round, Some(0));
+    assert_eq!(ring.nodes[0].status(Instant::now()).round, Some(0));
     // ... but not for long.
     ring.nodes[0].tick(5, true, now + LATE_ROUND_WAIT / 2, &mut out);
-    assert_eq!(ring.nodes[0].status().round, Some(0));
+    assert_eq!(ring.nodes[0].status(Instant::now()).round, Some(0));
     let later = now + LATE_ROUND_WAIT;
     ring.nodes[0].tick(5, true, later, &mut out);
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert_eq!(st.aborted.get("the mesh went on"), Some(&1), "{st:?}");
     // The retry takes the mesh's round, with weight 0: node 1's heartbeat (every 2 s, as
     // long as the wait) says it is past round 0.
     ring.nodes[0].heard(ring.ids[1], &ready_in(Some(1), None), later);
     ring.nodes[0].tick(5, true, later + RETRY_PAUSE, &mut out);
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert_eq!((st.round, st.synced), (Some(1), false), "{st:?}");
 }
 
@@ -970,7 +1001,7 @@ fn a_last_hop_that_comes_after_the_next_rounds_first_still_completes_the_round()
     ring.nodes[0].message(ring.ids[1], next, now, &mut out);
     ring.nodes[0].tick(5, true, now + LATE_ROUND_WAIT / 2, &mut out);
     ring.nodes[0].message(ring.ids[1], hop(1), now + LATE_ROUND_WAIT / 2, &mut out);
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert!(st.aborted.is_empty(), "{st:?}");
     assert!(
         out.iter()
@@ -1030,7 +1061,10 @@ fn hostile_hops_are_offences_and_never_reach_the_mean() {
         .iter()
         .any(|o| matches!(o, Output::Penalise(p) if *p == from)));
     assert_eq!(
-        ring.nodes[0].status().aborted.get("hop of the wrong size"),
+        ring.nodes[0]
+            .status(Instant::now())
+            .aborted
+            .get("hop of the wrong size"),
         Some(&1)
     );
 }
@@ -1058,10 +1092,10 @@ fn a_diloco_ring_carries_the_state_only_while_a_member_needs_it() {
     ring.nodes[0].heard(ring.ids[2], &ready_in(None, None), now);
     ring.run(now, &[true; 3]);
     assert!(ring.means.iter().all(Option::is_none), "{:?}", ring.means);
-    assert!(ring
-        .nodes
-        .iter()
-        .any(|n| n.status().aborted.contains_key("member lists differ")));
+    assert!(ring.nodes.iter().any(|n| n
+        .status(Instant::now())
+        .aborted
+        .contains_key("member lists differ")));
 
     // Everyone heard it: the state travels, the synced members' parts make the mean.
     let later = now + RETRY_PAUSE;
@@ -1080,12 +1114,12 @@ fn a_diloco_ring_carries_the_state_only_while_a_member_needs_it() {
             mean.as_deref(),
             Some(&expected[..]),
             "node {i}: {:?}",
-            ring.nodes[i].status()
+            ring.nodes[i].status(Instant::now())
         );
     }
     for i in 0..3 {
         ring.nodes[i].combined(0, 5, format!("d{i}"), &mut Vec::new());
-        assert!(ring.nodes[i].status().synced && !ring.nodes[i].needs_state());
+        assert!(ring.nodes[i].status(Instant::now()).synced && !ring.nodes[i].needs_state());
     }
 
     // Round 1: nobody needs the state, the parameters travel alone.
@@ -1192,12 +1226,12 @@ fn a_diloco_member_that_took_a_later_rounds_number_unproven_asks_for_the_state()
     assert!(!ring.nodes[0].needs_state());
     let hop = next_round_hop(&ring, 7);
     ring.nodes[0].message(ring.ids[1], hop, now, &mut out);
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert_eq!((st.round, st.synced), (Some(7), true), "{st:?}");
     assert!(ring.nodes[0].needs_state());
     // A restore resets it with the rest.
     ring.nodes[0].restored(0);
-    assert!(!ring.nodes[0].status().synced);
+    assert!(!ring.nodes[0].status(Instant::now()).synced);
 }
 
 /// The inbox is bounded in values as well as in hops: the oldest rounds give way to newer
@@ -1236,18 +1270,18 @@ fn a_refused_mean_leaves_members_synced_until_they_refused_several_in_a_row() {
     // The founding round: taken by both.
     ring.run(now, &[true; 2]);
     for i in 0..2 {
-        let round = ring.nodes[i].status().round.expect("round");
+        let round = ring.nodes[i].status(Instant::now()).round.expect("round");
         ring.nodes[i].combined(round, 0, "d".into(), &mut Vec::new());
     }
     ring.means = vec![None, None];
-    let round = ring.nodes[0].status().round;
+    let round = ring.nodes[0].status(Instant::now()).round;
     for refusals in 1..=REFUSALS_BEFORE_UNSYNCED {
         ring.run(now + Duration::from_secs(u64::from(refusals)), &[true; 2]);
         for i in 0..2 {
             assert!(ring.means[i].take().is_some(), "a mean to refuse");
             ring.nodes[i].combine_failed();
         }
-        let st = ring.nodes[0].status();
+        let st = ring.nodes[0].status(Instant::now());
         assert_eq!(st.round, round, "the same round is retried");
         assert_eq!(
             st.synced,
@@ -1331,7 +1365,7 @@ fn one_hostile_member_of_four_poisons_no_round() {
                 "{name}: {got:?} {want:?}"
             );
             assert_eq!(
-                ring.nodes[i].status().parts_refused,
+                ring.nodes[i].status(Instant::now()).parts_refused,
                 1,
                 "{name}: member {i}"
             );
@@ -1353,7 +1387,7 @@ fn one_hostile_member_of_four_poisons_no_round() {
         );
         for i in honest {
             assert!(ring.means[i].is_none(), "{name}: member {i} adopted it");
-            let st = ring.nodes[i].status();
+            let st = ring.nodes[i].status(Instant::now());
             assert_eq!(
                 st.aborted.get("aggregate refused"),
                 Some(&1),
@@ -1415,7 +1449,7 @@ fn one_hostile_member_of_four_poisons_no_round() {
     );
     let clipped: u64 = honest
         .iter()
-        .map(|i| ring.nodes[*i].status().parts_clipped)
+        .map(|i| ring.nodes[*i].status(Instant::now()).parts_clipped)
         .sum();
     assert!(clipped > 0);
 }
@@ -1470,7 +1504,7 @@ fn a_member_that_is_not_synced_refuses_a_huge_aggregate_too() {
     ring.hear_all(now);
     ring.run(now, &[true; 4]);
     assert!(ring.means.iter().take(3).all(Option::is_none));
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert_eq!(st.aborted.get("aggregate refused"), Some(&1), "{st:?}");
     assert_eq!(ring.blamed, vec![3; 3]);
 }
@@ -1498,7 +1532,7 @@ fn a_direct_ring_aborts_on_a_refused_part() {
     let queue = ring.combine_round_zero();
     ring.carry(queue, now, &alive);
     assert!(ring.means[0].is_none(), "member 0 took a mean");
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert_eq!(st.aborted.get("part refused"), Some(&1), "{st:?}");
     assert_eq!(ring.blamed, vec![1]);
 }
@@ -1536,7 +1570,7 @@ fn parts_are_judged_before_an_attempt_aborts_on_lists_that_differ() {
     blamed.sort();
     assert_eq!(blamed, vec![3, 3], "members 1 and 2 each blame the rogue");
     for i in 0..3 {
-        let st = ring.nodes[i].status();
+        let st = ring.nodes[i].status(Instant::now());
         assert_eq!(
             st.aborted.get("member lists differ"),
             Some(&1),
@@ -1553,7 +1587,7 @@ fn parts_are_judged_before_an_attempt_aborts_on_lists_that_differ() {
     ring.run(now, &alive);
     let aborts = |ring: &Ring| {
         ring.nodes[1]
-            .status()
+            .status(Instant::now())
             .aborted
             .get("member lists differ")
             .copied()
@@ -1642,7 +1676,7 @@ fn a_member_outvoted_on_a_peer_it_left_out_sits_out_and_the_rest_go_on() {
                     _ if i == j => continue,
                     (0, 3) => continue,
                     (_, 0) if ring.nodes[0].sitting_out(now) => not_ready.clone(),
-                    _ => ready_in(ring.nodes[j].status().round, None),
+                    _ => ready_in(ring.nodes[j].status(Instant::now()).round, None),
                 };
                 let id = ring.ids[j];
                 ring.nodes[i].heard(id, &word, now);
@@ -1669,7 +1703,7 @@ fn a_member_outvoted_on_a_peer_it_left_out_sits_out_and_the_rest_go_on() {
         ring.means[1..].iter().all(Option::is_some),
         "the three completed no round"
     );
-    let st = ring.nodes[0].status();
+    let st = ring.nodes[0].status(Instant::now());
     assert_eq!(st.aborted.get("sat out"), Some(&1), "{st:?}");
     assert_eq!(st.round, None, "member 0 comes back as a joiner");
     assert_eq!(ring.offences, 0);
@@ -1692,7 +1726,7 @@ fn a_member_most_others_left_out_is_left_out() {
         for i in 0..4 {
             for j in 0..4 {
                 if i != j && !ring.cut.contains(&(j, i)) {
-                    let word = ready_in(ring.nodes[j].status().round, None);
+                    let word = ready_in(ring.nodes[j].status(Instant::now()).round, None);
                     let id = ring.ids[j];
                     ring.nodes[i].heard(id, &word, now);
                 }
@@ -1711,6 +1745,167 @@ fn a_member_most_others_left_out_is_left_out() {
     assert!(ring.means[..3]
         .iter()
         .all(|m| bits(m.as_ref().expect("mean")) == first));
-    assert_eq!(ring.nodes[0].status().ring_size, 3);
+    assert_eq!(ring.nodes[0].status(Instant::now()).ring_size, 3);
     assert_eq!(ring.offences, 0);
+}
+
+/// Every member hears every other ready, member `k` saying it is at `k_step` (the others at
+/// step 0).
+fn hear_all_with_step(ring: &mut Ring, k: usize, k_step: u64, now: Instant) {
+    for i in 0..ring.nodes.len() {
+        for j in (0..ring.nodes.len()).filter(|j| *j != i) {
+            let word = Heartbeat {
+                step: if j == k { k_step } else { 0 },
+                ..ready_in(ring.nodes[j].status(now).round, None)
+            };
+            let id = ring.ids[j];
+            ring.nodes[i].heard(id, &word, now);
+        }
+    }
+}
+
+/// Member 3 takes every hop and sends none, while its heartbeats say it is at the boundary
+/// (its step does not move): each honest member's attempt stalls, leaves it out at once
+/// (no offence: a stall proves nothing), and the three complete the round without it. When
+/// the leave-out ends, the next stall leaves it out for twice as long.
+#[test]
+fn a_member_an_attempt_stalls_on_at_the_boundary_is_left_out_for_longer_each_time() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    let alive = [true; 4];
+    ring.cut = (0..3).map(|j| (3, j)).collect();
+    let t0 = Instant::now();
+    hear_all_with_step(&mut ring, 3, 5, t0);
+    ring.run(t0, &alive);
+    assert!(ring.means.iter().all(Option::is_none));
+    let stalled = t0 + STALL_TIMEOUT;
+    hear_all_with_step(&mut ring, 3, 5, stalled);
+    ring.run(stalled, &alive);
+    for node in &ring.nodes[..3] {
+        let st = node.status(stalled);
+        assert_eq!(st.aborted.get("stalled"), Some(&1), "{st:?}");
+        assert_eq!(st.aborted.get("left a staller out"), Some(&1), "{st:?}");
+        assert_eq!(st.left_out, vec![ring.ids[3].to_string()]);
+    }
+    let retry = stalled + RETRY_PAUSE;
+    hear_all_with_step(&mut ring, 3, 5, retry);
+    ring.run(retry, &alive);
+    assert!(
+        ring.means[..3].iter().all(Option::is_some),
+        "the three completed no round"
+    );
+    let first = bits(ring.means[0].as_ref().expect("mean"));
+    assert!(ring.means[..3]
+        .iter()
+        .all(|m| bits(m.as_ref().expect("mean")) == first));
+    assert_eq!(ring.offences, 0, "a stall is no offence");
+    // The next round, after the leave-out ended: it stalls once more, and is left out for
+    // twice as long.
+    let back = stalled + lists::SIT_OUT;
+    let queue = ring.combine_round_zero();
+    hear_all_with_step(&mut ring, 3, 5, back);
+    ring.carry(queue, back, &alive);
+    ring.run(back, &alive);
+    assert!(ring.nodes[0].status(back).left_out.is_empty());
+    assert_eq!(ring.nodes[0].status(back).ring_size, 4);
+    let again = back + STALL_TIMEOUT;
+    hear_all_with_step(&mut ring, 3, 5, again);
+    ring.run(again, &alive);
+    for node in &ring.nodes[..3] {
+        let st = node.status(again);
+        assert_eq!(st.aborted.get("left a staller out"), Some(&2), "{st:?}");
+        assert!(!st.left_out.is_empty(), "{st:?}");
+        assert!(!node
+            .status(again + lists::SIT_OUT * 3 / 2)
+            .left_out
+            .is_empty());
+        assert!(node.status(again + lists::SIT_OUT * 2).left_out.is_empty());
+    }
+}
+
+/// Member 3 is slower: still training towards the boundary (it takes hops, and keeps them
+/// for when it gets there), its heartbeats' steps moving. The attempt that waited for it
+/// stalls and is retried with it, never leaving it out; once it reaches the boundary the
+/// round completes with all four.
+#[test]
+fn a_member_still_training_towards_the_boundary_is_waited_for_not_left_out() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    let alive = [true; 4];
+    // The three at the boundary tick; member 3 only takes hops.
+    let tick_three = |ring: &mut Ring, now: Instant| {
+        let mut queue = VecDeque::new();
+        for i in 0..3 {
+            let mut out = Vec::new();
+            let step = ring.nodes[i].step_limit();
+            ring.nodes[i].tick(step, true, now, &mut out);
+            queue.extend(out.into_iter().map(|o| (i, o)));
+        }
+        ring.carry(queue, now, &alive);
+    };
+    let t0 = Instant::now();
+    hear_all_with_step(&mut ring, 3, 1, t0);
+    tick_three(&mut ring, t0);
+    let stalled = t0 + STALL_TIMEOUT;
+    hear_all_with_step(&mut ring, 3, 4, stalled);
+    tick_three(&mut ring, stalled);
+    let retry = stalled + RETRY_PAUSE;
+    tick_three(&mut ring, retry);
+    for node in &ring.nodes[..3] {
+        let st = node.status(retry);
+        assert_eq!(st.aborted.get("stalled"), Some(&1), "{st:?}");
+        assert_eq!(st.aborted.get("left a staller out"), None, "{st:?}");
+        assert!(st.left_out.is_empty(), "{st:?}");
+        assert_eq!(st.ring_size, 4, "{st:?}");
+    }
+    assert!(ring.means.iter().all(Option::is_none));
+    // It reaches the boundary and the round completes with all four.
+    ring.run(retry, &alive);
+    assert!(
+        ring.means.iter().all(Option::is_some),
+        "no round with all four"
+    );
+    assert_eq!(ring.offences, 0);
+}
+
+/// A rogue whose hops name a round or an attempt past half the limits (where hops become
+/// offences): no member follows it there (followed, one member's hops would carry every
+/// member's counters to the limit, and then the honest members' own hops would be offences
+/// to each other). Its hops reach nothing, the attempt stalls, it is left out, and the three
+/// complete round 0.
+#[test]
+fn no_member_follows_a_hop_to_counters_near_their_limits() {
+    for (name, far) in [
+        ("round", (ROUND_LIMIT / 2, 0)),
+        ("attempt", (0, ATTEMPT_LIMIT / 2)),
+    ] {
+        let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+        ring.rogue = Some((
+            3,
+            Box::new(move |m: &mut RingMessage, _| {
+                m.round += far.0;
+                m.attempt += far.1;
+            }),
+        ));
+        let t0 = Instant::now();
+        hear_all_with_step(&mut ring, 3, 5, t0);
+        ring.run(t0, &[true; 4]);
+        for node in &ring.nodes[..3] {
+            let st = node.status(t0);
+            assert_eq!((st.round, st.attempt), (Some(0), 0), "{name}: {st:?}");
+        }
+        let stalled = t0 + STALL_TIMEOUT;
+        hear_all_with_step(&mut ring, 3, 5, stalled);
+        ring.run(stalled, &[true; 4]);
+        let retry = stalled + RETRY_PAUSE;
+        ring.run(retry, &[true; 4]);
+        assert!(
+            ring.means[..3].iter().all(Option::is_some),
+            "{name}: the three completed no round"
+        );
+        for node in &ring.nodes[..3] {
+            let st = node.status(retry);
+            assert_eq!(st.round, Some(0), "{name}: {st:?}");
+            assert_eq!(st.left_out, vec![ring.ids[3].to_string()], "{name}");
+        }
+        assert_eq!(ring.offences, 0, "{name}");
+    }
 }

@@ -6,7 +6,7 @@
 //! honest members banned the rogue with the reason in status and that every honest member
 //! leaves it out of its rounds (one whose members mostly left it out does so too, banned or
 //! not: `Rounds::lists_differ`). A claimed weight is no proof: it is bounded, and the rogue
-//! stays a member.
+//! stays a member. A stall is no proof either: the rogue is left out, not banned.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -17,8 +17,8 @@ use crate::mesh::{config, listen_addr, start};
 use crate::modes::assert_identical;
 
 /// Node `k`'s config of `mode`: its own third of the digits, evaluated every 100 steps;
-/// `debug` lines go into the `[debug]` table.
-fn member_config(dir: &Path, name: &str, mode: &str, k: usize, debug: &str) -> PathBuf {
+/// `debug` lines go into the `[debug]` table, `sync` lines into `[sync]`.
+fn member_config(dir: &Path, name: &str, mode: &str, k: usize, debug: &str, sync: &str) -> PathBuf {
     config(
         dir,
         &format!("{name}.toml"),
@@ -26,8 +26,20 @@ fn member_config(dir: &Path, name: &str, mode: &str, k: usize, debug: &str) -> P
             ("threads = 1", &format!("threads = 1\nshard = \"{k}/3\"")),
             ("eval_every = 500", "eval_every = 100"),
         ],
-        &format!("{debug}\n[sync]\nmode = \"{mode}\"\n"),
+        &format!("{debug}\n[sync]\nmode = \"{mode}\"\n{sync}\n"),
     )
+}
+
+/// What the honest members make of the rogue.
+#[derive(Clone, Copy, PartialEq)]
+enum Expect {
+    /// Its hops are proof: most honest members ban it, and the three go on without it.
+    Banned,
+    /// Nothing it does is proof, and it is bounded: the four go on together.
+    Kept,
+    /// It stalls every attempt it is in: each honest member leaves it out (no ban, no
+    /// offence), and the three go on without it between its leave-outs.
+    LeftOut,
 }
 
 fn rounds(s: &Value) -> &Value {
@@ -46,13 +58,13 @@ fn ban_of<'a>(s: &'a Value, peer: &str) -> Option<&'a Value> {
         .find(|b| b["peer_id"] == peer)
 }
 
-/// Three honest members of `mode` and a rogue doing `attack`; when `proven`, most honest
-/// members ban the rogue, and the three go on without it; otherwise the four go on together.
-fn one_rogue_among_four(mode: &str, attack: &str, proven: bool) {
+/// Three honest members of `mode` and a rogue doing `attack`, with `sync` lines in every
+/// member's config; what becomes of the rogue is `expect`.
+fn one_rogue_among_four(mode: &str, attack: &str, expect: Expect, sync: &str) {
     let _cores = crate::harness::cpu_sensitive();
     let tmp = tempfile::tempdir().expect("tmp");
     let honest_cfg: Vec<PathBuf> = (0..3)
-        .map(|k| member_config(tmp.path(), &format!("h{k}"), mode, k, ""))
+        .map(|k| member_config(tmp.path(), &format!("h{k}"), mode, k, "", sync))
         .collect();
     let rogue_cfg = member_config(
         tmp.path(),
@@ -60,6 +72,7 @@ fn one_rogue_among_four(mode: &str, attack: &str, proven: bool) {
         mode,
         0,
         &format!("ring_attack = \"{attack}\"\n"),
+        sync,
     );
     let a = start(tmp.path(), "a", &honest_cfg[0], None, &[]);
     let addr = listen_addr(&a);
@@ -81,7 +94,7 @@ fn one_rogue_among_four(mode: &str, attack: &str, proven: bool) {
         .iter()
         .map(|n| completed(&n.status().expect("status")))
         .collect();
-    if proven {
+    if expect == Expect::Banned {
         // Most honest members ban it; one that did not yet, with most of its members leaving
         // the rogue out, leaves it out too (its hops then reach nothing it judges).
         let statuses = crate::harness::eventually(
@@ -109,6 +122,19 @@ fn one_rogue_among_four(mode: &str, attack: &str, proven: bool) {
             let reason = ban["reason"].as_str().unwrap_or("");
             assert!(reason.contains("ring"), "{ban}");
         }
+    } else if expect == Expect::LeftOut {
+        for n in honest {
+            let s = n.wait_status("the rogue left out", Duration::from_secs(60), |s| {
+                rounds(s)["left_out"]
+                    .as_array()
+                    .is_some_and(|l| l.iter().any(|p| p == rogue_id.as_str()))
+            });
+            eprintln!(
+                "{mode}/{attack}: left out {:.1} s after the rogue started; aborted {}",
+                joined.elapsed().as_secs_f64(),
+                rounds(&s)["aborted"],
+            );
+        }
     } else {
         for n in honest {
             n.wait_status("rounds of four", Duration::from_secs(60), |s| {
@@ -117,15 +143,21 @@ fn one_rogue_among_four(mode: &str, attack: &str, proven: bool) {
         }
     }
     // The honest members go on completing rounds, in a ring without the rogue where it is
-    // banned, with it where it is not.
-    let ring = if proven { 3 } else { 4 };
+    // banned, with it where it is kept (a staller is in the ring again each time its
+    // leave-out ends, until the attempt stalls).
+    let ring = match expect {
+        Expect::Banned => Some(3),
+        Expect::Kept => Some(4),
+        Expect::LeftOut => None,
+    };
     let at: Vec<u64> = honest
         .iter()
         .map(|n| completed(&n.status().expect("status")))
         .collect();
     for (n, done) in honest.iter().zip(&at) {
         n.wait_status("rounds after the attack", Duration::from_secs(60), |s| {
-            completed(s) >= done + 10 && rounds(s)["ring_size"].as_u64() == Some(ring)
+            completed(s) >= done + 10
+                && ring.is_none_or(|size| rounds(s)["ring_size"].as_u64() == Some(size))
         });
     }
     assert_identical(&honest);
@@ -149,7 +181,7 @@ fn one_rogue_among_four(mode: &str, attack: &str, proven: bool) {
             .as_array()
             .into_iter()
             .flatten()
-            .all(|b| b["peer_id"] == rogue_id.as_str()));
+            .all(|b| b["peer_id"] == rogue_id.as_str() && expect == Expect::Banned));
     }
     drop(rogue);
 }
@@ -158,19 +190,42 @@ fn one_rogue_among_four(mode: &str, attack: &str, proven: bool) {
 /// nothing, its aggregates are refused, it is banned, and the three go on.
 #[test]
 fn allreduce_bans_a_member_that_poisons_its_hops() {
-    one_rogue_among_four("allreduce", "poison", true);
+    one_rogue_among_four("allreduce", "poison", Expect::Banned, "");
 }
 
 /// `diloco`, a rogue whose hops carry 1e30 (a mean that would make every member diverge):
 /// refused, banned, and no honest process exits.
 #[test]
 fn diloco_bans_a_member_whose_hops_would_kill_the_mesh() {
-    one_rogue_among_four("diloco", "kill", true);
+    one_rogue_among_four("diloco", "kill", Expect::Banned, "");
 }
 
 /// `fedavg`, a rogue that claims 1e9 samples: bounded at four times the median member's
 /// weight; no proof, no ban; the four go on with bit-identical parameters among the honest.
 #[test]
 fn fedavg_bounds_a_member_that_claims_a_huge_weight() {
-    one_rogue_among_four("fedavg", "weight", false);
+    one_rogue_among_four("fedavg", "weight", Expect::Kept, "");
+}
+
+/// `allreduce`, a rogue that takes every hop and sends none, while its heartbeats say it is
+/// ready: each attempt with it stalls (after 3 s here), every honest member leaves it out
+/// (for 10 s, then twice as long each time), and the three go on. A stall proves nothing:
+/// no ban, no offence.
+#[test]
+fn allreduce_leaves_out_a_member_that_stalls_every_attempt() {
+    one_rogue_among_four(
+        "allreduce",
+        "stall",
+        Expect::LeftOut,
+        "stall_timeout_secs = 3",
+    );
+}
+
+/// `diloco`, a rogue whose hops name a round 1,000 past theirs: one member's hop is no proof
+/// that the mesh is past a round (`Rounds::adopt_newer_round`), so every honest member keeps
+/// its weight and takes the number only; the four go on together, the honest members
+/// bit-identical, and a hop past half the limits is followed by nobody.
+#[test]
+fn diloco_keeps_its_weights_against_a_member_that_names_later_rounds() {
+    one_rogue_among_four("diloco", "hijack", Expect::Kept, "");
 }

@@ -21,7 +21,8 @@ pub enum RingAttack {
     Weight,
     /// It takes every hop and sends none: each attempt with it stalls.
     Stall,
-    /// Its hops name a round 1,000 past the one they belong to.
+    /// Its hops name a round a million past the one they belong to: further than a member
+    /// follows one member (`rounds::ROUND_JUMP`), still far below where hops are offences.
     Hijack,
 }
 
@@ -30,7 +31,7 @@ impl RingAttack {
     pub fn apply(self, mut msg: RingMessage) -> Option<RingMessage> {
         match self {
             RingAttack::Stall => return None,
-            RingAttack::Hijack => msg.round = msg.round.saturating_add(1000),
+            RingAttack::Hijack => msg.round = msg.round.saturating_add(1_000_000),
             RingAttack::Poison => rewrite(&mut msg, |values| {
                 let n = values.len().saturating_sub(1);
                 values[..n].iter_mut().for_each(|v| *v += 1e6);
@@ -119,6 +120,6 @@ mod tests {
         assert_eq!(values(&aggregate), vec![1.0, 3.0]);
         assert!(RingAttack::Stall.apply(honest.clone()).is_none());
         let hijack = RingAttack::Hijack.apply(honest).expect("sent");
-        assert_eq!(hijack.round, 1003);
+        assert_eq!(hijack.round, 1_000_003);
     }
 }

@@ -221,11 +221,16 @@ fn allreduce_leaves_out_a_member_that_stalls_every_attempt() {
     );
 }
 
-/// `diloco`, a rogue whose hops name a round 1,000 past theirs: one member's hop is no proof
-/// that the mesh is past a round (`Rounds::adopt_newer_round`), so every honest member keeps
-/// its weight and takes the number only; the four go on together, the honest members
-/// bit-identical, and a hop past half the limits is followed by nobody.
+/// `diloco`, a rogue whose hops name a round a million past theirs: further than a member follows
+/// one member's word (`rounds::ROUND_JUMP`, unless most members' heartbeats say they are
+/// past its round), so its hops reach nothing, each attempt with it stalls (after 3 s
+/// here), every honest member leaves it out, and the three go on. No proof, no ban.
 #[test]
-fn diloco_keeps_its_weights_against_a_member_that_names_later_rounds() {
-    one_rogue_among_four("diloco", "hijack", Expect::Kept, "");
+fn diloco_leaves_out_a_member_whose_hops_name_later_rounds() {
+    one_rogue_among_four(
+        "diloco",
+        "hijack",
+        Expect::LeftOut,
+        "stall_timeout_secs = 3",
+    );
 }

@@ -11,8 +11,9 @@ use libp2p::PeerId;
 use super::ring::{all_finite, decode_values, AGGREGATE, PART};
 use super::robust::aggregate;
 use super::{
-    Hop, HopKey, Output, Rounds, Stage, ATTEMPT_LIMIT, FOLLOWED_ATTEMPT_LIMIT,
-    FOLLOWED_ROUND_LIMIT, INBOX_CAP, INBOX_VALUES, ROUND_LIMIT, STEP_LIMIT, WEIGHT_LIMIT,
+    Hop, HopKey, Output, Rounds, Stage, ATTEMPT_JUMP, ATTEMPT_LIMIT, FOLLOWED_ATTEMPT_LIMIT,
+    FOLLOWED_ROUND_LIMIT, INBOX_CAP, INBOX_VALUES, ROUND_JUMP, ROUND_LIMIT, STEP_LIMIT,
+    WEIGHT_LIMIT,
 };
 use crate::wire::RingMessage;
 
@@ -62,12 +63,8 @@ impl Rounds {
             );
             return;
         }
-        // No member is followed past half the limits (a span no mesh reaches either):
-        // followed there, one member's hops would carry every member's counters towards the
-        // limits, where their own hops would be offences to each other. Not an offence
-        // itself: nothing shows which member is past.
-        if msg.round >= FOLLOWED_ROUND_LIMIT || msg.attempt >= FOLLOWED_ATTEMPT_LIMIT {
-            tracing::debug!(peer = %from, round = msg.round, attempt = msg.attempt, "a ring hop past the counters a member follows; dropped");
+        if self.too_far(&msg, now) {
+            tracing::debug!(peer = %from, round = msg.round, attempt = msg.attempt, "a ring hop further ahead than a member follows; dropped");
             return;
         }
         // A hop is proof that its sender takes part in rounds now.
@@ -121,6 +118,28 @@ impl Rounds {
         }
         self.keep(key, hop);
         self.drain(now, out);
+    }
+
+    /// Whether `msg` names a round or attempt further ahead than this node follows a single
+    /// member: at or past half the limits (followed there, one member's hops would carry
+    /// every member towards the limits, where their own hops are offences to each other),
+    /// more than [`ROUND_JUMP`] rounds past both this node's round and the one most members'
+    /// heartbeats say they reached ([`Rounds::round_said_by_most`]), or more than
+    /// [`ATTEMPT_JUMP`] attempts ahead in its round. Not an offence: nothing shows which
+    /// member is wrong. A hop of this node's own round and attempt is always taken.
+    fn too_far(&self, msg: &RingMessage, now: Instant) -> bool {
+        let past_half = msg.round >= FOLLOWED_ROUND_LIMIT || msg.attempt >= FOLLOWED_ATTEMPT_LIMIT;
+        let said = self.round_said_by_most(now);
+        match self.round {
+            None => past_half || said.is_some_and(|s| msg.round - s.min(msg.round) > ROUND_JUMP),
+            Some(r) if msg.round > r => {
+                past_half || msg.round - r.max(said.unwrap_or(0)).min(msg.round) > ROUND_JUMP
+            }
+            Some(r) if msg.round == r && msg.attempt > self.attempt => {
+                past_half || msg.attempt - self.attempt > ATTEMPT_JUMP
+            }
+            _ => false,
+        }
     }
 
     /// Drops the attempt under way (if any) and starts again at once, with what the inbox

@@ -127,11 +127,11 @@ impl Lists {
         })
     }
 
-    /// An attempt stalled waiting for `peer`, which said it was at the boundary (its steps
-    /// did not move while this node waited): it is left out at once, no vote needed (the
-    /// stall itself took `sync.stall_timeout_secs`, and every member waiting for it sees
-    /// the same), for [`SIT_OUT`] the first time and twice as long each time after, up to
-    /// [`LONGEST`]. A stall proves nothing (a hung trainer, a link gone quiet): this is no
+    /// An attempt stalled waiting for `peer` (see `Rounds::stalled`): it is left out at
+    /// once, no vote needed (the stall itself took `sync.stall_timeout_secs`, and the other
+    /// members that waited for it do the same when their own attempts stall, within a tick
+    /// of each other as a rule), for [`SIT_OUT`] the first time and twice as long each time
+    /// after, up to [`LONGEST`]. A stall proves nothing (a hung trainer, a link gone quiet): this is no
     /// offence and no score, only a member the next attempts do not wait for. Answers how
     /// long, or `None` where this node keeps no more records.
     pub fn stalled(&mut self, peer: PeerId, now: Instant) -> Option<Duration> {

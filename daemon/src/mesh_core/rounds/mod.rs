@@ -117,12 +117,32 @@ const WEIGHT_LIMIT: f32 = 1e12;
 const ROUND_LIMIT: u64 = 1 << 48;
 /// Attempts no round takes (2^24: a month of retries, each at least [`RETRY_PAUSE`] apart).
 const ATTEMPT_LIMIT: u32 = 1 << 24;
-/// A hop naming this round or later is not followed (see `hops`): half of [`ROUND_LIMIT`],
-/// so members a rogue carried this far still take 2^47 rounds to reach it.
+/// A hop naming this round or later is not followed (see `hops`): half of [`ROUND_LIMIT`]. A
+/// member's own rounds and attempts go on past it (a hop at its own round and attempt is
+/// always taken); only a jump to it or beyond is refused.
 const FOLLOWED_ROUND_LIMIT: u64 = ROUND_LIMIT / 2;
 /// A hop naming this attempt or later is not followed: half of [`ATTEMPT_LIMIT`] (attempts
 /// start at 0 every round).
 const FOLLOWED_ATTEMPT_LIMIT: u32 = ATTEMPT_LIMIT / 2;
+/// A hop naming a round more than this past both this node's and the one most members'
+/// heartbeats name ([`Rounds::round_said_by_most`]) is not followed: one member's hops would
+/// otherwise carry every member's round counter as far as it likes, a jump at a time. The
+/// heartbeats a member goes by are up to [`READY_FRESH`] (6 s) old, and a `ddp` mesh of a
+/// small model completes 40 rounds a second (a jump of 64 left joiners unable to take the
+/// mesh's round in the integration tests): this is ten times what such a mesh completes in
+/// that time. Carried this far at every hop, a member's round would take 3 x 10^10 hops to
+/// reach half the limit.
+pub const ROUND_JUMP: u64 = 4096;
+/// A hop naming an attempt more than this past this node's is not followed: members of one
+/// round are within a few attempts of each other (a member stuck this far behind is left out
+/// of its attempts, and comes back at the next round).
+pub const ATTEMPT_JUMP: u32 = 256;
+/// Stalls in a round a member waited for is excused while it says it is still training
+/// towards the boundary (or said nothing since the attempt started): the next stall leaves it
+/// out whatever it says. An honest member more than this many stall timeouts behind the rest
+/// of a round (a box far slower than the others, or a `ddp` gradient that takes longer than
+/// the timeout) is left out too, and comes back as any member left out does; no offence.
+pub const STALL_EXCUSES: u32 = 2;
 /// Steps no run reaches (2^48, as a checkpoint's counters are bounded): a hop that carries
 /// one cannot be honest, and an unsynced member would take it as its step.
 const STEP_LIMIT: u64 = 1 << 48;
@@ -270,9 +290,13 @@ pub struct Rounds {
     /// weight for a later round only when most of the others say they are past its own
     /// ([`Rounds::mesh_is_past`]).
     rounds_said: HashMap<PeerId, u64>,
-    /// The trainer step each ready member's last heartbeat named: a member an attempt waits
-    /// for whose step moves is still training towards the boundary (slow, not stalling).
-    steps_said: HashMap<PeerId, u64>,
+    /// The trainer step each ready member's last heartbeat named, and when it came: a member
+    /// an attempt waits for whose step moves is still training towards the boundary (slow,
+    /// not stalling).
+    steps_said: HashMap<PeerId, (u64, Instant)>,
+    /// Stalls of this round that each member was excused for ([`STALL_EXCUSES`]), with the
+    /// round (ring members only; cleared when a round completes).
+    excused: HashMap<PeerId, (u64, u32)>,
     /// This node's own.
     own_ms_per_sample: Option<f64>,
     /// Samples of the last gradient asked of the trainer.
@@ -338,6 +362,7 @@ impl Rounds {
             speeds: HashMap::new(),
             rounds_said: HashMap::new(),
             steps_said: HashMap::new(),
+            excused: HashMap::new(),
             own_ms_per_sample: None,
             batch: 0,
             waiting_since: None,
@@ -433,7 +458,7 @@ impl Rounds {
                 Some(r) => self.rounds_said.insert(peer, r),
                 None => self.rounds_said.remove(&peer),
             };
-            self.steps_said.insert(peer, hb.step);
+            self.steps_said.insert(peer, (hb.step, now));
         } else {
             self.ready.remove(&peer);
             self.steps_said.remove(&peer);
@@ -458,6 +483,24 @@ impl Rounds {
             .filter(|p| self.rounds_said.get(**p).is_some_and(|r| *r > mine))
             .count();
         past * 2 > others.len()
+    }
+
+    /// The highest round that most of the other members heard ready say they reached (their
+    /// heartbeats' rounds), if any says one: a hop further ahead than [`ROUND_JUMP`] past it
+    /// (and past this node's) is one member's word alone.
+    pub(super) fn round_said_by_most(&self, now: Instant) -> Option<u64> {
+        let mut said: Vec<u64> = self
+            .ready
+            .iter()
+            .filter(|(p, at)| **p != self.me && now.saturating_duration_since(**at) < READY_FRESH)
+            .filter_map(|(p, _)| self.rounds_said.get(p).copied())
+            .collect();
+        if said.is_empty() {
+            return None;
+        }
+        said.sort_unstable();
+        // More than half of them said this round or a later one.
+        Some(said[(said.len() - 1) / 2])
     }
 
     /// Whether this node's round anchor and outer velocity are not the members' (`diloco`):
@@ -501,6 +544,7 @@ impl Rounds {
         self.needs_state.remove(&peer);
         self.rounds_said.remove(&peer);
         self.steps_said.remove(&peer);
+        self.excused.remove(&peer);
         self.inbox.retain(|(_, _, _, from), _| *from != peer);
         let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
         if self.ring_has(&peer) && !completed {
@@ -562,14 +606,7 @@ impl Rounds {
             Stage::Reducing { ring: Some(r), .. }
                 if now.saturating_duration_since(r.last_progress) >= self.cfg.stall_timeout =>
             {
-                let stalled_by = self.stalled_by(r);
-                self.abort("stalled", now);
-                for peer in stalled_by {
-                    if let Some(last) = self.lists.stalled(peer, now) {
-                        tracing::info!(%peer, "an attempt stalled waiting for a member at the boundary; leaving it out of the rounds for {last:?}");
-                        self.abort_counter("left a staller out");
-                    }
-                }
+                self.stalled(now);
             }
             Stage::Reducing { ring: Some(r), .. }
                 if r.went_on.is_some_and(|t| {
@@ -742,26 +779,66 @@ impl Rounds {
         self.attempt = attempt;
     }
 
-    /// The members a stalled attempt waited for that said they were at the boundary: their
-    /// trainer steps did not move since the attempt started (an honest member that is
-    /// merely slower is still training towards the boundary, and is waited for again).
-    /// Those it waited for a part from, if any: an owner whose aggregate is missing may
-    /// itself wait for a part (from the same member), and is to blame only where every
-    /// part of this member's chunk came.
-    fn stalled_by(&self, ring: &Ring) -> Vec<PeerId> {
+    /// The running attempt stalled: it is aborted, and the members it waited for are left
+    /// out of the next attempts ([`Lists::stalled`]) where they showed they are at the
+    /// boundary, or were excused [`STALL_EXCUSES`] times this round already.
+    fn stalled(&mut self, now: Instant) {
+        let suspects = match &self.stage {
+            Stage::Reducing { ring: Some(r), .. } => self.stall_suspects(r),
+            _ => return,
+        };
+        let round = self.round.unwrap_or(0);
+        self.abort("stalled", now);
+        for (peer, at_boundary) in suspects {
+            let excused = self.excused.entry(peer).or_insert((round, 0));
+            if excused.0 != round {
+                *excused = (round, 0);
+            }
+            excused.1 += 1;
+            if !at_boundary && excused.1 <= STALL_EXCUSES {
+                continue;
+            }
+            self.excused.remove(&peer);
+            if let Some(last) = self.lists.stalled(peer, now) {
+                tracing::info!(%peer, at_boundary, "an attempt stalled waiting for a member; leaving it out of the rounds for {last:?}");
+                self.abort_counter("left a staller out");
+            }
+        }
+    }
+
+    /// The members a stalled attempt waited for, each with whether it showed it is at the
+    /// boundary: a heartbeat since the attempt started names the step it named then, or a
+    /// step past this node's boundary, where no honest member of the round is. (In a
+    /// gradient round every member is held at its step, so that shows nothing.) Those it
+    /// waited for a part from, if any (an honest member sends its parts to the members of
+    /// its list at once); otherwise the one owner whose aggregate is missing, if only one
+    /// is: an owner may itself wait for a part a rogue withheld from it alone, and blaming
+    /// every owner missing would let that rogue make a member leave out the others.
+    fn stall_suspects(&self, ring: &Ring) -> Vec<(PeerId, bool)> {
         let part_missing: Vec<usize> = (0..ring.len()).filter(|i| ring.awaits_part(*i)).collect();
         let awaited = if part_missing.is_empty() {
-            (0..ring.len()).filter(|i| ring.awaits(*i)).collect()
+            let missing: Vec<usize> = (0..ring.len()).filter(|i| ring.awaits(*i)).collect();
+            if missing.len() == 1 {
+                missing
+            } else {
+                Vec::new()
+            }
         } else {
             part_missing
         };
         awaited
             .into_iter()
-            .filter(|i| {
-                let now_said = self.steps_said.get(&ring.members[*i]).copied();
-                !matches!((ring.steps_said[*i], now_said), (Some(then), Some(now)) if now > then)
+            .map(|i| {
+                let peer = ring.members[i];
+                let at_boundary = !ring.compact
+                    && match (ring.steps_said[i], self.steps_said.get(&peer)) {
+                        (Some(then), Some(&(step, heard))) => {
+                            heard > ring.started && (step <= then || step > self.boundary)
+                        }
+                        _ => false,
+                    };
+                (peer, at_boundary)
             })
-            .map(|i| ring.members[i])
             .collect()
     }
 
@@ -913,7 +990,10 @@ impl Rounds {
             Judge::Norm { norm }
         };
         let steps_said = &self.steps_said;
-        let said: Vec<Option<u64>> = members.iter().map(|m| steps_said.get(m).copied()).collect();
+        let said: Vec<Option<u64>> = members
+            .iter()
+            .map(|m| steps_said.get(m).map(|(step, _)| *step))
+            .collect();
         let mut r = Ring::new(
             members,
             me,
@@ -1042,6 +1122,7 @@ impl Rounds {
         self.completed += 1;
         self.refused_in_a_row = 0;
         self.lists.agreed();
+        self.excused.clear();
         // A trainer digests gradient rounds only now and then (see `DIGEST_EVERY`). An
         // unsynced member (a joiner, or one that adopted a round the mesh completed without
         // it) holds parameters that are not the mesh's: it claims no digest until a parameter

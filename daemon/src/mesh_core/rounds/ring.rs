@@ -146,6 +146,8 @@ pub(super) struct Ring {
     /// member index: one it stalls waiting for whose step moved since is slow, not stalling
     /// (see `Rounds::stalled_by`).
     pub(super) steps_said: Vec<Option<u64>>,
+    /// When the attempt started: a heartbeat heard since says where its member is now.
+    pub(super) started: Instant,
 }
 
 impl Ring {
@@ -189,6 +191,7 @@ impl Ring {
             other_lists: Vec::new(),
             left_done: Vec::new(),
             steps_said: vec![None; n],
+            started: now,
         }
     }
 

@@ -863,35 +863,43 @@ fn an_attempt_without_hops_gives_way_to_a_member_already_in_the_next_round() {
 
 /// One member's hop of a far later round is no proof that the mesh went on: taken at its
 /// word, every member that got it would drop its own weight, and the sender's alone would
-/// make the mean (a hijack by one hop). Its round's number is taken, but every synced member
-/// keeps its weight, and the round ends bit-identical with the plain mean; a member gives
-/// its weight up only when most of the others say they are past its round.
+/// make the mean (a hijack by one hop). Within `ROUND_JUMP` its round's number is taken, but
+/// every synced member keeps its weight, and the round ends bit-identical with the plain
+/// mean (further ahead it is not followed at all); a member gives its weight up only when
+/// most of the others say they are past its round.
 #[test]
 fn one_members_hop_of_a_later_round_hijacks_nothing() {
     let n = 4;
     let mut ring = Ring::new(n, &[1.0; 4], &[true; 4]);
     let now = Instant::now();
     ring.hear_all(now);
-    // Node 1 tells the three others, in a heartbeat and a hop, that the mesh is at round 1000.
-    let fake = next_round_hop(&ring, 1000);
+    // Node 1 tells the three others, in a heartbeat and a hop, that the mesh is at round 40.
+    // (A round more than `ROUND_JUMP` past theirs is not followed at all on one member's
+    // word: that hop changes nothing.)
+    let fake = next_round_hop(&ring, 40);
     for i in [0, 2, 3] {
         let mut out = Vec::new();
         ring.nodes[i].heard(ring.ids[1], &ready_in(Some(1000), None), now);
+        let far = next_round_hop(&ring, 1 + ROUND_JUMP);
+        ring.nodes[i].message(ring.ids[1], far, now, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        assert_eq!(ring.nodes[i].status(now).round, Some(0));
+        ring.nodes[i].heard(ring.ids[1], &ready_in(Some(40), None), now);
         ring.nodes[i].message(ring.ids[1], fake.clone(), now, &mut out);
         assert!(out.is_empty(), "{out:?}");
     }
     ring.run(now, &[true; 4]);
-    // Its hop, out of turn in the ring of round 1000, aborted the first attempt (an offence
+    // Its hop, out of turn in the ring of round 40, aborted the first attempt (an offence
     // each time); the retry completes.
     assert!(ring.offences > 0);
     assert!(ring.means.iter().all(Option::is_none));
-    // Each took round 1000's number and kept its weight (taken at node 1's word, nodes 0, 2
+    // Each took round 40's number and kept its weight (taken at node 1's word, nodes 0, 2
     // and 3 would be unsynced, at weight 0, and node 1's parameters alone the mean).
     for i in 0..n {
         let st = ring.nodes[i].status(Instant::now());
         assert_eq!(
             (st.round, st.synced),
-            (Some(1000), true),
+            (Some(40), true),
             "member {i}: {st:?}"
         );
     }
@@ -911,11 +919,11 @@ fn one_members_hop_of_a_later_round_hijacks_nothing() {
             bits(&first),
             "member {i}"
         );
-        ring.nodes[i].combined(1000, 0, "params".into(), &mut Vec::new());
+        ring.nodes[i].combined(40, 0, "params".into(), &mut Vec::new());
         let st = ring.nodes[i].status(Instant::now());
         assert_eq!(
             (st.round, st.synced),
-            (Some(1001), true),
+            (Some(41), true),
             "member {i}: {st:?}"
         );
     }
@@ -1867,7 +1875,8 @@ fn a_member_still_training_towards_the_boundary_is_waited_for_not_left_out() {
 }
 
 /// A rogue whose hops name a round or an attempt past half the limits (where hops become
-/// offences): no member follows it there (followed, one member's hops would carry every
+/// offences), or more rounds or attempts past the members' than a member follows one
+/// member's word: no member follows it there (followed, one member's hops would carry every
 /// member's counters to the limit, and then the honest members' own hops would be offences
 /// to each other). Its hops reach nothing, the attempt stalls, it is left out, and the three
 /// complete round 0.
@@ -1876,6 +1885,8 @@ fn no_member_follows_a_hop_to_counters_near_their_limits() {
     for (name, far) in [
         ("round", (ROUND_LIMIT / 2, 0)),
         ("attempt", (0, ATTEMPT_LIMIT / 2)),
+        ("round jump", (ROUND_JUMP + 1, 0)),
+        ("attempt jump", (0, ATTEMPT_JUMP + 1)),
     ] {
         let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
         ring.rogue = Some((
@@ -1908,4 +1919,57 @@ fn no_member_follows_a_hop_to_counters_near_their_limits() {
         }
         assert_eq!(ring.offences, 0, "{name}");
     }
+}
+
+/// Member 3 says its steps move (1, 2, 3, 4: still training towards the boundary at 5) and
+/// never sends a hop: the first two stalls of the round are excused, the third leaves it out.
+#[test]
+fn a_member_that_says_it_trains_is_excused_only_twice_a_round() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    ring.cut = (0..3).map(|j| (3, j)).collect();
+    let alive = [true, true, true, false];
+    let mut t = Instant::now();
+    hear_all_with_step(&mut ring, 3, 1, t);
+    ring.run(t, &alive);
+    for (stall, step) in [(1u64, 2), (2, 3), (3, 4)] {
+        t += STALL_TIMEOUT;
+        hear_all_with_step(&mut ring, 3, step, t);
+        ring.run(t, &alive);
+        for node in &ring.nodes[..3] {
+            let st = node.status(t);
+            assert_eq!(st.aborted.get("stalled"), Some(&stall), "{st:?}");
+            let left_out = stall > u64::from(STALL_EXCUSES);
+            assert_eq!(!st.left_out.is_empty(), left_out, "stall {stall}: {st:?}");
+        }
+        t += RETRY_PAUSE;
+        ring.run(t, &alive);
+    }
+    assert!(
+        ring.means[..3].iter().all(Option::is_some),
+        "no round of three"
+    );
+    assert_eq!(ring.offences, 0);
+}
+
+/// Member 3 withholds its parts from members 0 and 1 only. They leave it out; member 2,
+/// which got every part and misses the aggregates of two owners (each waiting for member
+/// 3's part), leaves out nobody: blaming every owner missing would have made it leave out
+/// the two honest ones and go on with the rogue alone.
+#[test]
+fn a_member_missing_several_owners_aggregates_leaves_out_none_of_them() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    ring.cut = vec![(3, 0), (3, 1)];
+    let t0 = Instant::now();
+    hear_all_with_step(&mut ring, 3, 5, t0);
+    ring.run(t0, &[true; 4]);
+    let stalled = t0 + STALL_TIMEOUT;
+    hear_all_with_step(&mut ring, 3, 5, stalled);
+    ring.run(stalled, &[true; 4]);
+    for i in 0..2 {
+        let st = ring.nodes[i].status(stalled);
+        assert_eq!(st.left_out, vec![ring.ids[3].to_string()], "{i}: {st:?}");
+    }
+    let st = ring.nodes[2].status(stalled);
+    assert_eq!(st.aborted.get("stalled"), Some(&1), "{st:?}");
+    assert!(st.left_out.is_empty(), "{st:?}");
 }

@@ -32,6 +32,7 @@ use super::{
 };
 use crate::guard::GuardConfig;
 use crate::policy::PolicyConfig;
+use crate::ring_attack::RingAttack;
 use crate::sync_guard;
 use crate::wire::{BulkResponse, RingMessage};
 use p2ptrain_models::params::params_digest;
@@ -53,7 +54,8 @@ pub struct SimParams {
     pub seed: u64,
     /// Nodes at the start.
     pub nodes: usize,
-    /// Of those, how many are hostile (garbage and huge updates, scaled sync replies).
+    /// Of those, how many are hostile (garbage and huge updates, scaled sync replies; in
+    /// rounds, the last nodes, doing [`SimParams::ring_attack`] to their ring hops).
     pub hostile: usize,
     /// Virtual seconds to run.
     pub secs: u64,
@@ -79,6 +81,9 @@ pub struct SimParams {
     /// nothing, as [`crate::config`] makes it): founders start synced, joiners hold until a
     /// round brings them in. `None`: the gossip mode.
     pub rounds: Option<RoundConfig>,
+    /// What the hostile nodes do to every ring hop they send (`debug.ring_attack`), as the
+    /// integration tests' rogue process does.
+    pub ring_attack: Option<RingAttack>,
 }
 
 impl SimParams {
@@ -108,6 +113,7 @@ impl SimParams {
             links: Some(8),
             side_skew: 0.1,
             rounds: None,
+            ring_attack: None,
         }
     }
 
@@ -138,6 +144,7 @@ impl SimParams {
             links: None,
             side_skew: 0.0,
             rounds: Some(rounds),
+            ring_attack: None,
         }
     }
 }
@@ -211,7 +218,25 @@ pub struct RoundsReport {
     pub clipped: u64,
     /// Parts the live nodes refused as no honest member's, summed (each an offence).
     pub refused: u64,
+    /// Bans an honest node made of a hostile one ([`BAN_OFFENCES`] offences), and of an
+    /// honest one.
+    pub bans: (u64, u64),
+    /// Honest nodes that, at the end, left a hostile node out of their rounds
+    /// (`rounds.left_out`).
+    pub hostile_left_out: u64,
+    /// The loss of the live honest nodes' mean parameters at the end: its mean squared
+    /// distance from the honest nodes' common optimum (the mean of their targets), what a
+    /// held-out loss is to a real run. (Each node's own drifts towards its own target
+    /// between rounds, and waits at its boundary furthest from the others.)
+    pub loss: f64,
 }
+
+/// Offences one node blames on one peer before it bans it, in rounds scenarios: as the
+/// daemon's score falls to its ban in about seven (`scoring`), here without the decay over
+/// time. The ban closes their connection: each end sees the other go down, and no hop or
+/// heartbeat passes between them again. (Gossip scenarios keep no bans: their figures were
+/// recorded without them.)
+pub const BAN_OFFENCES: u32 = 7;
 
 /// A joiner started this long before a simulation's end is expected to have been brought in
 /// by a round ([`RoundsReport::unsynced`]).
@@ -278,6 +303,10 @@ pub struct Sim {
     /// When the last ring hop on each link (from, to) arrives: hops on one link keep their
     /// order, as on one connection.
     ring_arrivals: BTreeMap<(usize, usize), u64>,
+    /// Offences each node blamed on each peer (blamer, blamed), in rounds scenarios.
+    offences: BTreeMap<(usize, usize), u32>,
+    /// Bans (banner, banned): the two are never connected again.
+    bans: BTreeSet<(usize, usize)>,
 }
 
 /// The simulated nodes' mesh: [`MeshConfig::plain`] with the daemon's default rate limit.
@@ -315,6 +344,8 @@ impl Sim {
             links: None,
             round_digests: BTreeMap::new(),
             ring_arrivals: BTreeMap::new(),
+            offences: BTreeMap::new(),
+            bans: BTreeSet::new(),
             p,
         };
         sim.common = (0..sim.p.dim)
@@ -324,7 +355,12 @@ impl Sim {
             .map(|_| sim.rng.random_range(-1.0..1.0))
             .collect();
         for i in 0..sim.p.nodes {
-            let hostile = i < sim.p.hostile;
+            // In rounds the first node founds the mesh: the hostile ones come last.
+            let hostile = if sim.p.rounds.is_some() {
+                i >= sim.p.nodes.saturating_sub(sim.p.hostile)
+            } else {
+                i < sim.p.hostile
+            };
             sim.add_node(init.clone(), 0, hostile);
         }
         let n = sim.nodes.len();
@@ -638,6 +674,40 @@ impl Sim {
             r.ring_bytes += s.bytes_sent;
             r.clipped += s.parts_clipped;
             r.refused += s.parts_refused;
+            let hostile_ids: Vec<String> = self
+                .nodes
+                .iter()
+                .filter(|n| n.hostile)
+                .map(|n| n.id.to_string())
+                .collect();
+            if s.left_out.iter().any(|p| hostile_ids.contains(p)) {
+                r.hostile_left_out += 1;
+            }
+        }
+        let mut optimum = vec![0.0f64; self.p.dim];
+        for n in live {
+            for (o, t) in optimum.iter_mut().zip(&n.target) {
+                *o += f64::from(*t) / live.len() as f64;
+            }
+        }
+        let mut mean = vec![0.0f64; self.p.dim];
+        for n in live {
+            for (m, x) in mean.iter_mut().zip(&n.x) {
+                *m += f64::from(*x) / live.len() as f64;
+            }
+        }
+        r.loss = mean
+            .iter()
+            .zip(&optimum)
+            .map(|(m, o)| (m - o).powi(2))
+            .sum::<f64>()
+            / self.p.dim as f64;
+        for &(_, banned) in &self.bans {
+            if self.nodes[banned].hostile {
+                r.bans.0 += 1;
+            } else {
+                r.bans.1 += 1;
+            }
         }
         r
     }

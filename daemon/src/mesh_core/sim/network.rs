@@ -8,6 +8,8 @@ impl Sim {
     pub(super) fn connected(&self, a: usize, b: usize) -> bool {
         self.nodes[a].alive
             && self.nodes[b].alive
+            && !self.bans.contains(&(a, b))
+            && !self.bans.contains(&(b, a))
             && (!self.partitioned || self.nodes[a].side == self.nodes[b].side)
             && self.links.as_ref().is_none_or(|l| l[a].contains(&b))
     }
@@ -72,6 +74,19 @@ impl Sim {
     pub(super) fn blame(&mut self, i: usize, peer: &PeerId, why: &str) {
         if self.nodes[i].hostile {
             return;
+        }
+        if self.p.rounds.is_some() {
+            if let Some(&j) = self.index.get(peer) {
+                let count = self.offences.entry((i, j)).or_default();
+                *count += 1;
+                if *count == BAN_OFFENCES && self.connected(i, j) {
+                    self.bans.insert((i, j));
+                    for (a, b) in [(i, j), (j, i)] {
+                        let id = self.nodes[b].id;
+                        self.at(0, Ev::Deliver(a, Box::new(Input::PeerDown(id))));
+                    }
+                }
+            }
         }
         match self.index.get(peer) {
             Some(&j) if self.nodes[j].hostile => self.report.hostile_blamed += 1,
@@ -200,6 +215,13 @@ impl Sim {
     /// comes back undelivered after a connection attempt's time.
     pub(super) fn send_ring(&mut self, i: usize, peer: PeerId, msg: RingMessage) {
         self.nodes[i].last_ring = Some((msg.round, msg.members));
+        let msg = match self.p.ring_attack.filter(|_| self.nodes[i].hostile) {
+            Some(attack) => match attack.apply(msg) {
+                Some(msg) => msg,
+                None => return,
+            },
+            None => msg,
+        };
         let reachable = self
             .index
             .get(&peer)

@@ -21,8 +21,8 @@ pub enum RingAttack {
     Weight,
     /// It takes every hop and sends none: each attempt with it stalls.
     Stall,
-    /// Its hops name a round a million past the one they belong to: further than a member
-    /// follows one member (`rounds::ROUND_JUMP`), still far below where hops are offences.
+    /// Its hops name a round a million past the one they belong to (far below where hops
+    /// are offences, and half of that, past which members follow only small jumps).
     Hijack,
 }
 

@@ -221,10 +221,10 @@ fn allreduce_leaves_out_a_member_that_stalls_every_attempt() {
     );
 }
 
-/// `diloco`, a rogue whose hops name a round a million past theirs: further than a member follows
-/// one member's word (`rounds::ROUND_JUMP`, unless most members' heartbeats say they are
-/// past its round), so its hops reach nothing, each attempt with it stalls (after 3 s
-/// here), every honest member leaves it out, and the three go on. No proof, no ban.
+/// `diloco`, a rogue whose hops name a round a million past theirs: further past the round
+/// most members' heartbeats name than a member follows (`rounds::ROUND_JUMP`), so its hops
+/// reach nothing, each attempt with it stalls (after 3 s here), every honest member leaves
+/// it out, and the three go on. No proof, no ban.
 #[test]
 fn diloco_leaves_out_a_member_whose_hops_name_later_rounds() {
     one_rogue_among_four(

@@ -104,7 +104,19 @@ impl Rounds {
                 }
                 return;
             }
-            Some(r) if msg.round < r => return,
+            Some(r) if msg.round < r => {
+                if self.far_ahead(now) {
+                    tracing::warn!(
+                        mine = r,
+                        theirs = msg.round,
+                        "this node's round is far past the one most members name; taking theirs as a joiner"
+                    );
+                    let step = self.boundary;
+                    self.restored(step);
+                    self.keep(key, hop);
+                }
+                return;
+            }
             Some(_) if msg.attempt < self.attempt => return,
             Some(_) if msg.attempt > self.attempt => {
                 self.attempt = msg.attempt;
@@ -120,24 +132,37 @@ impl Rounds {
         self.drain(now, out);
     }
 
-    /// Whether `msg` names a round or attempt further ahead than this node follows a single
-    /// member: at or past half the limits (followed there, one member's hops would carry
-    /// every member towards the limits, where their own hops are offences to each other),
-    /// more than [`ROUND_JUMP`] rounds past both this node's round and the one most members'
-    /// heartbeats say they reached ([`Rounds::round_said_by_most`]), or more than
-    /// [`ATTEMPT_JUMP`] attempts ahead in its round. Not an offence: nothing shows which
-    /// member is wrong. A hop of this node's own round and attempt is always taken.
+    /// Whether `msg` names a round or attempt further ahead than this node follows: a round
+    /// more than [`ROUND_JUMP`] past the one most members' heartbeats name
+    /// ([`Rounds::round_said_by_most`]; this node's own where none says one), or a jump to
+    /// half the limits or past them by more than [`ROUND_JUMP`] rounds or [`ATTEMPT_JUMP`]
+    /// attempts. Followed as far as they named, one member's hops carried every member to
+    /// round 2^47 at once, on the way to the limits, where their own hops are offences to
+    /// each other; and in `ddp` every member followed with weight 0, so that no round
+    /// completed. Not an offence: nothing shows which member is wrong.
     fn too_far(&self, msg: &RingMessage, now: Instant) -> bool {
-        let past_half = msg.round >= FOLLOWED_ROUND_LIMIT || msg.attempt >= FOLLOWED_ATTEMPT_LIMIT;
-        let said = self.round_said_by_most(now);
-        match self.round {
-            None => past_half || said.is_some_and(|s| msg.round - s.min(msg.round) > ROUND_JUMP),
-            Some(r) if msg.round > r => {
-                past_half || msg.round - r.max(said.unwrap_or(0)).min(msg.round) > ROUND_JUMP
-            }
-            Some(r) if msg.round == r && msg.attempt > self.attempt => {
-                past_half || msg.attempt - self.attempt > ATTEMPT_JUMP
-            }
+        let (round, attempt) = match self.round {
+            Some(r) if msg.round < r => return false,
+            Some(r) if msg.round == r => (r, self.attempt),
+            // A later round starts at attempt 0.
+            Some(r) => (r, 0),
+            None => (0, 0),
+        };
+        let base = self.round_said_by_most(now).or(self.round);
+        base.is_some_and(|b| msg.round.saturating_sub(b) > ROUND_JUMP)
+            || (msg.round >= FOLLOWED_ROUND_LIMIT && msg.round - round > ROUND_JUMP)
+            || (msg.attempt >= FOLLOWED_ATTEMPT_LIMIT
+                && msg.attempt.saturating_sub(attempt) > ATTEMPT_JUMP)
+    }
+
+    /// Whether this node's round is more than [`ROUND_JUMP`] past the one most members'
+    /// heartbeats name: one member's hops carried it there (each within the jump of what
+    /// it heard), or its side of a split went on far longer. The others do not follow it
+    /// so far, so it gives way: its parameters are no longer the mesh's, and it takes the
+    /// mesh's round as a joiner does (weight 0, the members' mean).
+    fn far_ahead(&self, now: Instant) -> bool {
+        match (self.round, self.round_said_by_most(now)) {
+            (Some(r), Some(said)) => r.saturating_sub(said) > ROUND_JUMP,
             _ => false,
         }
     }

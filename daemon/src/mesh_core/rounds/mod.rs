@@ -117,25 +117,18 @@ const WEIGHT_LIMIT: f32 = 1e12;
 const ROUND_LIMIT: u64 = 1 << 48;
 /// Attempts no round takes (2^24: a month of retries, each at least [`RETRY_PAUSE`] apart).
 const ATTEMPT_LIMIT: u32 = 1 << 24;
-/// A hop naming this round or later is not followed (see `hops`): half of [`ROUND_LIMIT`]. A
-/// member's own rounds and attempts go on past it (a hop at its own round and attempt is
-/// always taken); only a jump to it or beyond is refused.
+/// From this round on, a hop is followed only [`ROUND_JUMP`] rounds at a time (see
+/// `hops`): half of [`ROUND_LIMIT`]. Members already past it go on in steps of one.
 const FOLLOWED_ROUND_LIMIT: u64 = ROUND_LIMIT / 2;
-/// A hop naming this attempt or later is not followed: half of [`ATTEMPT_LIMIT`] (attempts
-/// start at 0 every round).
+/// The same for attempts: half of [`ATTEMPT_LIMIT`] (attempts start at 0 every round).
 const FOLLOWED_ATTEMPT_LIMIT: u32 = ATTEMPT_LIMIT / 2;
-/// A hop naming a round more than this past both this node's and the one most members'
-/// heartbeats name ([`Rounds::round_said_by_most`]) is not followed: one member's hops would
-/// otherwise carry every member's round counter as far as it likes, a jump at a time. The
-/// heartbeats a member goes by are up to [`READY_FRESH`] (6 s) old, and a `ddp` mesh of a
-/// small model completes 40 rounds a second (a jump of 64 left joiners unable to take the
-/// mesh's round in the integration tests): this is ten times what such a mesh completes in
-/// that time. Carried this far at every hop, a member's round would take 3 x 10^10 hops to
-/// reach half the limit.
+/// A hop naming a round more than this past the one most members' heartbeats name
+/// ([`Rounds::round_said_by_most`]) is not followed, and a member whose own round is that
+/// far past it gives way. The heartbeats a member goes by are up to [`READY_FRESH`] (6 s)
+/// old, and a `ddp` mesh of a small model completes 40 rounds a second: a jump of 64 left
+/// joiners unable to take such a mesh's round; this is ten times what it completes in 6 s.
 pub const ROUND_JUMP: u64 = 4096;
-/// A hop naming an attempt more than this past this node's is not followed: members of one
-/// round are within a few attempts of each other (a member stuck this far behind is left out
-/// of its attempts, and comes back at the next round).
+/// Past [`FOLLOWED_ATTEMPT_LIMIT`], the most attempts one hop moves a member.
 pub const ATTEMPT_JUMP: u32 = 256;
 /// Stalls in a round a member waited for is excused while it says it is still training
 /// towards the boundary (or said nothing since the attempt started): the next stall leaves it
@@ -291,8 +284,8 @@ pub struct Rounds {
     /// ([`Rounds::mesh_is_past`]).
     rounds_said: HashMap<PeerId, u64>,
     /// The trainer step each ready member's last heartbeat named, and when it came: a member
-    /// an attempt waits for whose step moves is still training towards the boundary (slow,
-    /// not stalling).
+    /// an attempt waits for whose step moves says it is still training towards the boundary
+    /// (excused [`STALL_EXCUSES`] times a round).
     steps_said: HashMap<PeerId, (u64, Instant)>,
     /// Stalls of this round that each member was excused for ([`STALL_EXCUSES`]), with the
     /// round (ring members only; cleared when a round completes).
@@ -486,8 +479,7 @@ impl Rounds {
     }
 
     /// The highest round that most of the other members heard ready say they reached (their
-    /// heartbeats' rounds), if any says one: a hop further ahead than [`ROUND_JUMP`] past it
-    /// (and past this node's) is one member's word alone.
+    /// heartbeats' rounds), if any says one.
     pub(super) fn round_said_by_most(&self, now: Instant) -> Option<u64> {
         let mut said: Vec<u64> = self
             .ready
@@ -807,9 +799,11 @@ impl Rounds {
     }
 
     /// The members a stalled attempt waited for, each with whether it showed it is at the
-    /// boundary: a heartbeat since the attempt started names the step it named then, or a
-    /// step past this node's boundary, where no honest member of the round is. (In a
-    /// gradient round every member is held at its step, so that shows nothing.) Those it
+    /// boundary: a heartbeat since the attempt started names this node's round, and the step
+    /// it named then or a step past this node's boundary, where no honest member of the
+    /// round is. (In a gradient round every member is held at its step, so that shows
+    /// nothing; a member whose heartbeat names a later round went on with the mesh, and this
+    /// node is the one behind: it is excused, as the mesh's next hops take this node on.) Those it
     /// waited for a part from, if any (an honest member sends its parts to the members of
     /// its list at once); otherwise the one owner whose aggregate is missing, if only one
     /// is: an owner may itself wait for a part a rogue withheld from it alone, and blaming
@@ -831,6 +825,7 @@ impl Rounds {
             .map(|i| {
                 let peer = ring.members[i];
                 let at_boundary = !ring.compact
+                    && self.rounds_said.get(&peer) == self.round.as_ref()
                     && match (ring.steps_said[i], self.steps_said.get(&peer)) {
                         (Some(then), Some(&(step, heard))) => {
                             heard > ring.started && (step <= then || step > self.boundary)

@@ -143,8 +143,8 @@ pub(super) struct Ring {
     /// the attempt still finishes without it (see [`super::Rounds::peer_leaving`]).
     pub(super) left_done: Vec<PeerId>,
     /// The trainer step each member's last heartbeat named when the attempt started, by
-    /// member index: one it stalls waiting for whose step moved since is slow, not stalling
-    /// (see `Rounds::stalled_by`).
+    /// member index: one it stalls waiting for whose step moved since says it is still
+    /// training (see `Rounds::stall_suspects`).
     pub(super) steps_said: Vec<Option<u64>>,
     /// When the attempt started: a heartbeat heard since says where its member is now.
     pub(super) started: Instant,

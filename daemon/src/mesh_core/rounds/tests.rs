@@ -281,6 +281,18 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// Members 0 to 2 completed the round, each with the same bits of the mean.
+fn assert_the_three_took_one_mean(ring: &Ring) {
+    assert!(
+        ring.means[..3].iter().all(Option::is_some),
+        "the three completed no round"
+    );
+    let first = bits(ring.means[0].as_ref().expect("mean"));
+    assert!(ring.means[..3]
+        .iter()
+        .all(|m| bits(m.as_ref().expect("mean")) == first));
+}
+
 #[test]
 fn every_member_ends_a_round_with_the_same_bits_of_the_weighted_mean() {
     for n in [2, 3, 4, 7] {
@@ -1737,14 +1749,7 @@ fn a_member_most_others_left_out_is_left_out() {
             break;
         }
     }
-    assert!(
-        ring.means[..3].iter().all(Option::is_some),
-        "the three completed no round"
-    );
-    let first = bits(ring.means[0].as_ref().expect("mean"));
-    assert!(ring.means[..3]
-        .iter()
-        .all(|m| bits(m.as_ref().expect("mean")) == first));
+    assert_the_three_took_one_mean(&ring);
     assert_eq!(ring.nodes[0].status(Instant::now()).ring_size, 3);
     assert_eq!(ring.offences, 0);
 }
@@ -1789,14 +1794,7 @@ fn a_member_an_attempt_stalls_on_at_the_boundary_is_left_out_for_longer_each_tim
     let retry = stalled + RETRY_PAUSE;
     hear_all_with_step(&mut ring, 3, 5, retry);
     ring.run(retry, &alive);
-    assert!(
-        ring.means[..3].iter().all(Option::is_some),
-        "the three completed no round"
-    );
-    let first = bits(ring.means[0].as_ref().expect("mean"));
-    assert!(ring.means[..3]
-        .iter()
-        .all(|m| bits(m.as_ref().expect("mean")) == first));
+    assert_the_three_took_one_mean(&ring);
     assert_eq!(ring.offences, 0, "a stall is no offence");
     // The next round, after the leave-out ended: it stalls once more, and is left out for
     // twice as long.

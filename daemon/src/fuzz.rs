@@ -172,6 +172,7 @@ fn bulk_requests() {
         values: ByteBuf::from(0.5f32.to_le_bytes().repeat(16)),
         step: 4_000,
         bf16: false,
+        piece: crate::wire::Piece::WHOLE,
     };
     let seeds: Vec<Vec<u8>> = [
         BulkRequest::StateManifest,

@@ -27,6 +27,7 @@ use serde_bytes::ByteBuf;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
 
+use crate::mesh_core::rounds::pieces::split;
 use crate::mesh_core::{
     FetchAnswer, Input, MeshCore, Output, Progress, RequestFailed, TrainerEvent,
 };
@@ -367,18 +368,27 @@ impl MeshActor {
                 };
                 let net = self.net.clone();
                 let results = self.results_tx.clone();
+                // A large hop goes in pieces, one after the other: one request slot, and
+                // the receiver holds at most the pieces of the hops under way.
+                let pieces = match self.core.ring_piece_bytes() {
+                    Some(bytes) => split(msg, bytes),
+                    None => vec![msg],
+                };
                 let started = self.spawn_ring_hop(async move {
-                    match net.request(peer, BulkRequest::Ring(msg)).await {
-                        Ok(BulkResponse::RingTaken) => {}
-                        other => {
-                            tracing::debug!(peer = %peer, "ring hop not delivered: {other:?}");
-                            let _ = results
-                                .send(Input::RingUndelivered {
-                                    peer,
-                                    round,
-                                    attempt,
-                                })
-                                .await;
+                    for piece in pieces {
+                        match net.request(peer, BulkRequest::Ring(piece)).await {
+                            Ok(BulkResponse::RingTaken) => {}
+                            other => {
+                                tracing::debug!(peer = %peer, "ring hop not delivered: {other:?}");
+                                let _ = results
+                                    .send(Input::RingUndelivered {
+                                        peer,
+                                        round,
+                                        attempt,
+                                    })
+                                    .await;
+                                return;
+                            }
                         }
                     }
                 });

@@ -97,6 +97,7 @@ mod tests {
             ),
             step: 10,
             bf16: false,
+            piece: crate::wire::Piece::WHOLE,
         }
     }
 

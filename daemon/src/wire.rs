@@ -67,12 +67,26 @@ impl RunTopicNames {
 /// Version 5: rounds run as a butterfly all-reduce (hop 0 a member's part of the receiver's
 /// chunk, hop 1 the sender's aggregate of its own chunk, each with a weight after the
 /// values): an older node's hops would be refused as out of turn or of the wrong size.
-pub const WIRE_VERSION: u32 = 5;
+/// Version 6: a hop larger than [`RING_PIECE_BYTES`] travels in pieces ([`RingMessage::piece`]):
+/// an older node would take each piece for a hop of the wrong size.
+pub const WIRE_VERSION: u32 = 6;
 
-/// Largest request on the bulk channel: a ring message carries one chunk of a model (a share
-/// of its parameters), so requests may be as large as responses.
+/// The most bytes of values one ring request carries: a larger hop (a share of a model of
+/// more than ~8 M parameters, or a `diloco` share with its round anchor and velocity) travels
+/// as several requests of this size, the last one shorter, and its receiver puts them
+/// together (`mesh_core::rounds::pieces`). So no request a node reads before it knows whether
+/// the sender is a member is larger than this, whatever the model, and no one request takes
+/// longer on a slow link than a piece does. A multiple of 4: a piece holds whole values,
+/// `f32` or bf16.
+pub const RING_PIECE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Largest request on the bulk channel a node reads before it knows its model (and in the
+/// fuzz tests); once it does, `network::BulkLimits::for_model` bounds each kind, a ring
+/// request to one piece ([`RING_PIECE_BYTES`]) at most.
 pub const BULK_REQUEST_MAX: u64 = BULK_RESPONSE_MAX;
-/// Largest response on the bulk channel (a state chunk or a full model).
+/// Largest response on the bulk channel a node reads before it knows its model; once it
+/// does, a response may hold the model's largest hop (`network::BulkLimits::for_model`), so
+/// that a full sync's parameters fit whatever the model's size.
 pub const BULK_RESPONSE_MAX: u64 = 64 * 1024 * 1024;
 
 /// The bulk channel's protocol name; peers negotiate it, so it carries [`WIRE_VERSION`].
@@ -127,6 +141,32 @@ pub struct RingMessage {
     /// The values are bf16, not f32 (the gradient rounds of `ddp`).
     #[serde(default)]
     pub bf16: bool,
+    /// Which piece of its hop this message is: `values` are the bytes of that piece only
+    /// (see [`RING_PIECE_BYTES`]); [`Piece::WHOLE`] for a hop that fits one request.
+    #[serde(default)]
+    pub piece: Piece,
+}
+
+/// Where a ring message's bytes lie in its hop: piece `index` of `count`, every piece but the
+/// last [`RING_PIECE_BYTES`] long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Piece {
+    /// The piece's place, from 0.
+    pub index: u32,
+    /// How many pieces the hop travels in.
+    pub count: u32,
+}
+
+impl Piece {
+    /// A hop in one message.
+    pub const WHOLE: Piece = Piece { index: 0, count: 1 };
+}
+
+impl Default for Piece {
+    /// [`Piece::WHOLE`]: a message that does not say is a whole hop.
+    fn default() -> Piece {
+        Piece::WHOLE
+    }
 }
 
 /// A frozen state on offer to a joiner.
@@ -313,7 +353,7 @@ mod tests {
     fn bulk_protocol_name_carries_the_wire_version() {
         // Peers negotiate exactly this name: one of another wire version is not spoken to.
         assert_eq!(bulk_protocol(), format!("/p2ptrain/bulk/{WIRE_VERSION}"));
-        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/5");
+        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/6");
     }
 
     #[test]

@@ -252,6 +252,64 @@ fn a_slow_ddp_member_takes_a_smaller_batch_and_the_members_stay_identical() {
     }
 }
 
+/// A `diloco` ring of two over a 17 M-parameter MLP (widths 64-4096-4096-10). The newcomer
+/// needs the members' round start and velocity, so the round it joins carries each member's
+/// state: a share of 25.5 M values, 102 MB, past the 64 MiB that once bounded every request
+/// (a receiver refused each such hop, and no round of two could complete). The hops travel
+/// in pieces of 16 MiB (`wire::RING_PIECE_BYTES`); the two complete rounds together and hold
+/// the same bits, and nobody is blamed for a piece.
+#[test]
+fn a_diloco_ring_carries_a_large_models_state_in_pieces() {
+    let _cores = crate::harness::cpu_sensitive();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = config(
+        tmp.path(),
+        "large.toml",
+        // At the digits' learning rate (0.05) a lone node of this width diverges within a
+        // few hundred steps.
+        &[
+            ("widths = [64, 128, 10]", "widths = [64, 4096, 4096, 10]"),
+            ("lr = 0.05", "lr = 0.005"),
+        ],
+        "\n[sync]\nmode = \"diloco\"\ninner_steps = 10\n",
+    );
+    let a = start(tmp.path(), "a", &cfg, None, &[]);
+    let b = start(tmp.path(), "b", &cfg, Some(&listen_addr(&a)), &[]);
+    let joined = Instant::now();
+    let sb = b.wait_status(
+        "the newcomer in rounds of two",
+        Duration::from_secs(120),
+        |s| {
+            rounds(s)["ring_size"].as_u64() == Some(2)
+                && rounds(s)["synced"].as_bool() == Some(true)
+                && completed(s) >= 3
+        },
+    );
+    eprintln!(
+        "the newcomer completed {} rounds of two {:.1} s after it started; sent {} bytes of hops",
+        completed(&sb),
+        joined.elapsed().as_secs_f64(),
+        rounds(&sb)["bytes_sent"]
+    );
+    assert_identical(&[&a, &b]);
+    for n in [&a, &b] {
+        let s = n.status().expect("status");
+        assert_eq!(
+            s["model"]["params"].as_u64(),
+            Some(17_088_522),
+            "{}",
+            s["model"]
+        );
+        // At least the round that carried the state: a share of three times half the model.
+        assert!(
+            rounds(&s)["bytes_sent"].as_u64().unwrap_or(0) > 100_000_000,
+            "{}",
+            rounds(&s)
+        );
+        assert_no_offences(&s);
+    }
+}
+
 /// Starts three nodes of `mode` on their parts of the digits and waits until each has
 /// evaluated at `target` or better; returns their statuses.
 fn three_reach(mode: &str, partition: &str, sync: &str, target: f64) -> Vec<Value> {

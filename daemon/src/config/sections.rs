@@ -535,6 +535,7 @@ impl SyncConfig {
             } else {
                 1.0
             },
+            piece_bytes: crate::wire::RING_PIECE_BYTES,
         })
     }
 

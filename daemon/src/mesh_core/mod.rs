@@ -193,8 +193,10 @@ impl MeshCore {
                 mesh.max_sync_distance,
                 wall_clock,
             ),
+            rounds: rounds.map(|(rc, synced)| {
+                Rounds::new(rc, me, start_step, synced).sized_for(layout.numel())
+            }),
             updates: Updates::new(&me, &run_id, layout, mesh, update_weight),
-            rounds: rounds.map(|(rc, synced)| Rounds::new(rc, me, start_step, synced)),
             round_command: None,
         }
     }
@@ -322,6 +324,12 @@ impl MeshCore {
     /// Updates waiting for the trainer.
     pub fn pending_applies(&self) -> usize {
         self.updates.pending_len()
+    }
+
+    /// Bytes of values one ring request carries at most (a larger hop is sent in pieces:
+    /// [`rounds::pieces::split`]); `None` without rounds.
+    pub fn ring_piece_bytes(&self) -> Option<usize> {
+        self.rounds.as_ref().map(Rounds::piece_bytes)
     }
 
     /// The step the trainer last reported: a donor's freeze is reused only near it.

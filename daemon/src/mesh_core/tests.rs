@@ -323,12 +323,15 @@ fn finite(mut values: Vec<f32>) -> Vec<f32> {
 /// The property above with rounds switched on: an `allreduce`, `ddp` or `diloco` member (by
 /// seed, founder or joiner) takes ring hops of every shape (its ring's digest or not, this
 /// round and attempt or any, past the limits, of every size, f32 or bf16, with NaN now and
-/// then), heartbeats of members ready for rounds (with their round), the trainer's
+/// then, larger ones in pieces sent in any order, now and then changed on the way), heartbeats
+/// of members ready for rounds (with their round), the trainer's
 /// parameters (finite, as the trainer guarantees), gradients and combines, undelivered hops and
 /// ticks: the core never panics, the hops it holds stay within their bounds, and no peer's hop
 /// makes a mean it hands the trainer non-finite.
 #[test]
 fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
+    // Hops of more than four f32 values travel in pieces.
+    const PIECE_BYTES: usize = 16;
     let mut combines = 0;
     for seed in 0..30u64 {
         let mut rng = StdRng::seed_from_u64(seed);
@@ -346,12 +349,15 @@ fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
                 outer_state: kind == 2,
                 stall_timeout: rounds::STALL_TIMEOUT,
                 max_weight: 1.0,
+                piece_bytes: PIECE_BYTES,
             },
             seed % 4 != 0,
         ));
         let mut core = MeshCore::new(cfg);
         let pool: Vec<PeerId> = (0..5).map(|_| PeerId::random()).collect();
         let mut seqs = vec![0u64; pool.len()];
+        // Pieces of hops cut earlier, sent later in any order (some changed on the way).
+        let mut pieces: Vec<(PeerId, wire::RingMessage)> = Vec::new();
         let base = Instant::now() + Duration::from_secs(3600);
         let mut t = 0u64;
         for k in 0..4_000u64 {
@@ -359,7 +365,18 @@ fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
             let now = base + Duration::from_millis(t);
             let i = rng.random_range(0..pool.len());
             let peer = pool[i];
-            let input = match rng.random_range(0..13) {
+            let choice = match rng.random_range(0..3) {
+                0 if !pieces.is_empty() => 13,
+                _ => rng.random_range(0..13),
+            };
+            let input = match choice {
+                13 => {
+                    let (peer, mut msg) = pieces.swap_remove(rng.random_range(0..pieces.len()));
+                    if rng.random_range(0..8) == 0 {
+                        msg.step += 1;
+                    }
+                    Input::Ring { peer, msg }
+                }
                 0 => Input::PeerUp(peer),
                 1 => Input::PeerDown(peer),
                 2 | 3 => {
@@ -406,18 +423,27 @@ fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
                     } else {
                         rng.random()
                     };
-                    Input::Ring {
-                        peer,
-                        msg: wire::RingMessage {
-                            round: [0, 1, 2, 3, 1 << 48, u64::MAX][rng.random_range(0..6)],
-                            attempt: [0, 1, 2, u32::MAX][rng.random_range(0..4)],
-                            members: digest,
-                            hop: rng.random_range(0..6),
-                            step: rng.random_range(0..200),
-                            bf16,
-                            values: ByteBuf::from(bytes),
-                        },
+                    let msg = wire::RingMessage {
+                        round: [0, 1, 2, 3, 1 << 48, u64::MAX][rng.random_range(0..6)],
+                        attempt: [0, 1, 2, u32::MAX][rng.random_range(0..4)],
+                        members: digest,
+                        hop: rng.random_range(0..6),
+                        step: rng.random_range(0..200),
+                        bf16,
+                        values: ByteBuf::from(bytes),
+                        piece: wire::Piece::WHOLE,
+                    };
+                    let mut cut = rounds::pieces::split(msg, PIECE_BYTES);
+                    if rng.random_range(0..6) == 0 {
+                        let last = cut.len() - 1;
+                        cut[last].piece = wire::Piece {
+                            index: rng.random_range(0..4),
+                            count: rng.random_range(0..6),
+                        };
                     }
+                    let msg = cut.swap_remove(0);
+                    pieces.extend(cut.into_iter().map(|m| (peer, m)));
+                    Input::Ring { peer, msg }
                 }
                 // The trainer hands over finite values only (non-finite ones are its
                 // divergence, `TrainerError::Diverged`): of any length, though.
@@ -540,6 +566,7 @@ fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
             outer_state: false,
             stall_timeout: rounds::STALL_TIMEOUT,
             max_weight: f32::INFINITY,
+            piece_bytes: wire::RING_PIECE_BYTES,
         },
         true,
     ));
@@ -689,6 +716,7 @@ fn round_config(gradients: Option<u64>, steps: u64, min_members: usize) -> Round
         outer_state: false,
         stall_timeout: rounds::STALL_TIMEOUT,
         max_weight: f32::INFINITY,
+        piece_bytes: wire::RING_PIECE_BYTES,
     }
 }
 
@@ -766,6 +794,7 @@ fn a_ring_of_unsynced_members_under_churn_ends_identical() {
         outer_state: false,
         stall_timeout: rounds::STALL_TIMEOUT,
         max_weight: f32::INFINITY,
+        piece_bytes: wire::RING_PIECE_BYTES,
     };
     let r = Sim::new(SimParams {
         churn_every_ms: 5_000,
@@ -782,6 +811,47 @@ fn a_ring_of_unsynced_members_under_churn_ends_identical() {
         "the scenario formed a ring without a synced member: {rounds:?}"
     );
     assert_eq!(r.honest_blamed, 0, "{:?}", r.honest_why);
+}
+
+/// Hops in pieces change nothing: each synchronous mode (`allreduce`, `ddp` with its bf16
+/// gradient hops, `diloco` carrying the members' state) on 12 nodes through churn, and a
+/// poisoning rogue, ends with the same report, to the bit, whether every hop travels whole or
+/// in pieces of two values (8 bytes: every hop of the simulator's 32-value model cut in
+/// 3-17 pieces, each delivered as its own request, as a large model's hops are). So a hop
+/// put together from pieces is taken as the whole hop was, killed senders' partial hops
+/// change no round, and pieces count no offence of an honest sender.
+#[test]
+fn hops_in_pieces_end_every_mode_as_whole_hops_do() {
+    let diloco = RoundConfig {
+        outer_state: true,
+        ..round_config(None, 20, 2)
+    };
+    let runs = [
+        ("allreduce", round_config(None, 20, 2), 0, None),
+        ("ddp", round_config(Some(4), 1, 2), 0, None),
+        ("diloco", diloco, 0, None),
+        (
+            "allreduce-poisoned",
+            attacked_mode("allreduce"),
+            1,
+            Some(crate::ring_attack::RingAttack::Poison),
+        ),
+    ];
+    for (name, rc, hostile, ring_attack) in runs {
+        let run = |piece_bytes| {
+            Sim::new(SimParams {
+                churn_every_ms: 8_000,
+                hostile,
+                ring_attack,
+                ..SimParams::rounds(12, 9, RoundConfig { piece_bytes, ..rc })
+            })
+            .run()
+        };
+        let (cut, whole) = (run(8), run(wire::RING_PIECE_BYTES));
+        let rounds = whole.rounds.clone().expect("rounds ran");
+        assert!(rounds.taken > 10 && rounds.split == 0, "{name}: {rounds:?}");
+        assert_eq!(format!("{cut:?}"), format!("{whole:?}"), "{name}");
+    }
 }
 
 /// A synchronous mode for the attack matrix, as `config::sections` builds it: `allreduce` (20
@@ -803,6 +873,7 @@ fn attacked_mode(mode: &str) -> RoundConfig {
         outer_state: false,
         stall_timeout: Duration::from_secs(3),
         max_weight,
+        piece_bytes: wire::RING_PIECE_BYTES,
     }
 }
 

@@ -10,6 +10,7 @@ use futures::io::{AsyncRead, AsyncReadExt, AsyncWrite, Cursor};
 use libp2p::request_response::{self, cbor};
 use libp2p::StreamProtocol;
 
+use crate::mesh_core::rounds::largest_hop_values;
 use crate::wire::{self, BulkRequest, BulkResponse};
 
 /// How a ring hop's request begins in CBOR: a map of one entry whose key is the variant's
@@ -43,20 +44,21 @@ impl Default for BulkLimits {
 }
 
 impl BulkLimits {
-    /// The limits for a model of `params` values: the largest honest hop is a whole `diloco`
-    /// contribution (the parameters, their round anchor and outer velocity, and the weight)
-    /// in `f32`, which is also more than any response holds but a state chunk (256 KiB, in
-    /// the slack). Never above the wire's maxima. The digits MLP (9,610 parameters) reads
-    /// hops of at most ~177 KiB, not 64 MiB.
+    /// The limits for a model of `params` values. A ring hop's request carries at most one
+    /// piece of a hop ([`wire::RING_PIECE_BYTES`]: larger hops travel in pieces), and less
+    /// for a model whose largest hop is smaller (a whole `diloco` contribution with its round
+    /// anchor and outer velocity, and the weight, in `f32`: the digits MLP, 9,610 parameters,
+    /// reads hops of at most ~177 KiB). A response holds at most that largest hop too, which
+    /// is more than the parameters a full sync asks for and, with the slack, than a state
+    /// chunk (256 KiB): so a model of any size can answer a sync, while a peer asked for a
+    /// few bytes cannot make this node read more than a model.
     pub fn for_model(params: usize) -> BulkLimits {
-        let values = (3 * params as u64 + 1).saturating_mul(4);
+        let hop = (largest_hop_values(params) as u64).saturating_mul(4);
         BulkLimits {
-            ring_request: values
-                .saturating_add(RING_SLACK)
-                .min(wire::BULK_REQUEST_MAX),
-            response: values
-                .saturating_add(RESPONSE_SLACK)
-                .min(wire::BULK_RESPONSE_MAX),
+            ring_request: hop
+                .min(wire::RING_PIECE_BYTES as u64)
+                .saturating_add(RING_SLACK),
+            response: hop.saturating_add(RESPONSE_SLACK),
         }
     }
 }
@@ -173,6 +175,7 @@ mod tests {
             step: 40,
             bf16: false,
             values: ByteBuf::from(vec![0u8; values * 4]),
+            piece: crate::wire::Piece::WHOLE,
         })
     }
 
@@ -238,12 +241,32 @@ mod tests {
         assert!(read(&mut codec, &[]).is_err());
     }
 
-    /// Huge models keep the wire's maxima.
+    /// A ring request never passes one piece, whatever the model, and a response holds a
+    /// model's largest hop (so a full sync's parameters). The share of a `diloco` ring of
+    /// two over a 12 M-parameter model, with its anchor and velocity (72 MB: past the 64 MiB
+    /// that used to bound every request), is refused whole and read in pieces.
     #[test]
-    fn limits_never_pass_the_wires() {
-        assert_eq!(BulkLimits::for_model(usize::MAX / 8), BulkLimits::default());
+    fn a_large_models_hop_is_read_in_pieces() {
+        let piece = wire::RING_PIECE_BYTES as u64;
+        let huge = BulkLimits::for_model(usize::MAX / 8);
+        assert_eq!(huge.ring_request, piece + RING_SLACK);
         let small = BulkLimits::for_model(0);
         assert_eq!(small.ring_request, 4 + RING_SLACK);
         assert_eq!(small.response, 4 + RESPONSE_SLACK);
+        let params = 12_000_000;
+        let limits = BulkLimits::for_model(params);
+        assert_eq!(limits.ring_request, piece + RING_SLACK);
+        assert!(limits.response > 4 * params as u64);
+        let mut codec = BulkCodec::new(limits);
+        let BulkRequest::Ring(share) = hop(3 * params / 2 + 1) else {
+            unreachable!()
+        };
+        assert!(read(&mut codec, &encode(BulkRequest::Ring(share.clone()))).is_err());
+        let pieces = crate::mesh_core::rounds::pieces::split(share, wire::RING_PIECE_BYTES);
+        assert_eq!(pieces.len(), 5);
+        for piece in pieces {
+            let back = read(&mut codec, &encode(BulkRequest::Ring(piece.clone())));
+            assert!(matches!(back, Ok(BulkRequest::Ring(m)) if m == piece));
+        }
     }
 }

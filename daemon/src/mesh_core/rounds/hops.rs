@@ -12,10 +12,9 @@ use super::ring::{all_finite, decode_values, AGGREGATE, PART};
 use super::robust::aggregate;
 use super::{
     Hop, HopKey, Output, Rounds, Stage, ATTEMPT_JUMP, ATTEMPT_LIMIT, FOLLOWED_ATTEMPT_LIMIT,
-    FOLLOWED_ROUND_LIMIT, INBOX_CAP, INBOX_VALUES, ROUND_JUMP, ROUND_LIMIT, STEP_LIMIT,
-    WEIGHT_LIMIT,
+    FOLLOWED_ROUND_LIMIT, INBOX_CAP, ROUND_JUMP, ROUND_LIMIT, STEP_LIMIT, WEIGHT_LIMIT,
 };
-use crate::wire::RingMessage;
+use crate::wire::{Piece, RingMessage};
 
 /// Reports a hop no honest member sends: named for a ban's reason (status shows each peer's
 /// count and last offence; the ban is logged with it), and penalised (the peer's score falls;
@@ -28,14 +27,38 @@ fn offence(out: &mut Vec<Output>, from: PeerId, why: String) {
     out.push(Output::Penalise(from));
 }
 
+/// Why `msg` names a round, attempt or step past any mesh's, if it does.
+fn past_limits(msg: &RingMessage) -> Option<String> {
+    (msg.round >= ROUND_LIMIT || msg.attempt >= ATTEMPT_LIMIT || msg.step >= STEP_LIMIT).then(
+        || {
+            format!(
+                "ring hop of round {} attempt {} at step {}, past what any mesh reaches",
+                msg.round, msg.attempt, msg.step
+            )
+        },
+    )
+}
+
 impl Rounds {
     /// A hop from `from`. Hops of a later attempt make this node join it; hops of attempts
     /// it has not reached wait in the inbox; stale ones are dropped. A hop that cannot be
     /// honest is an offence: one of odd size, with values that are not finite, or naming a
     /// round, attempt or step past any mesh's changes nothing.
+    /// A hop that comes in pieces is put together first ([`super::pieces`]); each piece is
+    /// checked for its counters and jump as a whole hop is, before it is kept.
     pub fn message(&mut self, from: PeerId, msg: RingMessage, now: Instant, out: &mut Vec<Output>) {
         let first = out.len();
-        self.take(from, msg, now, out);
+        if msg.piece == Piece::WHOLE {
+            self.take(from, msg, now, out);
+        } else if let Some(why) = past_limits(&msg) {
+            offence(out, from, why);
+        } else if !self.too_far(&msg, now) {
+            match self.pieces.take(from, msg, now) {
+                Ok(Some(whole)) => self.take(from, whole, now, out),
+                Ok(None) => {}
+                Err(why) => offence(out, from, why),
+            }
+        }
         for o in &out[first..] {
             if let Output::Offence { peer, .. } = o {
                 self.blamed(*peer, now);
@@ -52,15 +75,8 @@ impl Rounds {
             offence(out, from, "ring hop with NaN or infinite values".into());
             return;
         }
-        if msg.round >= ROUND_LIMIT || msg.attempt >= ATTEMPT_LIMIT || msg.step >= STEP_LIMIT {
-            offence(
-                out,
-                from,
-                format!(
-                    "ring hop of round {} attempt {} at step {}, past what any mesh reaches",
-                    msg.round, msg.attempt, msg.step
-                ),
-            );
+        if let Some(why) = past_limits(&msg) {
+            offence(out, from, why);
             return;
         }
         if self.too_far(&msg, now) {
@@ -176,17 +192,17 @@ impl Rounds {
         self.start(now, out);
     }
 
-    /// Keeps a hop in the inbox, within [`INBOX_CAP`] hops and [`INBOX_VALUES`] values: when
+    /// Keeps a hop in the inbox, within [`INBOX_CAP`] hops and `inbox_values` values: when
     /// full, the hops of the oldest rounds and attempts give way, as they always did (a node
     /// left behind needs the mesh's newest round to take it); one larger than the whole bound
     /// is not kept.
     pub(super) fn keep(&mut self, key: HopKey, hop: Hop) {
-        if hop.1.len() > INBOX_VALUES {
+        if hop.1.len() > self.inbox_values {
             return;
         }
         self.inbox.remove(&key);
         let mut held: usize = self.inbox.values().map(|h| h.1.len()).sum();
-        while self.inbox.len() >= INBOX_CAP || held + hop.1.len() > INBOX_VALUES {
+        while self.inbox.len() >= INBOX_CAP || held + hop.1.len() > self.inbox_values {
             match self.inbox.pop_first() {
                 Some((_, old)) => held -= old.1.len(),
                 None => break,

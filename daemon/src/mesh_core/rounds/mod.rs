@@ -66,6 +66,7 @@ pub use ring::balanced_batch;
 
 mod hops;
 pub mod lists;
+pub mod pieces;
 mod ring;
 pub mod robust;
 #[cfg(test)]
@@ -104,9 +105,11 @@ pub const ADOPT_WAIT: Duration = Duration::from_secs(5);
 pub const REFUSALS_BEFORE_UNSYNCED: u32 = 3;
 /// Hops kept for an attempt this node has not reached yet.
 const INBOX_CAP: usize = 256;
-/// Values all the hops kept hold together (256 MiB as `f32`): four of the largest hops the
-/// wire carries. A member waits for a hop or two of the next round; without a bound in bytes
-/// a peer could make it keep 256 hops of 64 MiB each.
+/// Values all the hops kept hold together (256 MiB as `f32`), or for a model whose largest
+/// hop ([`largest_hop_values`]) holds more, that many: a member waits for a hop or two of the
+/// next round, and the parts of a whole round sum to less than one largest hop. Without a
+/// bound in bytes a peer could make it keep 256 hops of a model's share each. The pieces of
+/// hops not complete yet ([`pieces`]) are bounded alike, apart.
 const INBOX_VALUES: usize = 64 * 1024 * 1024;
 /// A weight no member claims honestly (a `fedavg` sample count of a trillion): a part that
 /// claims more is refused. Below it, `fedavg` weights are bounded relative to the others'
@@ -195,6 +198,17 @@ pub struct RoundConfig {
     /// whose weights are the members' sample counts, which nothing proves yet (members may
     /// train on files of their own, so not even the training set's size is shared).
     pub max_weight: f32,
+    /// Bytes of values a hop's request carries at most; a larger hop travels in pieces
+    /// ([`pieces`]). Every member must cut alike: the wire's [`crate::wire::RING_PIECE_BYTES`]
+    /// (smaller only in tests, to cut the hops of small models).
+    pub piece_bytes: usize,
+}
+
+/// The most values one honest hop of a model of `params` parameters holds: a whole `diloco`
+/// contribution (the parameters, their round anchor and outer velocity) and the weight after
+/// it, as a ring of one chunk would carry (a ring's chunks are smaller).
+pub fn largest_hop_values(params: usize) -> usize {
+    params.saturating_mul(3).saturating_add(1)
 }
 
 impl RoundConfig {
@@ -272,6 +286,10 @@ pub struct Rounds {
     /// Hops for attempts this node has not reached, and those of the running attempt not
     /// taken yet.
     inbox: BTreeMap<HopKey, Hop>,
+    /// The most values the inbox holds ([`INBOX_VALUES`], or the model's largest hop).
+    inbox_values: usize,
+    /// Hops whose pieces are still coming.
+    pieces: pieces::Pieces,
     retry_at: Option<Instant>,
     ready: HashMap<PeerId, Instant>,
     /// Ready members whose last heartbeat said they need the members' state (`diloco`), with
@@ -349,6 +367,8 @@ impl Rounds {
             state_unproven: false,
             stage: Stage::Training,
             inbox: BTreeMap::new(),
+            inbox_values: INBOX_VALUES,
+            pieces: pieces::Pieces::new(cfg.piece_bytes, INBOX_VALUES * 4),
             retry_at: None,
             ready: HashMap::new(),
             needs_state: HashMap::new(),
@@ -375,6 +395,23 @@ impl Rounds {
             parts_clipped: 0,
             digests: VecDeque::new(),
         }
+    }
+
+    /// These rounds for a model of `params` parameters: the inbox and the hops whose pieces
+    /// are still coming may each hold one of its largest hops ([`largest_hop_values`]), where
+    /// that is more than [`INBOX_VALUES`]; a model's hop the inbox could not hold would be
+    /// dropped whenever it came before this node reached its attempt.
+    pub fn sized_for(mut self, params: usize) -> Rounds {
+        self.inbox_values = INBOX_VALUES.max(largest_hop_values(params));
+        self.pieces =
+            pieces::Pieces::new(self.cfg.piece_bytes, self.inbox_values.saturating_mul(4));
+        self
+    }
+
+    /// Bytes of values a hop's request carries at most: a larger hop is sent in pieces
+    /// ([`pieces::split`]).
+    pub fn piece_bytes(&self) -> usize {
+        self.cfg.piece_bytes
     }
 
     /// The highest step the trainer may reach: the round's boundary.
@@ -1200,7 +1237,9 @@ impl Rounds {
     #[cfg(test)]
     pub(in crate::mesh_core) fn inbox_within_bounds(&self) -> bool {
         let values: usize = self.inbox.values().map(|(_, v, _)| v.len()).sum();
-        self.inbox.len() <= INBOX_CAP && values <= INBOX_VALUES
+        self.inbox.len() <= INBOX_CAP
+            && values <= self.inbox_values
+            && self.pieces.held_bytes() <= self.inbox_values * 4
     }
 
     fn abort_counter(&mut self, why: &str) {

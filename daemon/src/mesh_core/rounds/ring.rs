@@ -18,7 +18,7 @@ use super::{BALANCE_SLACK, MAX_SHRINK};
 use crate::sync_guard::{
     MEAN_GRADIENT_NORM_FACTOR, ROUND_MEAN_MAX_DISTANCE, UNSYNCED_MEAN_NORM_FACTOR,
 };
-use crate::wire::RingMessage;
+use crate::wire::{Piece, RingMessage};
 
 /// The hop that carries a member's part of the receiver's chunk, its weight after it.
 pub(super) const PART: u32 = 0;
@@ -367,6 +367,7 @@ impl Ring {
             values: ByteBuf::from(encode_values(values, last, self.compact)),
             step: self.step,
             bf16: self.compact,
+            piece: Piece::WHOLE,
         }
     }
 }

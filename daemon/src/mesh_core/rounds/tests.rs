@@ -134,6 +134,7 @@ impl Ring {
                         outer_state: false,
                         stall_timeout: STALL_TIMEOUT,
                         max_weight: f32::INFINITY,
+                        piece_bytes: crate::wire::RING_PIECE_BYTES,
                     },
                     ids[i],
                     0,
@@ -748,6 +749,7 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
         members: digest,
         hop: 0,
         values: ByteBuf::from(0.5f32.to_le_bytes().repeat(6)),
+        piece: crate::wire::Piece::WHOLE,
     };
     let mut out = Vec::new();
     // Its heartbeat says so too: the only other member is past node 0's round.
@@ -849,6 +851,7 @@ fn next_round_hop(ring: &Ring, round: u64) -> RingMessage {
         members: digest,
         hop: 0,
         values: ByteBuf::from(0.5f32.to_le_bytes().repeat(len)),
+        piece: crate::wire::Piece::WHOLE,
     }
 }
 
@@ -968,6 +971,7 @@ fn a_last_hop_that_never_comes_gives_way_to_the_next_round_soon() {
         members: digest,
         hop: 0,
         values: ByteBuf::from(0.5f32.to_le_bytes().repeat(6)),
+        piece: crate::wire::Piece::WHOLE,
     };
     let mut out = Vec::new();
     ring.nodes[0].message(ring.ids[1], msg, now, &mut out);
@@ -1005,6 +1009,7 @@ fn a_last_hop_that_comes_after_the_next_rounds_first_still_completes_the_round()
         members: digest,
         hop: h,
         values: ByteBuf::from(0.5f32.to_le_bytes().repeat(6)),
+        piece: crate::wire::Piece::WHOLE,
     };
     let mut out = Vec::new();
     // Hop 0 brings node 1's part of node 0's chunk, hop 1 node 1's aggregate of its own.
@@ -1040,6 +1045,7 @@ fn hostile_hops_are_offences_and_never_reach_the_mean() {
             members: digest,
             hop: 0,
             values: ByteBuf::from(values),
+            piece: crate::wire::Piece::WHOLE,
         };
         ring.nodes[0].message(from, msg, now, &mut out);
         assert!(
@@ -1066,6 +1072,7 @@ fn hostile_hops_are_offences_and_never_reach_the_mean() {
         members: digest,
         hop: 0,
         values: ByteBuf::from(1.0f32.to_le_bytes().repeat(2)),
+        piece: crate::wire::Piece::WHOLE,
     };
     ring.nodes[0].message(from, msg, now, &mut out);
     assert!(out.iter().any(|o| matches!(o, Output::Offence { .. })));

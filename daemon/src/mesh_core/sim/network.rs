@@ -3,6 +3,7 @@
 //! link, hostile nodes' forged updates, and carrying out a core's outputs.
 
 use super::*;
+use crate::mesh_core::rounds::pieces::split;
 
 impl Sim {
     pub(super) fn connected(&self, a: usize, b: usize) -> bool {
@@ -242,7 +243,14 @@ impl Sim {
         if !self.nodes[i].hostile {
             self.report.bytes_sent += msg.values.len() as u64;
         }
-        self.at(arrival - self.t, Ev::Hop(i, j, Box::new(msg)));
+        // A large hop goes in pieces, as the daemon sends it; all arrive with the hop.
+        let pieces = match self.nodes[i].core.ring_piece_bytes() {
+            Some(bytes) => split(msg, bytes),
+            None => vec![msg],
+        };
+        for piece in pieces {
+            self.at(arrival - self.t, Ev::Hop(i, j, Box::new(piece)));
+        }
     }
 
     /// Node `i`'s hop arrives at node `j`. As the daemon's network does, `j` takes it only

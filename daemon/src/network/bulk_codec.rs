@@ -48,10 +48,11 @@ impl BulkLimits {
     /// piece of a hop ([`wire::RING_PIECE_BYTES`]: larger hops travel in pieces), and less
     /// for a model whose largest hop is smaller (a whole `diloco` contribution with its round
     /// anchor and outer velocity, and the weight, in `f32`: the digits MLP, 9,610 parameters,
-    /// reads hops of at most ~177 KiB). A response holds at most that largest hop too, which
-    /// is more than the parameters a full sync asks for and, with the slack, than a state
-    /// chunk (256 KiB): so a model of any size can answer a sync, while a peer asked for a
-    /// few bytes cannot make this node read more than a model.
+    /// reads hops of at most ~177 KiB). A response holds at most that largest hop too (three
+    /// times the model's values), which is more than the parameters a full sync asks for or a
+    /// dense update and, with the slack, than a state chunk (256 KiB): so a model of any size
+    /// can answer a sync, while a peer asked for a few bytes cannot make this node read more
+    /// than three models' worth.
     pub fn for_model(params: usize) -> BulkLimits {
         let hop = (largest_hop_values(params) as u64).saturating_mul(4);
         BulkLimits {

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use libp2p::PeerId;
 
+use super::pieces::Taken;
 use super::ring::{all_finite, decode_values, AGGREGATE, PART};
 use super::robust::aggregate;
 use super::{
@@ -53,9 +54,11 @@ impl Rounds {
         } else if let Some(why) = past_limits(&msg) {
             offence(out, from, why);
         } else if !self.too_far(&msg, now) {
+            let (round, attempt) = (msg.round, msg.attempt);
             match self.pieces.take(from, msg, now) {
-                Ok(Some(whole)) => self.take(from, whole, now, out),
-                Ok(None) => {}
+                Ok(Taken::Whole(whole)) => self.take(from, whole, now, out),
+                Ok(Taken::Kept) => self.piece_came(from, round, attempt, now),
+                Ok(Taken::Dropped) => {}
                 Err(why) => offence(out, from, why),
             }
         }
@@ -146,6 +149,24 @@ impl Rounds {
         }
         self.keep(key, hop);
         self.drain(now, out);
+    }
+
+    /// A new piece of a hop of the running attempt from one of its members is progress: a
+    /// large hop on a slow link may take longer than the stall timeout, piece by piece. (So a
+    /// member can put off a stall by sending its hop a piece at a time, at most once per
+    /// piece: a dozen stall timeouts for a 17 M-parameter model's largest hop.)
+    fn piece_came(&mut self, from: PeerId, round: u64, attempt: u32, now: Instant) {
+        if self.round != Some(round) || self.attempt != attempt {
+            return;
+        }
+        if let Stage::Reducing {
+            ring: Some(ring), ..
+        } = &mut self.stage
+        {
+            if ring.index_of(&from).is_some() {
+                ring.last_progress = now;
+            }
+        }
     }
 
     /// Whether `msg` names a round or attempt further ahead than this node follows: a round

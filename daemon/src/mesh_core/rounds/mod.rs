@@ -107,9 +107,10 @@ pub const REFUSALS_BEFORE_UNSYNCED: u32 = 3;
 const INBOX_CAP: usize = 256;
 /// Values all the hops kept hold together (256 MiB as `f32`), or for a model whose largest
 /// hop ([`largest_hop_values`]) holds more, that many: a member waits for a hop or two of the
-/// next round, and the parts of a whole round sum to less than one largest hop. Without a
-/// bound in bytes a peer could make it keep 256 hops of a model's share each. The pieces of
-/// hops not complete yet ([`pieces`]) are bounded alike, apart.
+/// next round, which arrive before it has taken this round's (the other members' parts of
+/// its chunk sum to less than one largest hop). Without a bound in bytes a peer could make
+/// it keep 256 hops of a model's share each. The pieces of hops not complete yet
+/// ([`pieces`]) have bounds of their own.
 const INBOX_VALUES: usize = 64 * 1024 * 1024;
 /// A weight no member claims honestly (a `fedavg` sample count of a trillion): a part that
 /// claims more is refused. Below it, `fedavg` weights are bounded relative to the others'

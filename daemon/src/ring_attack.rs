@@ -24,6 +24,10 @@ pub enum RingAttack {
     /// Its hops name a round a million past the one they belong to (far below where hops
     /// are offences, and half of that, past which members follow only small jumps).
     Hijack,
+    /// Its hops name the next round: a jump small enough for every member to follow.
+    NextRound,
+    /// Its hops name the next attempt of their round.
+    NextAttempt,
 }
 
 impl RingAttack {
@@ -32,6 +36,8 @@ impl RingAttack {
         match self {
             RingAttack::Stall => return None,
             RingAttack::Hijack => msg.round = msg.round.saturating_add(1_000_000),
+            RingAttack::NextRound => msg.round = msg.round.saturating_add(1),
+            RingAttack::NextAttempt => msg.attempt = msg.attempt.saturating_add(1),
             RingAttack::Poison => rewrite(&mut msg, |values| {
                 let n = values.len().saturating_sub(1);
                 values[..n].iter_mut().for_each(|v| *v += 1e6);

@@ -234,3 +234,31 @@ fn diloco_leaves_out_a_member_whose_hops_name_later_rounds() {
         "stall_timeout_secs = 3",
     );
 }
+
+/// `ddp`, a rogue whose hops name the round after the one they belong to: a jump every member
+/// would follow. Followed at every hop, it dragged the members on, one round per hop, and
+/// no round completed (the simulator: 0 rounds in 40 s in every mode). A member now takes a
+/// later round on one member's word once until a round completes; the rogue's next hop
+/// waits, the attempt stalls on it (after 3 s here), and every honest member leaves it out,
+/// as at the boundary. No proof, no ban.
+#[test]
+fn ddp_leaves_out_a_member_whose_hops_name_the_next_round() {
+    one_rogue_among_four(
+        "ddp",
+        "next_round",
+        Expect::LeftOut,
+        "stall_timeout_secs = 3",
+    );
+}
+
+/// `allreduce`, a rogue whose hops name the attempt after the one they belong to: the same,
+/// for attempts.
+#[test]
+fn allreduce_leaves_out_a_member_whose_hops_name_the_next_attempt() {
+    one_rogue_among_four(
+        "allreduce",
+        "next_attempt",
+        Expect::LeftOut,
+        "stall_timeout_secs = 3",
+    );
+}

@@ -54,10 +54,10 @@ impl Rounds {
         } else if let Some(why) = past_limits(&msg) {
             offence(out, from, why);
         } else if !self.too_far(&msg, now) {
-            let (round, attempt) = (msg.round, msg.attempt);
+            let (round, attempt, members) = (msg.round, msg.attempt, msg.members);
             match self.pieces.take(from, msg, now) {
                 Ok(Taken::Whole(whole)) => self.take(from, whole, now, out),
-                Ok(Taken::Kept) => self.piece_came(from, round, attempt, now),
+                Ok(Taken::Kept) => self.piece_came(from, (round, attempt, members), now),
                 Ok(Taken::Dropped) => {}
                 Err(why) => offence(out, from, why),
             }
@@ -104,13 +104,25 @@ impl Rounds {
                 let finishing = msg.round == r.saturating_add(1)
                     && matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. } if ring.could_have_finished());
                 self.keep(key, hop);
+                let awaited = matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. }
+                    if ring.index_of(&from).is_some_and(|i| ring.awaits(i)));
                 if reducing && !finishing {
-                    self.restart(now, out);
-                } else if let Stage::Reducing {
-                    ring: Some(ring), ..
-                } = &mut self.stage
-                {
-                    if ring.index_of(&from).is_some_and(|i| ring.awaits(i)) {
+                    // Only to take a later round (starting again at the same round and
+                    // attempt would send the parts twice): one that two members name, or
+                    // most heartbeats; or, once, the one this member names.
+                    if self.later_round_to_take(now).is_some() {
+                        self.restart(now, out);
+                    } else if self.may_move(from, true, now) {
+                        self.followed = Some(msg.round);
+                        self.restart(now, out);
+                    }
+                } else if awaited && self.may_move(from, true, now) {
+                    // The retry takes its round, as a member that went on says.
+                    self.followed = Some(msg.round);
+                    if let Stage::Reducing {
+                        ring: Some(ring), ..
+                    } = &mut self.stage
+                    {
                         ring.went_on.get_or_insert(now);
                     }
                 }
@@ -138,9 +150,14 @@ impl Rounds {
             }
             Some(_) if msg.attempt < self.attempt => return,
             Some(_) if msg.attempt > self.attempt => {
-                self.attempt = msg.attempt;
                 self.keep(key, hop);
-                if reducing {
+                if !reducing {
+                    self.attempt = msg.attempt;
+                } else if let Some(attempt) = self.later_attempt_to_take(now) {
+                    self.attempt = attempt;
+                    self.restart(now, out);
+                } else if self.may_move(from, false, now) {
+                    self.attempt = msg.attempt;
                     self.restart(now, out);
                 }
                 return;
@@ -151,11 +168,17 @@ impl Rounds {
         self.drain(now, out);
     }
 
-    /// A new piece of a hop of the running attempt from one of its members is progress: a
-    /// large hop on a slow link may take longer than the stall timeout, piece by piece. (So a
-    /// member can put off a stall by sending its hop a piece at a time, at most once per
-    /// piece: a dozen stall timeouts for a 17 M-parameter model's largest hop.)
-    fn piece_came(&mut self, from: PeerId, round: u64, attempt: u32, now: Instant) {
+    /// A new piece of a hop of the running attempt from a member it waits for (naming its
+    /// member list) is progress: a large hop on a slow link may take longer than the stall
+    /// timeout, piece by piece. (So a member can put off a stall by sending its hop a piece
+    /// at a time, at most once per piece: a dozen stall timeouts for a 17 M-parameter
+    /// model's largest hop.)
+    fn piece_came(
+        &mut self,
+        from: PeerId,
+        (round, attempt, members): (u64, u32, u64),
+        now: Instant,
+    ) {
         if self.round != Some(round) || self.attempt != attempt {
             return;
         }
@@ -163,7 +186,8 @@ impl Rounds {
             ring: Some(ring), ..
         } = &mut self.stage
         {
-            if ring.index_of(&from).is_some() {
+            let awaited = ring.index_of(&from).is_some_and(|i| ring.awaits(i));
+            if awaited && members == ring.digest {
                 ring.last_progress = now;
             }
         }

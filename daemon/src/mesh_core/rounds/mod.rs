@@ -49,7 +49,7 @@
 //!
 //! Pure state: the core feeds it and carries out what it returns.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
@@ -90,6 +90,10 @@ pub const LATE_ROUND_WAIT: Duration = Duration::from_secs(2);
 /// `Ring::lists_differ_since`): the members of one list start an attempt within a tick or
 /// two of each other ([`RETRY_PAUSE`] after the same abort).
 pub const LISTS_DIFFER_WAIT: Duration = Duration::from_millis(500);
+/// A member this node found a dishonest hop of within this long moves this node to the
+/// later round or attempt its hops name as often as they do ([`Rounds::may_move`]): each
+/// hop of it is judged, and its offences add up to its ban.
+const OFFENDER_RECENT: Duration = Duration::from_secs(60);
 /// Peers that went away, remembered (for [`lists`]) at most this many.
 const GONE_KEPT: usize = 64;
 /// Pause before an aborted attempt is retried, so the members' lists can settle.
@@ -309,6 +313,13 @@ pub struct Rounds {
     /// Stalls of this round that each member was excused for ([`STALL_EXCUSES`]), with the
     /// round (ring members only; cleared when a round completes).
     excused: HashMap<PeerId, (u64, u32)>,
+    /// Members whose hop of a later round, and of a later attempt, made this node give up
+    /// its attempt: each may do so once ([`Rounds::may_move`]) until a round completes here,
+    /// and for attempts, until this node aborts one for a reason of its own.
+    moved_by: (HashSet<PeerId>, HashSet<PeerId>),
+    /// A later round one member's hop made this node give up its attempt for
+    /// ([`Rounds::may_move`]), to be taken by the restart.
+    followed: Option<u64>,
     /// This node's own.
     own_ms_per_sample: Option<f64>,
     /// Samples of the last gradient asked of the trainer.
@@ -377,6 +388,8 @@ impl Rounds {
             rounds_said: HashMap::new(),
             steps_said: HashMap::new(),
             excused: HashMap::new(),
+            moved_by: (HashSet::new(), HashSet::new()),
+            followed: None,
             own_ms_per_sample: None,
             batch: 0,
             waiting_since: None,
@@ -514,6 +527,43 @@ impl Rounds {
             .filter(|p| self.rounds_said.get(**p).is_some_and(|r| *r > mine))
             .count();
         past * 2 > others.len()
+    }
+
+    /// Whether `from`'s hop of a later round (`to_round`) or attempt may make this node give
+    /// up the attempt under way for it: once for each member until a round completes here,
+    /// and for attempts also once more each time this node aborts an attempt for a reason of
+    /// its own (not a stall or a wait for members that went on). In an honest mesh a member that aborted alone goes on to the next attempt,
+    /// and the others follow at once rather than wait for a stall (while members' lists
+    /// settle, many times a round: each time they abort too); but a rogue whose hops always
+    /// named the round or attempt after its own dragged every member on, one restart per
+    /// hop, and no round completed (the simulator: 0 rounds in 40 s, in every mode). A hop
+    /// not followed waits in the inbox: the member that sent it is then one the attempt
+    /// stalls on, and is left out as at the boundary ([`Rounds::went_ahead`]). A round is
+    /// not given up again on the word of a member that already moved this node's round:
+    /// in `ddp` each such move costs this node its weight. A member this node found a
+    /// dishonest hop of in the last [`OFFENDER_RECENT`] moves it as often as it likes: it
+    /// went on alone after its poisoned aggregate was refused, and followed, every hop it
+    /// sends is judged and adds to its offences (left to a stall instead, a poisoner took
+    /// 30-90 s to be banned, not 3-6 s; a chaser must now offend to chase, and each offence
+    /// brings its ban nearer).
+    pub(super) fn may_move(&mut self, from: PeerId, to_round: bool, now: Instant) -> bool {
+        let offended = self
+            .blamed_peers
+            .get(&from)
+            .is_some_and(|at| now.saturating_duration_since(*at) < OFFENDER_RECENT);
+        if offended {
+            return true;
+        }
+        let (rounds, attempts) = &mut self.moved_by;
+        let fresh = !rounds.contains(&from) && !attempts.contains(&from);
+        if fresh {
+            if to_round {
+                rounds.insert(from);
+            } else {
+                attempts.insert(from);
+            }
+        }
+        fresh
     }
 
     /// The highest round that most of the other members heard ready say they reached (their
@@ -757,30 +807,42 @@ impl Rounds {
         self.start(now, out);
     }
 
-    /// Takes the newest round the inbox holds hops of, when it is past this node's (or this
-    /// node has none): the mesh completed rounds without it, or a member says so. When most
-    /// members' heartbeats say they are past this node's round ([`Rounds::mesh_is_past`]),
-    /// or in a gradient round, its parameters are not the mesh's: it contributes with weight
-    /// 0 and leaves the round with the mean. One member's hop alone is no such proof: taken
-    /// at its word, every member that got the hop would drop its weight, and the sender's
-    /// alone would make the mean (a hijack by one hop). A synced member then takes the round's
-    /// number and keeps its weight; in `diloco` it asks for the members' round start and
-    /// velocity too, which it may have missed.
+    /// Takes a later round the inbox holds hops of: the mesh completed rounds without this
+    /// node. A node with no round takes the newest. A node with one takes, where most
+    /// members' heartbeats say they are past its round ([`Rounds::mesh_is_past`]), the
+    /// newest; else the newest round that two members' hops name (or the only other's, where
+    /// it hears one: [`vouched`]); else the round one member's hop named, once
+    /// for each member until a round completes ([`Rounds::may_move`]). Followed every time, a
+    /// rogue whose hops always named the round after its own made every member take it, and
+    /// followed them there, one round per hop, so that no round completed (the simulator:
+    /// 0 rounds in 40 s, in every mode). Where most members are past this node's round, or
+    /// in a gradient round (a member that missed one missed a step: kept at full weight, its
+    /// stale parameters split the ring, as the simulator's churn showed), its parameters
+    /// are not the mesh's: it contributes with weight 0 and leaves the round with the mean.
+    /// Otherwise a synced member keeps its weight (one member's word is no proof that this
+    /// node's parameters are not the mesh's); in `diloco` it asks for the members' round
+    /// start and velocity too, which it may have missed.
     fn adopt_newer_round(&mut self, now: Instant) {
-        let Some(&(newest, attempt, _, _)) = self.inbox.keys().next_back() else {
-            return;
-        };
         if !matches!(self.stage, Stage::Reducing { .. }) {
             return;
         }
+        let Some(target) = self.later_round_to_take(now) else {
+            return;
+        };
+        self.followed = None;
+        let hops_of_target = self
+            .inbox
+            .keys()
+            .filter(|(r, _, _, _)| *r == target)
+            .map(|(_, a, _, from)| (*from, u64::from(*a)));
+        let attempt = vouched(hops_of_target.clone(), self.others_ready(now))
+            .or_else(|| hops_of_target.map(|(_, a)| a).min())
+            .unwrap_or(0) as u32;
         let Some(mine) = self.round else {
-            self.round = Some(newest);
+            self.round = Some(target);
             self.attempt = attempt;
             return;
         };
-        if newest <= mine {
-            return;
-        }
         let proven = self.mesh_is_past(mine, now);
         let Stage::Reducing {
             weight, gradient, ..
@@ -791,7 +853,7 @@ impl Rounds {
         if proven || *gradient || !self.synced {
             tracing::info!(
                 mine,
-                theirs = newest,
+                theirs = target,
                 "the mesh is rounds ahead; adopting its round"
             );
             self.synced = false;
@@ -800,13 +862,54 @@ impl Rounds {
         } else {
             tracing::info!(
                 mine,
-                theirs = newest,
-                "a member is rounds ahead, most are not; taking its round's number and keeping this node's weight"
+                theirs = target,
+                "members are rounds ahead, most are not; taking their round's number and keeping this node's weight"
             );
             self.state_unproven = self.cfg.outer_state;
         }
-        self.round = Some(newest);
+        self.round = Some(target);
         self.attempt = attempt;
+    }
+
+    /// The later round the inbox's hops make this node take ([`Rounds::adopt_newer_round`]),
+    /// if any.
+    pub(super) fn later_round_to_take(&self, now: Instant) -> Option<u64> {
+        let &(newest, _, _, _) = self.inbox.keys().next_back()?;
+        match self.round {
+            None => Some(newest),
+            Some(mine) if newest <= mine => None,
+            Some(mine) => {
+                let later = self
+                    .inbox
+                    .keys()
+                    .filter(|(r, _, _, _)| *r > mine)
+                    .map(|(r, _, _, from)| (*from, *r));
+                self.mesh_is_past(mine, now)
+                    .then_some(newest)
+                    .or_else(|| vouched(later, self.others_ready(now)))
+                    .or_else(|| self.followed.filter(|r| *r > mine))
+            }
+        }
+    }
+
+    /// The later attempt of this node's round that two members' hops in the inbox name (or
+    /// the only other's), if any.
+    pub(super) fn later_attempt_to_take(&self, now: Instant) -> Option<u32> {
+        let round = self.round?;
+        let attempts = self
+            .inbox
+            .keys()
+            .filter(|(r, a, _, _)| *r == round && *a > self.attempt)
+            .map(|(_, a, _, from)| (*from, u64::from(*a)));
+        vouched(attempts, self.others_ready(now)).map(|a| a as u32)
+    }
+
+    /// Other members heard ready now.
+    fn others_ready(&self, now: Instant) -> usize {
+        self.ready
+            .iter()
+            .filter(|(p, at)| **p != self.me && now.saturating_duration_since(**at) < READY_FRESH)
+            .count()
     }
 
     /// The running attempt stalled: it is aborted, and the members it waited for are left
@@ -841,7 +944,9 @@ impl Rounds {
     /// it named then or a step past this node's boundary, where no honest member of the
     /// round is. (In a gradient round every member is held at its step, so that shows
     /// nothing; a member whose heartbeat names a later round went on with the mesh, and this
-    /// node is the one behind: it is excused, as the mesh's next hops take this node on.) Those it
+    /// node is the one behind: it is excused, as the mesh's next hops take this node on.) A
+    /// member whose hop of a later attempt or round this node did not follow
+    /// ([`Rounds::went_ahead`]) is at the boundary, in any round. Those it
     /// waited for a part from, if any (an honest member sends its parts to the members of
     /// its list at once); otherwise the one owner whose aggregate is missing, if only one
     /// is: an owner may itself wait for a part a rogue withheld from it alone, and blaming
@@ -862,17 +967,30 @@ impl Rounds {
             .into_iter()
             .map(|i| {
                 let peer = ring.members[i];
-                let at_boundary = !ring.compact
+                let at_boundary = (!ring.compact
                     && self.rounds_said.get(&peer) == self.round.as_ref()
                     && match (ring.steps_said[i], self.steps_said.get(&peer)) {
                         (Some(then), Some(&(step, heard))) => {
                             heard > ring.started && (step <= then || step > self.boundary)
                         }
                         _ => false,
-                    };
+                    })
+                    || self.went_ahead(peer);
                 (peer, at_boundary)
             })
             .collect()
+    }
+
+    /// Whether a hop of `peer` naming a later attempt of this round, or a later round, waits
+    /// in the inbox: `peer` is not training towards the boundary, it went on (a hop this
+    /// node did not follow, [`Rounds::may_move`]).
+    fn went_ahead(&self, peer: PeerId) -> bool {
+        let Some(round) = self.round else {
+            return false;
+        };
+        self.inbox.keys().any(|(r, a, _, from)| {
+            *from == peer && (*r > round || (*r == round && *a > self.attempt))
+        })
     }
 
     /// This node found a hop of `peer` no honest member sends.
@@ -967,15 +1085,11 @@ impl Rounds {
         if !matches!(self.stage, Stage::Reducing { .. }) {
             return;
         }
-        // Someone may already be at a later attempt of this round: join it.
-        if let Some(a) = self
-            .inbox
-            .keys()
-            .filter(|(r, _, _, _)| *r == round)
-            .map(|(_, a, _, _)| *a)
-            .max()
-        {
-            self.attempt = self.attempt.max(a);
+        // Members may already be at a later attempt of this round: join it, where two say
+        // so (or the only other). One member's word alone moves the attempt only as a hop
+        // that makes this node give up its own ([`Rounds::may_move`]).
+        if let Some(a) = self.later_attempt_to_take(now) {
+            self.attempt = a;
         }
         let lists = &self.lists;
         let mut members: Vec<PeerId> = self
@@ -1156,6 +1270,8 @@ impl Rounds {
         self.refused_in_a_row = 0;
         self.lists.agreed();
         self.excused.clear();
+        self.moved_by.0.clear();
+        self.moved_by.1.clear();
         // A trainer digests gradient rounds only now and then (see `DIGEST_EVERY`). An
         // unsynced member (a joiner, or one that adopted a round the mesh completed without
         // it) holds parameters that are not the mesh's: it claims no digest until a parameter
@@ -1226,6 +1342,11 @@ impl Rounds {
         if let Stage::Reducing { ring, .. } = &mut self.stage {
             if ring.take().is_some() {
                 tracing::info!(round = ?self.round, attempt = self.attempt, why, "round attempt aborted; retrying");
+                // An attempt that failed for a reason of this node's own (not a wait on
+                // members, which may be a rogue's doing) lets members move it once more.
+                if !matches!(why, "stalled" | "the mesh went on") {
+                    self.moved_by.1.clear();
+                }
                 self.attempt = self.attempt.saturating_add(1);
                 self.retry_at = Some(now + RETRY_PAUSE);
                 self.abort_counter(why);
@@ -1246,6 +1367,22 @@ impl Rounds {
     fn abort_counter(&mut self, why: &str) {
         *self.aborted.entry(why.to_string()).or_default() += 1;
     }
+}
+
+/// The highest value that two senders' items reach (each sender counted once, by its
+/// highest), or one's where `others` is at most 1 (this node hears no second member to
+/// vouch): what this node takes from the hops of members about a round or attempt, so that
+/// no one member's word moves it.
+fn vouched(items: impl Iterator<Item = (PeerId, u64)>, others: usize) -> Option<u64> {
+    let mut highest: HashMap<PeerId, u64> = HashMap::new();
+    for (from, value) in items {
+        let h = highest.entry(from).or_insert(value);
+        *h = (*h).max(value);
+    }
+    let mut values: Vec<u64> = highest.into_values().collect();
+    values.sort_unstable_by(|a, b| b.cmp(a));
+    let needed = others.clamp(1, 2);
+    values.get(needed - 1).copied()
 }
 
 /// A `diloco` contribution without its state: the first of its three equal parts (the

@@ -1,5 +1,6 @@
-//! The hops a node receives: which attempt a hop belongs to (a later one is joined, one not
-//! reached yet waits in the inbox, a stale one is dropped), and taking the running attempt's
+//! The hops a node receives: which attempt a hop belongs to (a later one is joined where two
+//! members name it, or once on one member's word; one not reached yet waits in the inbox;
+//! a stale one is dropped), and taking the running attempt's
 //! hops: judging each member's part and each owner's aggregate, aggregating this member's
 //! chunk when its parts are in, finishing when every aggregate is. Part of
 //! [`super::Rounds`].
@@ -41,7 +42,8 @@ fn past_limits(msg: &RingMessage) -> Option<String> {
 }
 
 impl Rounds {
-    /// A hop from `from`. Hops of a later attempt make this node join it; hops of attempts
+    /// A hop from `from`. Hops of a later attempt or round make this node join it where two
+    /// members' hops name it, or once for each member ([`Rounds::may_move`]); hops of attempts
     /// it has not reached wait in the inbox; stale ones are dropped. A hop that cannot be
     /// honest is an offence: one of odd size, with values that are not finite, or naming a
     /// round, attempt or step past any mesh's changes nothing.
@@ -112,11 +114,13 @@ impl Rounds {
                     // most heartbeats; or, once, the one this member names.
                     if self.later_round_to_take(now).is_some() {
                         self.restart(now, out);
-                    } else if self.may_move(from, true, now) {
+                    } else if self.may_move(from, true) {
                         self.followed = Some(msg.round);
                         self.restart(now, out);
                     }
-                } else if awaited && self.may_move(from, true, now) {
+                } else if awaited
+                    && (self.later_round_to_take(now).is_some() || self.may_move(from, true))
+                {
                     // The retry takes its round, as a member that went on says.
                     self.followed = Some(msg.round);
                     if let Stage::Reducing {
@@ -156,7 +160,7 @@ impl Rounds {
                 } else if let Some(attempt) = self.later_attempt_to_take(now) {
                     self.attempt = attempt;
                     self.restart(now, out);
-                } else if self.may_move(from, false, now) {
+                } else if self.may_move(from, false) {
                     self.attempt = msg.attempt;
                     self.restart(now, out);
                 }

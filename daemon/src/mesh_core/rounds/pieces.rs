@@ -226,12 +226,7 @@ impl Pieces {
             if !over {
                 break;
             }
-            let Some(oldest) = self
-                .partial
-                .keys()
-                .find(|k| k.3 == from && **k != key)
-                .copied()
-            else {
+            let Some(oldest) = self.oldest_of(from, key) else {
                 return false;
             };
             self.remove(&oldest);
@@ -250,16 +245,19 @@ impl Pieces {
             else {
                 return false;
             };
-            let Some(oldest) = self
-                .partial
-                .keys()
-                .find(|k| k.3 == largest && **k != key)
-                .copied()
-            else {
+            let Some(oldest) = self.oldest_of(largest, key) else {
                 return false;
             };
             self.remove(&oldest);
         }
+    }
+
+    /// `sender`'s partial hop of the oldest round and attempt, other than `key`.
+    fn oldest_of(&self, sender: PeerId, key: HopKey) -> Option<HopKey> {
+        self.partial
+            .keys()
+            .find(|k| k.3 == sender && **k != key)
+            .copied()
     }
 
     /// Partial hops from `from`, and their bytes.

@@ -32,40 +32,60 @@ fn a_private_mesh_admits_only_nodes_with_its_key() {
     let (ok, out) = keygen(&key);
     assert!(!ok, "an existing key must never be overwritten: {out}");
     assert!(keygen(&other).0);
-    // A key file that is not one (64 bytes that are not ASCII, which libp2p's key parser
-    // would panic on) is refused with one `error:` line before the node writes anything.
-    let bad = tmp.path().join("bad.key");
-    let bad_line = format!("a{}a", "\u{e9}".repeat(31));
-    std::fs::write(
-        &bad,
-        format!("/key/swarm/psk/1.0.0/\n/base16/\n{bad_line}\n"),
-    )
-    .expect("write");
-    let refused = tmp.path().join("refused");
-    let (st, _, err) = cli(
-        &[
-            "join",
-            "--data-dir",
-            refused.to_str().expect("utf8"),
-            "--config",
-            cfg.to_str().expect("utf8"),
-            "--api",
-            "127.0.0.1:0",
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-            "--psk",
-            bad.to_str().expect("utf8"),
-        ],
-        Duration::from_secs(60),
-    );
-    assert!(!st.success(), "a node started with a bad key file: {err}");
-    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
-    assert_eq!(errors.len(), 1, "{err}");
-    assert!(errors[0].contains("not a network key file"), "{err}");
-    let written: Vec<_> = std::fs::read_dir(&refused)
-        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name()).collect())
-        .unwrap_or_default();
-    assert!(written.is_empty(), "a refused node wrote {written:?}");
+    // A key file that is missing, of the wrong length, or not one (64 bytes that are not
+    // ASCII, which libp2p's key parser would panic on) is refused with one `error:` line
+    // before the node writes anything to its data dir (the identity key included).
+    let header = "/key/swarm/psk/1.0.0/\n/base16/\n";
+    let bad_files = [
+        ("missing", None, "cannot read"),
+        (
+            "short",
+            Some(format!("{header}{}\n", "ab".repeat(16))),
+            "not a network key file",
+        ),
+        (
+            "non-ascii",
+            Some(format!("{header}a{}a\n", "\u{e9}".repeat(31))),
+            "not a network key file",
+        ),
+    ];
+    for (name, text, why) in bad_files {
+        let bad = tmp.path().join(format!("{name}.key"));
+        if let Some(text) = text {
+            std::fs::write(&bad, text).expect("write");
+        }
+        let refused = tmp.path().join(format!("refused-{name}"));
+        let (st, _, err) = cli(
+            &[
+                "join",
+                "--data-dir",
+                refused.to_str().expect("utf8"),
+                "--config",
+                cfg.to_str().expect("utf8"),
+                "--api",
+                "127.0.0.1:0",
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--psk",
+                bad.to_str().expect("utf8"),
+            ],
+            Duration::from_secs(60),
+        );
+        assert!(
+            !st.success(),
+            "{name}: a node started with a bad key file: {err}"
+        );
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(errors.len(), 1, "{name}: {err}");
+        assert!(errors[0].contains(why), "{name}: {err}");
+        let written: Vec<_> = std::fs::read_dir(&refused)
+            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(
+            written.is_empty(),
+            "{name}: a refused node wrote {written:?}"
+        );
+    }
 
     let key_arg = key.to_str().expect("utf8");
     let a = start(tmp.path(), "a", &cfg, None, &["--psk", key_arg]);

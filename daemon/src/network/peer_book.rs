@@ -15,8 +15,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::scoring;
 
-/// Addresses kept per peer found by mDNS (a LAN host may announce several; a hostile one many).
-const DISCOVERED_ADDRS_MAX: usize = 8;
+/// Addresses kept per peer, whether found by mDNS or listed in its identify (a host may
+/// listen on several; a hostile one lists as many as identify's 4 KiB message holds, ~100).
+pub const ADDRS_MAX: usize = 8;
+/// Peers remembered to redial at most: a member list this long is far past any home lab's,
+/// while a public mesh's strangers that connect under fresh identities and leave would
+/// otherwise each be remembered for [`FORGET_AFTER`]. When full, the one seen longest ago
+/// makes room.
+pub const KNOWN_MAX: usize = 4096;
 /// First wait before redialling a member that was lost (crashed, hung, or cut off by a
 /// partition); it doubles per failed attempt up to [`REDIAL_MAX`].
 pub const REDIAL_MIN: Duration = Duration::from_secs(1);
@@ -147,7 +153,10 @@ fn ban_reason(score: f64, offences: Option<&Offences>) -> String {
 impl PeerBook {
     /// A member was identified over a direct connection: remember where it listens, so it
     /// can be redialled if it is lost. Its backoff starts again from [`REDIAL_MIN`].
-    pub fn seen(&mut self, peer: PeerId, addrs: Vec<Multiaddr>, now: Instant) {
+    /// At most [`ADDRS_MAX`] of its addresses are kept, and at most [`KNOWN_MAX`] peers.
+    pub fn seen(&mut self, peer: PeerId, mut addrs: Vec<Multiaddr>, now: Instant) {
+        addrs.truncate(ADDRS_MAX);
+        self.make_room_for(&peer);
         self.known.insert(
             peer,
             KnownPeer {
@@ -162,16 +171,32 @@ impl PeerBook {
     /// A peer found on the local network (mDNS) before any connection: remember where, so a
     /// first dial that fails is retried like a lost member's. mDNS announces a peer once, not
     /// again until its record expires, so without this one lost dial kept two boxes on one
-    /// LAN apart for minutes. At most [`DISCOVERED_ADDRS_MAX`] addresses are kept per peer.
+    /// LAN apart for minutes. At most [`ADDRS_MAX`] addresses are kept per peer.
     pub fn discovered(&mut self, peer: PeerId, addr: Multiaddr, now: Instant) {
+        self.make_room_for(&peer);
         let known = self.known.entry(peer).or_insert_with(|| KnownPeer {
             addrs: Vec::new(),
             last_seen: now,
             next_dial: now + REDIAL_MIN,
             backoff: REDIAL_MIN,
         });
-        if !known.addrs.contains(&addr) && known.addrs.len() < DISCOVERED_ADDRS_MAX {
+        if !known.addrs.contains(&addr) && known.addrs.len() < ADDRS_MAX {
             known.addrs.push(addr);
+        }
+    }
+
+    /// Forgets the peer seen longest ago when the book is full and `peer` is not in it.
+    fn make_room_for(&mut self, peer: &PeerId) {
+        if self.known.len() < KNOWN_MAX || self.known.contains_key(peer) {
+            return;
+        }
+        if let Some(oldest) = self
+            .known
+            .iter()
+            .min_by_key(|(_, k)| k.last_seen)
+            .map(|(p, _)| *p)
+        {
+            self.known.remove(&oldest);
         }
     }
 
@@ -514,11 +539,37 @@ mod tests {
         }
         let due = book.redial_due(t0 + REDIAL_MIN, |_| false, |_| false);
         assert_eq!(due.len(), 1);
-        assert_eq!(due[0].1.len(), DISCOVERED_ADDRS_MAX);
+        assert_eq!(due[0].1.len(), ADDRS_MAX);
         // Once connected it is a member like any other: no more dials.
         assert!(book
             .redial_due(t0 + REDIAL_MAX * 2, |_| true, |_| false)
             .is_empty());
+    }
+
+    #[test]
+    fn the_book_keeps_a_bounded_number_of_peers_and_addresses() {
+        let mut book = PeerBook::default();
+        let t0 = Instant::now();
+        let many: Vec<Multiaddr> = (0..100)
+            .map(|i| addr(&format!("/ip4/10.0.0.1/tcp/{}", 4000 + i)))
+            .collect();
+        let first = PeerId::random();
+        book.seen(first, many, t0);
+        assert_eq!(book.known[&first].addrs.len(), ADDRS_MAX);
+        for i in 1..KNOWN_MAX as u64 + 10 {
+            book.seen(PeerId::random(), vec![], t0 + Duration::from_millis(i));
+        }
+        assert_eq!(book.known.len(), KNOWN_MAX);
+        assert!(!book.knows(&first), "the peer seen longest ago made room");
+        // Seeing a known peer again takes no one's place.
+        let newest = *book
+            .known
+            .iter()
+            .max_by_key(|(_, k)| k.last_seen)
+            .map(|(p, _)| p)
+            .expect("full");
+        book.seen(newest, vec![], t0 + Duration::from_secs(60));
+        assert_eq!(book.known.len(), KNOWN_MAX);
     }
 
     #[test]

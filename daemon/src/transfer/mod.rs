@@ -119,6 +119,10 @@ pub struct Cache {
     frozen: VecDeque<Arc<Frozen>>,
     /// Peer -> last chunk request, to report the donor's load.
     downloaders: HashMap<PeerId, Instant>,
+    /// Held while a state is being frozen: manifest requests that come together wait for
+    /// the one freeze and share it, instead of each copying and encoding the whole state
+    /// (a peer's burst of requests would otherwise cost a model's worth of memory each).
+    freezing: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Cache {

@@ -60,13 +60,23 @@ pub fn chunk(
 }
 
 /// Freezes the trainer's current state (or reuses a very recent freeze; see
-/// [`Cache::reusable`]).
+/// [`Cache::reusable`]); one freeze at a time, which the requests waiting for it share.
 async fn freeze(
     cache: &Mutex<Cache>,
     trainer: &mpsc::Sender<Command>,
     step_now: u64,
 ) -> Result<Arc<Frozen>, String> {
-    if let Some(f) = cache.lock().ok().and_then(|mut c| c.reusable(step_now)) {
+    let reusable = || cache.lock().ok().and_then(|mut c| c.reusable(step_now));
+    if let Some(f) = reusable() {
+        return Ok(f);
+    }
+    let gate = cache
+        .lock()
+        .map(|c| c.freezing.clone())
+        .map_err(|_| "the state cache is poisoned".to_string())?;
+    let _one_freeze_at_a_time = gate.lock().await;
+    if let Some(f) = reusable() {
+        // Frozen by the request this one waited for.
         return Ok(f);
     }
     let (tx, rx) = oneshot::channel();
@@ -87,4 +97,66 @@ async fn freeze(
         c.insert(frozen.clone());
     }
     Ok(frozen)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::checkpoint::{HostTensor, Snapshot, StateInfo};
+
+    /// Manifest requests that come together share one freeze: the trainer is asked for its
+    /// state once, and every answer names the same state.
+    #[tokio::test]
+    async fn requests_that_come_together_share_one_freeze() {
+        let cache = Arc::new(Mutex::new(Cache::default()));
+        let (trainer, mut commands) = mpsc::channel(16);
+        let asked = tokio::spawn(async move {
+            let mut asked = 0;
+            while let Some(command) = commands.recv().await {
+                if let Command::Snapshot(reply) = command {
+                    asked += 1;
+                    // A freeze takes a while: the other requests arrive meanwhile.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let mut tensors = BTreeMap::new();
+                    tensors.insert(
+                        "fc0.weight".to_string(),
+                        HostTensor {
+                            shape: vec![2],
+                            values: vec![1.0, 2.0],
+                        },
+                    );
+                    let _ = reply.send(Snapshot {
+                        info: StateInfo {
+                            run_id: "r".into(),
+                            config_hash: "c".into(),
+                            layout_hash: "l".into(),
+                            model: "mlp".into(),
+                            optimizer: "sgd".into(),
+                            step: 100 + asked,
+                            samples_seen: 0,
+                            optimizer_steps: 0,
+                        },
+                        tensors,
+                    });
+                }
+            }
+            asked
+        });
+        let answers: Vec<BulkResponse> = futures::future::join_all(
+            (0..4).map(|_| manifest(cache.clone(), trainer.clone(), 100)),
+        )
+        .await;
+        drop(trainer);
+        let hashes: Vec<Vec<u8>> = answers
+            .into_iter()
+            .map(|a| match a {
+                BulkResponse::StateManifest(m) => m.hash.to_vec(),
+                other => panic!("not a manifest: {other:?}"),
+            })
+            .collect();
+        assert!(hashes.iter().all(|h| *h == hashes[0]), "{hashes:?}");
+        assert_eq!(asked.await.expect("trainer task"), 1, "one freeze");
+    }
 }

@@ -380,6 +380,21 @@ impl Rounds {
                     self.abort("weight total past the members' weights", now);
                     return;
                 }
+                if weight == 0.0 && ring.weight > 0.0 {
+                    // This member's part weighed something, and no honest owner refuses an
+                    // honest part: an owner that counts nothing aborts the attempt (the
+                    // totals differ), and unpunished it could do so at every attempt.
+                    offence(
+                        out,
+                        from,
+                        format!(
+                            "a ring aggregate of weight total 0, though this member's part weighed {}",
+                            ring.weight
+                        ),
+                    );
+                    self.abort("weight total of 0", now);
+                    return;
+                }
                 if let Some(why) = (weight > 0.0)
                     .then(|| ring.judge.beyond(&values, own))
                     .flatten()

@@ -1449,6 +1449,31 @@ fn one_hostile_member_of_four_poisons_no_round() {
     assert!(clipped > 0);
 }
 
+/// An owner whose aggregate counts nothing (a weight total of 0) makes the honest members'
+/// totals differ, which aborts the attempt; since no honest owner refuses an honest part,
+/// every member whose part weighed something blames it (unpunished, it could abort every
+/// attempt it owns a chunk in). A member whose part weighed nothing cannot tell.
+#[test]
+fn an_aggregate_that_counts_nothing_is_an_offence() {
+    let zero_total = || -> Rogue {
+        Box::new(|m, _| {
+            if m.hop == 1 {
+                set_weight(m, 0.0)
+            }
+        })
+    };
+    let ring = round_with_a_rogue(zero_total(), [1.0; 4], 1.0);
+    for i in [0, 1, 2] {
+        assert!(ring.means[i].is_none(), "member {i} adopted a mean");
+        let st = ring.nodes[i].status(Instant::now());
+        assert_eq!(st.aborted.get("weight total of 0"), Some(&1), "{st:?}");
+    }
+    assert_eq!(ring.blamed, vec![3; 3]);
+    // Member 0 a joiner (its part weighs nothing): only the two synced members blame.
+    let ring = round_with_a_rogue(zero_total(), [0.0, 1.0, 1.0, 1.0], 1.0);
+    assert_eq!(ring.blamed, vec![3; 2]);
+}
+
 /// A rogue that sends each member a different part, or each member a different aggregate,
 /// within the distance bound: the parts' owners aggregate each chunk once, so the honest
 /// members still end bit-identical; different aggregates leave them apart, by no more than

@@ -15,7 +15,7 @@ use libp2p::{
 use super::EventLoop;
 use crate::nat;
 use crate::network::behaviour::BehaviourEvent;
-use crate::network::peer_book::ip_of;
+use crate::network::peer_book::{ip_of, ADDRS_MAX};
 use crate::network::{BulkRequest, BulkResponse, Event, NetError, PeerInfo};
 
 /// Whether a connection error happened in the handshake (pnet, noise or protocol
@@ -142,6 +142,8 @@ impl EventLoop {
             SwarmEvent::ConnectionClosed { peer_id, .. } => {
                 if !self.links.connected(&peer_id) {
                     self.relayed_members.remove(&peer_id);
+                    // Its next identify says again whether it relays.
+                    self.relay_capable.remove(&peer_id);
                 }
                 if !self.links.has_direct(&peer_id) {
                     if let Some(info) = self.members.remove(&peer_id) {
@@ -377,7 +379,8 @@ impl EventLoop {
         } else {
             self.relay_capable.remove(&peer_id);
         }
-        for addr in &info.listen_addrs {
+        // As many addresses as the peer book keeps: a hostile identify lists ~100.
+        for addr in info.listen_addrs.iter().take(ADDRS_MAX) {
             self.swarm
                 .behaviour_mut()
                 .kad

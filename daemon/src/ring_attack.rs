@@ -28,16 +28,30 @@ pub enum RingAttack {
     NextRound,
     /// Its hops name the next attempt of their round.
     NextAttempt,
+    /// Its hops as long as any a member reads whole: each padded with zeros to the model's
+    /// largest honest hop (a whole `diloco` contribution, `rounds::largest_hop_values`), the
+    /// weight last.
+    Oversize,
+    /// Its hops name round `u64::MAX`: past any round a mesh reaches, where the round counter
+    /// would wrap.
+    RoundMax,
 }
 
 impl RingAttack {
-    /// The hop to send instead of `msg`; `None` to send nothing.
-    pub fn apply(self, mut msg: RingMessage) -> Option<RingMessage> {
+    /// The hop to send instead of `msg`; `None` to send nothing. `largest_hop_values`: the
+    /// values of the model's largest honest hop (see [`RingAttack::Oversize`]).
+    pub fn apply(self, mut msg: RingMessage, largest_hop_values: usize) -> Option<RingMessage> {
         match self {
             RingAttack::Stall => return None,
             RingAttack::Hijack => msg.round = msg.round.saturating_add(1_000_000),
             RingAttack::NextRound => msg.round = msg.round.saturating_add(1),
             RingAttack::NextAttempt => msg.attempt = msg.attempt.saturating_add(1),
+            RingAttack::RoundMax => msg.round = u64::MAX,
+            RingAttack::Oversize => rewrite(&mut msg, |values| {
+                let weight = values.pop().unwrap_or(0.0);
+                values.resize(largest_hop_values.saturating_sub(1), 0.0);
+                values.push(weight);
+            }),
             RingAttack::Poison => rewrite(&mut msg, |values| {
                 let n = values.len().saturating_sub(1);
                 values[..n].iter_mut().for_each(|v| *v += 1e6);
@@ -117,16 +131,25 @@ mod tests {
     #[test]
     fn each_attack_does_what_it_says_to_a_hop() {
         let honest = hop(0, &[1.0, 2.0, 1.0]);
-        let poisoned = RingAttack::Poison.apply(honest.clone()).expect("sent");
+        let poisoned = RingAttack::Poison.apply(honest.clone(), 9).expect("sent");
         assert_eq!(values(&poisoned), vec![1e6 + 1.0, 1e6 + 2.0, 1.0]);
-        let killed = RingAttack::Kill.apply(honest.clone()).expect("sent");
+        let killed = RingAttack::Kill.apply(honest.clone(), 9).expect("sent");
         assert_eq!(values(&killed), vec![1e30, 1e30, 1.0]);
-        let heavy = RingAttack::Weight.apply(honest.clone()).expect("sent");
+        let heavy = RingAttack::Weight.apply(honest.clone(), 9).expect("sent");
         assert_eq!(values(&heavy), vec![1.0, 2.0, 1e9]);
-        let aggregate = RingAttack::Weight.apply(hop(1, &[1.0, 3.0])).expect("sent");
+        let aggregate = RingAttack::Weight
+            .apply(hop(1, &[1.0, 3.0]), 9)
+            .expect("sent");
         assert_eq!(values(&aggregate), vec![1.0, 3.0]);
-        assert!(RingAttack::Stall.apply(honest.clone()).is_none());
-        let hijack = RingAttack::Hijack.apply(honest).expect("sent");
+        assert!(RingAttack::Stall.apply(honest.clone(), 9).is_none());
+        let hijack = RingAttack::Hijack.apply(honest.clone(), 9).expect("sent");
         assert_eq!(hijack.round, 1_000_003);
+        let at_the_end = RingAttack::RoundMax.apply(honest.clone(), 9).expect("sent");
+        assert_eq!(at_the_end.round, u64::MAX);
+        let long = RingAttack::Oversize.apply(honest, 9).expect("sent");
+        assert_eq!(
+            values(&long),
+            vec![1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+        );
     }
 }

@@ -2,7 +2,10 @@
 //! binary whose `debug.ring_attack` makes every round hop it sends hostile (its training,
 //! heartbeats and the hops it takes stay honest). One test per attack, the mode rotated. Each
 //! asserts that no honest process exits, that the honest members go on completing rounds
-//! (counted) with bit-identical parameters, and, for an attack that can be proven, that most
+//! (counted) with bit-identical parameters, that their held-out loss after the attack is
+//! within a margin of their own before the rogue came (the honest-only control of the same
+//! run: the three as they were, rounds of three), that their memory stays bounded, and,
+//! for an attack that can be proven, that most
 //! honest members banned the rogue with the reason in status and that every honest member
 //! leaves it out of its rounds (one whose members mostly left it out does so too, banned or
 //! not: `Rounds::lists_differ`). A claimed weight is no proof: it is bounded, and the rogue
@@ -15,6 +18,17 @@ use serde_json::Value;
 
 use crate::mesh::{config, listen_addr, start};
 use crate::modes::assert_identical;
+
+/// An honest member's held-out loss after the attack is at most this many times its loss
+/// before the rogue came, plus [`LOSS_SLACK`]: the members train on meanwhile, so an honest
+/// run ends below its control; a spoiled mean (a chunk moved far, or the 1e6 shift taken)
+/// ends far above it.
+const LOSS_MARGIN: f64 = 1.5;
+/// See [`LOSS_MARGIN`]: the evaluations' own noise near a small loss.
+const LOSS_SLACK: f64 = 0.05;
+/// Resident memory an honest member stays below, whatever the rogue sends (a digits member
+/// runs in about a tenth of it).
+const RSS_MAX_KIB: u64 = 512 * 1024;
 
 /// Node `k`'s config of `mode`: its own third of the digits, evaluated every 100 steps;
 /// `debug` lines go into the `[debug]` table, `sync` lines into `[sync]`.
@@ -40,6 +54,11 @@ enum Expect {
     /// It stalls every attempt it is in: each honest member leaves it out (no ban, no
     /// offence), and the three go on without it between its leave-outs.
     LeftOut,
+    /// Its hops are proof, but refused as they come (they reach no attempt): each honest
+    /// member leaves it out at the first, an offence each. It sends hops only in attempts of
+    /// its own, which then stall, so its offences come a stall timeout apart: too few for a
+    /// ban within the test (a ban may come; only the rogue may be banned).
+    OffenderLeftOut,
 }
 
 fn rounds(s: &Value) -> &Value {
@@ -84,6 +103,19 @@ fn one_rogue_among_four(mode: &str, attack: &str, expect: Expect, sync: &str) {
             rounds(s)["ring_size"].as_u64() == Some(3) && completed(s) > 5
         });
     }
+    // The control: the honest members' held-out loss before the rogue came.
+    let control: Vec<(f64, u64)> = honest
+        .iter()
+        .map(|n| {
+            let s = n.wait_status("an evaluation", Duration::from_secs(60), |s| {
+                s["eval"]["loss"].is_f64()
+            });
+            (
+                s["eval"]["loss"].as_f64().unwrap_or(f64::NAN),
+                s["eval"]["step"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
     let rogue = start(tmp.path(), "rogue", &rogue_cfg, Some(&addr), &[]);
     let rogue_id = rogue.status().expect("the rogue's status")["peer_id"]
         .as_str()
@@ -122,6 +154,25 @@ fn one_rogue_among_four(mode: &str, attack: &str, expect: Expect, sync: &str) {
             let reason = ban["reason"].as_str().unwrap_or("");
             assert!(reason.contains("ring"), "{ban}");
         }
+    } else if expect == Expect::OffenderLeftOut {
+        for n in honest {
+            let s = n.wait_status("the offender left out", Duration::from_secs(60), |s| {
+                rounds(s)["aborted"]["left an offender out"]
+                    .as_u64()
+                    .is_some_and(|k| k > 0)
+            });
+            let offences = s["peers"]["list"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|p| p["peer_id"] == rogue_id.as_str())
+                .map(|p| p["offences"].clone());
+            eprintln!(
+                "{mode}/{attack}: offender left out {:.1} s after the rogue started; its offences here {offences:?}; aborted {}",
+                joined.elapsed().as_secs_f64(),
+                rounds(&s)["aborted"],
+            );
+        }
     } else if expect == Expect::LeftOut {
         for n in honest {
             let s = n.wait_status("the rogue left out", Duration::from_secs(60), |s| {
@@ -148,7 +199,7 @@ fn one_rogue_among_four(mode: &str, attack: &str, expect: Expect, sync: &str) {
     let ring = match expect {
         Expect::Banned => Some(3),
         Expect::Kept => Some(4),
-        Expect::LeftOut => None,
+        Expect::LeftOut | Expect::OffenderLeftOut => None,
     };
     let at: Vec<u64> = honest
         .iter()
@@ -161,6 +212,31 @@ fn one_rogue_among_four(mode: &str, attack: &str, expect: Expect, sync: &str) {
         });
     }
     assert_identical(&honest);
+    for (n, (before, at_step)) in honest.iter().zip(&control) {
+        // An evaluation of the parameters the rounds under attack left: past the step the
+        // last status above named.
+        let now = crate::mesh::step(&n.status().expect("status"));
+        let s = n.wait_status(
+            "an evaluation after the attack",
+            Duration::from_secs(60),
+            |s| s["eval"]["step"].as_u64().unwrap_or(0) > now,
+        );
+        let after = s["eval"]["loss"].as_f64().unwrap_or(f64::NAN);
+        let rss_kib = n.rss_kib().unwrap_or(0);
+        eprintln!(
+            "{mode}/{attack}: held-out loss {after:.4} at step {}, against {before:.4} at step {at_step} before the rogue came; RSS {} MiB",
+            s["eval"]["step"],
+            rss_kib / 1024
+        );
+        assert!(
+            after <= LOSS_MARGIN * before + LOSS_SLACK,
+            "{mode}/{attack}: held-out loss {after} after the attack, {before} before it"
+        );
+        assert!(
+            rss_kib < RSS_MAX_KIB,
+            "{mode}/{attack}: an honest member holds {rss_kib} KiB"
+        );
+    }
     for n in honest {
         let s = n.status().expect("an honest member answers");
         eprintln!(
@@ -181,7 +257,8 @@ fn one_rogue_among_four(mode: &str, attack: &str, expect: Expect, sync: &str) {
             .as_array()
             .into_iter()
             .flatten()
-            .all(|b| b["peer_id"] == rogue_id.as_str() && expect == Expect::Banned));
+            .all(|b| b["peer_id"] == rogue_id.as_str()
+                && matches!(expect, Expect::Banned | Expect::OffenderLeftOut)));
     }
     drop(rogue);
 }
@@ -261,4 +338,22 @@ fn allreduce_leaves_out_a_member_whose_hops_name_the_next_attempt() {
         Expect::LeftOut,
         "stall_timeout_secs = 3",
     );
+}
+
+/// `fedavg`, a rogue whose hops name round `u64::MAX` (where the round counter would wrap,
+/// a panic in a debug build before): past any round a mesh reaches, an offence each, and
+/// every honest member leaves it out at its first such hop (`Rounds::refuse`); nothing
+/// wraps, and the three go on. (Kept in its rounds, it stalled each attempt for the stall
+/// timeout and was neither left out nor banned within 60 s.)
+#[test]
+fn fedavg_leaves_out_a_member_whose_hops_name_the_last_round() {
+    one_rogue_among_four("fedavg", "round_max", Expect::OffenderLeftOut, "");
+}
+
+/// `diloco`, a rogue whose hops are as long as any a member reads whole (the model's largest
+/// hop, a whole contribution with the round anchor and velocity), each of the wrong size for
+/// its place: an offence each, banned; the members' memory stays bounded.
+#[test]
+fn diloco_bans_a_member_that_sends_hops_of_the_largest_length() {
+    one_rogue_among_four("diloco", "oversize", Expect::Banned, "");
 }

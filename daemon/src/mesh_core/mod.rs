@@ -332,6 +332,12 @@ impl MeshCore {
         self.rounds.as_ref().map(Rounds::piece_bytes)
     }
 
+    /// The values of the model's largest honest ring hop (what a test rogue pads its hops
+    /// to; see `ring_attack::RingAttack::Oversize`).
+    pub fn largest_ring_hop_values(&self) -> usize {
+        rounds::largest_hop_values(self.updates.numel())
+    }
+
     /// The step the trainer last reported: a donor's freeze is reused only near it.
     pub fn step(&self) -> u64 {
         self.progress.step

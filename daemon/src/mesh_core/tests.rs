@@ -883,8 +883,9 @@ fn attacked_mode(mode: &str) -> RoundConfig {
 /// honest members complete 66-100% of the control's rounds, their mean's loss is 1.02-2.43 x
 /// the control's (the stall's 1.93 and the next round's 2.43 in `allreduce`: a third of
 /// their time went to stalls and leave-outs that begin again), no ring ever ends split,
-/// nobody honest is blamed or banned; poison and kill are offences, and every honest member
-/// bans the rogue; a claimed weight is bounded, and the rogue stays; a staller, a rogue
+/// nobody honest is blamed or banned; poison, kill, hops of the model's largest length and
+/// hops of round `u64::MAX` (left out at its first, then banned: 75% of the rounds, 2.11 x
+/// the loss) are offences, and every honest member bans the rogue; a claimed weight is bounded, and the rogue stays; a staller, a rogue
 /// whose hops name a round a million ahead (a staller to the members, which follow no
 /// single member that far), and one whose hops name the next round or attempt (0 rounds
 /// completed in every mode while members followed every such hop) are left out by every
@@ -904,6 +905,8 @@ fn one_hostile_member_of_eight_spoils_no_round_in_the_simulator() {
         (RingAttack::NextRound, "allreduce"),
         (RingAttack::NextAttempt, "ddp"),
         (RingAttack::NextAttempt, "fedavg"),
+        (RingAttack::Oversize, "ddp"),
+        (RingAttack::RoundMax, "allreduce"),
     ] {
         let run = |ring_attack| {
             Sim::new(SimParams {
@@ -948,7 +951,7 @@ fn one_hostile_member_of_eight_spoils_no_round_in_the_simulator() {
             control.consensus
         );
         match attack {
-            RingAttack::Poison | RingAttack::Kill => {
+            RingAttack::Poison | RingAttack::Kill | RingAttack::Oversize | RingAttack::RoundMax => {
                 assert!(attacked.hostile_blamed > 0, "{name}");
                 assert!(a.bans.0 >= 4, "{name}: most of 7 ban it: {a:?}");
             }

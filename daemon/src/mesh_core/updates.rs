@@ -104,6 +104,11 @@ impl Updates {
         }
     }
 
+    /// The model's parameter count.
+    pub(super) fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+
     /// The peer whose updates `topic` carries, if it is an update topic of this run.
     pub(super) fn owner_of(&self, topic: &str) -> Option<PeerId> {
         topic

@@ -54,14 +54,14 @@ impl Rounds {
         if msg.piece == Piece::WHOLE {
             self.take(from, msg, now, out);
         } else if let Some(why) = past_limits(&msg) {
-            offence(out, from, why);
+            self.refuse(from, why, now, out);
         } else if !self.too_far(&msg, now) {
             let (round, attempt, members) = (msg.round, msg.attempt, msg.members);
             match self.pieces.take(from, msg, now) {
                 Ok(Taken::Whole(whole)) => self.take(from, whole, now, out),
                 Ok(Taken::Kept) => self.piece_came(from, (round, attempt, members), now),
                 Ok(Taken::Dropped) => {}
-                Err(why) => offence(out, from, why),
+                Err(why) => self.refuse(from, why, now, out),
             }
         }
         for o in &out[first..] {
@@ -71,17 +71,44 @@ impl Rounds {
         }
     }
 
+    /// A hop refused as it came, before it could reach any attempt (of odd length, not
+    /// finite, past the limits, a piece no split gives): an offence, and its sender is left
+    /// out of the next attempts as a staller is (with the same back-off; not again while it
+    /// is left out); where the running attempt still waits for a hop of it, that attempt is
+    /// retried at once without it. Kept in, such a sender (`ring_rogue`'s rogue naming round
+    /// `u64::MAX`) stalled each attempt for the stall timeout, twice excused a round, and was
+    /// not banned within 60 s: it sends its hops only in attempts of its own.
+    fn refuse(&mut self, from: PeerId, why: String, now: Instant, out: &mut Vec<Output>) {
+        offence(out, from, why);
+        let awaited = matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. }
+            if ring.index_of(&from).is_some_and(|i| ring.awaits(i)));
+        if awaited {
+            self.abort("a member's hop was an offence", now);
+        }
+        if !self.lists.left_out(&from, now) {
+            if let Some(last) = self.lists.stalled(from, now) {
+                tracing::info!(peer = %from, "a member sent a ring hop no honest member sends; leaving it out of the rounds for {last:?}");
+                self.abort_counter("left an offender out");
+            }
+        }
+    }
+
     fn take(&mut self, from: PeerId, msg: RingMessage, now: Instant, out: &mut Vec<Output>) {
         let Some(values) = decode_values(&msg.values, msg.bf16) else {
-            offence(out, from, "ring hop of odd length".into());
+            self.refuse(from, "ring hop of odd length".into(), now, out);
             return;
         };
         if !all_finite(&values) {
-            offence(out, from, "ring hop with NaN or infinite values".into());
+            self.refuse(
+                from,
+                "ring hop with NaN or infinite values".into(),
+                now,
+                out,
+            );
             return;
         }
         if let Some(why) = past_limits(&msg) {
-            offence(out, from, why);
+            self.refuse(from, why, now, out);
             return;
         }
         if self.too_far(&msg, now) {

@@ -781,7 +781,10 @@ fn a_hop_past_any_meshs_round_attempt_or_step_is_an_offence_and_changes_nothing(
     let now = Instant::now();
     ring.hear_all(now);
     ring.bring_to_boundary(0, now);
-    let before = ring.nodes[0].status(Instant::now());
+    let mut before = ring.nodes[0].status(Instant::now());
+    // The first comes from a member the running attempt waits for: the attempt is retried
+    // without it, which is left out as a staller is (`Rounds::refuse`). Nothing else moves.
+    before.attempt += 1;
     for (round, attempt, step) in [
         (u64::MAX, 0, 0),
         (ROUND_LIMIT, 0, 0),
@@ -804,8 +807,15 @@ fn a_hop_past_any_meshs_round_attempt_or_step_is_an_offence_and_changes_nothing(
         assert_eq!((st.round, st.attempt), (before.round, before.attempt));
         assert!(ring.nodes[0].inbox.is_empty());
     }
+    let st = ring.nodes[0].status(Instant::now());
+    assert_eq!(st.aborted.get("left an offender out"), Some(&1), "{st:?}");
+    assert_eq!(st.left_out, vec![ring.ids[1].to_string()], "{st:?}");
     // Between the limits a member follows and those of offences, a hop is dropped: no
-    // offence, nothing taken.
+    // offence, nothing taken (a fresh pair, in which node 1 is not left out).
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    ring.hear_all(now);
+    ring.bring_to_boundary(0, now);
+    let before = ring.nodes[0].status(Instant::now());
     ring.nodes[0].heard(ring.ids[1], &ready_in(Some(ROUND_LIMIT - 1), None), now);
     for (round, attempt) in [
         (ROUND_LIMIT - 1, 0),
@@ -1038,7 +1048,21 @@ fn hostile_hops_are_offences_and_never_reach_the_mean() {
             .iter()
             .any(|o| matches!(o, Output::Trainer(TrainerCommand::Combine { .. }))));
     }
-    // A hop of the wrong size aborts the attempt.
+    // A hop of the wrong size aborts the attempt (a fresh pair: the first hop above, refused
+    // as it came from a member the attempt waited for, aborted that attempt and left node 1
+    // out).
+    assert_eq!(
+        ring.nodes[0]
+            .status(Instant::now())
+            .aborted
+            .get("a member's hop was an offence"),
+        Some(&1)
+    );
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    ring.hear_all(now);
+    ring.bring_to_boundary(0, now);
+    let (_, digest) = ring.sorted();
+    let from = ring.ids[1];
     let mut out = Vec::new();
     let msg = RingMessage {
         step: 0,

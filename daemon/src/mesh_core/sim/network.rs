@@ -217,7 +217,10 @@ impl Sim {
     pub(super) fn send_ring(&mut self, i: usize, peer: PeerId, msg: RingMessage) {
         self.nodes[i].last_ring = Some((msg.round, msg.members));
         let msg = match self.p.ring_attack.filter(|_| self.nodes[i].hostile) {
-            Some(attack) => match attack.apply(msg) {
+            Some(attack) => match attack.apply(
+                msg,
+                crate::mesh_core::rounds::largest_hop_values(self.p.dim),
+            ) {
                 Some(msg) => msg,
                 None => return,
             },

@@ -884,7 +884,7 @@ fn attacked_mode(mode: &str) -> RoundConfig {
 /// the control's (the stall's 1.93 and the next round's 2.43 in `allreduce`: a third of
 /// their time went to stalls and leave-outs that begin again), no ring ever ends split,
 /// nobody honest is blamed or banned; poison, kill, hops of the model's largest length and
-/// hops of round `u64::MAX` (left out at its first, then banned: 75% of the rounds, 2.11 x
+/// hops of round `u64::MAX` (left out at its first, then banned: 73% of the rounds, 2.10 x
 /// the loss) are offences, and every honest member bans the rogue; a claimed weight is bounded, and the rogue stays; a staller, a rogue
 /// whose hops name a round a million ahead (a staller to the members, which follow no
 /// single member that far), and one whose hops name the next round or attempt (0 rounds

@@ -74,7 +74,7 @@ impl Rounds {
     /// A hop refused as it came, before it could reach any attempt (of odd length, not
     /// finite, past the limits, a piece no split gives): an offence, and its sender is left
     /// out of the next attempts as a staller is (with the same back-off; not again while it
-    /// is left out); where the running attempt still waits for a hop of it, that attempt is
+    /// is left out; never taken back because most members list it: `Lists::offended`); where the running attempt still waits for a hop of it, that attempt is
     /// retried at once without it. Kept in, such a sender (`ring_rogue`'s rogue naming round
     /// `u64::MAX`) stalled each attempt for the stall timeout, twice excused a round, and was
     /// not banned within 60 s: it sends its hops only in attempts of its own.
@@ -86,7 +86,7 @@ impl Rounds {
             self.abort("a member's hop was an offence", now);
         }
         if !self.lists.left_out(&from, now) {
-            if let Some(last) = self.lists.stalled(from, now) {
+            if let Some(last) = self.lists.offended(from, now) {
                 tracing::info!(peer = %from, "a member sent a ring hop no honest member sends; leaving it out of the rounds for {last:?}");
                 self.abort_counter("left an offender out");
             }

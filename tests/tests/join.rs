@@ -115,6 +115,12 @@ fn a_donor_that_drips_its_chunks_holds_a_joiner_no_longer_than_its_join_deadline
     );
 }
 
+/// Five liars and one honest donor. Every liar claims the highest step (a billion), so a
+/// joiner, which orders donors by the median of the claims it hears, tries them first: a
+/// 1 GiB manifest, chunks of the wrong length, chunks that fail their hash, a state that
+/// verifies but counts 2^48 optimizer steps, and chunks dripped just under the joiner's
+/// request timeout (then failing their hash). The joiner refuses each in its own way and
+/// joins from the honest donor.
 #[test]
 fn a_joiner_refuses_hostile_donors_and_joins_from_an_honest_one() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -125,14 +131,26 @@ fn a_joiner_refuses_hostile_donors_and_joins_from_an_honest_one() {
         DonorAnswer::Oversized,
         DonorAnswer::WrongLength,
         DonorAnswer::BadHash,
+        DonorAnswer::MaxCounters,
+        DonorAnswer::Drip,
     ]
     .into_iter()
     .map(|d| Rogue::join_donor(&cfg, &addr, d))
     .collect();
     honest.wait_status("the rogues connected", Duration::from_secs(60), |s| {
-        peers(s) == 3
+        peers(s) == 5
     });
-    let joiner = start(tmp.path(), "joiner", &cfg, Some(&addr), &[]);
+    // A request timeout a second past the drip's delay: each dripped chunk comes in time.
+    let joiner_cfg = config(
+        tmp.path(),
+        "joiner.toml",
+        &[],
+        &format!(
+            "\n[network]\nrequest_timeout_secs = {}\n",
+            crate::rogue::DRIP_DELAY.as_secs_f64() + 1.0
+        ),
+    );
+    let joiner = start(tmp.path(), "joiner", &joiner_cfg, Some(&addr), &[]);
     let s = joiner.wait_status("the joiner training", Duration::from_secs(120), |s| {
         s["state_download"].is_object() && s["phase"] == "training"
     });
@@ -151,6 +169,7 @@ fn a_joiner_refuses_hostile_donors_and_joins_from_an_honest_one() {
         "largest checkpoint",
         "chunk of 1000 bytes",
         "chunk failed verification",
+        "past what any run reaches",
     ] {
         assert!(log.contains(why), "no \"{why}\" in the log: {log}");
     }

@@ -40,6 +40,38 @@ pub enum DonorAnswer {
     /// A plausible manifest of the most advanced state, whose chunks are the right length but
     /// fail their hash.
     BadHash,
+    /// A state of this run and layout that verifies (its hash and checksum are right), at
+    /// the step it claims, whose counters are at their limit (2^48 optimizer steps: AdamW's
+    /// bias correction divided by zero at 2^32 before counters were bounded).
+    MaxCounters,
+    /// [`DonorAnswer::BadHash`]'s manifest, each chunk answered [`DRIP_DELAY`] late: just
+    /// under the joiner's request timeout in the test that uses it.
+    Drip,
+}
+
+/// How late a [`DonorAnswer::Drip`] donor answers each chunk.
+pub const DRIP_DELAY: Duration = Duration::from_millis(2500);
+
+/// The bytes of a [`DonorAnswer::MaxCounters`] state of run `run_id` and layout
+/// `layout_hash` (no tensors: the counters are refused before any is loaded).
+fn max_counters_state(run_id: &str, layout_hash: &str) -> Arc<p2ptrain_daemon::transfer::Frozen> {
+    use p2ptrain_daemon::checkpoint::{self, Snapshot, StateInfo};
+    let step = 1_000_000_000;
+    let snapshot = Snapshot {
+        info: StateInfo {
+            run_id: run_id.to_string(),
+            config_hash: "hostile".into(),
+            layout_hash: layout_hash.to_string(),
+            model: "hostile".into(),
+            optimizer: "adamw".into(),
+            step,
+            samples_seen: 0,
+            optimizer_steps: 1 << 48,
+        },
+        tensors: Default::default(),
+    };
+    let (bytes, _) = checkpoint::encode(&snapshot, 0, 0).expect("encode a state");
+    Arc::new(p2ptrain_daemon::transfer::Frozen::new(step, bytes))
 }
 
 /// Bytes of the plausible hostile state: three chunks.
@@ -52,8 +84,16 @@ fn hostile_manifest(answer: DonorAnswer) -> network::StateManifest {
         DonorAnswer::Oversized => 1 << 30,
         _ => HOSTILE_STATE,
     };
+    // Each lie its own state: donors of one hash are taken for holders of one state.
+    let tag = match answer {
+        DonorAnswer::Oversized => 0xA1,
+        DonorAnswer::WrongLength => 0xA2,
+        DonorAnswer::BadHash => 0xA3,
+        DonorAnswer::MaxCounters => 0xA4,
+        DonorAnswer::Drip => 0xA5,
+    };
     network::StateManifest {
-        hash: ByteBuf::from(vec![0xAB; 32]),
+        hash: ByteBuf::from(vec![tag; 32]),
         // Far ahead of any honest node, so a joiner tries it first.
         step: 1_000_000_000,
         total,
@@ -119,6 +159,7 @@ impl Rogue {
         let dense_layout = layout.clone();
         let run = run_id.clone();
         let answers = answers.to_vec();
+        let counters_state = max_counters_state(&run_id, &layout_hash);
         let rt = tokio::runtime::Runtime::new().expect("runtime");
         let key = Keypair::generate_ed25519();
         let id = key.public().to_peer_id();
@@ -155,8 +196,33 @@ impl Rogue {
                         continue;
                     };
                     let hostile_state = match (&request, donor) {
+                        (BulkRequest::StateManifest, Some(DonorAnswer::MaxCounters)) => Some(
+                            BulkResponse::StateManifest(counters_state.manifest(0, Vec::new())),
+                        ),
+                        (BulkRequest::StateChunk { index, .. }, Some(DonorAnswer::MaxCounters)) => {
+                            Some(match counters_state.chunk(*index) {
+                                Some(bytes) => {
+                                    BulkResponse::StateChunk(ByteBuf::from(bytes.to_vec()))
+                                }
+                                None => BulkResponse::Refused("no such chunk".into()),
+                            })
+                        }
                         (BulkRequest::StateManifest, Some(d)) => {
                             Some(BulkResponse::StateManifest(hostile_manifest(d)))
+                        }
+                        (BulkRequest::StateChunk { index, .. }, Some(DonorAnswer::Drip)) => {
+                            // In a task of its own: other requests are answered meanwhile.
+                            let chunk = p2ptrain_daemon::transfer::CHUNK_SIZE as u64;
+                            let len = HOSTILE_STATE
+                                .saturating_sub(u64::from(*index) * chunk)
+                                .min(chunk);
+                            let net = responder.clone();
+                            tokio::spawn(async move {
+                                tokio::time::sleep(DRIP_DELAY).await;
+                                let bytes = ByteBuf::from(vec![7u8; len as usize]);
+                                let _ = net.respond(channel, BulkResponse::StateChunk(bytes)).await;
+                            });
+                            continue;
                         }
                         (BulkRequest::StateChunk { .. }, Some(DonorAnswer::WrongLength)) => {
                             Some(BulkResponse::StateChunk(ByteBuf::from(vec![0u8; 1000])))

@@ -358,7 +358,9 @@ impl MeshActor {
                 let (round, attempt) = (msg.round, msg.attempt);
                 // A rogue (test only) may send nothing: then nothing comes back either.
                 let msg = match self.ring_attack {
-                    Some(attack) => attack.apply(msg, self.core.largest_ring_hop_values())?,
+                    Some(attack) => {
+                        attack.apply(msg, &peer, self.core.largest_ring_hop_values())?
+                    }
                     None => msg,
                 };
                 let undelivered = Input::RingUndelivered {

@@ -4,6 +4,7 @@
 //! member as a real process beside honest ones. Only builds with debug assertions (the
 //! integration tests' binary) take it; a release build refuses a config that sets it.
 
+use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 
@@ -35,18 +36,35 @@ pub enum RingAttack {
     /// Its hops name round `u64::MAX`: past any round a mesh reaches, where the round counter
     /// would wrap.
     RoundMax,
+    /// Its hops name the next round to about one member in four (another quarter each round:
+    /// those whose peer id's last byte plus the round is a multiple of 4) and are honest to
+    /// the rest: the members it moves then carry the others on with their own hops, if
+    /// members follow one another's word.
+    RelayNextRound,
 }
 
 impl RingAttack {
-    /// The hop to send instead of `msg`; `None` to send nothing. `largest_hop_values`: the
-    /// values of the model's largest honest hop (see [`RingAttack::Oversize`]).
-    pub fn apply(self, mut msg: RingMessage, largest_hop_values: usize) -> Option<RingMessage> {
+    /// The hop to send to `to` instead of `msg`; `None` to send nothing.
+    /// `largest_hop_values`: the values of the model's largest honest hop (see
+    /// [`RingAttack::Oversize`]).
+    pub fn apply(
+        self,
+        mut msg: RingMessage,
+        to: &PeerId,
+        largest_hop_values: usize,
+    ) -> Option<RingMessage> {
         match self {
             RingAttack::Stall => return None,
             RingAttack::Hijack => msg.round = msg.round.saturating_add(1_000_000),
             RingAttack::NextRound => msg.round = msg.round.saturating_add(1),
             RingAttack::NextAttempt => msg.attempt = msg.attempt.saturating_add(1),
             RingAttack::RoundMax => msg.round = u64::MAX,
+            RingAttack::RelayNextRound => {
+                let last = to.to_bytes().last().copied().unwrap_or(0);
+                if (u64::from(last) + msg.round).is_multiple_of(4) {
+                    msg.round = msg.round.saturating_add(1);
+                }
+            }
             RingAttack::Oversize => rewrite(&mut msg, |values| {
                 let weight = values.pop().unwrap_or(0.0);
                 values.resize(largest_hop_values.saturating_sub(1), 0.0);
@@ -130,23 +148,51 @@ mod tests {
 
     #[test]
     fn each_attack_does_what_it_says_to_a_hop() {
+        let to = PeerId::random();
         let honest = hop(0, &[1.0, 2.0, 1.0]);
-        let poisoned = RingAttack::Poison.apply(honest.clone(), 9).expect("sent");
+        let poisoned = RingAttack::Poison
+            .apply(honest.clone(), &to, 9)
+            .expect("sent");
         assert_eq!(values(&poisoned), vec![1e6 + 1.0, 1e6 + 2.0, 1.0]);
-        let killed = RingAttack::Kill.apply(honest.clone(), 9).expect("sent");
+        let killed = RingAttack::Kill
+            .apply(honest.clone(), &to, 9)
+            .expect("sent");
         assert_eq!(values(&killed), vec![1e30, 1e30, 1.0]);
-        let heavy = RingAttack::Weight.apply(honest.clone(), 9).expect("sent");
+        let heavy = RingAttack::Weight
+            .apply(honest.clone(), &to, 9)
+            .expect("sent");
         assert_eq!(values(&heavy), vec![1.0, 2.0, 1e9]);
         let aggregate = RingAttack::Weight
-            .apply(hop(1, &[1.0, 3.0]), 9)
+            .apply(hop(1, &[1.0, 3.0]), &to, 9)
             .expect("sent");
         assert_eq!(values(&aggregate), vec![1.0, 3.0]);
-        assert!(RingAttack::Stall.apply(honest.clone(), 9).is_none());
-        let hijack = RingAttack::Hijack.apply(honest.clone(), 9).expect("sent");
+        assert!(RingAttack::Stall.apply(honest.clone(), &to, 9).is_none());
+        let hijack = RingAttack::Hijack
+            .apply(honest.clone(), &to, 9)
+            .expect("sent");
         assert_eq!(hijack.round, 1_000_003);
-        let at_the_end = RingAttack::RoundMax.apply(honest.clone(), 9).expect("sent");
+        let at_the_end = RingAttack::RoundMax
+            .apply(honest.clone(), &to, 9)
+            .expect("sent");
         assert_eq!(at_the_end.round, u64::MAX);
-        let long = RingAttack::Oversize.apply(honest, 9).expect("sent");
+        let relayed_to = |last: u8| {
+            // A peer id whose last byte is `last` (identity multihash of 36 bytes).
+            let mut bytes = PeerId::random().to_bytes();
+            if let Some(b) = bytes.last_mut() {
+                *b = last;
+            }
+            PeerId::from_bytes(&bytes).expect("a peer id")
+        };
+        let relay = RingAttack::RelayNextRound;
+        let moved = relay
+            .apply(honest.clone(), &relayed_to(9), 9)
+            .expect("sent");
+        assert_eq!(moved.round, 4, "(9 + 3) % 4 == 0");
+        let kept = relay
+            .apply(honest.clone(), &relayed_to(10), 9)
+            .expect("sent");
+        assert_eq!(kept.round, 3);
+        let long = RingAttack::Oversize.apply(honest, &to, 9).expect("sent");
         assert_eq!(
             values(&long),
             vec![1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]

@@ -380,6 +380,11 @@ impl Node {
         self.proc_status_kib("VmRSS")
     }
 
+    /// The process's peak resident memory so far (`VmHWM`), in KiB.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        self.proc_status_kib("VmHWM")
+    }
+
     /// One `kB` field of the process's `/proc/PID/status`.
     fn proc_status_kib(&self, field: &str) -> Option<u64> {
         let pid = self.child.as_ref()?.id();

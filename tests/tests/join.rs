@@ -164,6 +164,11 @@ fn a_joiner_refuses_hostile_donors_and_joins_from_an_honest_one() {
     // abandoned when their only source failed.
     assert!(dl["restarts"].as_u64().unwrap_or(0) >= 2, "{dl}");
     assert!(dl["failed_sources"].as_u64().unwrap_or(0) >= 2, "{dl}");
+    // The drip was waited for (its chunks came within the request timeout), then refused.
+    assert!(
+        dl["secs"].as_f64().unwrap_or(0.0) >= crate::rogue::DRIP_DELAY.as_secs_f64(),
+        "{dl}"
+    );
     let log = joiner.log_text();
     for why in [
         "largest checkpoint",

@@ -37,7 +37,7 @@ fn a_private_mesh_admits_only_nodes_with_its_key() {
     // before the node writes anything to its data dir (the identity key included).
     let header = "/key/swarm/psk/1.0.0/\n/base16/\n";
     let bad_files = [
-        ("missing", None, "cannot read"),
+        ("missing", None, "cannot read the network key"),
         (
             "short",
             Some(format!("{header}{}\n", "ab".repeat(16))),

@@ -3,8 +3,9 @@
 //! heartbeats and the hops it takes stay honest). One test per attack, the mode rotated. Each
 //! asserts that no honest process exits, that the honest members go on completing rounds
 //! (counted) with bit-identical parameters, that their held-out loss after the attack is
-//! within a margin of their own before the rogue came (the honest-only control of the same
-//! run: the three as they were, rounds of three), that their memory stays bounded, and,
+//! within a margin of their own just before the rogue came (an earlier evaluation of the
+//! same three, in rounds of three: the control this run has; no parallel honest-only run),
+//! that their peak memory stays bounded, and,
 //! for an attack that can be proven, that most
 //! honest members banned the rogue with the reason in status and that every honest member
 //! leaves it out of its rounds (one whose members mostly left it out does so too, banned or
@@ -160,13 +161,18 @@ fn one_rogue_among_four(mode: &str, attack: &str, expect: Expect, sync: &str) {
                 rounds(s)["aborted"]["left an offender out"]
                     .as_u64()
                     .is_some_and(|k| k > 0)
+                    && rounds(s)["left_out"] == serde_json::json!([rogue_id.as_str()])
             });
             let offences = s["peers"]["list"]
                 .as_array()
                 .into_iter()
                 .flatten()
                 .find(|p| p["peer_id"] == rogue_id.as_str())
-                .map(|p| p["offences"].clone());
+                .and_then(|p| p["offences"].as_u64());
+            assert!(
+                offences.is_some_and(|k| k > 0) || ban_of(&s, &rogue_id).is_some(),
+                "{mode}/{attack}: no offence of the rogue's on record: {s}"
+            );
             eprintln!(
                 "{mode}/{attack}: offender left out {:.1} s after the rogue started; its offences here {offences:?}; aborted {}",
                 joined.elapsed().as_secs_f64(),
@@ -222,9 +228,9 @@ fn one_rogue_among_four(mode: &str, attack: &str, expect: Expect, sync: &str) {
             |s| s["eval"]["step"].as_u64().unwrap_or(0) > now,
         );
         let after = s["eval"]["loss"].as_f64().unwrap_or(f64::NAN);
-        let rss_kib = n.rss_kib().unwrap_or(0);
+        let rss_kib = n.peak_rss_kib().expect("the member's peak resident memory");
         eprintln!(
-            "{mode}/{attack}: held-out loss {after:.4} at step {}, against {before:.4} at step {at_step} before the rogue came; RSS {} MiB",
+            "{mode}/{attack}: held-out loss {after:.4} at step {}, against {before:.4} at step {at_step} before the rogue came; peak RSS {} MiB",
             s["eval"]["step"],
             rss_kib / 1024
         );

@@ -212,10 +212,57 @@ fn random_values(rng: &mut StdRng) -> Vec<f32> {
         .collect()
 }
 
+/// An update frame of `author`'s whose checksum holds (the fuzz core's run and layout, any
+/// codec, values finite or not), half the time with one bit changed and the checksum made
+/// right again: random bytes never pass the checksum, so without these the checks behind it
+/// (header, counts, norms, replay) saw no hostile input.
+fn sealed_update(rng: &mut StdRng, author: &PeerId) -> Vec<u8> {
+    use p2ptrain_models::codec::{self, Codec, ScaleGroup, UpdateHeader, ValueFormat};
+    let layout = Layout {
+        entries: vec![("w".into(), vec![8])],
+    };
+    let step: u64 = rng.random_range(0..1_000);
+    let header = UpdateHeader {
+        run_id: codec::id_bytes("00aa"),
+        layout: codec::id_bytes(&layout.hash()),
+        sender: codec::sender_bytes(&author.to_bytes()),
+        base_step: step.saturating_sub(rng.random_range(0..3)),
+        step,
+        codec: [
+            Codec::Dense,
+            Codec::F16,
+            Codec::Bf16,
+            Codec::TopK(ValueFormat::F32),
+            Codec::OneBit(ScaleGroup::Tensor),
+        ][rng.random_range(0..5)],
+        numel: 8,
+    };
+    let values: Vec<f32> = (0..8)
+        .map(|_| match rng.random_range(0..10) {
+            0 => f32::NAN,
+            1 => rng.random_range(-1e6..1e6),
+            _ => rng.random_range(-0.1..0.1),
+        })
+        .collect();
+    let Ok(encoded) = codec::encode(&header, &layout, &values, 0.5) else {
+        return random_bytes(rng);
+    };
+    let mut bytes = encoded.bytes;
+    if rng.random() && !bytes.is_empty() {
+        let at = rng.random_range(0..bytes.len());
+        bytes[at] ^= 1 << rng.random_range(0..8);
+        codec::reseal(&mut bytes);
+    }
+    wire::encode_update_frame(&wire::UpdateFrame::Inline(&bytes))
+}
+
 /// A property test: whatever arrives in whatever order, at whatever instants (backwards
-/// included), the core neither panics nor grows without bound.
+/// included), the core neither panics nor grows without bound. Gossip payloads are random
+/// bytes or updates that pass the checksum ([`sealed_update`]): some of those are taken,
+/// some rejected, and both are asserted to happen.
 #[test]
 fn arbitrary_inputs_never_panic_and_memory_stays_bounded() {
+    let (mut taken, mut rejected) = (0u64, 0u64);
     for seed in 0..40u64 {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut core = fuzz_core(seed);
@@ -245,7 +292,11 @@ fn arbitrary_inputs_never_panic_and_memory_stays_bounded() {
                     author: if rng.random() { Some(peer) } else { None },
                     id: MessageId::from(k.to_le_bytes().to_vec()),
                     topic,
-                    data: random_bytes(&mut rng),
+                    data: if rng.random() {
+                        sealed_update(&mut rng, &peer)
+                    } else {
+                        random_bytes(&mut rng)
+                    },
                 },
                 4 => Input::Fetched {
                     owner: peer,
@@ -308,7 +359,14 @@ fn arbitrary_inputs_never_panic_and_memory_stays_bounded() {
             assert!(sizes.large <= updates::LARGE_UPDATE_CAP);
             assert!(sizes.seen_steps <= pool.len());
         }
+        let updates = core.status(base).updates;
+        taken += updates.received.saturating_sub(updates.rejected);
+        rejected += updates.rejected;
     }
+    assert!(
+        taken > 0 && rejected > 0,
+        "taken {taken}, rejected {rejected}"
+    );
 }
 
 /// `values` with every non-finite value made 0.
@@ -884,7 +942,7 @@ fn attacked_mode(mode: &str) -> RoundConfig {
 /// the control's (the stall's 1.93 and the next round's 2.43 in `allreduce`: a third of
 /// their time went to stalls and leave-outs that begin again), no ring ever ends split,
 /// nobody honest is blamed or banned; poison, kill, hops of the model's largest length and
-/// hops of round `u64::MAX` (left out at its first, then banned: 73% of the rounds, 2.10 x
+/// hops of round `u64::MAX` (left out at its first, then banned: 75% of the rounds, 2.12 x
 /// the loss) are offences, and every honest member bans the rogue; a claimed weight is bounded, and the rogue stays; a staller, a rogue
 /// whose hops name a round a million ahead (a staller to the members, which follow no
 /// single member that far), and one whose hops name the next round or attempt (0 rounds
@@ -907,6 +965,8 @@ fn one_hostile_member_of_eight_spoils_no_round_in_the_simulator() {
         (RingAttack::NextAttempt, "fedavg"),
         (RingAttack::Oversize, "ddp"),
         (RingAttack::RoundMax, "allreduce"),
+        // Not here: `RelayNextRound`, the next round named to a quarter of the members, an
+        // open finding (55 of 252 rounds, 9.6 x the loss, one member unsynced; README).
     ] {
         let run = |ring_attack| {
             Sim::new(SimParams {
@@ -956,6 +1016,7 @@ fn one_hostile_member_of_eight_spoils_no_round_in_the_simulator() {
                 assert!(a.bans.0 >= 4, "{name}: most of 7 ban it: {a:?}");
             }
             RingAttack::Weight => assert_eq!(a.bans, (0, 0), "{name}"),
+            RingAttack::RelayNextRound => unreachable!("an open finding, not in the matrix"),
             RingAttack::Stall
             | RingAttack::Hijack
             | RingAttack::NextRound

@@ -20,8 +20,10 @@ use crate::scoring;
 pub const ADDRS_MAX: usize = 8;
 /// Peers remembered to redial at most: a member list this long is far past any home lab's,
 /// while a public mesh's strangers that connect under fresh identities and leave would
-/// otherwise each be remembered for [`FORGET_AFTER`]. When full, the one seen longest ago
-/// makes room.
+/// otherwise each be remembered for [`FORGET_AFTER`]. When full, a peer identified over a
+/// direct connection takes the place of the one seen longest ago (connected members are
+/// seen again at every redial tick, so that is a lost one: such a flood can make this node
+/// forget lost members, which then come back through Kademlia, mDNS or by dialling it).
 pub const KNOWN_MAX: usize = 4096;
 /// First wait before redialling a member that was lost (crashed, hung, or cut off by a
 /// partition); it doubles per failed attempt up to [`REDIAL_MAX`].
@@ -171,9 +173,13 @@ impl PeerBook {
     /// A peer found on the local network (mDNS) before any connection: remember where, so a
     /// first dial that fails is retried like a lost member's. mDNS announces a peer once, not
     /// again until its record expires, so without this one lost dial kept two boxes on one
-    /// LAN apart for minutes. At most [`ADDRS_MAX`] addresses are kept per peer.
+    /// LAN apart for minutes. At most [`ADDRS_MAX`] addresses are kept per peer; a full book
+    /// takes no new peer this way (an mDNS announcement proves nothing, and a host on the LAN
+    /// could announce thousands to push out the lost members the book is for).
     pub fn discovered(&mut self, peer: PeerId, addr: Multiaddr, now: Instant) {
-        self.make_room_for(&peer);
+        if self.known.len() >= KNOWN_MAX && !self.known.contains_key(&peer) {
+            return;
+        }
         let known = self.known.entry(peer).or_insert_with(|| KnownPeer {
             addrs: Vec::new(),
             last_seen: now,

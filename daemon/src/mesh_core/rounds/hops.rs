@@ -14,7 +14,8 @@ use super::ring::{all_finite, decode_values, AGGREGATE, PART};
 use super::robust::aggregate;
 use super::{
     Hop, HopKey, Output, Rounds, Stage, ATTEMPT_JUMP, ATTEMPT_LIMIT, FOLLOWED_ATTEMPT_LIMIT,
-    FOLLOWED_ROUND_LIMIT, INBOX_CAP, ROUND_JUMP, ROUND_LIMIT, STEP_LIMIT, WEIGHT_LIMIT,
+    FOLLOWED_ROUND_LIMIT, INBOX_CAP, READY_FRESH, ROUND_JUMP, ROUND_LIMIT, STEP_LIMIT,
+    WEIGHT_LIMIT,
 };
 use crate::wire::{Piece, RingMessage};
 
@@ -72,21 +73,36 @@ impl Rounds {
     }
 
     /// A hop refused as it came, before it could reach any attempt (of odd length, not
-    /// finite, past the limits, a piece no split gives): an offence, and its sender is left
-    /// out of the next attempts as a staller is (with the same back-off; not again while it
-    /// is left out; never taken back because most members list it: `Lists::offended`); where the running attempt still waits for a hop of it, that attempt is
-    /// retried at once without it. Kept in, such a sender (`ring_rogue`'s rogue naming round
-    /// `u64::MAX`) stalled each attempt for the stall timeout, twice excused a round, and was
-    /// not banned within 60 s: it sends its hops only in attempts of its own.
+    /// finite, past the limits, a piece no split gives): an offence. A sender that takes
+    /// part in rounds (heard ready, or in the running attempt) is also left out of the next
+    /// attempts as a staller is, with the same back-off (not again while it is left out);
+    /// where the running attempt still waits for a hop of it, that attempt is retried at
+    /// once without it. Kept in, such a sender (`ring_rogue`'s rogue naming round
+    /// `u64::MAX`) stalled each attempt for the stall timeout, twice excused a round, and
+    /// was not banned within 60 s: it sends its hops only in attempts of its own. Where most
+    /// members still list it (it sent such a hop to this member alone), it is taken back as
+    /// a staller is: one such hop does not make an honest member sit out.
     fn refuse(&mut self, from: PeerId, why: String, now: Instant, out: &mut Vec<Output>) {
         offence(out, from, why);
-        let awaited = matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. }
-            if ring.index_of(&from).is_some_and(|i| ring.awaits(i)));
+        let (in_ring, awaited) = match &self.stage {
+            Stage::Reducing {
+                ring: Some(ring), ..
+            } => match ring.index_of(&from) {
+                Some(i) => (true, ring.awaits(i)),
+                None => (false, false),
+            },
+            _ => (false, false),
+        };
         if awaited {
             self.abort("a member's hop was an offence", now);
         }
-        if !self.lists.left_out(&from, now) {
-            if let Some(last) = self.lists.offended(from, now) {
+        let in_rounds = in_ring
+            || self
+                .ready
+                .get(&from)
+                .is_some_and(|at| now.saturating_duration_since(*at) < READY_FRESH);
+        if in_rounds && !self.lists.left_out(&from, now) {
+            if let Some(last) = self.lists.stalled(from, now) {
                 tracing::info!(peer = %from, "a member sent a ring hop no honest member sends; leaving it out of the rounds for {last:?}");
                 self.abort_counter("left an offender out");
             }
@@ -408,17 +424,21 @@ impl Rounds {
                     return;
                 }
                 if weight == 0.0 && ring.weight > 0.0 {
-                    // This member's part weighed something, and no honest owner refuses an
-                    // honest part: an owner that counts nothing aborts the attempt (the
-                    // totals differ), and unpunished it could do so at every attempt.
-                    offence(
-                        out,
-                        from,
-                        format!(
-                            "a ring aggregate of weight total 0, though this member's part weighed {}",
-                            ring.weight
-                        ),
-                    );
+                    // This member's part weighed something, and an owner that judges as this
+                    // member does (a synced one: its own part weighed something) refuses no
+                    // part this member sends: one that counts nothing aborts the attempt (the
+                    // totals differ), and unpunished it could do so at every attempt. An
+                    // unsynced owner judges by norm alone, and is not blamed.
+                    if ring.part_weights[i].is_some_and(|w| w > 0.0) {
+                        offence(
+                            out,
+                            from,
+                            format!(
+                                "a ring aggregate of weight total 0, though this member's part weighed {}",
+                                ring.weight
+                            ),
+                        );
+                    }
                     self.abort("weight total of 0", now);
                     return;
                 }

@@ -62,10 +62,6 @@ struct Record {
     until: Instant,
     times: u32,
     named: Instant,
-    /// Left out for a hop no honest member sends ([`Lists::offended`]): most members
-    /// listing it does not take it back (this node has proof they lack; it sits out instead,
-    /// as over a peer it banned).
-    offender: bool,
 }
 
 /// The verdicts of a member's attempts and what it did about them.
@@ -101,7 +97,7 @@ impl Lists {
         let verdict = verdict?;
         self.forget_old(now);
         if let Verdict::Listed(peer) = verdict {
-            if let Some(r) = self.left_out.get_mut(&peer).filter(|r| !r.offender) {
+            if let Some(r) = self.left_out.get_mut(&peer) {
                 // Most members list a member this node left out: take it back at once (its
                 // leave-out would end the same way, later).
                 r.until = now;
@@ -123,7 +119,7 @@ impl Lists {
         if !again && now.saturating_duration_since(since) < OUTVOTED_FOR {
             return None;
         }
-        let last = record(records, peer, now, false)?;
+        let last = record(records, peer, now)?;
         self.pending = None;
         Some(match verdict {
             Verdict::LeftOut(p) => Action::LeaveOut(p),
@@ -140,14 +136,7 @@ impl Lists {
     /// long, or `None` where this node keeps no more records.
     pub fn stalled(&mut self, peer: PeerId, now: Instant) -> Option<Duration> {
         self.forget_old(now);
-        record(&mut self.left_out, peer, now, false)
-    }
-
-    /// `peer` sent a hop no honest member sends: left out as a staller is
-    /// ([`Lists::stalled`]), but never taken back because most members still list it.
-    pub fn offended(&mut self, peer: PeerId, now: Instant) -> Option<Duration> {
-        self.forget_old(now);
-        record(&mut self.left_out, peer, now, true)
+        record(&mut self.left_out, peer, now)
     }
 
     /// Members left out of this node's lists now, for status.
@@ -173,17 +162,11 @@ impl Lists {
 
 /// Records `peer` in `records` from now: for [`SIT_OUT`] the first time, twice as long each
 /// time after, up to [`LONGEST`]; `None` (nothing recorded) for a new peer past [`KEPT`].
-fn record(
-    records: &mut HashMap<PeerId, Record>,
-    peer: PeerId,
-    now: Instant,
-    offender: bool,
-) -> Option<Duration> {
+fn record(records: &mut HashMap<PeerId, Record>, peer: PeerId, now: Instant) -> Option<Duration> {
     if !records.contains_key(&peer) && records.len() >= KEPT {
         return None;
     }
     let times = records.get(&peer).map_or(0, |r| r.times) + 1;
-    let offender = offender || records.get(&peer).is_some_and(|r| r.offender);
     let last = SIT_OUT
         .saturating_mul(1 << (times - 1).min(10))
         .min(LONGEST);
@@ -193,7 +176,6 @@ fn record(
             until: now + last,
             times,
             named: now,
-            offender,
         },
     );
     Some(last)

@@ -219,6 +219,7 @@ impl Sim {
         let msg = match self.p.ring_attack.filter(|_| self.nodes[i].hostile) {
             Some(attack) => match attack.apply(
                 msg,
+                &peer,
                 crate::mesh_core::rounds::largest_hop_values(self.p.dim),
             ) {
                 Some(msg) => msg,

@@ -5,8 +5,7 @@
 //! (counted) with bit-identical parameters, that their held-out loss after the attack is
 //! within a margin of their own just before the rogue came (an earlier evaluation of the
 //! same three, in rounds of three: the control this run has; no parallel honest-only run),
-//! that their peak memory stays bounded, and,
-//! for an attack that can be proven, that most
+//! that their peak memory stays bounded, and, for an attack that can be proven, that most
 //! honest members banned the rogue with the reason in status and that every honest member
 //! leaves it out of its rounds (one whose members mostly left it out does so too, banned or
 //! not: `Rounds::lists_differ`). A claimed weight is no proof: it is bounded, and the rogue

@@ -159,7 +159,9 @@ impl Rogue {
         let dense_layout = layout.clone();
         let run = run_id.clone();
         let answers = answers.to_vec();
-        let counters_state = max_counters_state(&run_id, &layout_hash);
+        // Built only for the donor that offers it.
+        let counters_state = (donor == Some(DonorAnswer::MaxCounters))
+            .then(|| max_counters_state(&run_id, &layout_hash));
         let rt = tokio::runtime::Runtime::new().expect("runtime");
         let key = Keypair::generate_ed25519();
         let id = key.public().to_peer_id();
@@ -195,22 +197,22 @@ impl Rogue {
                     else {
                         continue;
                     };
-                    let hostile_state = match (&request, donor) {
-                        (BulkRequest::StateManifest, Some(DonorAnswer::MaxCounters)) => Some(
-                            BulkResponse::StateManifest(counters_state.manifest(0, Vec::new())),
-                        ),
-                        (BulkRequest::StateChunk { index, .. }, Some(DonorAnswer::MaxCounters)) => {
-                            Some(match counters_state.chunk(*index) {
+                    let hostile_state = match (&request, donor, counters_state.as_deref()) {
+                        (BulkRequest::StateManifest, _, Some(state)) => {
+                            Some(BulkResponse::StateManifest(state.manifest(0, Vec::new())))
+                        }
+                        (BulkRequest::StateChunk { index, .. }, _, Some(state)) => {
+                            Some(match state.chunk(*index) {
                                 Some(bytes) => {
                                     BulkResponse::StateChunk(ByteBuf::from(bytes.to_vec()))
                                 }
                                 None => BulkResponse::Refused("no such chunk".into()),
                             })
                         }
-                        (BulkRequest::StateManifest, Some(d)) => {
+                        (BulkRequest::StateManifest, Some(d), _) => {
                             Some(BulkResponse::StateManifest(hostile_manifest(d)))
                         }
-                        (BulkRequest::StateChunk { index, .. }, Some(DonorAnswer::Drip)) => {
+                        (BulkRequest::StateChunk { index, .. }, Some(DonorAnswer::Drip), _) => {
                             // In a task of its own: other requests are answered meanwhile.
                             let chunk = p2ptrain_daemon::transfer::CHUNK_SIZE as u64;
                             let len = HOSTILE_STATE
@@ -224,10 +226,10 @@ impl Rogue {
                             });
                             continue;
                         }
-                        (BulkRequest::StateChunk { .. }, Some(DonorAnswer::WrongLength)) => {
+                        (BulkRequest::StateChunk { .. }, Some(DonorAnswer::WrongLength), _) => {
                             Some(BulkResponse::StateChunk(ByteBuf::from(vec![0u8; 1000])))
                         }
-                        (BulkRequest::StateChunk { index, .. }, Some(DonorAnswer::BadHash)) => {
+                        (BulkRequest::StateChunk { index, .. }, Some(DonorAnswer::BadHash), _) => {
                             let chunk = p2ptrain_daemon::transfer::CHUNK_SIZE as u64;
                             let len = HOSTILE_STATE
                                 .saturating_sub(u64::from(*index) * chunk)

@@ -170,14 +170,19 @@ fn fuzz_core(seed: u64) -> MeshCore {
     MeshCore::new(fuzz_config(seed))
 }
 
+/// The fuzz core's parameter layout: one tensor of 8 values.
+fn fuzz_layout() -> Layout {
+    Layout {
+        entries: vec![("w".into(), vec![8])],
+    }
+}
+
 fn fuzz_config(seed: u64) -> CoreConfig {
     let me = PeerId::random();
     CoreConfig {
         me,
         run_id: "00aa".into(),
-        layout: Layout {
-            entries: vec![("w".into(), vec![8])],
-        },
+        layout: fuzz_layout(),
         mesh: MeshConfig::plain(64),
         policy: PolicyConfig {
             publish_every: 2,
@@ -218,9 +223,7 @@ fn random_values(rng: &mut StdRng) -> Vec<f32> {
 /// (header, counts, norms, replay) saw no hostile input.
 fn sealed_update(rng: &mut StdRng, author: &PeerId) -> Vec<u8> {
     use p2ptrain_models::codec::{self, Codec, ScaleGroup, UpdateHeader, ValueFormat};
-    let layout = Layout {
-        entries: vec![("w".into(), vec![8])],
-    };
+    let layout = fuzz_layout();
     let step: u64 = rng.random_range(0..1_000);
     let header = UpdateHeader {
         run_id: codec::id_bytes("00aa"),
@@ -235,9 +238,9 @@ fn sealed_update(rng: &mut StdRng, author: &PeerId) -> Vec<u8> {
             Codec::TopK(ValueFormat::F32),
             Codec::OneBit(ScaleGroup::Tensor),
         ][rng.random_range(0..5)],
-        numel: 8,
+        numel: layout.numel() as u32,
     };
-    let values: Vec<f32> = (0..8)
+    let values: Vec<f32> = (0..layout.numel())
         .map(|_| match rng.random_range(0..10) {
             0 => f32::NAN,
             1 => rng.random_range(-1e6..1e6),
@@ -943,7 +946,8 @@ fn attacked_mode(mode: &str) -> RoundConfig {
 /// their time went to stalls and leave-outs that begin again), no ring ever ends split,
 /// nobody honest is blamed or banned; poison, kill, hops of the model's largest length and
 /// hops of round `u64::MAX` (left out at its first, then banned: 75% of the rounds, 2.12 x
-/// the loss) are offences, and every honest member bans the rogue; a claimed weight is bounded, and the rogue stays; a staller, a rogue
+/// the loss) are offences, and every honest member bans the rogue; a claimed weight is
+/// bounded, and the rogue stays; a staller, a rogue
 /// whose hops name a round a million ahead (a staller to the members, which follow no
 /// single member that far), and one whose hops name the next round or attempt (0 rounds
 /// completed in every mode while members followed every such hop) are left out by every

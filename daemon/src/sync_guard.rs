@@ -95,11 +95,37 @@ impl std::fmt::Display for SyncRefusal {
 /// small factor of each other; a mean a hostile member made huge (1e30, so that every member
 /// diverges at its next step and exits) is not.
 pub const UNSYNCED_MEAN_NORM_FACTOR: f64 = 100.0;
-/// A round's mean gradient may have at most this many times the norm of the member's own
-/// gradient of the same step. Honest ratios spread wide, since a slow `ddp` member's small
-/// batch can have a gradient of almost nothing: up to 314 in the modes and text tests
-/// (median 0.93, 99th percentile 17). A poisoned or exploding mean is beyond it by orders.
+/// A round's mean gradient may have at most this many times the norm of the member's
+/// [`GradientScale`]. Honest ratios to the own gradient of the same step spread wide, since a
+/// slow `ddp` member's small batch can have a gradient of almost nothing: up to 314 in the
+/// modes and text tests (median 0.93, 99th percentile 17), and 1.5e4 once in `ring_rogue`,
+/// which is why the scale is the largest of the last few. A poisoned or exploding mean is
+/// beyond it by orders.
 pub const MEAN_GRADIENT_NORM_FACTOR: f64 = 1e4;
+/// Own gradient norms a [`GradientScale`] keeps (a few rounds' worth).
+pub const GRADIENT_NORMS_KEPT: usize = 16;
+
+/// The scale a member judges gradients by (others' parts and aggregates in a round, the
+/// round's mean before the optimizer steps with it): the largest norm of its last
+/// [`GRADIENT_NORMS_KEPT`] own gradients. Its own gradient now alone is no scale: a slow
+/// member's small balanced batch of samples it already predicts well has a gradient of almost
+/// nothing (3.4e-4 against an honest member's 5.0 in `ring_rogue`'s `ddp` test, 1.5e4 x, past
+/// the bound), and by it an honest mean was refused.
+#[derive(Debug, Clone, Default)]
+pub struct GradientScale {
+    kept: VecDeque<f64>,
+}
+
+impl GradientScale {
+    /// Adds this member's own gradient norm of now and answers the scale (the largest kept).
+    pub fn with(&mut self, norm: f64) -> f64 {
+        if self.kept.len() == GRADIENT_NORMS_KEPT {
+            self.kept.pop_front();
+        }
+        self.kept.push_back(norm);
+        self.kept.iter().copied().fold(norm, f64::max)
+    }
+}
 /// A synced member refuses a round's mean of parameters further than this from its own
 /// (relative L2, as full syncs are judged). Honest means measured up to 0.56 in the modes
 /// and text tests (median 0.0008, 99th percentile 0.06: `fedavg` and `diloco` on skewed
@@ -158,9 +184,10 @@ pub fn judge_carried_state(params: &[f32], own: &[f32], carried: &[f32]) -> Resu
     }
 }
 
-/// Judges a round's mean gradient against the norm of the member's own (`own_norm`): finite,
-/// and at most [`MEAN_GRADIENT_NORM_FACTOR`] times as long. Answers why it is refused.
-pub fn judge_mean_gradient(own_norm: f64, mean: &[f32]) -> Result<(), String> {
+/// Judges a round's mean gradient against the member's scale (`scale`, from its
+/// [`GradientScale`]): finite, and at most [`MEAN_GRADIENT_NORM_FACTOR`] times as long.
+/// Answers why it is refused.
+pub fn judge_mean_gradient(scale: f64, mean: &[f32]) -> Result<(), String> {
     if let Some(i) = mean.iter().position(|v| !v.is_finite()) {
         return Err(format!(
             "a round's mean gradient with {} at index {i}",
@@ -168,11 +195,11 @@ pub fn judge_mean_gradient(own_norm: f64, mean: &[f32]) -> Result<(), String> {
         ));
     }
     let norm = l2_norm(mean);
-    if norm <= MEAN_GRADIENT_NORM_FACTOR * own_norm.max(f64::MIN_POSITIVE) {
+    if norm <= MEAN_GRADIENT_NORM_FACTOR * scale.max(f64::MIN_POSITIVE) {
         Ok(())
     } else {
         Err(format!(
-            "a round's mean gradient of norm {norm:.3e}, beyond {MEAN_GRADIENT_NORM_FACTOR} x this member's own {own_norm:.3e}"
+            "a round's mean gradient of norm {norm:.3e}, beyond {MEAN_GRADIENT_NORM_FACTOR} x this member's gradient scale {scale:.3e}"
         ))
     }
 }
@@ -312,6 +339,22 @@ mod tests {
         assert!(judge_mean_gradient(own_norm, &shifted).is_err());
         assert!(judge_mean_gradient(own_norm, &[f32::INFINITY; 1000]).is_err());
         assert!(judge_mean_gradient(own_norm, &vec![1e30; 1000]).is_err());
+    }
+
+    /// The scale is the largest of the last own gradients, so a tiny one now does not make an
+    /// honest mean look huge; only the last [`GRADIENT_NORMS_KEPT`] count.
+    #[test]
+    fn a_tiny_own_gradient_does_not_shrink_the_scale() {
+        let mut scale = GradientScale::default();
+        assert_eq!(scale.with(5.0), 5.0);
+        assert_eq!(scale.with(3.4e-4), 5.0);
+        let honest_mean = vec![5.0f32 / 3.0; 9];
+        assert!(judge_mean_gradient(scale.with(3.4e-4), &honest_mean).is_ok());
+        assert!(judge_mean_gradient(3.4e-4, &honest_mean).is_err());
+        for _ in 0..GRADIENT_NORMS_KEPT {
+            scale.with(1.0);
+        }
+        assert_eq!(scale.with(0.5), 1.0, "5.0 is forgotten");
     }
 
     #[test]

@@ -214,8 +214,10 @@ impl Loop {
         mean: &[f32],
     ) -> Result<Result<String, String>, TrainerError> {
         if let Some(mut p) = self.pending.take() {
+            // Every kept gradient counts toward the scale, an empty mean's too.
+            let scale = self.gradient_scale.with(p.norm);
             if !mean.is_empty() {
-                if let Err(why) = sync_guard::judge_mean_gradient(p.norm, mean) {
+                if let Err(why) = sync_guard::judge_mean_gradient(scale, mean) {
                     return Ok(Err(why));
                 }
                 if let Err(e) = self.s.model.params().replace_grads(&mut p.grads, mean) {

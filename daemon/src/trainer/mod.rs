@@ -127,6 +127,9 @@ struct Loop {
     held_since: Option<Instant>,
     /// A `ddp` round's gradient, kept until the round's mean gradient makes the step.
     pending: Option<PendingStep>,
+    /// What a round's mean gradient is judged by: the largest of the last own gradients'
+    /// norms (as the round judges members' parts).
+    gradient_scale: sync_guard::GradientScale,
     /// When training started, the last rate measurement (time, samples seen) and the last
     /// progress publish.
     clock: StepClock,
@@ -193,6 +196,7 @@ impl Loop {
             paused: s.start_paused,
             held_since: None,
             pending: None,
+            gradient_scale: sync_guard::GradientScale::default(),
             clock: StepClock {
                 started: Instant::now(),
                 rate_mark: (Instant::now(), counters.samples_seen),

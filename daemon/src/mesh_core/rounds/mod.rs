@@ -58,6 +58,7 @@ use libp2p::PeerId;
 
 use super::status::RoundStatus;
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
+use crate::sync_guard::GradientScale;
 use crate::wire::Heartbeat;
 use lists::{Action, Lists, Verdict};
 #[cfg(test)]
@@ -363,26 +364,9 @@ pub struct Rounds {
     /// Parts that lay beyond the clipping radius of the plain mean of this node's chunks.
     parts_clipped: u64,
     digests: VecDeque<(u64, String)>,
-    /// The norms of this member's own last gradients (at most [`GRADIENT_NORMS_KEPT`]): their
-    /// largest is what it judges others' gradient parts and aggregates by (see
-    /// [`gradient_scale`]).
-    own_gradient_norms: VecDeque<f64>,
-}
-
-/// Own gradient norms kept for the gradient judge's scale (a few rounds' worth).
-const GRADIENT_NORMS_KEPT: usize = 16;
-
-/// The scale a member judges others' gradients by, with its own now of norm `norm` added to
-/// `kept` (its last own gradients' norms): the largest of them. Its own alone was no scale: a
-/// slow member's small balanced batch of samples it already predicts well has a gradient of
-/// almost nothing (3.4e-4 against an honest member's 5.0 in `ring_rogue`'s `ddp` test, 1.5e4
-/// x, past the 1e4 x bound), and it blamed honest members for their parts.
-fn gradient_scale(kept: &mut VecDeque<f64>, norm: f64) -> f64 {
-    if kept.len() == GRADIENT_NORMS_KEPT {
-        kept.pop_front();
-    }
-    kept.push_back(norm);
-    kept.iter().copied().fold(norm, f64::max)
+    /// What this member judges others' gradient parts and aggregates by: the largest of its
+    /// own last gradients' norms.
+    gradient_scale: GradientScale,
 }
 
 impl Rounds {
@@ -436,7 +420,7 @@ impl Rounds {
             parts_refused: 0,
             parts_clipped: 0,
             digests: VecDeque::new(),
-            own_gradient_norms: VecDeque::new(),
+            gradient_scale: GradientScale::default(),
         }
     }
 
@@ -1169,7 +1153,7 @@ impl Rounds {
         let norm = p2ptrain_models::params::l2_norm(&acc);
         let judge = if gradient {
             Judge::GradientNorm {
-                norm: gradient_scale(&mut self.own_gradient_norms, norm),
+                norm: self.gradient_scale.with(norm),
             }
         } else if judged && *weight > 0.0 {
             Judge::Distance { norm }

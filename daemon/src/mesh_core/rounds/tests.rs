@@ -2040,22 +2040,16 @@ fn a_round_or_attempt_is_vouched_for_by_two_members_not_one() {
 /// The gradient judge's scale is the largest of a member's last own gradients, not its own
 /// now alone: a small balanced batch it predicts well gives a gradient of almost nothing,
 /// and judged by that, an honest member's part was refused (1.5e4 x, past the 1e4 x bound).
-/// Only the last [`GRADIENT_NORMS_KEPT`] count.
 #[test]
 fn a_tiny_own_gradient_does_not_shrink_the_scale_others_are_judged_by() {
-    let mut kept = VecDeque::new();
-    assert_eq!(gradient_scale(&mut kept, 5.0), 5.0);
-    assert_eq!(gradient_scale(&mut kept, 3.4e-4), 5.0);
+    let mut scale = GradientScale::default();
+    scale.with(5.0);
     let judge = Judge::GradientNorm {
-        norm: gradient_scale(&mut kept, 3.4e-4),
+        norm: scale.with(3.4e-4),
     };
     let honest_part = vec![5.0f32 / 3.0; 9];
     assert!(judge.beyond(&honest_part, &[0.0; 9]).is_none());
     assert!(Judge::GradientNorm { norm: 3.4e-4 }
         .beyond(&honest_part, &[0.0; 9])
         .is_some());
-    for _ in 0..GRADIENT_NORMS_KEPT {
-        gradient_scale(&mut kept, 1.0);
-    }
-    assert_eq!(gradient_scale(&mut kept, 0.5), 1.0, "5.0 is forgotten");
 }

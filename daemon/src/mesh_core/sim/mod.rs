@@ -404,6 +404,7 @@ impl Sim {
             .expect("ed25519 key")
             .public()
             .to_peer_id();
+        tracing::debug!(i, hostile, peer = %id, "a simulated node");
         let core = MeshCore::new(CoreConfig {
             me: id,
             run_id: RUN.into(),

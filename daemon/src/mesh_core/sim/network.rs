@@ -54,6 +54,10 @@ impl Sim {
     }
 
     pub(super) fn input(&mut self, i: usize, input: Input) {
+        // Names the node in what its core logs (a subscriber sees it only in tests that
+        // install one).
+        let span = tracing::debug_span!("node", i, ms = self.t);
+        let _entered = span.enter();
         let mut work = vec![input];
         while let Some(input) = work.pop() {
             let now = self.now();

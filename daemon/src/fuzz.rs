@@ -124,6 +124,7 @@ fn heartbeats() {
             round: Some(77),
             needs_state: true,
             seq: 1 << 52,
+            contradicted: Some(libp2p::PeerId::random().to_string()),
         },
     ]
     .iter()

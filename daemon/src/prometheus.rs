@@ -574,6 +574,7 @@ mod tests {
                 round: None,
                 needs_state: false,
                 seq: 0,
+                contradicted: None,
             }),
         });
         let text = render(&s, &Registry::default()).expect("render");

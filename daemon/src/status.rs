@@ -442,6 +442,7 @@ pub(crate) mod tests {
                 round: Some(3),
                 needs_state: false,
                 seq: 4,
+                contradicted: None,
             }),
         };
         let silent = PeerStatus {

@@ -69,7 +69,10 @@ impl RunTopicNames {
 /// values): an older node's hops would be refused as out of turn or of the wrong size.
 /// Version 6: a hop larger than [`RING_PIECE_BYTES`] travels in pieces ([`RingMessage::piece`]):
 /// an older node would take each piece for a hop of the wrong size.
-pub const WIRE_VERSION: u32 = 6;
+/// Version 7: a heartbeat may name a peer whose later round its node found contradicted
+/// ([`Heartbeat::contradicted`]); an older node would refuse it as malformed, and blame its
+/// author.
+pub const WIRE_VERSION: u32 = 7;
 
 /// The most bytes of values one ring request carries: a larger hop (a share of a model of
 /// more than ~8 M parameters, or a `diloco` share with its round anchor and velocity) travels
@@ -316,6 +319,11 @@ pub struct Heartbeat {
     /// goodbye, to make the mesh forget an honest peer) says nothing.
     #[serde(default)]
     pub seq: u64,
+    /// A peer (its id) that named this node a later round most members' hops of the
+    /// attempt under way contradicted, in the last minute (`rounds::Rounds::contradicted`):
+    /// a peer most members say so of is left out of their rounds. Sent only when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub contradicted: Option<String>,
 }
 
 /// The largest heartbeat a node reads: one has a dozen short fields (about 200 bytes).
@@ -353,7 +361,7 @@ mod tests {
     fn bulk_protocol_name_carries_the_wire_version() {
         // Peers negotiate exactly this name: one of another wire version is not spoken to.
         assert_eq!(bulk_protocol(), format!("/p2ptrain/bulk/{WIRE_VERSION}"));
-        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/6");
+        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/7");
     }
 
     #[test]
@@ -388,6 +396,7 @@ mod tests {
             round: Some(3),
             needs_state: true,
             seq: 9,
+            contradicted: None,
         };
         assert_eq!(
             decode_heartbeat(&encode_heartbeat(&hb)).expect("round trip"),
@@ -423,6 +432,7 @@ mod tests {
             round: Some(u64::MAX),
             needs_state: true,
             seq: u64::MAX,
+            contradicted: Some(libp2p::PeerId::random().to_string()),
         };
         let bytes = encode_heartbeat(&full);
         assert!(bytes.len() <= HEARTBEAT_MAX_BYTES / 2, "{}", bytes.len());

@@ -298,6 +298,7 @@ impl MeshCore {
                     round: self.rounds.as_ref().and_then(Rounds::leaving_round),
                     needs_state: false,
                     sitting_out: false,
+                    contradicted: None,
                 };
                 out.push(self.membership.leaving_heartbeat(&self.progress, news));
             }
@@ -404,6 +405,7 @@ impl MeshCore {
             round: self.rounds.as_ref().and_then(Rounds::round),
             needs_state: self.rounds.as_ref().is_some_and(Rounds::needs_state),
             sitting_out: self.rounds.as_ref().is_some_and(|r| r.sitting_out(now)),
+            contradicted: self.rounds.as_ref().and_then(|r| r.contradicted_peer(now)),
         };
         if let Some(beat) = self.membership.tick_heartbeat(now, &self.progress, news) {
             out.push(beat);

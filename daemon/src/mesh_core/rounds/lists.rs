@@ -6,8 +6,11 @@
 //! first, settles well within that), or at once where the same verdict was acted on before
 //! (after a leave-out or a sit-out ends, the disagreement comes back at once if its cause
 //! remains: each time, it lasts twice as long, up to [`LONGEST`]). A member an attempt
-//! stalled waiting for is left out the same way, at once ([`Lists::stalled`]). Pure state:
-//! part of [`super::Rounds`].
+//! stalled waiting for is left out the same way, at once ([`Lists::stalled`]), and so is a
+//! member most members' heartbeats said named them a later round their attempts'
+//! hops contradicted ([`Lists::accused`], [`Lists::accused_by_most`]): heartbeats are
+//! gossiped, so every member counts the same accusations, where member lists are each
+//! member's own view. Pure state: part of [`super::Rounds`].
 //!
 //! Without it, one member that banned a rogue the others still listed stalled every round
 //! for as long as the ban lasted (10 minutes), and the others never got to judge the rogue.
@@ -73,6 +76,8 @@ pub struct Lists {
     left_out: HashMap<PeerId, Record>,
     /// Peers this node sat out over.
     sat_out_over: HashMap<PeerId, Record>,
+    /// Members found contradicted (see `Rounds::contradicted`), by whom, and when last.
+    accusations: HashMap<PeerId, HashMap<PeerId, Instant>>,
 }
 
 impl Lists {
@@ -84,6 +89,38 @@ impl Lists {
     /// Peers this node left out, now or before (most members may list them again).
     pub fn ever_left_out(&self) -> impl Iterator<Item = PeerId> + '_ {
         self.left_out.keys().copied()
+    }
+
+    /// `by` said that `x` named it a later round most members' hops contradicted. Kept for
+    /// [`super::ACCUSATION_KEPT`], within [`KEPT`] members accused and [`KEPT`] accusers each.
+    pub fn accused(&mut self, x: PeerId, by: PeerId, now: Instant) {
+        self.accusations.retain(|_, by| {
+            by.retain(|_, at| now.saturating_duration_since(*at) < super::ACCUSATION_KEPT);
+            !by.is_empty()
+        });
+        if !self.accusations.contains_key(&x) && self.accusations.len() >= KEPT {
+            return;
+        }
+        let accusers = self.accusations.entry(x).or_default();
+        if accusers.contains_key(&by) || accusers.len() < KEPT {
+            accusers.insert(by, now);
+        }
+    }
+
+    /// Whether more than half of `voters` accused `x` within [`super::ACCUSATION_KEPT`].
+    pub fn accused_by_most(&self, x: PeerId, voters: &[PeerId], now: Instant) -> bool {
+        let Some(accusers) = self.accusations.get(&x) else {
+            return false;
+        };
+        let count = voters
+            .iter()
+            .filter(|v| {
+                accusers
+                    .get(*v)
+                    .is_some_and(|at| now.saturating_duration_since(*at) < super::ACCUSATION_KEPT)
+            })
+            .count();
+        count * 2 > voters.len()
     }
 
     /// A round completed: the lists agreed, so what attempts before named is no longer news.

@@ -20,12 +20,16 @@
 //! the attempt at once when its connection closes or a hop to it cannot be delivered, and
 //! after [`STALL_TIMEOUT`] without progress otherwise; the retry leaves it out. An attempt that
 //! can no longer finish because its members went on to the next round without this node gives
-//! way at once (it had not sent its aggregate yet, so no member can have finished it; in a
-//! direct ring of two, whose parts are all there is, it always waits) or
+//! way at once where two members' hops (or most heartbeats) name that round, or
 //! [`LATE_ROUND_WAIT`] after the first hop of the next round from a member it still waits
-//! for (it had sent it), where two members' hops name that round or this member has not
-//! moved it yet ([`Rounds::may_move`]: one member's word moves a node once, or a rogue
-//! drags the mesh on); it gives up its weight for that round only when most
+//! for, without progress since, once for each member ([`Rounds::may_move`]: followed every
+//! time, a rogue drags the mesh on). One member's hop of the next round that most of the
+//! others' hops of the running attempt contradict (they are still in it) is not followed:
+//! the member that got it sits out briefly and names the sender in its heartbeats, and a
+//! sender most members name is left out by all of them ([`Rounds::contradicted`]; followed
+//! at once, a rogue naming the next round to a few members only moved them, and their hops
+//! the rest). In a direct ring of two, whose parts are all there is, an attempt always
+//! waits. It gives up its weight for that round only when most
 //! members' heartbeats say they are past its own, or in a gradient round (one member's hop
 //! is no proof, see [`Rounds::adopt_newer_round`]). A joiner (or a
 //! node restored from a checkpoint) holds before its first step, takes the round number of the
@@ -99,6 +103,13 @@ pub const LISTS_DIFFER_WAIT: Duration = Duration::from_millis(500);
 /// they let a rogue naming the next attempt cost two restarts a round, forever, never left
 /// out (the simulator: `ddp` at 53% of the control's rounds, against 78% with one).
 const ATTEMPT_MOVES: u32 = 1;
+/// A member that found a later round contradicted ([`Rounds::contradicted`]) sits out this
+/// long: the others complete the round without it meanwhile (one that is not in it rarely
+/// takes longer), and it comes back to their next one.
+pub const CONTRADICTED_SIT_OUT: Duration = LATE_ROUND_WAIT;
+/// A member says in its heartbeats for this long that it found a peer's later round
+/// contradicted; the others count such accusations for as long ([`lists`]).
+pub const ACCUSATION_KEPT: Duration = Duration::from_secs(60);
 /// Peers that went away, remembered (for [`lists`]) at most this many.
 const GONE_KEPT: usize = 64;
 /// Pause before an aborted attempt is retried, so the members' lists can settle.
@@ -349,8 +360,11 @@ pub struct Rounds {
     blamed_peers: HashMap<PeerId, Instant>,
     /// What attempts whose lists differed said, and what this node did about it.
     lists: Lists,
-    /// Sitting out of the rounds until then ([`lists`]).
+    /// Sitting out of the rounds until then ([`lists`], [`Rounds::contradicted`]).
     sit_out_until: Option<Instant>,
+    /// The last member whose later round this node found contradicted, and when: said in
+    /// its heartbeats for [`ACCUSATION_KEPT`].
+    contradicted: Option<(PeerId, Instant)>,
     /// What status counts; the rest of [`RoundStatus`] is read off the fields above.
     ring_size: usize,
     completed: u64,
@@ -412,6 +426,7 @@ impl Rounds {
             blamed_peers: HashMap::new(),
             lists: Lists::default(),
             sit_out_until: None,
+            contradicted: None,
             completed: 0,
             aborted: BTreeMap::new(),
             last_round_ms: 0.0,
@@ -497,6 +512,25 @@ impl Rounds {
     /// claim that is not a positive number is no claim) and whether it needs the members'
     /// state.
     pub fn heard(&mut self, peer: PeerId, hb: &Heartbeat, now: Instant) {
+        if let Some(x) = hb
+            .contradicted
+            .as_deref()
+            .and_then(|x| x.parse::<PeerId>().ok())
+        {
+            if x != peer {
+                self.lists.accused(x, peer, now);
+                self.leave_out_if_accused_by_most(x, now);
+            }
+        }
+        if !hb.in_rounds {
+            // A member that says it is not in rounds sends no more hops: an attempt waiting
+            // for one of its hops would only stall.
+            let awaited = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. }
+                if r.index_of(&peer).is_some_and(|i| r.awaits(i)));
+            if awaited {
+                self.abort("a member sat out", now);
+            }
+        }
         if hb.in_rounds {
             self.ready.insert(peer, now);
             self.gone.remove(&peer);
@@ -523,6 +557,43 @@ impl Rounds {
             self.needs_state.remove(&peer);
             self.rounds_said.remove(&peer);
         }
+    }
+
+    /// Leaves `x` out (with the back-off of [`lists`]) where most of the members heard ready
+    /// (this node among them, `x` not) said in their heartbeats within [`ACCUSATION_KEPT`]
+    /// that `x` named them a later round most members' hops contradicted. Each honest member
+    /// hears the same heartbeats within moments of each other, so they leave it out
+    /// together, and their lists agree. One member's accusations are never most (in a ring of
+    /// three or more members).
+    fn leave_out_if_accused_by_most(&mut self, x: PeerId, now: Instant) {
+        if x == self.me || self.lists.left_out(&x, now) {
+            return;
+        }
+        let voters: Vec<PeerId> = self
+            .ready
+            .iter()
+            .filter(|(p, at)| **p != x && now.saturating_duration_since(**at) < READY_FRESH)
+            .map(|(p, _)| *p)
+            .chain(std::iter::once(self.me))
+            .collect();
+        if !self.lists.accused_by_most(x, &voters, now) {
+            return;
+        }
+        if let Some(last) = self.lists.stalled(x, now) {
+            tracing::info!(peer = %x, "most members found a member's later round contradicted; leaving it out of the rounds for {last:?}");
+            self.abort_counter("left a contradicted member out");
+            if self.ring_has(&x) {
+                self.abort("most members found a member contradicted", now);
+            }
+        }
+    }
+
+    /// The member whose later round this node found contradicted within
+    /// [`ACCUSATION_KEPT`], for its heartbeats.
+    pub fn contradicted_peer(&self, now: Instant) -> Option<PeerId> {
+        self.contradicted
+            .filter(|(_, at)| now.saturating_duration_since(*at) < ACCUSATION_KEPT)
+            .map(|(p, _)| p)
     }
 
     /// Whether most of the other members heard ready say they are past round `mine`: then
@@ -710,6 +781,10 @@ impl Rounds {
                     now.saturating_duration_since(t.max(r.last_progress)) >= LATE_ROUND_WAIT
                 }) =>
             {
+                // One member's word, not contradicted: the retry takes its round.
+                if let Some(claimed) = r.lone_claim {
+                    self.followed = Some(claimed);
+                }
                 self.abort("the mesh went on", now);
             }
             Stage::Reducing { ring: None, .. } if !self.sitting_out(now) => {
@@ -828,8 +903,9 @@ impl Rounds {
     /// node. A node with no round takes the newest. A node with one takes, where most
     /// members' heartbeats say they are past its round ([`Rounds::mesh_is_past`]), the
     /// newest; else the newest round that two members' hops name (or the only other's, where
-    /// it hears one: [`vouched`]); else the round one member's hop named, once
-    /// for each member until a round completes ([`Rounds::may_move`]). Followed every time, a
+    /// it hears one: [`vouched`]); else the round one member's hop named, where nothing
+    /// contradicted it ([`Rounds::weigh_lone_claims`]), once for each member until a round
+    /// completes ([`Rounds::may_move`]). Followed every time, a
     /// rogue whose hops always named the round after its own made every member take it, and
     /// followed them there, one round per hop, so that no round completed (the simulator:
     /// 0 rounds in 40 s, in every mode). Where most members are past this node's round, or
@@ -891,6 +967,15 @@ impl Rounds {
     /// The later round the inbox's hops make this node take ([`Rounds::adopt_newer_round`]),
     /// if any.
     pub(super) fn later_round_to_take(&self, now: Instant) -> Option<u64> {
+        let mine = self.round;
+        self.proven_later_round(now)
+            .or_else(|| self.followed.filter(|r| mine.is_some_and(|m| *r > m)))
+    }
+
+    /// The later round the inbox's hops make this node take on more than one member's word:
+    /// the newest where it has no round or most heartbeats say the mesh is past its own,
+    /// else one two members' hops name ([`vouched`]).
+    pub(super) fn proven_later_round(&self, now: Instant) -> Option<u64> {
         let &(newest, _, _, _) = self.inbox.keys().next_back()?;
         match self.round {
             None => Some(newest),
@@ -904,7 +989,6 @@ impl Rounds {
                 self.mesh_is_past(mine, now)
                     .then_some(newest)
                     .or_else(|| vouched(later, self.others_ready(now)))
-                    .or_else(|| self.followed.filter(|r| *r > mine))
             }
         }
     }
@@ -1270,6 +1354,7 @@ impl Rounds {
         if self.round != Some(round) {
             return;
         }
+        tracing::debug!(round, ring = self.ring_size, "round completed");
         self.round = Some(round.saturating_add(1));
         self.attempt = 0;
         // A parameter round leaves every member the mean; in `diloco` only one that carried

@@ -128,6 +128,9 @@ pub(super) struct Ring {
     pub(super) last_progress: Instant,
     /// When a member this attempt still waits for sent a hop of the next round.
     pub(super) went_on: Option<Instant>,
+    /// The later round one member's hop named, not yet contradicted, that the retry takes if
+    /// this attempt ends for [`Ring::went_on`] (`Rounds::weigh_lone_claims`).
+    pub(super) lone_claim: Option<u64>,
     /// When the first hop naming another member list came: this attempt cannot finish, and
     /// ends once every member of this list sent its part or showed another list (or after
     /// [`super::LISTS_DIFFER_WAIT`]). Until then the parts of this list's members are still
@@ -187,6 +190,7 @@ impl Ring {
             totals: vec![None; n],
             last_progress: now,
             went_on: None,
+            lone_claim: None,
             lists_differ_since: None,
             other_lists: Vec::new(),
             left_done: Vec::new(),
@@ -235,6 +239,20 @@ impl Ring {
     /// Whether this attempt still waits for member `i`'s part of this member's chunk.
     pub(super) fn awaits_part(&self, i: usize) -> bool {
         i != self.me && self.totals[self.me].is_none() && self.parts[i].is_none()
+    }
+
+    /// Whether most of the members other than this one and member `i` sent a hop of this
+    /// attempt naming this list (a part, taken or refused, or an aggregate): they are in
+    /// this attempt, so a member that says it finished the round contradicts them.
+    pub(super) fn in_attempt_besides(&self, i: usize) -> bool {
+        let others: Vec<usize> = (0..self.len())
+            .filter(|j| *j != self.me && *j != i)
+            .collect();
+        let sent = others
+            .iter()
+            .filter(|j| self.part_weights[**j].is_some() || self.totals[**j].is_some())
+            .count();
+        !others.is_empty() && sent * 2 > others.len()
     }
 
     /// `from` sent a hop naming another member list, of digest `digest`.

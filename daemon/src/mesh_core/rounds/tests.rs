@@ -1245,6 +1245,8 @@ fn a_diloco_member_that_took_a_later_rounds_number_unproven_asks_for_the_state()
     assert!(!ring.nodes[0].needs_state());
     let hop = next_round_hop(&ring, 7);
     ring.nodes[0].message(ring.ids[1], hop, now, &mut out);
+    assert_eq!(ring.nodes[0].round(), Some(0), "one member's word waits");
+    follow_lone_claim(&mut ring, 0, now);
     let st = ring.nodes[0].status(Instant::now());
     assert_eq!((st.round, st.synced), (Some(7), true), "{st:?}");
     assert!(ring.nodes[0].needs_state());
@@ -2009,6 +2011,7 @@ fn hops_carry_a_member_no_further_than_a_jump_past_what_most_members_say() {
         let hop = next_round_hop(&ring, round);
         ring.nodes[0].message(ring.ids[1], hop, now, &mut out);
     }
+    follow_lone_claim(&mut ring, 0, now);
     assert_eq!(ring.nodes[0].status(now).round, Some(ROUND_JUMP));
     // Made to think it is far past the others (as after a long split), it gives way.
     ring.nodes[0].round = Some(3 * ROUND_JUMP);
@@ -2052,4 +2055,110 @@ fn a_tiny_own_gradient_does_not_shrink_the_scale_others_are_judged_by() {
     assert!(Judge::GradientNorm { norm: 3.4e-4 }
         .beyond(&honest_part, &[0.0; 9])
         .is_some());
+}
+
+/// A member that most members' heartbeats say named them a later round their attempt's hops
+/// contradicted is left out, by every member that hears them; fewer accusers leave it in,
+/// and a member cannot accuse itself.
+#[test]
+fn a_member_most_found_contradicted_is_left_out_and_fewer_accusers_are_not_enough() {
+    let mut ring = Ring::new(5, &[1.0; 5], &[true; 5]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    let x = ring.ids[4];
+    let accusing = Heartbeat {
+        contradicted: Some(x.to_string()),
+        ..ready_in(Some(0), None)
+    };
+    let left_out = |ring: &Ring| ring.nodes[0].status(now).left_out.contains(&x.to_string());
+    ring.nodes[0].heard(x, &accusing_itself(x), now);
+    ring.nodes[0].heard(ring.ids[1], &accusing, now);
+    ring.nodes[0].heard(ring.ids[2], &accusing, now);
+    // Two of the four voters (this member, 1, 2 and 3; not x) are not most.
+    assert!(!left_out(&ring));
+    ring.nodes[0].heard(ring.ids[3], &accusing, now);
+    assert!(left_out(&ring));
+    assert_eq!(
+        ring.nodes[0]
+            .status(now)
+            .aborted
+            .get("left a contradicted member out"),
+        Some(&1)
+    );
+}
+
+/// `x`'s heartbeat naming itself contradicted.
+fn accusing_itself(x: PeerId) -> Heartbeat {
+    Heartbeat {
+        contradicted: Some(x.to_string()),
+        ..ready_in(Some(0), None)
+    }
+}
+
+/// Node `i`, at its boundary with one member's hop of a later round waiting and nothing
+/// contradicting it, takes that round: its attempt ends [`LATE_ROUND_WAIT`] after the hop
+/// without progress, and the retry after [`RETRY_PAUSE`] takes the round.
+fn follow_lone_claim(ring: &mut Ring, i: usize, now: Instant) {
+    let mut out = Vec::new();
+    let step = ring.nodes[i].step_limit();
+    let went_on = now + LATE_ROUND_WAIT;
+    ring.nodes[i].tick(step, true, went_on, &mut out);
+    ring.nodes[i].tick(step, true, went_on + RETRY_PAUSE, &mut out);
+}
+
+/// A member that got one member's hop of the next round, where most of the others' hops of
+/// its attempt show them still in this round, does not follow it: it sits out for
+/// [`CONTRADICTED_SIT_OUT`] (saying so, and naming the member, in its heartbeats) and leaves
+/// the rest of its state as it was; an attempt of the others that waits for its hops ends at
+/// once when they hear it is not in rounds.
+#[test]
+fn a_later_round_most_members_contradict_is_not_followed() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    for i in 0..4 {
+        ring.bring_to_boundary(i, now);
+    }
+    // Member 3 names the next round to member 0 instead of sending its part.
+    let mut out = Vec::new();
+    let lie = next_round_hop(&ring, 1);
+    ring.nodes[0].message(ring.ids[3], lie, now, &mut out);
+    assert!(ring.nodes[0].contradicted_peer(now).is_none(), "not yet");
+    // Members 1 and 2 send their parts of this attempt (of member 0's chunk, its weight
+    // after it).
+    let (sorted, digest) = ring.sorted();
+    let k = sorted
+        .iter()
+        .position(|p| *p == ring.ids[0])
+        .expect("listed");
+    let chunk = (k + 1) * 10 / 4 - k * 10 / 4;
+    for j in [1, 2] {
+        let part = RingMessage {
+            step: 0,
+            bf16: false,
+            round: 0,
+            attempt: 0,
+            members: digest,
+            hop: 0,
+            values: ByteBuf::from(1.0f32.to_le_bytes().repeat(chunk + 1)),
+            piece: crate::wire::Piece::WHOLE,
+        };
+        ring.nodes[0].message(ring.ids[j], part, now, &mut out);
+    }
+    let st = ring.nodes[0].status(now);
+    assert_eq!(st.round, Some(0), "{st:?}");
+    assert!(ring.nodes[0].sitting_out(now), "{st:?}");
+    assert!(!ring.nodes[0].sitting_out(now + CONTRADICTED_SIT_OUT));
+    assert_eq!(ring.nodes[0].contradicted_peer(now), Some(ring.ids[3]));
+    assert_eq!(
+        st.aborted
+            .get("a member's later round contradicts the others'"),
+        Some(&1)
+    );
+    // Member 1, in an attempt that waits for member 0's hops, hears it sit out.
+    let mut sits_out = ready_in(Some(0), None);
+    sits_out.in_rounds = false;
+    ring.nodes[1].heard(ring.ids[0], &sits_out, now);
+    let st = ring.nodes[1].status(now);
+    assert_eq!(st.aborted.get("a member sat out"), Some(&1), "{st:?}");
 }

@@ -45,8 +45,10 @@ fn past_limits(msg: &RingMessage) -> Option<String> {
 
 impl Rounds {
     /// A hop from `from`. Hops of a later attempt or round make this node join it where two
-    /// members' hops name it, or once for each member ([`Rounds::may_move`]); hops of attempts
-    /// it has not reached wait in the inbox; stale ones are dropped. A hop that cannot be
+    /// members' hops name it; on one member's word, a later attempt at once and a later round
+    /// where the others' hops do not contradict it ([`Rounds::weigh_lone_claims`]), each once
+    /// for each member ([`Rounds::may_move`]); hops of attempts it has not reached wait in
+    /// the inbox; stale ones are dropped. A hop that cannot be
     /// honest is an offence: one of odd size, with values that are not finite, or naming a
     /// round, attempt or step past any mesh's changes nothing.
     /// A hop that comes in pieces is put together first ([`super::pieces`]); each piece is
@@ -245,9 +247,31 @@ impl Rounds {
         else {
             return false;
         };
-        if ring.could_have_finished() {
+        // Once this node sent its aggregate in an attempt of this round (this one, or one it
+        // aborted since), a member may have finished the round honestly.
+        if ring.could_have_finished() || self.aggregated_in == Some(round) {
             return false;
         }
+        // A claim whose sender has since sent a hop of this attempt is stale.
+        if let Some((claimant, _)) = ring.lone_claim {
+            if ring
+                .index_of(&claimant)
+                .is_some_and(|i| ring.part_weights[i].is_some() || ring.totals[i].is_some())
+            {
+                if let Stage::Reducing {
+                    ring: Some(ring), ..
+                } = &mut self.stage
+                {
+                    ring.lone_claim = None;
+                }
+            }
+        }
+        let Stage::Reducing {
+            ring: Some(ring), ..
+        } = &self.stage
+        else {
+            return false;
+        };
         let mut claims: Vec<(PeerId, u64)> = Vec::new();
         for &(r, _, _, from) in self.inbox.keys().rev() {
             if r <= round {
@@ -287,7 +311,7 @@ impl Rounds {
                     ring: Some(ring), ..
                 } = &mut self.stage
                 {
-                    ring.lone_claim = Some(claimed);
+                    ring.lone_claim = Some((x, claimed));
                     ring.went_on.get_or_insert(now);
                 }
             }
@@ -309,7 +333,13 @@ impl Rounds {
         tracing::info!(peer = %x, claimed, round = ?self.round, "a member named a later round that most members' hops of this attempt contradict; sitting out for {CONTRADICTED_SIT_OUT:?}");
         self.abort("a member's later round contradicts the others'", now);
         self.contradicted = Some((x, now));
-        self.lists.accused(x, self.me, now);
+        self.lists.accused(x, self.me, self.me, now);
+        // Its word is not taken this round: its later hops go, and it moves this node no
+        // more until a round completes here ([`Rounds::may_move`]).
+        let round = self.round;
+        self.inbox
+            .retain(|(r, _, _, from), _| *from != x || round.is_none_or(|mine| *r <= mine));
+        self.moved_by.0.insert(x);
         self.sit_out_until = Some(now + CONTRADICTED_SIT_OUT);
         self.abort_counter("sat out a contradicted round");
     }
@@ -600,6 +630,7 @@ impl Rounds {
             }
             ring.acc[range].copy_from_slice(&agg.mean);
             ring.totals[me] = Some(agg.total);
+            self.aggregated_in = Some(round);
             if !ring.direct() {
                 for (peer, msg) in ring.aggregate_messages(round, attempt, agg.total) {
                     self.bytes_sent += msg.values.len() as u64;

@@ -9,8 +9,8 @@
 //! stalled waiting for is left out the same way, at once ([`Lists::stalled`]), and so is a
 //! member most members' heartbeats said named them a later round their attempts'
 //! hops contradicted ([`Lists::accused`], [`Lists::accused_by_most`]): heartbeats are
-//! gossiped, so every member counts the same accusations, where member lists are each
-//! member's own view. Pure state: part of [`super::Rounds`].
+//! gossiped, so the members count the same accusations within moments of each other,
+//! where member lists are each member's own view. Pure state: part of [`super::Rounds`].
 //!
 //! Without it, one member that banned a rogue the others still listed stalled every round
 //! for as long as the ban lasted (10 minutes), and the others never got to judge the rogue.
@@ -76,8 +76,10 @@ pub struct Lists {
     left_out: HashMap<PeerId, Record>,
     /// Peers this node sat out over.
     sat_out_over: HashMap<PeerId, Record>,
-    /// Members found contradicted (see `Rounds::contradicted`), by whom, and when last.
-    accusations: HashMap<PeerId, HashMap<PeerId, Instant>>,
+    /// Each accuser's accusation (see `Rounds::contradicted`): the member it named and when
+    /// it last did. Keyed by accuser, who names one member at a time: a member naming a new
+    /// peer in every heartbeat replaces its own accusation, and crowds out no one else's.
+    accusations: HashMap<PeerId, (PeerId, Instant)>,
 }
 
 impl Lists {
@@ -91,33 +93,27 @@ impl Lists {
         self.left_out.keys().copied()
     }
 
-    /// `by` said that `x` named it a later round most members' hops contradicted. Kept for
-    /// [`super::ACCUSATION_KEPT`], within [`KEPT`] members accused and [`KEPT`] accusers each.
-    pub fn accused(&mut self, x: PeerId, by: PeerId, now: Instant) {
-        self.accusations.retain(|_, by| {
-            by.retain(|_, at| now.saturating_duration_since(*at) < super::ACCUSATION_KEPT);
-            !by.is_empty()
-        });
-        if !self.accusations.contains_key(&x) && self.accusations.len() >= KEPT {
+    /// `by` said that `x` named it a later round most members' hops contradicted. Counts for
+    /// [`super::ACCUSATION_KEPT`] from the last heartbeat that said so (accusers say so for
+    /// as long, so a member most accused is left out again, for twice as long, while the
+    /// accusations last); at most [`KEPT`] accusers are kept (this node's own always).
+    pub fn accused(&mut self, x: PeerId, by: PeerId, me: PeerId, now: Instant) {
+        self.accusations
+            .retain(|_, (_, at)| now.saturating_duration_since(*at) < super::ACCUSATION_KEPT);
+        if by != me && !self.accusations.contains_key(&by) && self.accusations.len() >= KEPT {
             return;
         }
-        let accusers = self.accusations.entry(x).or_default();
-        if accusers.contains_key(&by) || accusers.len() < KEPT {
-            accusers.insert(by, now);
-        }
+        self.accusations.insert(by, (x, now));
     }
 
     /// Whether more than half of `voters` accused `x` within [`super::ACCUSATION_KEPT`].
     pub fn accused_by_most(&self, x: PeerId, voters: &[PeerId], now: Instant) -> bool {
-        let Some(accusers) = self.accusations.get(&x) else {
-            return false;
-        };
         let count = voters
             .iter()
             .filter(|v| {
-                accusers
-                    .get(*v)
-                    .is_some_and(|at| now.saturating_duration_since(*at) < super::ACCUSATION_KEPT)
+                self.accusations.get(*v).is_some_and(|(named, at)| {
+                    *named == x && now.saturating_duration_since(*at) < super::ACCUSATION_KEPT
+                })
             })
             .count();
         count * 2 > voters.len()

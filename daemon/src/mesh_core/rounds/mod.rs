@@ -365,6 +365,9 @@ pub struct Rounds {
     /// The last member whose later round this node found contradicted, and when: said in
     /// its heartbeats for [`ACCUSATION_KEPT`].
     contradicted: Option<(PeerId, Instant)>,
+    /// The round in whose attempts this node last sent its aggregate: a member may have
+    /// finished it, so its word that it did is not contradicted ([`Rounds::contradicted`]).
+    aggregated_in: Option<u64>,
     /// What status counts; the rest of [`RoundStatus`] is read off the fields above.
     ring_size: usize,
     completed: u64,
@@ -427,6 +430,7 @@ impl Rounds {
             lists: Lists::default(),
             sit_out_until: None,
             contradicted: None,
+            aggregated_in: None,
             completed: 0,
             aborted: BTreeMap::new(),
             last_round_ms: 0.0,
@@ -512,23 +516,27 @@ impl Rounds {
     /// claim that is not a positive number is no claim) and whether it needs the members'
     /// state.
     pub fn heard(&mut self, peer: PeerId, hb: &Heartbeat, now: Instant) {
-        if let Some(x) = hb
+        // An accusation counts where it names a member this node hears ready or has in its
+        // ring: a member naming strangers accuses no one.
+        let named = hb
             .contradicted
             .as_deref()
             .and_then(|x| x.parse::<PeerId>().ok())
-        {
-            if x != peer {
-                self.lists.accused(x, peer, now);
-                self.leave_out_if_accused_by_most(x, now);
-            }
+            .filter(|x| *x != peer && (self.ready.contains_key(x) || self.ring_has(x)));
+        if let Some(x) = named {
+            self.lists.accused(x, peer, self.me, now);
+            self.leave_out_if_accused_by_most(x, now);
         }
         if !hb.in_rounds {
             // A member that says it is not in rounds sends no more hops: an attempt waiting
-            // for one of its hops would only stall.
+            // for one of its hops would only stall. It counts as a stall of that member's
+            // (excused `STALL_EXCUSES` times a round, then left out), or a member could put
+            // off its leave-out for good by saying so just before each stall timeout.
             let awaited = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. }
                 if r.index_of(&peer).is_some_and(|i| r.awaits(i)));
             if awaited {
                 self.abort("a member sat out", now);
+                self.excuse_or_leave_out(peer, false, now);
             }
         }
         if hb.in_rounds {
@@ -618,8 +626,11 @@ impl Rounds {
     /// attempts, for each member until a round completes here, the attempts' count also
     /// starting again each time this node aborts an attempt for a reason of its own (not a
     /// stall or a wait for members that went on); and once more for each offence of the
-    /// member since then. In an honest mesh a member that aborted alone goes on to the next
-    /// attempt, and the others follow at once rather than wait for a stall (while members'
+    /// member since then (a round claimed by a member with an offence credit is followed at
+    /// once; any other member's, only where nothing contradicts it, after
+    /// [`LATE_ROUND_WAIT`] without progress: [`Rounds::weigh_lone_claims`]). In an honest
+    /// mesh a member that aborted alone goes on to the next attempt, and the others follow
+    /// its attempt at once rather than wait for a stall (while members'
     /// lists settle, many times a round: each time they abort too); but a rogue whose hops
     /// always named the round or attempt after its own dragged every member on, one restart
     /// per hop, and no round completed (the simulator: 0 rounds in 40 s, in every mode). A
@@ -782,7 +793,7 @@ impl Rounds {
                 }) =>
             {
                 // One member's word, not contradicted: the retry takes its round.
-                if let Some(claimed) = r.lone_claim {
+                if let Some((_, claimed)) = r.lone_claim {
                     self.followed = Some(claimed);
                 }
                 self.abort("the mesh went on", now);
@@ -1023,22 +1034,28 @@ impl Rounds {
             Stage::Reducing { ring: Some(r), .. } => self.stall_suspects(r),
             _ => return,
         };
-        let round = self.round.unwrap_or(0);
         self.abort("stalled", now);
         for (peer, at_boundary) in suspects {
-            let excused = self.excused.entry(peer).or_insert((round, 0));
-            if excused.0 != round {
-                *excused = (round, 0);
-            }
-            excused.1 += 1;
-            if !at_boundary && excused.1 <= STALL_EXCUSES {
-                continue;
-            }
-            self.excused.remove(&peer);
-            if let Some(last) = self.lists.stalled(peer, now) {
-                tracing::info!(%peer, at_boundary, "an attempt stalled waiting for a member; leaving it out of the rounds for {last:?}");
-                self.abort_counter("left a staller out");
-            }
+            self.excuse_or_leave_out(peer, at_boundary, now);
+        }
+    }
+
+    /// An attempt ended waiting for `peer`: it is excused [`STALL_EXCUSES`] times a round,
+    /// unless it showed it is at the boundary, and left out after that ([`Lists::stalled`]).
+    fn excuse_or_leave_out(&mut self, peer: PeerId, at_boundary: bool, now: Instant) {
+        let round = self.round.unwrap_or(0);
+        let excused = self.excused.entry(peer).or_insert((round, 0));
+        if excused.0 != round {
+            *excused = (round, 0);
+        }
+        excused.1 += 1;
+        if !at_boundary && excused.1 <= STALL_EXCUSES {
+            return;
+        }
+        self.excused.remove(&peer);
+        if let Some(last) = self.lists.stalled(peer, now) {
+            tracing::info!(%peer, at_boundary, "an attempt stalled waiting for a member; leaving it out of the rounds for {last:?}");
+            self.abort_counter("left a staller out");
         }
     }
 
@@ -1454,7 +1471,7 @@ impl Rounds {
                 tracing::info!(round = ?self.round, attempt = self.attempt, why, "round attempt aborted; retrying");
                 // An attempt that failed for a reason of this node's own (not a wait on
                 // members, which may be a rogue's doing) lets members move it once more.
-                if !matches!(why, "stalled" | "the mesh went on") {
+                if !matches!(why, "stalled" | "the mesh went on" | "a member sat out") {
                     self.moved_by.1.clear();
                 }
                 self.attempt = self.attempt.saturating_add(1);

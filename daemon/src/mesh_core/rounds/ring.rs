@@ -130,7 +130,7 @@ pub(super) struct Ring {
     pub(super) went_on: Option<Instant>,
     /// The later round one member's hop named, not yet contradicted, that the retry takes if
     /// this attempt ends for [`Ring::went_on`] (`Rounds::weigh_lone_claims`).
-    pub(super) lone_claim: Option<u64>,
+    pub(super) lone_claim: Option<(PeerId, u64)>,
     /// When the first hop naming another member list came: this attempt cannot finish, and
     /// ends once every member of this list sent its part or showed another list (or after
     /// [`super::LISTS_DIFFER_WAIT`]). Until then the parts of this list's members are still

@@ -2059,24 +2059,27 @@ fn a_tiny_own_gradient_does_not_shrink_the_scale_others_are_judged_by() {
 
 /// A member that most members' heartbeats say named them a later round their attempt's hops
 /// contradicted is left out, by every member that hears them; fewer accusers leave it in,
-/// and a member cannot accuse itself.
+/// and a member that names a new stranger in every heartbeat crowds out no one's
+/// accusation (each accuser has one).
 #[test]
 fn a_member_most_found_contradicted_is_left_out_and_fewer_accusers_are_not_enough() {
     let mut ring = Ring::new(5, &[1.0; 5], &[true; 5]);
     let now = Instant::now();
     ring.hear_all(now);
     let x = ring.ids[4];
-    let accusing = Heartbeat {
-        contradicted: Some(x.to_string()),
+    let naming = |peer: PeerId| Heartbeat {
+        contradicted: Some(peer.to_string()),
         ..ready_in(Some(0), None)
     };
     let left_out = |ring: &Ring| ring.nodes[0].status(now).left_out.contains(&x.to_string());
-    ring.nodes[0].heard(x, &accusing_itself(x), now);
-    ring.nodes[0].heard(ring.ids[1], &accusing, now);
-    ring.nodes[0].heard(ring.ids[2], &accusing, now);
+    for _ in 0..200 {
+        ring.nodes[0].heard(ring.ids[3], &naming(PeerId::random()), now);
+    }
+    ring.nodes[0].heard(ring.ids[1], &naming(x), now);
+    ring.nodes[0].heard(ring.ids[2], &naming(x), now);
     // Two of the four voters (this member, 1, 2 and 3; not x) are not most.
     assert!(!left_out(&ring));
-    ring.nodes[0].heard(ring.ids[3], &accusing, now);
+    ring.nodes[0].heard(ring.ids[3], &naming(x), now);
     assert!(left_out(&ring));
     assert_eq!(
         ring.nodes[0]
@@ -2087,11 +2090,32 @@ fn a_member_most_found_contradicted_is_left_out_and_fewer_accusers_are_not_enoug
     );
 }
 
-/// `x`'s heartbeat naming itself contradicted.
-fn accusing_itself(x: PeerId) -> Heartbeat {
-    Heartbeat {
-        contradicted: Some(x.to_string()),
-        ..ready_in(Some(0), None)
+/// A member whose heartbeat says it is not in rounds while an attempt waits for its hops ends
+/// that attempt at once, and counts as a stall: excused twice a round, then left out (saying
+/// so just before each stall timeout, it would otherwise never be).
+#[test]
+fn a_member_that_sits_out_while_awaited_is_excused_as_a_staller_is() {
+    let mut ring = Ring::new(3, &[1.0; 3], &[true; 3]);
+    let mut now = Instant::now();
+    ring.hear_all(now);
+    ring.bring_to_boundary(0, now);
+    let mut not_ready = ready_in(Some(0), None);
+    not_ready.in_rounds = false;
+    for sat_out in 1..=STALL_EXCUSES + 1 {
+        ring.nodes[0].heard(ring.ids[2], &not_ready, now);
+        let st = ring.nodes[0].status(now);
+        assert_eq!(
+            st.aborted.get("a member sat out").copied(),
+            Some(u64::from(sat_out)),
+            "{st:?}"
+        );
+        let left_out = st.left_out.contains(&ring.ids[2].to_string());
+        assert_eq!(left_out, sat_out > STALL_EXCUSES, "{st:?}");
+        // Back in rounds; the retry waits for it again.
+        now += RETRY_PAUSE;
+        ring.hear_all(now);
+        let step = ring.nodes[0].step_limit();
+        ring.nodes[0].tick(step, true, now, &mut Vec::new());
     }
 }
 

@@ -573,7 +573,7 @@ impl Rounds {
     /// hears the same heartbeats within moments of each other, so they leave it out
     /// together, and their lists agree. One member's accusations are never most (in a ring of
     /// three or more members).
-    fn leave_out_if_accused_by_most(&mut self, x: PeerId, now: Instant) {
+    pub(super) fn leave_out_if_accused_by_most(&mut self, x: PeerId, now: Instant) {
         if x == self.me || self.lists.left_out(&x, now) {
             return;
         }

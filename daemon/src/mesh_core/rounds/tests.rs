@@ -2150,23 +2150,15 @@ fn a_later_round_most_members_contradict_is_not_followed() {
     assert!(ring.nodes[0].contradicted_peer(now).is_none(), "not yet");
     // Members 1 and 2 send their parts of this attempt (of member 0's chunk, its weight
     // after it).
-    let (sorted, digest) = ring.sorted();
+    let (sorted, _) = ring.sorted();
     let k = sorted
         .iter()
         .position(|p| *p == ring.ids[0])
         .expect("listed");
     let chunk = (k + 1) * 10 / 4 - k * 10 / 4;
     for j in [1, 2] {
-        let part = RingMessage {
-            step: 0,
-            bf16: false,
-            round: 0,
-            attempt: 0,
-            members: digest,
-            hop: 0,
-            values: ByteBuf::from(1.0f32.to_le_bytes().repeat(chunk + 1)),
-            piece: crate::wire::Piece::WHOLE,
-        };
+        let mut part = next_round_hop(&ring, 0);
+        part.values = ByteBuf::from(1.0f32.to_le_bytes().repeat(chunk + 1));
         ring.nodes[0].message(ring.ids[j], part, now, &mut out);
     }
     let st = ring.nodes[0].status(now);

@@ -256,7 +256,7 @@ impl Rounds {
         if let Some((claimant, _)) = ring.lone_claim {
             if ring
                 .index_of(&claimant)
-                .is_some_and(|i| ring.part_weights[i].is_some() || ring.totals[i].is_some())
+                .is_some_and(|i| ring.sent_in_attempt(i))
             {
                 if let Stage::Reducing {
                     ring: Some(ring), ..
@@ -296,10 +296,7 @@ impl Rounds {
             };
             // A member that sent a hop of this attempt is in it: a later round it named
             // before is stale.
-            let Some(i) = ring
-                .index_of(&x)
-                .filter(|i| ring.part_weights[*i].is_none() && ring.totals[*i].is_none())
-            else {
+            let Some(i) = ring.index_of(&x).filter(|i| !ring.sent_in_attempt(*i)) else {
                 continue;
             };
             if ring.in_attempt_besides(i) {
@@ -329,10 +326,11 @@ impl Rounds {
     /// that most members found contradicted is left out by all of them, as their heartbeats
     /// reach each other ([`Rounds::heard`]); where this node's own accusation makes most, it
     /// leaves `x` out at once and does not sit out (the sit-out cost the simulator's
-    /// `RelayNextRound` row 21 rounds of 252, and 0.30 x of the control's loss). No offence: an honest member that
-    /// took a later round a moment before the others is contradicted once, by few.
+    /// `RelayNextRound` row 21 rounds of 252, and 0.30 x of the control's loss). No offence:
+    /// an honest member that took a later round a moment before the others is contradicted
+    /// once, by few.
     pub(super) fn contradicted(&mut self, x: PeerId, claimed: u64, now: Instant) {
-        tracing::info!(peer = %x, claimed, round = ?self.round, "a member named a later round that most members' hops of this attempt contradict; sitting out for {CONTRADICTED_SIT_OUT:?}");
+        tracing::info!(peer = %x, claimed, round = ?self.round, "a member named a later round that most members' hops of this attempt contradict");
         self.abort("a member's later round contradicts the others'", now);
         self.contradicted = Some((x, now));
         self.lists.accused(x, self.me, self.me, now);
@@ -346,6 +344,7 @@ impl Rounds {
         // retry goes on without it; otherwise this node steps aside for the round.
         self.leave_out_if_accused_by_most(x, now);
         if !self.lists.left_out(&x, now) {
+            tracing::info!("sitting out for {CONTRADICTED_SIT_OUT:?}");
             self.sit_out_until = Some(now + CONTRADICTED_SIT_OUT);
             self.abort_counter("sat out a contradicted round");
         }

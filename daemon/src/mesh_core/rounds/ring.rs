@@ -241,17 +241,20 @@ impl Ring {
         i != self.me && self.totals[self.me].is_none() && self.parts[i].is_none()
     }
 
+    /// Whether member `i` sent a hop of this attempt naming this list (a part, taken or
+    /// refused, or an aggregate): it is in this attempt.
+    pub(super) fn sent_in_attempt(&self, i: usize) -> bool {
+        self.part_weights[i].is_some() || self.totals[i].is_some()
+    }
+
     /// Whether most of the members other than this one and member `i` sent a hop of this
-    /// attempt naming this list (a part, taken or refused, or an aggregate): they are in
-    /// this attempt, so a member that says it finished the round contradicts them.
+    /// attempt naming this list: they are in this attempt, so a member that says it
+    /// finished the round contradicts them.
     pub(super) fn in_attempt_besides(&self, i: usize) -> bool {
         let others: Vec<usize> = (0..self.len())
             .filter(|j| *j != self.me && *j != i)
             .collect();
-        let sent = others
-            .iter()
-            .filter(|j| self.part_weights[**j].is_some() || self.totals[**j].is_some())
-            .count();
+        let sent = others.iter().filter(|j| self.sent_in_attempt(**j)).count();
         !others.is_empty() && sent * 2 > others.len()
     }
 

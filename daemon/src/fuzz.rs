@@ -124,7 +124,8 @@ fn heartbeats() {
             round: Some(77),
             needs_state: true,
             seq: 1 << 52,
-            contradicted: Some(libp2p::PeerId::random().to_string()),
+            accused: Some(libp2p::PeerId::random().to_string()),
+            accusations: 3,
         },
     ]
     .iter()

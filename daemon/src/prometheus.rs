@@ -574,7 +574,8 @@ mod tests {
                 round: None,
                 needs_state: false,
                 seq: 0,
-                contradicted: None,
+                accused: None,
+                accusations: 0,
             }),
         });
         let text = render(&s, &Registry::default()).expect("render");

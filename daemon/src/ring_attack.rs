@@ -41,6 +41,10 @@ pub enum RingAttack {
     /// the rest: the members it moves then carry the others on with their own hops, if
     /// members follow one another's word.
     RelayNextRound,
+    /// Its hops name the next round to the same members every round (those whose peer id's
+    /// last byte is a multiple of 4: about one in four) and are honest to the rest: the
+    /// others' hops contradict it to those members alone, which are never most.
+    TargetedNextRound,
 }
 
 impl RingAttack {
@@ -62,6 +66,11 @@ impl RingAttack {
             RingAttack::RelayNextRound => {
                 let last = to.to_bytes().last().copied().unwrap_or(0);
                 if (u64::from(last) + msg.round).is_multiple_of(4) {
+                    msg.round = msg.round.saturating_add(1);
+                }
+            }
+            RingAttack::TargetedNextRound => {
+                if to.to_bytes().last().copied().unwrap_or(0).is_multiple_of(4) {
                     msg.round = msg.round.saturating_add(1);
                 }
             }
@@ -192,6 +201,13 @@ mod tests {
             .apply(honest.clone(), &relayed_to(10), 9)
             .expect("sent");
         assert_eq!(kept.round, 3);
+        let targeted = RingAttack::TargetedNextRound;
+        for (last, round) in [(8, 4), (9, 3), (12, 4)] {
+            let sent = targeted
+                .apply(honest.clone(), &relayed_to(last), 9)
+                .expect("sent");
+            assert_eq!(sent.round, round, "to a peer id ending in {last}");
+        }
         let long = RingAttack::Oversize.apply(honest, &to, 9).expect("sent");
         assert_eq!(
             values(&long),

@@ -442,7 +442,8 @@ pub(crate) mod tests {
                 round: Some(3),
                 needs_state: false,
                 seq: 4,
-                contradicted: None,
+                accused: None,
+                accusations: 0,
             }),
         };
         let silent = PeerStatus {

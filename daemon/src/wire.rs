@@ -72,7 +72,9 @@ impl RunTopicNames {
 /// Version 7: a heartbeat may name a peer whose later round its node found contradicted
 /// ([`Heartbeat::contradicted`]); an older node would refuse it as malformed, and blame its
 /// author.
-pub const WIRE_VERSION: u32 = 7;
+/// Version 8: that field is [`Heartbeat::accused`], and names a peer left out for a part it
+/// withheld as well; [`Heartbeat::accusations`] says how many times in a row.
+pub const WIRE_VERSION: u32 = 8;
 
 /// The most bytes of values one ring request carries: a larger hop (a share of a model of
 /// more than ~8 M parameters, or a `diloco` share with its round anchor and velocity) travels
@@ -320,10 +322,21 @@ pub struct Heartbeat {
     #[serde(default)]
     pub seq: u64,
     /// A peer (its id) that named this node a later round most members' hops of the
-    /// attempt under way contradicted, in the last minute (`rounds::Rounds::contradicted`):
-    /// a peer most members say so of is left out of their rounds. Sent only when set.
+    /// attempt under way contradicted, or that alone withheld its part of an attempt this
+    /// node then left it out of, in the last minute (`rounds::Rounds::accuse`): a peer most
+    /// members say so of, or one member says so of again, is left out of their rounds.
+    /// Sent only when set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub contradicted: Option<String>,
+    pub accused: Option<String>,
+    /// How many times in a row this node accused that peer (each within a minute of the
+    /// one before). Sent only when not 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub accusations: u32,
+}
+
+/// Whether a count is 0, so a heartbeat leaves it out.
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The largest heartbeat a node reads: one has a dozen short fields (about 200 bytes).
@@ -361,7 +374,7 @@ mod tests {
     fn bulk_protocol_name_carries_the_wire_version() {
         // Peers negotiate exactly this name: one of another wire version is not spoken to.
         assert_eq!(bulk_protocol(), format!("/p2ptrain/bulk/{WIRE_VERSION}"));
-        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/7");
+        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/8");
     }
 
     #[test]
@@ -396,7 +409,8 @@ mod tests {
             round: Some(3),
             needs_state: true,
             seq: 9,
-            contradicted: None,
+            accused: None,
+            accusations: 0,
         };
         assert_eq!(
             decode_heartbeat(&encode_heartbeat(&hb)).expect("round trip"),
@@ -432,7 +446,8 @@ mod tests {
             round: Some(u64::MAX),
             needs_state: true,
             seq: u64::MAX,
-            contradicted: Some(libp2p::PeerId::random().to_string()),
+            accused: Some(libp2p::PeerId::random().to_string()),
+            accusations: 2,
         };
         let bytes = encode_heartbeat(&full);
         assert!(bytes.len() <= HEARTBEAT_MAX_BYTES / 2, "{}", bytes.len());

@@ -152,8 +152,8 @@ pub struct RoundsNews {
     pub needs_state: bool,
     /// It sits out of the rounds for a while (`rounds::lists`): not ready for them.
     pub sitting_out: bool,
-    /// A peer whose later round it found contradicted (`Rounds::contradicted_peer`).
-    pub contradicted: Option<PeerId>,
+    /// The peer it accuses, and how many times in a row (`Rounds::accusation`).
+    pub accused: Option<(PeerId, u32)>,
 }
 
 impl Membership {
@@ -329,7 +329,8 @@ impl Membership {
             round: rounds.round,
             needs_state: news.2,
             seq: self.seq_base.saturating_add(self.heartbeats_sent),
-            contradicted: rounds.contradicted.map(|p| p.to_string()),
+            accused: rounds.accused.map(|(p, _)| p.to_string()),
+            accusations: rounds.accused.map_or(0, |(_, times)| times),
         };
         Output::Publish {
             topic: self.topic.clone(),
@@ -504,7 +505,7 @@ mod tests {
             round: Some(round),
             needs_state: false,
             sitting_out: false,
-            contradicted: None,
+            accused: None,
         }
     }
 
@@ -728,7 +729,7 @@ mod tests {
             round: Some(2),
             needs_state,
             sitting_out: false,
-            contradicted: None,
+            accused: None,
         };
         assert!(!decode(m.tick_heartbeat(t0, &training(0), news(false))).needs_state);
         let soon = t0 + Duration::from_millis(10);

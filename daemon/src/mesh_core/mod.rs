@@ -298,7 +298,7 @@ impl MeshCore {
                     round: self.rounds.as_ref().and_then(Rounds::leaving_round),
                     needs_state: false,
                     sitting_out: false,
-                    contradicted: None,
+                    accused: None,
                 };
                 out.push(self.membership.leaving_heartbeat(&self.progress, news));
             }
@@ -405,7 +405,7 @@ impl MeshCore {
             round: self.rounds.as_ref().and_then(Rounds::round),
             needs_state: self.rounds.as_ref().is_some_and(Rounds::needs_state),
             sitting_out: self.rounds.as_ref().is_some_and(|r| r.sitting_out(now)),
-            contradicted: self.rounds.as_ref().and_then(|r| r.contradicted_peer(now)),
+            accused: self.rounds.as_ref().and_then(|r| r.accusation(now)),
         };
         if let Some(beat) = self.membership.tick_heartbeat(now, &self.progress, news) {
             out.push(beat);

@@ -974,6 +974,8 @@ fn one_hostile_member_of_eight_spoils_no_round_in_the_simulator() {
         (RingAttack::RoundMax, "allreduce"),
         (RingAttack::RelayNextRound, "allreduce"),
         (RingAttack::RelayNextRound, "ddp"),
+        (RingAttack::TargetedNextRound, "allreduce"),
+        (RingAttack::TargetedNextRound, "ddp"),
     ] {
         let run = |ring_attack| {
             Sim::new(SimParams {
@@ -1027,14 +1029,19 @@ fn one_hostile_member_of_eight_spoils_no_round_in_the_simulator() {
             | RingAttack::Hijack
             | RingAttack::NextRound
             | RingAttack::NextAttempt
-            | RingAttack::RelayNextRound => {
+            | RingAttack::RelayNextRound
+            | RingAttack::TargetedNextRound => {
                 assert_eq!(a.bans, (0, 0), "{name}");
                 // As a staller, or (naming a later round its own hops of the attempt do not
                 // back) as a member most members found contradicted.
-                let left_out = ["left a staller out", "left a contradicted member out"]
-                    .iter()
-                    .filter_map(|why| a.aborted.get(*why))
-                    .sum::<u64>();
+                let left_out = [
+                    "left a staller out",
+                    "left out a member most accused",
+                    "left out a member accused again",
+                ]
+                .iter()
+                .filter_map(|why| a.aborted.get(*why))
+                .sum::<u64>();
                 assert!(
                     left_out >= 7,
                     "{name}: every honest member leaves it out: {a:?}"

@@ -318,31 +318,31 @@ impl Rounds {
 
     /// Member `x` named round `claimed`, which most members' hops of the running attempt
     /// contradict. Nothing shows which is wrong to the others (the hop came to this node
-    /// alone), so this node does not leave `x` out of its lists on its own word: a list of
-    /// its own would make every attempt of the others abort. It aborts, says in its
-    /// heartbeats that `x` was contradicted here ([`Rounds::contradicted_peer`]), and sits
-    /// out for [`CONTRADICTED_SIT_OUT`] (its heartbeat says so at once, and the others retry
+    /// alone), so this node does not leave `x` out of its lists on its own word the first
+    /// time: a list of its own would make every attempt of the others abort. It aborts,
+    /// names `x` in its heartbeats ([`Rounds::accuse`]), and sits out for
+    /// [`CONTRADICTED_SIT_OUT`] (its heartbeat says so at once, and the others retry
     /// without it: no attempt waits on a member that says it is not in rounds). A member
     /// that most members found contradicted is left out by all of them, as their heartbeats
-    /// reach each other ([`Rounds::heard`]); where this node's own accusation makes most, it
-    /// leaves `x` out at once and does not sit out (the sit-out cost the simulator's
-    /// `RelayNextRound` row 21 rounds of 252, and 0.30 x of the control's loss). No offence:
-    /// an honest member that took a later round a moment before the others is contradicted
-    /// once, by few.
+    /// reach each other ([`Rounds::heard`]), and so is one that one member names
+    /// [`super::ACCUSED_AGAIN`] times in a row; where this node's own accusation makes
+    /// either, it leaves `x` out at once and does not sit out (the sit-out cost the
+    /// simulator's `RelayNextRound` row 21 rounds of 252, and 0.30 x of the control's loss).
+    /// No offence: an honest member that took a later round a moment before the others is
+    /// contradicted once, by few.
     pub(super) fn contradicted(&mut self, x: PeerId, claimed: u64, now: Instant) {
         tracing::info!(peer = %x, claimed, round = ?self.round, "a member named a later round that most members' hops of this attempt contradict");
         self.abort("a member's later round contradicts the others'", now);
-        self.contradicted = Some((x, now));
-        self.lists.accused(x, self.me, self.me, now);
         // Its word is not taken this round: its later hops go, and it moves this node no
         // more until a round completes here ([`Rounds::may_move`]).
         let round = self.round;
         self.inbox
             .retain(|(r, _, _, from), _| *from != x || round.is_none_or(|mine| *r <= mine));
         self.moved_by.0.insert(x);
-        // Where this accusation makes most, the member is left out here at once and the
-        // retry goes on without it; otherwise this node steps aside for the round.
-        self.leave_out_if_accused_by_most(x, now);
+        // Where this accusation makes most, or names `x` again, the member is left out here
+        // at once and the retry goes on without it; otherwise this node steps aside for the
+        // round.
+        self.accuse(x, now);
         if !self.lists.left_out(&x, now) {
             tracing::info!("sitting out for {CONTRADICTED_SIT_OUT:?}");
             self.sit_out_until = Some(now + CONTRADICTED_SIT_OUT);

@@ -65,6 +65,8 @@ struct Record {
     until: Instant,
     times: u32,
     named: Instant,
+    /// Left out on heartbeats' accusations ([`Lists::left_out_accused`]).
+    accused: bool,
 }
 
 /// The verdicts of a member's attempts and what it did about them.
@@ -76,10 +78,11 @@ pub struct Lists {
     left_out: HashMap<PeerId, Record>,
     /// Peers this node sat out over.
     sat_out_over: HashMap<PeerId, Record>,
-    /// Each accuser's accusation (see `Rounds::contradicted`): the member it named and when
-    /// it last did. Keyed by accuser, who names one member at a time: a member naming a new
-    /// peer in every heartbeat replaces its own accusation, and crowds out no one else's.
-    accusations: HashMap<PeerId, (PeerId, Instant)>,
+    /// Each accuser's accusation (see `Rounds::accuse`): the member it named, when it last
+    /// did, and how many times in a row it said. Keyed by accuser, who names one member at
+    /// a time: a member naming a new peer in every heartbeat replaces its own accusation,
+    /// and crowds out no one else's.
+    accusations: HashMap<PeerId, (PeerId, Instant, u32)>,
 }
 
 impl Lists {
@@ -93,17 +96,21 @@ impl Lists {
         self.left_out.keys().copied()
     }
 
-    /// `by` said that `x` named it a later round most members' hops contradicted. Counts for
+    /// `by` said that `x` named it a later round most members' hops contradicted, or
+    /// withheld a part from it alone, `times` times in a row (`Rounds::accuse`). Counts for
     /// [`super::ACCUSATION_KEPT`] from the last heartbeat that said so (accusers say so for
     /// as long, so a member most accused is left out again, for twice as long, while the
     /// accusations last); at most [`KEPT`] accusers are kept (this node's own always).
-    pub fn accused(&mut self, x: PeerId, by: PeerId, me: PeerId, now: Instant) {
+    /// Answers whether `by` now accuses `x` [`super::ACCUSED_AGAIN`] times or more where it
+    /// did not before: each new accusation is news once, however many heartbeats repeat it.
+    pub fn accused(&mut self, x: PeerId, by: PeerId, times: u32, me: PeerId, now: Instant) -> bool {
         self.accusations
-            .retain(|_, (_, at)| now.saturating_duration_since(*at) < super::ACCUSATION_KEPT);
+            .retain(|_, (_, at, _)| now.saturating_duration_since(*at) < super::ACCUSATION_KEPT);
         if by != me && !self.accusations.contains_key(&by) && self.accusations.len() >= KEPT {
-            return;
+            return false;
         }
-        self.accusations.insert(by, (x, now));
+        let before = self.accusations.insert(by, (x, now, times));
+        times >= super::ACCUSED_AGAIN && before.is_none_or(|(p, _, t)| p != x || t != times)
     }
 
     /// Whether more than half of `voters` accused `x` within [`super::ACCUSATION_KEPT`].
@@ -111,7 +118,7 @@ impl Lists {
         let count = voters
             .iter()
             .filter(|v| {
-                self.accusations.get(*v).is_some_and(|(named, at)| {
+                self.accusations.get(*v).is_some_and(|(named, at, _)| {
                     *named == x && now.saturating_duration_since(*at) < super::ACCUSATION_KEPT
                 })
             })
@@ -129,20 +136,29 @@ impl Lists {
     pub fn named(&mut self, verdict: Option<Verdict>, now: Instant) -> Option<Action> {
         let verdict = verdict?;
         self.forget_old(now);
+        let since = match self.pending {
+            Some((v, since)) if v == verdict => since,
+            _ => now,
+        };
         if let Verdict::Listed(peer) = verdict {
             if let Some(r) = self.left_out.get_mut(&peer) {
                 // Most members list a member this node left out: take it back at once (its
-                // leave-out would end the same way, later).
+                // leave-out would end the same way, later); one left out on heartbeats'
+                // accusations only once named for `OUTVOTED_FOR`, since the others leave it
+                // out too as those heartbeats reach them. (Taken back at once, members that
+                // heard them a moment apart took it back and left it out again in turn,
+                // for back-offs that then differed, and no list was most members'.)
+                if r.accused && now < r.until && now.saturating_duration_since(since) < OUTVOTED_FOR
+                {
+                    self.pending = Some((verdict, since));
+                    return None;
+                }
                 r.until = now;
                 r.named = now;
                 self.pending = None;
                 return Some(Action::TakeBack(peer));
             }
         }
-        let since = match self.pending {
-            Some((v, since)) if v == verdict => since,
-            _ => now,
-        };
         self.pending = Some((verdict, since));
         let (records, peer) = match verdict {
             Verdict::LeftOut(p) => (&mut self.left_out, p),
@@ -152,7 +168,7 @@ impl Lists {
         if !again && now.saturating_duration_since(since) < OUTVOTED_FOR {
             return None;
         }
-        let last = record(records, peer, now)?;
+        let last = record(records, peer, false, now)?;
         self.pending = None;
         Some(match verdict {
             Verdict::LeftOut(p) => Action::LeaveOut(p),
@@ -169,7 +185,15 @@ impl Lists {
     /// long, or `None` where this node keeps no more records.
     pub fn stalled(&mut self, peer: PeerId, now: Instant) -> Option<Duration> {
         self.forget_old(now);
-        record(&mut self.left_out, peer, now)
+        record(&mut self.left_out, peer, false, now)
+    }
+
+    /// Heartbeats' accusations leave `peer` out (`Rounds::leave_out_if_accused_by_most`,
+    /// `Rounds::leave_out_accused_again`): as [`Lists::stalled`], but most members listing it
+    /// take it back only after [`OUTVOTED_FOR`] ([`Lists::named`]).
+    pub fn left_out_accused(&mut self, peer: PeerId, now: Instant) -> Option<Duration> {
+        self.forget_old(now);
+        record(&mut self.left_out, peer, true, now)
     }
 
     /// Members left out of this node's lists now, for status.
@@ -195,7 +219,12 @@ impl Lists {
 
 /// Records `peer` in `records` from now: for [`SIT_OUT`] the first time, twice as long each
 /// time after, up to [`LONGEST`]; `None` (nothing recorded) for a new peer past [`KEPT`].
-fn record(records: &mut HashMap<PeerId, Record>, peer: PeerId, now: Instant) -> Option<Duration> {
+fn record(
+    records: &mut HashMap<PeerId, Record>,
+    peer: PeerId,
+    accused: bool,
+    now: Instant,
+) -> Option<Duration> {
     if !records.contains_key(&peer) && records.len() >= KEPT {
         return None;
     }
@@ -209,6 +238,7 @@ fn record(records: &mut HashMap<PeerId, Record>, peer: PeerId, now: Instant) -> 
             until: now + last,
             times,
             named: now,
+            accused,
         },
     );
     Some(last)
@@ -242,6 +272,47 @@ mod tests {
             Some(Action::TakeBack(x))
         );
         assert!(!lists.left_out(&x, t2 + SIT_OUT));
+    }
+
+    /// A member left out on heartbeats' accusations is taken back only once most members
+    /// listed it for `OUTVOTED_FOR` (the others leave it out as the heartbeats reach them);
+    /// one left out for a stall, at once.
+    #[test]
+    fn an_accused_member_is_taken_back_only_when_outvoted() {
+        let (x, y, t0) = (PeerId::random(), PeerId::random(), Instant::now());
+        let mut lists = Lists::default();
+        assert_eq!(lists.left_out_accused(x, t0), Some(SIT_OUT));
+        assert_eq!(lists.stalled(y, t0), Some(SIT_OUT));
+        let listed = |p| Some(Verdict::Listed(p));
+        assert_eq!(lists.named(listed(y), t0), Some(Action::TakeBack(y)));
+        assert_eq!(lists.named(listed(x), t0), None);
+        assert_eq!(lists.named(listed(x), t0 + OUTVOTED_FOR / 2), None);
+        assert!(lists.left_out(&x, t0 + OUTVOTED_FOR / 2));
+        assert_eq!(
+            lists.named(listed(x), t0 + OUTVOTED_FOR),
+            Some(Action::TakeBack(x))
+        );
+        assert!(!lists.left_out(&x, t0 + OUTVOTED_FOR));
+    }
+
+    /// An accuser's accusation is news once per count from `ACCUSED_AGAIN` on; a new
+    /// member named is news again.
+    #[test]
+    fn an_accusation_is_news_once_per_count() {
+        let (x, z, by, me, t0) = (
+            PeerId::random(),
+            PeerId::random(),
+            PeerId::random(),
+            PeerId::random(),
+            Instant::now(),
+        );
+        let mut lists = Lists::default();
+        assert!(!lists.accused(x, by, 1, me, t0));
+        assert!(lists.accused(x, by, 2, me, t0));
+        assert!(!lists.accused(x, by, 2, me, t0));
+        assert!(lists.accused(x, by, 3, me, t0));
+        assert!(lists.accused(z, by, 3, me, t0));
+        assert!(!lists.accused(z, by, 3, me, t0));
     }
 
     /// Sitting out: after `OUTVOTED_FOR`, then at once and twice as long each time, up to

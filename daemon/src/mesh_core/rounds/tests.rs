@@ -1993,6 +1993,50 @@ fn a_member_missing_several_owners_aggregates_leaves_out_none_of_them() {
     let st = ring.nodes[2].status(stalled);
     assert_eq!(st.aborted.get("stalled"), Some(&1), "{st:?}");
     assert!(st.left_out.is_empty(), "{st:?}");
+    // The two it withheld from name it in their heartbeats; member 2 names no one.
+    for i in 0..2 {
+        assert_eq!(ring.nodes[i].accusation(stalled), Some((ring.ids[3], 1)));
+    }
+    assert_eq!(ring.nodes[2].accusation(stalled), None);
+}
+
+/// A member that one member's heartbeats accuse twice in a row is left out by a member that
+/// hears them, once for each new accusation however many heartbeats repeat it; an
+/// accusation heard once, or made by a peer that is not a member, leaves it in.
+#[test]
+fn a_member_one_member_accuses_again_is_left_out() {
+    let mut ring = Ring::new(5, &[1.0; 5], &[true; 5]);
+    let t0 = Instant::now();
+    ring.hear_all(t0);
+    let x = ring.ids[4];
+    let accusing = |times: u32| Heartbeat {
+        accused: Some(x.to_string()),
+        accusations: times,
+        ..ready_in(Some(0), None)
+    };
+    let left_out = |ring: &Ring, t| ring.nodes[0].status(t).left_out.contains(&x.to_string());
+    let again = |ring: &Ring, t| {
+        ring.nodes[0]
+            .status(t)
+            .aborted
+            .get("left out a member accused again")
+            .copied()
+    };
+    ring.nodes[0].heard(ring.ids[1], &accusing(1), t0);
+    ring.nodes[0].heard(ring.ids[1], &accusing(1), t0);
+    ring.nodes[0].heard(PeerId::random(), &accusing(2), t0);
+    assert!(!left_out(&ring, t0));
+    ring.nodes[0].heard(ring.ids[1], &accusing(2), t0);
+    assert!(left_out(&ring, t0));
+    assert_eq!(again(&ring, t0), Some(1));
+    // After its leave-out, the same accusation repeated is no news; the next one is.
+    let t1 = t0 + super::lists::SIT_OUT;
+    ring.hear_all(t1);
+    ring.nodes[0].heard(ring.ids[1], &accusing(2), t1);
+    assert!(!left_out(&ring, t1));
+    ring.nodes[0].heard(ring.ids[1], &accusing(3), t1);
+    assert!(left_out(&ring, t1));
+    assert_eq!(again(&ring, t1), Some(2));
 }
 
 /// One member's hops move a member at most `ROUND_JUMP` past the round most members'
@@ -2068,7 +2112,8 @@ fn a_member_most_found_contradicted_is_left_out_and_fewer_accusers_are_not_enoug
     ring.hear_all(now);
     let x = ring.ids[4];
     let naming = |peer: PeerId| Heartbeat {
-        contradicted: Some(peer.to_string()),
+        accused: Some(peer.to_string()),
+        accusations: 1,
         ..ready_in(Some(0), None)
     };
     let left_out = |ring: &Ring| ring.nodes[0].status(now).left_out.contains(&x.to_string());
@@ -2085,7 +2130,7 @@ fn a_member_most_found_contradicted_is_left_out_and_fewer_accusers_are_not_enoug
         ring.nodes[0]
             .status(now)
             .aborted
-            .get("left a contradicted member out"),
+            .get("left out a member most accused"),
         Some(&1)
     );
 }
@@ -2147,7 +2192,7 @@ fn a_later_round_most_members_contradict_is_not_followed() {
     let mut out = Vec::new();
     let lie = next_round_hop(&ring, 1);
     ring.nodes[0].message(ring.ids[3], lie, now, &mut out);
-    assert!(ring.nodes[0].contradicted_peer(now).is_none(), "not yet");
+    assert!(ring.nodes[0].accusation(now).is_none(), "not yet");
     // Members 1 and 2 send their parts of this attempt (of member 0's chunk, its weight
     // after it).
     let (sorted, _) = ring.sorted();
@@ -2165,7 +2210,7 @@ fn a_later_round_most_members_contradict_is_not_followed() {
     assert_eq!(st.round, Some(0), "{st:?}");
     assert!(ring.nodes[0].sitting_out(now), "{st:?}");
     assert!(!ring.nodes[0].sitting_out(now + CONTRADICTED_SIT_OUT));
-    assert_eq!(ring.nodes[0].contradicted_peer(now), Some(ring.ids[3]));
+    assert_eq!(ring.nodes[0].accusation(now), Some((ring.ids[3], 1)));
     assert_eq!(
         st.aborted
             .get("a member's later round contradicts the others'"),

@@ -44,6 +44,20 @@ fn member_config(dir: &Path, name: &str, mode: &str, k: usize, debug: &str, sync
     )
 }
 
+/// Writes an identity key into the data directory `dir` (as the daemon would on its first
+/// start) whose peer id's last byte `wanted` takes.
+fn write_identity(dir: &Path, wanted: impl Fn(u8) -> bool) {
+    let key = std::iter::repeat_with(libp2p::identity::Keypair::generate_ed25519)
+        .find(|k| {
+            let id = k.public().to_peer_id().to_bytes();
+            id.last().is_some_and(|b| wanted(*b))
+        })
+        .expect("a key");
+    std::fs::create_dir_all(dir).expect("data dir");
+    let bytes = key.to_protobuf_encoding().expect("encoded key");
+    std::fs::write(dir.join("identity.key"), bytes).expect("key written");
+}
+
 /// What the honest members make of the rogue.
 #[derive(Clone, Copy, PartialEq)]
 enum Expect {
@@ -93,6 +107,15 @@ fn one_rogue_among_four(mode: &str, attack: &str, expect: Expect, sync: &str) {
         &format!("ring_attack = \"{attack}\"\n"),
         sync,
     );
+    if attack == "targeted_next_round" {
+        // It lies to the members whose peer id's last byte is a multiple of 4: member b is
+        // one, a and c are not.
+        for (name, targeted) in [("a", false), ("b", true), ("c", false)] {
+            write_identity(&tmp.path().join(name), |last| {
+                last.is_multiple_of(4) == targeted
+            });
+        }
+    }
     let a = start(tmp.path(), "a", &honest_cfg[0], None, &[]);
     let addr = listen_addr(&a);
     let b = start(tmp.path(), "b", &honest_cfg[1], Some(&addr), &[]);
@@ -358,6 +381,22 @@ fn allreduce_leaves_out_a_member_that_names_the_next_round_to_some_members() {
     one_rogue_among_four(
         "allreduce",
         "relay_next_round",
+        Expect::LeftOut,
+        "stall_timeout_secs = 3",
+    );
+}
+
+/// `ddp`, a rogue that names the next round to the same member every round (member b) and
+/// is honest to the rest. Only b's attempts find it contradicted (or stall on the part it
+/// never sends b), so most members never name it; left in, it made b sit out or stall every
+/// round (the simulator: `ddp` 20 of 826 rounds, every member unsynced). Member b names it
+/// again in its heartbeats, and every honest member leaves it out on that
+/// (`rounds::ACCUSED_AGAIN`). No proof, no ban.
+#[test]
+fn ddp_leaves_out_a_member_that_names_the_next_round_to_one_member_every_round() {
+    one_rogue_among_four(
+        "ddp",
+        "targeted_next_round",
         Expect::LeftOut,
         "stall_timeout_secs = 3",
     );

@@ -952,9 +952,11 @@ fn attacked_mode(mode: &str) -> RoundConfig {
 /// (0 rounds completed in every mode while members followed every such hop), one whose hops
 /// name the next round, and one that names the next round to a quarter of the members only
 /// (55 of 252 rounds at 9.6 x the loss while members followed one member's word at once;
-/// now 232 at 1.33 x, and in `ddp` 746 of 826 at 1.03 x) are left out by every honest
-/// member, the last two as members most honest members found contradicted
-/// (`Rounds::contradicted`). The bounds asserted: at least half the control's rounds, at
+/// now 232 at 1.34 x, and in `ddp` 718 of 826 at 1.04 x), and one that names it to the
+/// same members every round (104 rounds at 7.7 x with 3 members unsynced, and in `ddp` 20
+/// with 7, while only most members' accusations counted; now 197 at 1.97 x and 594 at 1.10
+/// x) are left out by every honest member, the last three as members most honest members,
+/// or one member twice, accused (`Rounds::accuse`). The bounds asserted: at least half the control's rounds, at
 /// most 2.5 x its loss, consensus no worse than 1.5 x its (or 0.005), and for a proven
 /// attack most honest members ban it.
 #[test]

@@ -1036,24 +1036,32 @@ impl Rounds {
     }
 
     /// The later round the inbox's hops make this node take on more than one member's word:
-    /// the newest where it has no round or most heartbeats say the mesh is past its own,
-    /// else one two members' hops name ([`vouched`]).
+    /// where it has no round or most heartbeats say the mesh is past its own, the round
+    /// most heartbeats name where a hop names it or a later one, else the newest any hop
+    /// names; otherwise one two members' hops name ([`vouched`]). (Taking the newest, a
+    /// member that sat out came back to the round a rogue named to it alone, one past the
+    /// others': their hops then contradicted its own, most members accused the honest
+    /// member, and the others' rounds raced on thousands apart.)
     pub(super) fn proven_later_round(&self, now: Instant) -> Option<u64> {
         let &(newest, _, _, _) = self.inbox.keys().next_back()?;
-        match self.round {
-            None => Some(newest),
-            Some(mine) if newest <= mine => None,
-            Some(mine) => {
-                let later = self
-                    .inbox
-                    .keys()
-                    .filter(|(r, _, _, _)| *r > mine)
-                    .map(|(r, _, _, from)| (*from, *r));
-                self.mesh_is_past(mine, now)
-                    .then_some(newest)
-                    .or_else(|| vouched(later, self.others_ready(now)))
-            }
+        let mine = self.round;
+        if mine.is_some_and(|m| newest <= m) {
+            return None;
         }
+        if mine.is_none_or(|m| self.mesh_is_past(m, now)) {
+            // A heartbeat's round is one member's word, however far: taken only where a hop
+            // names it or a later one.
+            let said = self
+                .round_said_by_most(now)
+                .filter(|s| *s <= newest && mine.is_none_or(|m| *s > m));
+            return Some(said.unwrap_or(newest));
+        }
+        let later = self
+            .inbox
+            .keys()
+            .filter(|(r, _, _, _)| mine.is_none_or(|m| *r > m))
+            .map(|(r, _, _, from)| (*from, *r));
+        vouched(later, self.others_ready(now))
     }
 
     /// The later attempt of this node's round that two members' hops in the inbox name (or

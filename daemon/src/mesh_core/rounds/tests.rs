@@ -940,6 +940,25 @@ fn one_members_hop_of_a_later_round_hijacks_nothing() {
     assert_eq!((st.round, st.synced), (Some(1005), false), "{st:?}");
 }
 
+/// A member the mesh went past takes the round most members' heartbeats name (a hop names
+/// a later one), not the newest one member's hop names: a rogue that named the next round to
+/// it alone carried it one past the others, whose hops then contradicted its own.
+#[test]
+fn a_member_behind_takes_the_round_most_heartbeats_name_not_one_hops_newer_one() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    let now = Instant::now();
+    ring.hear_all(now);
+    ring.bring_to_boundary(0, now);
+    for i in 1..4 {
+        ring.nodes[0].heard(ring.ids[i], &ready_in(Some(5), None), now);
+    }
+    let mut out = Vec::new();
+    let lie = next_round_hop(&ring, 6);
+    ring.nodes[0].message(ring.ids[3], lie, now, &mut out);
+    let st = ring.nodes[0].status(Instant::now());
+    assert_eq!((st.round, st.synced), (Some(5), false), "{st:?}");
+}
+
 #[test]
 fn a_last_hop_that_never_comes_gives_way_to_the_next_round_soon() {
     let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);

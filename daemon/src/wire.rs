@@ -70,8 +70,7 @@ impl RunTopicNames {
 /// Version 6: a hop larger than [`RING_PIECE_BYTES`] travels in pieces ([`RingMessage::piece`]):
 /// an older node would take each piece for a hop of the wrong size.
 /// Version 7: a heartbeat may name a peer whose later round its node found contradicted
-/// ([`Heartbeat::contradicted`]); an older node would refuse it as malformed, and blame its
-/// author.
+/// (`contradicted`); an older node would refuse it as malformed, and blame its author.
 /// Version 8: that field is [`Heartbeat::accused`], and names a peer left out for a part it
 /// withheld as well; [`Heartbeat::accusations`] says how many times in a row.
 pub const WIRE_VERSION: u32 = 8;

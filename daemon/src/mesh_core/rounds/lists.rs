@@ -83,6 +83,9 @@ pub struct Lists {
     /// a time: a member naming a new peer in every heartbeat replaces its own accusation,
     /// and crowds out no one else's.
     accusations: HashMap<PeerId, (PeerId, Instant, u32)>,
+    /// Until when each accuser's last accusation-again keeps its member out
+    /// ([`Lists::left_out_again`]).
+    again_by: HashMap<PeerId, Instant>,
 }
 
 impl Lists {
@@ -101,8 +104,10 @@ impl Lists {
     /// [`super::ACCUSATION_KEPT`] from the last heartbeat that said so (accusers say so for
     /// as long, so a member most accused is left out again, for twice as long, while the
     /// accusations last); at most [`KEPT`] accusers are kept (this node's own always).
-    /// Answers whether `by` now accuses `x` [`super::ACCUSED_AGAIN`] times or more where it
-    /// did not before: each new accusation is news once, however many heartbeats repeat it.
+    /// Answers whether `by` now accuses `x` [`super::ACCUSED_AGAIN`] times or more, one more
+    /// time than its last accusation this node heard named `x`: each new accusation is news
+    /// once, however many heartbeats repeat it, and a count that did not rise one by one
+    /// (a new peer named at once twice, or a jump) is none.
     pub fn accused(&mut self, x: PeerId, by: PeerId, times: u32, me: PeerId, now: Instant) -> bool {
         self.accusations
             .retain(|_, (_, at, _)| now.saturating_duration_since(*at) < super::ACCUSATION_KEPT);
@@ -110,7 +115,22 @@ impl Lists {
             return false;
         }
         let before = self.accusations.insert(by, (x, now, times));
-        times >= super::ACCUSED_AGAIN && before.is_none_or(|(p, _, t)| p != x || t != times)
+        times >= super::ACCUSED_AGAIN
+            && before.is_some_and(|(p, _, t)| p == x && t.checked_add(1) == Some(times))
+    }
+
+    /// `by` accused `x` again ([`Lists::accused`]): `x` is left out as on heartbeats'
+    /// accusations ([`Lists::left_out_accused`]) unless a member `by` accused again before
+    /// is still left out on its word, so that one accuser keeps one member out at a time.
+    /// Answers how long, or `None` where it is not left out.
+    pub fn left_out_again(&mut self, x: PeerId, by: PeerId, now: Instant) -> Option<Duration> {
+        self.again_by.retain(|_, until| now < *until);
+        if self.again_by.contains_key(&by) || self.again_by.len() >= KEPT {
+            return None;
+        }
+        let last = self.left_out_accused(x, now)?;
+        self.again_by.insert(by, now + last);
+        Some(last)
     }
 
     /// Whether more than half of `voters` accused `x` within [`super::ACCUSATION_KEPT`].
@@ -311,8 +331,27 @@ mod tests {
         assert!(lists.accused(x, by, 2, me, t0));
         assert!(!lists.accused(x, by, 2, me, t0));
         assert!(lists.accused(x, by, 3, me, t0));
-        assert!(lists.accused(z, by, 3, me, t0));
+        // Another peer named at once with a count past 1, or a count that jumps: no news.
         assert!(!lists.accused(z, by, 3, me, t0));
+        assert!(!lists.accused(z, by, 5, me, t0));
+        assert!(lists.accused(z, by, 6, me, t0));
+    }
+
+    /// One accuser keeps one member out at a time on its accusations-again; another
+    /// accuser's, or the same one's once that leave-out ended, leaves out another.
+    #[test]
+    fn one_accuser_keeps_one_member_out_at_a_time() {
+        let [x, y, by, other] = [(); 4].map(|_| PeerId::random());
+        let t0 = Instant::now();
+        let mut lists = Lists::default();
+        assert_eq!(lists.left_out_again(x, by, t0), Some(SIT_OUT));
+        assert_eq!(lists.left_out_again(y, by, t0 + SIT_OUT / 2), None);
+        assert!(!lists.left_out(&y, t0 + SIT_OUT / 2));
+        assert_eq!(
+            lists.left_out_again(y, other, t0 + SIT_OUT / 2),
+            Some(SIT_OUT)
+        );
+        assert_eq!(lists.left_out_again(y, by, t0 + SIT_OUT), Some(2 * SIT_OUT));
     }
 
     /// Sitting out: after `OUTVOTED_FOR`, then at once and twice as long each time, up to

@@ -121,11 +121,24 @@ impl Lists {
 
     /// `by` accused `x` again ([`Lists::accused`]): `x` is left out as on heartbeats'
     /// accusations ([`Lists::left_out_accused`]) unless a member `by` accused again before
-    /// is still left out on its word, so that one accuser keeps one member out at a time.
-    /// Answers how long, or `None` where it is not left out.
-    pub fn left_out_again(&mut self, x: PeerId, by: PeerId, now: Instant) -> Option<Duration> {
+    /// is still left out on its word, so that one accuser keeps one member out at a time. A
+    /// member left out already (a stall of its here, most members' accusations) is the one
+    /// `by` keeps out until then, as it is at the members that left it out on `by`'s word.
+    /// At most [`KEPT`] accusers are kept (this node, `me`, always). Answers how long, or
+    /// `None` where it is not left out now.
+    pub fn left_out_again(
+        &mut self,
+        x: PeerId,
+        by: PeerId,
+        me: PeerId,
+        now: Instant,
+    ) -> Option<Duration> {
         self.again_by.retain(|_, until| now < *until);
-        if self.again_by.contains_key(&by) || self.again_by.len() >= KEPT {
+        if self.again_by.contains_key(&by) || (by != me && self.again_by.len() >= KEPT) {
+            return None;
+        }
+        if let Some(until) = self.left_out.get(&x).map(|r| r.until).filter(|u| now < *u) {
+            self.again_by.insert(by, until);
             return None;
         }
         let last = self.left_out_accused(x, now)?;
@@ -315,8 +328,9 @@ mod tests {
         assert!(!lists.left_out(&x, t0 + OUTVOTED_FOR));
     }
 
-    /// An accuser's accusation is news once per count from `ACCUSED_AGAIN` on; a new
-    /// member named is news again.
+    /// An accuser's accusation is news once per count from `ACCUSED_AGAIN` on, each one
+    /// above the last it named the same member with: a new member named at a count past 1,
+    /// or a count that jumps, is none.
     #[test]
     fn an_accusation_is_news_once_per_count() {
         let (x, z, by, me, t0) = (
@@ -338,20 +352,29 @@ mod tests {
     }
 
     /// One accuser keeps one member out at a time on its accusations-again; another
-    /// accuser's, or the same one's once that leave-out ended, leaves out another.
+    /// accuser's leaves out another; a member left out already is the one its accuser
+    /// keeps out until then; once that ends, the same accuser's next one counts.
     #[test]
     fn one_accuser_keeps_one_member_out_at_a_time() {
-        let [x, y, by, other] = [(); 4].map(|_| PeerId::random());
+        let [x, y, z, by, other, me] = [(); 6].map(|_| PeerId::random());
         let t0 = Instant::now();
         let mut lists = Lists::default();
-        assert_eq!(lists.left_out_again(x, by, t0), Some(SIT_OUT));
-        assert_eq!(lists.left_out_again(y, by, t0 + SIT_OUT / 2), None);
+        assert_eq!(lists.left_out_again(x, by, me, t0), Some(SIT_OUT));
+        assert_eq!(lists.left_out_again(y, by, me, t0 + SIT_OUT / 2), None);
         assert!(!lists.left_out(&y, t0 + SIT_OUT / 2));
         assert_eq!(
-            lists.left_out_again(y, other, t0 + SIT_OUT / 2),
+            lists.left_out_again(y, other, me, t0 + SIT_OUT / 2),
             Some(SIT_OUT)
         );
-        assert_eq!(lists.left_out_again(y, by, t0 + SIT_OUT), Some(2 * SIT_OUT));
+        // Left out already (here, for a stall): `by` keeps it out until then.
+        let t1 = t0 + SIT_OUT;
+        assert_eq!(lists.stalled(z, t1), Some(SIT_OUT));
+        assert_eq!(lists.left_out_again(z, by, me, t1), None);
+        assert_eq!(lists.left_out_again(x, by, me, t1 + SIT_OUT / 2), None);
+        assert_eq!(
+            lists.left_out_again(x, by, me, t1 + SIT_OUT),
+            Some(2 * SIT_OUT)
+        );
     }
 
     /// Sitting out: after `OUTVOTED_FOR`, then at once and twice as long each time, up to

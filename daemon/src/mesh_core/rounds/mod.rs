@@ -529,21 +529,23 @@ impl Rounds {
     /// claim that is not a positive number is no claim) and whether it needs the members'
     /// state.
     pub fn heard(&mut self, peer: PeerId, hb: &Heartbeat, now: Instant) {
-        // An accusation counts where it names a member this node hears ready or has in its
-        // ring: a member naming strangers accuses no one. Only a member that this node does
-        // not leave out accuses again (one just left out would name its accuser next).
+        // Every accusation is kept (so that the next count is news), except one by a member
+        // this node leaves out (one just left out would name its accuser next); it counts
+        // where it names a member this node hears ready or has in its ring: a member naming
+        // strangers accuses no one. Only a member accuses again.
         let named = hb
             .accused
             .as_deref()
             .and_then(|x| x.parse::<PeerId>().ok())
-            .filter(|x| *x != peer && (self.ready.contains_key(x) || self.ring_has(x)));
+            .filter(|x| *x != peer && !self.lists.left_out(&peer, now));
         if let Some(x) = named {
-            let member = (hb.in_rounds || self.ready.contains_key(&peer) || self.ring_has(&peer))
-                && !self.lists.left_out(&peer, now);
+            let member = hb.in_rounds || self.ready.contains_key(&peer) || self.ring_has(&peer);
             let again = self.lists.accused(x, peer, hb.accusations, self.me, now);
-            self.leave_out_if_accused_by_most(x, now);
-            if again && member {
-                self.leave_out_accused_again(x, peer, now);
+            if self.ready.contains_key(&x) || self.ring_has(&x) {
+                self.leave_out_if_accused_by_most(x, now);
+                if again && member {
+                    self.leave_out_accused_again(x, peer, now);
+                }
             }
         }
         if !hb.in_rounds {
@@ -621,10 +623,10 @@ impl Rounds {
     /// member hears `by`'s heartbeat within moments, so they leave it out together, and one
     /// accuser keeps one member out at a time.
     pub(super) fn leave_out_accused_again(&mut self, x: PeerId, by: PeerId, now: Instant) {
-        if x == self.me || self.lists.left_out(&x, now) {
+        if x == self.me {
             return;
         }
-        if let Some(last) = self.lists.left_out_again(x, by, now) {
+        if let Some(last) = self.lists.left_out_again(x, by, self.me, now) {
             tracing::info!(peer = %x, "a member accused a member again; leaving it out of the rounds for {last:?}");
             self.abort_counter("left out a member accused again");
             if self.ring_has(&x) {
@@ -969,8 +971,9 @@ impl Rounds {
 
     /// Takes a later round the inbox holds hops of: the mesh completed rounds without this
     /// node. A node with no round, or one most members' heartbeats say they are past
-    /// ([`Rounds::mesh_is_past`]), takes the round most heartbeats name where a hop names it
-    /// or a later one, else the newest ([`Rounds::proven_later_round`]). Otherwise it takes
+    /// ([`Rounds::mesh_is_past`]), takes a round two members' hops name where it is as far as
+    /// most heartbeats say, else the round they say where a hop names it or a later one, else
+    /// the newest ([`Rounds::proven_later_round`]). Otherwise it takes
     /// the newest round that two members' hops name (or the only other's, where
     /// it hears one: [`vouched`]); else the round one member's hop named, where nothing
     /// contradicted it ([`Rounds::weigh_lone_claims`]), once for each member until a round

@@ -2021,7 +2021,7 @@ fn a_member_missing_several_owners_aggregates_leaves_out_none_of_them() {
 
 /// A member that one member's heartbeats accuse twice in a row is left out by a member that
 /// hears them, once for each new accusation however many heartbeats repeat it; an
-/// accusation heard once, or made by a peer that is not a member, leaves it in.
+/// accusation heard once, or a first one heard at count 2, leaves it in.
 #[test]
 fn a_member_one_member_accuses_again_is_left_out() {
     let mut ring = Ring::new(5, &[1.0; 5], &[true; 5]);

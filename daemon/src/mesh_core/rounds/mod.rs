@@ -638,8 +638,8 @@ impl Rounds {
     /// This node found `x`'s later round contradicted ([`Rounds::contradicted`]), or left
     /// `x` out for a part that only it withheld ([`Rounds::stalled`]): its heartbeats name
     /// `x` for [`ACCUSATION_KEPT`], with how many times in a row, and it counts its own
-    /// accusation as the others do. Answers how many times.
-    pub(super) fn accuse(&mut self, x: PeerId, now: Instant) -> u32 {
+    /// accusation as the others do.
+    pub(super) fn accuse(&mut self, x: PeerId, now: Instant) {
         let times = match self.accusing {
             Some((p, at, n)) if p == x && now.saturating_duration_since(at) < ACCUSATION_KEPT => {
                 n.saturating_add(1)
@@ -652,7 +652,6 @@ impl Rounds {
         if again {
             self.leave_out_accused_again(x, self.me, now);
         }
-        times
     }
 
     /// The member this node accused within [`ACCUSATION_KEPT`], and how many times in a

@@ -346,6 +346,7 @@ impl Rounds {
         if !self.lists.left_out(&x, now) {
             tracing::info!("sitting out for {CONTRADICTED_SIT_OUT:?}");
             self.sit_out_until = Some(now + CONTRADICTED_SIT_OUT);
+            self.sitting_out_over = Some(x);
             self.abort_counter("sat out a contradicted round");
         }
     }

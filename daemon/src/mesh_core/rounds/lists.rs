@@ -94,6 +94,15 @@ impl Lists {
         self.left_out.get(peer).is_some_and(|r| now < r.until)
     }
 
+    /// Whether `peer` is left out now on heartbeats' accusations (most members', or one
+    /// member's again): the mesh's word that it lies about rounds, where a leave-out for a
+    /// stall is this node's own view of a member that may be honest.
+    pub fn out_on_accusations(&self, peer: &PeerId, now: Instant) -> bool {
+        self.left_out
+            .get(peer)
+            .is_some_and(|r| r.accused && now < r.until)
+    }
+
     /// Peers this node left out, now or before (most members may list them again).
     pub fn ever_left_out(&self) -> impl Iterator<Item = PeerId> + '_ {
         self.left_out.keys().copied()

@@ -686,7 +686,7 @@ impl Rounds {
     /// the mesh went on without this node, and its parameters are not the mesh's. One
     /// member's hop of a later round is no such proof (see [`Rounds::adopt_newer_round`]).
     fn mesh_is_past(&self, mine: u64, now: Instant) -> bool {
-        let others: Vec<PeerId> = self.members_heard(now).collect();
+        let others: Vec<PeerId> = self.heard_ready(now).collect();
         let past = others
             .iter()
             .filter(|p| self.rounds_said.get(*p).is_some_and(|r| *r > mine))
@@ -742,7 +742,7 @@ impl Rounds {
     /// heartbeats' rounds), if any says one.
     pub(super) fn round_said_by_most(&self, now: Instant) -> Option<u64> {
         let mut said: Vec<u64> = self
-            .members_heard(now)
+            .heard_ready(now)
             .filter_map(|p| self.rounds_said.get(&p).copied())
             .collect();
         if said.is_empty() {
@@ -1137,12 +1137,16 @@ impl Rounds {
     /// out: the members whose word counts. (A member left out raced through rounds of its
     /// own; counted, its word made members that sat out take its round as joiners.)
     fn members_heard(&self, now: Instant) -> impl Iterator<Item = PeerId> + '_ {
+        self.heard_ready(now)
+            .filter(move |p| !self.lists.left_out(p, now))
+    }
+
+    /// The other members heard ready within [`READY_FRESH`].
+    fn heard_ready(&self, now: Instant) -> impl Iterator<Item = PeerId> + '_ {
         self.ready
             .iter()
             .filter(move |(p, at)| {
-                **p != self.me
-                    && now.saturating_duration_since(**at) < READY_FRESH
-                    && !self.lists.left_out(p, now)
+                **p != self.me && now.saturating_duration_since(**at) < READY_FRESH
             })
             .map(|(p, _)| *p)
     }
@@ -1162,6 +1166,9 @@ impl Rounds {
             _ => return,
         };
         self.abort("stalled", now);
+        if self.alone_without(&suspects, now) {
+            return;
+        }
         for (peer, at_boundary) in suspects {
             let left_out = self.excuse_or_leave_out(peer, at_boundary, now);
             // One member alone withheld its part from this node while its heartbeats say it
@@ -1177,6 +1184,44 @@ impl Rounds {
                 self.accuse(peer, now);
             }
         }
+    }
+
+    /// Whether leaving out `suspects` now ([`Rounds::excuse_or_leave_out`]) would leave
+    /// this node with no other member, though it hears two or more ready: then it is the
+    /// one out of step, not they. It leaves none of them out and holds as a joiner does
+    /// ([`Rounds::restored`]): it takes the round of the next attempt it is in, with weight
+    /// 0, and the parameters that round gives. (Leaving them all out, an honest member
+    /// that completed an attempt the others gave up for a rogue's next one went on alone:
+    /// its parameters and theirs stayed apart until the leave-outs ended, and its lone
+    /// rounds and theirs took each other's numbers, thousands apart: `ring_rogue`'s
+    /// `allreduce` next-attempt test, one group run in three.)
+    fn alone_without(&mut self, suspects: &[(PeerId, bool)], now: Instant) -> bool {
+        let round = self.round.unwrap_or(0);
+        let left_out_now = |(peer, at_boundary): &(PeerId, bool)| {
+            *at_boundary
+                || self
+                    .excused
+                    .get(peer)
+                    .is_some_and(|(r, times)| *r == round && *times >= STALL_EXCUSES)
+        };
+        let heard: Vec<PeerId> = self.members_heard(now).collect();
+        let alone = heard.len() >= 2
+            && heard
+                .iter()
+                .all(|p| suspects.iter().any(|s| s.0 == *p && left_out_now(s)));
+        if alone {
+            tracing::info!(
+                members = heard.len(),
+                "an attempt stalled waiting for every other member heard ready; this node is the one out of step: holding, to take the members' round and parameters"
+            );
+            self.abort_counter("out of step with every member");
+            for (peer, _) in suspects {
+                self.excused.remove(peer);
+            }
+            let step = self.boundary;
+            self.restored(step);
+        }
+        alone
     }
 
     /// An attempt ended waiting for `peer`: it is excused [`STALL_EXCUSES`] times a round,
@@ -1653,7 +1698,7 @@ fn vouched(items: impl Iterator<Item = (PeerId, u64, bool)>, others: usize) -> O
         h.0 = h.0.max(value);
     }
     let mut values: Vec<(u64, bool)> = highest.into_values().collect();
-    values.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+    values.sort_unstable_by_key(|v| std::cmp::Reverse(v.0));
     let needed = others.clamp(1, 2);
     // The first value with `needed` senders at or past it, one of which counts.
     let first_counted = values.iter().position(|(_, counts)| *counts)?;

@@ -328,8 +328,9 @@ impl Rounds {
     /// [`super::ACCUSED_AGAIN`] times in a row; where this node's own accusation makes
     /// either, it leaves `x` out at once and does not sit out (the sit-out cost the
     /// simulator's `RelayNextRound` row 21 rounds of 252, and 0.30 x of the control's loss).
-    /// No offence: an honest member that took a later round a moment before the others is
-    /// contradicted once, by few.
+    /// The sit-out ends early once `x` is left out ([`Rounds::sitting_out`]). No offence:
+    /// an honest member that took a later round a moment before the others is contradicted
+    /// once, by few.
     pub(super) fn contradicted(&mut self, x: PeerId, claimed: u64, now: Instant) {
         tracing::info!(peer = %x, claimed, round = ?self.round, "a member named a later round that most members' hops of this attempt contradict");
         self.abort("a member's later round contradicts the others'", now);

@@ -376,7 +376,7 @@ pub struct Rounds {
     /// Sitting out of the rounds until then ([`lists`], [`Rounds::contradicted`]).
     sit_out_until: Option<Instant>,
     /// The member whose later round this node sits out ([`Rounds::contradicted`]): once
-    /// it is left out, the sit-out ends ([`Rounds::back_from_sitting_out_over`]).
+    /// it is left out, the sit-out ends ([`Rounds::sitting_out`]).
     sitting_out_over: Option<PeerId>,
     /// The member this node last accused ([`Rounds::accuse`]), when, and how many times in
     /// a row: said in its heartbeats for [`ACCUSATION_KEPT`].
@@ -618,21 +618,6 @@ impl Rounds {
             if self.ring_has(&x) {
                 self.abort("most members accused a member", now);
             }
-            self.back_from_sitting_out_over(x);
-        }
-    }
-
-    /// `x` is left out: where this node sits out `x`'s contradicted round, it is back in the
-    /// rounds at once. Every member that contradicted `x` in the same instant sat out (its
-    /// own accusation alone was not most), and most accusations came moments later. Sitting
-    /// on for the rest of [`CONTRADICTED_SIT_OUT`], all of them came back to a mesh none of
-    /// them was in, and took rounds from whichever hops they found (`ring_rogue`'s `ddp`
-    /// next-round test: rounds 882 -> 2184 and a state founded anew, one run in six).
-    fn back_from_sitting_out_over(&mut self, x: PeerId) {
-        if self.sitting_out_over == Some(x) {
-            tracing::info!(peer = %x, "the member whose round this node sat out is left out; back in the rounds");
-            self.sit_out_until = None;
-            self.sitting_out_over = None;
         }
     }
 
@@ -651,7 +636,6 @@ impl Rounds {
             if self.ring_has(&x) {
                 self.abort("a member accused a member again", now);
             }
-            self.back_from_sitting_out_over(x);
         }
     }
 
@@ -686,7 +670,7 @@ impl Rounds {
     /// the mesh went on without this node, and its parameters are not the mesh's. One
     /// member's hop of a later round is no such proof (see [`Rounds::adopt_newer_round`]).
     fn mesh_is_past(&self, mine: u64, now: Instant) -> bool {
-        let others: Vec<PeerId> = self.heard_ready(now).collect();
+        let others: Vec<PeerId> = self.heard_ready_not_accused(now).collect();
         let past = others
             .iter()
             .filter(|p| self.rounds_said.get(*p).is_some_and(|r| *r > mine))
@@ -742,7 +726,7 @@ impl Rounds {
     /// heartbeats' rounds), if any says one.
     pub(super) fn round_said_by_most(&self, now: Instant) -> Option<u64> {
         let mut said: Vec<u64> = self
-            .heard_ready(now)
+            .heard_ready_not_accused(now)
             .filter_map(|p| self.rounds_said.get(&p).copied())
             .collect();
         if said.is_empty() {
@@ -1061,7 +1045,7 @@ impl Rounds {
     /// one two members' hops name ([`vouched`]); where it has no round or most heartbeats
     /// say the mesh is past its own, that round only if it is as far as most heartbeats
     /// say, else the round they say where a hop names it or a later one, else the newest any
-    /// hop names. (Taking the newest, a
+    /// hop of a member not left out on accusations names. (Taking the newest, a
     /// member that sat out came back to the round a rogue named to it alone, one past the
     /// others': their hops then contradicted its own, most members accused the honest
     /// member, and the others' rounds raced on thousands apart.)
@@ -1134,11 +1118,22 @@ impl Rounds {
     }
 
     /// The other members heard ready within [`READY_FRESH`], less those this node leaves
-    /// out: the members whose word counts. (A member left out raced through rounds of its
-    /// own; counted, its word made members that sat out take its round as joiners.)
+    /// out: the members of its next ring ([`Rounds::others_ready`],
+    /// [`Rounds::alone_without`]).
     fn members_heard(&self, now: Instant) -> impl Iterator<Item = PeerId> + '_ {
         self.heard_ready(now)
             .filter(move |p| !self.lists.left_out(p, now))
+    }
+
+    /// The other members heard ready, less those left out on accusations: the members
+    /// whose heartbeats' rounds count ([`Rounds::mesh_is_past`],
+    /// [`Rounds::round_said_by_most`]). A member left out on accusations raced through
+    /// rounds of its own; counted, its heartbeat alone said the mesh was past a member that
+    /// came back from sitting out while the others still sat out. A member left out for a
+    /// stall still counts: that is this node's own view of a member that may be honest.
+    fn heard_ready_not_accused(&self, now: Instant) -> impl Iterator<Item = PeerId> + '_ {
+        self.heard_ready(now)
+            .filter(move |p| !self.lists.out_on_accusations(p, now))
     }
 
     /// The other members heard ready within [`READY_FRESH`].
@@ -1153,7 +1148,12 @@ impl Rounds {
 
     /// The running attempt stalled: it is aborted, and the members it waited for are left
     /// out of the next attempts ([`Lists::stalled`]) where they showed they are at the
-    /// boundary, or were excused [`STALL_EXCUSES`] times this round already.
+    /// boundary, or were excused [`STALL_EXCUSES`] times this round already; unless that
+    /// would leave out every other member this node hears, two or more
+    /// ([`Rounds::alone_without`]): then this node holds as a joiner and gives up its
+    /// weight for the round it next takes. (So a rogue that drives an honest member of a
+    /// ring of three ahead of it, and stalls the third, costs that third member one
+    /// round's weight, where it used to go on alone.)
     fn stalled(&mut self, now: Instant) {
         let (suspects, withheld) = match &self.stage {
             Stage::Reducing { ring: Some(r), .. } => {
@@ -1322,8 +1322,19 @@ impl Rounds {
 
     /// Whether this member sits out of the rounds now ([`lists`]): its heartbeats say it
     /// is not ready, and it starts no attempt.
+    ///
+    /// A sit-out over a contradicted member ([`Rounds::contradicted`]) ends as soon as that
+    /// member is left out, for whatever reason. Every member that contradicted it in the
+    /// same instant sat out (its own accusation alone was not most), and most accusations
+    /// came moments later. Sitting on for the rest of [`CONTRADICTED_SIT_OUT`], all of them
+    /// came back to a mesh none of them was in, hearing no member ready but the rogue, and
+    /// took the round it had raced to alone (`ring_rogue`'s `ddp` next-round test: rounds
+    /// 882 -> 2,184 in the 2 s, and a state founded anew, one run in six).
     pub fn sitting_out(&self, now: Instant) -> bool {
         self.sit_out_until.is_some_and(|t| now < t)
+            && !self
+                .sitting_out_over
+                .is_some_and(|x| self.lists.left_out(&x, now))
     }
 
     /// The running attempt's lists differ, and every hop of this member's list that came is
@@ -1690,7 +1701,7 @@ impl Rounds {
 /// highest), or one's where `others` is at most 1 (this node hears no second member to
 /// vouch): what this node takes from the hops of members about a round or attempt, so that
 /// no one member's word moves it. Each item says whether its sender counts (is not left
-/// out): a value is vouched for only where a sender that counts reaches it.
+/// out on accusations): a value is vouched for only where a sender that counts reaches it.
 fn vouched(items: impl Iterator<Item = (PeerId, u64, bool)>, others: usize) -> Option<u64> {
     let mut highest: HashMap<PeerId, (u64, bool)> = HashMap::new();
     for (from, value, counts) in items {

@@ -2262,4 +2262,59 @@ fn a_later_round_most_members_contradict_is_not_followed() {
     ring.nodes[1].heard(ring.ids[0], &sits_out, now);
     let st = ring.nodes[1].status(now);
     assert_eq!(st.aborted.get("a member sat out"), Some(&1), "{st:?}");
+    // Member 1 accuses member 3 too: with member 0's own accusation that is most of the
+    // three voters, so member 0 leaves it out, and its sit-out over member 3 ends at once
+    // (sitting on, every member that contradicted it came back to a mesh none of them was
+    // in).
+    let accusing = Heartbeat {
+        accused: Some(ring.ids[3].to_string()),
+        accusations: 1,
+        ..ready_in(Some(0), None)
+    };
+    let later = now + CONTRADICTED_SIT_OUT / 4;
+    assert!(ring.nodes[0].sitting_out(later));
+    ring.nodes[0].heard(ring.ids[1], &accusing, later);
+    let st = ring.nodes[0].status(later);
+    assert_eq!(st.left_out, vec![ring.ids[3].to_string()], "{st:?}");
+    assert!(!ring.nodes[0].sitting_out(later), "{st:?}");
+}
+
+/// A member whose stalled attempt waited for every other member it hears, and would now
+/// leave them all out, is the one out of step: it leaves none out and holds as a joiner
+/// (no round), to take the members' round and parameters; where it waited for only some of
+/// them, they are left out as before.
+#[test]
+fn a_member_that_would_leave_out_every_other_member_holds_instead() {
+    for all in [true, false] {
+        let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+        let alive = [true; 4];
+        // Nothing reaches member 0 from the members it waits for (all three, or member 3
+        // alone), while their heartbeats say they are at the boundary.
+        let silent: Vec<usize> = if all { vec![1, 2, 3] } else { vec![3] };
+        ring.cut = silent.iter().map(|j| (*j, 0)).collect();
+        let t0 = Instant::now();
+        for k in &silent {
+            hear_all_with_step(&mut ring, *k, 5, t0);
+        }
+        ring.run(t0, &alive);
+        let stalled = t0 + STALL_TIMEOUT;
+        for k in &silent {
+            hear_all_with_step(&mut ring, *k, 5, stalled);
+        }
+        ring.run(stalled, &alive);
+        let st = ring.nodes[0].status(stalled);
+        assert_eq!(st.aborted.get("stalled"), Some(&1), "{st:?}");
+        if all {
+            assert!(st.left_out.is_empty(), "{st:?}");
+            assert_eq!(
+                st.aborted.get("out of step with every member"),
+                Some(&1),
+                "{st:?}"
+            );
+            assert_eq!(st.round, None, "{st:?}");
+        } else {
+            assert_eq!(st.left_out, vec![ring.ids[3].to_string()], "{st:?}");
+            assert_eq!(st.aborted.get("out of step with every member"), None);
+        }
+    }
 }

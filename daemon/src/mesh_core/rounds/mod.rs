@@ -1186,7 +1186,7 @@ impl Rounds {
         }
     }
 
-    /// Whether leaving out `suspects` now ([`Rounds::excuse_or_leave_out`]) would leave
+    /// Whether leaving out `suspects` now ([`Rounds::stall_leaves_out`]) would leave
     /// this node with no other member, though it hears two or more ready: then it is the
     /// one out of step, not they. It leaves none of them out and holds as a joiner does
     /// ([`Rounds::restored`]): it takes the round of the next attempt it is in, with weight
@@ -1196,19 +1196,13 @@ impl Rounds {
     /// rounds and theirs took each other's numbers, thousands apart: `ring_rogue`'s
     /// `allreduce` next-attempt test, one group run in three.)
     fn alone_without(&mut self, suspects: &[(PeerId, bool)], now: Instant) -> bool {
-        let round = self.round.unwrap_or(0);
-        let left_out_now = |(peer, at_boundary): &(PeerId, bool)| {
-            *at_boundary
-                || self
-                    .excused
-                    .get(peer)
-                    .is_some_and(|(r, times)| *r == round && *times >= STALL_EXCUSES)
-        };
         let heard: Vec<PeerId> = self.members_heard(now).collect();
         let alone = heard.len() >= 2
-            && heard
-                .iter()
-                .all(|p| suspects.iter().any(|s| s.0 == *p && left_out_now(s)));
+            && heard.iter().all(|p| {
+                suspects
+                    .iter()
+                    .any(|(s, at_boundary)| s == p && self.stall_leaves_out(s, *at_boundary))
+            });
         if alone {
             tracing::info!(
                 members = heard.len(),
@@ -1228,13 +1222,13 @@ impl Rounds {
     /// unless it showed it is at the boundary, and left out after that ([`Lists::stalled`]).
     /// Answers whether it was left out now.
     fn excuse_or_leave_out(&mut self, peer: PeerId, at_boundary: bool, now: Instant) -> bool {
-        let round = self.round.unwrap_or(0);
-        let excused = self.excused.entry(peer).or_insert((round, 0));
-        if excused.0 != round {
-            *excused = (round, 0);
-        }
-        excused.1 += 1;
-        if !at_boundary && excused.1 <= STALL_EXCUSES {
+        if !self.stall_leaves_out(&peer, at_boundary) {
+            let round = self.round.unwrap_or(0);
+            let excused = self.excused.entry(peer).or_insert((round, 0));
+            if excused.0 != round {
+                *excused = (round, 0);
+            }
+            excused.1 += 1;
             return false;
         }
         self.excused.remove(&peer);
@@ -1246,6 +1240,17 @@ impl Rounds {
             }
             None => false,
         }
+    }
+
+    /// Whether a stall waiting for `peer` leaves it out now ([`Rounds::excuse_or_leave_out`]):
+    /// it showed it is at the boundary, or was excused [`STALL_EXCUSES`] times this round.
+    fn stall_leaves_out(&self, peer: &PeerId, at_boundary: bool) -> bool {
+        let round = self.round.unwrap_or(0);
+        at_boundary
+            || self
+                .excused
+                .get(peer)
+                .is_some_and(|(r, times)| *r == round && *times >= STALL_EXCUSES)
     }
 
     /// The members a stalled attempt waited for, each with whether it showed it is at the

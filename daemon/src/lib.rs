@@ -38,6 +38,7 @@ pub mod policy;
 pub mod prometheus;
 pub mod ring_attack;
 pub mod scoring;
+pub mod serving;
 pub mod status;
 pub mod store;
 pub mod sync_guard;

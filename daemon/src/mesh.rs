@@ -8,7 +8,8 @@
 //! updates; state downloads through [`transfer::serve`]), with the one rule serving a sync
 //! needs: a node without a state yet declines it. Every request it sends or serves
 //! runs in a task of a bounded set ([`TASK_CAP`]), joined (aborted) when the actor stops; when
-//! the set is full a request is declined, never queued without bound. Ring hops under way are
+//! the set is full a request is declined, never queued without bound, and so is a request of a
+//! peer beyond its share of the set ([`crate::serving`]). Ring hops under way are
 //! the exception on the way out: the actor waits for them (up to [`RING_HOPS_DRAIN`]) before
 //! it says goodbye, since the members need them to finish the round this node finished.
 //!
@@ -33,6 +34,7 @@ use crate::mesh_core::{
 };
 use crate::network::{Client, Event};
 use crate::ring_attack::RingAttack;
+use crate::serving::{self, ServeLimits};
 use crate::timeline::{self, Lane};
 use crate::trainer::{self, Command, Stats, StepLimit};
 use crate::transfer;
@@ -86,6 +88,8 @@ pub struct MeshActor {
     /// The ring hops under way, apart from `tasks`: a stopping node waits for them.
     ring_hops: JoinSet<()>,
     permits: Arc<Semaphore>,
+    /// Each peer's share of the requests served (see [`crate::serving`]).
+    serving: ServeLimits,
     results_tx: mpsc::Sender<Input>,
     results_rx: mpsc::Receiver<Input>,
 }
@@ -122,6 +126,7 @@ impl MeshActor {
             tasks: JoinSet::new(),
             ring_hops: JoinSet::new(),
             permits: Arc::new(Semaphore::new(TASK_CAP)),
+            serving: ServeLimits::default(),
             results_tx,
             results_rx,
         }
@@ -210,6 +215,7 @@ impl MeshActor {
     fn publish_status(&self) {
         if let Ok(mut s) = self.status.lock() {
             *s = self.core.status(Instant::now());
+            s.requests_declined = self.serving.declined();
         }
     }
 
@@ -466,7 +472,8 @@ impl MeshActor {
         }
     }
 
-    /// Answers a peer's bulk request in a bounded task; declines when the set is full.
+    /// Answers a peer's bulk request in a bounded task; declines when the set is full or the
+    /// peer asks beyond its share ([`crate::serving`]).
     async fn serve(
         &mut self,
         peer: libp2p::PeerId,
@@ -474,6 +481,21 @@ impl MeshActor {
         channel: libp2p::request_response::ResponseChannel<BulkResponse>,
     ) {
         let net = self.net.clone();
+        let slot = match self
+            .serving
+            .admit(peer, serving::is_costly(&request), Instant::now())
+        {
+            Ok(slot) => slot,
+            Err((why, worth_a_line)) => {
+                if worth_a_line {
+                    tracing::info!(%peer, declined = self.serving.declined(), "declined a bulk request: {why}");
+                }
+                let _ = net
+                    .respond(channel, BulkResponse::Refused(why.to_string()))
+                    .await;
+                return;
+            }
+        };
         let answer: std::pin::Pin<Box<dyn std::future::Future<Output = BulkResponse> + Send>> =
             match request {
                 // A joiner still waiting for its state holds only initial parameters: it
@@ -533,6 +555,8 @@ impl MeshActor {
             if let Ok(channel) = channel_rx.await {
                 let _ = responder.respond(channel, response).await;
             }
+            // The peer's slot is given back once its answer is on its way.
+            drop(slot);
         });
         match started {
             Ok(()) => {

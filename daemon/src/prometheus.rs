@@ -262,6 +262,12 @@ fn updates_metrics(b: &mut Builder, s: &Status) {
             .iter()
             .map(|(p, n)| (label("peer", p), *n)),
     );
+    b.counter(
+        "requests_declined",
+        "Peers' bulk requests declined because the peer asked beyond its share",
+        None,
+        s.mesh.requests_declined,
+    );
 }
 
 /// Bytes: in all, by kind of message, per topic.

@@ -184,6 +184,10 @@ pub struct MeshReport {
     /// Synchronous rounds (sync modes `allreduce`, `diloco`, `fedavg`).
     #[serde(default)]
     pub rounds: Option<crate::mesh_core::status::RoundStatus>,
+    /// Peers' bulk requests this node declined because the peer asked beyond its share:
+    /// too many at once, or states and parameters too often.
+    #[serde(default)]
+    pub requests_declined: u64,
 }
 
 impl MeshReport {
@@ -214,6 +218,7 @@ impl MeshReport {
             sync_refusals: mesh.sync_refusals,
             state_download,
             rounds: mesh.rounds,
+            requests_declined: mesh.requests_declined,
         }
     }
 }

@@ -1,7 +1,9 @@
 //! A flood: one peer of the run sends subscriptions and bulk requests, then heartbeats too,
 //! as fast as it can at one node of a three-node mesh whose third node gets a fifth of the CPU. The
 //! flooded node keeps training, answers status, keeps its honest peers and stops when asked;
-//! nobody bans the starved honest node, and the flooder is banned for its heartbeats.
+//! nobody bans the starved honest node, and the flooder is banned for its heartbeats. The
+//! flooded node declines the requests beyond the flooder's share of its service; no honest
+//! node declines any.
 //! Latencies, rates, the time to the ban, the lowest score the flooded node gave the starved
 //! one and the gossip score penalties it handed out go to `flood.json` beside the test
 //! binary's scratch files, not into asserts. `FLOOD_KEEP_LOGS=DIR` copies the three nodes'
@@ -56,6 +58,13 @@ fn score_penalties(n: &Node) -> Value {
         })
         .collect();
     Value::Object(counts)
+}
+
+/// Bulk requests the node declined because their peer asked beyond its share.
+fn declined(s: &Value) -> u64 {
+    s["requests_declined"]
+        .as_u64()
+        .expect("requests_declined in status")
 }
 
 fn lists(s: &Value, list: &str, peer: &str) -> bool {
@@ -130,6 +139,7 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
         "heartbeats": heartbeats,
         "subscriptions": subscriptions,
         "requests_answered": requests,
+        "requests_declined_by_a": declined(&last),
         "status_polls": polls.len(),
         "status_unanswered": unanswered,
         "status_median_secs": polls.get(polls.len() / 2),
@@ -180,6 +190,20 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
         assert!(
             !lists(&s, "banned_peers", &c_id),
             "{name} banned the starved honest node: {s}"
+        );
+    }
+    // The flooder asked beyond its share of the flooded node's service and was declined;
+    // the honest nodes, which ask each other for syncs, never were.
+    assert!(
+        declined(&last) > 0,
+        "the flooded node declined none of the flood's requests: {report}"
+    );
+    for (name, node) in [("b", &b), ("c", &c)] {
+        let s = node.status().expect("status");
+        assert_eq!(
+            declined(&s),
+            0,
+            "{name} declined an honest member's request: {s}"
         );
     }
     let s = a.wait_status("a with both honest peers", Duration::from_secs(30), |s| {

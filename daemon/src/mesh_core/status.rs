@@ -140,6 +140,9 @@ pub struct MeshStatus {
     pub lead_over_slowest: Option<u64>,
     /// Synchronous rounds, in the sync modes that have them.
     pub rounds: Option<RoundStatus>,
+    /// Peers' bulk requests declined over their share of this node's service (set by the
+    /// mesh actor, which serves them: [`crate::serving`]).
+    pub requests_declined: u64,
 }
 
 /// Rounds as status shows them.

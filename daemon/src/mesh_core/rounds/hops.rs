@@ -476,6 +476,7 @@ impl Rounds {
                 // joiner's, before its heartbeat came; a member this one left out); from a
                 // member, the attempt ends once the hops of this member's list are judged.
                 if ring.index_of(&from).is_some() {
+                    tracing::debug!(peer = %from, theirs = digest, mine = ring.digest, carries_state = ring.carries_state, "a hop naming another member list");
                     ring.other_list(from, digest, now);
                 }
                 continue;

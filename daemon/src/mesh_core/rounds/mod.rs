@@ -326,6 +326,11 @@ pub struct Rounds {
     pieces: pieces::Pieces,
     retry_at: Option<Instant>,
     ready: HashMap<PeerId, Instant>,
+    /// Members whose last heartbeat said they are not in rounds (sitting out, or joiners
+    /// still without the state), and when: members all the same, that list no peer. This
+    /// node sits out over a peer only where most of the members it hears list it, these
+    /// counted among the members ([`Rounds::lists_differ`]).
+    not_in_rounds: HashMap<PeerId, Instant>,
     /// Ready members whose last heartbeat said they need the members' state (`diloco`), with
     /// the round it named: a word from before a round that gave them the state is stale.
     needs_state: HashMap<PeerId, Option<u64>>,
@@ -427,6 +432,7 @@ impl Rounds {
             pieces: pieces::Pieces::new(cfg.piece_bytes, INBOX_VALUES * 4),
             retry_at: None,
             ready: HashMap::new(),
+            not_in_rounds: HashMap::new(),
             needs_state: HashMap::new(),
             speeds: HashMap::new(),
             rounds_said: HashMap::new(),
@@ -566,6 +572,7 @@ impl Rounds {
         }
         if hb.in_rounds {
             self.ready.insert(peer, now);
+            self.not_in_rounds.remove(&peer);
             self.gone.remove(&peer);
             if hb.round.is_some() {
                 self.rounds_heard = Some(now);
@@ -585,6 +592,7 @@ impl Rounds {
             self.steps_said.insert(peer, (hb.step, now));
         } else {
             self.ready.remove(&peer);
+            self.not_in_rounds.insert(peer, now);
             self.steps_said.remove(&peer);
             self.speeds.remove(&peer);
             self.needs_state.remove(&peer);
@@ -768,6 +776,7 @@ impl Rounds {
     /// completed it before it left ([`Rounds::peer_leaving`]).
     pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
         self.ready.remove(&peer);
+        self.not_in_rounds.remove(&peer);
         if self.gone.len() >= GONE_KEPT {
             if let Some(oldest) = self.gone.iter().min_by_key(|(_, at)| **at).map(|(p, _)| *p) {
                 self.gone.remove(&oldest);
@@ -1136,6 +1145,20 @@ impl Rounds {
             .filter(move |p| !self.lists.out_on_accusations(p, now))
     }
 
+    /// The other members heard within [`READY_FRESH`] saying they are not in rounds, less
+    /// those this node leaves out ([`Rounds::lists_differ`]).
+    fn members_not_in_rounds(&self, now: Instant) -> Vec<PeerId> {
+        self.not_in_rounds
+            .iter()
+            .filter(|(p, at)| {
+                **p != self.me
+                    && now.saturating_duration_since(**at) < READY_FRESH
+                    && !self.lists.left_out(p, now)
+            })
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
     /// The other members heard ready within [`READY_FRESH`].
     fn heard_ready(&self, now: Instant) -> impl Iterator<Item = PeerId> + '_ {
         self.ready
@@ -1348,7 +1371,16 @@ impl Rounds {
     /// taken back, and where most others list a peer this node lost and blamed itself
     /// ([`Rounds::blamed_peers`]), it sits out and comes back as a joiner (weight 0, the
     /// members' mean).
+    ///
+    /// "Most others" there counts the members heard sitting out too, which list no peer.
+    /// Counting only the ring's, a member that banned a rogue before the others sat out (as
+    /// it should: most listed the rogue); a second that banned it next heard, in a ring of
+    /// two, only the third member, which had not banned it yet, and sat out on its word
+    /// alone; and the third, its two fellows both sitting out, never heard most of them
+    /// leave the rogue out, and waited with it for the sit-outs to end (doubling each time:
+    /// `ring_rogue`'s `diloco` kill test, one run in six, 10 s and more without a round).
     fn lists_differ(&mut self, now: Instant) {
+        let not_in_rounds = self.members_not_in_rounds(now);
         let Stage::Reducing {
             ring: Some(ring), ..
         } = &self.stage
@@ -1364,7 +1396,7 @@ impl Rounds {
             .chain(self.lists.ever_left_out())
             .collect();
         let verdict = ring.left_out_by_most().map(Verdict::LeftOut).or_else(|| {
-            ring.listed_by_most(candidates.into_iter())
+            ring.listed_by_most(candidates.into_iter(), &not_in_rounds)
                 .map(Verdict::Listed)
         });
         self.abort("member lists differ", now);

@@ -294,16 +294,23 @@ impl Ring {
 
     /// The peer among `candidates` that most of this list's other members put in their
     /// lists besides this list's members (their hops named this list with it added, with or
-    /// without the state), if there is one. In a ring of two, the other member's word.
+    /// without the state), if there is one; `not_in_rounds`, members outside this list that
+    /// said they are not in rounds, count among the members and list no one. In a ring of
+    /// two with no such member, the other member's word.
     pub(super) fn listed_by_most(
         &self,
         candidates: impl Iterator<Item = PeerId>,
+        not_in_rounds: &[PeerId],
     ) -> Option<PeerId> {
-        let others = self.len() - 1;
         candidates.into_iter().find(|x| {
             if self.members.contains(x) {
                 return false;
             }
+            let absent = not_in_rounds
+                .iter()
+                .filter(|p| *p != x && !self.members.contains(p))
+                .count();
+            let others = self.len() - 1 + absent;
             let mut with: Vec<PeerId> = self.members.clone();
             with.push(*x);
             with.sort();

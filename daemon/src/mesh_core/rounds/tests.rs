@@ -1774,6 +1774,60 @@ fn a_member_outvoted_on_a_peer_it_left_out_sits_out_and_the_rest_go_on() {
     assert_eq!(ring.offences, 0);
 }
 
+/// Member 0 banned member 3 (its own proof, its connection closed); member 1 still lists
+/// it; member 2 says it is not in rounds (it sat out over member 3 before, as member 0 would
+/// have), and sends no hops. Member 0's ring is itself and member 1, whose word alone would
+/// be most of a ring of two; counting member 2 among the members, it is not, and member 0
+/// keeps trying, in rounds member 1 can join once it leaves member 3 out too. Answers when
+/// member 0 sat out, if it did, within 40 retries; `hear_member_2` says whether member 0
+/// hears member 2's heartbeats.
+fn sits_out_with_a_fellow_sitting_out(hear_member_2: bool) -> Option<Duration> {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    let alive = [true, true, false, true];
+    let t0 = Instant::now();
+    let not_ready = Heartbeat {
+        in_rounds: false,
+        ..Heartbeat::default()
+    };
+    let mut out = Vec::new();
+    let nan = RingMessage {
+        values: ByteBuf::from(f32::NAN.to_le_bytes().repeat(2)),
+        ..next_round_hop(&ring, 0)
+    };
+    ring.nodes[0].message(ring.ids[3], nan, t0, &mut out);
+    ring.nodes[0].peer_down(ring.ids[3], t0);
+    ring.cut = vec![(3, 0), (0, 3)];
+    for k in 0..40u32 {
+        let now = t0 + RETRY_PAUSE * k;
+        for i in [0, 1, 3] {
+            for j in 0..4 {
+                let word = match (i, j) {
+                    _ if i == j => continue,
+                    (0, 3) => continue,
+                    (0, 2) if !hear_member_2 => continue,
+                    (_, 2) => not_ready.clone(),
+                    _ => ready_in(ring.nodes[j].status(Instant::now()).round, None),
+                };
+                let id = ring.ids[j];
+                ring.nodes[i].heard(id, &word, now);
+            }
+        }
+        if ring.nodes[0].sitting_out(now) {
+            return Some(now - t0);
+        }
+        ring.run(now, &alive);
+    }
+    None
+}
+
+#[test]
+fn a_member_heard_sitting_out_counts_among_the_members_a_sit_out_needs_most_of() {
+    assert_eq!(sits_out_with_a_fellow_sitting_out(true), None);
+    // The same without member 2's word: member 1 alone is most, and member 0 sits out.
+    let sat_out_after = sits_out_with_a_fellow_sitting_out(false).expect("member 0 sat out");
+    assert!(sat_out_after >= lists::OUTVOTED_FOR, "{sat_out_after:?}");
+}
+
 /// Members 1 and 2 banned member 3; member 0 still hears it. Most of member 0's members
 /// leave member 3 out, so member 0 does too, and the three complete the round. One member
 /// leaving a peer out is no majority (the test above).

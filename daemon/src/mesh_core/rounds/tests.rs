@@ -2333,6 +2333,57 @@ fn a_later_round_most_members_contradict_is_not_followed() {
     assert!(!ring.nodes[0].sitting_out(later), "{st:?}");
 }
 
+/// A ring of three: members 1 and 2 joined (not synced, no round completed here) and took
+/// round 0 on the members' word; member 0 finished round 0 before they were ready and names
+/// round 1 to member 1, while member 2's part of round 0 shows it in this attempt. A joiner
+/// with one fellow joiner as its witness has no proof: member 1 neither sits out nor
+/// accuses member 0, and follows the claim once the wait for a late round is over. The same
+/// with member 1 synced: it finds the claim contradicted. Answers member 1's status and
+/// accusation.
+fn joiner_hears_the_next_round(member_1_synced: bool) -> (RoundStatus, Option<(PeerId, u32)>) {
+    let mut ring = Ring::new(3, &[1.0, 0.0, 0.0], &[true, member_1_synced, false]);
+    let now = Instant::now();
+    for _ in 0..2 {
+        ring.hear_all(now);
+        for i in 0..3 {
+            ring.bring_to_boundary(i, now);
+        }
+    }
+    // Member 2's part of round 0 comes first: a joiner without a round takes it.
+    let mut out = Vec::new();
+    let (sorted, _) = ring.sorted();
+    let k = sorted
+        .iter()
+        .position(|p| *p == ring.ids[1])
+        .expect("listed");
+    let chunk = (k + 1) * 10 / 3 - k * 10 / 3;
+    let mut part = next_round_hop(&ring, 0);
+    part.values = ByteBuf::from(0.0f32.to_le_bytes().repeat(chunk + 1));
+    ring.nodes[1].message(ring.ids[2], part, now, &mut out);
+    let step = ring.nodes[1].step_limit();
+    ring.nodes[1].tick(step, true, now, &mut out);
+    let st = ring.nodes[1].status(now);
+    assert_eq!((st.round, st.ring_size), (Some(0), 3), "{st:?}");
+    let claim = next_round_hop(&ring, 1);
+    ring.nodes[1].message(ring.ids[0], claim, now, &mut out);
+    if !member_1_synced {
+        assert!(!ring.nodes[1].sitting_out(now));
+        follow_lone_claim(&mut ring, 1, now);
+    }
+    let later = now + LATE_ROUND_WAIT + RETRY_PAUSE;
+    (ring.nodes[1].status(later), ring.nodes[1].accusation(later))
+}
+
+#[test]
+fn a_joiner_in_a_ring_of_three_is_no_witness_against_a_member_a_round_ahead() {
+    let (st, accusation) = joiner_hears_the_next_round(false);
+    assert_eq!(accusation, None, "{st:?}");
+    assert_eq!(st.round, Some(1), "{st:?}");
+    let (st, accusation) = joiner_hears_the_next_round(true);
+    assert!(accusation.is_some(), "{st:?}");
+    assert_eq!(st.round, Some(0), "{st:?}");
+}
+
 /// A member whose stalled attempt waited for every other member it hears, and would now
 /// leave them all out, is the one out of step: it leaves none out and holds as a joiner
 /// (no round), to take the members' round and parameters; where it waited for only some of

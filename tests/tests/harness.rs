@@ -545,8 +545,10 @@ impl Drop for Node {
     }
 }
 
-/// Lines of a node's log a failing test prints.
-const LOG_TAIL_LINES: usize = 60;
+/// Lines of a node's log a failing test prints. 60 cut off what explained stop 47's CI
+/// failure (a `ring_rogue` `diloco` test: the honest members' sit-outs came minutes of
+/// round logs earlier); a failing four-node test now prints some 1,600 lines.
+const LOG_TAIL_LINES: usize = 400;
 
 /// A checkpoint as an independent reader sees it: metadata, and tensors as (shape, values).
 pub type CheckpointContents = (

@@ -843,9 +843,19 @@ fn rounds_keep_their_members_identical_through_kills_and_joins() {
 /// parts, and 2 while rings were sequential: the case needs a pace that makes it).
 /// Such a ring founds one state (`rounds::tests::a_ring_without_a_synced_member_founds_one_state`);
 /// before that rule, its members kept their own parameters, called themselves synced, and
-/// stepped from different parameters: 2 of 41 rings here ended split.
+/// stepped from different parameters: 2 of 41 rings here ended split. Seed 1 too: a kill took
+/// a parameter round's last hop from one member, which then took the next (gradient) round's
+/// number on the word of the member that finished it and stayed synced; the two split three
+/// rings (of 1,159; seeds 1-59 searched, no other split) until such a member gave up its
+/// weight as one that skipped a gradient round always did.
 #[test]
 fn a_ring_of_unsynced_members_under_churn_ends_identical() {
+    for seed in [4, 1] {
+        ring_of_unsynced_members_under_churn(seed);
+    }
+}
+
+fn ring_of_unsynced_members_under_churn(seed: u64) {
     let rc = RoundConfig {
         steps: 1,
         weight: 1.0,
@@ -860,19 +870,19 @@ fn a_ring_of_unsynced_members_under_churn_ends_identical() {
     };
     let r = Sim::new(SimParams {
         churn_every_ms: 5_000,
-        ..SimParams::rounds(4, 4, rc)
+        ..SimParams::rounds(4, seed, rc)
     })
     .run();
     let rounds = r.rounds.clone().expect("rounds ran");
-    assert_eq!(rounds.split, 0, "{rounds:?}");
+    assert_eq!(rounds.split, 0, "seed {seed}: {rounds:?}");
     assert!(
         rounds
             .aborted
             .get("no member synced")
             .is_some_and(|n| *n > 0),
-        "the scenario formed a ring without a synced member: {rounds:?}"
+        "seed {seed}: the scenario formed a ring without a synced member: {rounds:?}"
     );
-    assert_eq!(r.honest_blamed, 0, "{:?}", r.honest_why);
+    assert_eq!(r.honest_blamed, 0, "seed {seed}: {:?}", r.honest_why);
 }
 
 /// Hops in pieces change nothing: each synchronous mode (`allreduce`, `ddp` with its bf16

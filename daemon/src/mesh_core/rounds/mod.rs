@@ -1015,13 +1015,20 @@ impl Rounds {
             return;
         };
         let proven = self.mesh_is_past(mine, now);
+        // Taking a gradient round's number, a member that skipped rounds would step from
+        // parameters the others no longer hold (it missed their steps, or the mean of the
+        // parameter round it was in), so every gradient round up to the next parameter round
+        // would leave it apart: the simulator's `ddp` churn of seed 1, where a member that
+        // lost a parameter round's last hop to a kill took the next round on the one member
+        // that finished it, and the two split three rings.
+        let steps_apart = self.cfg.sums_gradients(target);
         let Stage::Reducing {
             weight, gradient, ..
         } = &mut self.stage
         else {
             return;
         };
-        if proven || *gradient || !self.synced {
+        if proven || *gradient || steps_apart || !self.synced {
             tracing::info!(
                 mine,
                 theirs = target,

@@ -2,8 +2,9 @@
 //! requests served at once, and the costly kinds (a state manifest freezes a snapshot, a
 //! parameter request copies and encodes the whole model) at most [`COSTLY_PER_SEC`] a second
 //! with a burst of [`COSTLY_BURST`]. The mesh actor asks before it serves; a request over a
-//! limit is declined ("busy"), which no honest asker punishes and every asker survives (a
-//! joiner moves to its next chunk or donor, a sync is skipped, a fetch is unavailable).
+//! limit is declined ("busy"), which no honest asker punishes (a sync is skipped, a fetch
+//! is unavailable, a joiner drops that donor for the rest of its download: an honest one
+//! keeps at most its window of 4 chunk requests open, half the share).
 //!
 //! Why per peer: the actor's task set ([`crate::mesh::TASK_CAP`]) bounds the node's work as a
 //! whole, but one member asking as fast as it can held every slot of it, so the joiners'
@@ -88,7 +89,7 @@ pub fn is_costly(request: &BulkRequest) -> bool {
 impl ServeLimits {
     /// Whether `peer` may have a request (`costly` or not) served at `now`: its slot, or why
     /// not. A decline is counted; answers, beside it, whether it is worth a log line (the
-    /// first of the peer's and then at each doubling of the node's count).
+    /// node's first decline, then each time its count of them doubles).
     pub fn admit(
         &mut self,
         peer: PeerId,

@@ -136,6 +136,7 @@ impl Rounds {
         }
         // A hop is proof that its sender takes part in rounds now.
         self.ready.insert(from, now);
+        self.not_in_rounds.remove(&from);
         let key = (msg.round, msg.attempt, msg.hop, from);
         let hop = (msg.members, values, msg.step);
         let reducing = matches!(self.stage, Stage::Reducing { .. });
@@ -290,9 +291,10 @@ impl Rounds {
         }
         // In a ring of three the contradiction rests on one other member's hops. A joiner
         // that completed no round here yet took its round on the members' word (their
-        // heartbeats or hops, often that very member's): with one fellow joiner as its only
-        // witness, it is no proof against a member that finished that round before the two
-        // were ready. Counted as one, the two joiners of a founder that had just completed a
+        // heartbeats or hops, often that very member's): its attempt and one other member's
+        // is no proof against a member that finished that round before the joiner was ready
+        // (a synced third member's word goes unheard this way too: the claim is then
+        // followed once, as one member's word, [`Rounds::may_move`]). Counted as one, the two joiners of a founder that had just completed a
         // round alone both found it contradicted and left it out, again at each return
         // (`ring_rogue`'s `diloco` tests before the rogue came: the founder out for 10, 20
         // and 40 s, its rounds apart from theirs, one run in ten). In larger rings the

@@ -326,10 +326,12 @@ pub struct Rounds {
     pieces: pieces::Pieces,
     retry_at: Option<Instant>,
     ready: HashMap<PeerId, Instant>,
-    /// Members whose last heartbeat said they are not in rounds (sitting out, or joiners
-    /// still without the state), and when: members all the same, that list no peer. This
-    /// node sits out over a peer only where most of the members it hears list it, these
-    /// counted among the members ([`Rounds::lists_differ`]).
+    /// Members that were in rounds (heard ready, or in this node's ring) and whose heartbeats
+    /// since say they are not (sitting out), and when: members all the same, that list no
+    /// peer. This node sits out over a peer only where most of the members it hears list it,
+    /// these counted among the members ([`Rounds::lists_differ`]). Joiners that were never
+    /// ready are not counted: two downloading a large state kept a member that banned a
+    /// rogue from sitting out, and the others' attempts aborted until they were ready.
     not_in_rounds: HashMap<PeerId, Instant>,
     /// Ready members whose last heartbeat said they need the members' state (`diloco`), with
     /// the round it named: a word from before a round that gave them the state is stale.
@@ -591,8 +593,12 @@ impl Rounds {
             };
             self.steps_said.insert(peer, (hb.step, now));
         } else {
-            self.ready.remove(&peer);
-            self.not_in_rounds.insert(peer, now);
+            let was_in_rounds = self.ready.remove(&peer).is_some()
+                || self.not_in_rounds.contains_key(&peer)
+                || self.ring_has(&peer);
+            if was_in_rounds {
+                self.not_in_rounds.insert(peer, now);
+            }
             self.steps_said.remove(&peer);
             self.speeds.remove(&peer);
             self.needs_state.remove(&peer);
@@ -987,9 +993,11 @@ impl Rounds {
     /// followed them there, one round per hop, so that no round completed (the simulator:
     /// 0 rounds in 40 s, in every mode). Where most members are past this node's round, or
     /// in a gradient round (a member that missed one missed a step: kept at full weight, its
-    /// stale parameters split the ring, as the simulator's churn showed), its parameters
-    /// are not the mesh's: it contributes with weight 0 and leaves the round with the mean.
-    /// Otherwise a synced member keeps its weight (one member's word is no proof that this
+    /// stale parameters split the ring, as the simulator's churn showed), or taking a
+    /// gradient round's number (it missed the mean of the parameter round it was in), its
+    /// parameters are not the mesh's: it contributes with weight 0 and leaves the round with
+    /// the mean; synced again only after a parameter round. Otherwise a synced member keeps
+    /// its weight (one member's word is no proof that this
     /// node's parameters are not the mesh's); in `diloco` it asks for the members' round
     /// start and velocity too, which it may have missed.
     fn adopt_newer_round(&mut self, now: Instant) {

@@ -1701,6 +1701,20 @@ fn a_weightless_part_no_honest_member_sends_is_an_offence() {
     }
 }
 
+/// Member 0 gets its own proof against member 3 (a hop of NaN), as behind a ban, and loses
+/// it (its connection closed, nothing passes between them); answers member 0's outputs.
+fn member_0_bans_member_3(ring: &mut Ring, t0: Instant) -> Vec<Output> {
+    let mut out = Vec::new();
+    let nan = RingMessage {
+        values: ByteBuf::from(f32::NAN.to_le_bytes().repeat(2)),
+        ..next_round_hop(ring, 0)
+    };
+    ring.nodes[0].message(ring.ids[3], nan, t0, &mut out);
+    ring.nodes[0].peer_down(ring.ids[3], t0);
+    ring.cut = vec![(3, 0), (0, 3)];
+    out
+}
+
 /// Member 0 banned member 3 (it blamed it, its connection closed, and member 0 no longer
 /// hears it); the others still list it, so no attempt can finish. (Member 3, which only
 /// lost member 0, never sits out for it: see `Rounds::blamed_peers`.) Most of member 0's members list a peer
@@ -1717,21 +1731,13 @@ fn a_member_outvoted_on_a_peer_it_left_out_sits_out_and_the_rest_go_on() {
         in_rounds: false,
         ..Heartbeat::default()
     };
-    // Member 0 has its own proof against member 3 (a hop of NaN), as behind a ban.
-    let mut out = Vec::new();
-    let nan = RingMessage {
-        values: ByteBuf::from(f32::NAN.to_le_bytes().repeat(2)),
-        ..next_round_hop(&ring, 0)
-    };
-    ring.nodes[0].message(ring.ids[3], nan, t0, &mut out);
+    let out = member_0_bans_member_3(&mut ring, t0);
     assert_eq!(
         out.iter()
             .filter(|o| matches!(o, Output::Offence { .. }))
             .count(),
         1
     );
-    ring.nodes[0].peer_down(ring.ids[3], t0);
-    ring.cut = vec![(3, 0), (0, 3)];
     let mut sat_out_at = None;
     for k in 0..40u32 {
         let now = t0 + RETRY_PAUSE * k;
@@ -1780,8 +1786,9 @@ fn a_member_outvoted_on_a_peer_it_left_out_sits_out_and_the_rest_go_on() {
 /// be most of a ring of two; counting member 2 among the members, it is not, and member 0
 /// keeps trying, in rounds member 1 can join once it leaves member 3 out too. Answers when
 /// member 0 sat out, if it did, within 40 retries; `hear_member_2` says whether member 0
-/// hears member 2's heartbeats.
-fn sits_out_with_a_fellow_sitting_out(hear_member_2: bool) -> Option<Duration> {
+/// hears member 2's heartbeats, `was_ready` whether member 2 was in rounds before (a joiner
+/// never yet ready is not counted: it may download a large state for minutes).
+fn sits_out_with_a_fellow_sitting_out(hear_member_2: bool, was_ready: bool) -> Option<Duration> {
     let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
     let alive = [true, true, false, true];
     let t0 = Instant::now();
@@ -1789,14 +1796,12 @@ fn sits_out_with_a_fellow_sitting_out(hear_member_2: bool) -> Option<Duration> {
         in_rounds: false,
         ..Heartbeat::default()
     };
-    let mut out = Vec::new();
-    let nan = RingMessage {
-        values: ByteBuf::from(f32::NAN.to_le_bytes().repeat(2)),
-        ..next_round_hop(&ring, 0)
-    };
-    ring.nodes[0].message(ring.ids[3], nan, t0, &mut out);
-    ring.nodes[0].peer_down(ring.ids[3], t0);
-    ring.cut = vec![(3, 0), (0, 3)];
+    member_0_bans_member_3(&mut ring, t0);
+    if was_ready {
+        for i in [0, 1, 3] {
+            ring.nodes[i].heard(ring.ids[2], &ready_in(Some(0), None), t0);
+        }
+    }
     for k in 0..40u32 {
         let now = t0 + RETRY_PAUSE * k;
         for i in [0, 1, 3] {
@@ -1822,10 +1827,14 @@ fn sits_out_with_a_fellow_sitting_out(hear_member_2: bool) -> Option<Duration> {
 
 #[test]
 fn a_member_heard_sitting_out_counts_among_the_members_a_sit_out_needs_most_of() {
-    assert_eq!(sits_out_with_a_fellow_sitting_out(true), None);
-    // The same without member 2's word: member 1 alone is most, and member 0 sits out.
-    let sat_out_after = sits_out_with_a_fellow_sitting_out(false).expect("member 0 sat out");
-    assert!(sat_out_after >= lists::OUTVOTED_FOR, "{sat_out_after:?}");
+    assert_eq!(sits_out_with_a_fellow_sitting_out(true, true), None);
+    // The same without member 2's word, or with member 2 a joiner never yet ready: member 1
+    // alone is most, and member 0 sits out.
+    for (heard, was_ready) in [(false, false), (true, false)] {
+        let sat_out_after =
+            sits_out_with_a_fellow_sitting_out(heard, was_ready).expect("member 0 sat out");
+        assert!(sat_out_after >= lists::OUTVOTED_FOR, "{sat_out_after:?}");
+    }
 }
 
 /// Members 1 and 2 banned member 3; member 0 still hears it. Most of member 0's members

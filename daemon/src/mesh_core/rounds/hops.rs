@@ -292,13 +292,14 @@ impl Rounds {
         // In a ring of three the contradiction rests on one other member's hops. A joiner
         // that completed no round here yet took its round on the members' word (their
         // heartbeats or hops, often that very member's): its attempt and one other member's
-        // is no proof against a member that finished that round before the joiner was ready
-        // (a synced third member's word goes unheard this way too: the claim is then
-        // followed once, as one member's word, [`Rounds::may_move`]). Counted as one, the two joiners of a founder that had just completed a
-        // round alone both found it contradicted and left it out, again at each return
-        // (`ring_rogue`'s `diloco` tests before the rogue came: the founder out for 10, 20
-        // and 40 s, its rounds apart from theirs, one run in ten). In larger rings the
-        // founding members of the simulator, which are joiners too, need the rule as it is.
+        // are no proof against a member that finished that round before the joiner was
+        // ready (a synced third member's word goes unheard this way too: the claim is then
+        // followed once, as one member's word, [`Rounds::may_move`]). Counted as proof, the
+        // two joiners of a founder that had just completed a round alone both found it
+        // contradicted and left it out, again at each return (`ring_rogue`'s `diloco` tests
+        // before the rogue came: the founder out for 10, 20 and 40 s, its rounds apart from
+        // theirs, one run in ten). In larger rings the founding members of the simulator,
+        // which are joiners too, need the rule as it is.
         let witness = self.synced || self.completed > 0 || ring.len() > 3;
         for (x, claimed) in claims {
             let Stage::Reducing {

@@ -330,8 +330,9 @@ pub struct Rounds {
     /// since say they are not (sitting out), and when: members all the same, that list no
     /// peer. This node sits out over a peer only where most of the members it hears list it,
     /// these counted among the members ([`Rounds::lists_differ`]). Joiners that were never
-    /// ready are not counted: two downloading a large state kept a member that banned a
-    /// rogue from sitting out, and the others' attempts aborted until they were ready.
+    /// ready are not counted: two downloading a large state would keep a member that banned
+    /// a rogue from sitting out while the others' attempts abort, until they are ready (read
+    /// from the code in a review).
     not_in_rounds: HashMap<PeerId, Instant>,
     /// Ready members whose last heartbeat said they need the members' state (`diloco`), with
     /// the round it named: a word from before a round that gave them the state is stale.
@@ -997,9 +998,9 @@ impl Rounds {
     /// gradient round's number (it missed the mean of the parameter round it was in), its
     /// parameters are not the mesh's: it contributes with weight 0 and leaves the round with
     /// the mean; synced again only after a parameter round. Otherwise a synced member keeps
-    /// its weight (one member's word is no proof that this
-    /// node's parameters are not the mesh's); in `diloco` it asks for the members' round
-    /// start and velocity too, which it may have missed.
+    /// its weight (one member's word is no proof that this node's parameters are not the
+    /// mesh's); in `diloco` it asks for the members' round start and velocity too, which it
+    /// may have missed.
     fn adopt_newer_round(&mut self, now: Instant) {
         if !matches!(self.stage, Stage::Reducing { .. }) {
             return;

@@ -1374,6 +1374,59 @@ fn round_with_a_rogue(rogue: Rogue, weights: [f32; 4], max_weight: f32) -> Ring 
     ring
 }
 
+/// `diloco` with a joiner that needs the state: the ring carries every member's parameters,
+/// round start and outer velocity, and a rogue that shifts all three by 1e6 (or makes them
+/// 1e30) poisons none of it: each honest owner refuses its part, an offence, and the honest
+/// members end bit-identical at the synced honest members' mean, state included, outside
+/// the chunk the rogue owns.
+#[test]
+fn a_rogue_poisons_no_part_of_a_diloco_round_that_carries_the_state() {
+    for (name, shift) in [("poison", 1e6f32), ("kill", 1e30)] {
+        let mut ring = Ring::new(4, &[1.0; 4], &[true, true, false, true]);
+        for node in &mut ring.nodes {
+            node.cfg.outer_state = true;
+        }
+        // Parameters, round start and outer velocity: three parts of ten values each.
+        for (i, p) in ring.params.iter_mut().enumerate() {
+            *p = (0..30).map(|j| 8.0 + (i + j) as f32 * 0.25).collect();
+        }
+        ring.rogue = Some((
+            3,
+            Box::new(move |m, _| {
+                if m.hop == 0 {
+                    each_value(m, |v| v + shift)
+                }
+            }),
+        ));
+        let now = Instant::now();
+        assert!(ring.nodes[2].needs_state(), "{name}");
+        ring.hear_all(now);
+        ring.run(now, &[true; 4]);
+        // The joiner weighs nothing: the mean is members 0 and 1's.
+        let want: Vec<f32> = (0..30)
+            .map(|j| (ring.params[0][j] + ring.params[1][j]) / 2.0)
+            .collect();
+        let first = ring.means[0].clone().expect(name);
+        assert_eq!(first.len(), 30, "{name}: the state travelled");
+        let (sorted, _) = ring.sorted();
+        let at = sorted
+            .iter()
+            .position(|p| *p == ring.ids[3])
+            .expect("rogue");
+        let rogue_chunk = (at * 30 / 4)..((at + 1) * 30 / 4);
+        for i in [0, 1, 2] {
+            let got = ring.means[i].clone().expect(name);
+            assert_eq!(bits(&got), bits(&first), "{name}: member {i}");
+            assert!(
+                equal_outside(&got, &want, rogue_chunk.clone()),
+                "{name}: {got:?} {want:?}"
+            );
+        }
+        assert!(first.iter().all(|v| v.abs() < 100.0), "{name}: {first:?}");
+        assert_eq!(ring.blamed, vec![3; 3], "{name}");
+    }
+}
+
 /// The attack matrix against the rounds' core, one member of four hostile. Poison (its parts
 /// shifted by 1e6) and kill (parts of 1e30): each honest owner refuses its part, an offence,
 /// and the round completes without it: the honest members end bit-identical at the honest

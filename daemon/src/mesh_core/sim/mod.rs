@@ -221,6 +221,9 @@ pub struct RoundsReport {
     /// Bans an honest node made of a hostile one ([`BAN_OFFENCES`] offences), and of an
     /// honest one.
     pub bans: (u64, u64),
+    /// The most rounds an honest node had completed when it banned a hostile one (0: none
+    /// banned): the rogues attack from the start, so the rounds a ban took.
+    pub rounds_to_ban: u64,
     /// Honest nodes that, at the end, left a hostile node out of their rounds
     /// (`rounds.left_out`).
     pub hostile_left_out: u64,
@@ -267,7 +270,22 @@ struct SimNode {
     /// When its trainer finishes the gradient it is computing (virtual ms): it takes one
     /// command after another, so its later answers wait for that one.
     trainer_free_at: u64,
+    /// `diloco` ([`RoundConfig::outer_state`]): the round's start and the outer velocity, as
+    /// the trainer keeps them (its outer step is the daemon's default [`OUTER`]).
+    outer: Option<OuterState>,
 }
+
+/// A `diloco` node's outer state: where its round started, and its outer optimizer's velocity.
+struct OuterState {
+    anchor: Vec<f32>,
+    velocity: Vec<f32>,
+}
+
+/// The simulated `diloco` nodes' outer optimizer: the daemon's defaults (DiLoCo's).
+const OUTER: p2ptrain_models::replica::OuterSgd = p2ptrain_models::replica::OuterSgd {
+    lr: 0.7,
+    momentum: 0.9,
+};
 
 enum Ev {
     Step(usize),
@@ -305,8 +323,9 @@ pub struct Sim {
     ring_arrivals: BTreeMap<(usize, usize), u64>,
     /// Offences each node blamed on each peer (blamer, blamed), in rounds scenarios.
     offences: BTreeMap<(usize, usize), u32>,
-    /// Bans (banner, banned): the two are never connected again.
-    bans: BTreeSet<(usize, usize)>,
+    /// Bans (banner, banned): the two are never connected again; with the rounds the banner
+    /// had completed then.
+    bans: BTreeMap<(usize, usize), u64>,
 }
 
 /// The simulated nodes' mesh: [`MeshConfig::plain`] with the daemon's default rate limit.
@@ -345,7 +364,7 @@ impl Sim {
             round_digests: BTreeMap::new(),
             ring_arrivals: BTreeMap::new(),
             offences: BTreeMap::new(),
-            bans: BTreeSet::new(),
+            bans: BTreeMap::new(),
             p,
         };
         sim.common = (0..sim.p.dim)
@@ -448,6 +467,15 @@ impl Sim {
             10
         };
         let side = (i % 2) as u8;
+        // Its round starts where its parameters are; no outer step taken yet.
+        let outer = self
+            .p
+            .rounds
+            .is_some_and(|rc| rc.outer_state)
+            .then(|| OuterState {
+                anchor: x.clone(),
+                velocity: vec![0.0; x.len()],
+            });
         self.nodes.push(SimNode {
             id,
             core,
@@ -471,6 +499,7 @@ impl Sim {
             last_ring: None,
             kept_gradient: None,
             trainer_free_at: 0,
+            outer,
         });
         self.index.insert(id, i);
         if let Some(links) = self.links.as_mut() {
@@ -703,9 +732,10 @@ impl Sim {
             .map(|(m, o)| (m - o).powi(2))
             .sum::<f64>()
             / self.p.dim as f64;
-        for &(_, banned) in &self.bans {
+        for (&(_, banned), &rounds) in &self.bans {
             if self.nodes[banned].hostile {
                 r.bans.0 += 1;
+                r.rounds_to_ban = r.rounds_to_ban.max(rounds);
             } else {
                 r.bans.1 += 1;
             }

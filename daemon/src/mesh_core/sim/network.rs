@@ -9,8 +9,8 @@ impl Sim {
     pub(super) fn connected(&self, a: usize, b: usize) -> bool {
         self.nodes[a].alive
             && self.nodes[b].alive
-            && !self.bans.contains(&(a, b))
-            && !self.bans.contains(&(b, a))
+            && !self.bans.contains_key(&(a, b))
+            && !self.bans.contains_key(&(b, a))
             && (!self.partitioned || self.nodes[a].side == self.nodes[b].side)
             && self.links.as_ref().is_none_or(|l| l[a].contains(&b))
     }
@@ -85,7 +85,12 @@ impl Sim {
                 let count = self.offences.entry((i, j)).or_default();
                 *count += 1;
                 if *count == BAN_OFFENCES && self.connected(i, j) {
-                    self.bans.insert((i, j));
+                    let completed = self.nodes[i]
+                        .core
+                        .status(self.now())
+                        .rounds
+                        .map_or(0, |r| r.completed);
+                    self.bans.insert((i, j), completed);
                     for (a, b) in [(i, j), (j, i)] {
                         let id = self.nodes[b].id;
                         self.at(0, Ev::Deliver(a, Box::new(Input::PeerDown(id))));

@@ -130,10 +130,18 @@ impl Sim {
                 };
                 TrainerEvent::Averaged { seq, outcome }
             }
-            TrainerCommand::TakeParams => TrainerEvent::Params {
-                step: n.step,
-                values: n.x.clone(),
-            },
+            // In `diloco`, followed by the round's start and the outer velocity.
+            TrainerCommand::TakeParams => {
+                let mut values = n.x.clone();
+                if let Some(outer) = &n.outer {
+                    values.extend_from_slice(&outer.anchor);
+                    values.extend_from_slice(&outer.velocity);
+                }
+                TrainerEvent::Params {
+                    step: n.step,
+                    values,
+                }
+            }
             // A gradient takes a step's time to compute (a lone `ddp` node's rounds are its
             // steps, one after the other).
             TrainerCommand::TakeGradient { batch } => {
@@ -164,7 +172,8 @@ impl Sim {
                         .status(self.base + Duration::from_millis(self.t))
                         .rounds
                         .is_some_and(|r| r.synced);
-                if mean.len() != n.x.len() && !mean.is_empty() {
+                let carries_state = n.outer.is_some() && mean.len() == 3 * n.x.len();
+                if mean.len() != n.x.len() && !mean.is_empty() && !carries_state {
                     let outcome = Err(format!("a mean of {} values", mean.len()));
                     return vec![Input::Trainer(TrainerEvent::Combined {
                         round,
@@ -188,8 +197,23 @@ impl Sim {
                     }
                     (true, None) => {}
                     (false, _) => {
-                        if !mean.is_empty() {
-                            n.x = mean.clone();
+                        let d = n.x.len();
+                        match &mut n.outer {
+                            // DiLoCo's outer step from the round's start (the members', where
+                            // the mean carries it) towards the mean, as the trainer takes it.
+                            Some(outer) if !mean.is_empty() => {
+                                if carries_state {
+                                    outer.anchor = mean[d..2 * d].to_vec();
+                                    outer.velocity = mean[2 * d..].to_vec();
+                                }
+                                n.x = OUTER.step(&outer.anchor, &mean[..d], &mut outer.velocity);
+                                outer.anchor = n.x.clone();
+                            }
+                            // An empty mean: the parameters are kept, and the next round
+                            // starts from them.
+                            Some(outer) => outer.anchor = n.x.clone(),
+                            None if !mean.is_empty() => n.x = mean.clone(),
+                            None => {}
                         }
                         // The trainer moves its step forward only.
                         if let Some(step) = step.filter(|s| *s > n.step) {

@@ -18,11 +18,21 @@ use crate::harness::{Node, Throttle};
 use crate::mesh::{config, listen_addr, peers, start, step};
 use crate::rogue::Rogue;
 
-/// How long the rogue floods.
-const FLOOD_FOR: Duration = Duration::from_secs(30);
-/// When its heartbeats join the flood: they get it banned within a second, so the requests
-/// and subscriptions go first, alone.
-const HEARTBEATS_AFTER: Duration = Duration::from_secs(20);
+/// How long the rogue floods, in CI. `P2PTRAIN_FLOOD_SECS=60` (or more) runs the longer
+/// variant.
+const FLOOD_SECS: u64 = 30;
+/// How long before the flood's end its heartbeats join it: they get the rogue banned within
+/// a second, so the requests and subscriptions go first, alone.
+const HEARTBEATS_LAST: Duration = Duration::from_secs(10);
+
+/// How long the rogue floods: [`FLOOD_SECS`], or `P2PTRAIN_FLOOD_SECS`.
+fn flood_for() -> Duration {
+    let secs = std::env::var("P2PTRAIN_FLOOD_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(FLOOD_SECS);
+    Duration::from_secs(secs.max(HEARTBEATS_LAST.as_secs() + 1))
+}
 
 /// The flooded node's resident memory must stay under this (it trains the digits MLP in
 /// about 60 MB unflooded): a flood must not make it buffer without bound.
@@ -93,7 +103,9 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
         peers(s) >= 3
     });
 
-    let flood = rogue.flood(target, FLOOD_FOR, HEARTBEATS_AFTER);
+    let flood_for = flood_for();
+    let heartbeats_after = flood_for - HEARTBEATS_LAST;
+    let flood = rogue.flood(target, flood_for, heartbeats_after);
     let started = Instant::now();
     let mut polls = Vec::new();
     let mut unanswered = 0;
@@ -102,7 +114,7 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
     // The lowest score the flooded node gives the starved honest node, and when.
     let mut c_lowest: Option<(f64, f64)> = None;
     let mut last = before.clone();
-    while started.elapsed() < FLOOD_FOR {
+    while started.elapsed() < flood_for {
         let asked = Instant::now();
         match a.status_http() {
             Some(s) => {
@@ -110,7 +122,7 @@ fn a_flooded_node_keeps_training_answering_and_its_peers_and_stops_when_asked() 
                 if banned_after.is_none() && lists(&s, "banned_peers", &rogue_id) {
                     // From the start of the heartbeat flood.
                     banned_after = Some(
-                        (started.elapsed() - HEARTBEATS_AFTER.min(started.elapsed())).as_secs_f64(),
+                        (started.elapsed() - heartbeats_after.min(started.elapsed())).as_secs_f64(),
                     );
                 }
                 if let Some(score) = score_of(&s, &c_id) {

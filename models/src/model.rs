@@ -1,7 +1,7 @@
 //! The model to build and the built model. A [`ModelSpec`] names the kind and its shape, and
 //! hands everything about it to the kind's own spec (a [`Kind`]); a [`Model`] holds the
 //! parameters and the kind's [`Network`] that reads them. The kinds: [`crate::mlp`],
-//! [`crate::cnn`], [`crate::gpt`]. A new architecture is one file implementing
+//! [`crate::cnn`], [`crate::gpt`], [`crate::llama`]. A new architecture is one file implementing
 //! [`crate::kind`]'s two traits and one arm in [`ModelSpec::kind`].
 //!
 //! Weights are created by [`crate::init`] from the run's seed (never by Candle's RNG), so two
@@ -15,6 +15,7 @@ use serde::Serialize;
 use crate::cnn::CnnSpec;
 use crate::gpt::{Gpt, GptSpec};
 pub use crate::kind::{Kind, Network};
+use crate::llama::LlamaSpec;
 use crate::mlp::MlpSpec;
 use crate::params::Params;
 use crate::Result;
@@ -29,6 +30,8 @@ pub enum ModelSpec {
     Cnn(CnnSpec),
     /// A decoder-only transformer over bytes.
     Gpt(GptSpec),
+    /// A Llama-family decoder over a tokenizer's ids (a Hugging Face checkpoint's shape).
+    Llama(LlamaSpec),
 }
 
 impl ModelSpec {
@@ -38,6 +41,7 @@ impl ModelSpec {
             ModelSpec::Mlp(s) => s,
             ModelSpec::Cnn(s) => s,
             ModelSpec::Gpt(s) => s,
+            ModelSpec::Llama(s) => s,
         }
     }
 

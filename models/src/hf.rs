@@ -1,0 +1,748 @@
+//! Hugging Face model folders in and out: a local `LlamaForCausalLM` folder (`config.json`
+//! and `model.safetensors`, or shards `model-*.safetensors` with their index) read into a
+//! [`LlamaSpec`] and named `f32` tensors, and a model written back in that format (HF's names
+//! and layouts, `f32` or `bf16`), which `transformers`, llama.cpp's converter and vLLM read.
+//!
+//! Nothing here downloads: the user points at a folder. Everything read is checked before it
+//! is used: a config key or value this model does not implement is refused with the key
+//! named (never loaded as something else silently), shard names must be plain file names in
+//! the folder, every parameter must be present with its exact shape and finite values, and a
+//! tensor the model has no place for is refused.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde_json::{json, Map, Value};
+
+use crate::llama::LlamaSpec;
+use crate::params::Params;
+use crate::{Error, Result};
+
+/// The single-file weights' name in a Hugging Face folder.
+const WEIGHTS: &str = "model.safetensors";
+/// The shard index's name.
+const INDEX: &str = "model.safetensors.index.json";
+/// Largest `config.json` or index read (real ones are a few KiB, an index of a large model
+/// some tens of KiB).
+const MAX_JSON_BYTES: u64 = 16 << 20;
+
+/// Config keys that say nothing about the computation (token ids for generation, the
+/// initialiser's scale, bookkeeping): read past.
+const IGNORED_KEYS: &[&str] = &[
+    "_name_or_path",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+    "use_cache",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "is_llama_config",
+    "pretraining_tp",
+    "tokenizer_class",
+];
+
+/// Config keys whose value is read (or checked to be the one value this model implements).
+const READ_KEYS: &[&str] = &[
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rope_interleaved",
+    "attention_bias",
+    "attention_dropout",
+    "mlp_bias",
+    "hidden_act",
+    "tie_word_embeddings",
+    "sliding_window",
+];
+
+/// A Hugging Face model read from its folder: the spec its `config.json` describes and its
+/// weights as `f32`, under HF's names.
+#[derive(Debug)]
+pub struct HfModel {
+    /// The model's shape (its context: `max_position_embeddings`).
+    pub spec: LlamaSpec,
+    /// Every parameter the spec has, by name, as `f32` on the CPU.
+    pub tensors: HashMap<String, Tensor>,
+    /// The dtype the weights were stored in (`F32`, `BF16` or `F16`).
+    pub stored_as: String,
+}
+
+/// Reads the Llama spec a `config.json`'s text describes. Refused: another architecture, a
+/// key this reader does not know, or a value of a known key that this model does not
+/// implement (biases, dropout, rotary scaling, interleaved rotary pairs, an activation other
+/// than SiLU, a sliding window); each error names the key.
+pub fn parse_config(text: &str) -> Result<LlamaSpec> {
+    let bad = |msg: String| Error::Spec(format!("config.json: {msg}"));
+    let value: Value = serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let Value::Object(cfg) = value else {
+        return Err(bad("not a JSON object".into()));
+    };
+    if let Some(key) = cfg
+        .keys()
+        .find(|k| !IGNORED_KEYS.contains(&k.as_str()) && !READ_KEYS.contains(&k.as_str()))
+    {
+        return Err(bad(format!(
+            "key `{key}` is not one p2ptrain's Llama reads; refused rather than ignored, \
+             since it may change the computation"
+        )));
+    }
+    match cfg.get("model_type").and_then(Value::as_str) {
+        Some("llama") => {}
+        other => {
+            return Err(bad(format!(
+                "model_type {other:?}: p2ptrain reads \"llama\" models"
+            )))
+        }
+    }
+    if let Some(archs) = cfg.get("architectures") {
+        let names: Vec<&str> = archs
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        if names != ["LlamaForCausalLM"] {
+            return Err(bad(format!(
+                "architectures {archs}: p2ptrain reads [\"LlamaForCausalLM\"]"
+            )));
+        }
+    }
+    let size = |key: &str| -> Result<Option<usize>> {
+        match cfg.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| bad(format!("`{key}` is {v}, not a whole number"))),
+        }
+    };
+    let required = |key: &str| -> Result<usize> {
+        size(key)?.ok_or_else(|| bad(format!("`{key}` is missing")))
+    };
+    let float = |key: &str, value: Option<&Value>| -> Result<Option<f64>> {
+        match value {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| bad(format!("`{key}` is {v}, not a number"))),
+        }
+    };
+    // Keys this model implements only at one value: present at another, refused.
+    let must_be = |key: &str, allowed: &[Value]| -> Result<()> {
+        match cfg.get(key) {
+            Some(v) if !allowed.contains(v) => Err(bad(format!(
+                "`{key}` is {v}; p2ptrain's Llama implements only {}",
+                allowed
+                    .iter()
+                    .map(Value::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            ))),
+            _ => Ok(()),
+        }
+    };
+    must_be("attention_bias", &[json!(false)])?;
+    must_be("mlp_bias", &[json!(false)])?;
+    must_be("attention_dropout", &[json!(0.0), json!(0)])?;
+    must_be("hidden_act", &[json!("silu")])?;
+    must_be("rope_scaling", &[Value::Null])?;
+    must_be("rope_interleaved", &[json!(false)])?;
+    must_be("sliding_window", &[Value::Null])?;
+    // transformers 5 writes the rotary settings as `rope_parameters`; 4.x as `rope_theta`
+    // (and `rope_scaling`).
+    let mut rope_theta = float("rope_theta", cfg.get("rope_theta"))?;
+    if let Some(params) = cfg.get("rope_parameters").filter(|v| !v.is_null()) {
+        let Value::Object(params) = params else {
+            return Err(bad(format!("`rope_parameters` is {params}, not an object")));
+        };
+        rope_theta = rope_parameters(params, rope_theta).map_err(bad)?;
+    }
+    let hidden = required("hidden_size")?;
+    let heads = required("num_attention_heads")?;
+    let head_dim = match size("head_dim")? {
+        Some(d) => d,
+        None if heads > 0 && hidden.is_multiple_of(heads) => hidden / heads,
+        None => {
+            return Err(bad(format!(
+                "no `head_dim`, and hidden_size {hidden} is not a multiple of {heads} heads"
+            )))
+        }
+    };
+    let tied = match cfg.get("tie_word_embeddings") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(bad(format!(
+                "`tie_word_embeddings` is {v}, not true or false"
+            )))
+        }
+    };
+    let spec = LlamaSpec {
+        vocab: required("vocab_size")?,
+        // transformers' LlamaConfig defaults.
+        context: size("max_position_embeddings")?.unwrap_or(2048),
+        hidden,
+        intermediate: required("intermediate_size")?,
+        layers: required("num_hidden_layers")?,
+        heads,
+        kv_heads: size("num_key_value_heads")?.unwrap_or(heads),
+        head_dim,
+        rms_eps: float("rms_norm_eps", cfg.get("rms_norm_eps"))?.unwrap_or(1e-6),
+        rope_theta: rope_theta.unwrap_or(10_000.0),
+        tied,
+    };
+    spec.validate().map_err(|e| bad(e.to_string()))?;
+    Ok(spec)
+}
+
+/// The base in transformers 5's `rope_parameters` (only `rope_type` "default" is
+/// implemented); `theta`, the top-level `rope_theta` where one was given, must agree.
+fn rope_parameters(
+    params: &Map<String, Value>,
+    theta: Option<f64>,
+) -> std::result::Result<Option<f64>, String> {
+    for (key, v) in params {
+        match key.as_str() {
+            "rope_type" if v == "default" => {}
+            "rope_theta" => {}
+            _ => {
+                return Err(format!(
+                    "`rope_parameters.{key}` is {v}; p2ptrain's Llama implements the \
+                     default rotary embedding only (rope_type \"default\", a rope_theta)"
+                ))
+            }
+        }
+    }
+    let Some(v) = params.get("rope_theta") else {
+        return Ok(theta);
+    };
+    let base = v
+        .as_f64()
+        .ok_or_else(|| format!("`rope_parameters.rope_theta` is {v}, not a number"))?;
+    match theta {
+        Some(t) if t != base => Err(format!(
+            "`rope_theta` {t} and `rope_parameters.rope_theta` {base} differ"
+        )),
+        _ => Ok(Some(base)),
+    }
+}
+
+/// The spec's `config.json` for `transformers` (`dtype` the weights' stored type:
+/// "float32" or "bfloat16"), with the rotary base both as transformers 5 and 4 read it.
+pub fn config_json(spec: &LlamaSpec, dtype: &str) -> String {
+    let cfg = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.context,
+        "rms_norm_eps": spec.rms_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},
+        "rope_scaling": null,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "mlp_bias": false,
+        "hidden_act": "silu",
+        "tie_word_embeddings": spec.tied,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    });
+    // Serialising a `Value` built from literals cannot fail.
+    serde_json::to_string_pretty(&cfg).unwrap_or_default()
+}
+
+/// Reads the model in folder `dir`: its `config.json`, then its weights (one
+/// `model.safetensors`, or the shards its `model.safetensors.index.json` names), each
+/// converted to `f32`. Every parameter of the spec must be present with its shape and finite
+/// values; a tensor the spec has no place for is refused (but for the rotary tables some old
+/// checkpoints stored, `*.rotary_emb.inv_freq`, which are computed here).
+pub fn read_folder(dir: &Path) -> Result<HfModel> {
+    let text = read_json(&dir.join("config.json"))?;
+    let spec = parse_config(&text).map_err(|e| Error::Format {
+        path: dir.join("config.json"),
+        msg: e.to_string(),
+    })?;
+    let files = weight_files(dir)?;
+    let mut tensors = HashMap::new();
+    let mut stored_as = BTreeMap::new();
+    for file in &files {
+        let bytes = std::fs::read(file).map_err(|source| Error::Io {
+            path: file.clone(),
+            source,
+        })?;
+        let format = |msg: String| Error::Format {
+            path: file.clone(),
+            msg,
+        };
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| format(e.to_string()))?;
+        for (name, view) in st.tensors() {
+            if name.ends_with(".rotary_emb.inv_freq") {
+                continue;
+            }
+            *stored_as
+                .entry(format!("{:?}", view.dtype()))
+                .or_insert(0usize) += 1;
+            let values = to_f32(&view).map_err(|e| format(format!("{name}: {e}")))?;
+            let t = Tensor::from_vec(values, view.shape(), &Device::Cpu)?;
+            if tensors.insert(name.clone(), t).is_some() {
+                return Err(format(format!("tensor {name} is stored twice")));
+            }
+        }
+    }
+    let expected = expected_shapes(&spec)?;
+    if let Some(name) = tensors.keys().find(|n| !expected.contains_key(*n)) {
+        return Err(Error::Layout(format!(
+            "{}: tensor {name} is no parameter of a {} ({})",
+            dir.display(),
+            spec.name(),
+            if spec.tied && name == "lm_head.weight" {
+                "its head is tied to the embedding"
+            } else {
+                "is the config the weights' own?"
+            }
+        )));
+    }
+    for (name, shape) in &expected {
+        let t = tensors.get(name).ok_or_else(|| {
+            Error::Layout(format!("{}: parameter {name} is missing", dir.display()))
+        })?;
+        if t.dims() != shape.as_slice() {
+            return Err(Error::Layout(format!(
+                "{}: parameter {name} has shape {:?}, the config says {shape:?}",
+                dir.display(),
+                t.dims()
+            )));
+        }
+        crate::params::ensure_finite(t, name)?;
+    }
+    Ok(HfModel {
+        spec,
+        tensors,
+        stored_as: stored_as.into_keys().collect::<Vec<_>>().join("+"),
+    })
+}
+
+/// Writes `params` (a model of `spec`) into folder `dir` as Hugging Face does: `config.json`
+/// and one `model.safetensors` under HF's names, in `f32` or, with `bf16`, rounded to
+/// bfloat16 (to nearest, ties to even).
+pub fn write_folder(dir: &Path, spec: &LlamaSpec, params: &Params, bf16: bool) -> Result<()> {
+    let io = |path: PathBuf| move |source| Error::Io { path, source };
+    std::fs::create_dir_all(dir).map_err(io(dir.to_path_buf()))?;
+    let mut raw: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, var) in params.vars() {
+        let values = var
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?;
+        let bytes: Vec<u8> = if bf16 {
+            values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect()
+        } else {
+            values.iter().flat_map(|v| v.to_le_bytes()).collect()
+        };
+        raw.push((name.clone(), var.dims().to_vec(), bytes));
+    }
+    let dtype = if bf16 { Dtype::BF16 } else { Dtype::F32 };
+    let views = raw
+        .iter()
+        .map(|(name, shape, bytes)| {
+            TensorView::new(dtype, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| Error::Layout(format!("{name}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // transformers refuses safetensors files whose metadata does not name their format.
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = safetensors::serialize(views, Some(metadata))
+        .map_err(|e| Error::Layout(format!("serialising the weights: {e}")))?;
+    let weights = dir.join(WEIGHTS);
+    std::fs::write(&weights, bytes).map_err(io(weights.clone()))?;
+    let config = dir.join("config.json");
+    let dtype_name = if bf16 { "bfloat16" } else { "float32" };
+    std::fs::write(&config, config_json(spec, dtype_name)).map_err(io(config.clone()))?;
+    Ok(())
+}
+
+/// Each parameter's name and shape in a model of `spec`, as Hugging Face names them.
+pub fn expected_shapes(spec: &LlamaSpec) -> Result<BTreeMap<String, Vec<usize>>> {
+    let mut vars = Vec::new();
+    // Built on the CPU from seed 0 for the names and shapes alone; a large spec's build is
+    // what reading it will allocate anyway.
+    crate::llama::Llama::new(spec, 0, &Device::Cpu, &mut vars)?;
+    Ok(vars
+        .into_iter()
+        .map(|(name, var)| (name, var.dims().to_vec()))
+        .collect())
+}
+
+/// The weight files of folder `dir`: `model.safetensors`, or the shards the index names
+/// (plain file names in `dir`, each once).
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join(WEIGHTS);
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index_path = dir.join(INDEX);
+    if !index_path.is_file() {
+        return Err(Error::Format {
+            path: dir.to_path_buf(),
+            msg: format!("neither {WEIGHTS} nor {INDEX} is in the folder"),
+        });
+    }
+    let index: Value =
+        serde_json::from_str(&read_json(&index_path)?).map_err(|e| Error::Format {
+            path: index_path.clone(),
+            msg: format!("not JSON: {e}"),
+        })?;
+    let bad = |msg: String| Error::Format {
+        path: index_path.clone(),
+        msg,
+    };
+    let map = index
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| bad("no `weight_map` object".into()))?;
+    let mut files: Vec<String> = Vec::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("{tensor}: file {file} is not a string")))?;
+        let plain = Path::new(file)
+            .file_name()
+            .is_some_and(|n| n == std::ffi::OsStr::new(file));
+        if !plain || !file.ends_with(".safetensors") {
+            return Err(bad(format!(
+                "{tensor}: {file:?} is not a .safetensors file name in the folder"
+            )));
+        }
+        if !files.iter().any(|f| f == file) {
+            files.push(file.to_string());
+        }
+    }
+    files.sort();
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+}
+
+/// A JSON file's text, refused past [`MAX_JSON_BYTES`].
+fn read_json(path: &Path) -> Result<String> {
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let len = std::fs::metadata(path).map_err(io)?.len();
+    if len > MAX_JSON_BYTES {
+        return Err(Error::Format {
+            path: path.to_path_buf(),
+            msg: format!("{len} bytes, past the {MAX_JSON_BYTES} a config or index may have"),
+        });
+    }
+    std::fs::read_to_string(path).map_err(io)
+}
+
+/// A stored tensor's values as `f32`: `F32` as it is, `BF16` and `F16` widened exactly.
+fn to_f32(view: &TensorView<'_>) -> std::result::Result<Vec<f32>, String> {
+    let data = view.data();
+    match view.dtype() {
+        Dtype::F32 => Ok(data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()),
+        Dtype::BF16 => Ok(data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect()),
+        Dtype::F16 => Ok(data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect()),
+        other => Err(format!(
+            "stored as {other:?}; p2ptrain reads F32, BF16 and F16 weights"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf-llama-tiny")
+    }
+
+    fn fixture_config() -> Value {
+        serde_json::from_str(
+            &std::fs::read_to_string(fixture().join("config.json")).expect("config"),
+        )
+        .expect("json")
+    }
+
+    #[test]
+    fn the_fixtures_config_reads_as_its_shape() {
+        let spec = parse_config(&fixture_config().to_string()).expect("spec");
+        assert_eq!(
+            spec,
+            LlamaSpec {
+                vocab: 384,
+                context: 256,
+                hidden: 64,
+                intermediate: 128,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 16,
+                rms_eps: 1e-5,
+                rope_theta: 10_000.0,
+                tied: false,
+            }
+        );
+        // What this writes reads back as the same spec.
+        assert_eq!(
+            parse_config(&config_json(&spec, "float32")).expect("again"),
+            spec
+        );
+    }
+
+    #[test]
+    fn a_key_or_value_the_model_does_not_implement_is_refused_by_name() {
+        let cases: [(&str, Value); 9] = [
+            ("attention_bias", json!(true)),
+            ("mlp_bias", json!(true)),
+            ("hidden_act", json!("gelu")),
+            (
+                "rope_scaling",
+                json!({"rope_type": "llama3", "factor": 8.0}),
+            ),
+            (
+                "rope_parameters",
+                json!({"rope_type": "yarn", "rope_theta": 10000.0}),
+            ),
+            ("rope_interleaved", json!(true)),
+            ("model_type", json!("qwen2")),
+            ("sliding_window", json!(4096)),
+            ("some_new_switch", json!(1)),
+        ];
+        for (key, value) in cases {
+            let mut cfg = fixture_config();
+            cfg[key] = value;
+            let err = parse_config(&cfg.to_string()).expect_err(key).to_string();
+            assert!(err.contains(key), "{key}: {err}");
+        }
+        let mut cfg = fixture_config();
+        cfg.as_object_mut().expect("object").remove("hidden_size");
+        let err = parse_config(&cfg.to_string())
+            .expect_err("missing")
+            .to_string();
+        assert!(err.contains("hidden_size"), "{err}");
+        // transformers 4's layout: a top-level rope_theta, no rope_parameters.
+        let mut cfg = fixture_config();
+        cfg.as_object_mut()
+            .expect("object")
+            .remove("rope_parameters");
+        cfg["rope_theta"] = json!(500000.0);
+        assert_eq!(
+            parse_config(&cfg.to_string()).expect("4.x").rope_theta,
+            500_000.0
+        );
+        cfg["rope_parameters"] = json!({"rope_theta": 10000.0, "rope_type": "default"});
+        assert!(
+            parse_config(&cfg.to_string()).is_err(),
+            "two bases that differ"
+        );
+    }
+
+    /// The expected values `bench/hf_fixture/make_fixture.py` recorded from `transformers`.
+    struct Expected {
+        input_ids: Tensor,
+        logits: Tensor,
+        loss: f64,
+        logits_bf16: Tensor,
+        loss_bf16: f64,
+    }
+
+    fn expected() -> Expected {
+        let bytes = std::fs::read(fixture().join("expected.safetensors")).expect("expected");
+        let st = SafeTensors::deserialize(&bytes).expect("safetensors");
+        let tensor = |name: &str| {
+            let view = st.tensor(name).expect(name);
+            match view.dtype() {
+                Dtype::I64 => {
+                    let ids: Vec<u32> = view
+                        .data()
+                        .chunks_exact(8)
+                        .map(|b| {
+                            let id = i64::from_le_bytes(b.try_into().expect("8 bytes"));
+                            u32::try_from(id).expect("a token id")
+                        })
+                        .collect();
+                    Tensor::from_vec(ids, view.shape(), &Device::Cpu).expect("ids")
+                }
+                Dtype::F64 => {
+                    let v: Vec<f64> = view
+                        .data()
+                        .chunks_exact(8)
+                        .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+                        .collect();
+                    Tensor::from_vec(v, view.shape(), &Device::Cpu).expect("f64")
+                }
+                _ => Tensor::from_vec(to_f32(&view).expect("f32"), view.shape(), &Device::Cpu)
+                    .expect("f32"),
+            }
+        };
+        let scalar = |name: &str| {
+            tensor(name)
+                .flatten_all()
+                .expect("flat")
+                .to_vec1::<f64>()
+                .expect("f64")[0]
+        };
+        Expected {
+            input_ids: tensor("input_ids"),
+            logits: tensor("logits"),
+            loss: scalar("loss"),
+            logits_bf16: tensor("logits_bf16"),
+            loss_bf16: scalar("loss_bf16"),
+        }
+    }
+
+    /// The model in folder `dir`, built and loaded as a run's genesis would be.
+    fn load(dir: &Path) -> (crate::llama::Llama, Params) {
+        let hf = read_folder(dir).expect("read");
+        let mut vars = Vec::new();
+        let model = crate::llama::Llama::new(&hf.spec, 0, &Device::Cpu, &mut vars).expect("build");
+        let params = Params::new(vars).expect("params");
+        params.load(&hf.tensors).expect("load");
+        (model, params)
+    }
+
+    /// (largest absolute logit difference, relative loss difference) against transformers'.
+    fn compare(logits: &Tensor, tokens: &Tensor, want: &Tensor, want_loss: f64) -> (f32, f64) {
+        let diff = crate::testing::max_diff(logits, want);
+        let loss = crate::llama::next_token_loss(logits, tokens)
+            .expect("loss")
+            .to_scalar::<f32>()
+            .expect("scalar");
+        (diff, (f64::from(loss) - want_loss).abs() / want_loss)
+    }
+
+    /// The independent check: `transformers`' own logits and loss for the fixture (a briefly
+    /// trained tiny Llama with grouped-query attention), matched to 1e-4 and a relative 1e-5.
+    /// Measured: see the note of the issue that built it.
+    #[test]
+    fn the_fixture_gives_transformers_logits_and_loss() {
+        let want = expected();
+        let (model, _) = load(&fixture());
+        let logits = model.forward(&want.input_ids).expect("forward");
+        let (diff, loss) = compare(&logits, &want.input_ids, &want.logits, want.loss);
+        eprintln!("f32 fixture: logits within {diff:e}, loss within {loss:e} (relative)");
+        assert!(diff <= 1e-4, "logits differ by {diff}");
+        assert!(loss <= 1e-5, "loss differs by {loss} (relative)");
+        // The bf16 copy, sharded: widened to f32 on import, it gives transformers' logits of
+        // the same bf16 weights.
+        let (model, _) = load(&fixture().join("bf16"));
+        let logits = model.forward(&want.input_ids).expect("forward");
+        let (diff, loss) = compare(&logits, &want.input_ids, &want.logits_bf16, want.loss_bf16);
+        eprintln!("bf16 shards: logits within {diff:e}, loss within {loss:e} (relative)");
+        assert!(diff <= 1e-4 && loss <= 1e-5, "bf16: {diff} {loss}");
+    }
+
+    /// The comparison can fail: the other rotary layout (pairs `2i`, `2i + 1`), as a
+    /// converter that forgot Hugging Face's permutation of the query and key weights would
+    /// compute, is far from transformers' logits.
+    #[test]
+    fn a_wrong_rotary_layout_fails_the_comparison() {
+        let want = expected();
+        let (model, _) = load(&fixture());
+        let logits = model
+            .forward_with(&want.input_ids, crate::llama::Rotary::Interleaved)
+            .expect("forward");
+        let (diff, loss) = compare(&logits, &want.input_ids, &want.logits, want.loss);
+        eprintln!("interleaved rotary: logits off by {diff}, loss by {loss} (relative)");
+        assert!(diff > 1.0 && loss > 1e-3, "{diff} {loss}");
+    }
+
+    /// An export (f32) reads back as the same tensors under HF's names and shapes, to
+    /// identical logits; a bf16 export to the bf16-rounded weights, within bf16's precision.
+    #[test]
+    fn an_export_re_imports_to_identical_logits() {
+        let want = expected();
+        let (model, params) = load(&fixture());
+        let logits = model.forward(&want.input_ids).expect("forward");
+        let dir = tempfile::tempdir().expect("tmp");
+        let spec = *model.spec();
+        write_folder(dir.path(), &spec, &params, false).expect("export");
+        let (again, again_params) = load(dir.path());
+        assert_eq!(again.spec(), &spec);
+        assert_eq!(again_params.layout(), params.layout());
+        assert_eq!(
+            again_params.flatten().expect("f"),
+            params.flatten().expect("f")
+        );
+        let relogits = again.forward(&want.input_ids).expect("forward");
+        assert_eq!(crate::testing::max_diff(&logits, &relogits), 0.0);
+        // The names and shapes are the fixture's own, as transformers wrote them.
+        let theirs = std::fs::read(fixture().join(WEIGHTS)).expect("fixture weights");
+        let ours = std::fs::read(dir.path().join(WEIGHTS)).expect("our weights");
+        let shapes = |bytes: &[u8]| -> BTreeMap<String, Vec<usize>> {
+            SafeTensors::deserialize(bytes)
+                .expect("st")
+                .tensors()
+                .into_iter()
+                .map(|(n, v)| (n, v.shape().to_vec()))
+                .collect()
+        };
+        assert_eq!(shapes(&ours), shapes(&theirs));
+        let bf16_dir = tempfile::tempdir().expect("tmp");
+        write_folder(bf16_dir.path(), &spec, &params, true).expect("bf16 export");
+        // `P2PTRAIN_HF_EXPORT_DIR=DIR` keeps both exports (DIR/f32, DIR/bf16) for
+        // `bench/hf_fixture/check_export.py`, which loads them with transformers.
+        if let Some(keep) = std::env::var_os("P2PTRAIN_HF_EXPORT_DIR") {
+            let keep = PathBuf::from(keep);
+            write_folder(&keep.join("f32"), &spec, &params, false).expect("kept f32 export");
+            write_folder(&keep.join("bf16"), &spec, &params, true).expect("kept bf16 export");
+        }
+        let (rounded, _) = load(bf16_dir.path());
+        let rounded_logits = rounded.forward(&want.input_ids).expect("forward");
+        let (diff, _) = compare(
+            &rounded_logits,
+            &want.input_ids,
+            &want.logits_bf16,
+            want.loss_bf16,
+        );
+        assert!(diff <= 1e-4, "our bf16 rounding is transformers': {diff}");
+    }
+
+    #[test]
+    fn a_shard_index_naming_a_path_outside_the_folder_is_refused() {
+        let dir = tempfile::tempdir().expect("tmp");
+        std::fs::write(
+            dir.path().join(INDEX),
+            r#"{"weight_map": {"model.norm.weight": "../../etc/model.safetensors"}}"#,
+        )
+        .expect("index");
+        let err = weight_files(dir.path()).expect_err("traversal").to_string();
+        assert!(err.contains("not a .safetensors file name"), "{err}");
+    }
+}

@@ -182,6 +182,8 @@ pub enum Data {
     Labeled(Split),
     /// A text, split into a training head and a held-out tail.
     Text(crate::text::TextSplit),
+    /// A token file, split into a training head and a held-out tail.
+    Tokens(crate::tokens::TokenSplit),
 }
 
 impl Data {
@@ -190,6 +192,7 @@ impl Data {
         match self {
             Data::Labeled(s) => &s.train,
             Data::Text(t) => &t.train,
+            Data::Tokens(t) => &t.train,
         }
     }
 
@@ -198,6 +201,7 @@ impl Data {
         match self {
             Data::Labeled(s) => &s.test,
             Data::Text(t) => &t.test,
+            Data::Tokens(t) => &t.test,
         }
     }
 
@@ -205,7 +209,7 @@ impl Data {
     pub fn labeled(&self) -> Option<&Split> {
         match self {
             Data::Labeled(s) => Some(s),
-            Data::Text(_) => None,
+            Data::Text(_) | Data::Tokens(_) => None,
         }
     }
 }

@@ -25,6 +25,7 @@ pub mod params;
 pub mod replica;
 pub mod samples;
 pub mod text;
+pub mod tokens;
 pub mod train;
 
 #[cfg(test)]

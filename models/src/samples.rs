@@ -24,9 +24,11 @@ pub trait Samples {
     /// The inputs and targets of the given samples, on `dev`.
     fn batch(&self, indices: &[usize], dev: &Device) -> Result<(Tensor, Tensor)>;
 
-    /// Whether each target is the next byte of a text (losses are then per byte).
-    fn predicts_bytes(&self) -> bool {
-        false
+    /// The bytes of text the targets of the given samples stand for, where the samples are
+    /// text (a byte each for bytes, what a tokenizer says for tokens), so that a language
+    /// model's loss reads as bits per byte whatever its vocabulary; `None` for labels.
+    fn target_bytes(&self, _indices: &[usize]) -> Result<Option<u64>> {
+        Ok(None)
     }
 
     /// Samples per evaluation batch.

@@ -67,9 +67,13 @@ pub fn evaluate(model: &Model, data: &dyn Samples, dev: &Device) -> Result<Evalu
     let mut correct = 0usize;
     let mut loss_sum = 0.0f64;
     let mut predictions = 0usize;
+    let mut text_bytes: Option<u64> = None;
     let indices: Vec<usize> = (0..data.len()).collect();
     for chunk in indices.chunks(data.eval_batch().max(1)) {
         let (xs, ys) = data.batch(chunk, dev)?;
+        if let Some(bytes) = data.target_bytes(chunk)? {
+            *text_bytes.get_or_insert(0) += bytes;
+        }
         let (logits, ys) = per_prediction(model.forward(&xs)?, &ys)?;
         let rows = ys.elem_count();
         let loss = candle_nn::loss::cross_entropy(&logits, &ys)?
@@ -90,9 +94,11 @@ pub fn evaluate(model: &Model, data: &dyn Samples, dev: &Device) -> Result<Evalu
         accuracy: correct as f64 / n,
         loss,
         samples: data.len(),
-        // Nothing evaluated is no figure, not a perfect one.
-        bits_per_byte: (data.predicts_bytes() && predictions > 0)
-            .then_some(loss / std::f64::consts::LN_2),
+        // The nats of every prediction over the bytes they stand for. Nothing evaluated is no
+        // figure, not a perfect one.
+        bits_per_byte: text_bytes
+            .filter(|b| *b > 0 && predictions > 0)
+            .map(|b| loss_sum / b as f64 / std::f64::consts::LN_2),
     })
 }
 

@@ -34,6 +34,9 @@ pub(super) fn torch_side(config_path: &Path, dir: &Path) -> Result<TorchSide> {
                 "train_stride": (context / p2ptrain_models::text::TRAIN_STRIDE_DIVISOR).max(1),
             })
         }
+        Data::Tokens(_) => {
+            bail!("the DDP comparison reads bytes of text or labelled samples, not token files")
+        }
         Data::Labeled(split) => {
             for (half, set) in [("train", &split.train), ("test", &split.test)] {
                 let x: Vec<u8> = set.features.iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -8,6 +8,7 @@ mod allocator;
 mod bench;
 mod client;
 mod evaluate;
+mod hf_export;
 mod local;
 mod measure;
 mod output;
@@ -15,6 +16,7 @@ mod plot;
 mod progress;
 mod runtime;
 mod sample;
+mod tokenize;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -63,11 +65,40 @@ enum Cmd {
     Local(local::LocalArgs),
     /// Generate text with a language model (gpt) from a checkpoint or a running node.
     Sample(sample::SampleArgs),
+    /// Write a llama checkpoint file as a Hugging Face folder (config.json and
+    /// model.safetensors), which transformers loads with from_pretrained.
+    Export(ExportArgs),
+    /// Tokenize text files with a Hugging Face tokenizer.json into a token file
+    /// (`data.source = "tokens"`).
+    Tokenize(tokenize::TokenizeArgs),
     /// Benchmarks that write JSON.
     #[command(subcommand)]
     Bench(BenchCmd),
     /// Write a new random key for a private network (give every node the same file).
     Keygen(KeygenArgs),
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// The checkpoint file (safetensors) of a llama run.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    #[command(flatten)]
+    hf: HfExportArgs,
+}
+
+/// How a Hugging Face folder is written.
+#[derive(Args)]
+struct HfExportArgs {
+    /// The folder to write (new or empty).
+    #[arg(long)]
+    out: PathBuf,
+    /// Store the weights in bfloat16 (rounded to nearest) instead of float32.
+    #[arg(long)]
+    bf16: bool,
+    /// A tokenizer.json to copy into the folder (the run's data.tokenizer).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -183,16 +214,27 @@ enum CheckpointCmd {
     Save(CkptArgs),
     /// List the node's checkpoints.
     List(CkptArgs),
-    /// Copy a checkpoint file out of the node (default: a fresh one of the current state).
+    /// Copy a checkpoint file out of the node (default: a fresh one of the current state),
+    /// or with --hf write a llama's as a Hugging Face folder.
     Export {
         #[command(flatten)]
         args: CkptArgs,
-        /// Where to write the safetensors file.
+        /// Where to write the safetensors file (with --hf: the folder).
         #[arg(long)]
         out: PathBuf,
         /// Export this checkpoint id instead of saving a fresh one.
         #[arg(long)]
         id: Option<u64>,
+        /// Write a Hugging Face folder (config.json and model.safetensors) instead of the
+        /// checkpoint file.
+        #[arg(long)]
+        hf: bool,
+        /// With --hf: store the weights in bfloat16.
+        #[arg(long, requires = "hf")]
+        bf16: bool,
+        /// With --hf: a tokenizer.json to copy into the folder.
+        #[arg(long, requires = "hf")]
+        tokenizer: Option<PathBuf>,
     },
     /// Load a checkpoint into the running node and continue training from it.
     Restore {
@@ -305,6 +347,25 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Keygen(args) => keygen(&args.psk),
+        Cmd::Tokenize(args) => tokenize::run(args).map(|()| ExitCode::SUCCESS),
+        Cmd::Export(args) => {
+            let (file, loaded) = evaluate::read_checkpoint_file(&args.checkpoint)?;
+            let h = &args.hf;
+            hf_export::write(
+                &loaded.meta.info.model,
+                &loaded.tensors,
+                &h.out,
+                h.bf16,
+                h.tokenizer.as_deref(),
+            )
+            .with_context(|| format!("exporting {file}"))?;
+            println!(
+                "wrote {}: {file} (step {}) as a Hugging Face folder",
+                h.out.display(),
+                loaded.meta.info.step
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Local(args) => {
             let json = args.json;
             let summary = local::run(args)?;
@@ -524,7 +585,14 @@ async fn checkpoint(cmd: CheckpointCmd) -> Result<ExitCode> {
                 print!("{}", output::checkpoint_table(&list));
             }
         }
-        CheckpointCmd::Export { args, out, id } => {
+        CheckpointCmd::Export {
+            args,
+            out,
+            id,
+            hf,
+            bf16,
+            tokenizer,
+        } => {
             let client = Client::new(&args.api.api, args.api.api_token)?;
             let id = match id {
                 Some(id) => id,
@@ -540,8 +608,17 @@ async fn checkpoint(cmd: CheckpointCmd) -> Result<ExitCode> {
                 .get_bytes(&format!("/v1/checkpoints/{id}/file"))
                 .await?;
             // Verify before writing: an export is only useful if it loads.
-            let (meta, _) = p2ptrain_daemon::checkpoint::decode(&bytes, "download")
+            let (meta, tensors) = p2ptrain_daemon::checkpoint::decode(&bytes, "download")
                 .map_err(|e| anyhow!("checkpoint {id} failed verification after download: {e}"))?;
+            if hf {
+                hf_export::write(&meta.info.model, &tensors, &out, bf16, tokenizer.as_deref())?;
+                println!(
+                    "wrote {}: checkpoint {id} (step {}) as a Hugging Face folder",
+                    out.display(),
+                    meta.info.step
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
             write_atomically(&out, &bytes)?;
             let view = CheckpointView {
                 meta,

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_core::{Device, Module, Tensor, Var};
 use candle_nn::{Embedding, Linear};
 use serde::{Deserialize, Serialize};
 
@@ -277,51 +277,22 @@ impl Gpt {
         temperature: f64,
         seed: u64,
     ) -> Result<Vec<u8>> {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let dev = self.tok_weight.device();
-        let mut text: Vec<u8> = if prompt.is_empty() {
-            b"\n".to_vec()
+        let prompt: Vec<u32> = if prompt.is_empty() {
+            vec![u32::from(b'\n')]
         } else {
-            prompt.to_vec()
+            prompt.iter().map(|&b| u32::from(b)).collect()
         };
-        let mut out = Vec::with_capacity(count.min(1 << 16));
-        for _ in 0..count {
-            let start = text.len().saturating_sub(self.spec.context);
-            let window: Vec<u32> = text[start..].iter().map(|&b| u32::from(b)).collect();
-            let n = window.len();
-            let tokens = Tensor::from_vec(window, (1, n), dev)?;
-            let logits = self
-                .forward(&tokens)?
-                .narrow(1, n - 1, 1)?
-                .flatten_all()?
-                .to_dtype(DType::F32)?
-                .to_vec1::<f32>()?;
-            let byte = if temperature <= 0.0 {
-                argmax(&logits)
-            } else {
-                let top = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let weights: Vec<f64> = logits
-                    .iter()
-                    .map(|&l| (f64::from(l - top) / temperature).exp())
-                    .collect();
-                let total: f64 = weights.iter().sum();
-                let mut pick = rng.random::<f64>() * total;
-                let mut chosen = argmax(&logits);
-                for (i, w) in weights.iter().enumerate() {
-                    if pick < *w {
-                        chosen = i;
-                        break;
-                    }
-                    pick -= w;
-                }
-                chosen
-            };
-            let byte = byte as u8;
-            text.push(byte);
-            out.push(byte);
-        }
-        Ok(out)
+        let ids = crate::generate::continue_ids(
+            |tokens| self.forward(tokens),
+            self.spec.context,
+            self.tok_weight.device(),
+            &prompt,
+            count,
+            temperature,
+            seed,
+        )?;
+        // A byte model's ids are bytes.
+        Ok(ids.into_iter().map(|id| id as u8).collect())
     }
 }
 
@@ -382,24 +353,11 @@ fn linear(x: &Tensor, layer: &Linear) -> Result<Tensor> {
     matmul::linear_nd(x, layer.weight(), layer.bias())
 }
 
-fn argmax(values: &[f32]) -> usize {
-    values
-        .iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
-            if v > best.1 {
-                (i, v)
-            } else {
-                best
-            }
-        })
-        .0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::params::Params;
+    use candle_core::DType;
 
     fn tiny() -> GptSpec {
         GptSpec {

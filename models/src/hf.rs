@@ -347,14 +347,49 @@ pub fn read_folder(dir: &Path) -> Result<HfModel> {
 /// and one `model.safetensors` under HF's names, in `f32` or, with `bf16`, rounded to
 /// bfloat16 (to nearest, ties to even).
 pub fn write_folder(dir: &Path, spec: &LlamaSpec, params: &Params, bf16: bool) -> Result<()> {
-    let io = |path: PathBuf| move |source| Error::Io { path, source };
-    std::fs::create_dir_all(dir).map_err(io(dir.to_path_buf()))?;
-    let mut raw: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut values = HashMap::new();
     for (name, var) in params.vars() {
-        let values = var
+        let flat = var
             .flatten_all()?
             .to_dtype(candle_core::DType::F32)?
             .to_vec1::<f32>()?;
+        values.insert(name.clone(), (var.dims().to_vec(), flat));
+    }
+    write_tensors(
+        dir,
+        spec,
+        |name| values.get(name).map(|(s, v)| (s.as_slice(), v.as_slice())),
+        bf16,
+    )
+}
+
+/// Writes a model of `spec` whose parameter `name` has the shape and values `lookup(name)`
+/// gives (a checkpoint's tensors, where optimizer state sits beside them) into folder `dir`,
+/// as [`write_folder`] does. Every parameter of the spec must be there with its shape and
+/// finite values; nothing else is written.
+pub fn write_tensors<'a>(
+    dir: &Path,
+    spec: &LlamaSpec,
+    lookup: impl Fn(&str) -> Option<(&'a [usize], &'a [f32])>,
+    bf16: bool,
+) -> Result<()> {
+    let mut raw: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, shape) in expected_shapes(spec)? {
+        let (got, values) =
+            lookup(&name).ok_or_else(|| Error::Layout(format!("parameter {name} is missing")))?;
+        if got != shape.as_slice() || values.len() != shape.iter().product::<usize>() {
+            return Err(Error::Layout(format!(
+                "parameter {name} has shape {got:?} ({} values), a {} has {shape:?}",
+                values.len(),
+                spec.name()
+            )));
+        }
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(Error::NonFinite(format!(
+                "{name} {} at index {i}",
+                values[i]
+            )));
+        }
         let bytes: Vec<u8> = if bf16 {
             values
                 .iter()
@@ -363,7 +398,7 @@ pub fn write_folder(dir: &Path, spec: &LlamaSpec, params: &Params, bf16: bool) -
         } else {
             values.iter().flat_map(|v| v.to_le_bytes()).collect()
         };
-        raw.push((name.clone(), var.dims().to_vec(), bytes));
+        raw.push((name, shape, bytes));
     }
     let dtype = if bf16 { Dtype::BF16 } else { Dtype::F32 };
     let views = raw
@@ -378,6 +413,8 @@ pub fn write_folder(dir: &Path, spec: &LlamaSpec, params: &Params, bf16: bool) -
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let bytes = safetensors::serialize(views, Some(metadata))
         .map_err(|e| Error::Layout(format!("serialising the weights: {e}")))?;
+    let io = |path: PathBuf| move |source| Error::Io { path, source };
+    std::fs::create_dir_all(dir).map_err(io(dir.to_path_buf()))?;
     let weights = dir.join(WEIGHTS);
     std::fs::write(&weights, bytes).map_err(io(weights.clone()))?;
     let config = dir.join("config.json");
@@ -386,16 +423,41 @@ pub fn write_folder(dir: &Path, spec: &LlamaSpec, params: &Params, bf16: bool) -
     Ok(())
 }
 
+/// A digest of the model in folder `dir`: its `config.json` and weight files, streamed
+/// through SHA-256 (hex, 16 characters). Part of a run's identity where the run starts from
+/// the folder: nodes that start from other weights are another run.
+pub fn folder_digest(dir: &Path) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let mut h = Sha256::new();
+    let mut files = vec![dir.join("config.json")];
+    files.extend(weight_files(dir)?);
+    let mut buf = vec![0u8; 1 << 20];
+    for path in &files {
+        let io = |source| Error::Io {
+            path: path.clone(),
+            source,
+        };
+        let mut file = std::fs::File::open(path).map_err(io)?;
+        h.update(
+            path.file_name()
+                .map(|n| n.as_encoded_bytes())
+                .unwrap_or_default(),
+        );
+        loop {
+            let n = file.read(&mut buf).map_err(io)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+    }
+    Ok(hex::encode(&h.finalize()[..8]))
+}
+
 /// Each parameter's name and shape in a model of `spec`, as Hugging Face names them.
 pub fn expected_shapes(spec: &LlamaSpec) -> Result<BTreeMap<String, Vec<usize>>> {
-    let mut vars = Vec::new();
-    // Built on the CPU from seed 0 for the names and shapes alone; a large spec's build is
-    // what reading it will allocate anyway.
-    crate::llama::Llama::new(spec, 0, &Device::Cpu, &mut vars)?;
-    Ok(vars
-        .into_iter()
-        .map(|(name, var)| (name, var.dims().to_vec()))
-        .collect())
+    Ok(spec.parameter_shapes().into_iter().collect())
 }
 
 /// The weight files of folder `dir`: `model.safetensors`, or the shards the index names

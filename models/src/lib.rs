@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod data;
 mod dense;
 pub mod error;
+pub mod generate;
 pub mod gpt;
 pub mod gpu;
 pub mod hf;
@@ -25,6 +26,7 @@ pub mod params;
 pub mod replica;
 pub mod samples;
 pub mod text;
+pub mod tokenizer;
 pub mod tokens;
 pub mod train;
 

@@ -193,6 +193,38 @@ impl LlamaSpec {
         (parts.next().is_none() && spec.validate().is_ok()).then_some(spec)
     }
 
+    /// Each parameter's Hugging Face name and shape, without building the model (an import
+    /// or export checks a folder against them).
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let s = self;
+        let (q_width, kv_width) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        let mut shapes = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![s.vocab, s.hidden],
+        )];
+        for i in 0..s.layers {
+            let p = format!("model.layers.{i}");
+            for (name, shape) in [
+                ("input_layernorm", vec![s.hidden]),
+                ("self_attn.q_proj", vec![q_width, s.hidden]),
+                ("self_attn.k_proj", vec![kv_width, s.hidden]),
+                ("self_attn.v_proj", vec![kv_width, s.hidden]),
+                ("self_attn.o_proj", vec![s.hidden, q_width]),
+                ("post_attention_layernorm", vec![s.hidden]),
+                ("mlp.gate_proj", vec![s.intermediate, s.hidden]),
+                ("mlp.up_proj", vec![s.intermediate, s.hidden]),
+                ("mlp.down_proj", vec![s.hidden, s.intermediate]),
+            ] {
+                shapes.push((format!("{p}.{name}.weight"), shape));
+            }
+        }
+        shapes.push(("model.norm.weight".to_string(), vec![s.hidden]));
+        if !s.tied {
+            shapes.push(("lm_head.weight".to_string(), vec![s.vocab, s.hidden]));
+        }
+        shapes
+    }
+
     /// Number of parameters the model has.
     pub fn numel(&self) -> usize {
         let s = self;
@@ -409,6 +441,34 @@ impl Llama {
     }
 }
 
+impl Llama {
+    /// Continues the token ids `prompt` (not empty) by `count` ids, each drawn from the
+    /// model's distribution at `temperature` (0: always the likeliest) with a generator seeded
+    /// by `seed`. The model reads the last `context` ids at each step.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        count: usize,
+        temperature: f64,
+        seed: u64,
+    ) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            return Err(Error::Spec(
+                "a llama continues a prompt of one token or more".into(),
+            ));
+        }
+        crate::generate::continue_ids(
+            |tokens| self.forward(tokens),
+            self.spec.context,
+            self.head.device(),
+            prompt,
+            count,
+            temperature,
+            seed,
+        )
+    }
+}
+
 /// Which dimensions of a head a rotary embedding turns together: `Halves` (`i` with `i +
 /// head_dim / 2`, Hugging Face's layout) is the model's; `Interleaved` (`2i` with `2i + 1`,
 /// the original Llama release's) exists so a test can show that the wrong one fails the
@@ -557,6 +617,15 @@ mod tests {
             let spec = tiny(tied);
             let (model, params) = build(&spec, 1);
             assert_eq!(params.numel(), spec.numel(), "tied {tied}");
+            let mut built: Vec<(String, Vec<usize>)> = params
+                .vars()
+                .iter()
+                .map(|(n, v)| (n.clone(), v.dims().to_vec()))
+                .collect();
+            let mut listed = spec.parameter_shapes();
+            built.sort();
+            listed.sort();
+            assert_eq!(built, listed, "tied {tied}");
             assert_eq!(params.get("lm_head.weight").is_some(), !tied);
             assert!(params
                 .get("model.layers.1.self_attn.k_proj.weight")
@@ -667,6 +736,151 @@ mod tests {
         ];
         for spec in bad {
             assert!(spec.validate().is_err(), "{spec:?}");
+        }
+    }
+
+    /// Rotary embeddings against the formula written out per element: pair `(i, i + d/2)` of
+    /// position `p` turns by `p · theta^(-2i/d)`.
+    #[test]
+    fn rotary_embeddings_match_the_formula() {
+        let spec = LlamaSpec {
+            rope_theta: 500.0,
+            ..tiny(false)
+        };
+        let (model, _) = build(&spec, 2);
+        let (time, d) = (6, spec.head_dim);
+        let x = crate::testing::seeded(&[1, 1, time, d], 9, 1.0);
+        let (cos, sin) = (
+            model.cos.narrow(0, 0, time).expect("c"),
+            model.sin.narrow(0, 0, time).expect("s"),
+        );
+        let got = rotate(x.as_tensor(), &cos, &sin, Rotary::Halves)
+            .expect("rotate")
+            .flatten_all()
+            .expect("f")
+            .to_vec1::<f32>()
+            .expect("v");
+        let xs = x
+            .as_tensor()
+            .flatten_all()
+            .expect("f")
+            .to_vec1::<f32>()
+            .expect("v");
+        let half = d / 2;
+        for p in 0..time {
+            for i in 0..half {
+                let angle = p as f64 * 500f64.powf(-2.0 * i as f64 / d as f64);
+                let (a, b) = (f64::from(xs[p * d + i]), f64::from(xs[p * d + i + half]));
+                let want = [
+                    a * angle.cos() - b * angle.sin(),
+                    b * angle.cos() + a * angle.sin(),
+                ];
+                for (k, w) in [(i, want[0]), (i + half, want[1])] {
+                    assert!((f64::from(got[p * d + k]) - w).abs() < 1e-5, "p {p} i {k}");
+                }
+            }
+        }
+    }
+
+    /// Grouped-query attention is full attention with each key-value head repeated: a model
+    /// of 4 query heads over 2 key-value heads gives the logits of the model of 4 over 4
+    /// whose key and value weights hold each head twice (heads 0, 1 read head 0).
+    #[test]
+    fn grouped_query_attention_is_full_attention_with_repeated_heads() {
+        let grouped = tiny(false);
+        let full = LlamaSpec {
+            kv_heads: 4,
+            ..grouped
+        };
+        let (g_model, g_params) = build(&grouped, 11);
+        let (f_model, f_params) = build(&full, 12);
+        let mut tensors = std::collections::HashMap::new();
+        for (name, var) in g_params.vars() {
+            let t = var.as_tensor().clone();
+            let t = if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
+                // Rows of head h are h·d..(h+1)·d: repeat each head's block of rows.
+                let d = grouped.head_dim;
+                let blocks: Vec<Tensor> = (0..grouped.kv_heads)
+                    .flat_map(|h| {
+                        let block = t.narrow(0, h * d, d).expect("head");
+                        [block.clone(), block]
+                    })
+                    .collect();
+                Tensor::cat(&blocks, 0).expect("cat")
+            } else {
+                t
+            };
+            tensors.insert(name.clone(), t);
+        }
+        f_params.load(&tensors).expect("load");
+        let tokens = Tensor::new(&[[3u32, 1, 4, 1, 5, 9, 2, 6]], &Device::Cpu).expect("t");
+        let (a, b) = (
+            g_model.forward(&tokens).expect("grouped"),
+            f_model.forward(&tokens).expect("full"),
+        );
+        assert!(crate::testing::max_diff(&a, &b) < 1e-5);
+    }
+
+    /// The gradients autograd takes through the forward pass against central finite
+    /// differences of the loss, for a few entries of every kind of parameter.
+    #[test]
+    fn gradients_match_finite_differences() {
+        let spec = tiny(true);
+        let (model, params) = build(&spec, 13);
+        let tokens = Tensor::new(&[[1u32, 7, 3, 30, 2, 8]], &Device::Cpu).expect("t");
+        let loss = |m: &Llama| -> f64 {
+            let l = next_token_loss(&m.forward(&tokens).expect("f"), &tokens).expect("loss");
+            f64::from(l.to_scalar::<f32>().expect("s"))
+        };
+        let grads = next_token_loss(&model.forward(&tokens).expect("f"), &tokens)
+            .expect("loss")
+            .backward()
+            .expect("backward");
+        for name in [
+            "model.embed_tokens.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight",
+            "model.layers.1.mlp.gate_proj.weight",
+            "model.layers.0.mlp.down_proj.weight",
+            "model.norm.weight",
+        ] {
+            let var = params.get(name).expect(name);
+            let g = grads
+                .get(var)
+                .expect("gradient")
+                .flatten_all()
+                .expect("f")
+                .to_vec1::<f32>()
+                .expect("v");
+            let base = var
+                .as_tensor()
+                .flatten_all()
+                .expect("f")
+                .to_vec1::<f32>()
+                .expect("v");
+            // The entry with the largest gradient, and one other.
+            let top = (0..g.len())
+                .max_by(|&a, &b| g[a].abs().total_cmp(&g[b].abs()))
+                .expect("top");
+            for k in [top, g.len() / 3] {
+                let h = 1e-2f32;
+                let at = |delta: f32| {
+                    let mut v = base.clone();
+                    v[k] += delta;
+                    var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).expect("t"))
+                        .expect("set");
+                    loss(&model)
+                };
+                let numeric = (at(h) - at(-h)) / (2.0 * f64::from(h));
+                at(0.0);
+                let analytic = f64::from(g[k]);
+                assert!(
+                    (numeric - analytic).abs() <= 2e-3 + 0.05 * analytic.abs(),
+                    "{name}[{k}]: finite differences {numeric}, autograd {analytic}"
+                );
+            }
         }
     }
 

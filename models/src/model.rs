@@ -108,6 +108,12 @@ impl Model {
         network.downcast_ref::<Gpt>()
     }
 
+    /// The Llama it is, where it is one (for text generation).
+    pub fn llama(&self) -> Option<&crate::llama::Llama> {
+        let network: &dyn std::any::Any = self.network.as_ref();
+        network.downcast_ref::<crate::llama::Llama>()
+    }
+
     /// Logits `(batch, classes)` for features `(batch, input_dim)`; for a GPT, logits
     /// `(batch, time, 256)` for bytes `(batch, time)`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {

@@ -39,7 +39,7 @@ pub trait Samples {
 
 /// Reads the bytes of a file, transparently gunzipping when the content starts with the gzip
 /// magic (so `.gz` and raw copies both work, whatever their names).
-pub(crate) fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
+pub fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
     let raw = std::fs::read(path).map_err(|source| Error::Io {
         path: path.to_owned(),
         source,

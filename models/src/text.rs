@@ -133,6 +133,14 @@ pub struct TextOptions {
     pub eval_bytes: usize,
 }
 
+/// The bundled Hamlet's text.
+pub fn bundled_hamlet() -> Result<Vec<u8>> {
+    gunzip_if_needed(
+        BUNDLED_HAMLET_GZ.to_vec(),
+        Path::new("<bundled hamlet.txt.gz>"),
+    )
+}
+
 /// Loads a text file (gzipped or not; `None`: the bundled Hamlet) and cuts it.
 pub fn load_text(path: Option<&Path>, opts: TextOptions) -> Result<TextSplit> {
     let (bytes, path) = match path {

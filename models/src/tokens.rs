@@ -27,15 +27,25 @@ use crate::{Error, Result};
 /// Tokens (inputs) per evaluation batch, as for text.
 const EVAL_TOKENS: usize = 8192;
 
-/// An open token file: how wide each id is and how many there are.
+/// Token ids: an open token file (how wide each id is and how many there are), or ids
+/// tokenized at start-up and held in memory (a text and a tokenizer).
 #[derive(Debug)]
 pub struct TokenFile {
+    /// The file, or where the ids in memory came from, for errors.
     path: PathBuf,
-    file: File,
-    /// Bytes per id: 2 (`uint16`) or 4 (`uint32`).
-    width: usize,
+    ids: Backing,
     /// Ids in the file.
     len: usize,
+}
+
+#[derive(Debug)]
+enum Backing {
+    /// Read at offsets; ids of `width` bytes: 2 (`uint16`) or 4 (`uint32`).
+    File {
+        file: File,
+        width: usize,
+    },
+    Memory(Vec<u32>),
 }
 
 impl TokenFile {
@@ -68,10 +78,18 @@ impl TokenFile {
         })?;
         Ok(TokenFile {
             path: path.to_owned(),
-            file,
-            width,
+            ids: Backing::File { file, width },
             len,
         })
+    }
+
+    /// Ids already in memory (a text tokenized at start-up); `source` names them in errors.
+    pub fn from_ids(source: &Path, ids: Vec<u32>) -> TokenFile {
+        TokenFile {
+            path: source.to_owned(),
+            len: ids.len(),
+            ids: Backing::Memory(ids),
+        }
     }
 
     /// Ids in the file.
@@ -86,14 +104,23 @@ impl TokenFile {
 
     /// Ids `from..from + count`, read from disk.
     fn read(&self, from: usize, count: usize, out: &mut Vec<u32>) -> Result<()> {
-        let mut buf = vec![0u8; count * self.width];
-        self.file
-            .read_exact_at(&mut buf, (from * self.width) as u64)
+        let (file, width) = match &self.ids {
+            Backing::Memory(ids) => {
+                let stretch = ids.get(from..from + count).ok_or_else(|| {
+                    Error::Layout(format!("ids {from}..{} past {}", from + count, ids.len()))
+                })?;
+                out.extend_from_slice(stretch);
+                return Ok(());
+            }
+            Backing::File { file, width } => (file, *width),
+        };
+        let mut buf = vec![0u8; count * width];
+        file.read_exact_at(&mut buf, (from * width) as u64)
             .map_err(|source| Error::Io {
                 path: self.path.clone(),
                 source,
             })?;
-        match self.width {
+        match width {
             2 => out.extend(
                 buf.chunks_exact(2)
                     .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]]))),
@@ -244,7 +271,15 @@ pub struct TokenOptions {
 
 /// Opens a token file and cuts it into a training head and a held-out tail.
 pub fn load_tokens(path: &Path, opts: TokenOptions) -> Result<TokenSplit> {
-    let file = Arc::new(TokenFile::open(path, opts.width)?);
+    split_tokens(TokenFile::open(path, opts.width)?, opts)
+}
+
+/// Cuts token ids into a training head and a held-out tail (`opts.width` unused: the ids are
+/// open already).
+pub fn split_tokens(file: TokenFile, opts: TokenOptions) -> Result<TokenSplit> {
+    let path = file.path.clone();
+    let path = path.as_path();
+    let file = Arc::new(file);
     if !(opts.test_fraction > 0.0 && opts.test_fraction < 1.0) {
         return Err(Error::Spec(format!(
             "a token file needs a held-out tail: test_fraction must be in (0, 1), got {}",

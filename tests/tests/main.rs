@@ -7,6 +7,7 @@ mod flood;
 mod harness;
 mod hostile_sync;
 mod join;
+mod llama;
 mod local;
 mod mesh;
 mod modes;

@@ -19,8 +19,11 @@ use libp2p::{Multiaddr, PeerId};
 use p2ptrain_models::codec::Codec;
 use p2ptrain_models::data::{self, Data};
 use p2ptrain_models::gpt::GptSpec;
+use p2ptrain_models::llama::LlamaSpec;
 use p2ptrain_models::optim::Schedule;
 use p2ptrain_models::text::{self, TextOptions};
+use p2ptrain_models::tokenizer::TextTokenizer;
+use p2ptrain_models::tokens::{self, TokenFile, TokenOptions};
 use p2ptrain_models::{CnnSpec, MlpSpec, ModelSpec, OptimizerSpec};
 use serde::{de, Deserialize, Deserializer, Serialize};
 use sha2::{Digest, Sha256};
@@ -71,8 +74,12 @@ pub enum DataSource {
     Mnist,
     /// A seeded synthetic set.
     Synthetic,
-    /// A text file for a byte-level language model (`data.path`; absent: the bundled Hamlet).
+    /// A text file for a language model (`data.path`; absent: the bundled Hamlet): bytes for
+    /// a GPT, a tokenizer's ids (`data.tokenizer`) for a Llama.
     Text,
+    /// A token file (`data.path`: flat little-endian ids of `data.token_bytes` bytes, as
+    /// `p2ptrain tokenize` and nanoGPT write them) for a Llama.
+    Tokens,
 }
 
 impl DataSource {
@@ -83,6 +90,7 @@ impl DataSource {
             DataSource::Mnist => "mnist",
             DataSource::Synthetic => "synthetic",
             DataSource::Text => "text",
+            DataSource::Tokens => "tokens",
         }
     }
 }
@@ -129,13 +137,45 @@ pub enum ModelConfig {
     },
     /// A byte-level GPT; it needs `data.source = "text"`.
     Gpt(GptSpec),
+    /// A Llama-family decoder over a tokenizer's ids (`data.source = "tokens"`, or `"text"`
+    /// with `data.tokenizer`), from a Hugging Face folder's shape and weights (`model.hf`) or
+    /// shaped by the config and drawn from the run's seed.
+    Llama {
+        /// Its shape.
+        #[serde(flatten)]
+        spec: LlamaSpec,
+        /// Where it starts: the digest of `model.hf`'s folder (part of the run's identity), or
+        /// none for weights drawn from the run's seed.
+        genesis: Option<String>,
+        /// The folder `model.hf` names, resolved against the config file (a local path: not
+        /// part of the run's identity).
+        #[serde(skip)]
+        hf: Option<PathBuf>,
+    },
 }
 
 impl ModelConfig {
     /// Whether it is a language model: judged by held-out bits per byte (lower is better),
     /// where the classifiers are judged by accuracy.
     pub fn is_language_model(&self) -> bool {
-        matches!(self, ModelConfig::Gpt(_))
+        matches!(self, ModelConfig::Gpt(_) | ModelConfig::Llama { .. })
+    }
+
+    /// The tokens (a GPT's bytes) a language model reads at once; `None` for a classifier.
+    pub fn context(&self) -> Option<usize> {
+        match self {
+            ModelConfig::Gpt(g) => Some(g.context),
+            ModelConfig::Llama { spec, .. } => Some(spec.context),
+            _ => None,
+        }
+    }
+
+    /// The Hugging Face folder whose weights the run starts from, where `model.hf` names one.
+    pub fn genesis_folder(&self) -> Option<&Path> {
+        match self {
+            ModelConfig::Llama { hf, .. } => hf.as_deref(),
+            _ => None,
+        }
     }
 }
 
@@ -170,6 +210,13 @@ pub struct DataConfig {
     pub classes_per_node: Option<usize>,
     /// Text: held-out bytes each evaluation reads (0: the whole tail).
     pub eval_bytes: usize,
+    /// Tokens: bytes per id in the token file, 2 (`uint16`) or 4 (`uint32`).
+    pub token_bytes: usize,
+    /// A Hugging Face `tokenizer.json`: a text's ids for a Llama, and the bytes each id
+    /// stands for (bits per byte), resolved against the config file.
+    pub tokenizer: Option<PathBuf>,
+    /// Tokens: held-out ids each evaluation reads (0: the whole tail).
+    pub eval_tokens: usize,
 }
 
 /// Settings given on the command line. Every CLI command that loads a config hands its flags
@@ -280,7 +327,7 @@ impl Config {
             _ => p,
         };
 
-        let model = raw.model.check().map_err(err)?;
+        let model = raw.model.check(resolve).map_err(err)?;
         let (optimizer, schedule) = raw.optimizer.check().map_err(err)?;
         let data = raw.data.check(&model, resolve).map_err(err)?;
 
@@ -411,10 +458,25 @@ impl Config {
         };
         let split = match (&self.model, data) {
             (ModelConfig::Gpt(g), Data::Text(_)) => return Ok(ModelSpec::Gpt(*g)),
+            (ModelConfig::Llama { spec, .. }, Data::Tokens(_)) => {
+                if let Some(path) = &self.data.tokenizer {
+                    let vocab = TextTokenizer::load(path)
+                        .map_err(|e| err(format!("data.tokenizer: {e}")))?
+                        .vocab_size();
+                    if vocab > spec.vocab {
+                        return Err(err(format!(
+                            "data.tokenizer has {vocab} ids, past the model's vocabulary of {}",
+                            spec.vocab
+                        )));
+                    }
+                }
+                return Ok(ModelSpec::Llama(*spec));
+            }
             (_, Data::Labeled(split)) => split,
             _ => {
                 return Err(err(format!(
-                    "model.kind and {} do not fit: a gpt reads text, the others labelled samples",
+                    "model.kind and {} do not fit: a gpt reads text, a llama tokens (or text \
+                     with data.tokenizer), the others labelled samples",
                     self.data.describe()
                 )))
             }
@@ -449,6 +511,7 @@ impl Config {
                 })
             }
             ModelConfig::Gpt(g) => ModelSpec::Gpt(*g),
+            ModelConfig::Llama { spec, .. } => ModelSpec::Llama(*spec),
         };
         spec.validate()
             .map_err(|e| err(format!("model does not fit {}: {e}", self.data.describe())))?;
@@ -469,6 +532,9 @@ impl Config {
             /// A text's held-out bytes: nodes that evaluate the same tail compare.
             #[serde(skip_serializing_if = "Option::is_none")]
             text_eval_bytes: Option<usize>,
+            /// A token file's held-out ids.
+            #[serde(skip_serializing_if = "Option::is_none")]
+            eval_tokens: Option<usize>,
         }
         #[derive(Serialize)]
         struct Identity<'a> {
@@ -495,6 +561,7 @@ impl Config {
                 synthetic: (d.source == DataSource::Synthetic)
                     .then_some((d.samples, d.dim, d.classes, d.seed)),
                 text_eval_bytes: (d.source == DataSource::Text).then_some(d.eval_bytes),
+                eval_tokens: (d.source == DataSource::Tokens).then_some(d.eval_tokens),
             },
             init_seed: self.train.init_seed,
         };
@@ -509,12 +576,58 @@ impl Config {
     /// Loads the configured data set and its train/test split.
     pub fn load_data(&self) -> Result<Data, p2ptrain_models::Error> {
         let d = &self.data;
+        let tokens = |ids: Option<(&Path, Vec<u32>)>| -> Result<Data, p2ptrain_models::Error> {
+            let ModelConfig::Llama { spec, .. } = &self.model else {
+                return Err(p2ptrain_models::Error::Spec(
+                    "token data needs model.kind = \"llama\"".into(),
+                ));
+            };
+            let tokenizer = d
+                .tokenizer
+                .as_deref()
+                .map(TextTokenizer::load)
+                .transpose()?;
+            let opts = TokenOptions {
+                context: spec.context,
+                width: d.token_bytes,
+                vocab: spec.vocab,
+                test_fraction: d.test_fraction,
+                eval_tokens: d.eval_tokens,
+                bytes_per_token: tokenizer.as_ref().map(TextTokenizer::bytes_per_token),
+            };
+            Ok(Data::Tokens(match ids {
+                Some((source, ids)) => {
+                    tokens::split_tokens(TokenFile::from_ids(source, ids), opts)?
+                }
+                None => tokens::load_tokens(d.path.as_deref().unwrap_or(Path::new("")), opts)?,
+            }))
+        };
         let mut split = match d.source {
-            DataSource::Text => {
-                let context = match &self.model {
-                    ModelConfig::Gpt(g) => g.context,
-                    _ => 1,
+            DataSource::Tokens => return tokens(None),
+            // A text for a Llama: its tokenizer's ids, in memory.
+            DataSource::Text if matches!(self.model, ModelConfig::Llama { .. }) => {
+                let path = d.path.as_deref();
+                let bytes = match path {
+                    Some(p) => p2ptrain_models::samples::read_maybe_gz(p)?,
+                    None => text::bundled_hamlet()?,
                 };
+                let source = path.unwrap_or(Path::new("<bundled hamlet.txt.gz>"));
+                let text =
+                    std::str::from_utf8(&bytes).map_err(|e| p2ptrain_models::Error::Format {
+                        path: source.to_owned(),
+                        msg: format!(
+                            "not UTF-8 text (invalid byte at offset {})",
+                            e.valid_up_to()
+                        ),
+                    })?;
+                let tokenizer_path = d.tokenizer.as_deref().ok_or_else(|| {
+                    p2ptrain_models::Error::Spec("a text for a llama needs data.tokenizer".into())
+                })?;
+                let ids = TextTokenizer::load(tokenizer_path)?.encode(text)?;
+                return tokens(Some((source, ids)));
+            }
+            DataSource::Text => {
+                let context = self.model.context().unwrap_or(1);
                 let opts = TextOptions {
                     context,
                     test_fraction: d.test_fraction,
@@ -560,6 +673,9 @@ impl Default for DataConfig {
             alpha: 0.5,
             classes_per_node: None,
             eval_bytes: 32_768,
+            token_bytes: 2,
+            tokenizer: None,
+            eval_tokens: 16_384,
         }
     }
 }
@@ -597,6 +713,10 @@ impl DataConfig {
                 Some(p) => format!("text ({})", p.display()),
                 None => "text (bundled Hamlet)".into(),
             },
+            DataSource::Tokens => format!(
+                "tokens ({})",
+                self.path.as_deref().unwrap_or(Path::new("?")).display()
+            ),
         }
     }
 }

@@ -5,6 +5,8 @@
 use std::path::PathBuf;
 
 use p2ptrain_models::gpt::GptSpec;
+use p2ptrain_models::hf;
+use p2ptrain_models::llama::LlamaSpec;
 use p2ptrain_models::optim::Schedule;
 use p2ptrain_models::{MlpSpec, ModelSpec, OptimizerSpec};
 use serde::Deserialize;
@@ -49,6 +51,14 @@ pub(super) struct RawModel {
     layers: Option<usize>,
     width: Option<usize>,
     heads: Option<usize>,
+    hf: Option<PathBuf>,
+    vocab: Option<usize>,
+    intermediate: Option<usize>,
+    kv_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    tied: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -85,18 +95,46 @@ pub(super) struct RawData {
     alpha: Option<f64>,
     classes_per_node: Option<usize>,
     eval_bytes: Option<usize>,
+    token_bytes: Option<usize>,
+    tokenizer: Option<PathBuf>,
+    eval_tokens: Option<usize>,
 }
 
 impl RawModel {
-    /// The model section checked: each kind's keys, and only its keys.
-    pub(super) fn check(self) -> Result<ModelConfig, String> {
+    /// The model section checked: each kind's keys, and only its keys; `resolve` makes
+    /// `model.hf` relative to the config file.
+    pub(super) fn check(self, resolve: impl Fn(PathBuf) -> PathBuf) -> Result<ModelConfig, String> {
         let gpt_keys_set = [
             ("context", self.context.is_some()),
             ("layers", self.layers.is_some()),
             ("width", self.width.is_some()),
             ("heads", self.heads.is_some()),
         ];
+        let llama_keys_set = [
+            ("hf", self.hf.is_some()),
+            ("vocab", self.vocab.is_some()),
+            ("intermediate", self.intermediate.is_some()),
+            ("kv_heads", self.kv_heads.is_some()),
+            ("head_dim", self.head_dim.is_some()),
+            ("rms_eps", self.rms_eps.is_some()),
+            ("rope_theta", self.rope_theta.is_some()),
+            ("tied", self.tied.is_some()),
+        ];
+        if self.kind != "llama" {
+            if let Some((k, _)) = llama_keys_set.iter().find(|(_, set)| *set) {
+                return Err(format!("model.{k} is a llama setting"));
+            }
+        }
         let model = match self.kind.as_str() {
+            "llama" => {
+                if self.widths.is_some() || self.channels.is_some() || self.hidden.is_some() {
+                    return Err(
+                        "model.widths, model.channels and model.hidden are not llama settings"
+                            .into(),
+                    );
+                }
+                return self.llama(resolve);
+            }
             "gpt" => {
                 if self.widths.is_some() || self.channels.is_some() || self.hidden.is_some() {
                     return Err("model.widths, model.channels and model.hidden are not gpt settings; a gpt takes model.context, layers, width and heads".into());
@@ -141,7 +179,7 @@ impl RawModel {
             }
             other => {
                 return Err(format!(
-                    "model.kind = {other:?} is unknown; use \"mlp\", \"cnn\" or \"gpt\""
+                    "model.kind = {other:?} is unknown; use \"mlp\", \"cnn\", \"gpt\" or \"llama\""
                 ))
             }
         };
@@ -153,6 +191,82 @@ impl RawModel {
             }
         }
         Ok(model)
+    }
+}
+
+impl RawModel {
+    /// A llama: shaped by a Hugging Face folder's `config.json` (`model.hf`, whose weights the
+    /// run starts from; `model.context` may shorten the training windows) or by the keys.
+    fn llama(self, resolve: impl Fn(PathBuf) -> PathBuf) -> Result<ModelConfig, String> {
+        let m = self;
+        let model_err = |e: p2ptrain_models::Error| format!("model: {e}");
+        let Some(dir) = m.hf.map(resolve) else {
+            let hidden = m
+                .width
+                .ok_or("model.width is required for a llama (or model.hf)")?;
+            let heads = m
+                .heads
+                .ok_or("model.heads is required for a llama (or model.hf)")?;
+            let spec = LlamaSpec {
+                vocab: m
+                    .vocab
+                    .ok_or("model.vocab is required for a llama (or model.hf)")?,
+                context: m.context.unwrap_or(128),
+                hidden,
+                intermediate: m.intermediate.unwrap_or(hidden * 8 / 3),
+                layers: m.layers.unwrap_or(4),
+                heads,
+                kv_heads: m.kv_heads.unwrap_or(heads),
+                head_dim: m.head_dim.unwrap_or(hidden / heads.max(1)),
+                rms_eps: m.rms_eps.unwrap_or(1e-5),
+                rope_theta: m.rope_theta.unwrap_or(10_000.0),
+                tied: m.tied.unwrap_or(false),
+            };
+            spec.validate().map_err(model_err)?;
+            return Ok(ModelConfig::Llama {
+                spec,
+                genesis: None,
+                hf: None,
+            });
+        };
+        let shape_keys = [
+            ("layers", m.layers.is_some()),
+            ("width", m.width.is_some()),
+            ("heads", m.heads.is_some()),
+            ("vocab", m.vocab.is_some()),
+            ("intermediate", m.intermediate.is_some()),
+            ("kv_heads", m.kv_heads.is_some()),
+            ("head_dim", m.head_dim.is_some()),
+            ("rms_eps", m.rms_eps.is_some()),
+            ("rope_theta", m.rope_theta.is_some()),
+            ("tied", m.tied.is_some()),
+        ];
+        if let Some((k, _)) = shape_keys.iter().find(|(_, set)| *set) {
+            return Err(format!(
+                "model.{k}: with model.hf the shape is the folder's config.json (only \
+                 model.context may shorten the training windows)"
+            ));
+        }
+        let config = dir.join("config.json");
+        let text = std::fs::read_to_string(&config)
+            .map_err(|e| format!("model.hf: cannot read {}: {e}", config.display()))?;
+        let mut spec = hf::parse_config(&text).map_err(|e| format!("model.hf: {e}"))?;
+        if let Some(context) = m.context {
+            if context > spec.context {
+                return Err(format!(
+                    "model.context = {context} is past the folder's max_position_embeddings {}",
+                    spec.context
+                ));
+            }
+            spec.context = context;
+        }
+        spec.validate().map_err(model_err)?;
+        let digest = hf::folder_digest(&dir).map_err(|e| format!("model.hf: {e}"))?;
+        Ok(ModelConfig::Llama {
+            spec,
+            genesis: Some(digest),
+            hf: Some(dir),
+        })
     }
 }
 
@@ -260,7 +374,47 @@ impl RawData {
             alpha: d.alpha.unwrap_or(def.alpha),
             classes_per_node: d.classes_per_node,
             eval_bytes: d.eval_bytes.unwrap_or(def.eval_bytes),
+            token_bytes: d.token_bytes.unwrap_or(def.token_bytes),
+            tokenizer: d.tokenizer.map(&resolve),
+            eval_tokens: d.eval_tokens.unwrap_or(def.eval_tokens),
         };
+        let llama = matches!(model, ModelConfig::Llama { .. });
+        if data.token_bytes != 2 && data.token_bytes != 4 {
+            return Err(format!(
+                "data.token_bytes = {} must be 2 (uint16 ids) or 4 (uint32)",
+                data.token_bytes
+            ));
+        }
+        if !llama && data.tokenizer.is_some() {
+            return Err("data.tokenizer is for model.kind = \"llama\" (a gpt reads bytes)".into());
+        }
+        match data.source {
+            DataSource::Tokens if !llama => {
+                return Err("data.source = \"tokens\" feeds a model.kind = \"llama\"".into())
+            }
+            DataSource::Tokens if data.path.is_none() => {
+                return Err("data.path is required for source = \"tokens\" (the token file)".into())
+            }
+            DataSource::Text if llama && data.tokenizer.is_none() => {
+                return Err(
+                    "a llama reads a text through data.tokenizer (a tokenizer.json), or a token file (data.source = \"tokens\")"
+                        .into(),
+                )
+            }
+            DataSource::Digits | DataSource::Mnist | DataSource::Synthetic if llama => {
+                return Err(format!(
+                    "model.kind = \"llama\" reads tokens; data.source = \"{}\" is not text",
+                    data.source.as_str()
+                ))
+            }
+            DataSource::Tokens if data.partition != PartitionKind::Iid => {
+                return Err(format!(
+                    "data.partition = \"{}\" cuts by class; tokens have none (train.shard gives each node a stretch of them)",
+                    data.partition.as_str()
+                ))
+            }
+            _ => {}
+        }
         if !(0.0..1.0).contains(&data.test_fraction) {
             return Err(format!(
                 "data.test_fraction = {} must be in [0, 1)",
@@ -279,15 +433,15 @@ impl RawData {
                     "data.path is for source = \"digits\" or \"text\"; mnist takes data.dir".into(),
                 )
             }
-            DataSource::Digits | DataSource::Text if data.dir.is_some() => {
+            DataSource::Digits | DataSource::Text | DataSource::Tokens if data.dir.is_some() => {
                 return Err(format!(
                     "data.dir is for source = \"mnist\"; {} takes data.path",
                     data.source.as_str()
                 ))
             }
-            DataSource::Text if !matches!(model, ModelConfig::Gpt(_)) => {
+            DataSource::Text if !model.is_language_model() => {
                 return Err(
-                    "data.source = \"text\" trains a language model: it needs model.kind = \"gpt\""
+                    "data.source = \"text\" trains a language model: it needs model.kind = \"gpt\" or \"llama\""
                         .into(),
                 )
             }

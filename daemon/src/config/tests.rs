@@ -577,3 +577,120 @@ fn api_allowed_hosts_are_bare_names() {
         assert!(e.contains("api.allowed_hosts"), "{bad}: {e}");
     }
 }
+
+#[test]
+fn the_llama_config_loads_its_text_through_the_tokenizer() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let c = Config::load(Some(&root.join("llama-tiny.toml"))).expect("llama-tiny.toml");
+    assert!(c.model.is_language_model());
+    let data = c.load_data().expect("Hamlet, tokenized");
+    let Data::Tokens(tokens) = &data else {
+        panic!("a llama's text is tokens");
+    };
+    // Hamlet's ~174 KB in some 75-90k tokens of this 384-id tokenizer.
+    assert!(
+        (50_000..120_000).contains(&(tokens.train.tokens() + tokens.test.tokens())),
+        "{}",
+        tokens.train.tokens()
+    );
+    let spec = c.model_spec(&data).expect("spec");
+    assert_eq!(
+        spec.name(),
+        "llama-v384-c64-l2-w64-i128-h4-k2-d16-e0.00001-r10000"
+    );
+    let held_out = data.test();
+    let bytes = held_out
+        .target_bytes(&[0])
+        .expect("bytes")
+        .expect("a table");
+    assert!(
+        bytes >= 64,
+        "64 predicted tokens stand for at least a byte each: {bytes}"
+    );
+}
+
+#[test]
+fn a_llama_from_a_hugging_face_folder_takes_its_shape_and_its_digest_joins_the_run_id() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/fixtures/hf-llama-tiny");
+    let toml = |model: &str| {
+        format!(
+            "[model]\nkind = \"llama\"\n{model}\n[optimizer]\nkind = \"adamw\"\nlr = 0.001\n\
+             [data]\nsource = \"text\"\ntokenizer = \"{}\"\n",
+            fixture.join("tokenizer.json").display()
+        )
+    };
+    let hf = format!("hf = \"{}\"", fixture.display());
+    let c = Config::parse(&toml(&hf), "l.toml", None).expect("from the folder");
+    let ModelConfig::Llama { spec, genesis, .. } = &c.model else {
+        panic!("a llama");
+    };
+    assert_eq!((spec.vocab, spec.context, spec.kv_heads), (384, 256, 2));
+    assert!(genesis.is_some());
+    assert_eq!(c.model.genesis_folder(), Some(fixture.as_path()));
+    let shorter = Config::parse(&toml(&format!("{hf}\ncontext = 32")), "l.toml", None)
+        .expect("a shorter context");
+    assert_ne!(shorter.run_id(), c.run_id());
+    let drawn = Config::parse(
+        &toml("vocab = 384\nwidth = 64\nheads = 4\nkv_heads = 2\nlayers = 2\nintermediate = 128\ncontext = 256"),
+        "l.toml",
+        None,
+    )
+    .expect("drawn from the seed");
+    assert_ne!(
+        drawn.run_id(),
+        c.run_id(),
+        "the folder's weights are in the run id"
+    );
+    for (model, needle) in [
+        (format!("{hf}\nlayers = 3"), "model.layers: with model.hf"),
+        (
+            format!("{hf}\ncontext = 100000"),
+            "past the folder's max_position_embeddings",
+        ),
+        (
+            "hf = \"/nonexistent/folder\"".to_string(),
+            "model.hf: cannot read",
+        ),
+        (
+            "width = 64\nheads = 4".to_string(),
+            "model.vocab is required",
+        ),
+        (
+            "vocab = 10\nwidth = 64\nheads = 4\nkv_heads = 3".to_string(),
+            "key-value heads",
+        ),
+    ] {
+        let e = Config::parse(&toml(&model), "l.toml", None)
+            .expect_err(needle)
+            .to_string();
+        assert!(e.contains(needle), "{needle}: {e}");
+    }
+    // Tokens and tokenizers go with a llama only; a llama reads no labelled set.
+    let gpt_with_tokenizer =
+        DEFAULT_CONFIG_TOML.replace("[data]", "[data]\ntokenizer = \"t.json\"");
+    let e = Config::parse(&gpt_with_tokenizer, "x.toml", None)
+        .expect_err("mlp")
+        .to_string();
+    assert!(
+        e.contains("data.tokenizer is for model.kind = \"llama\""),
+        "{e}"
+    );
+    let llama_on_digits = "[model]\nkind = \"llama\"\nvocab = 10\nwidth = 8\nheads = 2\n\
+        [optimizer]\nkind = \"sgd\"\nlr = 0.1\n[data]\nsource = \"digits\"\n";
+    let e = Config::parse(llama_on_digits, "x.toml", None)
+        .expect_err("digits")
+        .to_string();
+    assert!(e.contains("reads tokens"), "{e}");
+    let llama_text_alone = "[model]\nkind = \"llama\"\nvocab = 10\nwidth = 8\nheads = 2\n\
+        [optimizer]\nkind = \"sgd\"\nlr = 0.1\n[data]\nsource = \"text\"\n";
+    let e = Config::parse(llama_text_alone, "x.toml", None)
+        .expect_err("text")
+        .to_string();
+    assert!(e.contains("data.tokenizer"), "{e}");
+    let tokens_without_path = "[model]\nkind = \"llama\"\nvocab = 10\nwidth = 8\nheads = 2\n\
+        [optimizer]\nkind = \"sgd\"\nlr = 0.1\n[data]\nsource = \"tokens\"\n";
+    let e = Config::parse(tokens_without_path, "x.toml", None)
+        .expect_err("path")
+        .to_string();
+    assert!(e.contains("data.path is required"), "{e}");
+}

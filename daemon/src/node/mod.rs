@@ -120,6 +120,21 @@ pub fn prepare(config: Config) -> Result<Prepared, NodeError> {
             text.train.bytes().len()
         );
     }
+    if let (Some((k, n)), Data::Tokens(tokens)) = (config.train.shard, &mut data) {
+        tokens.train = tokens
+            .train
+            .part(k, n)
+            .map_err(|e| NodeError::Shard(format!("train.shard {k}/{n}: {e}")))?;
+        if tokens.train.is_empty() {
+            return Err(NodeError::Shard(format!(
+                "train.shard {k}/{n} leaves too few tokens for one window"
+            )));
+        }
+        tracing::info!(
+            "training on shard {k}/{n}: {} tokens",
+            tokens.train.tokens()
+        );
+    }
     if let (Some((k, n)), Data::Labeled(split)) = (config.train.shard, &mut data) {
         let cut = config.data.cut(n, split.train.classes);
         split.train = split
@@ -538,6 +553,21 @@ fn build_model(
             id = loaded.meta.id,
             step = loaded.meta.info.step,
             "resumed from checkpoint"
+        );
+    } else if let Some(dir) = config.model.genesis_folder() {
+        // The run starts from the folder's weights (its digest is in the run id, so every
+        // node of the run read the same ones); a joiner's download replaces them.
+        let folder = p2ptrain_models::hf::read_folder(dir)
+            .map_err(|e| NodeError::Trainer(format!("model.hf: {e}")))?;
+        built
+            .0
+            .params()
+            .load(&folder.tensors)
+            .map_err(|e| NodeError::Trainer(format!("model.hf {}: {e}", dir.display())))?;
+        tracing::info!(
+            folder = %dir.display(),
+            stored_as = folder.stored_as,
+            "starting from a Hugging Face model's weights"
         );
     }
     Ok(built)

@@ -1,0 +1,301 @@
+//! The Llama-family decoder as a user runs it: `p2ptrain tokenize` writes the ids the Python
+//! tokenizer gives; a node trains the tiny Llama on a token file of Hamlet and brings its
+//! held-out bits per byte down and `sample` continues a prompt; `p2ptrain export` writes its checkpoint as a Hugging Face
+//! folder that reads back to the checkpoint's parameters; two nodes train one together.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::harness::{cli, newest_checkpoint, read_checkpoint, repo_root, Node};
+use crate::mesh::{listen_addr, peers, start};
+
+/// Steps a lone node trains in the test.
+const STEPS: u64 = 300;
+
+fn fixture() -> PathBuf {
+    repo_root().join("models/fixtures/hf-llama-tiny")
+}
+
+fn tokenizer() -> String {
+    fixture()
+        .join("tokenizer.json")
+        .to_str()
+        .expect("utf8")
+        .to_string()
+}
+
+/// `p2ptrain tokenize` of `texts` into `out`; asserts it succeeded.
+fn tokenize(out: &Path, texts: &[&Path]) -> String {
+    let mut args = vec![
+        "tokenize".to_string(),
+        "--tokenizer".into(),
+        tokenizer(),
+        "--out".into(),
+        out.to_str().expect("utf8").into(),
+    ];
+    args.extend(texts.iter().map(|t| t.to_str().expect("utf8").to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (st, stdout, err) = cli(&args, Duration::from_secs(120));
+    assert!(st.success(), "{err}");
+    stdout
+}
+
+/// `configs/llama-tiny.toml` reading the token file `tokens` (and its tokenizer for bits per
+/// byte), evaluating every 50 steps, its schedule over `steps`, plus `extra` TOML.
+fn llama_config(dir: &Path, name: &str, tokens: &Path, steps: u64, extra: &str) -> PathBuf {
+    let mut text =
+        std::fs::read_to_string(repo_root().join("configs/llama-tiny.toml")).expect("config");
+    let replacements: [(&str, &str); 6] = [
+        (
+            "source = \"text\"       # no path: the bundled Hamlet (174 KB), tokenized at start-up",
+            &format!(
+                "source = \"tokens\"\npath = \"{}\"",
+                tokens.to_str().expect("utf8")
+            ),
+        ),
+        (
+            "tokenizer = \"../models/fixtures/hf-llama-tiny/tokenizer.json\"",
+            &format!("tokenizer = \"{}\"", tokenizer()),
+        ),
+        ("total_steps = 5000", &format!("total_steps = {steps}")),
+        ("eval_every = 0", "eval_every = 50"),
+        ("eval_every_secs = 10", "eval_every_secs = 0"),
+        ("every_secs = 60", "every_secs = 0"),
+    ];
+    for (from, to) in replacements {
+        assert!(text.contains(from), "{from}");
+        text = text.replace(from, to);
+    }
+    text.push_str(extra);
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+fn eval_json(cfg: &Path, checkpoint: &Path) -> Value {
+    let (st, out, err) = cli(
+        &[
+            "eval",
+            "--json",
+            "--config",
+            cfg.to_str().expect("utf8"),
+            "--checkpoint",
+            checkpoint.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(st.success(), "{err}");
+    serde_json::from_str(&out).expect("json")
+}
+
+#[test]
+fn tokenize_writes_the_python_tokenizers_ids() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let expected: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture().join("expected.json")).expect("expected"),
+    )
+    .expect("json");
+    let check = &expected["tokenizer_check"];
+    let text = tmp.path().join("text.txt");
+    std::fs::write(&text, check["text"].as_str().expect("text")).expect("write");
+    let out = tmp.path().join("text.bin");
+    tokenize(&out, &[&text]);
+    let ids: Vec<u64> = std::fs::read(&out)
+        .expect("token file")
+        .chunks_exact(2)
+        .map(|b| u64::from(u16::from_le_bytes([b[0], b[1]])))
+        .collect();
+    let want: Vec<u64> = check["ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|v| v.as_u64().expect("id"))
+        .collect();
+    assert_eq!(ids, want);
+    // An existing file is never overwritten; a missing tokenizer is one error line.
+    let (st, _, err) = cli(
+        &[
+            "tokenize",
+            "--tokenizer",
+            &tokenizer(),
+            "--out",
+            out.to_str().expect("utf8"),
+            text.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!st.success() && err.contains("never overwritten"), "{err}");
+    let (st, _, err) = cli(
+        &[
+            "tokenize",
+            "--tokenizer",
+            "/nonexistent/tokenizer.json",
+            "--out",
+            tmp.path().join("x.bin").to_str().expect("utf8"),
+            text.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!st.success(), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(!tmp.path().join("x.bin").exists());
+}
+
+#[test]
+fn a_llama_learns_hamlets_tokens_and_exports_to_a_hugging_face_folder() {
+    let _cores = crate::harness::cpu_hog();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let tokens = tmp.path().join("hamlet.bin");
+    let said = tokenize(&tokens, &[&repo_root().join("data/hamlet.txt.gz")]);
+    eprintln!("{said}");
+    let cfg = llama_config(tmp.path(), "llama.toml", &tokens, STEPS, "");
+    let cfg_arg = cfg.to_str().expect("utf8");
+    let data = tmp.path().join("node");
+    let started = std::time::Instant::now();
+    let mut node = Node::start(
+        &data,
+        &["--config", cfg_arg, "--max-steps", &STEPS.to_string()],
+    );
+    node.wait_api();
+    let first = node.wait_status("a first evaluation", Duration::from_secs(120), |s| {
+        s["eval"]["bits_per_byte"].is_number()
+    });
+    assert!(
+        node.wait_exit(Duration::from_secs(600)).success(),
+        "{}",
+        node.log_text()
+    );
+    let secs = started.elapsed().as_secs_f64();
+    let ck = newest_checkpoint(&data).expect("final checkpoint");
+    let e = eval_json(&cfg, &ck);
+    let (before, after) = (
+        first["eval"]["bits_per_byte"].as_f64().expect("bpb"),
+        e["bits_per_byte"].as_f64().expect("bpb"),
+    );
+    eprintln!(
+        "llama alone: {before:.3} bits per byte at step {}, {after:.3} after {STEPS} steps ({secs:.1} s); {e}",
+        first["eval"]["step"]
+    );
+    assert_eq!(e["step"], STEPS);
+    assert_eq!(
+        e["model"],
+        "llama-v384-c64-l2-w64-i128-h4-k2-d16-e0.00001-r10000"
+    );
+    // Per token and per byte: the loss in nats per token over the bytes a token stands for
+    // (two and a bit, with this tokenizer) reads as fewer bits per byte than per token.
+    let per_token_bits = e["loss"].as_f64().expect("loss") / std::f64::consts::LN_2;
+    assert!(after < per_token_bits / 1.5, "{after} {per_token_bits}");
+    assert!(after < before - 0.5, "{before} -> {after}");
+
+    // `sample` continues a prompt through the tokenizer, the same text for the same seed.
+    let sample = || {
+        let (st, out, err) = cli(
+            &[
+                "sample",
+                "--checkpoint",
+                ck.to_str().expect("utf8"),
+                "--tokenizer",
+                &tokenizer(),
+                "--prompt",
+                "HAMLET.",
+                "--bytes",
+                "40",
+            ],
+            Duration::from_secs(60),
+        );
+        assert!(st.success(), "{err}");
+        out
+    };
+    let text = sample();
+    eprintln!("sample:\n{text}");
+    assert!(
+        text.starts_with("HAMLET.") && text.len() > "HAMLET.".len() + 40,
+        "{text}"
+    );
+    assert_eq!(sample(), text);
+
+    // The checkpoint as a Hugging Face folder, which reads back to its parameters.
+    let out = tmp.path().join("hf");
+    let (st, _, err) = cli(
+        &[
+            "export",
+            "--checkpoint",
+            ck.to_str().expect("utf8"),
+            "--out",
+            out.to_str().expect("utf8"),
+            "--tokenizer",
+            &tokenizer(),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(st.success(), "{err}");
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        assert!(out.join(file).is_file(), "{file}");
+    }
+    let folder = p2ptrain_models::hf::read_folder(&out).expect("the export reads back");
+    let (_, tensors) = read_checkpoint(&ck);
+    assert_eq!(folder.tensors.len(), folder.spec.parameter_shapes().len());
+    for (name, t) in &folder.tensors {
+        let (shape, values) = tensors.get(name).unwrap_or_else(|| panic!("{name}"));
+        assert_eq!(t.dims(), shape.as_slice(), "{name}");
+        let got = t.flatten_all().expect("f").to_vec1::<f32>().expect("v");
+        assert_eq!(&got, values, "{name}");
+    }
+    // Never over an existing folder's files.
+    let (st, _, err) = cli(
+        &[
+            "export",
+            "--checkpoint",
+            ck.to_str().expect("utf8"),
+            "--out",
+            out.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!st.success() && err.contains("not empty"), "{err}");
+}
+
+#[test]
+fn two_llama_nodes_share_their_training() {
+    let _cores = crate::harness::cpu_hog();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let tokens = tmp.path().join("hamlet.bin");
+    tokenize(&tokens, &[&repo_root().join("data/hamlet.txt.gz")]);
+    let steps = 600;
+    let cfg = llama_config(tmp.path(), "llama.toml", &tokens, steps, "");
+    let max = steps.to_string();
+    let mut a = start(
+        tmp.path(),
+        "a",
+        &cfg,
+        None,
+        &["--max-steps", &max, "--shard", "0/2"],
+    );
+    let addr = listen_addr(&a);
+    let mut b = start(
+        tmp.path(),
+        "b",
+        &cfg,
+        Some(&addr),
+        &["--max-steps", &max, "--shard", "1/2"],
+    );
+    for n in [&a, &b] {
+        n.wait_status("a peer", Duration::from_secs(60), |s| peers(s) >= 1);
+    }
+    for n in [&a, &b] {
+        let s = n.wait_status("updates from the other", Duration::from_secs(120), |s| {
+            s["updates"]["applied"].as_u64().unwrap_or(0) >= 5
+        });
+        eprintln!("updates {} at step {}", s["updates"], s["step"]);
+        assert_eq!(s["updates"]["rejected"].as_u64(), Some(0), "{s}");
+    }
+    for n in [&mut a, &mut b] {
+        assert!(
+            n.wait_exit(Duration::from_secs(600)).success(),
+            "{}",
+            n.log_text()
+        );
+    }
+}

@@ -299,3 +299,47 @@ fn two_llama_nodes_share_their_training() {
         );
     }
 }
+
+#[test]
+fn a_llama_starts_from_a_hugging_face_folders_weights() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = tmp.path().join("hf.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nkind = \"llama\"\nhf = \"{}\"\ncontext = 64\n\
+             [optimizer]\nkind = \"adamw\"\nlr = 0.0001\n\
+             [data]\nsource = \"text\"\ntokenizer = \"{}\"\ntest_fraction = 0.1\n\
+             [train]\nbatch_size = 8\nthreads = 1\n",
+            fixture().to_str().expect("utf8"),
+            tokenizer()
+        ),
+    )
+    .expect("config");
+    let data = tmp.path().join("node");
+    let mut node = Node::start(
+        &data,
+        &["--config", cfg.to_str().expect("utf8"), "--max-steps", "1"],
+    );
+    assert!(
+        node.wait_exit(Duration::from_secs(120)).success(),
+        "{}",
+        node.log_text()
+    );
+    assert!(
+        node.log_text()
+            .contains("starting from a Hugging Face model's weights"),
+        "{}",
+        node.log_text()
+    );
+    let e = eval_json(&cfg, &newest_checkpoint(&data).expect("checkpoint"));
+    eprintln!("one step from the fixture's weights: {e}");
+    // The fixture was trained on Hamlet to about 2.9 nats a token; weights drawn from a seed
+    // start at ln(384) = 5.95.
+    let loss = e["loss"].as_f64().expect("loss");
+    assert!(loss < 4.0, "{e}");
+    assert_eq!(
+        e["model"],
+        "llama-v384-c64-l2-w64-i128-h4-k2-d16-e0.00001-r10000"
+    );
+}

@@ -21,6 +21,7 @@ Prints one JSON line; exits 1 when the loss differs by more than --tol (absolute
 import argparse
 import json
 import logging
+import math
 import sys
 
 import numpy as np
@@ -32,7 +33,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 def held_out_windows(ids, context, test_fraction, eval_tokens):
     n = len(ids)
-    n_test = int(round(n * test_fraction))
+    # Rust's f64::round: halves away from zero (Python's round takes them to even).
+    n_test = int(math.floor(n * test_fraction + 0.5))
     cut = n - n_test
     end = min(n, cut + max(eval_tokens, context) + 1) if eval_tokens > 0 else n
     tail = ids[cut:end]

@@ -698,12 +698,17 @@ fn eval(args: EvalArgs) -> Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else if let Some(bpb) = e.bits_per_byte {
         println!(
-            "{file}: step {}, {} on {}: {bpb:.3} bits per byte, perplexity {:.2} ({} held-out windows), next-byte accuracy {:.2}%",
+            "{file}: step {}, {} on {}: {bpb:.3} bits per byte, perplexity {:.2} ({} held-out windows), next-{} accuracy {:.2}%",
             loaded.meta.info.step,
             prepared.spec.name(),
             prepared.config.data.describe(),
             e.loss.exp(),
             e.samples,
+            if matches!(prepared.spec, p2ptrain_models::ModelSpec::Llama(_)) {
+                "token"
+            } else {
+                "byte"
+            },
             e.accuracy * 100.0
         );
     } else {

@@ -29,7 +29,7 @@ pub struct TokenizeArgs {
 /// Tokenizes the texts into the token file and prints what it wrote.
 pub fn run(args: TokenizeArgs) -> Result<()> {
     let tokenizer = TextTokenizer::load(&args.tokenizer)?;
-    let vocab = tokenizer.vocab_size();
+    let vocab = tokenizer.id_bound();
     let width = match args.token_bytes {
         Some(w @ (2 | 4)) => usize::from(w),
         Some(w) => bail!("--token-bytes is 2 or 4, not {w}"),
@@ -37,7 +37,10 @@ pub fn run(args: TokenizeArgs) -> Result<()> {
         None => 4,
     };
     if width == 2 && vocab > 1 << 16 {
-        bail!("a vocabulary of {vocab} ids does not fit 2-byte ids: use --token-bytes 4");
+        bail!(
+            "ids up to {} do not fit 2-byte ids: use --token-bytes 4",
+            vocab - 1
+        );
     }
     if args.out.exists() {
         bail!(
@@ -46,9 +49,18 @@ pub fn run(args: TokenizeArgs) -> Result<()> {
         );
     }
     // Written beside the target and renamed into place once whole: a failure (a file that is
-    // not text, a full disk) leaves no half token file that trains on a cut corpus.
+    // not text, a full disk) leaves no half token file that trains on a cut corpus. The
+    // partial file is this run's own (created new), so only this run removes it.
     let partial = args.out.with_extension("partial");
-    let written = write_tokens(&args, &tokenizer, width, &partial);
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    let file = opts.open(&partial).with_context(|| {
+        format!(
+            "cannot create {} (another tokenize writing it, or one that was stopped?)",
+            partial.display()
+        )
+    })?;
+    let written = write_tokens(&args, &tokenizer, width, file);
     if written.is_err() {
         let _ = std::fs::remove_file(&partial);
     }
@@ -62,18 +74,13 @@ pub fn run(args: TokenizeArgs) -> Result<()> {
     Ok(())
 }
 
-/// Writes the texts' ids into `path`; answers (ids, bytes of text).
+/// Writes the texts' ids into `file`; answers (ids, bytes of text).
 fn write_tokens(
     args: &TokenizeArgs,
     tokenizer: &TextTokenizer,
     width: usize,
-    path: &std::path::Path,
+    file: std::fs::File,
 ) -> Result<(u64, u64)> {
-    let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create_new(true);
-    let file = opts
-        .open(path)
-        .with_context(|| format!("cannot create {}", path.display()))?;
     let mut out = std::io::BufWriter::new(file);
     let table = tokenizer.bytes_per_token();
     let (mut ids_written, mut text_bytes) = (0u64, 0u64);
@@ -84,7 +91,9 @@ fn write_tokens(
         let ids = tokenizer.encode(text)?;
         for &id in &ids {
             if width == 2 {
-                out.write_all(&(id as u16).to_le_bytes())?;
+                let id = u16::try_from(id)
+                    .with_context(|| format!("token id {id} does not fit 2 bytes"))?;
+                out.write_all(&id.to_le_bytes())?;
             } else {
                 out.write_all(&id.to_le_bytes())?;
             }
@@ -103,7 +112,6 @@ fn write_tokens(
         ids_written += ids.len() as u64;
         text_bytes += bytes.len() as u64;
     }
-    out.flush()
-        .with_context(|| format!("writing {}", path.display()))?;
+    out.flush().context("writing the token file")?;
     Ok((ids_written, text_bytes))
 }

@@ -19,6 +19,11 @@ pub fn continue_ids(
     temperature: f64,
     seed: u64,
 ) -> Result<Vec<u32>> {
+    if prompt.is_empty() || context == 0 {
+        return Err(crate::Error::Spec(
+            "generation continues a prompt of one id or more, in a context of one or more".into(),
+        ));
+    }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut ids = prompt.to_vec();
     let mut out = Vec::with_capacity(count.min(1 << 16));

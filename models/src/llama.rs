@@ -1,6 +1,7 @@
-//! A Llama-family decoder: the architecture of the models home labs fine-tune (Llama, SmolLM,
-//! and the Llama shapes of Mistral and Qwen without their extras), so that a user can start
-//! from a Hugging Face checkpoint and take the result back to the tools they use.
+//! A Llama-family decoder: the architecture of the models home labs fine-tune (Llama and
+//! SmolLM checkpoints; other families' `config.json` is refused on import, see [`crate::hf`]),
+//! so that a user can start from a Hugging Face checkpoint and take the result back to the
+//! tools they use.
 //!
 //! Token embeddings, `layers` pre-norm blocks (RMS norm, causal self-attention with rotary
 //! position embeddings and grouped-query attention, RMS norm, a SwiGLU MLP, each added to the
@@ -38,7 +39,11 @@ const MAX_VOCAB: usize = 1 << 20;
 const MAX_CONTEXT: usize = 1 << 17;
 const MAX_WIDTH: usize = 1 << 15;
 const MAX_LAYERS: usize = 256;
+const MAX_HEADS: usize = 1024;
+const MAX_HEAD_DIM: usize = 1024;
 const MAX_PARAMS: usize = 4_000_000_000;
+/// Largest rotary table (positions x head width, each of cos and sin): 256 MiB of `f32`.
+const MAX_ROTARY: usize = 1 << 26;
 
 /// The shape of a Llama-family decoder. Part of the run identity.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -114,16 +119,22 @@ impl LlamaSpec {
                 s.rms_eps, s.rope_theta
             )));
         }
+        // Each size bounded alone before any product of them, so no product overflows.
         if s.vocab > MAX_VOCAB
             || s.context > MAX_CONTEXT
             || s.hidden > MAX_WIDTH
             || s.intermediate > 8 * MAX_WIDTH
+            || s.heads > MAX_HEADS
+            || s.kv_heads > MAX_HEADS
+            || s.head_dim > MAX_HEAD_DIM
             || s.heads * s.head_dim > 4 * MAX_WIDTH
+            || s.context * s.head_dim > MAX_ROTARY
             || s.layers > MAX_LAYERS
         {
             return Err(Error::Spec(format!(
                 "a llama of {s:?} is past the limits (vocabulary {MAX_VOCAB}, context \
-                 {MAX_CONTEXT}, width {MAX_WIDTH}, {MAX_LAYERS} layers)"
+                 {MAX_CONTEXT}, width {MAX_WIDTH}, {MAX_HEADS} heads of at most \
+                 {MAX_HEAD_DIM}, {MAX_LAYERS} layers, rotary tables of {MAX_ROTARY} values)"
             )));
         }
         if self.numel() > MAX_PARAMS {
@@ -226,13 +237,23 @@ impl LlamaSpec {
     }
 
     /// Number of parameters the model has.
+    ///
+    /// Saturating: a spec past every limit counts as `usize::MAX`, never wraps to a small
+    /// number that would pass [`LlamaSpec::validate`].
     pub fn numel(&self) -> usize {
         let s = self;
-        let attention = s.hidden * s.head_dim * (2 * s.heads + 2 * s.kv_heads);
-        let mlp = 3 * s.hidden * s.intermediate;
-        let block = attention + mlp + 2 * s.hidden;
-        let head = if s.tied { 0 } else { s.vocab * s.hidden };
-        s.vocab * s.hidden + s.layers * block + s.hidden + head
+        let mul = |a: usize, b: usize| a.saturating_mul(b);
+        let heads = s.heads.saturating_add(s.kv_heads);
+        let attention = mul(mul(s.hidden, s.head_dim), mul(2, heads));
+        let mlp = mul(mul(3, s.hidden), s.intermediate);
+        let block = attention
+            .saturating_add(mlp)
+            .saturating_add(mul(2, s.hidden));
+        let head = if s.tied { 0 } else { mul(s.vocab, s.hidden) };
+        mul(s.vocab, s.hidden)
+            .saturating_add(mul(s.layers, block))
+            .saturating_add(s.hidden)
+            .saturating_add(head)
     }
 }
 
@@ -731,6 +752,19 @@ mod tests {
             },
             LlamaSpec {
                 layers: 100_000,
+                ..tiny(false)
+            },
+            LlamaSpec {
+                heads: 1 << 32,
+                head_dim: 1 << 32,
+                kv_heads: 1,
+                ..tiny(false)
+            },
+            LlamaSpec {
+                context: 131_072,
+                head_dim: 1024,
+                heads: 1,
+                kv_heads: 1,
                 ..tiny(false)
             },
         ];

@@ -54,10 +54,21 @@ impl TextTokenizer {
         })
     }
 
-    /// Ids the tokenizer can produce (added tokens included): the model's vocabulary must be
-    /// at least this.
+    /// Ids the tokenizer has (added tokens included).
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// One past the largest id the tokenizer can produce (an added token's id may lie past
+    /// the count of ids): the model's vocabulary must be at least this, and a token file's
+    /// ids must fit their width.
+    pub fn id_bound(&self) -> usize {
+        self.inner
+            .get_vocab(true)
+            .values()
+            .map(|&id| id as usize + 1)
+            .max()
+            .unwrap_or(0)
     }
 
     /// The ids of `text` (no special tokens added).
@@ -87,7 +98,14 @@ impl TextTokenizer {
 /// `<0xNN>` is one byte (SentencePiece's byte fallback), `▁` one (a space), and any other
 /// character its UTF-8 length. Special (added) tokens stand for no text.
 fn bytes_per_token(tokenizer: &Tokenizer) -> Vec<u32> {
-    let byte_level = matches!(tokenizer.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
+    let byte_level = tokenizer.get_decoder().is_some_and(|d| match d {
+        DecoderWrapper::ByteLevel(_) => true,
+        DecoderWrapper::Sequence(seq) => seq
+            .get_decoders()
+            .iter()
+            .any(|d| matches!(d, DecoderWrapper::ByteLevel(_))),
+        _ => false,
+    });
     let special: std::collections::HashSet<u32> = tokenizer
         .get_added_tokens_decoder()
         .iter()
@@ -136,7 +154,7 @@ mod tests {
     #[test]
     fn the_fixture_tokenizer_gives_pythons_ids_and_bytes() {
         let tok = TextTokenizer::load(&fixture().join("tokenizer.json")).expect("tokenizer");
-        assert_eq!(tok.vocab_size(), 384);
+        assert_eq!((tok.vocab_size(), tok.id_bound()), (384, 384));
         let expected: Value = serde_json::from_str(
             &std::fs::read_to_string(fixture().join("expected.json")).expect("expected"),
         )

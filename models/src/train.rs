@@ -50,14 +50,16 @@ fn per_prediction(logits: Tensor, ys: &Tensor) -> Result<(Tensor, Tensor)> {
 /// Accuracy and mean loss of a model on a data set.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Evaluation {
-    /// Fraction of predictions that were right, in `[0, 1]` (for text: next bytes guessed).
+    /// Fraction of predictions that were right, in `[0, 1]` (for text: next bytes or tokens
+    /// guessed).
     pub accuracy: f64,
     /// Mean cross-entropy loss per prediction, in nats.
     pub loss: f64,
     /// Number of samples evaluated.
     pub samples: usize,
-    /// For text, the loss in bits per byte (`loss / ln 2`): what a compressor built on the
-    /// model would spend per byte of held-out text.
+    /// For text, the loss in bits per byte (every prediction's nats over the bytes of text
+    /// the predicted bytes or tokens stand for, / ln 2): what a compressor built on the model
+    /// would spend per byte of held-out text, whatever its vocabulary.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bits_per_byte: Option<f64>,
 }

@@ -462,7 +462,7 @@ impl Config {
                 if let Some(path) = &self.data.tokenizer {
                     let vocab = TextTokenizer::load(path)
                         .map_err(|e| err(format!("data.tokenizer: {e}")))?
-                        .vocab_size();
+                        .id_bound();
                     if vocab > spec.vocab {
                         return Err(err(format!(
                             "data.tokenizer has {vocab} ids, past the model's vocabulary of {}",
@@ -532,7 +532,7 @@ impl Config {
             /// A text's held-out bytes: nodes that evaluate the same tail compare.
             #[serde(skip_serializing_if = "Option::is_none")]
             text_eval_bytes: Option<usize>,
-            /// A token file's held-out ids.
+            /// A llama's held-out ids.
             #[serde(skip_serializing_if = "Option::is_none")]
             eval_tokens: Option<usize>,
         }
@@ -548,6 +548,7 @@ impl Config {
             init_seed: u64,
         }
         let d = &self.data;
+        let llama = matches!(self.model, ModelConfig::Llama { .. });
         let identity = Identity {
             protocol: "p2ptrain/1",
             model: &self.model,
@@ -560,8 +561,9 @@ impl Config {
                 standardize: d.standardize,
                 synthetic: (d.source == DataSource::Synthetic)
                     .then_some((d.samples, d.dim, d.classes, d.seed)),
-                text_eval_bytes: (d.source == DataSource::Text).then_some(d.eval_bytes),
-                eval_tokens: (d.source == DataSource::Tokens).then_some(d.eval_tokens),
+                // What a llama reads is tokens, from a token file or a text.
+                text_eval_bytes: (d.source == DataSource::Text && !llama).then_some(d.eval_bytes),
+                eval_tokens: llama.then_some(d.eval_tokens),
             },
             init_seed: self.train.init_seed,
         };

@@ -213,7 +213,7 @@ impl RawModel {
                     .ok_or("model.vocab is required for a llama (or model.hf)")?,
                 context: m.context.unwrap_or(128),
                 hidden,
-                intermediate: m.intermediate.unwrap_or(hidden * 8 / 3),
+                intermediate: m.intermediate.unwrap_or(hidden.saturating_mul(8) / 3),
                 layers: m.layers.unwrap_or(4),
                 heads,
                 kv_heads: m.kv_heads.unwrap_or(heads),
@@ -395,9 +395,11 @@ impl RawData {
             DataSource::Tokens if data.path.is_none() => {
                 return Err("data.path is required for source = \"tokens\" (the token file)".into())
             }
-            DataSource::Text if llama && data.tokenizer.is_none() => {
+            // The tokenizer tokenizes a text, and says the bytes each id stands for: a llama's
+            // held-out figure is bits per byte, as a gpt's is.
+            DataSource::Text | DataSource::Tokens if llama && data.tokenizer.is_none() => {
                 return Err(
-                    "a llama reads a text through data.tokenizer (a tokenizer.json), or a token file (data.source = \"tokens\")"
+                    "a llama needs data.tokenizer (a tokenizer.json): it reads a text through it, and it says how many bytes each id stands for (bits per byte)"
                         .into(),
                 )
             }
@@ -466,6 +468,26 @@ impl RawData {
         }
         if !(data.alpha.is_finite() && data.alpha > 0.0) {
             return Err(format!("data.alpha = {} must be > 0", data.alpha));
+        }
+        // Each key is read by its model and source only: one set where nothing reads it is
+        // refused, not ignored (two nodes that differ in it would think they evaluate alike).
+        let unread = [
+            (
+                "data.token_bytes",
+                d.token_bytes.is_some() && data.source != DataSource::Tokens,
+            ),
+            ("data.eval_tokens", d.eval_tokens.is_some() && !llama),
+            (
+                "data.eval_bytes",
+                d.eval_bytes.is_some() && (llama || data.source != DataSource::Text),
+            ),
+        ];
+        if let Some((key, _)) = unread.iter().find(|(_, set)| *set) {
+            return Err(format!(
+                "{key} is not read with model.kind and data.source = \"{}\" (token_bytes: \
+                 a token file's; eval_tokens: a llama's; eval_bytes: a gpt's text)",
+                data.source.as_str()
+            ));
         }
         if data.classes_per_node == Some(0) {
             return Err("data.classes_per_node must be at least 1".into());

@@ -687,6 +687,26 @@ fn a_llama_from_a_hugging_face_folder_takes_its_shape_and_its_digest_joins_the_r
         .expect_err("text")
         .to_string();
     assert!(e.contains("data.tokenizer"), "{e}");
+    // A key nothing reads with this model and source is refused, not ignored.
+    for (config, key) in [
+        (
+            DEFAULT_CONFIG_TOML.replace("[data]", "[data]\ntoken_bytes = 4"),
+            "data.token_bytes",
+        ),
+        (
+            DEFAULT_CONFIG_TOML.replace("[data]", "[data]\neval_tokens = 10"),
+            "data.eval_tokens",
+        ),
+        (
+            toml(&hf).replace("[data]", "[data]\neval_bytes = 100"),
+            "data.eval_bytes",
+        ),
+    ] {
+        let e = Config::parse(&config, "x.toml", None)
+            .expect_err(key)
+            .to_string();
+        assert!(e.contains(key) && e.contains("not read"), "{key}: {e}");
+    }
     let tokens_without_path = "[model]\nkind = \"llama\"\nvocab = 10\nwidth = 8\nheads = 2\n\
         [optimizer]\nkind = \"sgd\"\nlr = 0.1\n[data]\nsource = \"tokens\"\n";
     let e = Config::parse(tokens_without_path, "x.toml", None)

@@ -263,7 +263,7 @@ fn two_llama_nodes_share_their_training() {
     let tmp = tempfile::tempdir().expect("tmp");
     let tokens = tmp.path().join("hamlet.bin");
     tokenize(&tokens, &[&repo_root().join("data/hamlet.txt.gz")]);
-    let steps = 600;
+    let steps = 300;
     let cfg = llama_config(tmp.path(), "llama.toml", &tokens, steps, "");
     let max = steps.to_string();
     let mut a = start(

@@ -95,6 +95,40 @@ pub fn eventually<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Optio
     }
 }
 
+/// `p2ptrain eval --json` of `checkpoint` (with `config`, else the built-in default): the
+/// held-out figures an offline reader gets. Asserts the command succeeded.
+pub fn eval_json(checkpoint: &Path, config: Option<&Path>) -> serde_json::Value {
+    let ck = checkpoint.to_str().expect("utf8");
+    let mut args = vec!["eval", "--checkpoint", ck, "--json"];
+    if let Some(c) = config {
+        args.extend(["--config", c.to_str().expect("utf8")]);
+    }
+    let (st, out, err) = cli(&args, Duration::from_secs(120));
+    assert!(st.success(), "eval failed: {err}");
+    serde_json::from_str(&out).expect("eval json")
+}
+
+/// The repository's config `shipped` (e.g. `configs/text-gpt.toml`) with each `(from, to)`
+/// replaced (each `from` must be there: a shipped config that changed fails loudly) and
+/// `extra` TOML appended, written as `dir/name`.
+pub fn edited_config(
+    dir: &Path,
+    name: &str,
+    shipped: &str,
+    replacements: &[(&str, &str)],
+    extra: &str,
+) -> PathBuf {
+    let mut text = std::fs::read_to_string(repo_root().join(shipped)).expect("config");
+    for (from, to) in replacements {
+        assert!(text.contains(from), "{shipped}: {from}");
+        text = text.replace(from, to);
+    }
+    text.push_str(extra);
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
 /// Runs the CLI to completion with a time limit; returns (status, stdout, stderr).
 pub fn cli(args: &[&str], timeout: Duration) -> (ExitStatus, String, String) {
     cli_in(None, args, timeout)

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::harness::{cli, newest_checkpoint, read_checkpoint, repo_root, Node};
+use crate::harness::{
+    cli, edited_config, eval_json, newest_checkpoint, read_checkpoint, repo_root, Node,
+};
 use crate::mesh::{listen_addr, peers, start};
 
 /// Steps a lone node trains in the test.
@@ -45,49 +47,32 @@ fn tokenize(out: &Path, texts: &[&Path]) -> String {
 /// `configs/llama-tiny.toml` reading the token file `tokens` (and its tokenizer for bits per
 /// byte), evaluating every 50 steps, its schedule over `steps`, plus `extra` TOML.
 fn llama_config(dir: &Path, name: &str, tokens: &Path, steps: u64, extra: &str) -> PathBuf {
-    let mut text =
-        std::fs::read_to_string(repo_root().join("configs/llama-tiny.toml")).expect("config");
-    let replacements: [(&str, &str); 6] = [
-        (
-            "source = \"text\"       # no path: the bundled Hamlet (174 KB), tokenized at start-up",
-            &format!(
-                "source = \"tokens\"\npath = \"{}\"",
-                tokens.to_str().expect("utf8")
-            ),
-        ),
-        (
-            "tokenizer = \"../models/fixtures/hf-llama-tiny/tokenizer.json\"",
-            &format!("tokenizer = \"{}\"", tokenizer()),
-        ),
-        ("total_steps = 5000", &format!("total_steps = {steps}")),
-        ("eval_every = 0", "eval_every = 50"),
-        ("eval_every_secs = 10", "eval_every_secs = 0"),
-        ("every_secs = 60", "every_secs = 0"),
-    ];
-    for (from, to) in replacements {
-        assert!(text.contains(from), "{from}");
-        text = text.replace(from, to);
-    }
-    text.push_str(extra);
-    let path = dir.join(name);
-    std::fs::write(&path, text).expect("write config");
-    path
-}
-
-fn eval_json(cfg: &Path, checkpoint: &Path) -> Value {
-    let (st, out, err) = cli(
-        &[
-            "eval",
-            "--json",
-            "--config",
-            cfg.to_str().expect("utf8"),
-            "--checkpoint",
-            checkpoint.to_str().expect("utf8"),
-        ],
-        Duration::from_secs(120),
+    let source = format!(
+        "source = \"tokens\"\npath = \"{}\"",
+        tokens.to_str().expect("utf8")
     );
-    assert!(st.success(), "{err}");
-    serde_json::from_str(&out).expect("json")
+    let tokenizer = format!("tokenizer = \"{}\"", tokenizer());
+    let total = format!("total_steps = {steps}");
+    edited_config(
+        dir,
+        name,
+        "configs/llama-tiny.toml",
+        &[
+            (
+                "source = \"text\"       # no path: the bundled Hamlet (174 KB), tokenized at start-up",
+                &source,
+            ),
+            (
+                "tokenizer = \"../models/fixtures/hf-llama-tiny/tokenizer.json\"",
+                &tokenizer,
+            ),
+            ("total_steps = 5000", &total),
+            ("eval_every = 0", "eval_every = 50"),
+            ("eval_every_secs = 10", "eval_every_secs = 0"),
+            ("every_secs = 60", "every_secs = 0"),
+        ],
+        extra,
+    )
 }
 
 #[test]
@@ -169,7 +154,7 @@ fn a_llama_learns_hamlets_tokens_and_exports_to_a_hugging_face_folder() {
     );
     let secs = started.elapsed().as_secs_f64();
     let ck = newest_checkpoint(&data).expect("final checkpoint");
-    let e = eval_json(&cfg, &ck);
+    let e = eval_json(&ck, Some(&cfg));
     let (before, after) = (
         first["eval"]["bits_per_byte"].as_f64().expect("bpb"),
         e["bits_per_byte"].as_f64().expect("bpb"),
@@ -332,7 +317,7 @@ fn a_llama_starts_from_a_hugging_face_folders_weights() {
         "{}",
         node.log_text()
     );
-    let e = eval_json(&cfg, &newest_checkpoint(&data).expect("checkpoint"));
+    let e = eval_json(&newest_checkpoint(&data).expect("checkpoint"), Some(&cfg));
     eprintln!("one step from the fixture's weights: {e}");
     // The fixture was trained on Hamlet to about 2.9 nats a token; weights drawn from a seed
     // start at ln(384) = 5.95.

@@ -79,20 +79,9 @@ pub(crate) fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
 }
 
 fn eval_accuracy(cfg: &Path, checkpoint: &Path) -> f64 {
-    let (st, out, err) = cli(
-        &[
-            "eval",
-            "--json",
-            "--config",
-            cfg.to_str().expect("utf8"),
-            "--checkpoint",
-            checkpoint.to_str().expect("utf8"),
-        ],
-        Duration::from_secs(120),
-    );
-    assert!(st.success(), "{err}");
-    let v: Value = serde_json::from_str(&out).expect("json");
-    v["accuracy"].as_f64().expect("accuracy")
+    crate::harness::eval_json(checkpoint, Some(cfg))["accuracy"]
+        .as_f64()
+        .expect("accuracy")
 }
 
 #[test]

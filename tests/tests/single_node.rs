@@ -3,7 +3,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::harness::{cli, mnist_dir, newest_checkpoint, read_checkpoint, repo_root, Node};
+use crate::harness::{
+    cli, eval_json, mnist_dir, newest_checkpoint, read_checkpoint, repo_root, Node,
+};
 
 /// The default config with the checkpoint policy replaced, written to `dir`.
 fn digits_config(dir: &Path, every_steps: u64, keep: usize) -> PathBuf {
@@ -19,17 +21,6 @@ fn digits_config(dir: &Path, every_steps: u64, keep: usize) -> PathBuf {
     let path = dir.join("digits.toml");
     std::fs::write(&path, text).expect("write config");
     path
-}
-
-fn eval_json(checkpoint: &Path, config: Option<&Path>) -> serde_json::Value {
-    let ck = checkpoint.to_str().expect("utf8");
-    let mut args = vec!["eval", "--checkpoint", ck, "--json"];
-    if let Some(c) = config {
-        args.extend(["--config", c.to_str().expect("utf8")]);
-    }
-    let (st, out, err) = cli(&args, Duration::from_secs(120));
-    assert!(st.success(), "eval failed: {err}");
-    serde_json::from_str(&out).expect("eval json")
 }
 
 #[test]

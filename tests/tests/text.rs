@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::harness::{cli, evals, eventually, newest_checkpoint, read_checkpoint, repo_root, Node};
+use crate::harness::{
+    cli, edited_config, eval_json, evals, eventually, newest_checkpoint, read_checkpoint, Node,
+};
 use crate::mesh::{listen_addr, peers, start};
 
 /// The target: below the unigram entropy by far, above what the model reaches at the end.
@@ -19,43 +21,25 @@ const STEPS: u64 = 700;
 /// 0.12 M parameters; 64 windows a step), its schedule fitted to the step budget, plus `extra`
 /// TOML. Alone on this 2-core box 600 steps took about 100 s and ended at 2.82 bits per byte.
 fn text_config(dir: &Path, name: &str, steps: u64, extra: &str) -> PathBuf {
-    let mut text =
-        std::fs::read_to_string(repo_root().join("configs/text-gpt.toml")).expect("config");
-    for (from, to) in [
-        ("context = 64", "context = 32"),
-        ("layers = 4", "layers = 2"),
-        ("width = 128", "width = 64"),
-        ("batch_size = 32", "batch_size = 64"),
-        ("total_steps = 10000", &format!("total_steps = {steps}")),
-        ("eval_every_secs = 10", "eval_every_secs = 5"),
-        ("every_secs = 60", "every_secs = 0"),
-        // The step counts below were measured with this warm-up (the full-size config's
-        // warm-up is longer, for its larger model and batch).
-        ("warmup_steps = 200", "warmup_steps = 100"),
-    ] {
-        assert!(text.contains(from), "{from}");
-        text = text.replace(from, to);
-    }
-    text.push_str(extra);
-    let path = dir.join(name);
-    std::fs::write(&path, text).expect("write config");
-    path
-}
-
-fn eval_json(cfg: &Path, checkpoint: &Path) -> Value {
-    let (st, out, err) = cli(
+    let total = format!("total_steps = {steps}");
+    edited_config(
+        dir,
+        name,
+        "configs/text-gpt.toml",
         &[
-            "eval",
-            "--json",
-            "--config",
-            cfg.to_str().expect("utf8"),
-            "--checkpoint",
-            checkpoint.to_str().expect("utf8"),
+            ("context = 64", "context = 32"),
+            ("layers = 4", "layers = 2"),
+            ("width = 128", "width = 64"),
+            ("batch_size = 32", "batch_size = 64"),
+            ("total_steps = 10000", &total),
+            ("eval_every_secs = 10", "eval_every_secs = 5"),
+            ("every_secs = 60", "every_secs = 0"),
+            // The step counts below were measured with this warm-up (the full-size config's
+            // warm-up is longer, for its larger model and batch).
+            ("warmup_steps = 200", "warmup_steps = 100"),
         ],
-        Duration::from_secs(120),
-    );
-    assert!(st.success(), "{err}");
-    serde_json::from_str(&out).expect("json")
+        extra,
+    )
 }
 
 #[test]
@@ -98,7 +82,7 @@ fn a_gpt_alone_goes_below_3_bits_per_byte_and_its_checkpoint_samples_and_reads_p
     );
 
     let ck = newest_checkpoint(&data).expect("final checkpoint");
-    let e = eval_json(&cfg, &ck);
+    let e = eval_json(&ck, Some(&cfg));
     eprintln!("alone after {STEPS} steps: {e}");
     assert_eq!(e["step"], STEPS);
     let bpb = e["bits_per_byte"].as_f64().expect("bits_per_byte");

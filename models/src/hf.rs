@@ -272,17 +272,24 @@ pub fn config_json(spec: &LlamaSpec, dtype: &str) -> String {
     serde_json::to_string_pretty(&cfg).unwrap_or_default()
 }
 
+/// The spec of the model in folder `dir`: its `config.json` read (at most 16 MiB) and checked
+/// by [`parse_config`], the file named in any error.
+pub fn read_config(dir: &Path) -> Result<LlamaSpec> {
+    let path = dir.join("config.json");
+    let text = read_json(&path)?;
+    parse_config(&text).map_err(|e| Error::Format {
+        path,
+        msg: e.to_string(),
+    })
+}
+
 /// Reads the model in folder `dir`: its `config.json`, then its weights (one
 /// `model.safetensors`, or the shards its `model.safetensors.index.json` names), each
 /// converted to `f32`. Every parameter of the spec must be present with its shape and finite
 /// values; a tensor the spec has no place for is refused (but for the rotary tables some old
 /// checkpoints stored, `*.rotary_emb.inv_freq`, which are computed here).
 pub fn read_folder(dir: &Path) -> Result<HfModel> {
-    let text = read_json(&dir.join("config.json"))?;
-    let spec = parse_config(&text).map_err(|e| Error::Format {
-        path: dir.join("config.json"),
-        msg: e.to_string(),
-    })?;
+    let spec = read_config(dir)?;
     let files = weight_files(dir)?;
     let mut tensors = HashMap::new();
     let mut stored_as = BTreeMap::new();

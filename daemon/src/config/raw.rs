@@ -247,10 +247,7 @@ impl RawModel {
                  model.context may shorten the training windows)"
             ));
         }
-        let config = dir.join("config.json");
-        let text = std::fs::read_to_string(&config)
-            .map_err(|e| format!("model.hf: cannot read {}: {e}", config.display()))?;
-        let mut spec = hf::parse_config(&text).map_err(|e| format!("model.hf: {e}"))?;
+        let mut spec = hf::read_config(&dir).map_err(|e| format!("model.hf: {e}"))?;
         if let Some(context) = m.context {
             if context > spec.context {
                 return Err(format!(

@@ -649,7 +649,7 @@ fn a_llama_from_a_hugging_face_folder_takes_its_shape_and_its_digest_joins_the_r
         ),
         (
             "hf = \"/nonexistent/folder\"".to_string(),
-            "model.hf: cannot read",
+            "model.hf: /nonexistent/folder/config.json",
         ),
         (
             "width = 64\nheads = 4".to_string(),

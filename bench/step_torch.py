@@ -2,7 +2,7 @@
 """PyTorch eager's training step on p2ptrain's models: the yardstick of `p2ptrain bench step`.
 
 Builds the model `--spec` describes (the JSON of p2ptrain's `ModelSpec`: an MLP, the LeNet-style
-CNN or the byte-level GPT, layer for layer as models/src builds them), the optimizer `--optim`
+CNN, the byte-level GPT or the Llama, layer for layer as models/src builds them), the optimizer `--optim`
 describes (the JSON of p2ptrain's `OptimizerSpec`: SGD with momentum / Nesterov / L2 decay, or
 AdamW), and times `--steps` training steps on batches of `--batch` drawn at random from an
 in-memory set of `--samples` random samples of the model's input shape (p2ptrain's bare loop
@@ -60,6 +60,8 @@ def build(spec, torch):
         return net, ("features", h * w)
     if kind == "gpt":
         return Gpt(spec, torch), ("bytes", spec["context"])
+    if kind == "llama":
+        return Llama(spec, torch), ("tokens", spec["context"])
     raise SystemExit(f"error: unknown model kind {kind!r}")
 
 
@@ -106,6 +108,85 @@ def Gpt(spec, torch):
             for blk in self.blocks:
                 x = blk(x, self.mask)
             return self.ln_f(x) @ self.tok.weight.t()
+
+    return Model()
+
+
+def Llama(spec, torch):
+    """p2ptrain's Llama-family decoder, as transformers' LlamaForCausalLM computes it in eager
+    mode: RMS norms (written out as transformers' LlamaRMSNorm), rotary embeddings in the
+    rotate-half layout, grouped-query attention with each key-value head repeated for its query
+    heads (causal attention written out, as the GPT's above), a SwiGLU MLP, no biases, the head
+    tied to the embedding or not."""
+    nn = torch.nn
+    F = torch.nn.functional
+    ctx, width, layers = spec["context"], spec["hidden"], spec["layers"]
+    heads, kv_heads, hd = spec["heads"], spec["kv_heads"], spec["head_dim"]
+    eps, theta, vocab = spec["rms_eps"], spec["rope_theta"], spec["vocab"]
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(width))
+
+        def forward(self, x):
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rotate_half(x):
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat((-b, a), dim=-1)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm = RMSNorm()
+            self.q = nn.Linear(width, heads * hd, bias=False)
+            self.k = nn.Linear(width, kv_heads * hd, bias=False)
+            self.v = nn.Linear(width, kv_heads * hd, bias=False)
+            self.o = nn.Linear(heads * hd, width, bias=False)
+            self.post_attention_layernorm = RMSNorm()
+            self.gate = nn.Linear(width, spec["intermediate"], bias=False)
+            self.up = nn.Linear(width, spec["intermediate"], bias=False)
+            self.down = nn.Linear(spec["intermediate"], width, bias=False)
+
+        def forward(self, x, mask, cos, sin):
+            b, t, _ = x.shape
+            h = self.input_layernorm(x)
+            q = self.q(h).view(b, t, heads, hd).transpose(1, 2)
+            k = self.k(h).view(b, t, kv_heads, hd).transpose(1, 2)
+            v = self.v(h).view(b, t, kv_heads, hd).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd)) + mask[:t, :t]
+            att = F.softmax(scores, dim=-1) @ v
+            x = x + self.o(att.transpose(1, 2).reshape(b, t, heads * hd))
+            h = self.post_attention_layernorm(x)
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.norm = RMSNorm()
+            self.head = None if spec["tied"] else nn.Linear(width, vocab, bias=False)
+            self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), -1e9), diagonal=1))
+            inv = theta ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+            angles = torch.outer(torch.arange(ctx, dtype=torch.float32), inv)
+            angles = torch.cat((angles, angles), dim=-1)
+            self.register_buffer("cos", angles.cos())
+            self.register_buffer("sin", angles.sin())
+
+        def forward(self, tokens):
+            t = tokens.shape[1]
+            x = self.embed(tokens)
+            cos, sin = self.cos[:t], self.sin[:t]
+            for blk in self.blocks:
+                x = blk(x, self.mask, cos, sin)
+            x = self.norm(x)
+            return x @ self.embed.weight.t() if self.head is None else self.head(x)
 
     return Model()
 
@@ -163,7 +244,8 @@ def main():
         classes = spec["widths"][-1] if spec["kind"] == "mlp" else spec["classes"]
         targets = torch.randint(0, classes, (args.samples,))
     else:
-        text = torch.randint(0, 256, (args.samples, dim + 1))
+        vocab = spec.get("vocab", 256)
+        text = torch.randint(0, vocab, (args.samples, dim + 1))
         inputs, targets = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     inputs, targets = inputs.to(args.device), targets.to(args.device)
     loss_fn = torch.nn.functional.cross_entropy

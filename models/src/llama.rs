@@ -15,13 +15,15 @@
 //! are ([`crate::hf`]). Weights built from a seed come from [`crate::init`]: normal(0, 0.02),
 //! as `transformers` initialises a Llama, norms at one.
 //!
-//! The forward pass is on Candle's graph (the causal softmax and SiLU are
-//! [`crate::cpu::fused`]'s kernels with their own backward passes; the RMS norm is composed of
-//! Candle ops, never candle-nn's fused RMS norm, which has no backward pass), so training takes
-//! Candle's autograd.
+//! The forward pass is on Candle's graph (the RMS norm, causal softmax and SwiGLU's gate are
+//! [`crate::cpu::fused`]'s kernels with their own backward passes; never candle-nn's fused RMS
+//! norm, which has none), so autograd can train through it; on the CPU in f32, training takes
+//! the hand-written backward pass of `llama/backward.rs` instead (the same gradients, a test
+//! checks).
 
 use std::sync::Arc;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var, D};
 use candle_nn::Embedding;
 use serde::{Deserialize, Serialize};
@@ -29,6 +31,8 @@ use serde::{Deserialize, Serialize};
 use crate::cpu::{fused, matmul};
 use crate::kind::{Kind, Network};
 use crate::{init, Error, Result};
+
+mod backward;
 
 /// Standard deviation of the initial weights (`transformers`' `initializer_range` default).
 const INIT_STD: f32 = 0.02;
@@ -288,6 +292,11 @@ impl Network for Llama {
     fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
         Llama::forward(self, tokens)
     }
+
+    fn loss_and_grads(&self, xs: &Tensor, ys: &Tensor) -> Option<Result<(Tensor, GradStore)>> {
+        self.has_hand_backward()
+            .then(|| Llama::loss_and_grads(self, xs, ys))
+    }
 }
 
 /// One pre-norm block's weights (linear weights `(out, in)`, no biases).
@@ -454,7 +463,7 @@ impl Llama {
             ))?;
             x = (x + linear(&attended, &b.o)?)?;
             let h = rms_norm(&x, &b.post_norm, s.rms_eps)?;
-            let gated = (fused::silu(&linear(&h, &b.gate)?)? * linear(&h, &b.up)?)?;
+            let gated = fused::swiglu(&linear(&h, &b.gate)?, &linear(&h, &b.up)?)?;
             x = (x + linear(&gated, &b.down)?)?;
         }
         let x = rms_norm(&x, &self.norm, s.rms_eps)?;
@@ -568,12 +577,10 @@ fn repeat_kv(x: &Tensor, times: usize) -> Result<Tensor> {
         .reshape((batch, kv_heads * times, time, head_dim))?)
 }
 
-/// RMS norm over the last dimension, `x / sqrt(mean(x²) + eps) · weight`, in Candle ops (each
-/// with its backward pass).
+/// RMS norm over the last dimension, `x / sqrt(mean(x²) + eps) · weight`: the fused kernel with
+/// its own backward pass (never candle-nn's, which has none).
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
-    let normed = x.broadcast_div(&(mean_square + eps)?.sqrt()?)?;
-    Ok(normed.broadcast_mul(weight)?)
+    fused::rms_norm(x, weight, eps)
 }
 
 /// `x @ weightᵀ` over the last dimension of `x`.

@@ -1,6 +1,7 @@
 //! Fused CPU kernels, each with its own backward pass, for the element-wise and row-wise
 //! parts of a training step: bias addition, layer norm, causal softmax, SiLU and the
-//! cross-entropy loss.
+//! cross-entropy loss; for the Llama, RMS norm, SwiGLU's gate and rotary embeddings (these
+//! three on the CPU only).
 //!
 //! Candle 0.11 builds these from its basic ops, so on one core a small GPT's step spent more
 //! time outside the matrix products than in them: each basic op allocates its output, autograd
@@ -17,13 +18,21 @@ use crate::{Error, Result};
 
 pub use loss::*;
 pub use norm::*;
+pub(crate) use rms::rms_norm_grad;
+pub use rms::*;
+pub(crate) use rotary::{rotary_from_heads, rotary_to_heads};
 pub use silu::*;
 pub use softmax::*;
+pub(crate) use swiglu::swiglu_grad;
+pub use swiglu::*;
 
 mod loss;
 mod norm;
+mod rms;
+mod rotary;
 mod silu;
 mod softmax;
+mod swiglu;
 
 /// Whether the fused kernels (and the hand-written backward passes built on them) serve this
 /// tensor: f32 on the CPU, or on a GPU whose kernels are on; elsewhere the Candle composition
@@ -124,6 +133,38 @@ enum Kernel<'a> {
         g: &'a [f32],
         out: &'a mut [f32],
     },
+    RmsNorm {
+        x: &'a [f32],
+        weight: &'a [f32],
+        eps: f32,
+        out: &'a mut [f32],
+    },
+    RmsNormGrad {
+        x: &'a [f32],
+        weight: &'a [f32],
+        grad: &'a [f32],
+        eps: f32,
+        out: &'a mut [f32],
+    },
+    SwiGlu {
+        gate: &'a [f32],
+        up: &'a [f32],
+        out: &'a mut [f32],
+    },
+    SwiGluGrad {
+        gate: &'a [f32],
+        up: &'a [f32],
+        g: &'a [f32],
+        out: &'a mut [f32],
+    },
+    Rotary {
+        x: &'a [f32],
+        cos: &'a [f32],
+        sin: &'a [f32],
+        dims: [usize; 4],
+        back: bool,
+        out: &'a mut [f32],
+    },
     CrossEntropy {
         logits: &'a [f32],
         targets: &'a [usize],
@@ -176,6 +217,29 @@ impl pulp::WithSimd for Kernel<'_> {
             } => softmax_grad_rows(y, g, width, scale, out),
             Kernel::Silu { x, out } => silu_values(x, out),
             Kernel::SiluGrad { x, g, out } => silu_grad_values(x, g, out),
+            Kernel::RmsNorm {
+                x,
+                weight,
+                eps,
+                out,
+            } => rms::rms_norm_rows(x, weight, eps, out),
+            Kernel::RmsNormGrad {
+                x,
+                weight,
+                grad,
+                eps,
+                out,
+            } => rms::rms_norm_grad_rows(x, weight, grad, eps, out),
+            Kernel::SwiGlu { gate, up, out } => swiglu::swiglu_values(gate, up, out),
+            Kernel::SwiGluGrad { gate, up, g, out } => swiglu::swiglu_grad_values(gate, up, g, out),
+            Kernel::Rotary {
+                x,
+                cos,
+                sin,
+                dims,
+                back,
+                out,
+            } => rotary::rotary_rows(x, cos, sin, dims, back, out),
             Kernel::CrossEntropy {
                 logits,
                 targets,
@@ -525,6 +589,73 @@ mod tests {
             || silu(x.as_tensor()).expect("ours"),
             || x.as_tensor().silu().expect("candle"),
         );
+    }
+
+    #[test]
+    fn rms_norm_matches_the_composition() {
+        let x = seeded(&[2, 3, 16], 14);
+        let w = seeded(&[16], 15);
+        same_as(
+            "rms norm",
+            &[&x, &w],
+            || rms_norm(x.as_tensor(), w.as_tensor(), 1e-5).expect("ours"),
+            || {
+                let composed = || -> candle_core::Result<Tensor> {
+                    let x = x.as_tensor();
+                    let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
+                    x.broadcast_div(&(mean_square + 1e-5)?.sqrt()?)?
+                        .broadcast_mul(w.as_tensor())
+                };
+                composed().expect("composition")
+            },
+        );
+    }
+
+    #[test]
+    fn swiglu_matches_the_composition() {
+        let gate = seeded(&[5, 9], 16);
+        let up = seeded(&[5, 9], 17);
+        same_as(
+            "swiglu",
+            &[&gate, &up],
+            || swiglu(gate.as_tensor(), up.as_tensor()).expect("ours"),
+            || (gate.as_tensor().silu().expect("silu") * up.as_tensor()).expect("product"),
+        );
+    }
+
+    /// The fused rotary embedding turns and moves heads as the composition `x · cos +
+    /// rotate_half(x) · sin` after a transpose does, and its gradient is autograd's through
+    /// that composition.
+    #[test]
+    fn rotary_matches_the_composition_both_ways() {
+        let (batch, time, heads, hd) = (2, 5, 3, 6);
+        let x = seeded(&[batch, time, heads, hd], 18);
+        let angles: Vec<f32> = (0..time * hd)
+            .map(|k| (k / hd) as f32 * 0.3 / (1 + k % (hd / 2)) as f32)
+            .collect();
+        let angles = Tensor::from_vec(angles, (time, hd), &Device::Cpu).expect("angles");
+        let (cos, sin) = (angles.cos().expect("cos"), angles.sin().expect("sin"));
+        let composed = |x: &Tensor| -> Tensor {
+            let turn = || -> candle_core::Result<Tensor> {
+                let x = x.transpose(1, 2)?;
+                let (first, second) = (x.narrow(3, 0, hd / 2)?, x.narrow(3, hd / 2, hd / 2)?);
+                let half = Tensor::cat(&[&second.neg()?, &first], 3)?;
+                x.broadcast_mul(&cos)? + half.broadcast_mul(&sin)?
+            };
+            turn().expect("composition")
+        };
+        let ours = rotary_to_heads(x.as_tensor(), &cos, &sin).expect("ours");
+        let theirs = composed(x.as_tensor());
+        assert_eq!(ours.dims(), [batch, heads, time, hd]);
+        assert!(max_diff(&ours, &theirs) < 1e-6);
+        let g = seeded(&[batch, heads, time, hd], 19);
+        let reference = (theirs * g.as_tensor())
+            .and_then(|t| t.sum_all())
+            .and_then(|l| l.backward())
+            .expect("autograd");
+        let back = rotary_from_heads(g.as_tensor(), &cos, &sin).expect("back");
+        assert_eq!(back.dims(), [batch, time, heads, hd]);
+        assert!(max_diff(&back, reference.get(x.as_tensor()).expect("grad")) < 1e-6);
     }
 
     #[test]

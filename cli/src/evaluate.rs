@@ -31,6 +31,7 @@ pub(crate) fn evaluate_loaded(
         &prepared.spec,
         &prepared.config.optimizer,
         prepared.config.schedule,
+        &prepared.config.gradients,
         prepared.config.train.init_seed,
         &prepared.device,
         &ident,

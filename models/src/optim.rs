@@ -189,12 +189,86 @@ pub const ADAM_M: &str = "optim.adam_m.";
 /// Prefix of AdamW's second-moment buffers in checkpoints.
 pub const ADAM_V: &str = "optim.adam_v.";
 
+/// What a step does with the gradients before the optimizer's update, as fine-tuning recipes
+/// ask: clip their global norm, and leave chosen tensors (say, the embeddings) as they are.
+/// Part of the run identity: both change the training.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct GradientPolicy {
+    /// The largest global L2 norm of the gradients, over every tensor the optimizer trains: a
+    /// larger one is scaled down to it (PyTorch's `clip_grad_norm_`, whose `1e-6` it adds to
+    /// the norm). Not `sync.clip_value`, which clamps neighbours' updates.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clip_norm: Option<f64>,
+    /// Tensors the optimizer never changes (no update, no weight decay): parameter names, or
+    /// prefixes ending in `*` (`model.layers.0.*`). Each must name at least one parameter.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub freeze: Vec<String>,
+}
+
+impl GradientPolicy {
+    /// Whether it changes nothing (the default): runs configured without it keep their id.
+    pub fn is_default(&self) -> bool {
+        self.clip_norm.is_none() && self.freeze.is_empty()
+    }
+
+    /// Checks the numbers and patterns; errors name the offending one.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(c) = self.clip_norm {
+            if !(c > 0.0 && c.is_finite()) {
+                return Err(Error::Spec(format!(
+                    "a gradient norm clip of {c} is not a positive number"
+                )));
+            }
+        }
+        if let Some(p) = self
+            .freeze
+            .iter()
+            .find(|p| p.trim_end_matches('*').is_empty())
+        {
+            return Err(Error::Spec(format!(
+                "freeze pattern {p:?} names no parameter (a name, or a prefix ending in *)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// For each parameter of `params`, whether it is frozen. A pattern that matches no
+    /// parameter is refused: a misspelt name would otherwise train what the user froze.
+    pub fn frozen(&self, params: &Params) -> Result<Vec<bool>> {
+        self.validate()?;
+        let matches = |pattern: &str, name: &str| match pattern.strip_suffix('*') {
+            Some(prefix) => name.starts_with(prefix),
+            None => name == pattern,
+        };
+        if let Some(p) = self
+            .freeze
+            .iter()
+            .find(|p| !params.vars().iter().any(|(name, _)| matches(p, name)))
+        {
+            return Err(Error::Spec(format!(
+                "freeze pattern {p:?} matches no parameter of the model (`p2ptrain export` \
+                 writes their names; the README lists each model's)"
+            )));
+        }
+        Ok(params
+            .vars()
+            .iter()
+            .map(|(name, _)| self.freeze.iter().any(|p| matches(p, name)))
+            .collect())
+    }
+}
+
 /// An optimizer bound to one parameter set, holding one state buffer (or two, for AdamW) per
 /// parameter, all in the open.
 #[derive(Debug)]
 pub struct Optimizer {
     spec: OptimizerSpec,
     schedule: Schedule,
+    gradients: GradientPolicy,
+    /// Per parameter, whether [`GradientPolicy::freeze`] keeps it as it is.
+    frozen: Vec<bool>,
+    /// The global gradient norm of the last step, where the policy clips.
+    last_grad_norm: Option<f64>,
     /// Optimizer steps taken so far; AdamW's bias correction depends on it.
     steps: u64,
     /// `buffers[k][i]`: buffer kind `k` (see `buffer_prefixes`) of parameter `i`.
@@ -219,9 +293,47 @@ impl Optimizer {
         Ok(Optimizer {
             spec: spec.clone(),
             schedule: Schedule::Constant,
+            gradients: GradientPolicy::default(),
+            frozen: vec![false; params.vars().len()],
+            last_grad_norm: None,
             steps: 0,
             buffers,
         })
+    }
+
+    /// The same optimizer treating gradients as `policy` says, for the parameters `params`
+    /// (the set it was created for); a freeze pattern that names no parameter is refused.
+    pub fn with_gradients(mut self, policy: GradientPolicy, params: &Params) -> Result<Optimizer> {
+        self.frozen = policy.frozen(params)?;
+        self.gradients = policy;
+        Ok(self)
+    }
+
+    /// How it treats gradients.
+    pub fn gradients(&self) -> &GradientPolicy {
+        &self.gradients
+    }
+
+    /// The global norm of the last step's gradients (over the trained tensors, before
+    /// clipping), where the policy clips.
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.last_grad_norm
+    }
+
+    /// The global L2 norm of the gradients of the tensors it trains.
+    fn grad_norm(&self, params: &Params, grads: &GradStore) -> Result<f64> {
+        let mut squares = 0f64;
+        for ((_, var), frozen) in params.vars().iter().zip(&self.frozen) {
+            if let (false, Some(g)) = (*frozen, grads.get(var.as_tensor())) {
+                let sum = g
+                    .sqr()?
+                    .sum_all()?
+                    .to_dtype(DType::F32)?
+                    .to_scalar::<f32>()?;
+                squares += f64::from(sum);
+            }
+        }
+        Ok(squares.sqrt())
     }
 
     /// The same optimizer following `schedule`.
@@ -270,9 +382,30 @@ impl Optimizer {
             .map(|(_, var)| crate::gpu::step_guard(var.device()));
         self.steps = self.steps.saturating_add(1);
         let factor = self.schedule.factor(self.steps);
+        // A non-finite norm scales nothing: the step's loss is non-finite too, and the caller
+        // reports the divergence.
+        let clip = match self.gradients.clip_norm {
+            Some(max) => {
+                let norm = self.grad_norm(params, grads)?;
+                self.last_grad_norm = Some(norm);
+                (norm.is_finite() && norm > max).then(|| max / (norm + 1e-6))
+            }
+            None => None,
+        };
         for (i, (_, var)) in params.vars().iter().enumerate() {
+            if self.frozen.get(i).copied().unwrap_or(false) {
+                continue;
+            }
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
+            };
+            let clipped;
+            let g = match clip {
+                Some(scale) => {
+                    clipped = g.affine(scale, 0.0)?;
+                    &clipped
+                }
+                None => g,
             };
             let p = var.as_tensor();
             // Buffers are detached so no autograd graph survives from one step to the next.
@@ -814,6 +947,110 @@ mod tests {
         opt.step(&params, &loss.backward().expect("grads"))
             .expect("step");
         assert_ne!(opt.flatten_state().expect("flat"), doubled);
+    }
+
+    /// Clipping scales the gradients of the trained tensors to the norm asked (plain SGD
+    /// moves each parameter by `lr` times its clipped gradient), leaves a gradient under it as
+    /// it is, and a frozen tensor neither moves nor counts in the norm.
+    #[test]
+    fn clipping_scales_to_the_global_norm_and_frozen_tensors_stay() {
+        let spec = OptimizerSpec::Sgd {
+            lr: 1.0,
+            momentum: 0.0,
+            nesterov: false,
+            weight_decay: 0.5,
+        };
+        let make = || {
+            let a = Var::from_slice(&[0.0f32, 0.0], 2, &Device::Cpu).expect("a");
+            let b = Var::from_slice(&[0.0f32], 1, &Device::Cpu).expect("b");
+            let frozen = Var::from_slice(&[1.0f32], 1, &Device::Cpu).expect("frozen");
+            let params = Params::new(vec![
+                ("layer.a".into(), a.clone()),
+                ("layer.b".into(), b.clone()),
+                ("embed".into(), frozen.clone()),
+            ])
+            .expect("params");
+            (params, [a, b, frozen])
+        };
+        // Gradients (3, 0) and (4): a global norm of 5 over the trained tensors; the frozen
+        // one's gradient of 100 would dominate it if it counted.
+        let loss = |vars: &[Var; 3]| {
+            let [a, b, frozen] = vars;
+            let weights = Tensor::new(&[3f32, 0.0], &Device::Cpu).expect("w");
+            ((a.as_tensor() * &weights)
+                .and_then(|t| t.sum_all())
+                .expect("a")
+                + (b.as_tensor() * 4.0).and_then(|t| t.sum_all()).expect("b")
+                + (frozen.as_tensor() * 100.0)
+                    .and_then(|t| t.sum_all())
+                    .expect("f"))
+            .expect("loss")
+        };
+        for (clip, want) in [
+            (Some(1.0), [-0.6f32, 0.0, -0.8]),
+            (Some(10.0), [-3.0, 0.0, -4.0]),
+        ] {
+            let (params, vars) = make();
+            let policy = GradientPolicy {
+                clip_norm: clip,
+                freeze: vec!["embed".into()],
+            };
+            let mut opt = Optimizer::new(&spec, &params)
+                .and_then(|o| o.with_gradients(policy, &params))
+                .expect("opt");
+            opt.step(&params, &loss(&vars).backward().expect("grads"))
+                .expect("step");
+            let values = |v: &Var| v.as_tensor().to_vec1::<f32>().expect("values");
+            let got = [values(&vars[0]), values(&vars[1])].concat();
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    (g - w).abs() < 1e-5,
+                    "clip {clip:?}: {got:?}, want {want:?}"
+                );
+            }
+            assert_eq!(
+                values(&vars[2]),
+                [1.0],
+                "the frozen tensor moved (or decayed)"
+            );
+            let norm = opt.last_grad_norm().expect("norm");
+            assert!((norm - 5.0).abs() < 1e-6, "{norm}");
+        }
+        // A prefix freezes both layer tensors; a pattern naming nothing is refused.
+        let (params, _) = make();
+        let prefix = GradientPolicy {
+            clip_norm: None,
+            freeze: vec!["layer.*".into()],
+        };
+        let frozen = prefix.frozen(&params).expect("frozen");
+        for ((name, _), frozen) in params.vars().iter().zip(frozen) {
+            assert_eq!(frozen, name.starts_with("layer."), "{name}");
+        }
+        for bad in [
+            GradientPolicy {
+                clip_norm: None,
+                freeze: vec!["lm_head.weight".into()],
+            },
+            GradientPolicy {
+                clip_norm: None,
+                freeze: vec!["*".into()],
+            },
+            GradientPolicy {
+                clip_norm: Some(0.0),
+                freeze: vec![],
+            },
+            GradientPolicy {
+                clip_norm: Some(f64::NAN),
+                freeze: vec![],
+            },
+        ] {
+            assert!(
+                Optimizer::new(&spec, &params)
+                    .and_then(|o| o.with_gradients(bad.clone(), &params))
+                    .is_err(),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ use p2ptrain_models::codec::Codec;
 use p2ptrain_models::data::{self, Data};
 use p2ptrain_models::gpt::GptSpec;
 use p2ptrain_models::llama::LlamaSpec;
-use p2ptrain_models::optim::Schedule;
+use p2ptrain_models::optim::{GradientPolicy, Schedule};
 use p2ptrain_models::text::{self, TextOptions};
 use p2ptrain_models::tokenizer::TextTokenizer;
 use p2ptrain_models::tokens::{self, TokenFile, TokenOptions};
@@ -274,6 +274,10 @@ pub struct Config {
     pub optimizer: OptimizerSpec,
     /// Its learning-rate schedule (`optimizer.schedule`).
     pub schedule: Schedule,
+    /// What a step does with the gradients (`optimizer.clip_grad_norm`, `optimizer.freeze`).
+    /// Left out of the hash when it changes nothing, so configs without it keep theirs.
+    #[serde(skip_serializing_if = "GradientPolicy::is_default")]
+    pub gradients: GradientPolicy,
     /// The data set.
     pub data: DataConfig,
     /// Training loop settings.
@@ -328,7 +332,7 @@ impl Config {
         };
 
         let model = raw.model.check(resolve).map_err(err)?;
-        let (optimizer, schedule) = raw.optimizer.check().map_err(err)?;
+        let (optimizer, schedule, gradients) = raw.optimizer.check().map_err(err)?;
         let data = raw.data.check(&model, resolve).map_err(err)?;
 
         raw.train.check().map_err(err)?;
@@ -349,6 +353,7 @@ impl Config {
             model,
             optimizer,
             schedule,
+            gradients,
             data,
             train: raw.train,
             checkpoint: raw.checkpoint,
@@ -544,6 +549,9 @@ impl Config {
             /// Left out when constant, so runs configured before schedules keep their id.
             #[serde(skip_serializing_if = "Schedule::is_constant")]
             schedule: Schedule,
+            /// Left out when it changes nothing, so runs configured before it keep their id.
+            #[serde(skip_serializing_if = "GradientPolicy::is_default")]
+            gradients: &'a GradientPolicy,
             data: DataIdentity,
             init_seed: u64,
         }
@@ -554,6 +562,7 @@ impl Config {
             model: &self.model,
             optimizer: &self.optimizer,
             schedule: self.schedule,
+            gradients: &self.gradients,
             data: DataIdentity {
                 source: d.source,
                 test_fraction: d.test_fraction,

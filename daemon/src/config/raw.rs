@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use p2ptrain_models::gpt::GptSpec;
 use p2ptrain_models::hf;
 use p2ptrain_models::llama::LlamaSpec;
-use p2ptrain_models::optim::Schedule;
+use p2ptrain_models::optim::{GradientPolicy, Schedule};
 use p2ptrain_models::{MlpSpec, ModelSpec, OptimizerSpec};
 use serde::Deserialize;
 
@@ -76,6 +76,8 @@ pub(super) struct RawOptimizer {
     warmup_steps: Option<u64>,
     total_steps: Option<u64>,
     min_lr_factor: Option<f64>,
+    clip_grad_norm: Option<f64>,
+    freeze: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -268,9 +270,9 @@ impl RawModel {
 }
 
 impl RawOptimizer {
-    /// The optimizer and its learning-rate schedule, checked: each kind's keys, and only its
-    /// keys.
-    pub(super) fn check(&self) -> Result<(OptimizerSpec, Schedule), String> {
+    /// The optimizer, its learning-rate schedule and what it does with gradients, checked:
+    /// each kind's keys, and only its keys.
+    pub(super) fn check(&self) -> Result<(OptimizerSpec, Schedule, GradientPolicy), String> {
         let o = self;
         let optimizer = match o.kind.as_str() {
             "sgd" => {
@@ -342,7 +344,14 @@ impl RawOptimizer {
             }
         };
         schedule.validate().map_err(|e| format!("optimizer: {e}"))?;
-        Ok((optimizer, schedule))
+        let gradients = GradientPolicy {
+            clip_norm: o.clip_grad_norm,
+            freeze: o.freeze.clone().unwrap_or_default(),
+        };
+        gradients
+            .validate()
+            .map_err(|e| format!("optimizer.clip_grad_norm / optimizer.freeze: {e}"))?;
+        Ok((optimizer, schedule, gradients))
     }
 }
 

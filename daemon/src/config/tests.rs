@@ -714,3 +714,41 @@ fn a_llama_from_a_hugging_face_folder_takes_its_shape_and_its_digest_joins_the_r
         .to_string();
     assert!(e.contains("data.path is required"), "{e}");
 }
+
+/// `optimizer.clip_grad_norm` and `optimizer.freeze` reach the config and the run id (both
+/// change the training); a clip that is not a positive number, or a pattern that names
+/// nothing, is refused with the keys named; a config without them keeps its run id and hash.
+#[test]
+fn gradient_clipping_and_freezing_are_read_checked_and_in_the_run_id() {
+    let base = Config::load(None).expect("default");
+    let with = |extra: &str| {
+        Config::parse(
+            &DEFAULT_CONFIG_TOML.replace("[optimizer]", &format!("[optimizer]\n{extra}")),
+            "x.toml",
+            None,
+        )
+    };
+    let clipped = with("clip_grad_norm = 1.0").expect("clip");
+    assert_eq!(clipped.gradients.clip_norm, Some(1.0));
+    assert_ne!(clipped.run_id(), base.run_id());
+    let frozen = with("freeze = [\"layers.0.*\"]").expect("freeze");
+    assert_eq!(frozen.gradients.freeze, ["layers.0.*"]);
+    assert_ne!(frozen.run_id(), base.run_id());
+    assert_ne!(frozen.run_id(), clipped.run_id());
+    let nothing = with("freeze = []").expect("empty");
+    assert_eq!(nothing.run_id(), base.run_id());
+    assert_eq!(nothing.config_hash(), base.config_hash());
+    for bad in [
+        "clip_grad_norm = 0.0",
+        "clip_grad_norm = -1.0",
+        "clip_grad_norm = inf",
+        "freeze = [\"*\"]",
+        "freeze = [\"\"]",
+    ] {
+        let e = with(bad).expect_err(bad).to_string();
+        assert!(
+            e.contains("optimizer.clip_grad_norm / optimizer.freeze"),
+            "{bad}: {e}"
+        );
+    }
+}

@@ -542,6 +542,7 @@ fn build_model(
         spec,
         &config.optimizer,
         config.schedule,
+        &config.gradients,
         config.train.init_seed,
         device,
         &opened.ident,

@@ -4,25 +4,30 @@
 use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{Device, Tensor};
-use p2ptrain_models::optim::Schedule;
+use p2ptrain_models::optim::{GradientPolicy, Schedule};
 use p2ptrain_models::{Model, ModelSpec, Optimizer, OptimizerSpec};
 
 use super::{Counters, Identity, TrainerError};
 use crate::checkpoint::{HostTensor, Snapshot, StateInfo};
 use crate::store::Loaded;
 
-/// Builds the model and optimizer for a run, restoring a checkpoint when one is given.
+/// Builds the model and optimizer for a run, restoring a checkpoint when one is given. A freeze
+/// pattern of `gradients` that names no parameter of the model is refused here.
+#[allow(clippy::too_many_arguments)]
 pub fn build(
     spec: &ModelSpec,
     opt_spec: &OptimizerSpec,
     schedule: Schedule,
+    gradients: &GradientPolicy,
     init_seed: u64,
     device: &Device,
     identity: &Identity,
     resume: Option<&Loaded>,
 ) -> Result<(Model, Optimizer, Counters), TrainerError> {
     let model = Model::new(spec, init_seed, device)?;
-    let mut optimizer = Optimizer::new(opt_spec, model.params())?.with_schedule(schedule)?;
+    let mut optimizer = Optimizer::new(opt_spec, model.params())?
+        .with_schedule(schedule)?
+        .with_gradients(gradients.clone(), model.params())?;
     let mut counters = Counters::default();
     if let Some(loaded) = resume {
         counters = restore_into(&model, &mut optimizer, identity, loaded)?;
@@ -92,8 +97,9 @@ pub(super) fn restore_into(
     let tensors = to_device(&loaded.tensors, &device)?;
     // Check the optimizer state loads before touching the parameters, so a failure leaves both
     // as they were.
-    let mut staged =
-        Optimizer::new(optimizer.spec(), model.params())?.with_schedule(optimizer.schedule())?;
+    let mut staged = Optimizer::new(optimizer.spec(), model.params())?
+        .with_schedule(optimizer.schedule())?
+        .with_gradients(optimizer.gradients().clone(), model.params())?;
     staged.load(model.params(), info.optimizer_steps, &tensors)?;
     model.params().load(&tensors)?;
     *optimizer = staged;
@@ -191,6 +197,12 @@ mod tests {
     use p2ptrain_models::MlpSpec;
 
     fn built() -> (Model, Optimizer, Identity) {
+        built_with(&GradientPolicy::default()).expect("built")
+    }
+
+    fn built_with(
+        gradients: &GradientPolicy,
+    ) -> Result<(Model, Optimizer, Identity), TrainerError> {
         let spec = ModelSpec::Mlp(MlpSpec {
             widths: vec![4, 3, 2],
         });
@@ -208,13 +220,46 @@ mod tests {
             &spec,
             &opt,
             Schedule::Constant,
+            gradients,
             1,
             &Device::Cpu,
             &identity,
             None,
-        )
-        .expect("built");
-        (model, optimizer, identity)
+        )?;
+        Ok((model, optimizer, identity))
+    }
+
+    /// The trainer's optimizer carries the config's gradient policy (and a restored state
+    /// keeps it); a freeze pattern naming no parameter of the model stops the build, named.
+    #[test]
+    fn the_gradient_policy_reaches_the_optimizer_and_a_pattern_naming_nothing_stops_it() {
+        let policy = GradientPolicy {
+            clip_norm: Some(0.5),
+            freeze: vec!["fc0.*".into()],
+        };
+        let (model, mut optimizer, identity) = built_with(&policy).expect("built");
+        assert_eq!(optimizer.gradients(), &policy);
+        let snap =
+            snapshot(&model, &optimizer, &identity, Counters::default(), &[]).expect("snapshot");
+        let loaded = Loaded {
+            meta: CheckpointMeta {
+                id: 1,
+                info: snap.info,
+                created_unix: 0,
+                checksum: String::new(),
+                file: String::new(),
+                bytes: 0,
+            },
+            tensors: snap.tensors,
+        };
+        restore_into(&model, &mut optimizer, &identity, &loaded).expect("restore");
+        assert_eq!(optimizer.gradients(), &policy);
+        let typo = GradientPolicy {
+            clip_norm: None,
+            freeze: vec!["fc9.weight".into()],
+        };
+        let e = built_with(&typo).expect_err("typo").to_string();
+        assert!(e.contains("fc9.weight"), "{e}");
     }
 
     /// A state whose counters no run reaches is refused like one with NaN, and changes

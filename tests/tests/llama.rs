@@ -328,3 +328,56 @@ fn a_llama_starts_from_a_hugging_face_folders_weights() {
         "llama-v384-c64-l2-w64-i128-h4-k2-d16-e0.00001-r10000"
     );
 }
+
+/// `configs/smollm-135m-gpu.toml`, the GPU config of SmolLM-135M's shape, on the CPU: it loads
+/// (its corpus, its tokenizer), builds a model of SmolLM-135M's 134,515,008 parameters, and
+/// takes one training step at batch 1 on a 64-token window with the config's optimizer and
+/// gradient clipping: a loss near `ln 49152` (the start is near uniform), a finite gradient
+/// norm, the parameters moved.
+#[test]
+fn the_smollm_shaped_gpu_config_takes_a_step_on_the_cpu() {
+    use p2ptrain_daemon::config::ModelConfig;
+    use p2ptrain_models::{train, Model, Optimizer};
+
+    let path = repo_root().join("configs/smollm-135m-gpu.toml");
+    let mut config = p2ptrain_daemon::Config::load(Some(&path)).expect("the config loads");
+    config.train.device = "cpu".parse().expect("cpu");
+    config.train.batch_size = 1;
+    let ModelConfig::Llama { spec, .. } = &mut config.model else {
+        panic!("the config is not a llama's");
+    };
+    spec.context = 64;
+    let prepared = p2ptrain_daemon::node::prepare(config).expect("prepared");
+    let model = Model::new(&prepared.spec, 42, &prepared.device).expect("model");
+    assert_eq!(model.params().numel(), 134_515_008, "SmolLM-135M's count");
+    let c = &prepared.config;
+    let mut opt = Optimizer::new(&c.optimizer, model.params())
+        .and_then(|o| o.with_schedule(c.schedule))
+        .and_then(|o| o.with_gradients(c.gradients.clone(), model.params()))
+        .expect("optimizer");
+    let q_weights = |m: &Model| {
+        m.params()
+            .get("model.layers.0.self_attn.q_proj.weight")
+            .expect("q_proj")
+            .flatten_all()
+            .and_then(|t| t.narrow(0, 0, 1000))
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("values")
+    };
+    let before = q_weights(&model);
+    let (xs, ys) = prepared
+        .data
+        .train()
+        .batch(&[0], &prepared.device)
+        .expect("batch");
+    assert_eq!(xs.dims(), [1, 64]);
+    let loss = train::train_step(&model, &mut opt, &xs, &ys).expect("one step");
+    let uniform = (49_152f32).ln();
+    assert!(
+        (loss - uniform).abs() < 0.5,
+        "loss {loss}, uniform {uniform}"
+    );
+    let grad_norm = opt.last_grad_norm().expect("the config clips");
+    assert!(grad_norm.is_finite() && grad_norm > 0.0, "{grad_norm}");
+    assert_ne!(q_weights(&model), before, "the step moved nothing");
+}

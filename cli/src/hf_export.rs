@@ -13,13 +13,15 @@ use p2ptrain_models::llama::LlamaSpec;
 
 /// Writes the parameters of a checkpoint of model `model` (its name, as the checkpoint
 /// records it) into the folder `out` (new or empty), with `tokenizer` copied beside them
-/// where given.
+/// where given, and what the run's starting folder `base` says that the weights do not (see
+/// [`hf::carry_from_base`]).
 pub(crate) fn write(
     model: &str,
     tensors: &BTreeMap<String, HostTensor>,
     out: &Path,
     bf16: bool,
     tokenizer: Option<&Path>,
+    base: Option<&Path>,
 ) -> Result<()> {
     let spec = LlamaSpec::from_name(model).ok_or_else(|| {
         anyhow!("a checkpoint of a {model}: only a llama exports to Hugging Face's format")
@@ -49,6 +51,19 @@ pub(crate) fn write(
     if let Some(t) = tokenizer {
         std::fs::copy(t, out.join("tokenizer.json"))
             .with_context(|| format!("copying {} into the folder", t.display()))?;
+    }
+    if let Some(base) = base {
+        let carried = hf::carry_from_base(out, base, &spec)
+            .with_context(|| format!("carrying {} into the export", base.display()))?;
+        println!(
+            "carried from {}: {}",
+            base.display(),
+            if carried.is_empty() {
+                "nothing (no token ids, longer context or tokenizer files there)".to_string()
+            } else {
+                carried.join(", ")
+            }
+        );
     }
     Ok(())
 }

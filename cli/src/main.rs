@@ -99,6 +99,10 @@ struct HfExportArgs {
     /// A tokenizer.json to copy into the folder (the run's data.tokenizer).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// The Hugging Face folder the run started from (its model.hf), whose special token ids,
+    /// context length and generation and tokenizer files the export carries.
+    #[arg(long)]
+    base: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -235,6 +239,11 @@ enum CheckpointCmd {
         /// With --hf: a tokenizer.json to copy into the folder.
         #[arg(long, requires = "hf")]
         tokenizer: Option<PathBuf>,
+        /// With --hf: the Hugging Face folder the run started from (its model.hf), whose
+        /// special token ids, context length and generation and tokenizer files the export
+        /// carries.
+        #[arg(long, requires = "hf")]
+        base: Option<PathBuf>,
     },
     /// Load a checkpoint into the running node and continue training from it.
     Restore {
@@ -357,6 +366,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 &h.out,
                 h.bf16,
                 h.tokenizer.as_deref(),
+                h.base.as_deref(),
             )
             .with_context(|| format!("exporting {file}"))?;
             println!(
@@ -592,6 +602,7 @@ async fn checkpoint(cmd: CheckpointCmd) -> Result<ExitCode> {
             hf,
             bf16,
             tokenizer,
+            base,
         } => {
             let client = Client::new(&args.api.api, args.api.api_token)?;
             let id = match id {
@@ -611,7 +622,14 @@ async fn checkpoint(cmd: CheckpointCmd) -> Result<ExitCode> {
             let (meta, tensors) = p2ptrain_daemon::checkpoint::decode(&bytes, "download")
                 .map_err(|e| anyhow!("checkpoint {id} failed verification after download: {e}"))?;
             if hf {
-                hf_export::write(&meta.info.model, &tensors, &out, bf16, tokenizer.as_deref())?;
+                hf_export::write(
+                    &meta.info.model,
+                    &tensors,
+                    &out,
+                    bf16,
+                    tokenizer.as_deref(),
+                    base.as_deref(),
+                )?;
                 println!(
                     "wrote {}: checkpoint {id} (step {}) as a Hugging Face folder",
                     out.display(),

@@ -430,6 +430,81 @@ pub fn write_tensors<'a>(
     Ok(())
 }
 
+/// Keys of the base folder's `config.json` an export carries into its own: the special token
+/// ids generation stops and pads at.
+const CARRIED_KEYS: &[&str] = &["bos_token_id", "eos_token_id", "pad_token_id"];
+/// Files of the base folder an export carries (where it has no file of that name yet): how
+/// tools tokenize and generate with the model.
+const CARRIED_FILES: &[&str] = &[
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+];
+
+/// Completes the export in `dir` (just written by [`write_tensors`] for `spec`) with what the
+/// Hugging Face folder `base` the run started from says and the weights do not: its special
+/// token ids, its `max_position_embeddings` where longer than the run's context (a run may
+/// train on shorter windows; rotary positions extend to the base's length as they did), and
+/// its generation and tokenizer files. `base` must hold the same model, context aside, so
+/// nothing of another model is carried. Returns what it carried, for the user.
+pub fn carry_from_base(dir: &Path, base: &Path, spec: &LlamaSpec) -> Result<Vec<String>> {
+    let base_config = base.join("config.json");
+    let base_spec = read_config(base)?;
+    let same_model = LlamaSpec {
+        context: spec.context,
+        ..base_spec
+    } == *spec;
+    if !same_model {
+        return Err(Error::Format {
+            path: base_config,
+            msg: format!(
+                "a {} is not the exported {}: the base must be the folder the run started from",
+                base_spec.name(),
+                spec.name()
+            ),
+        });
+    }
+    let parse = |path: &Path| -> Result<Map<String, Value>> {
+        match serde_json::from_str(&read_json(path)?) {
+            Ok(Value::Object(map)) => Ok(map),
+            _ => Err(Error::Format {
+                path: path.to_path_buf(),
+                msg: "not a JSON object".into(),
+            }),
+        }
+    };
+    let base_map = parse(&base_config)?;
+    let config_path = dir.join("config.json");
+    let mut config = parse(&config_path)?;
+    let mut carried = Vec::new();
+    for key in CARRIED_KEYS {
+        if let Some(v) = base_map.get(*key).filter(|v| !v.is_null()) {
+            config.insert(key.to_string(), v.clone());
+            carried.push(format!("{key} {v}"));
+        }
+    }
+    if base_spec.context > spec.context {
+        config.insert(
+            "max_position_embeddings".into(),
+            Value::from(base_spec.context),
+        );
+        carried.push(format!("max_position_embeddings {}", base_spec.context));
+    }
+    let text = serde_json::to_string_pretty(&Value::Object(config))
+        .map_err(|e| Error::Layout(format!("config.json: {e}")))?;
+    let io = |path: PathBuf| move |source| Error::Io { path, source };
+    std::fs::write(&config_path, text).map_err(io(config_path.clone()))?;
+    for file in CARRIED_FILES {
+        let (from, to) = (base.join(file), dir.join(file));
+        if from.is_file() && !to.exists() {
+            std::fs::copy(&from, &to).map_err(io(from.clone()))?;
+            carried.push((*file).to_string());
+        }
+    }
+    Ok(carried)
+}
+
 /// A digest of the model in folder `dir`: its `config.json` and weight files, streamed
 /// through SHA-256 (hex, 16 characters). Part of a run's identity where the run starts from
 /// the folder: nodes that start from other weights are another run.
@@ -801,6 +876,58 @@ mod tests {
             want.loss_bf16,
         );
         assert!(diff <= 1e-4, "our bf16 rounding is transformers': {diff}");
+    }
+
+    /// An export of a run that started from a folder and trained on shorter windows carries
+    /// the folder's special token ids, its longer context and its generation and tokenizer
+    /// files, and still reads back as the same model; a base of another model is refused.
+    #[test]
+    fn an_export_carries_the_base_folders_token_ids_context_and_files() {
+        let (model, params) = load(&fixture());
+        let base = tempfile::tempdir().expect("tmp");
+        let mut config = fixture_config();
+        config["bos_token_id"] = json!(1);
+        config["eos_token_id"] = json!(2);
+        std::fs::write(base.path().join("config.json"), config.to_string()).expect("config");
+        for file in ["generation_config.json", "tokenizer.json"] {
+            std::fs::copy(fixture().join(file), base.path().join(file)).expect("copy");
+        }
+        let trained = LlamaSpec {
+            context: 64,
+            ..*model.spec()
+        };
+        let dir = tempfile::tempdir().expect("tmp");
+        write_folder(dir.path(), &trained, &params, false).expect("export");
+        let carried = carry_from_base(dir.path(), base.path(), &trained).expect("carry");
+        assert_eq!(
+            carried,
+            [
+                "bos_token_id 1",
+                "eos_token_id 2",
+                "max_position_embeddings 256",
+                "generation_config.json",
+                "tokenizer.json"
+            ]
+        );
+        let exported: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join("config.json")).expect("read"),
+        )
+        .expect("json");
+        assert_eq!(exported["eos_token_id"], json!(2));
+        let (again, again_params) = load(dir.path());
+        assert_eq!(again.spec(), model.spec(), "context 256 again");
+        assert_eq!(
+            again_params.flatten().expect("f"),
+            params.flatten().expect("f")
+        );
+        let other = LlamaSpec {
+            layers: 3,
+            ..trained
+        };
+        let e = carry_from_base(dir.path(), base.path(), &other)
+            .expect_err("another model")
+            .to_string();
+        assert!(e.contains("the folder the run started from"), "{e}");
     }
 
     #[test]

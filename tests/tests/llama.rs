@@ -317,7 +317,8 @@ fn a_llama_starts_from_a_hugging_face_folders_weights() {
         "{}",
         node.log_text()
     );
-    let e = eval_json(&newest_checkpoint(&data).expect("checkpoint"), Some(&cfg));
+    let checkpoint = newest_checkpoint(&data).expect("checkpoint");
+    let e = eval_json(&checkpoint, Some(&cfg));
     eprintln!("one step from the fixture's weights: {e}");
     // The fixture was trained on Hamlet to about 2.9 nats a token; weights drawn from a seed
     // start at ln(384) = 5.95.
@@ -327,6 +328,31 @@ fn a_llama_starts_from_a_hugging_face_folders_weights() {
         e["model"],
         "llama-v384-c64-l2-w64-i128-h4-k2-d16-e0.00001-r10000"
     );
+    // The export names the folder it started from: the folder's 256 positions (the run read
+    // 64), its generation and tokenizer files come along.
+    let out = tmp.path().join("export");
+    let (st, stdout, err) = cli(
+        &[
+            "export",
+            "--checkpoint",
+            checkpoint.to_str().expect("utf8"),
+            "--out",
+            out.to_str().expect("utf8"),
+            "--base",
+            fixture().to_str().expect("utf8"),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(st.success(), "{err}");
+    assert!(
+        stdout.contains("max_position_embeddings 256, generation_config.json, tokenizer.json"),
+        "{stdout}"
+    );
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).expect("config"))
+            .expect("json");
+    assert_eq!(config["max_position_embeddings"], 256);
+    assert!(out.join("generation_config.json").is_file() && out.join("tokenizer.json").is_file());
 }
 
 /// `configs/smollm-135m-gpu.toml`, the GPU config of SmolLM-135M's shape, on the CPU: it loads

@@ -171,7 +171,7 @@ pub(crate) fn write_run_config(
 }
 
 /// Reads the base config's text, making relative paths in it absolute (the run configs live
-/// elsewhere).
+/// elsewhere): the data's, the tokenizer's and a llama's Hugging Face folder.
 pub(crate) fn base_text(config: Option<&Path>) -> Result<(String, String)> {
     match config {
         None => Ok((
@@ -187,9 +187,15 @@ pub(crate) fn base_text(config: Option<&Path>) -> Result<(String, String)> {
                 .parent()
                 .map(Path::to_path_buf)
                 .unwrap_or_default();
-            if let Some(toml::Value::Table(data)) = table.get_mut("data") {
-                for key in ["dir", "path"] {
-                    if let Some(toml::Value::String(v)) = data.get_mut(key) {
+            for (section, keys) in [
+                ("data", &["dir", "path", "tokenizer"][..]),
+                ("model", &["hf"][..]),
+            ] {
+                let Some(toml::Value::Table(t)) = table.get_mut(section) else {
+                    continue;
+                };
+                for key in keys {
+                    if let Some(toml::Value::String(v)) = t.get_mut(*key) {
                         if Path::new(v.as_str()).is_relative() {
                             *v = dir.join(v.as_str()).display().to_string();
                         }
@@ -465,4 +471,37 @@ pub(crate) fn write_report(out: &Path, json: &str, svg: &str) -> Result<()> {
         out.join("report.svg").display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A base config's relative paths (data, tokenizer, a llama's Hugging Face folder) are made
+    /// absolute against its folder, since the run configs are written elsewhere; absolute ones
+    /// stay as they are.
+    #[test]
+    fn a_base_configs_relative_paths_become_absolute() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let cfg = tmp.path().join("base.toml");
+        std::fs::write(
+            &cfg,
+            "[model]\nkind = \"llama\"\nhf = \"models/tiny\"\n\
+             [data]\nsource = \"text\"\npath = \"/corpus.txt\"\ntokenizer = \"../t.json\"\n",
+        )
+        .expect("write");
+        let (text, _) = base_text(Some(&cfg)).expect("base");
+        let table: toml::Table = toml::from_str(&text).expect("toml");
+        let dir = std::path::absolute(tmp.path()).expect("abs");
+        let get = |section: &str, key: &str| table[section][key].as_str().expect(key).to_string();
+        assert_eq!(
+            get("model", "hf"),
+            dir.join("models/tiny").display().to_string()
+        );
+        assert_eq!(
+            get("data", "tokenizer"),
+            dir.join("../t.json").display().to_string()
+        );
+        assert_eq!(get("data", "path"), "/corpus.txt");
+    }
 }

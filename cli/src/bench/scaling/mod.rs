@@ -519,7 +519,8 @@ pub fn run(args: ScalingArgs) -> Result<()> {
     catch_signals()?;
     let (base, config_name) = base_text(Some(&args.config))?;
     let table: toml::Table = toml::from_str(&base)?;
-    let metric = if table["model"]["kind"].as_str() == Some("gpt") {
+    // The language models' held-out figure is bits per byte.
+    let metric = if matches!(table["model"]["kind"].as_str(), Some("gpt" | "llama")) {
         Metric::BitsPerByte
     } else {
         Metric::Accuracy

@@ -63,25 +63,8 @@ fn fuzz(name: &str, seeds: &[Vec<u8>], mut target: impl FnMut(&[u8])) -> u64 {
         started.elapsed().as_secs_f64()
     );
     eprintln!("{line}");
-    report_fuzz_count(&line);
+    p2ptrain_models::fuzz_report::append(&line);
     tried
-}
-
-/// Appends `line` (a fuzz target's count of inputs) to the file `P2PTRAIN_FUZZ_REPORT` names,
-/// where set: `.ci/run` prints it after the tests, whose output is hidden where they pass.
-fn report_fuzz_count(line: &str) {
-    use std::io::Write;
-    let Some(path) = std::env::var_os("P2PTRAIN_FUZZ_REPORT") else {
-        return;
-    };
-    if let Ok(mut file) = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-    {
-        // One write per line, so that targets running at once do not interleave.
-        let _ = file.write_all(format!("{line}\n").as_bytes());
-    }
 }
 
 /// One mutation: a bit flipped, a byte overwritten (often with a boundary value), the bytes

@@ -12,6 +12,8 @@ pub mod cpu;
 pub mod data;
 mod dense;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzz_report;
 pub mod generate;
 pub mod gpt;
 pub mod gpu;

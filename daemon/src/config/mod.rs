@@ -463,19 +463,9 @@ impl Config {
         };
         let split = match (&self.model, data) {
             (ModelConfig::Gpt(g), Data::Text(_)) => return Ok(ModelSpec::Gpt(*g)),
+            // [`Config::load_data`] checked the tokenizer's ids against the vocabulary.
             (ModelConfig::Llama { spec, .. }, Data::Tokens(_)) => {
-                if let Some(path) = &self.data.tokenizer {
-                    let vocab = TextTokenizer::load(path)
-                        .map_err(|e| err(format!("data.tokenizer: {e}")))?
-                        .id_bound();
-                    if vocab > spec.vocab {
-                        return Err(err(format!(
-                            "data.tokenizer has {vocab} ids, past the model's vocabulary of {}",
-                            spec.vocab
-                        )));
-                    }
-                }
-                return Ok(ModelSpec::Llama(*spec));
+                return Ok(ModelSpec::Llama(*spec))
             }
             (_, Data::Labeled(split)) => split,
             _ => {
@@ -587,17 +577,29 @@ impl Config {
     /// Loads the configured data set and its train/test split.
     pub fn load_data(&self) -> Result<Data, p2ptrain_models::Error> {
         let d = &self.data;
+        // A llama's tokenizer, loaded once: its ids must fit the model's vocabulary (or
+        // `sample` could draw an id the model has no row for).
+        let tokenizer = match (&self.model, d.tokenizer.as_deref()) {
+            (ModelConfig::Llama { spec, .. }, Some(path)) => {
+                let tokenizer = TextTokenizer::load(path)?;
+                let ids = tokenizer.id_bound();
+                if ids > spec.vocab {
+                    return Err(p2ptrain_models::Error::Spec(format!(
+                        "data.tokenizer {} has {ids} ids, past the model's vocabulary of {}",
+                        path.display(),
+                        spec.vocab
+                    )));
+                }
+                Some(tokenizer)
+            }
+            _ => None,
+        };
         let tokens = |ids: Option<(&Path, Vec<u32>)>| -> Result<Data, p2ptrain_models::Error> {
             let ModelConfig::Llama { spec, .. } = &self.model else {
                 return Err(p2ptrain_models::Error::Spec(
                     "token data needs model.kind = \"llama\"".into(),
                 ));
             };
-            let tokenizer = d
-                .tokenizer
-                .as_deref()
-                .map(TextTokenizer::load)
-                .transpose()?;
             let opts = TokenOptions {
                 context: spec.context,
                 width: d.token_bytes,
@@ -631,10 +633,10 @@ impl Config {
                             e.valid_up_to()
                         ),
                     })?;
-                let tokenizer_path = d.tokenizer.as_deref().ok_or_else(|| {
+                let tokenizer = tokenizer.as_ref().ok_or_else(|| {
                     p2ptrain_models::Error::Spec("a text for a llama needs data.tokenizer".into())
                 })?;
-                let ids = TextTokenizer::load(tokenizer_path)?.encode(text)?;
+                let ids = tokenizer.encode(text)?;
                 return tokens(Some((source, ids)));
             }
             DataSource::Text => {

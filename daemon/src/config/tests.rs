@@ -752,3 +752,23 @@ fn gradient_clipping_and_freezing_are_read_checked_and_in_the_run_id() {
         );
     }
 }
+
+/// A tokenizer with more ids than the llama's vocabulary is refused when the data loads, the
+/// file and both counts named (the fixture's tokenizer has 384 ids).
+#[test]
+fn a_tokenizer_past_the_llamas_vocabulary_is_refused() {
+    let tokenizer = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/fixtures/hf-llama-tiny/tokenizer.json");
+    let text = format!(
+        "[model]\nkind = \"llama\"\nvocab = 100\ncontext = 16\nwidth = 8\nlayers = 1\nheads = 2\n\
+         intermediate = 16\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n\
+         [data]\nsource = \"text\"\ntokenizer = \"{}\"\n",
+        tokenizer.display()
+    );
+    let config = Config::parse(&text, "x.toml", None).expect("config");
+    let e = config.load_data().expect_err("too many ids").to_string();
+    assert!(
+        e.contains("has 384 ids, past the model's vocabulary of 100"),
+        "{e}"
+    );
+}

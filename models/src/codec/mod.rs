@@ -887,24 +887,7 @@ mod tests {
             started.elapsed().as_secs_f64()
         );
         eprintln!("{line}");
-        report_fuzz_count(&line);
-    }
-
-    /// Appends `line` (a fuzz target's count of inputs) to the file `P2PTRAIN_FUZZ_REPORT` names,
-    /// where set: `.ci/run` prints it after the tests, whose output is hidden where they pass.
-    fn report_fuzz_count(line: &str) {
-        use std::io::Write;
-        let Some(path) = std::env::var_os("P2PTRAIN_FUZZ_REPORT") else {
-            return;
-        };
-        if let Ok(mut file) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            // One write per line, so that targets running at once do not interleave.
-            let _ = file.write_all(format!("{line}\n").as_bytes());
-        }
+        crate::fuzz_report::append(&line);
     }
 
     macro_rules! fuzz_decoder {

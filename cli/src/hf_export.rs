@@ -37,6 +37,10 @@ pub(crate) fn write(
             out.display()
         );
     }
+    // A wrong base is refused before anything is written.
+    if let Some(base) = base {
+        hf::check_base(base, &spec).with_context(|| format!("--base {}", base.display()))?;
+    }
     hf::write_tensors(
         out,
         &spec,
@@ -53,7 +57,7 @@ pub(crate) fn write(
             .with_context(|| format!("copying {} into the folder", t.display()))?;
     }
     if let Some(base) = base {
-        let carried = hf::carry_from_base(out, base, &spec)
+        let carried = hf::carry_from_base(out, base, &spec, tokenizer.is_some())
             .with_context(|| format!("carrying {} into the export", base.display()))?;
         println!(
             "carried from {}: {}",

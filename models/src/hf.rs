@@ -442,14 +442,11 @@ const CARRIED_FILES: &[&str] = &[
     "special_tokens_map.json",
 ];
 
-/// Completes the export in `dir` (just written by [`write_tensors`] for `spec`) with what the
-/// Hugging Face folder `base` the run started from says and the weights do not: its special
-/// token ids, its `max_position_embeddings` where longer than the run's context (a run may
-/// train on shorter windows; rotary positions extend to the base's length as they did), and
-/// its generation and tokenizer files. `base` must hold the same model, context aside, so
-/// nothing of another model is carried. Returns what it carried, for the user.
-pub fn carry_from_base(dir: &Path, base: &Path, spec: &LlamaSpec) -> Result<Vec<String>> {
-    let base_config = base.join("config.json");
+/// Checks that the Hugging Face folder `base` holds the model `spec` describes, context aside
+/// (a run may train on shorter windows): an export carries only its own base's settings. Run
+/// before anything is written, so a wrong base leaves no half-made export behind. Returns the
+/// base's spec.
+pub fn check_base(base: &Path, spec: &LlamaSpec) -> Result<LlamaSpec> {
     let base_spec = read_config(base)?;
     let same_model = LlamaSpec {
         context: spec.context,
@@ -457,7 +454,7 @@ pub fn carry_from_base(dir: &Path, base: &Path, spec: &LlamaSpec) -> Result<Vec<
     } == *spec;
     if !same_model {
         return Err(Error::Format {
-            path: base_config,
+            path: base.join("config.json"),
             msg: format!(
                 "a {} is not the exported {}: the base must be the folder the run started from",
                 base_spec.name(),
@@ -465,6 +462,24 @@ pub fn carry_from_base(dir: &Path, base: &Path, spec: &LlamaSpec) -> Result<Vec<
             ),
         });
     }
+    Ok(base_spec)
+}
+
+/// Completes the export in `dir` (just written by [`write_tensors`] for `spec`) with what the
+/// Hugging Face folder `base` the run started from says and the weights do not: its special
+/// token ids, its `max_position_embeddings` where longer than the run's context (a run may
+/// train on shorter windows; rotary positions extend to the base's length as they did), and
+/// its generation and tokenizer files (its tokenizer's own settings only where `own_tokenizer`
+/// is false: an export given another tokenizer keeps that one alone). `base` must hold the
+/// same model ([`check_base`]). Returns what it carried, for the user.
+pub fn carry_from_base(
+    dir: &Path,
+    base: &Path,
+    spec: &LlamaSpec,
+    own_tokenizer: bool,
+) -> Result<Vec<String>> {
+    let base_config = base.join("config.json");
+    let base_spec = check_base(base, spec)?;
     let parse = |path: &Path| -> Result<Map<String, Value>> {
         match serde_json::from_str(&read_json(path)?) {
             Ok(Value::Object(map)) => Ok(map),
@@ -496,6 +511,10 @@ pub fn carry_from_base(dir: &Path, base: &Path, spec: &LlamaSpec) -> Result<Vec<
     let io = |path: PathBuf| move |source| Error::Io { path, source };
     std::fs::write(&config_path, text).map_err(io(config_path.clone()))?;
     for file in CARRIED_FILES {
+        let tokenizer_file = file.starts_with("tokenizer") || file.starts_with("special_tokens");
+        if own_tokenizer && tokenizer_file {
+            continue;
+        }
         let (from, to) = (base.join(file), dir.join(file));
         if from.is_file() && !to.exists() {
             std::fs::copy(&from, &to).map_err(io(from.clone()))?;
@@ -898,7 +917,7 @@ mod tests {
         };
         let dir = tempfile::tempdir().expect("tmp");
         write_folder(dir.path(), &trained, &params, false).expect("export");
-        let carried = carry_from_base(dir.path(), base.path(), &trained).expect("carry");
+        let carried = carry_from_base(dir.path(), base.path(), &trained, false).expect("carry");
         assert_eq!(
             carried,
             [
@@ -920,11 +939,21 @@ mod tests {
             again_params.flatten().expect("f"),
             params.flatten().expect("f")
         );
+        // Given a tokenizer of its own, the export keeps it alone: none of the base's
+        // tokenizer files come along.
+        let own = tempfile::tempdir().expect("tmp");
+        write_folder(own.path(), &trained, &params, false).expect("export");
+        let carried = carry_from_base(own.path(), base.path(), &trained, true).expect("carry");
+        assert!(
+            !carried.iter().any(|c| c.starts_with("tokenizer")),
+            "{carried:?}"
+        );
+        assert!(!own.path().join("tokenizer.json").exists());
         let other = LlamaSpec {
             layers: 3,
             ..trained
         };
-        let e = carry_from_base(dir.path(), base.path(), &other)
+        let e = check_base(base.path(), &other)
             .expect_err("another model")
             .to_string();
         assert!(e.contains("the folder the run started from"), "{e}");

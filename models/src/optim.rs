@@ -233,7 +233,8 @@ impl GradientPolicy {
     }
 
     /// For each parameter of `params`, whether it is frozen. A pattern that matches no
-    /// parameter is refused: a misspelt name would otherwise train what the user froze.
+    /// parameter is refused, the model's parameter names listed: a misspelt name would
+    /// otherwise train what the user froze.
     pub fn frozen(&self, params: &Params) -> Result<Vec<bool>> {
         self.validate()?;
         let matches = |pattern: &str, name: &str| match pattern.strip_suffix('*') {
@@ -245,9 +246,17 @@ impl GradientPolicy {
             .iter()
             .find(|p| !params.vars().iter().any(|(name, _)| matches(p, name)))
         {
+            const SHOWN: usize = 24;
+            let names: Vec<&str> = params.vars().iter().map(|(n, _)| n.as_str()).collect();
+            let more = names.len().saturating_sub(SHOWN);
             return Err(Error::Spec(format!(
-                "freeze pattern {p:?} matches no parameter of the model (`p2ptrain export` \
-                 writes their names; the README lists each model's)"
+                "freeze pattern {p:?} matches no parameter of the model; its parameters: {}{}",
+                names[..names.len().min(SHOWN)].join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
             )));
         }
         Ok(params
@@ -320,20 +329,21 @@ impl Optimizer {
         self.last_grad_norm
     }
 
-    /// The global L2 norm of the gradients of the tensors it trains.
+    /// The global L2 norm of the gradients of the tensors it trains, summed in f64 (an f32 sum
+    /// of squares overflows for gradients past ~1e19, just where clipping matters), each
+    /// tensor's sum kept on its device and the total read back once.
     fn grad_norm(&self, params: &Params, grads: &GradStore) -> Result<f64> {
-        let mut squares = 0f64;
+        let mut sums = Vec::new();
         for ((_, var), frozen) in params.vars().iter().zip(&self.frozen) {
             if let (false, Some(g)) = (*frozen, grads.get(var.as_tensor())) {
-                let sum = g
-                    .sqr()?
-                    .sum_all()?
-                    .to_dtype(DType::F32)?
-                    .to_scalar::<f32>()?;
-                squares += f64::from(sum);
+                sums.push(g.to_dtype(DType::F64)?.sqr()?.sum_all()?);
             }
         }
-        Ok(squares.sqrt())
+        if sums.is_empty() {
+            return Ok(0.0);
+        }
+        let total = Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f64>()?;
+        Ok(total.sqrt())
     }
 
     /// The same optimizer following `schedule`.
@@ -380,18 +390,25 @@ impl Optimizer {
             .vars()
             .first()
             .map(|(_, var)| crate::gpu::step_guard(var.device()));
-        self.steps = self.steps.saturating_add(1);
-        let factor = self.schedule.factor(self.steps);
-        // A non-finite norm scales nothing: the step's loss is non-finite too, and the caller
-        // reports the divergence.
+        // PyTorch's coefficient `max / (norm + 1e-6)`, applied where it is below 1. A
+        // non-finite norm (an infinite or NaN gradient) is refused before anything changes:
+        // no clip makes such an update safe.
         let clip = match self.gradients.clip_norm {
             Some(max) => {
                 let norm = self.grad_norm(params, grads)?;
                 self.last_grad_norm = Some(norm);
-                (norm.is_finite() && norm > max).then(|| max / (norm + 1e-6))
+                if !norm.is_finite() {
+                    return Err(Error::NonFinite(format!(
+                        "the gradients' norm is {norm}: the step is refused, nothing changed"
+                    )));
+                }
+                let coefficient = max / (norm + 1e-6);
+                (coefficient < 1.0).then_some(coefficient)
             }
             None => None,
         };
+        self.steps = self.steps.saturating_add(1);
+        let factor = self.schedule.factor(self.steps);
         for (i, (_, var)) in params.vars().iter().enumerate() {
             if self.frozen.get(i).copied().unwrap_or(false) {
                 continue;
@@ -1015,6 +1032,30 @@ mod tests {
             );
             let norm = opt.last_grad_norm().expect("norm");
             assert!((norm - 5.0).abs() < 1e-6, "{norm}");
+        }
+        // A gradient of 1e30 (its square past f32) is clipped to the norm asked; an infinite
+        // one is refused, and nothing changes.
+        for (scale, finite) in [(1e30f64, true), (f64::INFINITY, false)] {
+            let (params, vars) = make();
+            let policy = GradientPolicy {
+                clip_norm: Some(1.0),
+                freeze: vec![],
+            };
+            let mut opt = Optimizer::new(&spec, &params)
+                .and_then(|o| o.with_gradients(policy, &params))
+                .expect("opt");
+            let big = (vars[1].as_tensor() * scale)
+                .and_then(|t| t.sum_all())
+                .expect("loss");
+            let result = opt.step(&params, &big.backward().expect("grads"));
+            let b = vars[1].as_tensor().to_vec1::<f32>().expect("b")[0];
+            if finite {
+                result.expect("a finite norm clips");
+                assert!((b + 1.0).abs() < 1e-5, "{b}");
+            } else {
+                assert!(result.is_err(), "an infinite norm is refused");
+                assert_eq!((b, opt.steps()), (0.0, 0), "nothing changed");
+            }
         }
         // A prefix freezes both layer tensors; a pattern naming nothing is refused.
         let (params, _) = make();

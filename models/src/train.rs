@@ -19,8 +19,9 @@ pub fn train_step(model: &Model, opt: &mut Optimizer, xs: &Tensor, ys: &Tensor) 
 }
 
 /// The forward pass, the batch's mean cross-entropy loss and every parameter's gradient. An
-/// MLP, and a GPT or a CNN on the CPU, take their hand-written backward passes (the same gradients as
-/// autograd, without its zero-seeded accumulation); other models take Candle's autograd.
+/// MLP, and a GPT, a CNN or a llama on the CPU, take their hand-written backward passes (the
+/// same gradients as autograd, without its zero-seeded accumulation); otherwise Candle's
+/// autograd.
 pub fn forward_backward(model: &Model, xs: &Tensor, ys: &Tensor) -> Result<(Tensor, GradStore)> {
     if let Some(by_hand) = model.network().loss_and_grads(xs, ys) {
         return by_hand;

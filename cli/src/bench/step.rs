@@ -246,8 +246,10 @@ fn load(dir: &Path, name: &str, device: Option<&str>) -> Result<Prepared> {
     if let Some(device) = device {
         config.train.device = device.parse()?;
     }
-    // A schedule changes nothing a step costs, and PyTorch's side has none.
+    // A schedule changes nothing a step costs, and PyTorch's side has none; nor does it clip
+    // or freeze, so neither does ours here: like against like.
     config.schedule = Schedule::Constant;
+    config.gradients = Default::default();
     Ok(node::prepare(config)?)
 }
 

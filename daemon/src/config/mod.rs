@@ -577,8 +577,8 @@ impl Config {
     /// Loads the configured data set and its train/test split.
     pub fn load_data(&self) -> Result<Data, p2ptrain_models::Error> {
         let d = &self.data;
-        // A llama's tokenizer, loaded once: its ids must fit the model's vocabulary (or
-        // `sample` could draw an id the model has no row for).
+        // A llama's tokenizer, loaded once: its ids must fit the model's vocabulary (a
+        // tokenizer with more ids is another model's, whatever ids this text happens to give).
         let tokenizer = match (&self.model, d.tokenizer.as_deref()) {
             (ModelConfig::Llama { spec, .. }, Some(path)) => {
                 let tokenizer = TextTokenizer::load(path)?;

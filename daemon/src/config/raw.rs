@@ -344,9 +344,14 @@ impl RawOptimizer {
             }
         };
         schedule.validate().map_err(|e| format!("optimizer: {e}"))?;
+        // Sorted and without repeats: the same tensors frozen are the same run, whatever the
+        // order they are listed in.
+        let mut freeze = o.freeze.clone().unwrap_or_default();
+        freeze.sort();
+        freeze.dedup();
         let gradients = GradientPolicy {
             clip_norm: o.clip_grad_norm,
-            freeze: o.freeze.clone().unwrap_or_default(),
+            freeze,
         };
         gradients
             .validate()

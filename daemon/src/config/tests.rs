@@ -735,6 +735,14 @@ fn gradient_clipping_and_freezing_are_read_checked_and_in_the_run_id() {
     assert_eq!(frozen.gradients.freeze, ["layers.0.*"]);
     assert_ne!(frozen.run_id(), base.run_id());
     assert_ne!(frozen.run_id(), clipped.run_id());
+    let listed = with("freeze = [\"b\", \"a\", \"b\"]").expect("listed");
+    let sorted = with("freeze = [\"a\", \"b\"]").expect("sorted");
+    assert_eq!(listed.gradients.freeze, ["a", "b"]);
+    assert_eq!(
+        listed.run_id(),
+        sorted.run_id(),
+        "order and repeats change nothing"
+    );
     let nothing = with("freeze = []").expect("empty");
     assert_eq!(nothing.run_id(), base.run_id());
     assert_eq!(nothing.config_hash(), base.config_hash());

@@ -35,7 +35,10 @@ pub(super) fn torch_side(config_path: &Path, dir: &Path) -> Result<TorchSide> {
             })
         }
         Data::Tokens(_) => {
-            bail!("the DDP comparison reads bytes of text or labelled samples, not token files")
+            bail!(
+                "the DDP comparison has a gpt, an mlp and a cnn, not a llama (whose data are \
+                 its tokenizer's ids): pass --no-torch"
+            )
         }
         Data::Labeled(split) => {
             for (half, set) in [("train", &split.train), ("test", &split.test)] {

@@ -38,9 +38,13 @@ pub(crate) fn write(
         );
     }
     // A wrong base is refused before anything is written.
-    if let Some(base) = base {
-        hf::check_base(base, &spec).with_context(|| format!("--base {}", base.display()))?;
-    }
+    let base = base
+        .map(|dir| {
+            hf::check_base(dir, &spec)
+                .map(|checked| (dir, checked))
+                .with_context(|| format!("--base {}", dir.display()))
+        })
+        .transpose()?;
     hf::write_tensors(
         out,
         &spec,
@@ -56,12 +60,12 @@ pub(crate) fn write(
         std::fs::copy(t, out.join("tokenizer.json"))
             .with_context(|| format!("copying {} into the folder", t.display()))?;
     }
-    if let Some(base) = base {
-        let carried = hf::carry_from_base(out, base, &spec, tokenizer.is_some())
-            .with_context(|| format!("carrying {} into the export", base.display()))?;
+    if let Some((dir, checked)) = base {
+        let carried = hf::carry_from_base(out, &checked, tokenizer.is_some())
+            .with_context(|| format!("carrying {} into the export", dir.display()))?;
         println!(
             "carried from {}: {}",
-            base.display(),
+            dir.display(),
             if carried.is_empty() {
                 "nothing (no token ids, longer context or tokenizer files there)".to_string()
             } else {

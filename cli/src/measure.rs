@@ -35,9 +35,12 @@ pub(crate) fn bare_loop(p: &Prepared, steps: u64) -> Result<f64> {
 /// Trains `model` for `steps` steps with a fresh optimizer of the config; steps per second.
 pub(crate) fn train_steps(p: &Prepared, model: &Model, steps: u64) -> Result<f64> {
     let config = &p.config;
-    let mut opt = Optimizer::new(&config.optimizer, model.params())?
-        .with_schedule(config.schedule)?
-        .with_gradients(config.gradients.clone(), model.params())?;
+    let mut opt = Optimizer::configured(
+        &config.optimizer,
+        config.schedule,
+        &config.gradients,
+        model.params(),
+    )?;
     let mut sampler = Sampler::new(p.data.train().len(), 1);
     let start = Instant::now();
     for _ in 0..steps {
@@ -56,9 +59,12 @@ pub(crate) fn train_steps(p: &Prepared, model: &Model, steps: u64) -> Result<f64
 pub(crate) fn gpu_wait_fraction(p: &Prepared, steps: u64) -> Result<f64> {
     let model = Model::new(&p.spec, p.config.train.init_seed, &p.device)?;
     let config = &p.config;
-    let mut opt = Optimizer::new(&config.optimizer, model.params())?
-        .with_schedule(config.schedule)?
-        .with_gradients(config.gradients.clone(), model.params())?;
+    let mut opt = Optimizer::configured(
+        &config.optimizer,
+        config.schedule,
+        &config.gradients,
+        model.params(),
+    )?;
     let mut sampler = Sampler::new(p.data.train().len(), 1);
     let (mut issuing, mut waiting) = (0f64, 0f64);
     for _ in 0..steps {

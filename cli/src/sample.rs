@@ -153,14 +153,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
             anyhow!("a llama samples through its tokenizer: give --tokenizer or --config")
         })?;
         let tokenizer = TextTokenizer::load(&path)?;
-        if tokenizer.id_bound() > llama.spec().vocab {
-            bail!(
-                "{} has {} ids, past the model's vocabulary of {}: not this model's tokenizer",
-                path.display(),
-                tokenizer.id_bound(),
-                llama.spec().vocab
-            );
-        }
+        tokenizer.check_fits(llama.spec().vocab, &path)?;
         let prompt = if args.prompt.is_empty() {
             "\n"
         } else {

@@ -442,11 +442,21 @@ const CARRIED_FILES: &[&str] = &[
     "special_tokens_map.json",
 ];
 
+/// A Hugging Face folder checked to hold the exported model ([`check_base`]): what
+/// [`carry_from_base`] takes, so that nothing carries from an unchecked folder.
+#[derive(Debug, Clone)]
+pub struct CheckedBase {
+    dir: PathBuf,
+    /// The base's own spec (its context: its `max_position_embeddings`).
+    spec: LlamaSpec,
+    /// The exported model's.
+    exported: LlamaSpec,
+}
+
 /// Checks that the Hugging Face folder `base` holds the model `spec` describes, context aside
 /// (a run may train on shorter windows): an export carries only its own base's settings. Run
-/// before anything is written, so a wrong base leaves no half-made export behind. Returns the
-/// base's spec.
-pub fn check_base(base: &Path, spec: &LlamaSpec) -> Result<LlamaSpec> {
+/// before anything is written, so a wrong base leaves no half-made export behind.
+pub fn check_base(base: &Path, spec: &LlamaSpec) -> Result<CheckedBase> {
     let base_spec = read_config(base)?;
     let same_model = LlamaSpec {
         context: spec.context,
@@ -462,24 +472,23 @@ pub fn check_base(base: &Path, spec: &LlamaSpec) -> Result<LlamaSpec> {
             ),
         });
     }
-    Ok(base_spec)
+    Ok(CheckedBase {
+        dir: base.to_path_buf(),
+        spec: base_spec,
+        exported: *spec,
+    })
 }
 
-/// Completes the export in `dir` (just written by [`write_tensors`] for `spec`) with what the
-/// Hugging Face folder `base` the run started from says and the weights do not: its special
-/// token ids, its `max_position_embeddings` where longer than the run's context (a run may
-/// train on shorter windows; rotary positions extend to the base's length as they did), and
-/// its generation and tokenizer files (its tokenizer's own settings only where `own_tokenizer`
-/// is false: an export given another tokenizer keeps that one alone). `base` must hold the
-/// same model ([`check_base`]). Returns what it carried, for the user.
-pub fn carry_from_base(
-    dir: &Path,
-    base: &Path,
-    spec: &LlamaSpec,
-    own_tokenizer: bool,
-) -> Result<Vec<String>> {
-    let base_config = base.join("config.json");
-    let base_spec = check_base(base, spec)?;
+/// Completes the export in `dir` (just written by [`write_tensors`] for the checked base's
+/// model) with what the Hugging Face folder the run started from says and the weights do not:
+/// its special token ids, its `max_position_embeddings` where longer than the run's context (a
+/// run may train on shorter windows; rotary positions extend to the base's length as they
+/// did), and its generation and tokenizer files (its tokenizer's own files only where
+/// `own_tokenizer` is false: an export given another tokenizer keeps that one alone). Returns
+/// what it carried, for the user.
+pub fn carry_from_base(dir: &Path, base: &CheckedBase, own_tokenizer: bool) -> Result<Vec<String>> {
+    let base_config = base.dir.join("config.json");
+    let (base_spec, spec) = (&base.spec, &base.exported);
     let parse = |path: &Path| -> Result<Map<String, Value>> {
         match serde_json::from_str(&read_json(path)?) {
             Ok(Value::Object(map)) => Ok(map),
@@ -515,7 +524,7 @@ pub fn carry_from_base(
         if own_tokenizer && tokenizer_file {
             continue;
         }
-        let (from, to) = (base.join(file), dir.join(file));
+        let (from, to) = (base.dir.join(file), dir.join(file));
         if from.is_file() && !to.exists() {
             std::fs::copy(&from, &to).map_err(io(from.clone()))?;
             carried.push((*file).to_string());
@@ -917,7 +926,8 @@ mod tests {
         };
         let dir = tempfile::tempdir().expect("tmp");
         write_folder(dir.path(), &trained, &params, false).expect("export");
-        let carried = carry_from_base(dir.path(), base.path(), &trained, false).expect("carry");
+        let checked = check_base(base.path(), &trained).expect("the same model");
+        let carried = carry_from_base(dir.path(), &checked, false).expect("carry");
         assert_eq!(
             carried,
             [
@@ -943,7 +953,7 @@ mod tests {
         // tokenizer files come along.
         let own = tempfile::tempdir().expect("tmp");
         write_folder(own.path(), &trained, &params, false).expect("export");
-        let carried = carry_from_base(own.path(), base.path(), &trained, true).expect("carry");
+        let carried = carry_from_base(own.path(), &checked, true).expect("carry");
         assert!(
             !carried.iter().any(|c| c.starts_with("tokenizer")),
             "{carried:?}"

@@ -24,7 +24,7 @@
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Module, Tensor, Var, D};
+use candle_core::{Device, Module, Tensor, Var, D};
 use candle_nn::Embedding;
 use serde::{Deserialize, Serialize};
 
@@ -590,8 +590,10 @@ fn linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
 
 /// The mean cross-entropy of next-token predictions: `logits` `(batch, time, vocab)` at
 /// positions `0..time - 1` against `tokens` `(batch, time)` at `1..time`, as `transformers`'
-/// causal language models compute their loss from labels equal to the inputs.
-pub fn next_token_loss(logits: &Tensor, tokens: &Tensor) -> Result<Tensor> {
+/// causal language models compute their loss from labels equal to the inputs: what the tests
+/// compare with transformers' loss (training and evaluation take the samples' shifted targets).
+#[cfg(test)]
+pub(crate) fn next_token_loss(logits: &Tensor, tokens: &Tensor) -> Result<Tensor> {
     let (batch, time, vocab) = logits.dims3()?;
     if tokens.dims() != [batch, time] || time < 2 {
         return Err(Error::Layout(format!(
@@ -604,7 +606,7 @@ pub fn next_token_loss(logits: &Tensor, tokens: &Tensor) -> Result<Tensor> {
         .narrow(1, 0, time - 1)?
         .contiguous()?
         .reshape((batch * (time - 1), vocab))?
-        .to_dtype(DType::F32)?;
+        .to_dtype(candle_core::DType::F32)?;
     let targets = tokens
         .narrow(1, 1, time - 1)?
         .contiguous()?

@@ -310,6 +310,26 @@ impl Optimizer {
         })
     }
 
+    /// An optimizer with every setting a run configures: its hyper-parameters, schedule and
+    /// gradient policy. The one place they are put together, so a new setting reaches every
+    /// caller (the trainer, a restore, the benchmarks).
+    pub fn configured(
+        spec: &OptimizerSpec,
+        schedule: Schedule,
+        gradients: &GradientPolicy,
+        params: &Params,
+    ) -> Result<Optimizer> {
+        Optimizer::new(spec, params)?
+            .with_schedule(schedule)?
+            .with_gradients(gradients.clone(), params)
+    }
+
+    /// A fresh optimizer (zeroed state, step 0) with this one's settings, for `params`: what a
+    /// restore loads a checkpoint's state into before it replaces this one.
+    pub fn fresh_like(&self, params: &Params) -> Result<Optimizer> {
+        Optimizer::configured(&self.spec, self.schedule, &self.gradients, params)
+    }
+
     /// The same optimizer treating gradients as `policy` says, for the parameters `params`
     /// (the set it was created for); a freeze pattern that names no parameter is refused.
     pub fn with_gradients(mut self, policy: GradientPolicy, params: &Params) -> Result<Optimizer> {

@@ -24,10 +24,11 @@ pub trait Samples {
     /// The inputs and targets of the given samples, on `dev`.
     fn batch(&self, indices: &[usize], dev: &Device) -> Result<(Tensor, Tensor)>;
 
-    /// The bytes of text the targets of the given samples stand for, where the samples are
-    /// text (a byte each for bytes, what a tokenizer says for tokens), so that a language
-    /// model's loss reads as bits per byte whatever its vocabulary; `None` for labels.
-    fn target_bytes(&self, _indices: &[usize]) -> Result<Option<u64>> {
+    /// The bytes of text that `targets` (a batch's, as [`Samples::batch`] gave them) stand
+    /// for, where the samples are text (a byte each for bytes, what a tokenizer says for
+    /// tokens), so that a language model's loss reads as bits per byte whatever its
+    /// vocabulary; `None` for labels. Counted from the batch, so nothing is read twice.
+    fn target_bytes(&self, _targets: &Tensor) -> Result<Option<u64>> {
         Ok(None)
     }
 

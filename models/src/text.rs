@@ -104,8 +104,8 @@ impl Samples for TextSet {
         Ok((xs, ys))
     }
 
-    fn target_bytes(&self, indices: &[usize]) -> Result<Option<u64>> {
-        Ok(Some((indices.len() * self.context) as u64))
+    fn target_bytes(&self, targets: &Tensor) -> Result<Option<u64>> {
+        Ok(Some(targets.elem_count() as u64))
     }
 
     fn eval_batch(&self) -> usize {

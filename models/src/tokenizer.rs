@@ -71,6 +71,21 @@ impl TextTokenizer {
             .unwrap_or(0)
     }
 
+    /// Refuses this tokenizer (read from `path`) for a model of `vocab` ids when it can
+    /// produce an id past them: it is another model's tokenizer, whatever ids a given text
+    /// happens to give.
+    pub fn check_fits(&self, vocab: usize, path: &Path) -> Result<()> {
+        let ids = self.id_bound();
+        if ids > vocab {
+            return Err(Error::Spec(format!(
+                "{} has {ids} ids, past the model's vocabulary of {vocab}: another model's \
+                 tokenizer",
+                path.display()
+            )));
+        }
+        Ok(())
+    }
+
     /// The ids of `text` (no special tokens added).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let encoding = self

@@ -221,21 +221,16 @@ impl Samples for TokenSet {
         Ok((xs, ys))
     }
 
-    fn target_bytes(&self, indices: &[usize]) -> Result<Option<u64>> {
+    fn target_bytes(&self, targets: &Tensor) -> Result<Option<u64>> {
         let Some(table) = &self.bytes_per_token else {
             return Ok(None);
         };
-        let mut window = Vec::with_capacity(self.context + 1);
-        let mut bytes = 0u64;
-        for &i in indices {
-            window.clear();
-            self.window(i, &mut window)?;
-            bytes += window[1..]
-                .iter()
+        let ids = targets.flatten_all()?.to_vec1::<u32>()?;
+        Ok(Some(
+            ids.iter()
                 .map(|&id| u64::from(table.get(id as usize).copied().unwrap_or(0)))
-                .sum::<u64>();
-        }
-        Ok(Some(bytes))
+                .sum(),
+        ))
     }
 
     fn eval_batch(&self) -> usize {
@@ -416,8 +411,9 @@ mod tests {
         )
         .expect("split");
         // Window 0 predicts ids 1, 2, 3, 0: 2 + 3 + 4 + 1 bytes.
-        assert_eq!(split.train.target_bytes(&[0]).expect("bytes"), Some(10));
+        let (_, targets) = split.train.batch(&[0], &Device::Cpu).expect("batch");
+        assert_eq!(split.train.target_bytes(&targets).expect("bytes"), Some(10));
         let plain = load_tokens(f.path(), opts(4, 2, 4)).expect("split");
-        assert_eq!(plain.train.target_bytes(&[0]).expect("bytes"), None);
+        assert_eq!(plain.train.target_bytes(&targets).expect("bytes"), None);
     }
 }

@@ -74,7 +74,7 @@ pub fn evaluate(model: &Model, data: &dyn Samples, dev: &Device) -> Result<Evalu
     let indices: Vec<usize> = (0..data.len()).collect();
     for chunk in indices.chunks(data.eval_batch().max(1)) {
         let (xs, ys) = data.batch(chunk, dev)?;
-        if let Some(bytes) = data.target_bytes(chunk)? {
+        if let Some(bytes) = data.target_bytes(&ys)? {
             *text_bytes.get_or_insert(0) += bytes;
         }
         let (logits, ys) = per_prediction(model.forward(&xs)?, &ys)?;

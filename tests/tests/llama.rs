@@ -126,6 +126,31 @@ fn tokenize_writes_the_python_tokenizers_ids() {
     assert!(!st.success(), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(!tmp.path().join("x.bin").exists());
+    // A text that is not UTF-8 after a good one fails the run once ids are being written: no
+    // token file of a cut corpus, and the partial file removed.
+    let not_text = tmp.path().join("not-text.bin");
+    std::fs::write(&not_text, [0x66u8, 0x6f, 0xff, 0xfe, 0x6f]).expect("write");
+    let (st, _, err) = cli(
+        &[
+            "tokenize",
+            "--tokenizer",
+            &tokenizer(),
+            "--out",
+            tmp.path().join("y.bin").to_str().expect("utf8"),
+            text.to_str().expect("utf8"),
+            not_text.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!st.success() && err.contains("not UTF-8"), "{err}");
+    assert!(
+        !tmp.path().join("y.bin").exists(),
+        "a token file of a cut corpus"
+    );
+    assert!(
+        !tmp.path().join("y.partial").exists(),
+        "the partial file was left"
+    );
 }
 
 #[test]
@@ -377,9 +402,7 @@ fn the_smollm_shaped_gpu_config_takes_a_step_on_the_cpu() {
     let model = Model::new(&prepared.spec, 42, &prepared.device).expect("model");
     assert_eq!(model.params().numel(), 134_515_008, "SmolLM-135M's count");
     let c = &prepared.config;
-    let mut opt = Optimizer::new(&c.optimizer, model.params())
-        .and_then(|o| o.with_schedule(c.schedule))
-        .and_then(|o| o.with_gradients(c.gradients.clone(), model.params()))
+    let mut opt = Optimizer::configured(&c.optimizer, c.schedule, &c.gradients, model.params())
         .expect("optimizer");
     let q_weights = |m: &Model| {
         m.params()

@@ -582,14 +582,7 @@ impl Config {
         let tokenizer = match (&self.model, d.tokenizer.as_deref()) {
             (ModelConfig::Llama { spec, .. }, Some(path)) => {
                 let tokenizer = TextTokenizer::load(path)?;
-                let ids = tokenizer.id_bound();
-                if ids > spec.vocab {
-                    return Err(p2ptrain_models::Error::Spec(format!(
-                        "data.tokenizer {} has {ids} ids, past the model's vocabulary of {}",
-                        path.display(),
-                        spec.vocab
-                    )));
-                }
+                tokenizer.check_fits(spec.vocab, path)?;
                 Some(tokenizer)
             }
             _ => None,

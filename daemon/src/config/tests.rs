@@ -599,8 +599,11 @@ fn the_llama_config_loads_its_text_through_the_tokenizer() {
         "llama-v384-c64-l2-w64-i128-h4-k2-d16-e0.00001-r10000"
     );
     let held_out = data.test();
+    let (_, targets) = held_out
+        .batch(&[0], &candle_core::Device::Cpu)
+        .expect("batch");
     let bytes = held_out
-        .target_bytes(&[0])
+        .target_bytes(&targets)
         .expect("bytes")
         .expect("a table");
     assert!(

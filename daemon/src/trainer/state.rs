@@ -25,9 +25,7 @@ pub fn build(
     resume: Option<&Loaded>,
 ) -> Result<(Model, Optimizer, Counters), TrainerError> {
     let model = Model::new(spec, init_seed, device)?;
-    let mut optimizer = Optimizer::new(opt_spec, model.params())?
-        .with_schedule(schedule)?
-        .with_gradients(gradients.clone(), model.params())?;
+    let mut optimizer = Optimizer::configured(opt_spec, schedule, gradients, model.params())?;
     let mut counters = Counters::default();
     if let Some(loaded) = resume {
         counters = restore_into(&model, &mut optimizer, identity, loaded)?;
@@ -97,9 +95,7 @@ pub(super) fn restore_into(
     let tensors = to_device(&loaded.tensors, &device)?;
     // Check the optimizer state loads before touching the parameters, so a failure leaves both
     // as they were.
-    let mut staged = Optimizer::new(optimizer.spec(), model.params())?
-        .with_schedule(optimizer.schedule())?
-        .with_gradients(optimizer.gradients().clone(), model.params())?;
+    let mut staged = optimizer.fresh_like(model.params())?;
     staged.load(model.params(), info.optimizer_steps, &tensors)?;
     model.params().load(&tensors)?;
     *optimizer = staged;

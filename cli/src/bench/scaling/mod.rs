@@ -520,7 +520,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
     let (base, config_name) = base_text(Some(&args.config))?;
     let table: toml::Table = toml::from_str(&base)?;
     // The language models' held-out figure is bits per byte.
-    let metric = if matches!(table["model"]["kind"].as_str(), Some("gpt" | "llama")) {
+    let metric = if Config::load(Some(&args.config))?.model.is_language_model() {
         Metric::BitsPerByte
     } else {
         Metric::Accuracy

@@ -17,6 +17,13 @@ pub(super) const DDP_MASTER_PORT: u16 = 29517;
 /// (`meta.json` and raw little-endian arrays), and returns what every DDP run shares.
 pub(super) fn torch_side(config_path: &Path, dir: &Path) -> Result<TorchSide> {
     let config = Config::load(Some(config_path))?;
+    // Refused before its data is read (a llama's text is tokenized whole as it loads).
+    if matches!(
+        config.model,
+        p2ptrain_daemon::config::ModelConfig::Llama { .. }
+    ) {
+        bail!("the DDP comparison has a gpt, an mlp and a cnn, not a llama: pass --no-torch");
+    }
     let data = config.load_data()?;
     let spec = config.model_spec(&data)?;
     std::fs::create_dir_all(dir)?;
@@ -34,12 +41,7 @@ pub(super) fn torch_side(config_path: &Path, dir: &Path) -> Result<TorchSide> {
                 "train_stride": (context / p2ptrain_models::text::TRAIN_STRIDE_DIVISOR).max(1),
             })
         }
-        Data::Tokens(_) => {
-            bail!(
-                "the DDP comparison has a gpt, an mlp and a cnn, not a llama (whose data are \
-                 its tokenizer's ids): pass --no-torch"
-            )
-        }
+        Data::Tokens(_) => bail!("the DDP comparison reads no token data: pass --no-torch"),
         Data::Labeled(split) => {
             for (half, set) in [("train", &split.train), ("test", &split.test)] {
                 let x: Vec<u8> = set.features.iter().flat_map(|v| v.to_le_bytes()).collect();

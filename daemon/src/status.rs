@@ -256,6 +256,9 @@ pub struct SyncStatus {
     /// How the members combine their training (`sync.mode`).
     #[serde(default)]
     pub mode: String,
+    /// How gossip combines own and neighbours' changes (`sync.mix`: `mean` or `add`).
+    #[serde(default)]
+    pub mix: String,
     /// Codec of this node's own updates.
     pub codec: String,
     /// Fraction kept by top-k.
@@ -315,6 +318,7 @@ impl SyncStatus {
             .unwrap_or_default();
         SyncStatus {
             mode: settings.config.mode.name().to_string(),
+            mix: settings.config.mix.name().to_string(),
             codec: settings.config.codec.name().to_string(),
             density: settings.config.density,
             error_feedback: settings.config.error_feedback,

@@ -31,7 +31,7 @@ fn by_label(dir: &Path, k: usize) -> PathBuf {
             ("split_seed = 1", "split_seed = 1\npartition = \"by_label\""),
             ("eval_every = 500", "eval_every = 200"),
         ],
-        "\n[sync]\nupdate_weight = 1.0\nstaleness_bound = 100\n",
+        "\n[sync]\nmix = \"add\"\nupdate_weight = 1.0\nstaleness_bound = 100\n",
     )
 }
 

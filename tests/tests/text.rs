@@ -1,7 +1,7 @@
-//! The byte-level GPT on the bundled Hamlet: a node brings held-out bits per byte below 3.0
-//! (the unigram entropy of English text is about 4.5); two `ddp` nodes reach 2.8 in fewer
-//! steps each than one node alone; `sample` prints text from its checkpoint; the checkpoint
-//! reads in a plain safetensors reader under the names the README documents.
+//! The byte-level GPT on the bundled Hamlet: a node alone brings held-out bits per byte below
+//! 3.0 (the unigram entropy of English text is about 4.5); two `ddp` nodes reach 2.8 in fewer
+//! steps each than it; `sample` prints text from its checkpoint; the checkpoint reads in a
+//! plain safetensors reader under the names the README documents.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -15,7 +15,7 @@ use crate::mesh::{listen_addr, peers, start};
 
 /// The target: below the unigram entropy by far, above what the model reaches at the end.
 const TARGET_BITS_PER_BYTE: f64 = 3.0;
-/// The step budget of a node alone.
+/// The step budget of a node alone (the meshes' lone control, whose checkpoint is checked).
 const STEPS: u64 = 700;
 /// `configs/text-gpt.toml` shrunk to a test size (2 layers of width 64, 32 bytes of context:
 /// 0.12 M parameters; 64 windows a step), its schedule fitted to the step budget, plus `extra`
@@ -42,32 +42,13 @@ fn text_config(dir: &Path, name: &str, steps: u64, extra: &str) -> PathBuf {
     )
 }
 
-#[test]
-fn a_gpt_alone_goes_below_3_bits_per_byte_and_its_checkpoint_samples_and_reads_plainly() {
-    let _cores = crate::harness::cpu_hog();
-    let tmp = tempfile::tempdir().expect("tmp");
-    let cfg = text_config(tmp.path(), "text.toml", STEPS, "");
-    // A fixed data order (the steps test's lone node's): with the node's own, drawn from
-    // its random identity, an order that sat long on the unigram plateau ended 700 steps at
-    // 3.07 bits per byte in one CI-like run; with this one the run is the same every time.
-    let text = std::fs::read_to_string(&cfg).expect("config");
-    assert!(
-        text.contains("init_seed = 42"),
-        "the data order cannot be pinned"
-    );
-    let pinned = text.replace("init_seed = 42", "init_seed = 42\nnode_seed = 1");
-    std::fs::write(&cfg, pinned).expect("write config");
-    let data = tmp.path().join("node");
-    let cfg_arg = cfg.to_str().expect("utf8");
-    let mut node = Node::start(
-        &data,
-        &["--config", cfg_arg, "--max-steps", &STEPS.to_string()],
-    );
-    node.wait_api();
-    // Status carries the language model's figures while it trains.
-    let s = node.wait_status("a text evaluation", Duration::from_secs(120), |s| {
-        s["eval"]["bits_per_byte"].is_number()
-    });
+/// The lone node's checks, once it ran [`STEPS`] steps from `cfg` in `data`: while it
+/// trained, status carried the language model's figures (`status`, read after its first
+/// evaluation); it exited by itself; its final checkpoint is below
+/// [`TARGET_BITS_PER_BYTE`], `sample` prints text from it, and a plain safetensors reader sees
+/// the documented names.
+fn check_the_lone_gpt(tmp: &Path, node: &mut Node, status: &Value, data: &Path, cfg: &Path) {
+    let s = status;
     let (bpb, ppl, loss) = (
         s["eval"]["bits_per_byte"].as_f64().expect("bpb"),
         s["eval"]["perplexity"].as_f64().expect("perplexity"),
@@ -81,8 +62,8 @@ fn a_gpt_alone_goes_below_3_bits_per_byte_and_its_checkpoint_samples_and_reads_p
         node.log_text()
     );
 
-    let ck = newest_checkpoint(&data).expect("final checkpoint");
-    let e = eval_json(&ck, Some(&cfg));
+    let ck = newest_checkpoint(data).expect("final checkpoint");
+    let e = eval_json(&ck, Some(cfg));
     eprintln!("alone after {STEPS} steps: {e}");
     assert_eq!(e["step"], STEPS);
     let bpb = e["bits_per_byte"].as_f64().expect("bits_per_byte");
@@ -122,7 +103,7 @@ fn a_gpt_alone_goes_below_3_bits_per_byte_and_its_checkpoint_samples_and_reads_p
     assert!(out.starts_with(prompt.as_bytes()));
     // Seeded: the same command gives the same text; a wrong config is refused.
     assert_eq!(sample(), out);
-    let other = text_config(tmp.path(), "other.toml", STEPS, "")
+    let other = text_config(tmp, "other.toml", STEPS, "")
         .to_str()
         .map(str::to_owned)
         .expect("utf8");
@@ -164,8 +145,8 @@ fn a_gpt_alone_goes_below_3_bits_per_byte_and_its_checkpoint_samples_and_reads_p
 /// step of two `ddp` nodes).
 const MESH_LEVEL: f64 = 2.8;
 const MESH_MARGIN: f64 = 0.9;
-/// Nobody trains past this many steps; the schedule spans them (the lone node takes 625 to
-/// the level, two `ddp` nodes 450 each, reproducibly).
+/// No mesh node trains past this many steps; the schedule spans them (the lone node takes
+/// 625 to the level, two `ddp` nodes 450 each, reproducibly).
 const MESH_STEP_CAP: u64 = 1500;
 
 /// `text_config` evaluating every 25 steps (not on a clock), with a fixed data order, its
@@ -202,16 +183,33 @@ fn last_step(dir: &Path) -> Option<u64> {
     evals(dir).last()?["step"].as_u64()
 }
 
+/// Two members of a mesh, started together from one state: `mode_toml` is their `[sync]`
+/// section's body (`min_members = 2` added: both take their first step together, so the
+/// mesh's run is as reproducible as the lone node's).
+fn start_pair(root: &Path, names: [&str; 2], mode_toml: &str) -> [Node; 2] {
+    let cap = MESH_STEP_CAP.to_string();
+    let mesh = format!("\n[sync]\nmin_members = 2\n{mode_toml}");
+    let cfg_a = steps_config(root, &format!("{}.toml", names[0]), 1, &mesh);
+    let cfg_b = steps_config(root, &format!("{}.toml", names[1]), 2, &mesh);
+    let a = start(root, names[0], &cfg_a, None, &["--max-steps", &cap]);
+    let addr = listen_addr(&a);
+    let b = start(root, names[1], &cfg_b, Some(&addr), &["--max-steps", &cap]);
+    [a, b]
+}
+
 /// More boxes, sooner, counted in steps: two `ddp` nodes (each step's gradients summed in the
 /// ring, so a step of the mesh sees twice the batch) reach [`MESH_LEVEL`] in at most
-/// [`MESH_MARGIN`] of the steps one node alone takes from the same start and data order,
-/// with nothing rejected, nobody banned, and the two holding the same bits. Counted in steps
-/// (each node's evaluations, every 25 steps), never seconds, so a loaded box changes nothing.
+/// [`MESH_MARGIN`] of the steps one node alone takes from the same start and data order, with
+/// nothing rejected, nobody banned, and the two holding the same bits. Counted in steps (each
+/// node's evaluations, every 25 steps), never seconds, so a loaded box changes nothing. The
+/// lone node is also the GPT alone whose checkpoint [`check_the_lone_gpt`] checks (one GPT
+/// run fewer on CI's two cores than a test of its own).
 #[test]
-fn two_ddp_gpt_nodes_reach_a_level_in_fewer_steps_each_than_one_node_alone() {
+fn two_ddp_gpt_nodes_take_fewer_steps_than_a_lone_node_whose_checkpoint_samples_and_reads() {
     let _cores = crate::harness::cpu_hog();
     let tmp = tempfile::tempdir().expect("tmp");
-    let cap = MESH_STEP_CAP.to_string();
+    // The lone node runs [`STEPS`] steps (it reaches the level at 625, the same every time:
+    // its data order is pinned) and is the lone GPT whose checkpoint is checked at the end.
     let alone_cfg = steps_config(tmp.path(), "alone.toml", 1, "");
     let alone_dir = tmp.path().join("alone");
     let mut alone = Node::start(
@@ -220,28 +218,30 @@ fn two_ddp_gpt_nodes_reach_a_level_in_fewer_steps_each_than_one_node_alone() {
             "--config",
             alone_cfg.to_str().expect("utf8"),
             "--max-steps",
-            &cap,
+            &STEPS.to_string(),
         ],
     );
     alone.wait_api();
-    // Both nodes take their first step together, from one state: the mesh's run is then as
-    // reproducible as the lone node's. (Without it the founder stepped alone until the
+    // Whole batches on both ddp members: this counts steps, and three GPT processes on two
+    // cores (more on a busy CI box) make the members' speeds differ at the scheduler's whim;
+    // balanced batches would trade samples per step for time, which a count of steps reads
+    // as a loss. `modes::a_slow_ddp_member_takes_a_smaller_batch_and_the_members_stay_identical`
+    // tests the balancing. (Without `min_members = 2` the founder stepped alone until the
     // joiner came in, and the count varied from run to run: 450 to 575 of the lone node's
     // 625, one run in three above the margin.)
-    // Whole batches on both: this counts steps, and three GPT processes on two cores (more
-    // on a busy CI box) make the members' speeds differ at the scheduler's whim; balanced
-    // batches would trade samples per step for time, which a count of steps reads as a loss.
-    // `modes::a_slow_ddp_member_takes_a_smaller_batch_and_the_members_stay_identical` tests
-    // the balancing.
-    let mesh = "\n[sync]\nmode = \"ddp\"\nmin_members = 2\nbalance_batches = false\n";
-    let cfg_a = steps_config(tmp.path(), "a.toml", 1, mesh);
-    let cfg_b = steps_config(tmp.path(), "b.toml", 2, mesh);
-    let a = start(tmp.path(), "a", &cfg_a, None, &["--max-steps", &cap]);
-    let addr = listen_addr(&a);
-    let b = start(tmp.path(), "b", &cfg_b, Some(&addr), &["--max-steps", &cap]);
+    let ddp = start_pair(
+        tmp.path(),
+        ["a", "b"],
+        "mode = \"ddp\"\nbalance_batches = false\n",
+    );
 
-    // Both nodes at the level, in rounds of two.
-    let dirs = [tmp.path().join("a"), tmp.path().join("b")];
+    // Status carries the language model's figures while it trains.
+    let alone_status = alone.wait_status("a text evaluation", Duration::from_secs(120), |s| {
+        s["eval"]["bits_per_byte"].is_number()
+    });
+
+    // Both ddp nodes at the level, in rounds of two.
+    let dirs = ["a", "b"].map(|n| tmp.path().join(n));
     let finals: Vec<Value> = eventually(
         Duration::from_secs(400),
         "both ddp nodes at the level",
@@ -254,7 +254,7 @@ fn two_ddp_gpt_nodes_reach_a_level_in_fewer_steps_each_than_one_node_alone() {
                 );
                 return None;
             }
-            [&a, &b].iter().map(|n| n.status()).collect()
+            ddp.iter().map(|n| n.status()).collect()
         },
     );
     for s in &finals {
@@ -290,14 +290,17 @@ fn two_ddp_gpt_nodes_reach_a_level_in_fewer_steps_each_than_one_node_alone() {
         .filter_map(|d| first_step_at(d, MESH_LEVEL))
         .max()
         .expect("both reached");
-    drop((a, b));
+    drop(ddp);
 
-    let alone_steps = eventually(
-        Duration::from_secs(400),
-        "the lone node at the level",
-        || first_step_at(&alone_dir, MESH_LEVEL),
+    check_the_lone_gpt(
+        tmp.path(),
+        &mut alone,
+        &alone_status,
+        &alone_dir,
+        &alone_cfg,
     );
-    drop(alone);
+    let alone_steps = first_step_at(&alone_dir, MESH_LEVEL)
+        .unwrap_or_else(|| panic!("the lone node ended {STEPS} steps above {MESH_LEVEL}"));
     for (name, dir) in [("a", &dirs[0]), ("b", &dirs[1]), ("alone", &alone_dir)] {
         let curve: Vec<String> = evals(dir)
             .iter()

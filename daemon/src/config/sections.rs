@@ -331,8 +331,12 @@ pub struct SyncConfig {
     pub inline_max_bytes: usize,
     /// Reject a neighbour's update whose norm exceeds this times our parameters' norm.
     pub max_update_ratio: f64,
+    /// `gossip`: how a node's own published change and its neighbours' combine: `mean` (the
+    /// neighbourhood moves by the mean of its members' changes) or `add` (each keeps its own
+    /// change whole and adds its neighbours' shares). A sync term: members must agree.
+    pub mix: crate::policy::Mixing,
     /// Fixed weight of a neighbour's update (default: the policy's `1 / (neighbours + 1)`
-    /// times its staleness discount).
+    /// times its staleness discount); `add` mixing only.
     pub update_weight: Option<f64>,
     /// How own updates are encoded.
     #[serde(serialize_with = "codec_name", deserialize_with = "de_codec")]
@@ -384,6 +388,7 @@ impl Default for SyncConfig {
             full_sync_every: 500,
             inline_max_bytes: 1024 * 1024,
             max_update_ratio: 1.0,
+            mix: crate::policy::Mixing::default(),
             update_weight: None,
             codec: Codec::Dense,
             density: 0.01,
@@ -470,7 +475,7 @@ impl SyncConfig {
     /// for itself (how often it publishes or syncs in gossip, its guards) are not terms.
     pub fn shared_terms(&self) -> String {
         match self.mode {
-            SyncMode::Gossip => "gossip".into(),
+            SyncMode::Gossip => format!("gossip/mix/{}", self.mix.name()),
             SyncMode::Allreduce => format!("allreduce/every/{}", self.every),
             SyncMode::Ddp => format!("ddp/resync_every/{}", self.resync_every),
             SyncMode::Diloco => format!(
@@ -496,6 +501,7 @@ impl SyncConfig {
             full_sync_every: if gossip { self.full_sync_every } else { 0 },
             staleness_bound: if gossip { self.staleness_bound } else { None },
             stale_after: self.stale_after,
+            mixing: self.mix,
             ..crate::policy::PolicyConfig::default()
         }
     }
@@ -614,6 +620,11 @@ impl SyncConfig {
         if let Some(w) = self.update_weight {
             if !(w > 0.0 && w <= 1.0) {
                 return Err(format!("sync.update_weight = {w} must be in (0, 1]"));
+            }
+            if self.mix == crate::policy::Mixing::Mean {
+                return Err(format!(
+                    "sync.update_weight = {w} needs sync.mix = \"add\": mean mixing weighs every change by the neighbourhood's size"
+                ));
             }
         }
         if self.degree == 0 {

@@ -181,6 +181,7 @@ impl MeshCore {
             wall_clock,
             rounds,
         } = cfg;
+        let policy_mixing = policy.mixing;
         MeshCore {
             progress: Progress::default(),
             policy: SyncPolicy::new(policy, start_step),
@@ -196,7 +197,14 @@ impl MeshCore {
             rounds: rounds.map(|(rc, synced)| {
                 Rounds::new(rc, me, start_step, synced).sized_for(layout.numel())
             }),
-            updates: Updates::new(&me, &run_id, layout, mesh, update_weight),
+            updates: Updates::new(
+                &me,
+                &run_id,
+                layout,
+                mesh,
+                update_weight,
+                policy_mixing == crate::policy::Mixing::Mean,
+            ),
             round_command: None,
         }
     }
@@ -283,7 +291,13 @@ impl MeshCore {
                 let done = self.syncs.on_reply(peer, answer, now, &mut out);
                 self.sync_done(done, now, &mut out);
             }
-            Input::UpdatePublished { payload, ok } => self.updates.published(payload, ok),
+            Input::UpdatePublished { payload, ok } => {
+                if let Some(sent) = self.updates.published(payload, ok) {
+                    if let Some(weight) = self.policy.own_change_weight(now) {
+                        self.updates.enqueue_own(sent, weight);
+                    }
+                }
+            }
             Input::Progress(p) => {
                 if let Some(r) = &mut self.rounds {
                     r.own_speed(p.ms_per_sample);

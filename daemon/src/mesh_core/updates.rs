@@ -1,7 +1,8 @@
 //! The update path: judging neighbours' updates (topic owner, rate, framing, header, finiteness,
 //! norm bounds, replay and lateness), queueing the ones the policy weighs for the trainer, and
 //! encoding this node's own delta with error feedback, inline or announced for neighbours to
-//! pull.
+//! pull. With mean mixing, what an own update sent is kept until the network has taken it,
+//! then handed back for the core to queue with the policy's (negative) own-change weight.
 //!
 //! The sync policy's weighing is the core's: an update that passes every check comes back as
 //! [`Verdict::Passed`], and the core hands the weight the policy gives it to
@@ -28,6 +29,9 @@ use crate::wire::{self, UpdateFrame};
 pub(super) const LARGE_UPDATE_CAP: usize = 4;
 /// Updates waiting for a busy trainer before they are merged.
 pub(super) const PENDING_CAP: usize = 8;
+/// Own updates handed to the network and not yet reported taken; the network reports each in
+/// order, so more than a few means reports were lost and the oldest is dropped.
+const SENT_CAP: usize = 4;
 
 /// What became of a neighbour's update.
 #[derive(Debug)]
@@ -58,6 +62,10 @@ pub(super) struct Updates {
     cfg: MeshConfig,
     /// Fixed weight for neighbours' updates instead of the policy's (`sync.update_weight`).
     update_weight: Option<f32>,
+    /// Keep what each own update sent (mean mixing takes part of it back once it is out).
+    keep_sent: bool,
+    /// What own updates handed to the network sent, oldest first, until it reports them.
+    sent: VecDeque<Vec<f32>>,
     guard: UpdateGuard<PeerId>,
     seen_steps: HashMap<PeerId, SeenSteps>,
     compressor: ErrorFeedback,
@@ -81,6 +89,7 @@ impl Updates {
         layout: Layout,
         cfg: MeshConfig,
         update_weight: Option<f32>,
+        keep_sent: bool,
     ) -> Updates {
         Updates {
             ids: HeaderIds::new(me, run_id, &layout),
@@ -99,6 +108,8 @@ impl Updates {
             payload_bytes_sent: 0,
             dropped_stale: 0,
             update_weight,
+            keep_sent,
+            sent: VecDeque::new(),
             layout,
             cfg,
         }
@@ -296,6 +307,10 @@ impl Updates {
     /// newest entry rather than queued as another copy.
     pub(super) fn enqueue(&mut self, values: Vec<f32>, weight: f32) {
         let weight = self.update_weight.unwrap_or(weight);
+        self.queue(values, weight);
+    }
+
+    fn queue(&mut self, values: Vec<f32>, weight: f32) {
         let full = self.pending.len() >= PENDING_CAP;
         match self.pending.back_mut() {
             Some((queued, w)) if full => {
@@ -358,7 +373,15 @@ impl Updates {
             .compressor
             .compress(&header, &self.layout, delta, self.cfg.density)
         {
-            Ok(e) => e.bytes,
+            Ok(e) => {
+                if self.keep_sent {
+                    if self.sent.len() == SENT_CAP {
+                        self.sent.pop_front();
+                    }
+                    self.sent.push_back(e.sent);
+                }
+                e.bytes
+            }
             Err(e) => {
                 tracing::warn!("own update not published: {e}");
                 return;
@@ -385,13 +408,25 @@ impl Updates {
         });
     }
 
-    /// The network took (`ok`) or refused an own update of `payload` bytes.
-    pub(super) fn published(&mut self, payload: u64, ok: bool) {
+    /// The network took (`ok`) or refused an own update of `payload` bytes. With mean mixing,
+    /// answers what a taken update sent (neighbours will add their share of it; the core
+    /// queues the part this node gives back); a refused one's is dropped, as its change
+    /// stays here whole.
+    pub(super) fn published(&mut self, payload: u64, ok: bool) -> Option<Vec<f32>> {
+        let sent = self.sent.pop_front();
         if ok {
             self.counters.sent += 1;
             self.residual_norm = self.compressor.residual_norm();
             self.payload_bytes_sent += payload;
+            return sent;
         }
+        None
+    }
+
+    /// Queues this node's own sent change with `weight` (negative: the part mean mixing
+    /// gives back), past the fixed `sync.update_weight`, which weighs neighbours' only.
+    pub(super) fn enqueue_own(&mut self, values: Vec<f32>, weight: f32) {
+        self.queue(values, weight);
     }
 
     /// The trainer's queue was full for an update: it goes back to the front.
@@ -405,6 +440,7 @@ impl Updates {
         self.compressor.reset();
         self.residual_norm = 0.0;
         self.pending.clear();
+        self.sent.clear();
         self.delta_asked = false;
     }
 
@@ -497,7 +533,7 @@ mod tests {
 
     fn updates(cfg: MeshConfig) -> (Updates, PeerId) {
         let me = PeerId::random();
-        (Updates::new(&me, RUN, layout(), cfg, None), me)
+        (Updates::new(&me, RUN, layout(), cfg, None, false), me)
     }
 
     /// A header of `author`'s in this run and layout, covering the step before `step`.
@@ -906,7 +942,7 @@ mod tests {
 
     #[test]
     fn a_configured_update_weight_overrides_the_policys() {
-        let mut u = Updates::new(&PeerId::random(), RUN, layout(), cfg(), Some(0.3));
+        let mut u = Updates::new(&PeerId::random(), RUN, layout(), cfg(), Some(0.3), false);
         u.enqueue(vec![0.1; 4], 0.9);
         assert_eq!(applies(&mut u), vec![(vec![0.1; 4], 0.3)]);
         let (mut plain, _) = updates(cfg());
@@ -955,6 +991,34 @@ mod tests {
         assert_eq!(u.sizes().0, 0);
         u.publish(0, 5, &[0.1; 4], false, &mut out);
         assert_eq!(out.len(), 1, "{out:?}");
+    }
+
+    #[test]
+    fn mean_mixing_gets_back_what_a_taken_update_sent_and_nothing_of_a_refused_one() {
+        let me = PeerId::random();
+        let mut topk = cfg();
+        topk.codec = Codec::TopK(codec::ValueFormat::F32);
+        topk.density = 0.5;
+        let mut u = Updates::new(&me, RUN, layout(), topk, None, true);
+        let mut out = Vec::new();
+        // Top-k keeps the two largest; error feedback keeps the rest for the next update.
+        u.publish(0, 5, &[0.1, -0.4, 0.3, 0.0], false, &mut out);
+        u.publish(5, 10, &[0.0, 0.0, 0.0, 0.0], false, &mut out);
+        assert_eq!(out.len(), 2, "{out:?}");
+        assert_eq!(u.published(40, true), Some(vec![0.0, -0.4, 0.3, 0.0]));
+        assert_eq!(
+            u.published(40, false),
+            None,
+            "a refused update gives nothing back"
+        );
+        assert_eq!(u.published(40, true), None, "nothing more was handed over");
+        // Queued with the weight the core gives, whatever sync.update_weight says.
+        u.enqueue_own(vec![0.0, -0.4, 0.3, 0.0], -0.5);
+        assert_eq!(applies(&mut u), vec![(vec![0.0, -0.4, 0.3, 0.0], -0.5)]);
+        // Adding mixing keeps nothing.
+        let (mut plain, _) = updates(cfg());
+        plain.publish(0, 5, &[0.1; 4], false, &mut out);
+        assert_eq!(plain.published(16, true), None);
     }
 
     #[test]

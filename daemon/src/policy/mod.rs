@@ -16,6 +16,10 @@
 //!   many of the sender's own steps the update is behind the sender's latest known
 //!   progress (heartbeats and newer updates), so a late or reordered update counts as
 //!   stale, but a slower box's fresh update does not.
+//! * **Mix** ([`Mixing`]): with `Mean`, a node that published its change takes back
+//!   `live / (live + 1)` of what it sent, so its own change weighs what each neighbour's
+//!   does and the neighbourhood moves by the mean of its members' changes; with `Add` it
+//!   keeps its whole change and adds its neighbours' on top.
 //! * **Full sync** with one neighbour every `full_sync_every` steps, least recently
 //!   synced first, at most one in flight. Full syncs are what pull drifting replicas
 //!   back together; published updates only spread progress.
@@ -62,6 +66,35 @@ pub struct PolicyConfig {
     /// Updates more than this many steps stale are dropped instead of applied, because
     /// past some age they do more harm than good; `None` keeps every update.
     pub drop_after: Option<u64>,
+    /// How a published change and the neighbours' combine; see [`Mixing`].
+    pub mixing: Mixing,
+}
+
+/// How gossip combines a node's own change with its neighbours' (`sync.mix`). Every member
+/// of a run must use the same rule: it is one of the sync terms the handshake compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mixing {
+    /// Each node keeps its own change and adds `1 / (live + 1)` of each neighbour's: with two
+    /// nodes, `own + 0.5 × other`, a longer and noisier step than either, and the two models
+    /// drift apart until a full sync averages them.
+    Add,
+    /// Each node takes back `live / (live + 1)` of the change it published and adds
+    /// `1 / (live + 1)` of each neighbour's: the neighbourhood moves by the mean of its
+    /// members' changes, as a larger batch would, and the models stay together (the
+    /// neighbourhood's sum of parameters is what the exchange keeps).
+    #[default]
+    Mean,
+}
+
+impl Mixing {
+    /// The name used in configs and in the sync terms.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mixing::Add => "add",
+            Mixing::Mean => "mean",
+        }
+    }
 }
 
 impl Default for PolicyConfig {
@@ -74,6 +107,7 @@ impl Default for PolicyConfig {
             peer_timeout: Duration::from_secs(6),
             stale_after: 100,
             drop_after: None,
+            mixing: Mixing::default(),
         }
     }
 }
@@ -336,6 +370,16 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
 
     fn is_live(&self, n: &Neighbour, now: Instant) -> bool {
         now.saturating_duration_since(n.last_heard) <= self.config.peer_timeout
+    }
+
+    /// The weight of this node's own published change once it is sent: with
+    /// [`Mixing::Mean`] minus `live / (live + 1)` of it (so what stays weighs what each live
+    /// neighbour's change will), with [`Mixing::Add`] nothing (`None`). Alone, nothing either:
+    /// nobody takes the change that would be given back.
+    pub fn own_change_weight(&self, now: Instant) -> Option<f32> {
+        let live = self.live_count(now);
+        (self.config.mixing == Mixing::Mean && live > 0)
+            .then(|| -(live as f64 / (live as f64 + 1.0)) as f32)
     }
 
     fn live_count(&self, now: Instant) -> usize {

@@ -11,6 +11,7 @@ fn cfg() -> PolicyConfig {
         peer_timeout: Duration::from_millis(100),
         stale_after: 0,
         drop_after: None,
+        mixing: Mixing::Add,
     }
 }
 
@@ -422,6 +423,49 @@ fn ssp_bound_zero_acts_as_one() {
     assert_eq!(heard(&mut p, 1, 6, t), vec![Action::Resume]);
 }
 
+/// Mean mixing gives back `live / (live + 1)` of a published change, so what stays weighs what
+/// each live neighbour's change will (`1 / (live + 1)`); adding mixing and a lone node give
+/// nothing back.
+#[test]
+fn mean_mixing_gives_back_the_neighbours_share_of_an_own_change() {
+    let t = Instant::now();
+    let mean = || {
+        SyncPolicy::<u32>::new(
+            PolicyConfig {
+                mixing: Mixing::Mean,
+                ..cfg()
+            },
+            0,
+        )
+    };
+    let mut p = mean();
+    assert_eq!(p.own_change_weight(t), None, "alone");
+    up(&mut p, 1, t);
+    assert_eq!(p.own_change_weight(t), Some(-0.5));
+    let neighbours = |p: &mut SyncPolicy<u32>| match weight(p, 1, 0, t) {
+        Action::Apply { weight, .. } => weight,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(neighbours(&mut p), 0.5);
+    up(&mut p, 2, t);
+    up(&mut p, 3, t);
+    let own = p.own_change_weight(t).expect("neighbours");
+    assert!((own + 0.75).abs() < 1e-6, "{own}");
+    assert!(
+        (1.0 + own - neighbours(&mut p)).abs() < 1e-6,
+        "own weighs as a neighbour"
+    );
+    // A neighbour gone silent no longer counts.
+    assert_eq!(
+        p.own_change_weight(t + Duration::from_secs(1)),
+        None,
+        "every neighbour timed out"
+    );
+    let mut add = SyncPolicy::<u32>::new(cfg(), 0);
+    up(&mut add, 1, t);
+    assert_eq!(add.own_change_weight(t), None);
+}
+
 #[test]
 fn odd_inputs_do_not_panic() {
     let t = Instant::now();
@@ -434,6 +478,7 @@ fn odd_inputs_do_not_panic() {
             peer_timeout: Duration::ZERO,
             stale_after: 1,
             drop_after: Some(0),
+            mixing: Mixing::Mean,
         },
         u64::MAX,
     );

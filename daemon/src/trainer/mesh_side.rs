@@ -18,7 +18,8 @@ impl Loop {
         Ok(())
     }
 
-    /// Adds `weight * values` to the parameters.
+    /// Adds `weight * values` to the parameters: a neighbour's update (positive), or part of
+    /// this node's own published change given back (negative, mean mixing).
     pub(super) fn apply(&mut self, values: &[f32], weight: f32) -> Result<(), TrainerError> {
         let mut flat = self.flat()?;
         if values.len() != flat.len() {
@@ -37,7 +38,11 @@ impl Loop {
             return Ok(());
         }
         self.own.added(values, weight);
-        self.stats.updates_applied += 1;
+        // A negative weight is this node's own sent change given back (mean mixing), not a
+        // neighbour's update.
+        if weight > 0.0 {
+            self.stats.updates_applied += 1;
+        }
         Ok(())
     }
 

@@ -31,7 +31,7 @@ use super::{
     RequestFailed, TrainerCommand, TrainerEvent, WallClock, HEARTBEAT_EVERY,
 };
 use crate::guard::GuardConfig;
-use crate::policy::PolicyConfig;
+use crate::policy::{Mixing, PolicyConfig};
 use crate::ring_attack::RingAttack;
 use crate::sync_guard;
 use crate::wire::{BulkResponse, RingMessage};
@@ -104,6 +104,7 @@ impl SimParams {
                 publish_every: 20,
                 full_sync_every: 50,
                 staleness_bound: None,
+                mixing: Mixing::Add,
                 ..PolicyConfig::default()
             },
             churn_every_ms: 1_000,

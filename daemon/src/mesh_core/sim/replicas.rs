@@ -112,7 +112,10 @@ impl Sim {
                     *x += weight * v;
                 }
                 n.own.added(&values, weight);
-                self.report.applied += 1;
+                // As the trainer counts: an own change given back is no neighbour's update.
+                if weight > 0.0 {
+                    self.report.applied += 1;
+                }
                 return Vec::new();
             }
             TrainerCommand::Average { seq, theirs, bound } => {

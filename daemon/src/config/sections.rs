@@ -331,9 +331,9 @@ pub struct SyncConfig {
     pub inline_max_bytes: usize,
     /// Reject a neighbour's update whose norm exceeds this times our parameters' norm.
     pub max_update_ratio: f64,
-    /// `gossip`: how a node's own published change and its neighbours' combine: `mean` (the
-    /// neighbourhood moves by the mean of its members' changes) or `add` (each keeps its own
-    /// change whole and adds its neighbours' shares). A sync term: members must agree.
+    /// `gossip`: how a node's own published change and its neighbours' combine: `add` (each
+    /// keeps its own change whole and adds its neighbours' shares; the default) or `mean` (the
+    /// neighbourhood moves by the mean of its members' changes). A sync term: members must agree.
     pub mix: crate::policy::Mixing,
     /// Fixed weight of a neighbour's update (default: the policy's `1 / (neighbours + 1)`
     /// times its staleness discount); `add` mixing only.

@@ -84,7 +84,7 @@ fn sync_terms_name_the_mode_and_its_shared_settings_but_not_the_run_id() {
     };
     let base = |mode| terms(mode, &|_| {});
     let changed: [(SyncMode, Change); 7] = [
-        (SyncMode::Gossip, &|s| s.mix = crate::policy::Mixing::Add),
+        (SyncMode::Gossip, &|s| s.mix = crate::policy::Mixing::Mean),
         (SyncMode::Allreduce, &|s| s.every += 1),
         (SyncMode::Ddp, &|s| s.resync_every += 1),
         (SyncMode::Diloco, &|s| s.inner_steps += 1),

@@ -236,6 +236,8 @@ fn fuzz_config(seed: u64) -> CoreConfig {
             publish_every: 2,
             full_sync_every: 3,
             staleness_bound: Some(4),
+            // Mean mixing's path (own updates kept until the network reports them) fuzzed too.
+            mixing: Mixing::Mean,
             ..PolicyConfig::default()
         },
         update_weight: None,

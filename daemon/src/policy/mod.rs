@@ -83,8 +83,10 @@ pub enum Mixing {
     Add,
     /// Each node takes back `live / (live + 1)` of the change it published and adds
     /// `1 / (live + 1)` of each neighbour's: the neighbourhood moves by the mean of its
-    /// members' changes, as a larger batch would, and the models stay together (the
-    /// neighbourhood's sum of parameters is what the exchange keeps).
+    /// members' changes, as a larger batch would. The exchange keeps the neighbourhood's sum
+    /// only where every member is a neighbour of every other (a node's `live` is then how many
+    /// take its change); it averages changes, never parameters, so replicas already apart
+    /// come together only through full syncs.
     Mean,
 }
 

@@ -5,6 +5,10 @@
 //! - `alone`: one node, pinned to its cores, at each learning rate of the grid;
 //! - `alone_xN`: one node with N times the batch, same grid: the most N boxes could gain per
 //!   step, counted in steps (the ideal);
+//! - `alone_<mode>` for each sync mode of `--modes` with an outer optimizer (`diloco`): one
+//!   node in that mode alone (a ring of one, with the mesh runs' `--set` settings), so DiLoCo's
+//!   outer optimizer with one replica is a lone control too and the mesh gets no credit for
+//!   the optimizer;
 //! - `alone_loaded` (with `--loaded-control`): N independent lone nodes at once, one per core
 //!   set, so the lone control pays what sharing the machine costs, as the mesh's nodes do;
 //! - one run per sync mode and learning rate of `--mesh-lrs`: N nodes, each pinned to its own
@@ -26,8 +30,12 @@
 //! exact, not read off a poll. The report gives, per kind of run, the median and spread over
 //! seeds of the steps and seconds to each target (and the seconds less the nodes' own
 //! evaluations: training seconds), the steps per second, the bytes each node
-//! sent, the speedup over `alone` (best learning rate) and the scaling efficiency: the speedup
-//! over the ideal `steps(alone) / steps(alone_xN)`. `DIR/report.json` holds it and every run's
+//! sent, the speedup over one box (`alone`, or for a mode with an outer optimizer whichever of
+//! `alone` and `alone_<mode>` reached the last target sooner, best learning rate each) and the
+//! scaling efficiency:
+//! the speedup over the ideal `steps(alone) / steps(alone_xN)`. One box's figures do not depend
+//! on the link, so `--lone-from` takes them from an earlier report instead of running them
+//! again (one invocation per `--link`, the lone arms measured once). `DIR/report.json` holds it and every run's
 //! curve; `DIR/report.svg` draws the curves against wall time.
 //!
 //! Pinning uses `taskset` (util-linux); more nodes than core sets is a clear error. The same
@@ -101,6 +109,12 @@ pub struct ScalingArgs {
     /// Steps between evaluations, every run alike.
     #[arg(long, default_value_t = 50)]
     eval_every: u64,
+    /// Reuse the lone runs (`alone`, `alone_xN`, `alone_<mode>`) of the `bench scaling` report
+    /// in this directory instead of running them again; it must have the same config,
+    /// targets, nodes, cores per node, seeds, evaluation period and learning-rate grid (and,
+    /// for `alone_<mode>`, the same `--set` settings). A lone kind it lacks runs here.
+    #[arg(long, value_name = "DIR")]
+    lone_from: Option<PathBuf>,
     /// Give up on a run after this many seconds.
     #[arg(long, default_value_t = 600.0)]
     timeout: f64,
@@ -213,6 +227,9 @@ fn parse_setting(s: &str) -> Result<Setting> {
 enum Arm {
     /// Lone nodes, independent when more than one.
     Lone,
+    /// One node alone in this sync mode, with the mesh runs' settings: a ring of one, so a
+    /// mode's outer optimizer works with one replica.
+    LoneIn(String),
     /// A p2ptrain mesh in this sync mode.
     Mesh(String),
     /// PyTorch DDP (gloo), one process per node.
@@ -293,11 +310,12 @@ fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
             ),
             ("optimizer", "lr", toml::Value::Float(plan.lr)),
         ];
-        if let Arm::Mesh(mode) = &plan.arm {
+        if let Arm::Mesh(mode) | Arm::LoneIn(mode) = &plan.arm {
             for (section, key, value) in bench.extra {
                 settings.push((section.as_str(), key.as_str(), value.clone()));
             }
-            if k + 1 == plan.nodes && args.straggler_delay_us > 0 {
+            let mesh = matches!(plan.arm, Arm::Mesh(_));
+            if mesh && k + 1 == plan.nodes && args.straggler_delay_us > 0 {
                 settings.push((
                     "debug",
                     "sample_delay_us",
@@ -305,7 +323,8 @@ fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
                 ));
             }
             settings.push(("sync", "mode", toml::Value::String(mode.clone())));
-            // The synchronous modes start with all N from one state (gossip ignores it).
+            // The synchronous modes start with all N from one state (gossip ignores it); a
+            // lone node's rounds have it alone.
             settings.push((
                 "sync",
                 "min_members",
@@ -333,7 +352,7 @@ fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
                 children.0.push(spawn_rank(bench, plan, k, d, &master)?);
             }
         }
-        Arm::Lone => {
+        Arm::Lone | Arm::LoneIn(_) => {
             for (k, cfg) in configs.iter().enumerate() {
                 children
                     .0
@@ -361,7 +380,7 @@ fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
     // identical and rank 0 alone evaluates.
     let measured = match plan.arm {
         Arm::Mesh(_) => plan.nodes,
-        Arm::Lone | Arm::Torch => 1,
+        Arm::Lone | Arm::LoneIn(_) | Arm::Torch => 1,
     };
     let last = args.targets.iter().copied().reduce(|a, b| match metric {
         Metric::BitsPerByte => a.min(b),
@@ -402,7 +421,18 @@ fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
             _ => status(d, bench.lab_ns(&plan.arm, k)).unwrap_or_default(),
         })
         .collect();
+    let run_secs = started.elapsed().as_secs_f64();
     drop(children);
+    // A synchronous mode's nodes wait for their rounds: the share of the run each spent in
+    // them (rounds completed times their mean duration), the mean over nodes.
+    let round_shares: Vec<f64> = finals
+        .iter()
+        .filter_map(|s| {
+            let rounds = s["rounds"]["completed"].as_f64()?;
+            let mean_ms = s["rounds"]["mean_round_ms"].as_f64()?;
+            Some(rounds * mean_ms / 1e3 / run_secs.max(1e-9))
+        })
+        .collect();
     let evals: Vec<Vec<EvalRecord>> = node_dirs[..measured]
         .iter()
         .map(|d| read_evals(d))
@@ -483,6 +513,8 @@ fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
         } else {
             bytes.iter().sum::<f64>() / bytes.len() as f64
         },
+        round_share: (!round_shares.is_empty())
+            .then(|| round_shares.iter().sum::<f64>() / round_shares.len() as f64),
         curve,
         mesh,
     })
@@ -542,18 +574,42 @@ pub fn run(args: ScalingArgs) -> Result<()> {
     };
     let (lrs, mesh_lrs) = (grid(&args.lrs), grid(&args.mesh_lrs));
     let big = format!("alone_x{}", args.nodes);
+    // The modes whose lone control has their outer optimizer, by kind.
+    let lone_in: Vec<(String, String)> = args
+        .modes
+        .iter()
+        .filter(|m| has_outer_optimizer(m))
+        .map(|m| (format!("alone_{m}"), m.clone()))
+        .collect();
+    let reused = match &args.lone_from {
+        None => Vec::new(),
+        Some(dir) => {
+            let mut plain = vec!["alone".to_string()];
+            if !args.no_ideal {
+                plain.push(big.clone());
+            }
+            let wanted = LoneKinds {
+                plain,
+                with_settings: lone_in.iter().map(|(kind, _)| kind.clone()).collect(),
+            };
+            reused_lone_runs(dir, &args, &config_name, &lrs, &wanted)?
+        }
+    };
+    let is_reused = |kind: &str| reused.iter().any(|r| r.kind == kind);
     let mut plans = Vec::new();
     for seed in 1..=args.seeds {
         for &lr in &lrs {
-            plans.push(Plan {
-                kind: "alone".into(),
-                seed,
-                lr,
-                batch_size: batch,
-                nodes: 1,
-                arm: Arm::Lone,
-            });
-            if !args.no_ideal {
+            if !is_reused("alone") {
+                plans.push(Plan {
+                    kind: "alone".into(),
+                    seed,
+                    lr,
+                    batch_size: batch,
+                    nodes: 1,
+                    arm: Arm::Lone,
+                });
+            }
+            if !args.no_ideal && !is_reused(&big) {
                 plans.push(Plan {
                     kind: big.clone(),
                     seed,
@@ -561,6 +617,16 @@ pub fn run(args: ScalingArgs) -> Result<()> {
                     batch_size: batch * args.nodes as i64,
                     nodes: 1,
                     arm: Arm::Lone,
+                });
+            }
+            for (kind, mode) in lone_in.iter().filter(|(kind, _)| !is_reused(kind)) {
+                plans.push(Plan {
+                    kind: kind.clone(),
+                    seed,
+                    lr,
+                    batch_size: batch,
+                    nodes: 1,
+                    arm: Arm::LoneIn(mode.clone()),
                 });
             }
         }
@@ -626,7 +692,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         lab,
         torch,
     };
-    let mut runs = Vec::new();
+    let mut runs = reused;
     for (i, plan) in plans.iter().enumerate() {
         runs.push(run_one(&bench, plan, i)?);
     }
@@ -645,6 +711,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
     if !args.no_ideal {
         kinds.push(big.clone());
     }
+    kinds.extend(lone_in.iter().map(|(kind, _)| kind.clone()));
     if args.loaded_control {
         kinds.push("alone_loaded".into());
     }
@@ -673,25 +740,46 @@ pub fn run(args: ScalingArgs) -> Result<()> {
             (k.clone(), v)
         })
         .collect();
-    let alone_secs: BTreeMap<String, Option<f64>> = keys
+    // Each kind's one box: `alone`, or for a mode with an outer optimizer whichever of `alone`
+    // and `alone_<mode>` reached the last target sooner, so the mesh gets no credit for the
+    // optimizer. Per kind: its name and its median seconds and training seconds per target.
+    let last_secs = |kind: &str| median_of(kind, &last, secs).unwrap_or(f64::INFINITY);
+    type OneBox = (String, BTreeMap<String, (Option<f64>, Option<f64>)>);
+    let one_boxes: Vec<OneBox> = summary
         .iter()
-        .map(|k| (k.clone(), median_of("alone", k, secs)))
-        .collect();
-    let alone_train: BTreeMap<String, Option<f64>> = keys
-        .iter()
-        .map(|k| (k.clone(), median_of("alone", k, train_secs)))
+        .map(|s| {
+            let own = format!("alone_{}", s.kind);
+            let with_outer = lone_in.iter().any(|(kind, _)| *kind == own);
+            let one_box = if with_outer && last_secs(&own) < last_secs("alone") {
+                own
+            } else {
+                "alone".to_string()
+            };
+            let figures = keys
+                .iter()
+                .map(|k| {
+                    let figure = (
+                        median_of(&one_box, k, secs),
+                        median_of(&one_box, k, train_secs),
+                    );
+                    (k.clone(), figure)
+                })
+                .collect();
+            (one_box, figures)
+        })
         .collect();
     let ratio = |a: Option<f64>, m: Option<f64>| match (a, m) {
         (Some(a), Some(m)) if m > 0.0 => Some(a / m),
         _ => None,
     };
-    for s in &mut summary {
+    for (s, (one_box, figures)) in summary.iter_mut().zip(one_boxes) {
         for k in &keys {
-            let speedup = ratio(alone_secs[k], s.seconds_to_target[k].median);
+            let (box_secs, box_train) = figures[k];
+            let speedup = ratio(box_secs, s.seconds_to_target[k].median);
             s.speedup.insert(k.clone(), speedup);
             s.train_speedup.insert(
                 k.clone(),
-                ratio(alone_train[k], s.train_seconds_to_target[k].median),
+                ratio(box_train, s.train_seconds_to_target[k].median),
             );
             let eff = match (speedup, ideal[k]) {
                 (Some(x), Some(i)) if i > 0.0 => Some(x / i),
@@ -699,6 +787,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
             };
             s.scaling_efficiency.insert(k.clone(), eff);
         }
+        s.one_box = one_box;
     }
     let report = Report {
         benchmark: "scaling",
@@ -741,9 +830,199 @@ pub fn run(args: ScalingArgs) -> Result<()> {
     write_report(&args.out, &json, &svg)
 }
 
+/// Whether a sync mode steps with an outer optimizer, which one node alone can use too.
+fn has_outer_optimizer(mode: &str) -> bool {
+    mode.parse::<p2ptrain_daemon::config::SyncMode>()
+        .is_ok_and(|mode| {
+            p2ptrain_daemon::config::SyncConfig {
+                mode,
+                ..Default::default()
+            }
+            .outer()
+            .is_some()
+        })
+}
+
+/// The lone kinds `--lone-from` may reuse.
+struct LoneKinds {
+    /// Kinds that only the config, batch and grid define (`alone`, `alone_xN`).
+    plain: Vec<String>,
+    /// Kinds the mesh runs' `--set` settings define too (`alone_<mode>`).
+    with_settings: Vec<String>,
+}
+
+/// The runs of `wanted` kinds in the report in `dir`, once it is shown to measure what this
+/// invocation would: same config, metric, targets, nodes, cores per node, seeds, evaluation
+/// period and learning-rate grid; `alone_<mode>` runs only under the same `--set` settings.
+fn reused_lone_runs(
+    dir: &Path,
+    args: &ScalingArgs,
+    config_name: &str,
+    lrs: &[f64],
+    wanted: &LoneKinds,
+) -> Result<Vec<Run>> {
+    let path = dir.join("report.json");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("--lone-from: cannot read {}", path.display()))?;
+    let report: ReusedReport = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--lone-from: {} is not a bench scaling report",
+            path.display()
+        )
+    })?;
+    let mismatch = |what: &str, theirs: String, ours: String| -> Result<()> {
+        if theirs != ours {
+            bail!(
+                "--lone-from {}: its {what} is {theirs}, this run's {ours}: its lone runs measured something else",
+                dir.display()
+            );
+        }
+        Ok(())
+    };
+    mismatch("benchmark", report.benchmark.clone(), "scaling".into())?;
+    mismatch("config", report.config.clone(), config_name.to_string())?;
+    mismatch(
+        "targets",
+        format!("{:?}", report.targets),
+        format!("{:?}", args.targets),
+    )?;
+    mismatch("nodes", report.nodes.to_string(), args.nodes.to_string())?;
+    mismatch(
+        "cores per node",
+        report.cores_per_node.to_string(),
+        args.cores_per_node.to_string(),
+    )?;
+    mismatch("seeds", report.seeds.to_string(), args.seeds.to_string())?;
+    mismatch(
+        "evaluation period",
+        report.eval_every.to_string(),
+        args.eval_every.to_string(),
+    )?;
+    let same_settings = report.mesh_settings == args.settings;
+    let runs: Vec<Run> = report
+        .runs
+        .into_iter()
+        .filter(|r| {
+            wanted.plain.contains(&r.kind)
+                || (same_settings && wanted.with_settings.contains(&r.kind))
+        })
+        .collect();
+    for kind in wanted.plain.iter().chain(&wanted.with_settings) {
+        let mut grid: Vec<String> = runs
+            .iter()
+            .filter(|r| &r.kind == kind)
+            .map(|r| format!("{}", r.lr))
+            .collect();
+        grid.sort();
+        grid.dedup();
+        let mut ours: Vec<String> = lrs.iter().map(|lr| format!("{lr}")).collect();
+        ours.sort();
+        ours.dedup();
+        if grid.is_empty() {
+            eprintln!(
+                "bench scaling: {kind} is not in {}: it runs here",
+                path.display()
+            );
+        } else if grid != ours {
+            mismatch(
+                &format!("{kind} learning rates"),
+                grid.join(","),
+                ours.join(","),
+            )?;
+        } else {
+            eprintln!("bench scaling: {kind} reused from {}", path.display());
+        }
+    }
+    Ok(runs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn lone_run(kind: &str, lr: f64) -> Run {
+        Run {
+            kind: kind.into(),
+            seed: 1,
+            lr,
+            batch_size: 32,
+            nodes: 1,
+            steps_to_target: BTreeMap::from([("2.8".to_string(), Some(1100))]),
+            seconds_to_target: BTreeMap::from([("2.8".to_string(), Some(360.0))]),
+            train_seconds_to_target: BTreeMap::from([("2.8".to_string(), Some(350.0))]),
+            steps_per_sec: 3.0,
+            bytes_sent_per_node: 0.0,
+            round_share: None,
+            curve: vec![[10.0, 50.0, 4.3]],
+            mesh: Vec::new(),
+        }
+    }
+
+    fn scaling_args(extra: &[&str]) -> ScalingArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: ScalingArgs,
+        }
+        let mut argv = vec!["bench", "--out", "out", "--seeds", "1", "--targets", "2.8"];
+        argv.extend_from_slice(extra);
+        <Cli as clap::Parser>::parse_from(argv).args
+    }
+
+    #[test]
+    fn lone_runs_are_reused_only_from_a_report_that_measured_the_same() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let runs = [
+            lone_run("alone", 0.003),
+            lone_run("alone_x2", 0.003),
+            lone_run("alone_diloco", 0.003),
+            lone_run("diloco", 0.003),
+        ];
+        let report = serde_json::json!({
+            "benchmark": "scaling", "config": "text-gpt-shakespeare.toml", "metric": "bits_per_byte",
+            "targets": [2.8], "nodes": 2, "cores_per_node": 1, "seeds": 1, "eval_every": 50,
+            "mesh_settings": ["sync.outer_lr=1.0"], "runs": runs,
+        });
+        std::fs::write(dir.path().join("report.json"), report.to_string()).expect("write");
+        let wanted = LoneKinds {
+            plain: vec!["alone".into(), "alone_x2".into()],
+            with_settings: vec!["alone_diloco".into()],
+        };
+        let config = "text-gpt-shakespeare.toml";
+        let kinds = |runs: Vec<Run>| runs.into_iter().map(|r| r.kind).collect::<Vec<_>>();
+
+        let same = scaling_args(&["--set", "sync.outer_lr=1.0"]);
+        let reused = reused_lone_runs(dir.path(), &same, config, &[0.003], &wanted);
+        assert_eq!(
+            kinds(reused.expect("the same measure")),
+            ["alone", "alone_x2", "alone_diloco"],
+            "the lone kinds, never a mesh's runs"
+        );
+        let other_settings = scaling_args(&["--set", "sync.outer_lr=0.7"]);
+        let reused = reused_lone_runs(dir.path(), &other_settings, config, &[0.003], &wanted);
+        assert_eq!(
+            kinds(reused.expect("the plain lone runs")),
+            ["alone", "alone_x2"],
+            "another outer optimizer: alone_diloco runs again"
+        );
+        let other_targets = scaling_args(&["--targets", "3.0,2.8"]);
+        let refused = reused_lone_runs(dir.path(), &other_targets, config, &[0.003], &wanted);
+        assert!(format!("{:#}", refused.expect_err("refused")).contains("targets"));
+        let refused = reused_lone_runs(dir.path(), &same, "text-gpt.toml", &[0.003], &wanted);
+        assert!(format!("{:#}", refused.expect_err("refused")).contains("config"));
+        let refused = reused_lone_runs(dir.path(), &same, config, &[0.003, 0.0045], &wanted);
+        assert!(format!("{:#}", refused.expect_err("refused")).contains("learning rates"));
+        let refused = reused_lone_runs(&dir.path().join("none"), &same, config, &[0.003], &wanted);
+        assert!(format!("{:#}", refused.expect_err("refused")).contains("cannot read"));
+    }
+
+    #[test]
+    fn only_an_outer_optimizer_gets_a_lone_control_in_its_mode() {
+        assert!(has_outer_optimizer("diloco"));
+        for mode in ["gossip", "ddp", "allreduce", "fedavg", "nonsense"] {
+            assert!(!has_outer_optimizer(mode), "{mode}");
+        }
+    }
 
     #[test]
     fn settings_read_as_toml_and_the_harness_keys_are_refused() {

@@ -30,9 +30,9 @@ impl Metric {
 }
 
 /// One run: a lone node or a mesh, one seed.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, serde::Deserialize)]
 pub(super) struct Run {
-    /// `alone`, `alone_xN`, `alone_loaded` or the sync mode.
+    /// `alone`, `alone_xN`, `alone_<mode>`, `alone_loaded` or the sync mode.
     pub(super) kind: String,
     pub(super) seed: u64,
     pub(super) lr: f64,
@@ -50,6 +50,11 @@ pub(super) struct Run {
     pub(super) steps_per_sec: f64,
     /// Mean over nodes of all bytes each sent (libp2p's counters).
     pub(super) bytes_sent_per_node: f64,
+    /// Synchronous modes: the share of the run's seconds a node spent in rounds (completed
+    /// rounds times their mean duration), the mean over nodes: what waiting for the network
+    /// and the other members cost. `None` where nodes hold no rounds.
+    #[serde(default)]
+    pub(super) round_share: Option<f64>,
     /// Node 0's evaluations: `[seconds since the start, step, value]`.
     pub(super) curve: Vec<[f64; 3]>,
     /// Peers, rejected updates and bans seen at the end, per node.
@@ -96,7 +101,11 @@ pub(super) struct KindSummary {
     pub(super) train_seconds_to_target: BTreeMap<String, Spread>,
     pub(super) steps_per_sec: Spread,
     pub(super) bytes_sent_per_node: Spread,
-    /// Median seconds of `alone` ÷ median seconds of this kind, per target.
+    /// The lone control this kind's speedups are measured against: `alone`, or for a mode
+    /// with an outer optimizer whichever of `alone` and `alone_<mode>` (the optimizer with one
+    /// replica) reached the last target sooner.
+    pub(super) one_box: String,
+    /// Median seconds of [`KindSummary::one_box`] ÷ median seconds of this kind, per target.
     pub(super) speedup: BTreeMap<String, Option<f64>>,
     /// The same, in training seconds (evaluations left out on both sides).
     pub(super) train_speedup: BTreeMap<String, Option<f64>>,
@@ -125,6 +134,20 @@ pub(super) struct Report {
     /// of each): what N boxes could at best gain per step.
     pub(super) ideal_speedup: BTreeMap<String, Option<f64>>,
     pub(super) summary: Vec<KindSummary>,
+    pub(super) runs: Vec<Run>,
+}
+
+/// What `--lone-from` reads of an earlier report: what its runs measured, and the runs.
+#[derive(Debug, serde::Deserialize)]
+pub(super) struct ReusedReport {
+    pub(super) benchmark: String,
+    pub(super) config: String,
+    pub(super) targets: Vec<f64>,
+    pub(super) nodes: usize,
+    pub(super) cores_per_node: usize,
+    pub(super) seeds: u64,
+    pub(super) eval_every: u64,
+    pub(super) mesh_settings: Vec<String>,
     pub(super) runs: Vec<Run>,
 }
 
@@ -183,6 +206,7 @@ pub(super) fn summarise(kind: &str, runs: &[Run], last: &str) -> Option<KindSumm
             .collect(),
         steps_per_sec: per(&|r| Some(r.steps_per_sec)),
         bytes_sent_per_node: per(&|r| Some(r.bytes_sent_per_node)),
+        one_box: "alone".to_string(),
         speedup: BTreeMap::new(),
         train_speedup: BTreeMap::new(),
         scaling_efficiency: BTreeMap::new(),

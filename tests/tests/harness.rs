@@ -50,17 +50,23 @@ static CORES: std::sync::RwLock<()> = std::sync::RwLock::new(());
 /// Held for the whole of a test that loads both cores for minutes (see [`CORES`]).
 pub fn cpu_hog() -> std::sync::RwLockReadGuard<'static, ()> {
     crate::report::started();
-    CORES
+    let asked = Instant::now();
+    let held = CORES
         .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    crate::report::waited(asked.elapsed());
+    held
 }
 
 /// Held for the whole of a test whose assertions depend on the CPU it gets (see [`CORES`]).
 pub fn cpu_sensitive() -> std::sync::RwLockWriteGuard<'static, ()> {
     crate::report::started();
-    CORES
+    let asked = Instant::now();
+    let held = CORES
         .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    crate::report::waited(asked.elapsed());
+    held
 }
 
 /// The repository root.

@@ -4,7 +4,7 @@
 # own and all of them, side by side with PyTorch eager, on the 10.8 M GPT and on the GPT-2
 # small config; `bench trainer` on the GPT-2 small config; a mixed mesh (a cuda node founding,
 # a cpu node of the same binary joining) for MESH_SECS seconds (default 90), both nodes'
-# statuses kept. Build here first (README, "CUDA"), then on the GPU machine:
+# statuses kept. Build here first (docs/gpu.md), then on the GPU machine:
 #
 #   bench/cuda_session.sh DIR OUT [PART...]
 #

@@ -161,7 +161,7 @@ struct JoinArgs {
     #[arg(long)]
     psk: Option<PathBuf>,
     /// How the members combine their training: gossip (default), allreduce, ddp, diloco or fedavg
-    /// (see the README's table of frameworks). Overrides `sync.mode`.
+    /// (see docs/modes.md). Overrides `sync.mode`.
     #[arg(long)]
     sync_mode: Option<String>,
     /// In a synchronous mode, start rounds only once this many members (this node included)
@@ -741,4 +741,95 @@ fn eval(args: EvalArgs) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+    use std::collections::BTreeSet;
+
+    /// The rows of `docs/cli.md`'s command table: each command's path (`checkpoint export`)
+    /// and the long flags its synopsis names.
+    fn documented_commands() -> Vec<(String, BTreeSet<String>)> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/cli.md");
+        let text = std::fs::read_to_string(&path).expect("docs/cli.md");
+        text.lines()
+            .filter_map(|line| line.strip_prefix("| `p2ptrain "))
+            .map(|row| {
+                let synopsis = row.split("` |").next().unwrap_or(row);
+                let command: Vec<&str> = synopsis
+                    .split_whitespace()
+                    .take_while(|w| w.chars().all(|c| c.is_ascii_lowercase()))
+                    .collect();
+                let flags = synopsis
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+                    .filter(|w| w.starts_with("--") && w.len() > 2)
+                    .map(str::to_string)
+                    .collect();
+                (command.join(" "), flags)
+            })
+            .collect()
+    }
+
+    /// Every leaf command of the CLI, by path, with its long flags (help and version aside).
+    fn commands(cmd: &clap::Command, path: &str, out: &mut Vec<(String, BTreeSet<String>)>) {
+        let subcommands: Vec<&clap::Command> = cmd
+            .get_subcommands()
+            .filter(|c| c.get_name() != "help")
+            .collect();
+        if subcommands.is_empty() {
+            let flags = cmd
+                .get_arguments()
+                .filter_map(|a| a.get_long())
+                .filter(|l| *l != "help" && *l != "version")
+                .map(|l| format!("--{l}"))
+                .collect();
+            out.push((path.to_string(), flags));
+        }
+        for sub in subcommands {
+            let sub_path = if path.is_empty() {
+                sub.get_name().to_string()
+            } else {
+                format!("{path} {}", sub.get_name())
+            };
+            commands(sub, &sub_path, out);
+        }
+    }
+
+    #[test]
+    fn the_cli_reference_names_every_command_and_flag_and_no_other() {
+        let documented = documented_commands();
+        let mut code = Vec::new();
+        commands(&Cli::command(), "", &mut code);
+        assert!(code.len() > 10, "{} commands", code.len());
+        let mut wrong = Vec::new();
+        for (path, flags) in &code {
+            match documented.iter().find(|(p, _)| p == path) {
+                None => wrong.push(format!("p2ptrain {path}: no row in docs/cli.md")),
+                Some((_, docs)) => {
+                    for flag in flags.difference(docs) {
+                        wrong.push(format!("p2ptrain {path} {flag}: not in its row"));
+                    }
+                    for flag in docs.difference(flags) {
+                        wrong.push(format!(
+                            "p2ptrain {path} {flag}: in its row, not in the CLI"
+                        ));
+                    }
+                }
+            }
+        }
+        for (path, _) in &documented {
+            if !code.iter().any(|(p, _)| p == path) {
+                wrong.push(format!(
+                    "p2ptrain {path}: a row in docs/cli.md, not a command"
+                ));
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "docs/cli.md and the CLI disagree:\n{}",
+            wrong.join("\n")
+        );
+    }
 }

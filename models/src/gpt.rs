@@ -180,7 +180,7 @@ pub struct Gpt {
 
 impl Gpt {
     /// Builds the layers with weights drawn from `seed`, appending each parameter (named as
-    /// documented in the README) to `vars`.
+    /// documented in docs/configuration.md) to `vars`.
     pub fn new(
         spec: &GptSpec,
         seed: u64,

@@ -21,7 +21,7 @@ pub trait Kind {
     /// Checks that the spec can be built; errors say which number is wrong.
     fn validate(&self) -> Result<()>;
     /// Builds the network on `dev` with weights drawn from `seed`, appending each parameter
-    /// (named as the README documents) to `vars`.
+    /// (named as docs/configuration.md documents) to `vars`.
     fn build(
         &self,
         seed: u64,

@@ -1,5 +1,5 @@
 //! The benchmarks as a user runs them: a short run whose report parses and holds what the
-//! README says it does. No timing is asserted; the figures belong to the benchmarks' JSON.
+//! docs/benchmarks.md says it does. No timing is asserted; the figures belong to the benchmarks' JSON.
 
 use std::time::Duration;
 

@@ -3,6 +3,7 @@
 
 mod bench;
 mod churn;
+mod docs;
 mod flood;
 mod harness;
 mod hostile_sync;

@@ -11,7 +11,7 @@ use crate::harness::{evals, Node};
 use crate::mesh::{config, listen_addr, peers, start, step};
 
 /// The digits config with node `k` of 3 holding its own classes, applying neighbours'
-/// updates whole (`update_weight = 1`: Hogwild's sum, what the README advises for skewed data).
+/// updates whole (`update_weight = 1`: Hogwild's sum, what docs/modes.md advises for skewed data).
 /// With the default weight, 1/(neighbours + 1), each node's own classes outweigh the others'
 /// and the mesh hovers at 70-80% held-out accuracy (measured: 0.68-0.84 over 60 s); whole
 /// updates give 0.98 within 5 s.

@@ -15,7 +15,7 @@ use crate::mesh::{listen_addr, peers, start, step};
 /// Nodes in the soak mesh.
 const NODES: usize = 6;
 /// How long the mesh is watched after it formed, in CI. `P2PTRAIN_SOAK_SECS=180` (or more)
-/// runs the long soak, past gossipsub's 120 s caches (README, Benchmarks).
+/// runs the long soak, past gossipsub's 120 s caches (docs/benchmarks.md).
 const SOAK_SECS: u64 = 60;
 
 /// The bundled digits config at full speed (no step delay), checkpoints off, with `codec`.

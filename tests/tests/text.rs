@@ -1,7 +1,7 @@
 //! The byte-level GPT on the bundled Hamlet: a node alone brings held-out bits per byte below
 //! 3.0 (the unigram entropy of English text is about 4.5); two `ddp` nodes reach 2.8 in fewer
 //! steps each than it; `sample` prints text from its checkpoint; the checkpoint reads in a
-//! plain safetensors reader under the names the README documents.
+//! plain safetensors reader under the names docs/huggingface.md documents.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -237,7 +237,7 @@ impl Default for NetworkConfig {
     }
 }
 
-/// How the members combine what they learn (see the README's table of frameworks).
+/// How the members combine what they learn (see docs/modes.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SyncMode {

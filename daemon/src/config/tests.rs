@@ -784,3 +784,112 @@ fn a_tokenizer_past_the_llamas_vocabulary_is_refused() {
         "{e}"
     );
 }
+
+/// The keys `docs/configuration.md`'s annotated config names, by section: each `key = ...`
+/// line of its first TOML block, commented out (`# key = ...`) or not, under a `[section]`.
+fn documented_keys() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/configuration.md");
+    let text = std::fs::read_to_string(&path).expect("docs/configuration.md");
+    let block = text
+        .split("```toml")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("a ```toml block");
+    let mut keys: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        Default::default();
+    let mut section = String::new();
+    for line in block.lines() {
+        let line = line.trim();
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = name.to_string();
+            continue;
+        }
+        let line = line.strip_prefix('#').map_or(line, str::trim_start);
+        let Some((key, _)) = line.split_once('=') else {
+            continue;
+        };
+        let key = key.trim();
+        let is_key = !key.is_empty()
+            && key
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if is_key && !section.is_empty() {
+            keys.entry(section.clone())
+                .or_default()
+                .insert(key.to_string());
+        }
+    }
+    keys
+}
+
+/// The keys the code reads in `section`, from serde's own list: the error for an unknown key
+/// names every expected field.
+fn code_keys(section: &str) -> std::collections::BTreeSet<String> {
+    let mut table: toml::Table = toml::from_str(DEFAULT_CONFIG_TOML).expect("default");
+    table
+        .entry(section)
+        .or_insert_with(|| toml::Value::Table(Default::default()))
+        .as_table_mut()
+        .expect("a section")
+        .insert("zz_probe".into(), toml::Value::Integer(1));
+    let text = toml::to_string(&table).expect("toml");
+    let error = Config::parse(&text, "probe.toml", None)
+        .expect_err("an unknown key")
+        .to_string();
+    // serde says "expected `a`", "expected `a` or `b`" or "expected one of `a`, `b`, ...".
+    let expected = error
+        .split_once("unknown field `zz_probe`, expected")
+        .map(|(_, list)| list)
+        .unwrap_or_else(|| panic!("[{section}]: no list of expected keys in {error:?}"));
+    expected
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn the_configuration_reference_names_every_key_the_code_reads_and_no_other() {
+    let documented = documented_keys();
+    let sections = [
+        "model",
+        "optimizer",
+        "data",
+        "train",
+        "checkpoint",
+        "api",
+        "network",
+        "sync",
+        "debug",
+    ];
+    let mut wrong = Vec::new();
+    for section in sections {
+        let code = code_keys(section);
+        assert!(
+            code.len() >= 2,
+            "[{section}]: read {code:?} off serde's error"
+        );
+        let docs = documented.get(section).cloned().unwrap_or_default();
+        for key in code.difference(&docs) {
+            wrong.push(format!(
+                "[{section}] {key}: read by the code, not in the docs"
+            ));
+        }
+        for key in docs.difference(&code) {
+            wrong.push(format!(
+                "[{section}] {key}: in the docs, not read by the code"
+            ));
+        }
+    }
+    let unknown: Vec<&String> = documented
+        .keys()
+        .filter(|s| !sections.contains(&s.as_str()))
+        .collect();
+    assert!(unknown.is_empty(), "sections the code has not: {unknown:?}");
+    assert!(
+        wrong.is_empty(),
+        "docs/configuration.md and the config code disagree:\n{}",
+        wrong.join("\n")
+    );
+}

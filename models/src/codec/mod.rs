@@ -105,7 +105,7 @@ impl Codec {
     /// scale per tensor, rows whose updates are far smaller than the tensor's mean (a byte
     /// model's embedding rows for bytes the text rarely uses) get that mean as noise on every
     /// update: 2-node GPT meshes ended at 3.04-3.07 bits per byte with it, 2.78-2.96 with
-    /// rows' scales (see the README).
+    /// rows' scales (see docs/how-it-works.md).
     pub fn name(self) -> &'static str {
         match self {
             Codec::Dense => "dense",

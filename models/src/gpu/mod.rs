@@ -3,7 +3,7 @@
 //!
 //! Candle's own CUDA step of the 10.8 M GPT was a quarter of PyTorch eager's and host-bound
 //! (on an H200, 1.4% of a step spent waiting for the GPU): thousands of small kernels from its
-//! composite ops and autograd. Measured there (README, "CUDA"), the `kernels` lever alone made
+//! composite ops and autograd. Measured there (docs/gpu.md), the `kernels` lever alone made
 //! the step 3.4 times as fast and GPU-bound; each of the other three alone changed nothing
 //! measurable. The levers, each of which can be turned off on its own to measure it
 //! (`P2PTRAIN_CUDA_LEVERS`, see [`Levers`]):

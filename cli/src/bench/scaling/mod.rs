@@ -40,7 +40,7 @@
 //!
 //! Pinning uses `taskset` (util-linux); more nodes than core sets is a clear error. The same
 //! comparison across real boxes: start the lone control on one box, then `p2ptrain join` on
-//! each box with the same config (see README, "What another box buys").
+//! each box with the same config (see docs/benchmarks.md).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

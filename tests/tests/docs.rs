@@ -10,6 +10,10 @@ use crate::harness::repo_root;
 /// README.md's size limit: the front door is read in minutes; the rest lives in `docs/`.
 const README_MAX_BYTES: usize = 16_000;
 
+/// A `docs/` page's size limit: a page a reader can take in at one sitting; what is longer
+/// splits into pages of its own.
+const PAGE_MAX_BYTES: usize = 25_000;
+
 /// The pages README.md links within its first [`README_HEAD_LINES`] lines, so a newcomer finds
 /// them without scrolling: joining a second box, fine-tuning a Hugging Face model, picking a
 /// sync mode, watching a run, the threat model.
@@ -172,6 +176,22 @@ fn readme_is_a_short_front_door_linking_what_newcomers_look_for_first() {
             "README.md does not link {page} in its first {README_HEAD_LINES} lines"
         );
     }
+}
+
+#[test]
+fn no_docs_page_is_longer_than_a_reader_takes_in_at_once() {
+    let long: Vec<String> = pages()
+        .iter()
+        .skip(1)
+        .map(|page| (page, read(page).len()))
+        .filter(|(_, len)| *len > PAGE_MAX_BYTES)
+        .map(|(page, len)| format!("{}: {len} bytes", page.display()))
+        .collect();
+    assert!(
+        long.is_empty(),
+        "pages over {PAGE_MAX_BYTES} bytes (split them):\n{}",
+        long.join("\n")
+    );
 }
 
 #[test]

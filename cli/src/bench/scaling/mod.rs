@@ -30,13 +30,13 @@
 //! exact, not read off a poll. The report gives, per kind of run, the median and spread over
 //! seeds of the steps and seconds to each target (and the seconds less the nodes' own
 //! evaluations: training seconds), the steps per second, the bytes each node
-//! sent, the speedup over one box (`alone`, or for a mode with an outer optimizer whichever of
-//! `alone` and `alone_<mode>` reached the last target sooner, best learning rate each) and the
-//! scaling efficiency:
-//! the speedup over the ideal `steps(alone) / steps(alone_xN)`. One box's figures do not depend
-//! on the link, so `--lone-from` takes them from an earlier report instead of running them
-//! again (one invocation per `--link`, the lone arms measured once). `DIR/report.json` holds it and every run's
-//! curve; `DIR/report.svg` draws the curves against wall time.
+//! sent, for a synchronous mode the share of the run spent in rounds, the speedup over one box
+//! (`alone`, or for a mode with an outer optimizer whichever of `alone` and `alone_<mode>`
+//! reached the last target sooner, best learning rate each) and the scaling efficiency: the
+//! speedup over the ideal `steps(alone) / steps(alone_xN)`. One box's figures do not depend on
+//! the link, so `--lone-from` takes them from an earlier report instead of running them again
+//! (one invocation per `--link`, the lone arms measured once). `DIR/report.json` holds it and
+//! every run's curve; `DIR/report.svg` draws the curves against wall time.
 //!
 //! Pinning uses `taskset` (util-linux); more nodes than core sets is a clear error. The same
 //! comparison across real boxes: start the lone control on one box, then `p2ptrain join` on
@@ -852,8 +852,9 @@ struct LoneKinds {
 }
 
 /// The runs of `wanted` kinds in the report in `dir`, once it is shown to measure what this
-/// invocation would: same config, metric, targets, nodes, cores per node, seeds, evaluation
-/// period and learning-rate grid; `alone_<mode>` runs only under the same `--set` settings.
+/// invocation would: same config (by the path given; its contents are not compared), targets,
+/// nodes, cores per node, seeds, evaluation period and learning-rate grid; `alone_<mode>` runs
+/// only under the same `--set` settings.
 fn reused_lone_runs(
     dir: &Path,
     args: &ScalingArgs,

@@ -920,8 +920,13 @@ fn reused_lone_runs(
         ours.sort();
         ours.dedup();
         if grid.is_empty() {
+            let why = if same_settings || !wanted.with_settings.contains(kind) {
+                "is not in"
+            } else {
+                "ran under other --set settings in"
+            };
             eprintln!(
-                "bench scaling: {kind} is not in {}: it runs here",
+                "bench scaling: {kind} {why} {}: it runs here",
                 path.display()
             );
         } else if grid != ours {

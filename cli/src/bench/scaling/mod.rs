@@ -790,15 +790,8 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         s.one_box = one_box;
     }
     let report = Report {
-        benchmark: "scaling",
-        config: config_name.clone(),
+        measured: Measured::of(&args, &config_name),
         metric,
-        targets: args.targets.clone(),
-        nodes: args.nodes,
-        cores_per_node: args.cores_per_node,
-        seeds: args.seeds,
-        eval_every: args.eval_every,
-        mesh_settings: args.settings.clone(),
         straggler_delay_us: args.straggler_delay_us,
         links,
         ideal_speedup: ideal,
@@ -871,6 +864,7 @@ fn reused_lone_runs(
             path.display()
         )
     })?;
+    let (theirs, ours) = (&report.measured, Measured::of(args, config_name));
     let mismatch = |what: &str, theirs: String, ours: String| -> Result<()> {
         if theirs != ours {
             bail!(
@@ -880,26 +874,35 @@ fn reused_lone_runs(
         }
         Ok(())
     };
-    mismatch("benchmark", report.benchmark.clone(), "scaling".into())?;
-    mismatch("config", report.config.clone(), config_name.to_string())?;
-    mismatch(
-        "targets",
-        format!("{:?}", report.targets),
-        format!("{:?}", args.targets),
-    )?;
-    mismatch("nodes", report.nodes.to_string(), args.nodes.to_string())?;
-    mismatch(
-        "cores per node",
-        report.cores_per_node.to_string(),
-        args.cores_per_node.to_string(),
-    )?;
-    mismatch("seeds", report.seeds.to_string(), args.seeds.to_string())?;
-    mismatch(
-        "evaluation period",
-        report.eval_every.to_string(),
-        args.eval_every.to_string(),
-    )?;
-    let same_settings = report.mesh_settings == args.settings;
+    let figures = [
+        (
+            "benchmark",
+            theirs.benchmark.clone(),
+            ours.benchmark.clone(),
+        ),
+        ("config", theirs.config.clone(), ours.config.clone()),
+        (
+            "targets",
+            format!("{:?}", theirs.targets),
+            format!("{:?}", ours.targets),
+        ),
+        ("nodes", theirs.nodes.to_string(), ours.nodes.to_string()),
+        (
+            "cores per node",
+            theirs.cores_per_node.to_string(),
+            ours.cores_per_node.to_string(),
+        ),
+        ("seeds", theirs.seeds.to_string(), ours.seeds.to_string()),
+        (
+            "evaluation period",
+            theirs.eval_every.to_string(),
+            ours.eval_every.to_string(),
+        ),
+    ];
+    for (what, theirs, ours) in figures {
+        mismatch(what, theirs, ours)?;
+    }
+    let same_settings = theirs.mesh_settings == ours.mesh_settings;
     let runs: Vec<Run> = report
         .runs
         .into_iter()

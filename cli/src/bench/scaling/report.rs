@@ -113,18 +113,44 @@ pub(super) struct KindSummary {
     pub(super) scaling_efficiency: BTreeMap<String, Option<f64>>,
 }
 
-#[derive(Debug, Serialize)]
-pub(super) struct Report {
-    pub(super) benchmark: &'static str,
+/// What a report's runs measured: the settings `--lone-from` compares before it reuses an
+/// earlier report's lone runs.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub(super) struct Measured {
+    /// Always `scaling`.
+    pub(super) benchmark: String,
+    /// The config's path, as given.
     pub(super) config: String,
-    pub(super) metric: Metric,
     pub(super) targets: Vec<f64>,
     pub(super) nodes: usize,
     pub(super) cores_per_node: usize,
     pub(super) seeds: u64,
     pub(super) eval_every: u64,
-    /// `--set` settings of the mesh runs, as given.
+    /// `--set` settings of the mesh runs (and `alone_<mode>`), as given.
     pub(super) mesh_settings: Vec<String>,
+}
+
+impl Measured {
+    /// What this invocation measures.
+    pub(super) fn of(args: &ScalingArgs, config_name: &str) -> Measured {
+        Measured {
+            benchmark: "scaling".into(),
+            config: config_name.to_string(),
+            targets: args.targets.clone(),
+            nodes: args.nodes,
+            cores_per_node: args.cores_per_node,
+            seeds: args.seeds,
+            eval_every: args.eval_every,
+            mesh_settings: args.settings.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub(super) struct Report {
+    #[serde(flatten)]
+    pub(super) measured: Measured,
+    pub(super) metric: Metric,
     /// `--straggler-delay-us`: the sleep per sample of every mesh run's last node (0: none;
     /// the lone runs never sleep).
     pub(super) straggler_delay_us: u64,
@@ -140,14 +166,8 @@ pub(super) struct Report {
 /// What `--lone-from` reads of an earlier report: what its runs measured, and the runs.
 #[derive(Debug, serde::Deserialize)]
 pub(super) struct ReusedReport {
-    pub(super) benchmark: String,
-    pub(super) config: String,
-    pub(super) targets: Vec<f64>,
-    pub(super) nodes: usize,
-    pub(super) cores_per_node: usize,
-    pub(super) seeds: u64,
-    pub(super) eval_every: u64,
-    pub(super) mesh_settings: Vec<String>,
+    #[serde(flatten)]
+    pub(super) measured: Measured,
     pub(super) runs: Vec<Run>,
 }
 

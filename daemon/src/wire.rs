@@ -73,7 +73,10 @@ impl RunTopicNames {
 /// (`contradicted`); an older node would refuse it as malformed, and blame its author.
 /// Version 8: that field is [`Heartbeat::accused`], and names a peer left out for a part it
 /// withheld as well; [`Heartbeat::accusations`] says how many times in a row.
-pub const WIRE_VERSION: u32 = 8;
+/// Version 9: a `diloco` ring whose members share a round start sums their outer changes
+/// (round start minus parameters) as bf16, not their parameters: an older node would take
+/// the changes for parameters.
+pub const WIRE_VERSION: u32 = 9;
 
 /// The most bytes of values one ring request carries: a larger hop (a share of a model of
 /// more than ~8 M parameters, or a `diloco` share with its round anchor and velocity) travels
@@ -373,7 +376,7 @@ mod tests {
     fn bulk_protocol_name_carries_the_wire_version() {
         // Peers negotiate exactly this name: one of another wire version is not spoken to.
         assert_eq!(bulk_protocol(), format!("/p2ptrain/bulk/{WIRE_VERSION}"));
-        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/8");
+        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/9");
     }
 
     #[test]

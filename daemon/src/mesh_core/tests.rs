@@ -51,7 +51,7 @@ const FIGURES: &str = include_str!("sim_figures.txt");
 
 /// Fails when `r` differs from the report recorded under `name` in `sim_figures.txt`. A change
 /// that means to alter the core's decisions re-records them (and says why in its commit):
-/// `P2PTRAIN_RECORD_SIM_FIGURES=1 cargo test -p p2ptrain-daemon --lib mesh_core::tests -- --nocapture 2>&1 | sed -n 's/^FIGURE //p' | sort > daemon/src/mesh_core/sim_figures.txt`
+/// `P2PTRAIN_RECORD_SIM_FIGURES=1 cargo test -p p2ptrain-daemon --lib mesh_core::tests -- --nocapture 2>&1 | sed -n 's/^FIGURE //p' | sort -u > daemon/src/mesh_core/sim_figures.txt`
 fn check_figures(name: &str, r: &SimReport) {
     let line = format!("{name}: {r:?}");
     eprintln!("FIGURE {line}");

@@ -42,7 +42,10 @@
 //! ([`RoundConfig::outer_state`]) the members' outer steps also need one round start and one
 //! velocity: a member without them says so in its heartbeats, and the parameter attempts of
 //! a ring with such a member carry every member's start and velocity too (the member digest
-//! covers that choice, so members that disagree on it abort as on different lists).
+//! covers that choice, so members that disagree on it abort as on different lists). A ring
+//! that carries no state sums the members' outer changes (round start minus parameters)
+//! instead of their parameters, as bf16 ([`RoundConfig::sums_outer_changes`]): the members
+//! share the start, and each leaves with it minus the mean change.
 //!
 //! In `ddp` ([`RoundConfig::gradients`]) there is a round at every step and most rounds sum
 //! gradients, not parameters: the trainer steps only with a round's mean gradient. Those hops
@@ -260,6 +263,16 @@ impl RoundConfig {
     pub fn sums_gradients(&self, round: u64) -> bool {
         self.gradients
             .is_some_and(|k| k > 1 && !round.is_multiple_of(k))
+    }
+
+    /// Whether an attempt at round `round` with `members` members sums the members' outer
+    /// changes (round start minus parameters) as bf16 instead of their parameters: `diloco`
+    /// members that share a round start (the ring carries no state, so none needs it) and
+    /// are more than one. A change is a round's few steps, so bf16's 2^-8 of it is far below
+    /// what rounding the parameters would cost; half the bytes of `f32` parameters. Every
+    /// member of a ring decides alike: the member digest names whether it carries the state.
+    pub fn sums_outer_changes(&self, round: u64, carries_state: bool, members: usize) -> bool {
+        self.outer_state && !carries_state && !self.sums_gradients(round) && members > 1
     }
 }
 
@@ -1320,7 +1333,7 @@ impl Rounds {
             .into_iter()
             .map(|i| {
                 let peer = ring.members[i];
-                let at_boundary = (!ring.compact
+                let at_boundary = (!self.round.is_some_and(|r| self.cfg.sums_gradients(r))
                     && self.rounds_said.get(&peer) == self.round.as_ref()
                     && match (ring.steps_said[i], self.steps_said.get(&peer)) {
                         (Some(then), Some(&(step, heard))) => {
@@ -1498,14 +1511,24 @@ impl Rounds {
         else {
             return;
         };
-        let acc = if self.cfg.outer_state && !carries_state {
+        let sums_changes = self
+            .cfg
+            .sums_outer_changes(round, carries_state, members.len());
+        let acc = if sums_changes {
+            outer_change(contribution)
+        } else if self.cfg.outer_state && !carries_state {
             parameters_only(contribution)
         } else {
             contribution.clone()
         };
         // What this member judges the others' parts and aggregates by: what the trainer
-        // judges the round's result by.
-        let norm = p2ptrain_models::params::l2_norm(&acc);
+        // judges the round's result by, the parameters (members that share a round start
+        // differ in their outer changes exactly as in their parameters).
+        let norm = if sums_changes {
+            p2ptrain_models::params::l2_norm(&parameters_only(contribution))
+        } else {
+            p2ptrain_models::params::l2_norm(&acc)
+        };
         let judge = if gradient {
             Judge::GradientNorm {
                 norm: self.gradient_scale.with(norm),
@@ -1527,7 +1550,7 @@ impl Rounds {
             *weight,
             judge,
             carries_state,
-            gradient,
+            gradient || sums_changes,
             *step,
             now,
         );
@@ -1581,9 +1604,19 @@ impl Rounds {
             self.ask(false, out);
             return;
         }
-        let since = match &self.stage {
-            Stage::Reducing { since, .. } => *since,
-            _ => now,
+        let (since, mean) = match &self.stage {
+            Stage::Reducing {
+                since,
+                contribution,
+                ..
+            } if self
+                .cfg
+                .sums_outer_changes(round, carried_state, self.ring_size) =>
+            {
+                (*since, parameters_after(contribution, &mean))
+            }
+            Stage::Reducing { since, .. } => (*since, mean),
+            _ => (now, mean),
         };
         self.last_round_ms = now.saturating_duration_since(since).as_secs_f64() * 1e3;
         if self.ring_size > 1 {
@@ -1775,4 +1808,28 @@ fn vouched(items: impl Iterator<Item = (PeerId, u64, bool)>, others: usize) -> O
 /// parameters; then the round anchor, the outer velocity).
 fn parameters_only(contribution: &[f32]) -> Vec<f32> {
     contribution[..contribution.len() / 3].to_vec()
+}
+
+/// A `diloco` contribution's outer change: its round start (the second of its three parts)
+/// minus its parameters (the first), what a ring of members sharing the start sums.
+fn outer_change(contribution: &[f32]) -> Vec<f32> {
+    let numel = contribution.len() / 3;
+    let (params, rest) = contribution.split_at(numel);
+    params
+        .iter()
+        .zip(&rest[..numel])
+        .map(|(p, s)| s - p)
+        .collect()
+}
+
+/// The parameters a round of outer changes leaves: the round start in this member's
+/// `contribution` (the members' own, which they share) minus the mean change. The trainer
+/// then takes its outer step from that start towards them, as from a mean of parameters.
+fn parameters_after(contribution: &[f32], mean_change: &[f32]) -> Vec<f32> {
+    let numel = contribution.len() / 3;
+    contribution[numel..2 * numel]
+        .iter()
+        .zip(mean_change)
+        .map(|(s, c)| s - c)
+        .collect()
 }

@@ -109,7 +109,8 @@ pub(super) struct Ring {
     /// (`diloco`, when a member needs them); the member digest says so, so that members that
     /// disagree on it abort, as with different lists.
     pub(super) carries_state: bool,
-    /// Hops travel as bf16 (gradient rounds): half the bytes. Every value is rounded where
+    /// Hops travel as bf16 (gradient rounds, and `diloco` rounds of outer changes): half
+    /// the bytes. Every value is rounded where
     /// it is sent, the sender's own copy included, so the members still end bit-identical.
     pub(super) compact: bool,
     /// The highest trainer step among the contributions this node has seen in the ring: at
@@ -203,7 +204,7 @@ impl Ring {
         self.members.len()
     }
 
-    /// Two members of a compact (gradient) round swap their whole contributions in one
+    /// Two members of a compact round swap their whole contributions in one
     /// message each way and each aggregates the whole (from the same bits, in the members'
     /// order, so both hold the same result), rather than halves in two turns: the same
     /// bytes, half the waits.

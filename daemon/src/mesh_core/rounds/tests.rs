@@ -1160,16 +1160,85 @@ fn a_diloco_ring_carries_the_state_only_while_a_member_needs_it() {
         assert!(ring.nodes[i].status(Instant::now()).synced && !ring.nodes[i].needs_state());
     }
 
-    // Round 1: nobody needs the state, the parameters travel alone.
+    // Round 1: nobody needs the state. The carried round left the members one round start
+    // and velocity (the trainer's outer step from the carried ones); the ring sums their
+    // outer changes alone, and each leaves with the start minus the mean change.
+    let start: Vec<f32> = (0..10).map(|j| 9.0 + j as f32 * 0.25).collect();
+    for p in &mut ring.params {
+        p[10..20].copy_from_slice(&start);
+        p[20..].fill(0.5);
+    }
     ring.means = vec![None; 3];
     let next = later + Duration::from_secs(1);
     ring.hear_all(next);
     ring.run(next, &[true; 3]);
-    let expected: Vec<f32> = (0..10)
-        .map(|j| (ring.params[0][j] + ring.params[1][j] + ring.params[2][j]) / 3.0)
-        .collect();
+    let first = bits(ring.means[0].as_deref().expect("node 0 took no mean"));
     for (i, mean) in ring.means.iter().enumerate() {
-        assert_eq!(mean.as_deref(), Some(&expected[..]), "node {i}");
+        let mean = mean
+            .as_deref()
+            .unwrap_or_else(|| panic!("node {i} took no mean"));
+        assert_eq!(bits(mean), first, "node {i}");
+        for (j, got) in mean.iter().enumerate() {
+            let exact = (ring.params[0][j] + ring.params[1][j] + ring.params[2][j]) / 3.0;
+            let change = start[j] - exact;
+            assert!(
+                (got - exact).abs() <= change.abs() / 256.0 + 1e-5,
+                "node {i}, value {j}: {got} against {exact}"
+            );
+        }
+    }
+}
+
+/// `diloco` members that share a round start (no member needs the state) sum their outer
+/// changes (round start minus parameters), not their parameters, and the changes travel as
+/// bf16: half the bytes of `f32` parameters, at 2^-8 of the change, where rounding the
+/// parameters themselves would cost 2^-8 of each weight (more than a round's steps move it).
+/// Every member still leaves with the same bits, the round start minus the mean change.
+#[test]
+fn diloco_members_sharing_a_round_start_sum_their_outer_changes_as_bf16() {
+    const P: usize = 10;
+    for n in [2usize, 3, 4] {
+        let mut ring = Ring::new(n, &vec![1.0; n], &vec![true; n]);
+        for node in &mut ring.nodes {
+            node.cfg.outer_state = true;
+        }
+        // The shared round start and velocity; each member's parameters a little way off.
+        let start: Vec<f32> = (0..P).map(|j| 3.0 + (j as f32 * 0.61).cos()).collect();
+        let velocity: Vec<f32> = (0..P).map(|j| 0.01 * j as f32).collect();
+        for (i, p) in ring.params.iter_mut().enumerate() {
+            let own: Vec<f32> = (0..P)
+                .map(|j| start[j] - 0.02 * (1.0 + ((i * P + j) as f32 * 0.77).sin()))
+                .collect();
+            *p = [own, start.clone(), velocity.clone()].concat();
+        }
+        let now = Instant::now();
+        ring.hear_all(now);
+        ring.run(now, &vec![true; n]);
+        let first = bits(ring.means[0].as_ref().expect("node 0 took no mean"));
+        for (i, mean) in ring.means.iter().enumerate() {
+            let mean = mean
+                .as_ref()
+                .unwrap_or_else(|| panic!("n = {n}: node {i} took no mean"));
+            assert_eq!(bits(mean), first, "n = {n}: node {i} holds other bits");
+        }
+        let mean = ring.means[0].as_ref().expect("mean");
+        assert_eq!(mean.len(), P, "n = {n}: the parameters only");
+        for j in 0..P {
+            let exact = ring.params.iter().map(|p| p[j]).sum::<f32>() / n as f32;
+            let change = start[j] - exact;
+            assert!(
+                (mean[j] - exact).abs() <= change.abs() / 256.0 + 1e-6,
+                "n = {n}, value {j}: {} against {exact} (a change of {change})",
+                mean[j]
+            );
+        }
+        // Each member sends its parts of the others' chunks and its chunk's aggregate to
+        // each other member, at 2 bytes a value (a weight after each).
+        let most = 2 * 2 * (n - 1) * (P.div_ceil(n) + 1);
+        for i in 0..n {
+            let sent = ring.nodes[i].status(Instant::now()).bytes_sent as usize;
+            assert!(sent <= most, "n = {n}: {sent} bytes sent, against {most}");
+        }
     }
 }
 

@@ -41,6 +41,12 @@ pub enum RingAttack {
     /// the rest: the members it moves then carry the others on with their own hops, if
     /// members follow one another's word.
     RelayNextRound,
+    /// Its hops name the step just under the bound where hops are offences (2^48 - 1): one
+    /// member's word on the members' step, which a joiner or founder takes with the mean.
+    Step,
+    /// Its hops name a member-list digest no list has (its own list's, with bits flipped):
+    /// every attempt with it sees lists that differ, and no leave-out or sit-out explains it.
+    WrongDigest,
     /// Its hops name the next round to the same members every round (those whose peer id's
     /// last byte is a multiple of 4: about one in four) and are honest to the rest: the
     /// others' hops contradict it to those members alone, which are never most.
@@ -63,6 +69,8 @@ impl RingAttack {
             RingAttack::NextRound => msg.round = msg.round.saturating_add(1),
             RingAttack::NextAttempt => msg.attempt = msg.attempt.saturating_add(1),
             RingAttack::RoundMax => msg.round = u64::MAX,
+            RingAttack::Step => msg.step = (1 << 48) - 1,
+            RingAttack::WrongDigest => msg.members ^= 0x5eed_5eed_5eed_5eed,
             RingAttack::RelayNextRound => {
                 let last = to.to_bytes().last().copied().unwrap_or(0);
                 if (u64::from(last) + msg.round).is_multiple_of(4) {
@@ -184,6 +192,15 @@ mod tests {
             .apply(honest.clone(), &to, 9)
             .expect("sent");
         assert_eq!(at_the_end.round, u64::MAX);
+        let far_on = RingAttack::Step
+            .apply(honest.clone(), &to, 9)
+            .expect("sent");
+        assert_eq!(far_on.step, (1 << 48) - 1);
+        let listed_apart = RingAttack::WrongDigest
+            .apply(honest.clone(), &to, 9)
+            .expect("sent");
+        assert!(listed_apart.members != honest.members);
+        assert_eq!(values(&listed_apart), values(&honest));
         let relayed_to = |last: u8| {
             // A peer id whose last byte is `last` (identity multihash of 36 bytes).
             let mut bytes = PeerId::random().to_bytes();

@@ -1051,6 +1051,8 @@ fn one_hostile_member_of_eight_spoils_no_round_in_the_simulator() {
         RingAttack::RoundMax,
         RingAttack::RelayNextRound,
         RingAttack::TargetedNextRound,
+        RingAttack::Step,
+        RingAttack::WrongDigest,
     ]
     .into_iter()
     .flat_map(|a| ["allreduce", "diloco", "fedavg", "ddp"].map(|m| (a, m)))
@@ -1109,6 +1111,32 @@ fn one_hostile_member_of_eight_spoils_no_round_in_the_simulator() {
                 );
             }
             RingAttack::Weight => assert_eq!(a.bans, (0, 0), "{name}"),
+            // Its claim is one member's word on the members' step, which no member takes
+            // (`Ring::members_step`); the rest of its hops are honest, and nothing shows it
+            // lying: no ban, no leave-out, and no honest member far past the control's steps.
+            RingAttack::Step => {
+                assert_eq!(a.bans, (0, 0), "{name}");
+                assert!(
+                    a.top_step <= 2 * c.top_step,
+                    "{name}: an honest member at step {} against {}",
+                    a.top_step,
+                    c.top_step
+                );
+            }
+            // Liveness without blame: a list nobody else names proves nothing, but every
+            // honest member leaves its sender out after a while.
+            RingAttack::WrongDigest => {
+                assert_eq!(a.bans, (0, 0), "{name}");
+                let left_out = a
+                    .aborted
+                    .get("left out a member whose list is nobody else's")
+                    .copied()
+                    .unwrap_or(0);
+                assert!(
+                    left_out >= 7,
+                    "{name}: every honest member leaves it out: {a:?}"
+                );
+            }
             RingAttack::Stall
             | RingAttack::Hijack
             | RingAttack::NextRound

@@ -560,6 +560,9 @@ impl Rounds {
                     }
                     None => weight,
                 };
+                if weight > 0.0 {
+                    ring.part_steps[i] = Some(step);
+                }
                 ring.parts[i] = Some((values, weight));
             } else {
                 let most = max_weight * ring.len() as f32 * (1.0 + 1e-5);
@@ -610,7 +613,6 @@ impl Rounds {
                 ring.acc[expected].copy_from_slice(&values);
                 ring.totals[i] = Some(weight);
             }
-            ring.step = ring.step.max(step);
             ring.last_progress = now;
         }
         if self.weigh_lone_claims(now) {
@@ -675,7 +677,7 @@ impl Rounds {
             }
             let total = ring.totals[ring.me].unwrap_or(0.0);
             let acc = std::mem::take(&mut ring.acc);
-            let (step, carried) = (ring.step, ring.carries_state);
+            let (step, carried) = (ring.members_step(), ring.carries_state);
             self.finish(round, acc, total, step, carried, now, out);
         }
     }

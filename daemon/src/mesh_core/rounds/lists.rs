@@ -1,16 +1,18 @@
-//! What attempts whose member lists differed tell a member, and what it does about it: leave
-//! out a member that most others leave out (they banned it, or cannot reach it), take back
-//! one it left out that most others list, or sit out of the rounds when most others list a
-//! peer it cannot take (one it banned, or lost). A verdict is acted on once the attempts
-//! have named it for [`OUTVOTED_FOR`] (a joiner's heartbeat, or a death one member noticed
-//! first, settles well within that), or at once where the same verdict was acted on before
-//! (after a leave-out or a sit-out ends, the disagreement comes back at once if its cause
-//! remains: each time, it lasts twice as long, up to [`LONGEST`]). A member an attempt
-//! stalled waiting for is left out the same way, at once ([`Lists::stalled`]), and so is a
-//! member most members' heartbeats said named them a later round their attempts'
-//! hops contradicted ([`Lists::accused`], [`Lists::accused_by_most`]): heartbeats are
-//! gossiped, so the members count the same accusations within moments of each other,
-//! where member lists are each member's own view. Pure state: part of [`super::Rounds`].
+//! What attempts whose member lists differed tell a member, and what it does about it:
+//! leave out a member that most others leave out (they banned it, or cannot reach it), take
+//! back one it left out that most others list, or sit out of the rounds when most others
+//! list a peer it cannot take (one it banned, or lost); failing those, leave out a member
+//! whose list nobody else names and nothing explains ([`Verdict::Unmatched`]: liveness, no
+//! blame). A verdict is acted on once the attempts have named it for [`OUTVOTED_FOR`] (a
+//! joiner's heartbeat, or a death one member noticed first, settles well within that), or
+//! at once where the same verdict was acted on before (after a leave-out or a sit-out ends,
+//! the disagreement comes back at once if its cause remains: each time, it lasts twice as
+//! long, up to [`LONGEST`]). A member an attempt stalled waiting for is left out the same
+//! way, at once ([`Lists::stalled`]), and so is a member most members' heartbeats said
+//! named them a later round their attempts' hops contradicted ([`Lists::accused`],
+//! [`Lists::accused_by_most`]): heartbeats are gossiped, so the members count the same
+//! accusations within moments of each other, where member lists are each member's own view.
+//! Pure state: part of [`super::Rounds`].
 //!
 //! Without it, one member that banned a rogue the others still listed stalled every round
 //! for as long as the ban lasted (10 minutes), and the others never got to judge the rogue.
@@ -45,6 +47,11 @@ pub enum Verdict {
     LeftOut(PeerId),
     /// Most members list this peer, which this node does not.
     Listed(PeerId),
+    /// This member's hops name a list no other member names and no peer explains (not this
+    /// list with one member fewer or one known peer more): a list of its own, honest or not
+    /// (a random digest matches no verdict, and without this one stalled every attempt it
+    /// was in, forever). Left out as [`Verdict::LeftOut`], with no blame: liveness only.
+    Unmatched(PeerId),
 }
 
 /// What a member does about a verdict.
@@ -203,7 +210,7 @@ impl Lists {
         }
         self.pending = Some((verdict, since));
         let (records, peer) = match verdict {
-            Verdict::LeftOut(p) => (&mut self.left_out, p),
+            Verdict::LeftOut(p) | Verdict::Unmatched(p) => (&mut self.left_out, p),
             Verdict::Listed(p) => (&mut self.sat_out_over, p),
         };
         let again = records.contains_key(&peer);
@@ -213,7 +220,7 @@ impl Lists {
         let last = record(records, peer, false, now)?;
         self.pending = None;
         Some(match verdict {
-            Verdict::LeftOut(p) => Action::LeaveOut(p),
+            Verdict::LeftOut(p) | Verdict::Unmatched(p) => Action::LeaveOut(p),
             Verdict::Listed(p) => Action::SitOut(p, last),
         })
     }

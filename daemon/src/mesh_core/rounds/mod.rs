@@ -323,7 +323,7 @@ pub struct Rounds {
     boundary: u64,
     synced: bool,
     /// The last parameter attempt's ring found no synced member: the one under way founds
-    /// the members' state, and hands every one of them its highest step.
+    /// the members' state, and hands every one of them the members' step ([`Ring::members_step`]).
     founding: bool,
     /// `diloco`: this synced member took a later round's number on one member's word, and
     /// may have missed rounds' outer steps: it asks for the members' round start and
@@ -1424,13 +1424,29 @@ impl Rounds {
             .copied()
             .chain(self.lists.ever_left_out())
             .collect();
-        let verdict = ring.left_out_by_most().map(Verdict::LeftOut).or_else(|| {
-            ring.listed_by_most(candidates.into_iter(), &not_in_rounds)
-                .map(Verdict::Listed)
-        });
+        let known: Vec<PeerId> = self
+            .ready
+            .keys()
+            .chain(self.gone.keys())
+            .chain(not_in_rounds.iter())
+            .copied()
+            .chain(self.lists.ever_left_out())
+            .collect();
+        let verdict = ring
+            .left_out_by_most()
+            .map(Verdict::LeftOut)
+            .or_else(|| {
+                ring.listed_by_most(candidates.into_iter(), &not_in_rounds)
+                    .map(Verdict::Listed)
+            })
+            .or_else(|| ring.unmatched_list(&known).map(Verdict::Unmatched));
         self.abort("member lists differ", now);
         match self.lists.named(verdict, now) {
             None => {}
+            Some(Action::LeaveOut(peer)) if matches!(verdict, Some(Verdict::Unmatched(_))) => {
+                tracing::info!(%peer, "a member names a member list nobody else names; leaving it out of this node's rounds for a while");
+                self.abort_counter("left out a member whose list is nobody else's");
+            }
             Some(Action::LeaveOut(peer)) => {
                 tracing::info!(%peer, "most members leave a member out of their rounds; so does this node");
                 self.abort_counter("left a member out");
@@ -1558,7 +1574,8 @@ impl Rounds {
         self.ring_size = r.len();
         self.retry_at = None;
         if r.len() == 1 {
-            let (acc, total, step) = (r.acc, r.weight, r.step);
+            let step = r.members_step();
+            let (acc, total) = (r.acc, r.weight);
             self.finish(round, acc, total, step, carries_state, now, out);
             return;
         }
@@ -1590,7 +1607,7 @@ impl Rounds {
             // whose synced peers died): each would keep its own, and they would differ.
             // They found one state together instead, as founders do: synced from now, they
             // try the round again with their parameters at full weight and all leave it
-            // with one mean and the highest step among them (in `diloco` with the means of
+            // with one mean and the members' step (in `diloco` with the means of
             // their round anchors and outer velocities too: founding needs the state).
             tracing::info!(
                 round,

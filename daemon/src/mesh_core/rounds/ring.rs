@@ -113,9 +113,12 @@ pub(super) struct Ring {
     /// the bytes. Every value is rounded where
     /// it is sent, the sender's own copy included, so the members still end bit-identical.
     pub(super) compact: bool,
-    /// The highest trainer step among the contributions this node has seen in the ring: at
-    /// the end, the members' step, which a node that was not synced takes with the mean.
+    /// This member's trainer step when it gave its contribution: what its hops name.
     pub(super) step: u64,
+    /// The step each member's counted part named (one that weighed something and was not
+    /// refused), by member index, this member's own among them where it weighs something:
+    /// what [`Ring::members_step`] takes the members' step from.
+    pub(super) part_steps: Vec<Option<u64>>,
     /// The members' parts of this member's chunk (of the whole, in a direct ring), by member
     /// index: values and weight (0 for a part refused).
     pub(super) parts: Vec<Option<(Vec<f32>, f32)>>,
@@ -176,6 +179,10 @@ impl Ring {
             round_to_bf16(&mut acc);
             weight = half::bf16::from_f32(weight).to_f32();
         }
+        let mut part_steps = vec![None; n];
+        if weight > 0.0 {
+            part_steps[me] = Some(step);
+        }
         Ring {
             digest: members_digest(&members, carries_state),
             members,
@@ -186,6 +193,7 @@ impl Ring {
             carries_state,
             compact,
             step,
+            part_steps,
             parts: vec![None; n],
             part_weights: vec![None; n],
             totals: vec![None; n],
@@ -210,6 +218,25 @@ impl Ring {
     /// bytes, half the waits.
     pub(super) fn direct(&self) -> bool {
         self.compact && self.len() == 2
+    }
+
+    /// The members' step, which a node that was not synced (a joiner, a founder) takes with
+    /// the mean: the highest step two members' counted parts reach (the only other's in a
+    /// ring of two), as rounds and attempts are taken ([`super::vouched`]), or the lowest
+    /// counted where fewer counted; this member's own where none did. Taken as the highest
+    /// step any hop named, one member's word moved every joiner and founder to the end of any
+    /// schedule (a step just under the hop bound: its next hops were offences, its next
+    /// checkpoint one its own restore refuses).
+    pub(super) fn members_step(&self) -> u64 {
+        let counted = || {
+            self.part_steps
+                .iter()
+                .zip(&self.members)
+                .filter_map(|(step, member)| step.map(|s| (*member, s, true)))
+        };
+        super::vouched(counted(), self.len().saturating_sub(1))
+            .or_else(|| counted().map(|(_, s, _)| s).min())
+            .unwrap_or(self.step)
     }
 
     /// The member index of `peer`.
@@ -325,6 +352,37 @@ impl Ring {
                 .count();
             by * 2 > others
         })
+    }
+
+    /// The member of this list whose hops named a list that no other member named and that
+    /// nothing explains: not this list with one member fewer, nor with one of `known` (the
+    /// peers this member heard of) more, nor this list with the other choice of carrying
+    /// the state (a need heard late), if there is one ([`super::lists::Verdict::Unmatched`]).
+    pub(super) fn unmatched_list(&self, known: &[PeerId]) -> Option<PeerId> {
+        let digests = |list: &[PeerId]| [members_digest(list, false), members_digest(list, true)];
+        let mut explained: Vec<u64> = vec![members_digest(&self.members, !self.carries_state)];
+        for x in &self.members {
+            let without: Vec<PeerId> = self.members.iter().filter(|p| *p != x).copied().collect();
+            explained.extend(digests(&without));
+        }
+        for c in known.iter().filter(|c| !self.members.contains(c)) {
+            let mut with = self.members.clone();
+            with.push(*c);
+            with.sort();
+            explained.extend(digests(&with));
+        }
+        self.other_lists
+            .iter()
+            .filter(|(p, d)| {
+                self.members.contains(p)
+                    && !explained.contains(d)
+                    && !self
+                        .other_lists
+                        .iter()
+                        .any(|(q, e)| q != p && e == d && self.members.contains(q))
+            })
+            .map(|(p, _)| *p)
+            .min()
     }
 
     /// Whether each other member sent its part of this member's chunk (taken or refused) or

@@ -628,7 +628,7 @@ fn a_member_that_leaves_after_completing_the_round_does_not_abort_it() {
 /// A ring with no synced member (joiners only, or members whose synced peers died) found one
 /// state together: the attempt whose weights sum to 0 is tried again with every member's
 /// parameters at full weight, and all leave the round synced, with the same bits of the
-/// plain mean and the highest step among them. (They used to keep their own parameters,
+/// plain mean and the highest step two of them reach. (They used to keep their own parameters,
 /// which differ, and call themselves synced: the simulator found `ddp` members of one ring
 /// stepping from different parameters for up to `resync_every` rounds.)
 #[test]
@@ -655,7 +655,8 @@ fn a_ring_without_a_synced_member_founds_one_state() {
                 "{got} vs {want}"
             );
         }
-        assert_eq!(ring.mean_steps[i], Some(12), "node {i}");
+        // The highest step two of them reach: the one at 12 keeps its own.
+        assert_eq!(ring.mean_steps[i], Some(11), "node {i}");
         let st = ring.nodes[i].status(Instant::now());
         assert!(st.synced, "node {i}: {st:?}");
         assert_eq!(st.aborted.get("no member synced"), Some(&1), "node {i}");
@@ -664,6 +665,46 @@ fn a_ring_without_a_synced_member_founds_one_state() {
             ring.nodes[i].status(Instant::now()).digests,
             vec![(4, "founded".to_string())]
         );
+    }
+}
+
+/// A round's step is the members', never one hop's: a member whose hops name a step far
+/// past the others' (`STEP_LIMIT - 1`, under the bound a hop is refused at) moves neither a
+/// joiner nor the founders of a state there. (Taken as the highest step any hop named, it
+/// moved every joiner and founder to the end of any schedule, where its next hops were
+/// offences and its next checkpoint one its own restore refuses.) Each takes the highest step
+/// two members' counted parts reach.
+#[test]
+fn one_members_step_moves_no_joiner_or_founder_past_the_others() {
+    for founding in [false, true] {
+        let synced = if founding {
+            [false; 4]
+        } else {
+            [true, true, true, false]
+        };
+        let mut ring = Ring::new(4, &[1.0; 4], &synced);
+        for node in &mut ring.nodes {
+            node.round = Some(4);
+        }
+        ring.steps = vec![100, 120, 110, if founding { 90 } else { 0 }];
+        ring.rogue = Some((
+            1,
+            Box::new(|msg: &mut RingMessage, _| msg.step = STEP_LIMIT - 1),
+        ));
+        let now = Instant::now();
+        ring.hear_all(now);
+        ring.run(now, &[true; 4]);
+        for i in [0, 2, 3] {
+            assert!(
+                ring.means[i].is_some(),
+                "founding {founding}: node {i} took no mean"
+            );
+            let expected = if founding || i == 3 { Some(110) } else { None };
+            assert_eq!(
+                ring.mean_steps[i], expected,
+                "founding {founding}: node {i} took another step"
+            );
+        }
     }
 }
 
@@ -1989,6 +2030,43 @@ fn a_member_most_others_left_out_is_left_out() {
     }
     assert_the_three_took_one_mean(&ring);
     assert_eq!(ring.nodes[0].status(Instant::now()).ring_size, 3);
+    assert_eq!(ring.offences, 0);
+}
+
+/// Member 3's hops name a member list nobody has (a random digest): no leave-out or sit-out
+/// explains it, so without a verdict of its own every attempt with it aborted on lists that
+/// differ, and the retry listed it again, forever. The others leave it out once their
+/// attempts named it for `OUTVOTED_FOR`, without blame (a list proves nothing), and the three
+/// complete the round.
+#[test]
+fn a_member_whose_list_is_nobody_elses_is_left_out_without_blame() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    ring.rogue = Some((
+        3,
+        Box::new(|msg: &mut RingMessage, _| msg.members ^= 0xabcdef),
+    ));
+    let alive = [true; 4];
+    let t0 = Instant::now();
+    for k in 0..40u32 {
+        let now = t0 + RETRY_PAUSE * k;
+        ring.hear_all(now);
+        ring.run(now, &alive);
+        if ring.means[..3].iter().all(Option::is_some) {
+            break;
+        }
+    }
+    assert_the_three_took_one_mean(&ring);
+    for i in 0..3 {
+        let st = ring.nodes[i].status(Instant::now());
+        assert_eq!(st.ring_size, 3, "node {i}");
+        assert_eq!(
+            st.aborted
+                .get("left out a member whose list is nobody else's")
+                .copied(),
+            Some(1),
+            "node {i}: {st:?}"
+        );
+    }
     assert_eq!(ring.offences, 0);
 }
 

@@ -233,6 +233,9 @@ pub struct RoundsReport {
     /// held-out loss is to a real run. (Each node's own drifts towards its own target
     /// between rounds, and waits at its boundary furthest from the others.)
     pub loss: f64,
+    /// The highest trainer step a live honest node reached: a joiner or founder moved to a
+    /// step no member of the mesh reached shows here.
+    pub top_step: u64,
 }
 
 /// Offences one node blames on one peer before it bans it, in rounds scenarios: as the
@@ -733,6 +736,12 @@ impl Sim {
             .map(|(m, o)| (m - o).powi(2))
             .sum::<f64>()
             / self.p.dim as f64;
+        r.top_step = live
+            .iter()
+            .filter(|n| !n.hostile)
+            .map(|n| n.step)
+            .max()
+            .unwrap_or(0);
         for (&(_, banned), &rounds) in &self.bans {
             if self.nodes[banned].hostile {
                 r.bans.0 += 1;

@@ -9,15 +9,26 @@
 //! than any honest update (the parameters' norm is much larger than a 20-step delta). The
 //! median of what honest neighbours actually send is the tighter, self-tuning bound. The rate
 //! limit keeps a flooding peer from making the node decode and apply without end.
+//!
+//! The median is one no author can move alone: each author's updates are remembered in a
+//! window of their own, at the norm they were applied at (scaled down where they were beyond
+//! the bound), and the median is the median of the authors' medians, this node's own updates
+//! one author among them. (Remembered unscaled in one window shared by every author, a
+//! neighbour whose updates grew by 50 times the bound each time lifted the median thousands of
+//! times within about 40 updates, after which its updates near the parameters' bound were
+//! applied whole.)
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hash::Hash;
 use std::time::Instant;
 
-/// Accepted update norms remembered for the median.
+/// Accepted update norms remembered per author for the median.
 pub const NORM_WINDOW: usize = 64;
+/// Authors whose norms are remembered at most (the one that recorded least recently goes
+/// first): a bound on a public mesh.
+pub const AUTHORS_KEPT: usize = 64;
 /// Accepted updates needed before the outlier bound applies (before that, only the
-/// parameter-norm bound does).
+/// parameter-norm bound does), every author's and this node's own counted.
 pub const MIN_SAMPLES: usize = 16;
 /// The most an update's age widens the outlier bound, as a multiple of the median span (the
 /// steps an update usually covers). Two honest reasons make an update larger than the median
@@ -135,12 +146,46 @@ impl TokenBucket {
     }
 }
 
+/// One author's recently applied norms and spans, newest last.
+#[derive(Debug, Clone, Default)]
+struct Window {
+    entries: VecDeque<(f64, u64)>,
+    /// When it was last added to, in records made by the guard: the oldest goes first.
+    last: u64,
+}
+
+impl Window {
+    fn push(&mut self, norm: f64, span: u64, at: u64) {
+        if self.entries.len() == NORM_WINDOW {
+            self.entries.pop_front();
+        }
+        self.entries.push_back((norm, span));
+        self.last = at;
+    }
+
+    fn median_norm(&self) -> Option<f64> {
+        let mut v: Vec<f64> = self.entries.iter().map(|(n, _)| *n).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    }
+
+    fn median_span(&self) -> Option<u64> {
+        let mut v: Vec<u64> = self.entries.iter().map(|(_, s)| *s).collect();
+        v.sort_unstable();
+        v.get(v.len() / 2).copied()
+    }
+}
+
 /// See the module docs.
 #[derive(Debug, Clone)]
 pub struct UpdateGuard<K> {
     cfg: GuardConfig,
-    /// Norms and spans of recently accepted updates.
-    norms: VecDeque<(f64, u64)>,
+    /// Each author's recently applied norms and spans.
+    authors: HashMap<K, Window>,
+    /// This node's own updates' norms and spans, as its neighbours decode them.
+    own: Window,
+    /// Records made so far (the order of [`Window::last`]).
+    records: u64,
     buckets: HashMap<K, TokenBucket>,
 }
 
@@ -149,7 +194,9 @@ impl<K: Hash + Eq + Clone> UpdateGuard<K> {
     pub fn new(cfg: GuardConfig) -> Self {
         UpdateGuard {
             cfg,
-            norms: VecDeque::with_capacity(NORM_WINDOW),
+            authors: HashMap::new(),
+            own: Window::default(),
+            records: 0,
             buckets: HashMap::new(),
         }
     }
@@ -180,7 +227,7 @@ impl<K: Hash + Eq + Clone> UpdateGuard<K> {
     /// span, they widen the bound up to [`SPAN_LEEWAY`] times.
     pub fn judge_norm(&self, norm: f64, span: u64, lateness: u64) -> Result<f64, Refusal> {
         match (self.cfg.outlier_factor > 0.0, self.median()) {
-            (true, Some(m)) if self.norms.len() >= MIN_SAMPLES && norm > 0.0 => {
+            (true, Some(m)) if self.samples() >= MIN_SAMPLES && norm > 0.0 => {
                 let usual = self.median_span().unwrap_or(1).max(1) as f64;
                 let age = span.max(1).saturating_add(lateness) as f64;
                 let leeway = (age / usual).clamp(1.0, SPAN_LEEWAY);
@@ -199,29 +246,68 @@ impl<K: Hash + Eq + Clone> UpdateGuard<K> {
         }
     }
 
-    /// Remembers the norm and span of an update that was accepted.
-    pub fn record(&mut self, norm: f64, span: u64) {
-        if !norm.is_finite() {
+    /// Remembers an accepted update of `author`'s: the norm it was applied at (scaled down
+    /// where it was beyond the bound, so that an author's updates never stand for more than
+    /// the bound they met) and its span.
+    pub fn record(&mut self, author: &K, applied_norm: f64, span: u64) {
+        if !applied_norm.is_finite() {
             return;
         }
-        if self.norms.len() == NORM_WINDOW {
-            self.norms.pop_front();
+        self.records += 1;
+        if !self.authors.contains_key(author) && self.authors.len() >= AUTHORS_KEPT {
+            let oldest = self
+                .authors
+                .iter()
+                .min_by_key(|(_, w)| w.last)
+                .map(|(k, _)| k.clone());
+            if let Some(oldest) = oldest {
+                self.authors.remove(&oldest);
+            }
         }
-        self.norms.push_back((norm, span));
+        let at = self.records;
+        self.authors
+            .entry(author.clone())
+            .or_default()
+            .push(applied_norm, span, at);
     }
 
-    /// Median of the recent accepted norms, for status.
+    /// Remembers this node's own update's norm (as its neighbours decode it) and span: the
+    /// one author among those the median is taken over that no neighbour can speak for.
+    pub fn record_own(&mut self, norm: f64, span: u64) {
+        if norm.is_finite() {
+            self.records += 1;
+            let at = self.records;
+            self.own.push(norm, span, at);
+        }
+    }
+
+    /// The windows the median is taken over: each author's and this node's own, where they
+    /// hold anything.
+    fn windows(&self) -> impl Iterator<Item = &Window> {
+        self.authors
+            .values()
+            .chain(std::iter::once(&self.own))
+            .filter(|w| !w.entries.is_empty())
+    }
+
+    fn samples(&self) -> usize {
+        self.windows().map(|w| w.entries.len()).sum()
+    }
+
+    /// The median of the authors' median norms (the lower of the two middle ones), for the
+    /// bound and for status: one author's updates, however many, are one word among the
+    /// authors', this node's own among them.
     pub fn median(&self) -> Option<f64> {
-        let mut v: Vec<f64> = self.norms.iter().map(|(n, _)| *n).collect();
+        let mut v: Vec<f64> = self.windows().filter_map(Window::median_norm).collect();
         v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied()
+        v.get(v.len().saturating_sub(1) / 2).copied()
     }
 
-    /// Median span of the recent accepted updates.
+    /// The median of the authors' median spans, as [`UpdateGuard::median`].
     fn median_span(&self) -> Option<u64> {
-        let mut v: Vec<u64> = self.norms.iter().map(|(_, s)| *s).collect();
+        let mut v: Vec<u64> = self.windows().filter_map(Window::median_span).collect();
         v.sort_unstable();
-        v.get(v.len() / 2).copied()
+        v.get(v.len().saturating_sub(1) / 2).copied()
     }
 
     /// Forgets an author's bucket (it left).
@@ -327,14 +413,14 @@ mod tests {
     fn the_outlier_bound_waits_for_enough_samples_then_follows_the_median() {
         let mut g = UpdateGuard::<u8>::new(cfg());
         for _ in 0..MIN_SAMPLES - 1 {
-            g.record(1.0, 20);
+            g.record(&1, 1.0, 20);
         }
         assert_eq!(
             g.judge_norm(1000.0, 20, 0),
             Ok(1.0),
             "too few samples to judge"
         );
-        g.record(1.0, 20);
+        g.record(&1, 1.0, 20);
         assert_eq!(g.judge_norm(9.9, 20, 0), Ok(1.0));
         // Beyond the bound: scaled down to it, not refused...
         assert_eq!(g.judge_norm(20.0, 20, 0), Ok(0.5));
@@ -347,7 +433,7 @@ mod tests {
         ));
         // Honest updates shrink as training converges: the bound follows.
         for _ in 0..NORM_WINDOW {
-            g.record(0.1, 20);
+            g.record(&1, 0.1, 20);
         }
         assert_eq!(g.median(), Some(0.1));
         assert!(g.judge_norm(REJECT_BEYOND + 0.1, 20, 0).is_err());
@@ -361,7 +447,7 @@ mod tests {
     fn an_update_covering_more_steps_or_arriving_late_gets_a_wider_bound_up_to_the_leeway() {
         let mut g = UpdateGuard::<u8>::new(cfg());
         for _ in 0..MIN_SAMPLES {
-            g.record(1.0, 20);
+            g.record(&1, 1.0, 20);
         }
         // Three intervals' worth of steps that could not go out: three times the bound.
         assert_eq!(g.judge_norm(30.0, 60, 0), Ok(1.0));
@@ -387,11 +473,40 @@ mod tests {
     fn a_few_large_accepted_norms_do_not_move_the_median() {
         let mut g = UpdateGuard::<u8>::new(cfg());
         for i in 0..40 {
-            g.record(if i % 10 == 0 { 9.0 } else { 1.0 }, 20);
+            g.record(&1, if i % 10 == 0 { 9.0 } else { 1.0 }, 20);
         }
         assert_eq!(g.median(), Some(1.0));
-        g.record(f64::NAN, 20);
+        g.record(&1, f64::NAN, 20);
         assert_eq!(g.median(), Some(1.0));
+    }
+
+    /// One author's updates, however many, are one word in the median, this node's own
+    /// updates another: a neighbour flooding tiny norms (so that an honest neighbour's
+    /// updates are refused as outliers and it is blamed) or huge ones (to widen the bound)
+    /// moves it no further than the honest authors' medians.
+    #[test]
+    fn one_author_is_one_word_in_the_median() {
+        let mut g = UpdateGuard::<u8>::new(cfg());
+        for _ in 0..20 {
+            g.record_own(1.0, 20);
+            g.record(&1, 2.0, 20);
+        }
+        for _ in 0..1000 {
+            g.record(&9, 1e-9, 20);
+        }
+        assert_eq!(g.median(), Some(1.0));
+        assert_eq!(g.judge_norm(2.0, 20, 0), Ok(1.0));
+        for _ in 0..1000 {
+            g.record(&9, 1e9, 20);
+        }
+        assert_eq!(g.median(), Some(2.0));
+        assert!(g.judge_norm(1e5, 20, 0).is_err());
+        // A bounded memory: the author that recorded least recently goes first.
+        for k in 0..AUTHORS_KEPT as u8 + 10 {
+            g.record(&(100 + k), 1.0, 20);
+        }
+        assert_eq!(g.authors.len(), AUTHORS_KEPT);
+        assert!(!g.authors.contains_key(&1));
     }
 
     #[test]
@@ -403,7 +518,7 @@ mod tests {
             clip_value: 0.0,
         });
         for _ in 0..100 {
-            g.record(1.0, 20);
+            g.record(&1, 1.0, 20);
         }
         assert_eq!(g.judge_norm(1e9, 20, 0), Ok(1.0));
         let t = Instant::now();

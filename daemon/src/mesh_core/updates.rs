@@ -284,7 +284,7 @@ impl Updates {
         if arrival == Arrival::Late {
             self.counters.late += 1;
         }
-        self.guard.record(norm, span);
+        self.guard.record(&author, norm * scale, span);
         let mut values = values;
         if scale < 1.0 {
             tracing::debug!(peer = %author, norm, scale, span, lateness, "large update scaled down to the outlier bound");
@@ -374,6 +374,8 @@ impl Updates {
             .compress(&header, &self.layout, delta, self.cfg.density)
         {
             Ok(e) => {
+                self.guard
+                    .record_own(l2_norm(&e.sent), step.saturating_sub(base_step));
                 if self.keep_sent {
                     if self.sent.len() == SENT_CAP {
                         self.sent.pop_front();
@@ -883,6 +885,66 @@ mod tests {
         // Larger parameters, a larger bound.
         let (v, out) = gossip(&mut u, a, &update(&a, 4, &big), Some(1.6), now);
         assert_eq!(passed(&v), Some((a, 4, big.to_vec())), "{out:?}");
+    }
+
+    /// A neighbour that grows its updates ratchets no bound. Each update beyond the outlier
+    /// bound is scaled down to it and applied, and the guard remembers what was applied, by
+    /// author, so one author's updates move the median no further than one honest author's
+    /// word. (Remembered unscaled in one window shared by every author, updates each 50 times
+    /// the last bound, under the 100 times where they are refused, lifted the median past a
+    /// thousand times the honest one within about 40 updates, and that neighbour's next
+    /// updates near `max_update_ratio` x the parameters' norm were applied whole.)
+    #[test]
+    fn a_neighbour_growing_its_updates_ratchets_no_bound() {
+        let unlimited = MeshConfig {
+            guard: GuardConfig {
+                max_updates_per_sec: 0.0,
+                ..cfg().guard
+            },
+            ..cfg()
+        };
+        let (mut u, _) = updates(unlimited);
+        let (honest, rogue) = (PeerId::random(), PeerId::random());
+        let now = Instant::now();
+        // Parameters this large keep the bound by their norm out of the way.
+        let params = Some(1e12);
+        let mut honest_step = 0;
+        let mut honest_update = |u: &mut Updates| {
+            honest_step += 1;
+            let data = update(&honest, honest_step, &[1.0, 0.0, 0.0, 0.0]);
+            let (v, out) = gossip(u, honest, &data, params, now);
+            assert!(passed(&v).is_some(), "{v:?} {out:?}");
+        };
+        for _ in 0..32 {
+            honest_update(&mut u);
+        }
+        let honest_median = counters(&u).median_norm.expect("a median");
+        let mut norm = 10.0f32;
+        for step in 1..=200 {
+            let data = update(&rogue, step, &[norm, 0.0, 0.0, 0.0]);
+            let (v, out) = gossip(&mut u, rogue, &data, params, now);
+            let (_, _, applied) = passed(&v).unwrap_or_else(|| panic!("{v:?} {out:?}"));
+            // The next one 50 times what this one was applied at: the bound it met.
+            norm = 50.0 * applied[0];
+            if step % 10 == 0 {
+                honest_update(&mut u);
+            }
+        }
+        let median = counters(&u).median_norm.expect("a median");
+        assert!(
+            median <= 2.0 * honest_median,
+            "the median went from {honest_median} to {median}"
+        );
+        // 900 times the honest norm, under the 100 x 10 where it is refused: scaled down to
+        // the honest bound.
+        let data = update(&rogue, 201, &[900.0, 0.0, 0.0, 0.0]);
+        let (v, out) = gossip(&mut u, rogue, &data, params, now);
+        let (_, _, applied) = passed(&v).unwrap_or_else(|| panic!("{v:?} {out:?}"));
+        assert!(
+            applied[0] <= 10.0 * 2.0 * honest_median as f32,
+            "applied at {}",
+            applied[0]
+        );
     }
 
     #[test]

@@ -294,6 +294,7 @@ pub fn read_folder(dir: &Path) -> Result<HfModel> {
     let mut tensors = HashMap::new();
     let mut stored_as = BTreeMap::new();
     for file in &files {
+        regular_file(file)?;
         let bytes = std::fs::read(file).map_err(|source| Error::Io {
             path: file.clone(),
             source,
@@ -525,8 +526,17 @@ pub fn carry_from_base(dir: &Path, base: &CheckedBase, own_tokenizer: bool) -> R
             continue;
         }
         let (from, to) = (base.dir.join(file), dir.join(file));
-        if from.is_file() && !to.exists() {
-            std::fs::copy(&from, &to).map_err(io(from.clone()))?;
+        if std::fs::symlink_metadata(&from).is_ok() && !to.exists() {
+            // Carried as the JSON it must be, from inside the base folder only.
+            links_inside(&from, &base.dir)?;
+            let text = read_json(&from)?;
+            if serde_json::from_str::<Value>(&text).is_err() {
+                return Err(Error::Format {
+                    path: from,
+                    msg: "not JSON: refused, not carried".into(),
+                });
+            }
+            std::fs::write(&to, text).map_err(io(to.clone()))?;
             carried.push((*file).to_string());
         }
     }
@@ -548,6 +558,7 @@ pub fn folder_digest(dir: &Path) -> Result<String> {
             path: path.clone(),
             source,
         };
+        regular_file(path)?;
         let mut file = std::fs::File::open(path).map_err(io)?;
         h.update(
             path.file_name()
@@ -618,20 +629,76 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files.into_iter().map(|f| dir.join(f)).collect())
 }
 
-/// A JSON file's text, refused past [`MAX_JSON_BYTES`].
+/// The length of `path`, a regular file once links are followed: a FIFO would block the
+/// read, a device (`/dev/zero`) stream without end, and both report a length of 0.
+fn regular_file(path: &Path) -> Result<u64> {
+    let meta = std::fs::metadata(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if !meta.is_file() {
+        return Err(Error::Format {
+            path: path.to_path_buf(),
+            msg: "not a regular file (a FIFO, a device or a folder): refused".into(),
+        });
+    }
+    Ok(meta.len())
+}
+
+/// A JSON file's text, refused past [`MAX_JSON_BYTES`] (read no further than that, whatever
+/// its length said) or where it is no regular file.
 fn read_json(path: &Path) -> Result<String> {
+    use std::io::Read;
     let io = |source| Error::Io {
         path: path.to_path_buf(),
         source,
     };
-    let len = std::fs::metadata(path).map_err(io)?.len();
+    let too_long = |len: u64| Error::Format {
+        path: path.to_path_buf(),
+        msg: format!("{len} bytes, past the {MAX_JSON_BYTES} a config or index may have"),
+    };
+    let len = regular_file(path)?;
     if len > MAX_JSON_BYTES {
-        return Err(Error::Format {
-            path: path.to_path_buf(),
-            msg: format!("{len} bytes, past the {MAX_JSON_BYTES} a config or index may have"),
-        });
+        return Err(too_long(len));
     }
-    std::fs::read_to_string(path).map_err(io)
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .map_err(io)?
+        .take(MAX_JSON_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(io)?;
+    if text.len() as u64 > MAX_JSON_BYTES {
+        return Err(too_long(text.len() as u64));
+    }
+    Ok(text)
+}
+
+/// Refuses `file` of `folder` where it links outside the folder: a folder fetched from
+/// elsewhere may link its `tokenizer.json` to a private key, which an export would carry into
+/// what the user uploads. A Hugging Face cache's snapshot (`snapshots/<revision>/`) links
+/// each file into the cache's `blobs/`, which counts as inside.
+fn links_inside(file: &Path, folder: &Path) -> Result<()> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    let target = file.canonicalize().map_err(io(file))?;
+    let folder = folder.canonicalize().map_err(io(folder))?;
+    let blobs = folder
+        .parent()
+        .filter(|p| p.file_name() == Some(std::ffi::OsStr::new("snapshots")))
+        .and_then(Path::parent)
+        .map(|cache| cache.join("blobs"));
+    if target.starts_with(&folder) || blobs.is_some_and(|b| target.starts_with(b)) {
+        return Ok(());
+    }
+    Err(Error::Format {
+        path: file.to_path_buf(),
+        msg: format!(
+            "links outside the folder (to {}): refused, not carried",
+            target.display()
+        ),
+    })
 }
 
 /// A stored tensor's values as `f32`: `F32` as it is, `BF16` and `F16` widened exactly.
@@ -967,6 +1034,80 @@ mod tests {
             .expect_err("another model")
             .to_string();
         assert!(e.contains("the folder the run started from"), "{e}");
+    }
+
+    /// A folder a user fetched from elsewhere may hold links and special files. A carried
+    /// file linking out of the folder (a `tokenizer.json` pointing at a private key) is refused,
+    /// not copied into the export the user then uploads; one linking into a Hugging Face cache's
+    /// `blobs` beside the snapshot is carried; a config that is a FIFO, and a shard linking to
+    /// `/dev/zero`, are refused at once instead of blocking or streaming without end.
+    #[cfg(unix)]
+    #[test]
+    fn links_out_of_a_folder_and_special_files_are_refused() {
+        use std::os::unix::fs::symlink;
+        let (model, params) = load(&fixture());
+        let spec = *model.spec();
+        // A Hugging Face cache: snapshots/<rev>/ whose files link to ../../blobs/.
+        let cache = tempfile::tempdir().expect("tmp");
+        let (blobs, base) = (
+            cache.path().join("blobs"),
+            cache.path().join("snapshots/abc"),
+        );
+        std::fs::create_dir_all(&blobs).expect("blobs");
+        std::fs::create_dir_all(&base).expect("snapshot");
+        for file in ["config.json", "generation_config.json"] {
+            std::fs::copy(fixture().join(file), blobs.join(file)).expect("blob");
+            symlink(Path::new("../../blobs").join(file), base.join(file)).expect("link");
+        }
+        let secret = cache.path().join("id_ed25519");
+        std::fs::write(&secret, "-----BEGIN OPENSSH PRIVATE KEY-----\n").expect("secret");
+        symlink(&secret, base.join("tokenizer.json")).expect("link");
+        let checked = check_base(&base, &spec).expect("the same model");
+        let out = tempfile::tempdir().expect("tmp");
+        write_folder(out.path(), &spec, &params, false).expect("export");
+        let e = carry_from_base(out.path(), &checked, false)
+            .expect_err("a link out of the folder")
+            .to_string();
+        assert!(e.contains("tokenizer.json") && e.contains("outside"), "{e}");
+        let leaked = std::fs::read_to_string(out.path().join("tokenizer.json")).unwrap_or_default();
+        assert!(
+            !leaked.contains("PRIVATE KEY"),
+            "the key went into the export"
+        );
+        // Without the bad link, the cache's linked files are carried.
+        std::fs::remove_file(base.join("tokenizer.json")).expect("rm");
+        let out = tempfile::tempdir().expect("tmp");
+        write_folder(out.path(), &spec, &params, false).expect("export");
+        let carried = carry_from_base(out.path(), &checked, false).expect("carry");
+        assert!(
+            carried.iter().any(|c| c == "generation_config.json"),
+            "{carried:?}"
+        );
+        // A FIFO in place of config.json, a shard linking to /dev/zero.
+        let odd = tempfile::tempdir().expect("tmp");
+        let made = std::process::Command::new("mkfifo")
+            .arg(odd.path().join("config.json"))
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+        let e = read_config(odd.path()).expect_err("a FIFO").to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        std::fs::remove_file(odd.path().join("config.json")).expect("rm");
+        std::fs::copy(
+            fixture().join("config.json"),
+            odd.path().join("config.json"),
+        )
+        .expect("cfg");
+        std::fs::write(
+            odd.path().join(INDEX),
+            r#"{"weight_map": {"model.norm.weight": "zero.safetensors"}}"#,
+        )
+        .expect("index");
+        symlink("/dev/zero", odd.path().join("zero.safetensors")).expect("link");
+        let e = folder_digest(odd.path())
+            .expect_err("/dev/zero")
+            .to_string();
+        assert!(e.contains("not a regular file"), "{e}");
     }
 
     #[test]

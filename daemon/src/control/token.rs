@@ -9,7 +9,7 @@
 //! node's pid and the token); a node removes its own at a clean stop, and entries of processes no longer
 //! alive are pruned whenever a node lists itself.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 
 use rand::RngCore;
@@ -240,13 +240,19 @@ fn lookup_in(dir: &Path, api: &str) -> Option<String> {
         .split('/')
         .next()?;
     let addrs = host_port.to_socket_addrs().ok()?;
-    // A node bound to every address (0.0.0.0 or ::) is listed under that one.
+    // A node bound to every address (0.0.0.0 or ::) is listed under that one, which serves
+    // an address of this box's only: given another box's, the CLI would hand this node's
+    // token to whoever serves that port there.
     let candidates = addrs.flat_map(|addr| {
         let any = match addr {
             SocketAddr::V4(_) => SocketAddr::from(([0, 0, 0, 0], addr.port())),
             SocketAddr::V6(_) => SocketAddr::from(([0u16; 8], addr.port())),
         };
-        [addr, any]
+        if is_this_box(addr.ip()) {
+            vec![addr, any]
+        } else {
+            vec![addr]
+        }
     });
     candidates.into_iter().find_map(|addr| {
         let path = dir.join(entry_name(addr));
@@ -259,6 +265,12 @@ fn lookup_in(dir: &Path, api: &str) -> Option<String> {
         let token = text.lines().nth(1)?.trim();
         is_usable(token).then(|| token.to_string())
     })
+}
+
+/// Whether `ip` is one of this box's addresses: loopback, or one a socket can be bound to
+/// here (the kernel refuses an address no interface has).
+fn is_this_box(ip: IpAddr) -> bool {
+    ip.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
 #[cfg(test)]
@@ -320,9 +332,13 @@ mod tests {
         assert_eq!(lookup_in(&dir, "127.0.0.1:45125"), None);
         let _other = list_in(&dir, "127.0.0.1:45126".parse().expect("addr"), "def");
         assert!(!stale.exists() || !Path::new("/proc").is_dir());
-        // A node bound to every address is found by its loopback address.
+        // A node bound to every address is found by its loopback address, and by no address
+        // of another box (here one of TEST-NET-1, no interface's): whoever serves that is not
+        // this node. (It was: any host given that port was handed the node's token.)
         let _any = list_in(&dir, "0.0.0.0:45127".parse().expect("addr"), "ghi");
         assert_eq!(lookup_in(&dir, "127.0.0.1:45127").as_deref(), Some("ghi"));
+        assert_eq!(lookup_in(&dir, "192.0.2.7:45127"), None);
+        assert_eq!(lookup_in(&dir, "http://192.0.2.7:45127/"), None);
         // The listing's folder is the user's alone, and a link in its place is refused.
         #[cfg(unix)]
         {

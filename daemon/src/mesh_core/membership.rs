@@ -40,6 +40,15 @@ pub const REPLAY_MEMORY: Duration = Duration::from_secs(60);
 pub const HEARTBEAT_RATE: f64 = 2.0;
 /// See [`HEARTBEAT_RATE`].
 pub const HEARTBEAT_BURST: f64 = 10.0;
+/// This node's own heartbeats go out at most this many a second, and this many in a burst
+/// ([`OWN_HEARTBEAT_BURST`]): strictly inside what every peer reads of one author
+/// ([`HEARTBEAT_RATE`], [`HEARTBEAT_BURST`]), whatever pulls them forward (a peer that
+/// reconnects every few hundred milliseconds is a new member each time; readiness that
+/// flaps). A heartbeat held back goes out when the bucket allows, a fraction of a second
+/// later.
+pub const OWN_HEARTBEAT_RATE: f64 = 1.5;
+/// See [`OWN_HEARTBEAT_RATE`].
+pub const OWN_HEARTBEAT_BURST: f64 = 5.0;
 /// Heartbeat numbers start at the node's start time in seconds shifted by this much, so a
 /// restarted node's go on above its previous run's (which would need a million heartbeats a
 /// second to catch up).
@@ -127,6 +136,9 @@ pub(super) struct Membership {
     heard: BTreeMap<PeerId, Heartbeat>,
     next_refresh: Option<Instant>,
     next_heartbeat: Option<Instant>,
+    /// What this node's own heartbeats may still send (see [`OWN_HEARTBEAT_RATE`]); full at
+    /// the first.
+    own_bucket: Option<TokenBucket>,
     heartbeats_sent: u64,
     /// This node's heartbeats are numbered from here (see [`SEQ_SHIFT`]).
     seq_base: u64,
@@ -177,6 +189,7 @@ impl Membership {
             heard: BTreeMap::new(),
             next_refresh: None,
             next_heartbeat: None,
+            own_bucket: None,
             heartbeats_sent: 0,
             seq_base: 0,
             last_seq: HashMap::new(),
@@ -294,6 +307,13 @@ impl Membership {
     ) -> Option<Output> {
         let due = self.next_heartbeat.is_none_or(|t| now >= t);
         if !due && self.readiness(progress, rounds) == self.announced {
+            return None;
+        }
+        let bucket = self
+            .own_bucket
+            .get_or_insert_with(|| TokenBucket::full(OWN_HEARTBEAT_BURST, now));
+        if !bucket.take(OWN_HEARTBEAT_RATE, OWN_HEARTBEAT_BURST, now) {
+            // Still due (or still news): a later tick sends it.
             return None;
         }
         self.next_heartbeat = Some(now + HEARTBEAT_EVERY);
@@ -667,6 +687,44 @@ mod tests {
             .is_none());
         let second = decode(m.tick_heartbeat(t0 + HEARTBEAT_EVERY, &p, RoundsNews::default()));
         assert_eq!(second.seq, 2);
+    }
+
+    /// A peer that reconnects every 300 ms, a new member each time, pulls this node's next
+    /// heartbeat forward each time; and its readiness may flap as fast. Whatever drives it,
+    /// this node sends no faster than every peer reads one author's heartbeats
+    /// ([`HEARTBEAT_RATE`], [`HEARTBEAT_BURST`]), so no peer finds it flooding and punishes it.
+    /// (Pulled forward every time, it sent 3.3 a second, past the 2 its peers read: their
+    /// penalties, then a ban of an honest node.)
+    #[test]
+    fn no_reconnecting_peer_drives_the_heartbeats_past_what_peers_read() {
+        let t0 = Instant::now();
+        let (mut m, _) = membership(true);
+        let p = training(3);
+        let flapper = PeerId::random();
+        let mut reader = TokenBucket::full(HEARTBEAT_BURST, t0);
+        let (mut sent, mut unread) = (0, 0);
+        for tick in 0..1_200u64 {
+            let now = t0 + Duration::from_millis(50 * tick);
+            if m.tick_heartbeat(now, &p, RoundsNews::default()).is_some() {
+                sent += 1;
+                if !reader.take(HEARTBEAT_RATE, HEARTBEAT_BURST, now) {
+                    unread += 1;
+                }
+            }
+            // It comes back right after each heartbeat it pulled forward.
+            if tick % 6 == 0 {
+                m.drop(flapper, now);
+                m.peer_up(flapper, now);
+            }
+        }
+        assert_eq!(
+            unread, 0,
+            "{sent} heartbeats in 60 s, {unread} past what a peer reads"
+        );
+        assert!(
+            sent >= 30,
+            "{sent} heartbeats in 60 s: fewer than its period"
+        );
     }
 
     #[test]

@@ -110,8 +110,8 @@ pub(super) struct Ring {
     /// disagree on it abort, as with different lists.
     pub(super) carries_state: bool,
     /// Hops travel as bf16 (gradient rounds, and `diloco` rounds of outer changes): half
-    /// the bytes. Every value is rounded where
-    /// it is sent, the sender's own copy included, so the members still end bit-identical.
+    /// the bytes. Every value is rounded where it is sent, the sender's own copy included,
+    /// so the members still end bit-identical.
     pub(super) compact: bool,
     /// This member's trainer step when it gave its contribution: what its hops name.
     pub(super) step: u64,

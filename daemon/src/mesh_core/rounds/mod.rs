@@ -323,7 +323,8 @@ pub struct Rounds {
     boundary: u64,
     synced: bool,
     /// The last parameter attempt's ring found no synced member: the one under way founds
-    /// the members' state, and hands every one of them the members' step ([`Ring::members_step`]).
+    /// the members' state, and hands every one of them the members' step
+    /// ([`Ring::members_step`]).
     founding: bool,
     /// `diloco`: this synced member took a later round's number on one member's word, and
     /// may have missed rounds' outer steps: it asks for the members' round start and
@@ -1607,8 +1608,8 @@ impl Rounds {
             // whose synced peers died): each would keep its own, and they would differ.
             // They found one state together instead, as founders do: synced from now, they
             // try the round again with their parameters at full weight and all leave it
-            // with one mean and the members' step (in `diloco` with the means of
-            // their round anchors and outer velocities too: founding needs the state).
+            // with one mean and the members' step (in `diloco` with the means of their
+            // round anchors and outer velocities too: founding needs the state).
             tracing::info!(
                 round,
                 "no member of the ring is synced; founding one state together"

@@ -125,6 +125,7 @@ fn heartbeats() {
             in_rounds: true,
             round: Some(77),
             needs_state: true,
+            starting: true,
             seq: 1 << 52,
             accused: Some(libp2p::PeerId::random().to_string()),
             accusations: 3,

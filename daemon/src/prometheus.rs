@@ -579,6 +579,7 @@ mod tests {
                 in_rounds: false,
                 round: None,
                 needs_state: false,
+                starting: false,
                 seq: 0,
                 accused: None,
                 accusations: 0,

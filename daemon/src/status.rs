@@ -450,6 +450,7 @@ pub(crate) mod tests {
                 in_rounds: true,
                 round: Some(3),
                 needs_state: false,
+                starting: false,
                 seq: 4,
                 accused: None,
                 accusations: 0,

@@ -76,7 +76,9 @@ impl RunTopicNames {
 /// Version 9: a `diloco` ring whose members share a round start sums their outer changes
 /// (round start minus parameters) as bf16, not their parameters: an older node would take
 /// the changes for parameters.
-pub const WIRE_VERSION: u32 = 9;
+/// Version 10: a heartbeat says when its node is still starting ([`Heartbeat::starting`]); an
+/// older node would refuse it as malformed.
+pub const WIRE_VERSION: u32 = 10;
 
 /// The most bytes of values one ring request carries: a larger hop (a share of a model of
 /// more than ~8 M parameters, or a `diloco` share with its round anchor and velocity) travels
@@ -315,6 +317,11 @@ pub struct Heartbeat {
     /// only when set.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub needs_state: bool,
+    /// Set while the node has no state to train from yet (a joiner downloading one, a node
+    /// loading its checkpoint): its step says nothing of where it will train, so no neighbour
+    /// holds itself to it (the staleness bound) or counts a lead over it. Sent only when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub starting: bool,
     /// Rises with each of the node's heartbeats, across its restarts too (it starts from the
     /// node's start time, see `Membership`). Gossip addresses messages by content and drops
     /// one it has seen in the last two minutes: without it, a node whose progress stands still
@@ -334,6 +341,14 @@ pub struct Heartbeat {
     /// one before). Sent only when not 0.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub accusations: u32,
+}
+
+impl Heartbeat {
+    /// The step a neighbour may be held to: the node's step once it trains, nothing while
+    /// it starts.
+    pub fn training_step(&self) -> Option<u64> {
+        (!self.starting).then_some(self.step)
+    }
 }
 
 /// Whether a count is 0, so a heartbeat leaves it out.
@@ -376,7 +391,7 @@ mod tests {
     fn bulk_protocol_name_carries_the_wire_version() {
         // Peers negotiate exactly this name: one of another wire version is not spoken to.
         assert_eq!(bulk_protocol(), format!("/p2ptrain/bulk/{WIRE_VERSION}"));
-        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/9");
+        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/10");
     }
 
     #[test]
@@ -410,6 +425,7 @@ mod tests {
             in_rounds: true,
             round: Some(3),
             needs_state: true,
+            starting: true,
             seq: 9,
             accused: None,
             accusations: 0,
@@ -447,6 +463,7 @@ mod tests {
             in_rounds: true,
             round: Some(u64::MAX),
             needs_state: true,
+            starting: true,
             seq: u64::MAX,
             accused: Some(libp2p::PeerId::random().to_string()),
             accusations: 2,

@@ -239,7 +239,7 @@ impl Membership {
                         NeighbourChange::Gone(out),
                         NeighbourChange::New {
                             peer,
-                            last_step: self.heard.get(&peer).map(|h| h.step),
+                            last_step: self.heard.get(&peer).and_then(Heartbeat::training_step),
                         },
                     ];
                 }
@@ -292,7 +292,7 @@ impl Membership {
                 // its step until the next one: without it a new neighbour did not count for
                 // up to a heartbeat period (the simulator caught a node running 76 steps
                 // ahead so).
-                last_step: self.heard.get(&peer).map(|h| h.step),
+                last_step: self.heard.get(&peer).and_then(Heartbeat::training_step),
             }))
             .collect()
     }
@@ -348,6 +348,7 @@ impl Membership {
             in_rounds: news.0 && !leaving,
             round: rounds.round,
             needs_state: news.2,
+            starting: progress.phase == Phase::Starting,
             seq: self.seq_base.saturating_add(self.heartbeats_sent),
             accused: rounds.accused.map(|(p, _)| p.to_string()),
             accusations: rounds.accused.map_or(0, |(_, times)| times),

@@ -664,15 +664,8 @@ impl MeshCore {
                 if let Some(r) = self.rounds.as_mut().filter(|_| member) {
                     r.heard(peer, &hb, now);
                 }
-                if neighbour {
-                    self.feed(
-                        PolicyEvent::Heard {
-                            peer,
-                            step: hb.step,
-                        },
-                        now,
-                        out,
-                    );
+                if let Some(step) = hb.training_step().filter(|_| neighbour) {
+                    self.feed(PolicyEvent::Heard { peer, step }, now, out);
                 }
                 MessageAcceptance::Accept
             }

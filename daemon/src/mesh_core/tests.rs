@@ -727,6 +727,76 @@ fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
     assert_eq!(beats(&core.handle(Input::Tick, at(2_900))).len(), 1);
 }
 
+/// A joiner's step means nothing until it has a state to train from (it downloads the
+/// donor's, steps and all): a neighbour with a staleness bound is not held to it, nor does
+/// it report a lead over it. Once the joiner trains, its step counts. (A node ahead by 330
+/// steps when a joiner appeared reported a lead of 330 against a bound of 150.)
+#[test]
+fn a_joiner_without_state_yet_holds_no_neighbour_to_its_step() {
+    let fast_cfg = fuzz_config(1);
+    let bound = fast_cfg.policy.staleness_bound.expect("a bound");
+    let mut joiner_cfg = fuzz_config(2);
+    let joiner = joiner_cfg.me;
+    joiner_cfg.start_step = 0;
+    let topic = heartbeat_topic(&fast_cfg.run_id);
+    let mut fast = MeshCore::new(fast_cfg);
+    let mut joining = MeshCore::new(joiner_cfg);
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let beat = |out: Vec<Output>| -> Vec<u8> {
+        out.into_iter()
+            .find_map(|o| match o {
+                Output::Publish { topic: t, data } if t == topic => Some(data),
+                _ => None,
+            })
+            .expect("a heartbeat")
+    };
+    fast.handle(
+        Input::Progress(Progress {
+            phase: Phase::Training,
+            ..Progress::default()
+        }),
+        at(0),
+    );
+    fast.handle(
+        Input::Trainer(TrainerEvent::Stepped {
+            step: 330,
+            pending_ratio: 0.0,
+        }),
+        at(0),
+    );
+    fast.handle(Input::PeerUp(joiner), at(0));
+    let deliver = |fast: &mut MeshCore, data: Vec<u8>, seq: u64, now: Instant| {
+        fast.handle(
+            Input::Gossip {
+                source: joiner,
+                author: Some(joiner),
+                id: MessageId::from(seq.to_le_bytes().to_vec()),
+                topic: topic.clone(),
+                data,
+            },
+            now,
+        );
+    };
+    let starting = beat(joining.handle(Input::Tick, at(10)));
+    deliver(&mut fast, starting, 1, at(20));
+    assert_eq!(fast.status(at(30)).lead_over_slowest, None);
+    assert_eq!(fast.step_limit(at(30)), None, "held to a joiner's step 0");
+    // The joiner has its state (the donor's step) and trains.
+    joining.handle(
+        Input::Progress(Progress {
+            phase: Phase::Training,
+            step: 330,
+            ..Progress::default()
+        }),
+        at(100),
+    );
+    let training = beat(joining.handle(Input::Tick, at(2_100)));
+    deliver(&mut fast, training, 2, at(2_110));
+    assert_eq!(fast.status(at(2_120)).lead_over_slowest, Some(0));
+    assert_eq!(fast.step_limit(at(2_120)), Some(330 + bound));
+}
+
 /// The core is IO-less and sits below the daemon's other layers: no file of it (tests and
 /// the simulator aside) names the trainer, the actors, the network, the store or the clock.
 /// A core that reads the system clock, or reaches up into a module that uses it, could no

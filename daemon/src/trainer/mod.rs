@@ -82,6 +82,8 @@ pub fn spawn(
     std::thread::Builder::new()
         .name("trainer".into())
         .spawn(move || {
+            // Subnormal activations and gradients slow every multiply-add that meets one.
+            p2ptrain_models::cpu::denormals::flush_on_compute_threads();
             limit.register_trainer();
             let mut lp = Loop::new(setup, stats_tx, snapshot_tx, events_tx, limit);
             let result = lp.run(cmd_rx);

@@ -6,5 +6,6 @@
 //! convolutions fall back to Candle's own ops (cuBLAS), as everything does on other devices.
 
 pub mod conv;
+pub mod denormals;
 pub mod fused;
 pub mod matmul;

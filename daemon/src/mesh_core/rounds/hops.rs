@@ -6,6 +6,7 @@
 //! chunk when its parts are in, finishing when every aggregate is. Part of
 //! [`super::Rounds`].
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use libp2p::PeerId;
@@ -436,9 +437,9 @@ impl Rounds {
     }
 
     /// Keeps a hop in the inbox, within [`INBOX_CAP`] hops and `inbox_values` values: when
-    /// full, the hops of the oldest rounds and attempts give way, as they always did (a node
-    /// left behind needs the mesh's newest round to take it); one larger than the whole bound
-    /// is not kept.
+    /// full, a hop of the sender holding the most gives way ([`Rounds::crowding_hop`]), so a
+    /// peer flooding hops of later rounds evicts only its own and an honest member's part
+    /// waiting for the next round stays; one larger than the whole bound is not kept.
     pub(super) fn keep(&mut self, key: HopKey, hop: Hop) {
         if hop.1.len() > self.inbox_values {
             return;
@@ -446,12 +447,26 @@ impl Rounds {
         self.inbox.remove(&key);
         let mut held: usize = self.inbox.values().map(|h| h.1.len()).sum();
         while self.inbox.len() >= INBOX_CAP || held + hop.1.len() > self.inbox_values {
-            match self.inbox.pop_first() {
-                Some((_, old)) => held -= old.1.len(),
+            match self.crowding_hop(key.3).and_then(|k| self.inbox.remove(&k)) {
+                Some(old) => held -= old.1.len(),
                 None => break,
             }
         }
         self.inbox.insert(key, hop);
+    }
+
+    /// The hop that gives way for one `sender` adds to a full inbox: the oldest (round, then
+    /// attempt) of the sender holding the most hops, `sender` counted with the one it adds;
+    /// among senders holding as many, the oldest hop of theirs. A node left behind still keeps
+    /// each sender's newest rounds, which it needs to catch up.
+    fn crowding_hop(&self, sender: PeerId) -> Option<HopKey> {
+        let mut held: HashMap<PeerId, usize> = HashMap::new();
+        for k in self.inbox.keys() {
+            *held.entry(k.3).or_default() += 1;
+        }
+        *held.entry(sender).or_default() += 1;
+        let most = held.values().copied().max()?;
+        self.inbox.keys().find(|k| held[&k.3] == most).copied()
     }
 
     /// Takes the hops of the running attempt from the inbox: each member's part of this

@@ -1408,6 +1408,34 @@ fn the_inbox_keeps_at_most_its_bound_in_values_oldest_out_first() {
     assert_eq!(node.inbox.len(), INBOX_CAP);
 }
 
+/// One sender's hops crowd out no other's: a peer that floods the inbox with tiny hops of
+/// later rounds, or with hops as large as the bound allows, loses its own oldest hops, and an
+/// honest member's part waiting for the next round stays (before, the oldest rounds gave way
+/// whoever sent them, so the honest part went and its sender was then blamed for the stall).
+#[test]
+fn a_flooding_sender_evicts_only_its_own_hops_from_the_inbox() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
+    let node = &mut ring.nodes[0];
+    let (honest, flooder) = (PeerId::random(), PeerId::random());
+    let waiting = (11, 0, 0, honest);
+    node.keep(waiting, (0, vec![1.0; 8], 0));
+    for hop in 0..(2 * INBOX_CAP as u32) {
+        node.keep((12 + u64::from(hop), 0, 0, flooder), (0, vec![0.0; 4], 0));
+    }
+    assert!(node.inbox.contains_key(&waiting), "counted out");
+    assert_eq!(node.inbox.len(), INBOX_CAP);
+    let newest = 12 + 2 * INBOX_CAP as u64 - 1;
+    assert!(node.inbox.contains_key(&(newest, 0, 0, flooder)));
+    // Bounded in values: hops a third of the bound each, from the same flooder.
+    let third = INBOX_VALUES / 3;
+    for round in 1_000..1_010u64 {
+        node.keep((round, 0, 0, flooder), (0, vec![0.0; third], 0));
+    }
+    assert!(node.inbox.contains_key(&waiting), "crowded out by size");
+    let held: usize = node.inbox.values().map(|h| h.1.len()).sum();
+    assert!(held <= INBOX_VALUES, "{held}");
+}
+
 /// Members that refused a round's mean (as every honest member refuses a spoiled one) keep
 /// the mesh's parameters they had, so they stay synced, judging the retry's mean by
 /// distance and not by norm alone, until they have refused `REFUSALS_BEFORE_UNSYNCED` in a

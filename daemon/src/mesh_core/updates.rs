@@ -27,6 +27,10 @@ use crate::wire::{self, UpdateFrame};
 
 /// Large updates kept for neighbours to pull.
 pub(super) const LARGE_UPDATE_CAP: usize = 4;
+/// Fetches of one owner's announced updates under way at once. An honest owner serves only
+/// its last [`LARGE_UPDATE_CAP`], so more could not all be answered; one that announces and
+/// never serves would otherwise hold a request slot per announcement until each timed out.
+pub(super) const FETCHES_PER_OWNER: usize = LARGE_UPDATE_CAP;
 /// Updates waiting for a busy trainer before they are merged.
 pub(super) const PENDING_CAP: usize = 8;
 /// Own updates handed to the network and not yet reported taken; the network reports each in
@@ -68,6 +72,10 @@ pub(super) struct Updates {
     sent: VecDeque<Vec<f32>>,
     guard: UpdateGuard<PeerId>,
     seen_steps: HashMap<PeerId, SeenSteps>,
+    /// Fetches of announced updates under way, by owner (at most [`FETCHES_PER_OWNER`]
+    /// each); an owner leaves the map when its last one ends, and stays in it when it is
+    /// forgotten meanwhile, so reconnecting buys no more.
+    fetching: HashMap<PeerId, usize>,
     compressor: ErrorFeedback,
     large: VecDeque<([u8; 32], Arc<Vec<u8>>)>,
     pending: VecDeque<(Vec<f32>, f32)>,
@@ -97,6 +105,7 @@ impl Updates {
             own_topic: super::update_topic(run_id, me),
             guard: UpdateGuard::new(cfg.guard),
             seen_steps: HashMap::new(),
+            fetching: HashMap::new(),
             compressor: ErrorFeedback::new(layout.numel(), cfg.error_feedback),
             large: VecDeque::new(),
             pending: VecDeque::new(),
@@ -170,6 +179,14 @@ impl Updates {
                         out,
                     );
                 }
+                let under_way = self.fetching.entry(owner).or_default();
+                if *under_way >= FETCHES_PER_OWNER {
+                    // Dropped for the owner's pace, as an update over its rate is.
+                    tracing::debug!(peer = %owner, "dropped an announced update: {FETCHES_PER_OWNER} of its fetches under way");
+                    self.counters.rate_limited += 1;
+                    return Verdict::Judged(MessageAcceptance::Ignore);
+                }
+                *under_way += 1;
                 out.push(Output::Fetch {
                     owner,
                     source,
@@ -194,6 +211,12 @@ impl Updates {
         param_norm: f64,
         out: &mut Vec<Output>,
     ) -> Verdict {
+        if let Some(under_way) = self.fetching.get_mut(&owner) {
+            *under_way = under_way.saturating_sub(1);
+            if *under_way == 0 {
+                self.fetching.remove(&owner);
+            }
+        }
         match answer {
             FetchAnswer::Bytes(bytes) if Sha256::digest(&bytes)[..] == hash[..] => {
                 self.judge(owner, &bytes, param_norm, out)
@@ -786,6 +809,55 @@ mod tests {
             }
             other => panic!("no fetch: {other:?}"),
         }
+    }
+
+    /// An owner's announced updates are fetched a few at a time: one that announces and never
+    /// serves holds at most [`FETCHES_PER_OWNER`] of the node's request slots (which syncs,
+    /// ring hops and fetches from other owners need too); its further announcements are
+    /// dropped unjudged and unblamed until one of its fetches ends.
+    #[test]
+    fn an_owner_holds_at_most_a_few_fetches_at_once() {
+        let (mut u, _) = updates(cfg());
+        let (a, b, relay) = (PeerId::random(), PeerId::random(), PeerId::random());
+        let announce = |k: u8| {
+            wire::encode_update_frame(&UpdateFrame::Announce {
+                hash: [k; 32],
+                size: 64,
+                step: u64::from(k),
+            })
+        };
+        let now = Instant::now();
+        let mut offer = |u: &mut Updates, owner: PeerId, k: u8| {
+            let mut out = Vec::new();
+            let v = u.on_gossip(
+                relay,
+                Some(owner),
+                owner,
+                &MessageId::from(vec![k]),
+                &announce(k),
+                Some(1.0),
+                now,
+                &mut out,
+            );
+            let fetched = matches!(v, Verdict::Fetching);
+            if !fetched {
+                assert!(is(&v, MessageAcceptance::Ignore), "{v:?}");
+                assert!(out.is_empty(), "{out:?}");
+            }
+            fetched
+        };
+        let fetched = (0..12u8).filter(|&k| offer(&mut u, a, k)).count();
+        assert_eq!(fetched, FETCHES_PER_OWNER);
+        assert!(offer(&mut u, b, 50), "another owner is held back");
+        let mut out = Vec::new();
+        let v = u.on_fetched(a, [0; 32], FetchAnswer::Unavailable, 1.0, &mut out);
+        assert!(is(&v, MessageAcceptance::Ignore), "{v:?}");
+        assert!(
+            offer(&mut u, a, 20),
+            "a fetch ended: the owner has a slot again"
+        );
+        assert!(!offer(&mut u, a, 21));
+        assert_eq!(counters(&u).rejected, 0);
     }
 
     #[test]

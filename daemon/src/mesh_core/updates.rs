@@ -827,7 +827,7 @@ mod tests {
             })
         };
         let now = Instant::now();
-        let mut offer = |u: &mut Updates, owner: PeerId, k: u8| {
+        let offer = |u: &mut Updates, owner: PeerId, k: u8| {
             let mut out = Vec::new();
             let v = u.on_gossip(
                 relay,

@@ -176,7 +176,7 @@ fn bulk_requests() {
         hop: 2,
         values: ByteBuf::from(0.5f32.to_le_bytes().repeat(16)),
         step: 4_000,
-        bf16: false,
+        encoding: crate::wire::ValueEncoding::F32,
         piece: crate::wire::Piece::WHOLE,
     };
     let seeds: Vec<Vec<u8>> = [

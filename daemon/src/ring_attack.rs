@@ -112,26 +112,10 @@ impl RingAttack {
 /// Decodes a hop's values (the weight last), rewrites them, encodes them back as they came
 /// (the rounds' unit tests' rogues use it too).
 pub(crate) fn rewrite(msg: &mut RingMessage, f: impl FnOnce(&mut Vec<f32>)) {
-    let width = if msg.bf16 { 2 } else { 4 };
-    let mut values: Vec<f32> = msg
-        .values
-        .chunks_exact(width)
-        .map(|b| match b {
-            [a, b] => half::bf16::from_le_bytes([*a, *b]).to_f32(),
-            [a, b, c, d] => f32::from_le_bytes([*a, *b, *c, *d]),
-            _ => 0.0,
-        })
-        .collect();
+    let mut values = msg.encoding.decode(&msg.values).unwrap_or_default();
     f(&mut values);
-    let bytes: Vec<u8> = if msg.bf16 {
-        values
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect()
-    } else {
-        values.iter().flat_map(|v| v.to_le_bytes()).collect()
-    };
-    msg.values = ByteBuf::from(bytes);
+    let last = values.pop().unwrap_or(0.0);
+    msg.values = ByteBuf::from(msg.encoding.encode(&values, last));
 }
 
 #[cfg(test)]
@@ -151,7 +135,7 @@ mod tests {
                     .collect::<Vec<u8>>(),
             ),
             step: 10,
-            bf16: false,
+            encoding: crate::wire::ValueEncoding::F32,
             piece: crate::wire::Piece::WHOLE,
         }
     }

@@ -319,6 +319,10 @@ pub struct SyncConfig {
     pub outer_lr: f64,
     /// `diloco`: the outer step's momentum.
     pub outer_momentum: f64,
+    /// `diloco`: how the members' outer changes travel once they share a round start: `bf16`
+    /// (half the bytes of `f32` parameters), `int8` (a little over a quarter: a scale per 64
+    /// values, for slow links) or `f32`. A sync term: members must agree.
+    pub outer_values: crate::wire::ValueEncoding,
     /// `fedavg`: epochs over the node's own data between two averages (E).
     pub local_epochs: u64,
     /// Neighbours each node keeps.
@@ -382,6 +386,7 @@ impl Default for SyncConfig {
             inner_steps: 100,
             outer_lr: 0.7,
             outer_momentum: 0.9,
+            outer_values: crate::wire::ValueEncoding::Bf16,
             local_epochs: 1,
             degree: 4,
             publish_every: 20,
@@ -479,8 +484,11 @@ impl SyncConfig {
             SyncMode::Allreduce => format!("allreduce/every/{}", self.every),
             SyncMode::Ddp => format!("ddp/resync_every/{}", self.resync_every),
             SyncMode::Diloco => format!(
-                "diloco/inner_steps/{}/outer_lr/{}/outer_momentum/{}",
-                self.inner_steps, self.outer_lr, self.outer_momentum
+                "diloco/inner_steps/{}/outer_lr/{}/outer_momentum/{}/outer_values/{}",
+                self.inner_steps,
+                self.outer_lr,
+                self.outer_momentum,
+                self.outer_values.name()
             ),
             SyncMode::Fedavg => format!("fedavg/local_epochs/{}", self.local_epochs),
         }
@@ -542,6 +550,7 @@ impl SyncConfig {
                 1.0
             },
             piece_bytes: crate::wire::RING_PIECE_BYTES,
+            outer_values: self.outer_values,
         })
     }
 

@@ -83,13 +83,16 @@ fn sync_terms_name_the_mode_and_its_shared_settings_but_not_the_run_id() {
         .shared_terms()
     };
     let base = |mode| terms(mode, &|_| {});
-    let changed: [(SyncMode, Change); 7] = [
+    let changed: [(SyncMode, Change); 8] = [
         (SyncMode::Gossip, &|s| s.mix = crate::policy::Mixing::Mean),
         (SyncMode::Allreduce, &|s| s.every += 1),
         (SyncMode::Ddp, &|s| s.resync_every += 1),
         (SyncMode::Diloco, &|s| s.inner_steps += 1),
         (SyncMode::Diloco, &|s| s.outer_lr /= 2.0),
         (SyncMode::Diloco, &|s| s.outer_momentum /= 2.0),
+        (SyncMode::Diloco, &|s| {
+            s.outer_values = crate::wire::ValueEncoding::Int8
+        }),
         (SyncMode::Fedavg, &|s| s.local_epochs += 1),
     ];
     for (mode, change) in changed {

@@ -433,7 +433,7 @@ fn finite(mut values: Vec<f32>) -> Vec<f32> {
 
 /// The property above with rounds switched on: an `allreduce`, `ddp` or `diloco` member (by
 /// seed, founder or joiner) takes ring hops of every shape (its ring's digest or not, this
-/// round and attempt or any, past the limits, of every size, f32 or bf16, with NaN now and
+/// round and attempt or any, past the limits, of every size, f32, bf16 or int8, with NaN now and
 /// then, larger ones in pieces sent in any order, now and then changed on the way), heartbeats
 /// of members ready for rounds (with their round), the trainer's
 /// parameters (finite, as the trainer guarantees), gradients and combines, undelivered hops and
@@ -461,6 +461,7 @@ fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
                 stall_timeout: rounds::STALL_TIMEOUT,
                 max_weight: 1.0,
                 piece_bytes: PIECE_BYTES,
+                outer_values: crate::wire::ValueEncoding::Bf16,
             },
             seed % 4 != 0,
         ));
@@ -520,14 +521,24 @@ fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
                             _ => rng.random_range(-10.0..10.0),
                         })
                         .collect();
-                    let bf16 = rng.random_range(0..4) == 0;
-                    let bytes: Vec<u8> = if bf16 {
-                        values
+                    let encoding = [
+                        wire::ValueEncoding::F32,
+                        wire::ValueEncoding::F32,
+                        wire::ValueEncoding::Bf16,
+                        wire::ValueEncoding::Int8,
+                    ][rng.random_range(0..4)];
+                    let bytes: Vec<u8> = match encoding {
+                        wire::ValueEncoding::Bf16 => values
                             .iter()
                             .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
-                            .collect()
-                    } else {
-                        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+                            .collect(),
+                        wire::ValueEncoding::F32 => {
+                            values.iter().flat_map(|v| v.to_le_bytes()).collect()
+                        }
+                        // Any bytes: exponents no sender names, blocks cut short.
+                        wire::ValueEncoding::Int8 => (0..n + rng.random_range(0..8))
+                            .map(|_| rng.random())
+                            .collect(),
                     };
                     let digest = if rng.random_range(0..3) > 0 {
                         rounds::members_digest(&members, kind == 2 && rng.random())
@@ -540,7 +551,7 @@ fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
                         members: digest,
                         hop: rng.random_range(0..6),
                         step: rng.random_range(0..200),
-                        bf16,
+                        encoding,
                         values: ByteBuf::from(bytes),
                         piece: wire::Piece::WHOLE,
                     };
@@ -678,6 +689,7 @@ fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
             stall_timeout: rounds::STALL_TIMEOUT,
             max_weight: f32::INFINITY,
             piece_bytes: wire::RING_PIECE_BYTES,
+            outer_values: crate::wire::ValueEncoding::Bf16,
         },
         true,
     ));
@@ -898,6 +910,7 @@ fn round_config(gradients: Option<u64>, steps: u64, min_members: usize) -> Round
         stall_timeout: rounds::STALL_TIMEOUT,
         max_weight: f32::INFINITY,
         piece_bytes: wire::RING_PIECE_BYTES,
+        outer_values: crate::wire::ValueEncoding::Bf16,
     }
 }
 
@@ -987,6 +1000,7 @@ fn ring_of_unsynced_members_under_churn(seed: u64) {
         stall_timeout: rounds::STALL_TIMEOUT,
         max_weight: f32::INFINITY,
         piece_bytes: wire::RING_PIECE_BYTES,
+        outer_values: crate::wire::ValueEncoding::Bf16,
     };
     let r = Sim::new(SimParams {
         churn_every_ms: 5_000,
@@ -1066,6 +1080,7 @@ fn attacked_mode(mode: &str) -> RoundConfig {
         stall_timeout: Duration::from_secs(3),
         max_weight,
         piece_bytes: wire::RING_PIECE_BYTES,
+        outer_values: crate::wire::ValueEncoding::Bf16,
     }
 }
 

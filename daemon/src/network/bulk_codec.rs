@@ -174,7 +174,7 @@ mod tests {
             members: 7,
             hop: 0,
             step: 40,
-            bf16: false,
+            encoding: crate::wire::ValueEncoding::F32,
             values: ByteBuf::from(vec![0u8; values * 4]),
             piece: crate::wire::Piece::WHOLE,
         })

@@ -517,7 +517,7 @@ mod tests {
         // Nodes compare exactly this string: a node of wire version 1 is refused at identify.
         assert_eq!(
             protocol_version("abc", "allreduce/every/4"),
-            "/p2ptrain/10/run/abc/sync/allreduce/every/4/gossip-max/2097152"
+            "/p2ptrain/11/run/abc/sync/allreduce/every/4/gossip-max/2097152"
         );
     }
 

@@ -12,7 +12,7 @@ use std::time::Instant;
 use libp2p::PeerId;
 
 use super::pieces::Taken;
-use super::ring::{all_finite, decode_values, AGGREGATE, PART};
+use super::ring::{all_finite, AGGREGATE, PART};
 use super::robust::aggregate;
 use super::{
     Hop, HopKey, Output, Rounds, Stage, ATTEMPT_JUMP, ATTEMPT_LIMIT, CONTRADICTED_SIT_OUT,
@@ -114,7 +114,7 @@ impl Rounds {
     }
 
     fn take(&mut self, from: PeerId, msg: RingMessage, now: Instant, out: &mut Vec<Output>) {
-        let Some(values) = decode_values(&msg.values, msg.bf16) else {
+        let Some(values) = msg.encoding.decode(&msg.values) else {
             self.refuse(from, "ring hop of odd length".into(), now, out);
             return;
         };

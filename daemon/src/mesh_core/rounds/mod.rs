@@ -44,7 +44,7 @@
 //! a ring with such a member carry every member's start and velocity too (the member digest
 //! covers that choice, so members that disagree on it abort as on different lists). A ring
 //! that carries no state sums the members' outer changes (round start minus parameters)
-//! instead of their parameters, as bf16 ([`RoundConfig::sums_outer_changes`]): the members
+//! instead of their parameters, as bf16 or int8 ([`RoundConfig::sums_outer_changes`]): the members
 //! share the start, and each leaves with it minus the mean change.
 //!
 //! In `ddp` ([`RoundConfig::gradients`]) there is a round at every step and most rounds sum
@@ -69,6 +69,7 @@ use super::status::RoundStatus;
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
 use crate::sync_guard::GradientScale;
 use crate::wire::Heartbeat;
+use crate::wire::ValueEncoding;
 use lists::{Action, Lists, Verdict};
 #[cfg(test)]
 pub(in crate::mesh_core) use ring::members_digest;
@@ -239,6 +240,10 @@ pub struct RoundConfig {
     /// ([`pieces`]). Every member must cut alike: the wire's [`crate::wire::RING_PIECE_BYTES`]
     /// (smaller only in tests, to cut the hops of small models).
     pub piece_bytes: usize,
+    /// How a `diloco` ring that sums outer changes ([`RoundConfig::sums_outer_changes`])
+    /// sends them: bf16, or int8 in blocks on a slow link (`sync.outer_values`, a sync term:
+    /// members must agree).
+    pub outer_values: ValueEncoding,
 }
 
 /// The most values one honest hop of a model of `params` parameters holds: a whole `diloco`
@@ -266,11 +271,13 @@ impl RoundConfig {
     }
 
     /// Whether an attempt at round `round` with `members` members sums the members' outer
-    /// changes (round start minus parameters) as bf16 instead of their parameters: `diloco`
-    /// members that share a round start (the ring carries no state, so none needs it) and
-    /// are more than one. A change is a round's few steps, so bf16's 2^-8 of it is far below
-    /// what rounding the parameters would cost; half the bytes of `f32` parameters. Every
-    /// member of a ring decides alike: the member digest names whether it carries the state.
+    /// changes (round start minus parameters) instead of their parameters, as
+    /// [`RoundConfig::outer_values`] says: `diloco` members that share a round start (the
+    /// ring carries no state, so none needs it) and are more than one. A change is a round's
+    /// few steps, so bf16's 2^-8 of it (or int8's 2^-7 of its block's largest value) is far
+    /// below what rounding the parameters would cost; a half (a quarter) of the bytes of
+    /// `f32` parameters. Every member of a ring decides alike: the member digest names
+    /// whether it carries the state.
     pub fn sums_outer_changes(&self, round: u64, carries_state: bool, members: usize) -> bool {
         self.outer_state && !carries_state && !self.sums_gradients(round) && members > 1
     }
@@ -1567,7 +1574,13 @@ impl Rounds {
             *weight,
             judge,
             carries_state,
-            gradient || sums_changes,
+            if gradient {
+                ValueEncoding::Bf16
+            } else if sums_changes {
+                self.cfg.outer_values
+            } else {
+                ValueEncoding::F32
+            },
             *step,
             now,
         );

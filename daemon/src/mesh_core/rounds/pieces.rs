@@ -57,7 +57,7 @@ fn head(msg: &RingMessage) -> RingMessage {
         hop: msg.hop,
         values: ByteBuf::new(),
         step: msg.step,
-        bf16: msg.bf16,
+        encoding: msg.encoding,
         piece: Piece {
             index: 0,
             count: msg.piece.count,
@@ -281,7 +281,7 @@ mod tests {
             hop: 0,
             values: ByteBuf::from((0..bytes).map(|i| (i % 251) as u8).collect::<Vec<u8>>()),
             step: 700,
-            bf16: false,
+            encoding: crate::wire::ValueEncoding::F32,
             piece: Piece::WHOLE,
         }
     }

@@ -1,7 +1,8 @@
 //! One attempt's ring and what travels on it: a butterfly all-reduce (each member owns one
 //! chunk of the model: every member sends each owner its part of the owner's chunk, the
 //! owner aggregates the parts robustly and sends the aggregate to every member), the hop
-//! messages (little-endian, or bf16 rounded where sent so every member keeps the same bits),
+//! messages (as `wire::hop_values` encodes them, rounded where sent so every member keeps the
+//! same bits),
 //! the member lists' digest, and a `ddp` member's balanced batch. Arithmetic only:
 //! [`super::Rounds`] decides when an attempt starts, goes on or ends.
 
@@ -18,7 +19,7 @@ use super::{BALANCE_SLACK, MAX_SHRINK};
 use crate::sync_guard::{
     MEAN_GRADIENT_NORM_FACTOR, ROUND_MEAN_MAX_DISTANCE, UNSYNCED_MEAN_NORM_FACTOR,
 };
-use crate::wire::{Piece, RingMessage};
+use crate::wire::{Piece, RingMessage, ValueEncoding};
 
 /// The hop that carries a member's part of the receiver's chunk, its weight after it.
 pub(super) const PART: u32 = 0;
@@ -98,8 +99,8 @@ pub(super) struct Ring {
     pub(super) members: Vec<PeerId>,
     pub(super) digest: u64,
     pub(super) me: usize,
-    /// This member's contribution (unweighted; in a compact ring rounded to bf16 as sent),
-    /// then, chunk by chunk as the aggregates come, the result.
+    /// This member's contribution (unweighted; rounded chunk by chunk as [`Ring::encoding`]
+    /// sends it), then, chunk by chunk as the aggregates come, the result.
     pub(super) acc: Vec<f32>,
     /// This member's weight in the mean.
     pub(super) weight: f32,
@@ -109,10 +110,11 @@ pub(super) struct Ring {
     /// (`diloco`, when a member needs them); the member digest says so, so that members that
     /// disagree on it abort, as with different lists.
     pub(super) carries_state: bool,
-    /// Hops travel as bf16 (gradient rounds, and `diloco` rounds of outer changes): half
-    /// the bytes. Every value is rounded where it is sent, the sender's own copy included,
-    /// so the members still end bit-identical.
-    pub(super) compact: bool,
+    /// How hops travel: `f32` (parameters), bf16 (gradient rounds, and `diloco` rounds of
+    /// outer changes) or int8 (`diloco`'s outer changes, where `sync.outer_values` says). Every
+    /// value is rounded where it is sent, the sender's own copy included, so the members
+    /// still end bit-identical.
+    pub(super) encoding: ValueEncoding,
     /// This member's trainer step when it gave its contribution: what its hops name.
     pub(super) step: u64,
     /// The step each member's counted part named (one that weighed something and was not
@@ -167,17 +169,17 @@ impl Ring {
         weight: f32,
         judge: Judge,
         carries_state: bool,
-        compact: bool,
+        encoding: ValueEncoding,
         step: u64,
         now: Instant,
     ) -> Ring {
         let n = members.len();
-        let mut weight = weight;
-        if compact {
-            // Rounded as every receiver decodes it: in a direct ring both members aggregate
-            // the whole from the same bits.
-            round_to_bf16(&mut acc);
-            weight = half::bf16::from_f32(weight).to_f32();
+        // Rounded as every receiver decodes it, chunk by chunk as the parts are cut: in a
+        // direct ring both members aggregate the whole from the same bits.
+        let weight = encoding.round_weight(weight);
+        for i in 0..n {
+            let range = chunk_range(encoding, n, acc.len(), i);
+            encoding.round_as_sent(&mut acc[range]);
         }
         let mut part_steps = vec![None; n];
         if weight > 0.0 {
@@ -191,7 +193,7 @@ impl Ring {
             weight,
             judge,
             carries_state,
-            compact,
+            encoding,
             step,
             part_steps,
             parts: vec![None; n],
@@ -217,7 +219,7 @@ impl Ring {
     /// order, so both hold the same result), rather than halves in two turns: the same
     /// bytes, half the waits.
     pub(super) fn direct(&self) -> bool {
-        self.compact && self.len() == 2
+        direct(self.encoding, self.len())
     }
 
     /// The members' step, which a node that was not synced (a joiner, a founder) takes with
@@ -246,11 +248,7 @@ impl Ring {
 
     /// The values of the chunk member `i` owns (all of them in a direct ring).
     pub(super) fn chunk_of(&self, i: usize) -> std::ops::Range<usize> {
-        if self.direct() {
-            return 0..self.acc.len();
-        }
-        let (n, total) = (self.len(), self.acc.len());
-        (i * total / n)..((i + 1) * total / n)
+        chunk_range(self.encoding, self.len(), self.acc.len(), i)
     }
 
     /// Whether a member may have finished this attempt: each needs this member's aggregate
@@ -418,8 +416,8 @@ impl Ring {
             .collect()
     }
 
-    /// This member's aggregate, with its weight total, to each other member (rounded to
-    /// bf16 in place first in a compact ring, so this member keeps what the others get).
+    /// This member's aggregate, with its weight total, to each other member (rounded as sent
+    /// in place first, so this member keeps what the others get).
     pub(super) fn aggregate_messages(
         &mut self,
         round: u64,
@@ -427,9 +425,7 @@ impl Ring {
         total: f32,
     ) -> Vec<(PeerId, RingMessage)> {
         let range = self.chunk_of(self.me);
-        if self.compact {
-            round_to_bf16(&mut self.acc[range.clone()]);
-        }
+        self.encoding.round_as_sent(&mut self.acc[range.clone()]);
         let values = &self.acc[range];
         let msg = self.message(round, attempt, AGGREGATE, values, total);
         (0..self.len())
@@ -451,39 +447,33 @@ impl Ring {
             attempt,
             members: self.digest,
             hop,
-            values: ByteBuf::from(encode_values(values, last, self.compact)),
+            values: ByteBuf::from(self.encoding.encode(values, last)),
             step: self.step,
-            bf16: self.compact,
+            encoding: self.encoding,
             piece: Piece::WHOLE,
         }
     }
 }
 
-/// Rounds every value to the nearest bf16, in place.
-fn round_to_bf16(values: &mut [f32]) {
-    for v in values.iter_mut() {
-        *v = f32::from_bits(u32::from(bf16_bits(*v)) << 16);
-    }
+/// Whether a ring of `members` swaps whole contributions (see [`Ring::direct`]): two members
+/// whose hops are compact (a ring of two in `f32` still halves its chunks).
+fn direct(encoding: ValueEncoding, members: usize) -> bool {
+    encoding != ValueEncoding::F32 && members == 2
 }
 
-/// `values` and then `last`, little-endian, as bf16 or `f32`. Loops over pre-sized slices,
-/// not `extend`, so that they vectorise: on the critical path of every `ddp` step.
-pub(super) fn encode_values(values: &[f32], last: f32, bf16: bool) -> Vec<u8> {
-    let width = if bf16 { 2 } else { 4 };
-    let mut bytes = vec![0u8; (values.len() + 1) * width];
-    let (body, tail) = bytes.split_at_mut(values.len() * width);
-    if bf16 {
-        for (v, out) in values.iter().zip(body.chunks_exact_mut(2)) {
-            out.copy_from_slice(&bf16_bits(*v).to_le_bytes());
-        }
-        tail.copy_from_slice(&bf16_bits(last).to_le_bytes());
-    } else {
-        for (v, out) in values.iter().zip(body.chunks_exact_mut(4)) {
-            out.copy_from_slice(&v.to_le_bytes());
-        }
-        tail.copy_from_slice(&last.to_le_bytes());
+/// Member `i`'s chunk of a contribution of `len` values in a ring of `members`: the whole in a
+/// direct ring.
+fn chunk_range(
+    encoding: ValueEncoding,
+    members: usize,
+    len: usize,
+    i: usize,
+) -> std::ops::Range<usize> {
+    if direct(encoding, members) {
+        return 0..len;
     }
-    bytes
+    let n = members.max(1);
+    (i * len / n)..((i + 1) * len / n)
 }
 
 /// Digest of a sorted member list, and of whether the attempt carries the state.
@@ -497,41 +487,6 @@ pub(in crate::mesh_core) fn members_digest(members: &[PeerId], carries_state: bo
     }
     let d = h.finalize();
     u64::from_le_bytes(d[..8].try_into().unwrap_or_default())
-}
-
-/// `v` rounded to the nearest bf16 (ties to even), as its bits: what `half::bf16::from_f32`
-/// gives, bit for bit (a NaN stays a NaN, a finite value past bf16's range becomes infinite),
-/// written so that a loop of it vectorises.
-#[inline(always)]
-pub(super) fn bf16_bits(v: f32) -> u16 {
-    let x = v.to_bits();
-    let nearest_even = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
-    let quiet_nan = ((x >> 16) | 0x0040) as u16;
-    if x & 0x7fff_ffff > 0x7f80_0000 {
-        quiet_nan
-    } else {
-        nearest_even
-    }
-}
-
-/// A hop's values (`bf16` or `f32`, little-endian); `None` when the bytes are not whole
-/// values. One pass into a pre-sized vector, which vectorises.
-pub(super) fn decode_values(bytes: &[u8], bf16: bool) -> Option<Vec<f32>> {
-    let width = if bf16 { 2 } else { 4 };
-    if !bytes.len().is_multiple_of(width) {
-        return None;
-    }
-    let mut values = vec![0f32; bytes.len() / width];
-    if bf16 {
-        for (v, b) in values.iter_mut().zip(bytes.chunks_exact(2)) {
-            *v = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
-        }
-    } else {
-        for (v, b) in values.iter_mut().zip(bytes.chunks_exact(4)) {
-            *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
-    }
-    Some(values)
 }
 
 /// Whether every value is finite: a sum over all of them (no early exit), which vectorises.

@@ -6,7 +6,8 @@ use serde_bytes::ByteBuf;
 
 use super::ring::*;
 use super::*;
-use crate::wire::{Heartbeat, RingMessage};
+use crate::wire::hop_values::bf16_bits;
+use crate::wire::{Heartbeat, RingMessage, ValueEncoding};
 
 /// A member's heartbeat saying it is ready for rounds, at `round`, computing at `ms` per
 /// sample.
@@ -58,21 +59,23 @@ fn bf16_rounding_matches_half_and_round_trips() {
         1.0,
         Judge::GradientNorm { norm: 1.0 },
         false,
-        true,
+        ValueEncoding::Bf16,
         0,
         Instant::now(),
     );
     let [(_, msg)] = &r.part_messages(0, 0)[..] else {
         panic!("one part for the other member");
     };
-    let sent = decode_values(&msg.values, true).expect("whole values");
+    let sent = ValueEncoding::Bf16
+        .decode(&msg.values)
+        .expect("whole values");
     // A direct ring's part is the whole contribution, then the weight.
     assert_eq!(sent.len(), r.acc.len() + 1);
     assert_eq!(&sent[..r.acc.len()], &r.acc[..]);
     assert_eq!(sent[r.acc.len()], 1.0);
     assert!(all_finite(&sent));
     assert!(!all_finite(&[1.0, f32::NAN, 2.0]));
-    assert!(decode_values(&[1, 2, 3], true).is_none());
+    assert!(ValueEncoding::Bf16.decode(&[1, 2, 3]).is_none());
 }
 
 /// Nodes of one mesh, their outputs carried in order (a perfect network).
@@ -135,6 +138,7 @@ impl Ring {
                         stall_timeout: STALL_TIMEOUT,
                         max_weight: f32::INFINITY,
                         piece_bytes: crate::wire::RING_PIECE_BYTES,
+                        outer_values: crate::wire::ValueEncoding::Bf16,
                     },
                     ids[i],
                     0,
@@ -784,7 +788,7 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
     let _ = sorted;
     let msg = RingMessage {
         step: 0,
-        bf16: false,
+        encoding: crate::wire::ValueEncoding::F32,
         round: 3,
         attempt: 2,
         members: digest,
@@ -809,7 +813,7 @@ fn a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero() {
     assert!(!sent.is_empty(), "{out:?}");
     assert!(sent.iter().all(|m| m.round == 3 && m.attempt == 2));
     let own = sent.iter().find(|m| m.hop == 0).expect("its own part");
-    let values = decode_values(&own.values, false).expect("values");
+    let values = ValueEncoding::F32.decode(&own.values).expect("values");
     assert_eq!(values.last(), Some(&0.0), "weight 0");
 }
 
@@ -896,7 +900,7 @@ fn next_round_hop(ring: &Ring, round: u64) -> RingMessage {
     let len = 6;
     RingMessage {
         step: 0,
-        bf16: false,
+        encoding: crate::wire::ValueEncoding::F32,
         round,
         attempt: 0,
         members: digest,
@@ -1011,7 +1015,7 @@ fn a_last_hop_that_never_comes_gives_way_to_the_next_round_soon() {
     let (_, digest) = ring.sorted();
     let msg = RingMessage {
         step: 0,
-        bf16: false,
+        encoding: crate::wire::ValueEncoding::F32,
         round: 0,
         attempt: 0,
         members: digest,
@@ -1049,7 +1053,7 @@ fn a_last_hop_that_comes_after_the_next_rounds_first_still_completes_the_round()
     let (_, digest) = ring.sorted();
     let hop = |h: u32| RingMessage {
         step: 0,
-        bf16: false,
+        encoding: crate::wire::ValueEncoding::F32,
         round: 0,
         attempt: 0,
         members: digest,
@@ -1085,7 +1089,7 @@ fn hostile_hops_are_offences_and_never_reach_the_mean() {
         let mut out = Vec::new();
         let msg = RingMessage {
             step: 0,
-            bf16: false,
+            encoding: crate::wire::ValueEncoding::F32,
             round: 0,
             attempt: 0,
             members: digest,
@@ -1126,7 +1130,7 @@ fn hostile_hops_are_offences_and_never_reach_the_mean() {
     let mut out = Vec::new();
     let msg = RingMessage {
         step: 0,
-        bf16: false,
+        encoding: crate::wire::ValueEncoding::F32,
         round: 0,
         attempt: 0,
         members: digest,
@@ -1232,16 +1236,31 @@ fn a_diloco_ring_carries_the_state_only_while_a_member_needs_it() {
 
 /// `diloco` members that share a round start (no member needs the state) sum their outer
 /// changes (round start minus parameters), not their parameters, and the changes travel as
-/// bf16: half the bytes of `f32` parameters, at 2^-8 of the change, where rounding the
-/// parameters themselves would cost 2^-8 of each weight (more than a round's steps move it).
-/// Every member still leaves with the same bits, the round start minus the mean change.
+/// `sync.outer_values` says. In bf16: half the bytes of `f32` parameters, at 2^-8 of the
+/// largest change, where rounding the parameters themselves would cost 2^-8 of each weight
+/// (more than a round's steps move it). In int8: a byte a value and one per block of 64, each
+/// value within 2/127 of the largest change (rounded once in the part, once in the
+/// aggregate). Either way
+/// every member leaves with the same bits, the round start minus the mean change, whichever
+/// chunks the ring cuts (the blocks start at each chunk's first value).
 #[test]
-fn diloco_members_sharing_a_round_start_sum_their_outer_changes_as_bf16() {
-    const P: usize = 10;
-    for n in [2usize, 3, 4] {
+fn diloco_members_sharing_a_round_start_sum_their_outer_changes_compactly() {
+    for (encoding, n) in [ValueEncoding::Bf16, ValueEncoding::Int8]
+        .into_iter()
+        .flat_map(|e| [2usize, 3, 4].map(|n| (e, n)))
+    {
+        check_outer_changes_summed(encoding, n);
+    }
+}
+
+fn check_outer_changes_summed(encoding: ValueEncoding, n: usize) {
+    // Three int8 blocks and a part of one; chunks of 50, 51 or 150 values.
+    const P: usize = 150;
+    {
         let mut ring = Ring::new(n, &vec![1.0; n], &vec![true; n]);
         for node in &mut ring.nodes {
             node.cfg.outer_state = true;
+            node.cfg.outer_values = encoding;
         }
         // The shared round start and velocity; each member's parameters a little way off.
         let start: Vec<f32> = (0..P).map(|j| 3.0 + (j as f32 * 0.61).cos()).collect();
@@ -1259,26 +1278,52 @@ fn diloco_members_sharing_a_round_start_sum_their_outer_changes_as_bf16() {
         for (i, mean) in ring.means.iter().enumerate() {
             let mean = mean
                 .as_ref()
-                .unwrap_or_else(|| panic!("n = {n}: node {i} took no mean"));
-            assert_eq!(bits(mean), first, "n = {n}: node {i} holds other bits");
+                .unwrap_or_else(|| panic!("{encoding:?}, n = {n}: node {i} took no mean"));
+            assert_eq!(
+                bits(mean),
+                first,
+                "{encoding:?}, n = {n}: node {i} holds other bits"
+            );
         }
         let mean = ring.means[0].as_ref().expect("mean");
         assert_eq!(mean.len(), P, "n = {n}: the parameters only");
+        let largest_change = ring
+            .params
+            .iter()
+            .flat_map(|p| (0..P).map(|j| (start[j] - p[j]).abs()))
+            .fold(0f32, f32::max);
         for j in 0..P {
             let exact = ring.params.iter().map(|p| p[j]).sum::<f32>() / n as f32;
             let change = start[j] - exact;
+            // Each rounding (a member's part, then the chunk's aggregate) is within 2^-9 of
+            // the value in bf16, half a step of its block in int8 (under 1/127 of its
+            // largest value).
+            let within = match encoding {
+                ValueEncoding::Int8 => largest_change * 2.0 / 127.0,
+                _ => largest_change / 256.0,
+            };
             assert!(
-                (mean[j] - exact).abs() <= change.abs() / 256.0 + 1e-6,
-                "n = {n}, value {j}: {} against {exact} (a change of {change})",
+                (mean[j] - exact).abs() <= within + 1e-6,
+                "{encoding:?}, n = {n}, value {j}: {} against {exact} (a change of {change})",
                 mean[j]
             );
         }
         // Each member sends its parts of the others' chunks and its chunk's aggregate to
-        // each other member, at 2 bytes a value (a weight after each).
-        let most = 2 * 2 * (n - 1) * (P.div_ceil(n) + 1);
+        // each other member (a direct ring of two: its whole contribution, once), each a
+        // weight after its values: 2 bytes a value and 2 of weight in bf16, a byte a value,
+        // one per block begun and 4 of weight in int8.
+        let chunk = P.div_ceil(n);
+        let hop = match encoding {
+            ValueEncoding::Int8 => chunk + chunk.div_ceil(64) + 4,
+            _ => 2 * (chunk + 1),
+        };
+        let most = 2 * (n - 1) * hop;
         for i in 0..n {
             let sent = ring.nodes[i].status(Instant::now()).bytes_sent as usize;
-            assert!(sent <= most, "n = {n}: {sent} bytes sent, against {most}");
+            assert!(
+                sent <= most,
+                "{encoding:?}, n = {n}: {sent} bytes sent, against {most}"
+            );
         }
     }
 }
@@ -1780,7 +1825,7 @@ fn a_direct_ring_aborts_on_a_refused_part() {
     ring.rogue = Some((
         1,
         Box::new(|m: &mut RingMessage, _| {
-            if m.bf16 {
+            if m.encoding == ValueEncoding::Bf16 {
                 each_value(m, |v| v * 1e6);
             }
         }),

@@ -365,7 +365,7 @@ impl EventLoop {
             if self.admission.refuse(peer_id, Instant::now()) {
                 tracing::warn!(
                     peer = %peer_id,
-                    "refused peer: it speaks {:?} ({}), this node speaks {:?}; a different run id (model, optimizer, data spec or seed), sync mode or shared sync setting (allreduce every, ddp resync_every, diloco inner_steps/outer_lr/outer_momentum, fedavg local_epochs) or gossip size limit cannot train together",
+                    "refused peer: it speaks {:?} ({}), this node speaks {:?}; a different run id (model, optimizer, data spec or seed), sync mode or shared sync setting (allreduce every, ddp resync_every, diloco inner_steps/outer_lr/outer_momentum/outer_values, fedavg local_epochs) or gossip size limit cannot train together",
                     info.protocol_version,
                     info.agent_version,
                     self.admission.protocol_version()

@@ -13,6 +13,10 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 
+pub mod hop_values;
+
+pub use hop_values::ValueEncoding;
+
 /// The topic a node publishes its updates on.
 pub fn update_topic(run_id: &str, peer: &PeerId) -> String {
     format!("{}{peer}", update_topic_prefix(run_id))
@@ -78,7 +82,9 @@ impl RunTopicNames {
 /// the changes for parameters.
 /// Version 10: a heartbeat says when its node is still starting ([`Heartbeat::starting`]); an
 /// older node would refuse it as malformed.
-pub const WIRE_VERSION: u32 = 10;
+/// Version 11: a ring hop names its values' encoding ([`RingMessage::encoding`]), which may be
+/// int8 in blocks ([`hop_values`]), where it said only whether they were bf16.
+pub const WIRE_VERSION: u32 = 11;
 
 /// The most bytes of values one ring request carries: a larger hop (a share of a model of
 /// more than ~8 M parameters, or a `diloco` share with its round anchor and velocity) travels
@@ -86,7 +92,7 @@ pub const WIRE_VERSION: u32 = 10;
 /// together (`mesh_core::rounds::pieces`). So no request a node reads before it knows whether
 /// the sender is a member is larger than this, whatever the model, and no one request takes
 /// longer on a slow link than a piece does. A multiple of 4: a piece holds whole values,
-/// `f32` or bf16.
+/// `f32` or bf16 (int8 blocks are cut anywhere: the receiver decodes the whole hop).
 pub const RING_PIECE_BYTES: usize = 16 * 1024 * 1024;
 
 /// Largest request on the bulk channel a node reads before it knows its model (and in the
@@ -140,16 +146,18 @@ pub struct RingMessage {
     /// The hop: 0 a part (the values, then the sender's weight), 1 an aggregate (the values,
     /// then the weight total of the parts it aggregated).
     pub hop: u32,
-    /// The chunk's values and the weight after them, little-endian `f32` (or bf16).
+    /// The chunk's values and the weight after them, as [`RingMessage::encoding`] says
+    /// ([`hop_values`]).
     pub values: ByteBuf,
     /// The highest trainer step among the contributions the sender has seen this round: a
     /// node that was not synced takes the members' step with their mean (0 from a sender
     /// that predates this field).
     #[serde(default)]
     pub step: u64,
-    /// The values are bf16, not f32 (the gradient rounds of `ddp`).
+    /// How the values travel: `f32`, bf16 (the gradient rounds of `ddp`, `diloco`'s outer
+    /// changes) or int8 in blocks (`diloco`'s outer changes, `sync.outer_values = "int8"`).
     #[serde(default)]
-    pub bf16: bool,
+    pub encoding: ValueEncoding,
     /// Which piece of its hop this message is: `values` are the bytes of that piece only
     /// (see [`RING_PIECE_BYTES`]); [`Piece::WHOLE`] for a hop that fits one request.
     #[serde(default)]
@@ -391,7 +399,7 @@ mod tests {
     fn bulk_protocol_name_carries_the_wire_version() {
         // Peers negotiate exactly this name: one of another wire version is not spoken to.
         assert_eq!(bulk_protocol(), format!("/p2ptrain/bulk/{WIRE_VERSION}"));
-        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/10");
+        assert_eq!(bulk_protocol(), "/p2ptrain/bulk/11");
     }
 
     #[test]

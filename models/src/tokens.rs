@@ -102,6 +102,36 @@ impl TokenFile {
         self.len == 0
     }
 
+    /// Reads every id once, a stretch at a time, and refuses the file at its first id at or
+    /// past `vocab`: a file made with another tokenizer is refused when the run starts, not
+    /// hours in, when a batch first reads that window.
+    pub fn check_vocabulary(&self, vocab: usize) -> Result<()> {
+        const STRETCH: usize = 1 << 20;
+        let mut ids = Vec::with_capacity(STRETCH.min(self.len));
+        let mut from = 0;
+        while from < self.len {
+            let count = STRETCH.min(self.len - from);
+            ids.clear();
+            self.read(from, count, &mut ids)?;
+            if let Some(k) = ids.iter().position(|&id| id as usize >= vocab) {
+                return Err(self.past_vocabulary(ids[k], from + k, vocab));
+            }
+            from += count;
+        }
+        Ok(())
+    }
+
+    /// The error for id `id` at `position`, at or past the vocabulary `vocab`.
+    fn past_vocabulary(&self, id: u32, position: usize, vocab: usize) -> Error {
+        Error::Format {
+            path: self.path.clone(),
+            msg: format!(
+                "token id {id} at position {position} is past the model's vocabulary of {vocab} \
+                 (a file made with another tokenizer?)"
+            ),
+        }
+    }
+
     /// Ids `from..from + count`, read from disk.
     fn read(&self, from: usize, count: usize, out: &mut Vec<u32>) -> Result<()> {
         let (file, width) = match &self.ids {
@@ -180,19 +210,14 @@ impl TokenSet {
         }
         let at = out.len();
         self.file.read(start, want, out)?;
-        if let Some(k) = out[at..].iter().position(|&id| id as usize >= self.vocab) {
-            return Err(Error::Format {
-                path: self.file.path.clone(),
-                msg: format!(
-                    "token id {} at position {} is past the model's vocabulary of {} (a file \
-                     made with another tokenizer?)",
-                    out[at + k],
-                    start + k,
-                    self.vocab
-                ),
-            });
+        // Checked at open too ([`TokenFile::check_vocabulary`]); again here, for a file that
+        // another program changed since.
+        match out[at..].iter().position(|&id| id as usize >= self.vocab) {
+            Some(k) => Err(self
+                .file
+                .past_vocabulary(out[at + k], start + k, self.vocab)),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -281,6 +306,7 @@ pub fn split_tokens(file: TokenFile, opts: TokenOptions) -> Result<TokenSplit> {
             opts.test_fraction
         )));
     }
+    file.check_vocabulary(opts.vocab)?;
     let len = file.len();
     let n_test = (len as f64 * opts.test_fraction).round() as usize;
     let cut = len - n_test;
@@ -319,10 +345,8 @@ pub fn split_tokens(file: TokenFile, opts: TokenOptions) -> Result<TokenSplit> {
 mod tests {
     use super::*;
 
-    fn write(ids: &[u32], width: usize) -> tempfile::NamedTempFile {
-        let mut f = tempfile::NamedTempFile::new().expect("tmp");
-        let bytes: Vec<u8> = ids
-            .iter()
+    fn write_bytes(ids: &[u32], width: usize) -> Vec<u8> {
+        ids.iter()
             .flat_map(|&id| {
                 if width == 2 {
                     (id as u16).to_le_bytes().to_vec()
@@ -330,8 +354,12 @@ mod tests {
                     id.to_le_bytes().to_vec()
                 }
             })
-            .collect();
-        std::io::Write::write_all(&mut f, &bytes).expect("write");
+            .collect()
+    }
+
+    fn write(ids: &[u32], width: usize) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().expect("tmp");
+        std::io::Write::write_all(&mut f, &write_bytes(ids, width)).expect("write");
         f
     }
 
@@ -381,7 +409,14 @@ mod tests {
         let mut ids: Vec<u32> = (0..100).map(|i| i % 50).collect();
         ids[30] = 77;
         let f = write(&ids, 2);
-        let split = load_tokens(f.path(), opts(8, 2, 50)).expect("split");
+        // Refused at open, not when a batch first reads that window.
+        let e = load_tokens(f.path(), opts(8, 2, 50)).expect_err("id 77");
+        assert!(e.to_string().contains("token id 77 at position 30"), "{e}");
+        // A file changed after it was opened: the window that reads the bad id says where.
+        let good: Vec<u32> = (0..100).map(|i| i % 50).collect();
+        let g = write(&good, 2);
+        let split = load_tokens(g.path(), opts(8, 2, 50)).expect("split");
+        std::fs::write(g.path(), write_bytes(&ids, 2)).expect("rewrite");
         let e = split.train.batch(&[13], &Device::Cpu).expect_err("id 77");
         assert!(e.to_string().contains("token id 77 at position 30"), "{e}");
         let ragged = write(&[1, 2, 3], 2);

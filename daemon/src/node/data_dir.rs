@@ -27,7 +27,7 @@ pub(super) struct OpenedDataDir {
 /// Creates and locks the data directory, loads or creates the node's key, and opens its
 /// checkpoints (which must be of this configuration's run).
 pub(super) fn open_data_dir(config: &Config, data_dir: &Path) -> Result<OpenedDataDir, NodeError> {
-    std::fs::create_dir_all(data_dir)
+    make_private(data_dir)
         .map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
     let lock = lock_data_dir(data_dir)?;
     let key = identity::load_or_create(data_dir)?;
@@ -45,6 +45,28 @@ pub(super) fn open_data_dir(config: &Config, data_dir: &Path) -> Result<OpenedDa
         store,
         resume,
     })
+}
+
+/// Creates the data directory, readable by its owner only (0700): it holds the node's key, its
+/// checkpoints (the model and the optimizer's state) and its API token. One that exists is
+/// narrowed to 0700 too, with a warning, where others could read it.
+fn make_private(dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir)?.permissions().mode() & 0o777;
+        if mode != 0o700 {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+            if mode & 0o077 != 0 {
+                tracing::warn!(
+                    "data dir {} was open to others (mode {mode:o}); now 0700",
+                    dir.display()
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Holds an exclusive lock on the data directory for the node's lifetime, so two nodes never
@@ -94,4 +116,29 @@ fn open_store(
         }
     }
     Ok((Arc::new(store), resume))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node's data directory is its owner's alone, whether the node creates it or finds it
+    /// open to others (the key file inside is 0600 already; the checkpoints were not).
+    #[cfg(unix)]
+    #[test]
+    fn the_data_dir_is_readable_by_its_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().expect("tmp");
+        let config = Config::load(None).expect("default config");
+        let fresh = root.path().join("fresh");
+        let open = root.path().join("open");
+        std::fs::create_dir(&open).expect("mkdir");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        for dir in [fresh, open] {
+            let opened = open_data_dir(&config, &dir).expect("open");
+            let mode = std::fs::metadata(&dir).expect("meta").permissions().mode() & 0o777;
+            assert_eq!(mode, 0o700, "{}: {mode:o}", dir.display());
+            drop(opened);
+        }
+    }
 }

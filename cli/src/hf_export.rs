@@ -45,9 +45,84 @@ pub(crate) fn write(
                 .with_context(|| format!("--base {}", dir.display()))
         })
         .transpose()?;
+    // Written whole into a hidden folder beside `out`, flushed, then renamed into place: an
+    // export that fails or is killed leaves no half-written `out` for a re-run to refuse as
+    // not empty (a killed one leaves the hidden folder, which the next export clears).
+    let staging = staging_folder(out)?;
+    let written = write_into(&spec, tensors, &staging, bf16, tokenizer, base)
+        .and_then(|()| flush_folder(&staging))
+        .and_then(|()| {
+            if out.exists() {
+                // Empty, as checked above: the rename replaces it.
+                std::fs::remove_dir(out)
+                    .with_context(|| format!("replacing the empty folder {}", out.display()))?;
+            }
+            std::fs::rename(&staging, out)
+                .with_context(|| format!("moving the export into {}", out.display()))?;
+            flush_parent(out)
+        });
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    written
+}
+
+/// The hidden folder an export to `out` is written in first (`.NAME.partial` beside it), empty:
+/// what a killed export left there is cleared.
+fn staging_folder(out: &Path) -> Result<std::path::PathBuf> {
+    let name = out
+        .file_name()
+        .ok_or_else(|| anyhow!("{} names no folder", out.display()))?;
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let staging = parent.join(format!(".{}.partial", name.to_string_lossy()));
+    if std::fs::symlink_metadata(&staging).is_ok() {
+        std::fs::remove_dir_all(&staging)
+            .with_context(|| format!("clearing {}", staging.display()))?;
+    }
+    std::fs::create_dir_all(&staging).with_context(|| format!("creating {}", staging.display()))?;
+    Ok(staging)
+}
+
+/// Flushes every file of `dir` and then `dir` itself to disk, so that the rename publishes
+/// contents that a power cut does not take back.
+fn flush_folder(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .with_context(|| format!("flushing {}", path.display()))?;
+    }
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("flushing {}", dir.display()))
+}
+
+/// Flushes the folder `path` lies in, so its new name survives a power cut.
+fn flush_parent(path: &Path) -> Result<()> {
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::File::open(parent)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("flushing {}", parent.display()))
+}
+
+/// The export's files, written into `out`.
+fn write_into(
+    spec: &LlamaSpec,
+    tensors: &BTreeMap<String, HostTensor>,
+    out: &Path,
+    bf16: bool,
+    tokenizer: Option<&Path>,
+    base: Option<(&Path, hf::CheckedBase)>,
+) -> Result<()> {
     hf::write_tensors(
         out,
-        &spec,
+        spec,
         |name| {
             tensors
                 .get(name)
@@ -74,4 +149,51 @@ pub(crate) fn write(
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small llama's parameters, every value 0.01.
+    fn tensors(spec: &LlamaSpec) -> BTreeMap<String, HostTensor> {
+        hf::expected_shapes(spec)
+            .expect("shapes")
+            .into_iter()
+            .map(|(name, shape)| {
+                let values = vec![0.01; shape.iter().product()];
+                (name, HostTensor { shape, values })
+            })
+            .collect()
+    }
+
+    /// An export that fails part way (here: the tokenizer to copy is missing, after the
+    /// weights were written) leaves no folder behind, nor its hidden staging folder, so the
+    /// same export run again is not refused as "not empty"; one that succeeds has the files.
+    #[test]
+    fn a_failed_export_leaves_no_torn_folder_and_a_rerun_succeeds() {
+        let name = "llama-v384-c64-l2-w64-i128-h4-k2-d16-e0.00001-r10000";
+        let spec = LlamaSpec::from_name(name).expect("spec");
+        let tensors = tensors(&spec);
+        let root = tempfile::tempdir().expect("tmp");
+        let out = root.path().join("export");
+        let missing = root.path().join("no-tokenizer.json");
+        let err = write(name, &tensors, &out, false, Some(&missing), None)
+            .expect_err("a missing tokenizer");
+        assert!(format!("{err:#}").contains("no-tokenizer.json"), "{err:#}");
+        let left: Vec<_> = std::fs::read_dir(root.path())
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+        write(name, &tensors, &out, true, None, None).expect("the export again");
+        for file in ["config.json", "model.safetensors"] {
+            assert!(out.join(file).is_file(), "{file}");
+        }
+        let left: Vec<_> = std::fs::read_dir(root.path())
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("export")]);
+    }
 }

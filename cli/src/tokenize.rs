@@ -67,6 +67,14 @@ pub fn run(args: TokenizeArgs) -> Result<()> {
     let (ids_written, text_bytes) = written?;
     std::fs::rename(&partial, &args.out)
         .with_context(|| format!("moving {} into place", args.out.display()))?;
+    let folder = args
+        .out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    std::fs::File::open(folder)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("flushing {}", folder.display()))?;
     println!(
         "wrote {}: {ids_written} tokens of {width} bytes ({text_bytes} bytes of text, vocabulary {vocab})",
         args.out.display()
@@ -113,5 +121,9 @@ fn write_tokens(
         text_bytes += bytes.len() as u64;
     }
     out.flush().context("writing the token file")?;
+    // On disk before it is renamed into place: a power cut after the rename finds it whole.
+    out.get_ref()
+        .sync_all()
+        .context("flushing the token file to disk")?;
     Ok((ids_written, text_bytes))
 }

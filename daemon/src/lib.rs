@@ -28,6 +28,8 @@ mod fuzz;
 pub mod guard;
 pub mod handle;
 pub mod identity;
+#[cfg(test)]
+mod import_scan;
 pub mod memory;
 pub mod mesh;
 pub mod mesh_core;

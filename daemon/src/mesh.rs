@@ -28,7 +28,6 @@ use serde_bytes::ByteBuf;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
 
-use crate::mesh_core::rounds::pieces::split;
 use crate::mesh_core::{
     FetchAnswer, Input, MeshCore, Output, Progress, RequestFailed, TrainerEvent,
 };
@@ -379,7 +378,7 @@ impl MeshActor {
                 // A large hop goes in pieces, one after the other: one request slot, and
                 // the receiver holds at most the pieces of the hops under way.
                 let pieces = match self.core.ring_piece_bytes() {
-                    Some(bytes) => split(msg, bytes),
+                    Some(bytes) => msg.into_pieces(bytes),
                     None => vec![msg],
                 };
                 let started = self.spawn_ring_hop(async move {

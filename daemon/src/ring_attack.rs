@@ -30,7 +30,7 @@ pub enum RingAttack {
     /// Its hops name the next attempt of their round.
     NextAttempt,
     /// Its hops as long as any a member reads whole: each padded with zeros to the model's
-    /// largest honest hop (a whole `diloco` contribution, `rounds::largest_hop_values`), the
+    /// largest honest hop (a whole `diloco` contribution, `wire::largest_hop_values`), the
     /// weight last.
     Oversize,
     /// Its hops name round `u64::MAX`: past any round a mesh reaches, where the round counter

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use p2ptrain_daemon::config::{reaches_target, Overrides, PartitionKind};
+use p2ptrain_daemon::config::{Overrides, PartitionKind};
 use p2ptrain_daemon::control::token;
 use p2ptrain_daemon::status::Status;
-use p2ptrain_daemon::trainer::EvalRecord;
+use p2ptrain_daemon::trainer::{reaches_target, EvalRecord};
 use p2ptrain_daemon::Config;
 use serde::Serialize;
 

@@ -251,17 +251,6 @@ pub struct Overrides {
     pub target: Option<f64>,
 }
 
-/// Whether an evaluation reaches a `train.target` (false when there is none): bits per byte
-/// at or below it for a language model, accuracy at or above it otherwise. One rule for the
-/// trainer's log and `local`'s count.
-pub fn reaches_target(target: Option<f64>, accuracy: f64, bits_per_byte: Option<f64>) -> bool {
-    match (target, bits_per_byte) {
-        (None, _) => false,
-        (Some(t), Some(bpb)) => bpb <= t,
-        (Some(t), None) => accuracy >= t,
-    }
-}
-
 /// A validated configuration.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Config {

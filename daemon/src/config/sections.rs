@@ -230,7 +230,7 @@ impl Default for NetworkConfig {
             allow: None,
             relay_server: true,
             upnp: false,
-            join_wait_secs: crate::transfer::JOIN_WAIT.as_secs_f64(),
+            join_wait_secs: 20.0,
             join_deadline_secs: 1800.0,
             request_timeout_secs: crate::network::BULK_TIMEOUT.as_secs_f64(),
         }

@@ -342,7 +342,7 @@ impl MeshCore {
     }
 
     /// Bytes of values one ring request carries at most (a larger hop is sent in pieces:
-    /// [`rounds::pieces::split`]); `None` without rounds.
+    /// [`crate::wire::RingMessage::into_pieces`]); `None` without rounds.
     pub fn ring_piece_bytes(&self) -> Option<usize> {
         self.rounds.as_ref().map(Rounds::piece_bytes)
     }
@@ -350,7 +350,7 @@ impl MeshCore {
     /// The values of the model's largest honest ring hop (what a test rogue pads its hops
     /// to; see `ring_attack::RingAttack::Oversize`).
     pub fn largest_ring_hop_values(&self) -> usize {
-        rounds::largest_hop_values(self.updates.numel())
+        crate::wire::largest_hop_values(self.updates.numel())
     }
 
     /// The step the trainer last reported: a donor's freeze is reused only near it.

@@ -555,7 +555,7 @@ fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
                         values: ByteBuf::from(bytes),
                         piece: wire::Piece::WHOLE,
                     };
-                    let mut cut = rounds::pieces::split(msg, PIECE_BYTES);
+                    let mut cut = msg.into_pieces(PIECE_BYTES);
                     if rng.random_range(0..6) == 0 {
                         let last = cut.len() - 1;
                         cut[last].piece = wire::Piece {
@@ -832,36 +832,7 @@ fn the_core_reaches_neither_up_nor_out() {
         "SystemTime",
         "Instant::now",
     ];
-    let mut read = 0;
-    let mut folders = vec![std::path::PathBuf::from(dir)];
-    let mut files = Vec::new();
-    while let Some(folder) = folders.pop() {
-        for entry in std::fs::read_dir(&folder).expect("the core's folder") {
-            let path = entry.expect("an entry").path();
-            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            if path.is_dir() && name != "sim" {
-                folders.push(path);
-            } else if name.ends_with(".rs") && name != "tests.rs" {
-                files.push(path);
-            }
-        }
-    }
-    for path in files {
-        let name = path.display().to_string();
-        let text = std::fs::read_to_string(&path).expect("a source file");
-        // Test modules written inline are left out; `mod tests;` declarations point at
-        // `tests.rs` files, which are skipped above.
-        let code = text.split("#[cfg(test)]\nmod tests {").next().unwrap_or("");
-        for (n, line) in code.lines().enumerate() {
-            if line.trim_start().starts_with("//") {
-                continue;
-            }
-            for word in forbidden {
-                assert!(!line.contains(word), "{name}:{}: {word} in {line:?}", n + 1);
-            }
-        }
-        read += 1;
-    }
+    let read = crate::import_scan::assert_names_none(dir.as_ref(), &["sim"], &forbidden);
     assert!(read >= 9, "read {read} files of the core");
 }
 

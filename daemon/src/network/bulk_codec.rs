@@ -10,7 +10,7 @@ use futures::io::{AsyncRead, AsyncReadExt, AsyncWrite, Cursor};
 use libp2p::request_response::{self, cbor};
 use libp2p::StreamProtocol;
 
-use crate::mesh_core::rounds::largest_hop_values;
+use crate::wire::largest_hop_values;
 use crate::wire::{self, BulkRequest, BulkResponse};
 
 /// How a ring hop's request begins in CBOR: a map of one entry whose key is the variant's
@@ -263,7 +263,7 @@ mod tests {
             unreachable!()
         };
         assert!(read(&mut codec, &encode(BulkRequest::Ring(share.clone()))).is_err());
-        let pieces = crate::mesh_core::rounds::pieces::split(share, wire::RING_PIECE_BYTES);
+        let pieces = share.into_pieces(wire::RING_PIECE_BYTES);
         assert_eq!(pieces.len(), 5);
         for piece in pieces {
             let back = read(&mut codec, &encode(BulkRequest::Ring(piece.clone())));

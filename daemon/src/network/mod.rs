@@ -512,6 +512,26 @@ pub fn new(
 mod tests {
     use super::*;
 
+    /// The network carries the wire's formats and knows no training: no file of it names the
+    /// core, the trainer, the models, the config or the actors above it (it is handed what it
+    /// needs, such as the sync terms, as values).
+    #[test]
+    fn the_network_knows_no_training() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/network");
+        let forbidden = [
+            "crate::mesh_core",
+            "crate::trainer",
+            "crate::config",
+            "crate::mesh::",
+            "crate::node",
+            "crate::transfer",
+            "p2ptrain_models",
+            "candle",
+        ];
+        let read = crate::import_scan::assert_names_none(dir.as_ref(), &[], &forbidden);
+        assert!(read >= 5, "read {read} files of the network");
+    }
+
     #[test]
     fn protocol_version_names_wire_version_run_sync_terms_and_gossip_limit() {
         // Nodes compare exactly this string: a node of wire version 1 is refused at identify.

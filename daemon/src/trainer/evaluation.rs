@@ -3,6 +3,17 @@
 
 use super::*;
 
+/// Whether an evaluation reaches a `train.target` (false when there is none): bits per byte
+/// at or below it for a language model, accuracy at or above it otherwise. One rule for the
+/// trainer's log and `local`'s count.
+pub fn reaches_target(target: Option<f64>, accuracy: f64, bits_per_byte: Option<f64>) -> bool {
+    match (target, bits_per_byte) {
+        (None, _) => false,
+        (Some(t), Some(bpb)) => bpb <= t,
+        (Some(t), None) => accuracy >= t,
+    }
+}
+
 /// One line of the eval log ([`Setup::eval_log`]).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EvalRecord {
@@ -82,9 +93,7 @@ impl Loop {
             perplexity: e.bits_per_byte.map(|_| e.loss.exp()),
         });
         self.log_evaluation(&e);
-        if !self.target_reached
-            && crate::config::reaches_target(self.s.target, e.accuracy, e.bits_per_byte)
-        {
+        if !self.target_reached && reaches_target(self.s.target, e.accuracy, e.bits_per_byte) {
             self.target_reached = true;
             tracing::info!(
                 step = self.counters.step,
@@ -147,5 +156,39 @@ impl Loop {
         self.counters.step.is_multiple_of(self.s.eval_align_steps)
             && since >= every / 2
             && wall_slot(every) != wall_slot_of(self.last_eval_wall, every)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reaches_target;
+
+    /// The trainer knows no network and no config: no file of it names them, the actors or
+    /// libp2p (its setup comes as values, its commands over channels).
+    #[test]
+    fn the_trainer_knows_no_network_or_config() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/trainer");
+        let forbidden = [
+            "crate::network",
+            "crate::config",
+            "crate::mesh::",
+            "crate::node",
+            "crate::transfer",
+            "crate::control",
+            "libp2p",
+        ];
+        let read = crate::import_scan::assert_names_none(dir.as_ref(), &[], &forbidden);
+        assert!(read >= 5, "read {read} files of the trainer");
+    }
+
+    /// Bits per byte at or below a language model's target, accuracy at or above a
+    /// classifier's; no target is never reached.
+    #[test]
+    fn a_target_is_reached_by_bits_per_byte_or_else_by_accuracy() {
+        assert!(reaches_target(Some(0.9), 0.95, None));
+        assert!(!reaches_target(Some(0.9), 0.85, None));
+        assert!(reaches_target(Some(2.8), 0.0, Some(2.79)));
+        assert!(!reaches_target(Some(2.8), 1.0, Some(2.81)));
+        assert!(!reaches_target(None, 1.0, Some(0.0)));
     }
 }

@@ -35,7 +35,7 @@ use crate::mesh_core::{AverageOutcome, TrainerCommand, TrainerEvent};
 use crate::sync_guard;
 use crate::timeline::{self, Lane};
 
-pub use evaluation::EvalRecord;
+pub use evaluation::{reaches_target, EvalRecord};
 pub use interface::{
     Command, Counters, EvalStats, Finish, Handle, Identity, OuterSgd, Phase, RestoreFrom, Setup,
     Stats, StepLimit, TrainerError, TrainingStatus, FINAL_ROUND_WAIT, LOCKSTEP_EVAL_ALIGN_STEPS,

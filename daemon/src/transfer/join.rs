@@ -2,7 +2,7 @@
 //! watch, never by polling status), download the mesh's state from them ([`super::download`]),
 //! check it is of this run, have the trainer load it, and offer it to later joiners; a state
 //! the trainer refuses rules its donor out and the next is tried. With no member within its
-//! wait ([`JOIN_WAIT`] by default), no state to be had, or none by its deadline, the node
+//! wait (`network.join_wait_secs`), no state to be had, or none by its deadline, the node
 //! trains from the run's initial weights.
 
 use std::sync::{Arc, Mutex};
@@ -16,9 +16,6 @@ use crate::network::Client;
 use crate::store;
 use crate::trainer::{self, Command, Stats};
 
-/// How long a joiner waits by default for members to show up before it trains from its own
-/// start (`network.join_wait_secs`).
-pub const JOIN_WAIT: Duration = Duration::from_secs(20);
 /// After the first member connects, how long to wait for the others: more donors, less load
 /// on each.
 const MORE_MEMBERS_WAIT: Duration = Duration::from_millis(500);

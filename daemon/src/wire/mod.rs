@@ -1,7 +1,10 @@
 //! What p2ptrain nodes say to each other, byte for byte: the bulk channel's requests and
 //! replies (a state to join from, parameters to sync with, a large update) with the size
 //! limits both sides enforce, the gossip topics' names, the framing of update messages on a
-//! node's gossip topic, and the heartbeats every member publishes. It owns the formats and
+//! node's gossip topic, the heartbeats every member publishes, and the rounds' ring hops: their
+//! values' encodings ([`hop_values`]), how a large hop is cut into pieces
+//! ([`RingMessage::into_pieces`]) and the largest an honest one holds
+//! ([`largest_hop_values`]). It owns the formats and
 //! their version, not the transport: the network carries them and never looks inside.
 //!
 //! [`WIRE_VERSION`] is part of the bulk protocol name and of the identify protocol version
@@ -162,6 +165,56 @@ pub struct RingMessage {
     /// (see [`RING_PIECE_BYTES`]); [`Piece::WHOLE`] for a hop that fits one request.
     #[serde(default)]
     pub piece: Piece,
+}
+
+impl RingMessage {
+    /// This hop cut into messages of at most `piece_bytes` bytes of values each (rounded down
+    /// to a multiple of 4, at least 4), in order; a hop that fits one is sent whole, as it is.
+    /// Every member must cut alike: at [`RING_PIECE_BYTES`] (smaller only in tests).
+    pub fn into_pieces(self, piece_bytes: usize) -> Vec<RingMessage> {
+        let piece_bytes = piece_bytes.max(4) / 4 * 4;
+        if self.values.len() <= piece_bytes {
+            return vec![self];
+        }
+        let count = self.values.len().div_ceil(piece_bytes) as u32;
+        self.values
+            .chunks(piece_bytes)
+            .enumerate()
+            .map(|(index, bytes)| RingMessage {
+                values: ByteBuf::from(bytes.to_vec()),
+                piece: Piece {
+                    index: index as u32,
+                    count,
+                },
+                ..self.piece_head()
+            })
+            .collect()
+    }
+
+    /// What every piece of this hop says alike: the message without its values, as piece 0.
+    pub fn piece_head(&self) -> RingMessage {
+        RingMessage {
+            round: self.round,
+            attempt: self.attempt,
+            members: self.members,
+            hop: self.hop,
+            values: ByteBuf::new(),
+            step: self.step,
+            encoding: self.encoding,
+            piece: Piece {
+                index: 0,
+                count: self.piece.count,
+            },
+        }
+    }
+}
+
+/// The most values one honest hop of a model of `params` parameters holds: a whole `diloco`
+/// contribution (the parameters, their round anchor and outer velocity) and the weight after
+/// it, as a ring of one chunk would carry (a ring's chunks are smaller). The network bounds
+/// ring requests and the rounds their inbox by it.
+pub fn largest_hop_values(params: usize) -> usize {
+    params.saturating_mul(3).saturating_add(1)
 }
 
 /// Where a ring message's bytes lie in its hop: piece `index` of `count`, every piece but the

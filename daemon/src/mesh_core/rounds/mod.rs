@@ -69,7 +69,7 @@ use super::status::RoundStatus;
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
 use crate::sync_guard::GradientScale;
 use crate::wire::Heartbeat;
-use crate::wire::ValueEncoding;
+use crate::wire::{largest_hop_values, ValueEncoding};
 use lists::{Action, Lists, Verdict};
 #[cfg(test)]
 pub(in crate::mesh_core) use ring::members_digest;
@@ -244,13 +244,6 @@ pub struct RoundConfig {
     /// sends them: bf16, or int8 in blocks on a slow link (`sync.outer_values`, a sync term:
     /// members must agree).
     pub outer_values: ValueEncoding,
-}
-
-/// The most values one honest hop of a model of `params` parameters holds: a whole `diloco`
-/// contribution (the parameters, their round anchor and outer velocity) and the weight after
-/// it, as a ring of one chunk would carry (a ring's chunks are smaller).
-pub fn largest_hop_values(params: usize) -> usize {
-    params.saturating_mul(3).saturating_add(1)
 }
 
 impl RoundConfig {
@@ -502,7 +495,7 @@ impl Rounds {
     }
 
     /// Bytes of values a hop's request carries at most: a larger hop is sent in pieces
-    /// ([`pieces::split`]).
+    /// ([`crate::wire::RingMessage::into_pieces`]).
     pub fn piece_bytes(&self) -> usize {
         self.cfg.piece_bytes
     }

@@ -1,6 +1,7 @@
 //! Hops in pieces: a hop whose values are larger than a request may carry
-//! ([`crate::wire::RING_PIECE_BYTES`]) is cut into pieces by its sender ([`split`]) and put
-//! together by its receiver ([`Pieces`]) before the round sees it, so a share of a model of
+//! ([`crate::wire::RING_PIECE_BYTES`]) is cut into pieces by its sender
+//! ([`RingMessage::into_pieces`]) and put together by its receiver ([`Pieces`]) before the
+//! round sees it, so a share of a model of
 //! any size travels in requests of a bounded size. Only the pieces themselves are checked
 //! here (their place and length, and that the pieces of one hop agree on everything but their
 //! bytes); the whole hop is judged as any other. Pure: the core feeds it.
@@ -25,45 +26,6 @@ const PARTIAL_CAP: usize = 256;
 /// Hops one sender may have under way to this node at once: an honest one sends it a part
 /// and an aggregate an attempt, and may be an attempt or a round ahead.
 const PARTIAL_PER_SENDER: usize = 4;
-
-/// Cuts `msg` into messages of at most `piece_bytes` bytes of values each (a multiple of 4),
-/// in order; a hop that fits one is sent whole, as it is.
-pub fn split(msg: RingMessage, piece_bytes: usize) -> Vec<RingMessage> {
-    let piece_bytes = piece_bytes.max(4) / 4 * 4;
-    if msg.values.len() <= piece_bytes {
-        return vec![msg];
-    }
-    let count = msg.values.len().div_ceil(piece_bytes) as u32;
-    msg.values
-        .chunks(piece_bytes)
-        .enumerate()
-        .map(|(index, bytes)| RingMessage {
-            values: ByteBuf::from(bytes.to_vec()),
-            piece: Piece {
-                index: index as u32,
-                count,
-            },
-            ..head(&msg)
-        })
-        .collect()
-}
-
-/// What every piece of a hop says alike: the message without its values, as piece 0.
-fn head(msg: &RingMessage) -> RingMessage {
-    RingMessage {
-        round: msg.round,
-        attempt: msg.attempt,
-        members: msg.members,
-        hop: msg.hop,
-        values: ByteBuf::new(),
-        step: msg.step,
-        encoding: msg.encoding,
-        piece: Piece {
-            index: 0,
-            count: msg.piece.count,
-        },
-    }
-}
 
 /// What became of a piece ([`Pieces::take`]).
 #[derive(Debug, PartialEq)]
@@ -93,7 +55,7 @@ struct Partial {
 /// that one sender's pieces that never complete push out only its own); see the module docs.
 #[derive(Debug)]
 pub struct Pieces {
-    /// Bytes every piece but a hop's last holds (the senders' [`split`] size).
+    /// Bytes every piece but a hop's last holds (the senders' [`RingMessage::into_pieces`] size).
     piece_bytes: usize,
     /// The most bytes of values an honest hop holds, and the most one sender's partial hops
     /// may hold together; all senders' together may hold twice that.
@@ -120,7 +82,7 @@ impl Pieces {
 
     /// Takes a message from `from`: a whole hop comes back as it is; a piece is kept, and the
     /// hop comes back whole once its last piece is in. `Err` says why a piece cannot be an
-    /// honest sender's (a hop no ring has, a place or length [`split`] never gives): an
+    /// honest sender's (a hop no ring has, a place or length [`RingMessage::into_pieces`] never gives): an
     /// offence of its sender. A piece whose header differs from the earlier pieces' of its
     /// hop starts the hop again (a sender that restarted into the same attempt sends another
     /// step). Room is made by dropping the sender's own oldest partial hops first, then the
@@ -153,7 +115,7 @@ impl Pieces {
         }
         self.drop_older_than(now);
         let key = (msg.round, msg.attempt, msg.hop, from);
-        let head = head(&msg);
+        let head = msg.piece_head();
         match self.partial.get(&key) {
             Some(partial) if partial.head != head => self.remove(&key),
             // Sent twice: the first copy stands.
@@ -295,7 +257,7 @@ mod tests {
     #[test]
     fn a_hop_cut_into_pieces_comes_back_whole_in_any_order() {
         let whole = hop(1000);
-        let pieces = split(whole.clone(), 64);
+        let pieces = whole.clone().into_pieces(64);
         assert_eq!(pieces.len(), 16);
         assert!(pieces[..15].iter().all(|p| p.values.len() == 64));
         assert_eq!(pieces[15].values.len(), 1000 - 15 * 64);
@@ -309,7 +271,7 @@ mod tests {
         }
         assert_eq!(back, vec![whole.clone()]);
         assert_eq!(pieces_in.held_bytes(), 0);
-        assert_eq!(split(whole.clone(), 1000), vec![whole]);
+        assert_eq!(whole.clone().into_pieces(1000), vec![whole]);
     }
 
     /// Places, lengths and hops no honest sender gives are offences; a piece sent twice is

@@ -3,7 +3,6 @@
 //! link, hostile nodes' forged updates, and carrying out a core's outputs.
 
 use super::*;
-use crate::mesh_core::rounds::pieces::split;
 
 impl Sim {
     pub(super) fn connected(&self, a: usize, b: usize) -> bool {
@@ -226,14 +225,12 @@ impl Sim {
     pub(super) fn send_ring(&mut self, i: usize, peer: PeerId, msg: RingMessage) {
         self.nodes[i].last_ring = Some((msg.round, msg.members));
         let msg = match self.p.ring_attack.filter(|_| self.nodes[i].hostile) {
-            Some(attack) => match attack.apply(
-                msg,
-                &peer,
-                crate::mesh_core::rounds::largest_hop_values(self.p.dim),
-            ) {
-                Some(msg) => msg,
-                None => return,
-            },
+            Some(attack) => {
+                match attack.apply(msg, &peer, crate::wire::largest_hop_values(self.p.dim)) {
+                    Some(msg) => msg,
+                    None => return,
+                }
+            }
             None => msg,
         };
         let reachable = self
@@ -258,7 +255,7 @@ impl Sim {
         }
         // A large hop goes in pieces, as the daemon sends it; all arrive with the hop.
         let pieces = match self.nodes[i].core.ring_piece_bytes() {
-            Some(bytes) => split(msg, bytes),
+            Some(bytes) => msg.into_pieces(bytes),
             None => vec![msg],
         };
         for piece in pieces {

@@ -6,8 +6,11 @@
 //! box, can reach 127.0.0.1.
 //!
 //! The runtime listing holds one small file per serving node (`<netns>_<ip>_<port>`: the
-//! node's pid and the token); a node removes its own at a clean stop, and entries of processes no longer
-//! alive are pruned whenever a node lists itself.
+//! node's pid and the time its process started, then the token); a node removes its own at a
+//! clean stop, and entries of processes no longer alive are pruned whenever a node lists
+//! itself. The start time tells a node's process from a later one that was handed the same
+//! pid: without it, a dead node's entry named a live process, and its token went to whoever
+//! served that address next.
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
@@ -139,13 +142,30 @@ impl Drop for Listed {
 
 /// The pid an entry names.
 fn entry_pid(path: &Path) -> Option<u32> {
-    std::fs::read_to_string(path)
-        .ok()?
-        .lines()
-        .next()?
-        .trim()
-        .parse()
-        .ok()
+    entry_process(path).map(|(pid, _)| pid)
+}
+
+/// The process an entry names: its pid, and the time it started where the entry says (an
+/// entry of an older node names its pid alone).
+fn entry_process(path: &Path) -> Option<(u32, Option<u64>)> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let mut first = text.lines().next()?.split_whitespace();
+    let pid = first.next()?.parse().ok()?;
+    let started = match first.next() {
+        Some(t) => Some(t.parse().ok()?),
+        None => None,
+    };
+    Some((pid, started))
+}
+
+/// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat`'s 22nd field);
+/// `None` where the OS does not say.
+fn process_start(pid: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(Path::new("/proc").join(pid).join("stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces or parentheses: the
+    // fields after it start at the last ')', with the state (field 3).
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// Lists `token` under the address the API serves, for the CLI. A box without a runtime or
@@ -160,7 +180,8 @@ fn list_in(dir: &Path, addr: SocketAddr, token: &str) -> Option<Listed> {
         private_dir(dir)?;
         prune(dir);
         let path = dir.join(entry_name(addr));
-        let text = format!("{}\n{token}\n", std::process::id());
+        let started = process_start("self").map_or(String::new(), |t| format!(" {t}"));
+        let text = format!("{}{started}\n{token}\n", std::process::id());
         atomic_file::write(&path, text.as_bytes(), Some(0o600), Durability::Cached)?;
         Ok(Listed { path })
     })();
@@ -215,16 +236,28 @@ fn prune(dir: &Path) {
     let boot = prefix.split('_').next().unwrap_or("");
     for e in entries.flatten() {
         let ours = e.file_name().to_string_lossy().starts_with(boot);
-        if ours && entry_pid(&e.path()).is_some_and(|pid| !alive(pid)) {
+        if ours && entry_process(&e.path()).is_some_and(|(pid, started)| !alive(pid, started)) {
             let _ = std::fs::remove_file(e.path());
         }
     }
 }
 
-/// Whether a process is alive, where the OS says so (`/proc`); else assumed alive.
-fn alive(pid: u32) -> bool {
+/// Whether the process an entry names is alive, where the OS says so (`/proc`; else assumed
+/// alive): its pid is in use, and where the entry says when it started, by a process that
+/// started then (not a later one that was handed the pid).
+fn alive(pid: u32, started: Option<u64>) -> bool {
     let proc = Path::new("/proc");
-    !proc.is_dir() || proc.join(pid.to_string()).exists()
+    if !proc.is_dir() {
+        return true;
+    }
+    let pid = pid.to_string();
+    if !proc.join(&pid).exists() {
+        return false;
+    }
+    match started {
+        Some(t) => process_start(&pid).is_none_or(|now| now == t),
+        None => true,
+    }
 }
 
 /// The token a node serving at `api` (`host:port` or an `http://` URL) listed for this user,
@@ -258,7 +291,7 @@ fn lookup_in(dir: &Path, api: &str) -> Option<String> {
         let path = dir.join(entry_name(addr));
         // An entry of a node that is gone is no one's: whoever serves that address now may
         // be someone else, and must not be handed the old token.
-        if !entry_pid(&path).is_some_and(alive) {
+        if !entry_process(&path).is_some_and(|(pid, started)| alive(pid, started)) {
             return None;
         }
         let text = std::fs::read_to_string(&path).ok()?;
@@ -330,8 +363,23 @@ mod tests {
         std::fs::write(&stale, "4294967295\nold\n").expect("write");
         // A gone node's token is handed to no one, then pruned by the next node listed.
         assert_eq!(lookup_in(&dir, "127.0.0.1:45125"), None);
+        // A dead node's entry whose pid the kernel has since handed to another process (here
+        // this test's own pid, with another start time) is no one's either.
+        let reused = dir.join(entry_name("127.0.0.1:45128".parse().expect("addr")));
+        let started = process_start("self").expect("this process's start time");
+        std::fs::write(
+            &reused,
+            format!("{} {}\nolder\n", std::process::id(), started + 1),
+        )
+        .expect("write");
+        assert_eq!(lookup_in(&dir, "127.0.0.1:45128"), None);
         let _other = list_in(&dir, "127.0.0.1:45126".parse().expect("addr"), "def");
         assert!(!stale.exists() || !Path::new("/proc").is_dir());
+        assert!(!reused.exists(), "pruned");
+        // An entry an older node wrote (its pid alone) still finds its live node.
+        let older = dir.join(entry_name("127.0.0.1:45129".parse().expect("addr")));
+        std::fs::write(&older, format!("{}\nolden\n", std::process::id())).expect("write");
+        assert_eq!(lookup_in(&dir, "127.0.0.1:45129").as_deref(), Some("olden"));
         // A node bound to every address is found by its loopback address, and by no address
         // of another box (here one of TEST-NET-1, no interface's): whoever serves that is not
         // this node. (It was: any host given that port was handed the node's token.)

@@ -35,7 +35,7 @@ pub enum ValueEncoding {
     F32,
     /// Two bytes a value, 2^-8 of each: gradients, and `diloco`'s outer changes.
     Bf16,
-    /// A little over one byte a value, 2^-7 to 2^-6 of the largest in its block of
+    /// A little over one byte a value, each within 1/127 of the largest in its block of
     /// [`INT8_BLOCK`]: `diloco`'s outer changes on a slow link.
     Int8,
 }
@@ -80,9 +80,9 @@ impl ValueEncoding {
         }
     }
 
-    /// `values` and then `last` (the hop's weight), as this encoding sends them. Loops over
-    /// pre-sized slices, not `extend`, so that they vectorise: on the critical path of every
-    /// `ddp` step.
+    /// `values` and then `last` (the hop's weight), as this encoding sends them. `f32` and
+    /// bf16 loop over pre-sized slices, not `extend`, so that they vectorise: on the critical
+    /// path of every `ddp` step.
     pub fn encode(self, values: &[f32], last: f32) -> Vec<u8> {
         match self {
             ValueEncoding::F32 => {

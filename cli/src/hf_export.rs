@@ -59,7 +59,8 @@ pub(crate) fn write(
             }
             std::fs::rename(&staging, out)
                 .with_context(|| format!("moving the export into {}", out.display()))?;
-            flush_parent(out)
+            p2ptrain_daemon::atomic_file::flush_folder_of(out)
+                .with_context(|| format!("flushing the folder of {}", out.display()))
         });
     if written.is_err() {
         let _ = std::fs::remove_dir_all(&staging);
@@ -98,17 +99,6 @@ fn flush_folder(dir: &Path) -> Result<()> {
     std::fs::File::open(dir)
         .and_then(|f| f.sync_all())
         .with_context(|| format!("flushing {}", dir.display()))
-}
-
-/// Flushes the folder `path` lies in, so its new name survives a power cut.
-fn flush_parent(path: &Path) -> Result<()> {
-    let parent = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::File::open(parent)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("flushing {}", parent.display()))
 }
 
 /// The export's files, written into `out`.

@@ -67,14 +67,8 @@ pub fn run(args: TokenizeArgs) -> Result<()> {
     let (ids_written, text_bytes) = written?;
     std::fs::rename(&partial, &args.out)
         .with_context(|| format!("moving {} into place", args.out.display()))?;
-    let folder = args
-        .out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."));
-    std::fs::File::open(folder)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("flushing {}", folder.display()))?;
+    p2ptrain_daemon::atomic_file::flush_folder_of(&args.out)
+        .with_context(|| format!("flushing the folder of {}", args.out.display()))?;
     println!(
         "wrote {}: {ids_written} tokens of {width} bytes ({text_bytes} bytes of text, vocabulary {vocab})",
         args.out.display()

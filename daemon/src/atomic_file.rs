@@ -28,10 +28,7 @@ pub fn write(
     mode: Option<u32>,
     durability: Durability,
 ) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let dir = folder_of(path);
     let name = path
         .file_name()
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file path"))?;
@@ -51,10 +48,28 @@ pub fn write(
     }
     drop(f);
     fs::rename(&tmp, path)?;
-    #[cfg(unix)]
     if durability == Durability::Flushed {
-        fs::File::open(dir)?.sync_all()?;
+        flush_folder_of(path)?;
     }
+    Ok(())
+}
+
+/// The folder `path` lies in (`.` for a bare name).
+fn folder_of(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// Flushes the folder `path` lies in to disk, so that a name just given to it (a rename into
+/// place) survives a power cut: what [`write`] does after its rename, for callers that
+/// rename something of their own (an export's folder, a token file). A no-op off Unix, where a
+/// folder cannot be opened to flush.
+pub fn flush_folder_of(path: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    fs::File::open(folder_of(path))?.sync_all()?;
+    #[cfg(not(unix))]
+    let _ = path;
     Ok(())
 }
 

@@ -535,7 +535,12 @@ fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
                         wire::ValueEncoding::F32 => {
                             values.iter().flat_map(|v| v.to_le_bytes()).collect()
                         }
-                        // Any bytes: exponents no sender names, blocks cut short.
+                        // As a sender encodes them (the weight last), or any bytes:
+                        // exponents no sender names, blocks cut short.
+                        wire::ValueEncoding::Int8 if rng.random() => match values.split_last() {
+                            Some((last, body)) => encoding.encode(body, *last),
+                            None => Vec::new(),
+                        },
                         wire::ValueEncoding::Int8 => (0..n + rng.random_range(0..8))
                             .map(|_| rng.random())
                             .collect(),

@@ -51,10 +51,17 @@ pub(super) fn open_data_dir(config: &Config, data_dir: &Path) -> Result<OpenedDa
 /// checkpoints (the model and the optimizer's state) and its API token. One that exists is
 /// narrowed to 0700 too, with a warning, where others could read it.
 fn make_private(dir: &Path) -> std::io::Result<()> {
+    #[cfg(not(unix))]
     std::fs::create_dir_all(dir)?;
     #[cfg(unix)]
     {
-        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        // Made 0700 (not 0777 less the umask, then narrowed): never readable by others, even
+        // for a moment. Folders above it that it creates are 0700 too.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
         let mode = std::fs::metadata(dir)?.permissions().mode() & 0o777;
         if mode != 0o700 {
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;

@@ -44,8 +44,8 @@
 //! a ring with such a member carry every member's start and velocity too (the member digest
 //! covers that choice, so members that disagree on it abort as on different lists). A ring
 //! that carries no state sums the members' outer changes (round start minus parameters)
-//! instead of their parameters, as bf16 or int8 ([`RoundConfig::sums_outer_changes`]): the members
-//! share the start, and each leaves with it minus the mean change.
+//! instead of their parameters, as bf16 or int8 ([`RoundConfig::sums_outer_changes`]): the
+//! members share the start, and each leaves with it minus the mean change.
 //!
 //! In `ddp` ([`RoundConfig::gradients`]) there is a round at every step and most rounds sum
 //! gradients, not parameters: the trainer steps only with a round's mean gradient. Those hops

@@ -84,6 +84,17 @@ pub fn averaged(mine: &[f32], theirs: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// `result` with the steps a replica took from `given` to `now` on top: a DiLoCo member
+/// that trained on while its round ran (overlap) keeps those steps after the round's outer
+/// step, which the members share (equal lengths).
+pub fn steps_kept_onto(result: &[f32], given: &[f32], now: &[f32]) -> Vec<f32> {
+    result
+        .iter()
+        .zip(given.iter().zip(now))
+        .map(|(r, (g, n))| r + (n - g))
+        .collect()
+}
+
 /// DiLoCo's outer optimizer: Nesterov SGD on the pseudo-gradient `start of round - mean`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct OuterSgd {
@@ -137,5 +148,17 @@ mod tests {
         let next = outer.step(&[1.0, 0.0], &[0.0, 2.0], &mut v);
         assert_eq!(next, vec![0.5, 1.0]);
         assert_eq!(averaged(&[1.0, 0.0], &[0.0, 2.0]), vec![0.5, 1.0]);
+    }
+
+    #[test]
+    fn steps_taken_since_the_round_was_given_land_on_its_result() {
+        // Given [1, 1] to the round, trained on to [0.5, 2]; the round left [3, 0].
+        let kept = steps_kept_onto(&[3.0, 0.0], &[1.0, 1.0], &[0.5, 2.0]);
+        assert_eq!(kept, vec![2.5, 1.0]);
+        // No step since: the round's result as it is.
+        assert_eq!(
+            steps_kept_onto(&[3.0, 0.0], &[1.0, 1.0], &[1.0, 1.0]),
+            vec![3.0, 0.0]
+        );
     }
 }

@@ -323,6 +323,12 @@ pub struct SyncConfig {
     /// (half the bytes of `f32` parameters), `int8` (a little over a quarter: a scale per 64
     /// values, for slow links) or `f32`. A sync term: members must agree.
     pub outer_values: crate::wire::ValueEncoding,
+    /// `diloco`: steps a member trains on while its round's outer changes cross the link
+    /// (0: it waits). When the outer step arrives, the member keeps what it trained meanwhile
+    /// on top of it, so a slow link costs no waiting up to this many steps (Streaming
+    /// DiLoCo's overlap). Less than `inner_steps`. A local setting: every member still takes
+    /// the same outer step from the same bits.
+    pub overlap_steps: u64,
     /// `fedavg`: epochs over the node's own data between two averages (E).
     pub local_epochs: u64,
     /// Neighbours each node keeps.
@@ -387,6 +393,7 @@ impl Default for SyncConfig {
             outer_lr: 0.7,
             outer_momentum: 0.9,
             outer_values: crate::wire::ValueEncoding::Bf16,
+            overlap_steps: 0,
             local_epochs: 1,
             degree: 4,
             publish_every: 20,
@@ -551,6 +558,11 @@ impl SyncConfig {
             },
             piece_bytes: crate::wire::RING_PIECE_BYTES,
             outer_values: self.outer_values,
+            overlap_steps: if self.mode == SyncMode::Diloco {
+                self.overlap_steps
+            } else {
+                0
+            },
         })
     }
 
@@ -676,6 +688,12 @@ impl SyncConfig {
             return Err(format!(
                 "sync.outer_momentum = {} must be in [0, 1)",
                 self.outer_momentum
+            ));
+        }
+        if self.overlap_steps > 0 && self.overlap_steps >= self.inner_steps {
+            return Err(format!(
+                "sync.overlap_steps = {} must be less than sync.inner_steps = {} (a member trains on at most until its next round)",
+                self.overlap_steps, self.inner_steps
             ));
         }
         Ok(())

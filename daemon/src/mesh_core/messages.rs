@@ -157,6 +157,10 @@ pub enum TrainerCommand {
         /// must lie within a distance bound of its own
         /// ([`crate::sync_guard::judge_round_mean`]).
         judged: bool,
+        /// The trainer trained on past the parameters it gave the round
+        /// ([`crate::mesh_core::rounds::RoundConfig::overlap_steps`]): it keeps what it
+        /// trained since on top of the round's result.
+        ran_on: bool,
     },
     /// Hand over the own change since the last delta ([`TrainerEvent::Delta`]).
     TakeDelta,

@@ -462,6 +462,7 @@ fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
                 max_weight: 1.0,
                 piece_bytes: PIECE_BYTES,
                 outer_values: crate::wire::ValueEncoding::Bf16,
+                overlap_steps: 0,
             },
             seed % 4 != 0,
         ));
@@ -695,6 +696,7 @@ fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
             max_weight: f32::INFINITY,
             piece_bytes: wire::RING_PIECE_BYTES,
             outer_values: crate::wire::ValueEncoding::Bf16,
+            overlap_steps: 0,
         },
         true,
     ));
@@ -887,6 +889,7 @@ fn round_config(gradients: Option<u64>, steps: u64, min_members: usize) -> Round
         max_weight: f32::INFINITY,
         piece_bytes: wire::RING_PIECE_BYTES,
         outer_values: crate::wire::ValueEncoding::Bf16,
+        overlap_steps: 0,
     }
 }
 
@@ -977,6 +980,7 @@ fn ring_of_unsynced_members_under_churn(seed: u64) {
         max_weight: f32::INFINITY,
         piece_bytes: wire::RING_PIECE_BYTES,
         outer_values: crate::wire::ValueEncoding::Bf16,
+        overlap_steps: 0,
     };
     let r = Sim::new(SimParams {
         churn_every_ms: 5_000,
@@ -1036,6 +1040,49 @@ fn hops_in_pieces_end_every_mode_as_whole_hops_do() {
     }
 }
 
+/// `diloco` members that train on while their rounds run (`overlap_steps`) still leave every
+/// round with one result, the next round's start, whatever steps each kept on top of it: on 8
+/// nodes through churn, every ring's members report the same digest, no honest member is
+/// blamed, and the trainers are held for fewer steps than members that wait for each round.
+#[test]
+fn diloco_members_that_train_on_through_their_rounds_share_each_rounds_bits() {
+    let diloco = RoundConfig {
+        outer_state: true,
+        ..round_config(None, 20, 2)
+    };
+    let run = |overlap_steps| {
+        Sim::new(SimParams {
+            churn_every_ms: 8_000,
+            ..SimParams::rounds(
+                8,
+                9,
+                RoundConfig {
+                    overlap_steps,
+                    ..diloco
+                },
+            )
+        })
+        .run()
+    };
+    let (waiting, running_on) = (run(0), run(10));
+    let rounds = running_on.rounds.clone().expect("rounds ran");
+    assert!(rounds.taken > 10 && rounds.split == 0, "{rounds:?}");
+    assert_eq!(running_on.honest_blamed, 0, "{:?}", running_on.honest_why);
+    assert!(running_on.finite);
+    assert!(
+        running_on.held_steps < waiting.held_steps,
+        "held {} steps training on, {} waiting",
+        running_on.held_steps,
+        waiting.held_steps
+    );
+    assert!(
+        running_on.steps > waiting.steps,
+        "{} steps training on, {} waiting",
+        running_on.steps,
+        waiting.steps
+    );
+}
+
 /// A synchronous mode for the attack matrix, as `config::sections` builds it: `allreduce` (20
 /// steps a round, weights at most 1), `diloco` (the same, with the outer state, its outer
 /// changes in bf16) or `diloco-int8` (in int8), `ddp` (a parameter round every 4) or `fedavg`
@@ -1062,6 +1109,7 @@ fn attacked_mode(mode: &str) -> RoundConfig {
         } else {
             wire::ValueEncoding::Bf16
         },
+        overlap_steps: 0,
     }
 }
 

@@ -328,6 +328,8 @@ fn trainer_setup(config: &Config, data_dir: &Path, t: TrainerStart) -> trainer::
             1
         },
         ends_on_a_round: t.ends_on_a_round,
+        keeps_given_params: config.sync.mode == crate::config::SyncMode::Diloco
+            && config.sync.overlap_steps > 0,
     }
 }
 

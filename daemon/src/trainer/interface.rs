@@ -268,6 +268,10 @@ pub struct Setup {
     /// waits (up to [`FINAL_ROUND_WAIT`]) for that round before it stops, so every member's
     /// final checkpoint is the round's mean, not its own last local step.
     pub ends_on_a_round: bool,
+    /// `diloco` with `sync.overlap_steps`: the trainer keeps a copy of the parameters it gives
+    /// a round, because it trains on while the round runs and must add what it trained since
+    /// to the round's result.
+    pub keeps_given_params: bool,
 }
 
 /// How long a trainer at `max_steps` waits for the round it is held at

@@ -74,7 +74,18 @@ impl Loop {
     /// The mean is judged first ([`sync_guard::judge_round_mean`]; by distance when `judged`,
     /// this member holding the mesh's parameters): one a hostile member spoiled is refused
     /// and changes nothing, where a huge one made every member diverge and exit.
-    pub(super) fn combine(&mut self, mean: &[f32], judged: bool) -> Result<String, TrainerError> {
+    ///
+    /// Where the trainer `ran_on` past the parameters it gave the round (`sync.overlap_steps`),
+    /// the mean is judged against those, and what it trained since is added to the round's
+    /// result: the members share the result (the round start of the next round, and the
+    /// digest), each keeps its own few steps on top.
+    pub(super) fn combine(
+        &mut self,
+        mean: &[f32],
+        judged: bool,
+        ran_on: bool,
+    ) -> Result<String, TrainerError> {
+        let given = self.given.take();
         if mean.is_empty() {
             self.reset_round_anchor()?;
             return Ok(p2ptrain_models::params::params_digest(&self.flat()?));
@@ -112,8 +123,10 @@ impl Loop {
         }
         let (mean, mean_state) = mean.split_at(numel);
         let own = self.flat()?;
+        let given = given.filter(|g| ran_on && g.len() == numel);
+        let before_round = given.as_deref().unwrap_or(&own);
         let bound = judged.then_some(sync_guard::ROUND_MEAN_MAX_DISTANCE);
-        sync_guard::judge_round_mean(&own, mean, bound).map_err(TrainerError::Refused)?;
+        sync_guard::judge_round_mean(before_round, mean, bound).map_err(TrainerError::Refused)?;
         // What the round leaves is worked out on copies and judged before anything is
         // written: a carried anchor, velocity or optimizer state could spoil it otherwise.
         let (next, velocity) = match self.s.outer {
@@ -131,7 +144,7 @@ impl Loop {
                 // A carried anchor or velocity shows in the step's result: judged by norm, as
                 // the outer momentum takes an honest step several times the mean's distance.
                 if state > 0 {
-                    sync_guard::judge_round_mean(&own, &next, None)
+                    sync_guard::judge_round_mean(before_round, &next, None)
                         .map_err(TrainerError::Refused)?;
                 }
                 (next, Some(velocity))
@@ -143,15 +156,20 @@ impl Loop {
             sync_guard::judge_carried_state(&own, &own_state, mean_state)
                 .map_err(TrainerError::Refused)?;
         }
+        // The steps trained since the parameters were given, on top of the round's result.
+        let written = match &given {
+            Some(given) => replica::steps_kept_onto(&next, given, &own),
+            None => next.clone(),
+        };
         // The parameters first: if they cannot be written, nothing else is.
-        self.s.model.params().write_back(&next)?;
+        self.s.model.params().write_back(&written)?;
         if carried_optimizer {
             self.s.optimizer.write_state(mean_state)?;
         }
         if let Some(velocity) = velocity {
             self.outer_velocity = velocity;
         }
-        self.stats.param_norm = l2_norm(&next);
+        self.stats.param_norm = l2_norm(&written);
         let digest = p2ptrain_models::params::params_digest(&next);
         if self.s.outer.is_some() {
             self.round_anchor = next;

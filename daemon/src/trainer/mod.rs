@@ -125,6 +125,9 @@ struct Loop {
     round_anchor: Vec<f32>,
     /// The outer optimizer's velocity (checkpointed).
     outer_velocity: Vec<f32>,
+    /// The parameters given to the round under way, where [`Setup::keeps_given_params`]:
+    /// the trainer trains on, and what it trained since is kept on top of the round's result.
+    given: Option<Vec<f32>>,
     paused: bool,
     held_since: Option<Instant>,
     /// A `ddp` round's gradient, kept until the round's mean gradient makes the step.
@@ -195,6 +198,7 @@ impl Loop {
             last_delta_step: counters.step,
             round_anchor: Vec::new(),
             outer_velocity: s.outer_velocity.clone(),
+            given: None,
             paused: s.start_paused,
             held_since: None,
             pending: None,
@@ -270,6 +274,7 @@ impl Loop {
                     Ok(c) => {
                         self.counters = c;
                         self.pending = None;
+                        self.given = None;
                         self.sampler.seek(c.samples_seen);
                         self.losses.clear();
                         self.last_delta_step = c.step;
@@ -304,6 +309,9 @@ impl Loop {
             Command::Mesh(TrainerCommand::TakeDelta) => self.take_delta()?,
             Command::Mesh(TrainerCommand::TakeParams) => {
                 let mut values = self.flat()?;
+                if self.s.keeps_given_params {
+                    self.given = Some(values.clone());
+                }
                 if self.s.rounds_carry_state {
                     values.extend(self.s.optimizer.flatten_state()?);
                 }
@@ -344,11 +352,14 @@ impl Loop {
                 gradient: false,
                 step,
                 judged,
+                ran_on,
             }) => {
                 // A gradient kept for a round that turned out to sum parameters (this node
                 // adopted the mesh's round) is stale.
                 self.pending = None;
-                let outcome = self.combine(&mean, judged).map_err(|e| e.to_string());
+                let outcome = self
+                    .combine(&mean, judged, ran_on)
+                    .map_err(|e| e.to_string());
                 if let (Ok(_), Some(step)) = (&outcome, step) {
                     self.take_mesh_step(step);
                 }
@@ -519,10 +530,11 @@ impl Loop {
                 break;
             }
             if self.s.max_steps > 0 && self.counters.step >= self.s.max_steps {
-                // Held at a round's boundary: that round's mean is the run's result.
+                // Held at a round's boundary, or trained on past one whose round runs: that
+                // round's mean is the run's result.
                 let since = *final_wait.get_or_insert_with(Instant::now);
                 if self.s.ends_on_a_round
-                    && !self.limit.allows(self.counters.step)
+                    && (!self.limit.allows(self.counters.step) || self.given.is_some())
                     && since.elapsed() < FINAL_ROUND_WAIT
                 {
                     self.wait_for_limit();

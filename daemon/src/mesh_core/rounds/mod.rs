@@ -244,6 +244,11 @@ pub struct RoundConfig {
     /// sends them: bf16, or int8 in blocks on a slow link (`sync.outer_values`, a sync term:
     /// members must agree).
     pub outer_values: ValueEncoding,
+    /// `diloco`: steps a synced member's trainer may take past its boundary while the round
+    /// it gave its parameters to runs (`sync.overlap_steps`; 0: held at the boundary). The
+    /// trainer keeps those steps on top of the round's outer step, and the next boundary is
+    /// `steps` after this one, as without overlap.
+    pub overlap_steps: u64,
 }
 
 impl RoundConfig {
@@ -302,6 +307,8 @@ enum Stage {
         gradient: bool,
         /// The trainer's step when it gave the contribution.
         step: u64,
+        /// The trainer trains on past `step` while the round runs ([`Rounds::runs_on`]).
+        runs_on: bool,
         /// The attempt under way (boxed: most of a node's life is spent in other stages).
         ring: Option<Box<Ring>>,
         since: Instant,
@@ -310,6 +317,9 @@ enum Stage {
     Combining {
         /// The ring carried the members' round anchor and outer velocity (`diloco`).
         carried_state: bool,
+        /// The step the trainer gave its parameters at, where it trained on past it: the next
+        /// boundary counts from there.
+        ran_on_from: Option<u64>,
     },
 }
 
@@ -500,9 +510,31 @@ impl Rounds {
         self.cfg.piece_bytes
     }
 
-    /// The highest step the trainer may reach: the round's boundary.
+    /// The highest step the trainer may reach: the round's boundary, or past it by
+    /// [`RoundConfig::overlap_steps`] while a round it may train on through runs.
     pub fn step_limit(&self) -> u64 {
-        self.boundary
+        match self.stage {
+            Stage::Reducing { runs_on: true, .. }
+            | Stage::Combining {
+                ran_on_from: Some(_),
+                ..
+            } => self.boundary.saturating_add(self.cfg.overlap_steps),
+            _ => self.boundary,
+        }
+    }
+
+    /// Whether the trainer may train on while the round it gives `gradient` (or parameters)
+    /// to runs: only a synced member's parameters in `diloco` with `overlap_steps`, where the
+    /// members share the round start and the outer step's result is the same bits for each,
+    /// whatever each trained meanwhile. A joiner, a founder, or one that needs the members'
+    /// state takes the members' parameters whole, so it waits.
+    fn runs_on(&self, gradient: bool) -> bool {
+        self.cfg.overlap_steps > 0
+            && self.cfg.outer_state
+            && !gradient
+            && self.synced
+            && !self.founding
+            && !self.needs_state()
     }
 
     /// The round under way, once this node knows it.
@@ -988,6 +1020,7 @@ impl Rounds {
             weight,
             gradient,
             step,
+            runs_on: self.runs_on(gradient),
             ring: None,
             since: now,
         };
@@ -1628,26 +1661,33 @@ impl Rounds {
             self.ask(false, out);
             return;
         }
-        let (since, mean) = match &self.stage {
+        let (since, mean, ran_on) = match &self.stage {
             Stage::Reducing {
                 since,
                 contribution,
+                runs_on,
                 ..
             } if self
                 .cfg
                 .sums_outer_changes(round, carried_state, self.ring_size) =>
             {
-                (*since, parameters_after(contribution, &mean))
+                (*since, parameters_after(contribution, &mean), *runs_on)
             }
-            Stage::Reducing { since, .. } => (*since, mean),
-            _ => (now, mean),
+            Stage::Reducing { since, runs_on, .. } => (*since, mean, *runs_on),
+            _ => (now, mean, false),
         };
         self.last_round_ms = now.saturating_duration_since(since).as_secs_f64() * 1e3;
         if self.ring_size > 1 {
             self.round_ms_sum.0 += self.last_round_ms;
             self.round_ms_sum.1 += 1;
         }
-        self.stage = Stage::Combining { carried_state };
+        // A member that became unsynced meanwhile takes the members' parameters whole: its
+        // trainer drops what it trained on, and its boundary counts from where it is.
+        let ran_on_from = (ran_on && self.synced && !self.founding).then_some(step);
+        self.stage = Stage::Combining {
+            carried_state,
+            ran_on_from,
+        };
         let step = (!gradient && (!self.synced || self.founding)).then_some(step);
         let judged = self.synced && !self.founding;
         if total > 0.0 {
@@ -1657,6 +1697,7 @@ impl Rounds {
                 gradient,
                 step,
                 judged,
+                ran_on: ran_on_from.is_some(),
             }));
         } else {
             // A gradient round in which no member is synced: each steps with its own
@@ -1667,6 +1708,7 @@ impl Rounds {
                 gradient,
                 step: None,
                 judged,
+                ran_on: false,
             }));
         }
     }
@@ -1676,7 +1718,11 @@ impl Rounds {
     /// that carried the members' round start and velocity); a gradient round changes nothing
     /// in that. In gradient rounds the next one starts at once.
     pub fn combined(&mut self, round: u64, step: u64, digest: String, out: &mut Vec<Output>) {
-        let Stage::Combining { carried_state } = self.stage else {
+        let Stage::Combining {
+            carried_state,
+            ran_on_from,
+        } = self.stage
+        else {
             return;
         };
         if self.round != Some(round) {
@@ -1699,8 +1745,13 @@ impl Rounds {
                 .retain(|_, said| said.is_some_and(|r| r > round));
             self.state_unproven = false;
         }
-        // As a synced member's first boundary: `steps` on, or in gradient rounds, none.
-        self.boundary = self.cfg.first_boundary(step, true);
+        // As a synced member's first boundary: `steps` on, or in gradient rounds, none. One
+        // that trained on through the round counts from where it gave its parameters, so
+        // every round is `steps` of its training.
+        self.boundary = match ran_on_from {
+            Some(from) => from.saturating_add(self.cfg.steps.max(1)).max(step),
+            None => self.cfg.first_boundary(step, true),
+        };
         self.stage = Stage::Training;
         self.waiting_since = None;
         self.completed += 1;

@@ -88,6 +88,8 @@ struct Ring {
     means: Vec<Option<Vec<f32>>>,
     /// The members' step each node's last `Combine` handed it.
     mean_steps: Vec<Option<u64>>,
+    /// Whether each node's last `Combine` said its trainer trained on through the round.
+    ran_on: Vec<bool>,
     offences: usize,
     /// Offences, by the member blamed.
     blamed: Vec<usize>,
@@ -139,6 +141,7 @@ impl Ring {
                         max_weight: f32::INFINITY,
                         piece_bytes: crate::wire::RING_PIECE_BYTES,
                         outer_values: crate::wire::ValueEncoding::Bf16,
+                        overlap_steps: 0,
                     },
                     ids[i],
                     0,
@@ -161,6 +164,7 @@ impl Ring {
             steps: vec![0; n],
             means: vec![None; n],
             mean_steps: vec![None; n],
+            ran_on: vec![false; n],
             offences: 0,
             blamed: Vec::new(),
             rogue: None,
@@ -250,9 +254,12 @@ impl Ring {
                     let step = self.steps[i];
                     self.nodes[i].gradient(self.params[i].clone(), batch, step, now, &mut out)
                 }
-                Output::Trainer(TrainerCommand::Combine { mean, step, .. }) => {
+                Output::Trainer(TrainerCommand::Combine {
+                    mean, step, ran_on, ..
+                }) => {
                     self.means[i] = Some(mean);
                     self.mean_steps[i] = step;
+                    self.ran_on[i] = ran_on;
                 }
                 Output::SendRing { peer, mut msg } => {
                     let j = self.ids.iter().position(|p| *p == peer).expect("peer");
@@ -747,6 +754,7 @@ fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
     node.round = Some(1);
     node.stage = Stage::Combining {
         carried_state: false,
+        ran_on_from: None,
     };
     node.combined(1, 1, "gradient".into(), &mut Vec::new());
     assert!(!node.status(Instant::now()).synced);
@@ -759,6 +767,7 @@ fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
     node.round = Some(4);
     node.stage = Stage::Combining {
         carried_state: false,
+        ran_on_from: None,
     };
     node.combined(4, 4, "params".into(), &mut Vec::new());
     assert!(node.status(Instant::now()).synced);
@@ -1328,6 +1337,78 @@ fn check_outer_changes_summed(encoding: ValueEncoding, n: usize) {
     }
 }
 
+/// With `sync.overlap_steps`, a synced `diloco` member's trainer trains on past its boundary
+/// while its round runs, up to that many steps, and is told to keep those steps on top of the
+/// round's result; its next boundary is `steps` after the one it gave its parameters at, as
+/// without overlap. A member that is not synced (a joiner, which takes the members'
+/// parameters whole) stays held at its boundary.
+#[test]
+fn a_synced_diloco_member_trains_on_through_its_round_up_to_the_overlap() {
+    const P: usize = 20;
+    let overlapping = |synced: &[bool]| {
+        let mut ring = Ring::new(2, &[1.0; 2], synced);
+        for node in &mut ring.nodes {
+            node.cfg.outer_state = true;
+            node.cfg.overlap_steps = 2;
+        }
+        let start: Vec<f32> = (0..P).map(|j| 1.0 + 0.1 * j as f32).collect();
+        for (i, p) in ring.params.iter_mut().enumerate() {
+            let own: Vec<f32> = start.iter().map(|s| s - 0.01 * (i + 1) as f32).collect();
+            *p = [own, start.clone(), vec![0.0; P]].concat();
+        }
+        ring
+    };
+    // Two founders reach their boundary at step 5.
+    let mut ring = overlapping(&[true, true]);
+    ring.steps = vec![5, 5];
+    let now = Instant::now();
+    ring.hear_all(now);
+    let mut queue = VecDeque::new();
+    for i in 0..2 {
+        let mut out = Vec::new();
+        ring.nodes[i].tick(5, true, now, &mut out);
+        queue.extend(out.into_iter().map(|o| (i, o)));
+    }
+    // Each founder's parameters are given: its trainer may go two steps on.
+    let queue = ring.carry_until(queue, now, &[true, true], |r| {
+        r.nodes
+            .iter()
+            .all(|n| matches!(n.stage, Stage::Reducing { .. }))
+    });
+    for i in 0..2 {
+        assert_eq!(
+            ring.nodes[i].step_limit(),
+            7,
+            "founder {i} while its round runs"
+        );
+    }
+    ring.carry(queue, now, &[true, true]);
+    for i in 0..2 {
+        assert!(ring.means[i].is_some(), "founder {i} took no mean");
+        assert!(ring.ran_on[i], "founder {i} was not told to keep its steps");
+        // Still allowed on while its trainer takes the mean.
+        assert_eq!(
+            ring.nodes[i].step_limit(),
+            7,
+            "founder {i} while it combines"
+        );
+        let mut out = Vec::new();
+        ring.nodes[i].combined(0, 6, "d0".into(), &mut out);
+        assert_eq!(
+            ring.nodes[i].step_limit(),
+            10,
+            "founder {i}: the next boundary counts from step 5"
+        );
+    }
+    // A member whose parameters are not the mesh's gives them and waits.
+    let mut ring = overlapping(&[true, false]);
+    let mut out = Vec::new();
+    ring.nodes[1].tick(0, true, now, &mut out);
+    ring.nodes[1].params(ring.params[1].clone(), 0, now, &mut out);
+    assert!(matches!(ring.nodes[1].stage, Stage::Reducing { .. }));
+    assert_eq!(ring.nodes[1].step_limit(), 0, "the joiner ran on");
+}
+
 /// A `diloco` member that heard a need named at an earlier round does not carry the state
 /// for it: that round's ring gave it (a heartbeat sent before it completed arrives late).
 #[test]
@@ -1372,6 +1453,7 @@ fn a_carried_round_meets_the_needs_heard_before_it() {
     assert!(ring.nodes[0].carries_state(4, &members));
     ring.nodes[0].stage = Stage::Combining {
         carried_state: true,
+        ran_on_from: None,
     };
     let mut out = Vec::new();
     ring.nodes[0].combined(4, 100, String::new(), &mut out);

@@ -279,10 +279,13 @@ struct SimNode {
     outer: Option<OuterState>,
 }
 
-/// A `diloco` node's outer state: where its round started, and its outer optimizer's velocity.
+/// A `diloco` node's outer state: where its round started, its outer optimizer's velocity,
+/// and the parameters it gave its last round (with `overlap_steps` it trains on, and keeps
+/// those steps on top of the round's result).
 struct OuterState {
     anchor: Vec<f32>,
     velocity: Vec<f32>,
+    given: Vec<f32>,
 }
 
 /// The simulated `diloco` nodes' outer optimizer: the daemon's defaults (DiLoCo's).
@@ -479,6 +482,7 @@ impl Sim {
             .then(|| OuterState {
                 anchor: x.clone(),
                 velocity: vec![0.0; x.len()],
+                given: Vec::new(),
             });
         self.nodes.push(SimNode {
             id,

@@ -136,7 +136,8 @@ impl Sim {
             // In `diloco`, followed by the round's start and the outer velocity.
             TrainerCommand::TakeParams => {
                 let mut values = n.x.clone();
-                if let Some(outer) = &n.outer {
+                if let Some(outer) = &mut n.outer {
+                    outer.given = n.x.clone();
                     values.extend_from_slice(&outer.anchor);
                     values.extend_from_slice(&outer.velocity);
                 }
@@ -165,6 +166,7 @@ impl Sim {
                 mean,
                 gradient,
                 step,
+                ran_on,
                 ..
             } => {
                 let kept = n.kept_gradient.take();
@@ -209,8 +211,14 @@ impl Sim {
                                     outer.anchor = mean[d..2 * d].to_vec();
                                     outer.velocity = mean[2 * d..].to_vec();
                                 }
-                                n.x = OUTER.step(&outer.anchor, &mean[..d], &mut outer.velocity);
-                                outer.anchor = n.x.clone();
+                                let next =
+                                    OUTER.step(&outer.anchor, &mean[..d], &mut outer.velocity);
+                                n.x = if ran_on && outer.given.len() == d {
+                                    replica::steps_kept_onto(&next, &outer.given, &n.x)
+                                } else {
+                                    next.clone()
+                                };
+                                outer.anchor = next;
                             }
                             // An empty mean: the parameters are kept, and the next round
                             // starts from them.
@@ -225,7 +233,12 @@ impl Sim {
                     }
                 }
                 n.last_advanced = self.t;
-                let digest = params_digest(&n.x);
+                // The members' shared bits: a `diloco` member's round result (its next round's
+                // start), whatever steps it kept on top.
+                let digest = match &n.outer {
+                    Some(outer) if !gradient => params_digest(&outer.anchor),
+                    _ => params_digest(&n.x),
+                };
                 // Filed under the ring of this round's last hop sent, forgotten with it: a ring
                 // of one sends no hop and makes no promise.
                 let ring = n.last_ring.take().filter(|(r, _)| *r == round);

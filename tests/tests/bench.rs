@@ -81,6 +81,27 @@ fn bench_scaling_reports_each_kind_to_the_target_with_a_clean_mesh() {
     assert!(ddp["bytes_sent_per_node"].as_f64().is_some_and(|b| b > 0.0));
     let svg = std::fs::read_to_string(out.path().join("report.svg")).expect("report.svg");
     assert!(svg.contains("<svg"), "not an SVG");
+    // Each node's folder holds its key and checkpoints: made 0700, never open for the node to
+    // narrow (it warned once per node when the benchmark made them with `create_dir_all`).
+    let mut node_dirs = 0;
+    for run in std::fs::read_dir(out.path().join("runs"))
+        .expect("runs")
+        .flatten()
+    {
+        let nodes = std::fs::read_dir(run.path())
+            .expect("a run's nodes")
+            .flatten();
+        for node in nodes.filter(|e| e.file_name().to_string_lossy().starts_with('n')) {
+            let mode = std::os::unix::fs::PermissionsExt::mode(
+                &node.metadata().expect("metadata").permissions(),
+            );
+            assert_eq!(mode & 0o777, 0o700, "{}: {mode:o}", node.path().display());
+            let log = std::fs::read_to_string(node.path().join("node.log")).unwrap_or_default();
+            assert!(!log.contains("open to others"), "{}", node.path().display());
+            node_dirs += 1;
+        }
+    }
+    assert!(node_dirs >= 4, "{node_dirs} node folders");
 }
 
 /// A benchmark process that is killed, and its lab's namespaces deleted, when the test ends

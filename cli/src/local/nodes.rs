@@ -82,7 +82,8 @@ pub(super) fn spawn_node(
     flags: NodeFlags<'_>,
     cores: Option<&str>,
 ) -> Result<Child> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    p2ptrain_daemon::node::make_private_dir(dir)
+        .with_context(|| format!("cannot create {}", dir.display()))?;
     let log =
         std::fs::File::create(dir.with_extension("log")).context("cannot create a node log")?;
     let exe = std::env::current_exe().context("cannot find this executable")?;

@@ -690,7 +690,10 @@ impl SyncConfig {
                 self.outer_momentum
             ));
         }
-        if self.overlap_steps > 0 && self.overlap_steps >= self.inner_steps {
+        if self.mode == SyncMode::Diloco
+            && self.overlap_steps > 0
+            && self.overlap_steps >= self.inner_steps
+        {
             return Err(format!(
                 "sync.overlap_steps = {} must be less than sync.inner_steps = {} (a member trains on at most until its next round)",
                 self.overlap_steps, self.inner_steps

@@ -891,3 +891,21 @@ fn the_configuration_reference_names_every_key_the_code_reads_and_no_other() {
         wrong.join("\n")
     );
 }
+
+/// `sync.overlap_steps` is `diloco`'s: there it must stay under `inner_steps` (a member
+/// trains on at most until its next round); the other modes take no rounds it could overlap
+/// and pass it to nothing.
+#[test]
+fn an_overlap_as_long_as_the_round_is_refused_in_diloco_only() {
+    let sync = |mode: &str, overlap: u64| {
+        let text = format!(
+            "{DEFAULT_CONFIG_TOML}\n[sync]\nmode = \"{mode}\"\ninner_steps = 10\noverlap_steps = {overlap}\n"
+        );
+        Config::parse(&text, "x.toml", None)
+    };
+    let e = sync("diloco", 10).expect_err("10 of 10").to_string();
+    assert!(e.contains("sync.overlap_steps"), "{e}");
+    let rounds = |c: Config| c.sync.rounds(640, 32).map(|r| r.overlap_steps);
+    assert_eq!(rounds(sync("diloco", 9).expect("9 of 10")), Some(9));
+    assert_eq!(rounds(sync("allreduce", 10).expect("allreduce")), Some(0));
+}

@@ -27,7 +27,7 @@ pub(super) struct OpenedDataDir {
 /// Creates and locks the data directory, loads or creates the node's key, and opens its
 /// checkpoints (which must be of this configuration's run).
 pub(super) fn open_data_dir(config: &Config, data_dir: &Path) -> Result<OpenedDataDir, NodeError> {
-    make_private(data_dir)
+    make_private_dir(data_dir)
         .map_err(|e| NodeError::DataDir(format!("{}: {e}", data_dir.display())))?;
     let lock = lock_data_dir(data_dir)?;
     let key = identity::load_or_create(data_dir)?;
@@ -49,8 +49,10 @@ pub(super) fn open_data_dir(config: &Config, data_dir: &Path) -> Result<OpenedDa
 
 /// Creates the data directory, readable by its owner only (0700): it holds the node's key, its
 /// checkpoints (the model and the optimizer's state) and its API token. One that exists is
-/// narrowed to 0700 too, with a warning, where others could read it.
-fn make_private(dir: &Path) -> std::io::Result<()> {
+/// narrowed to 0700 too, with a warning, where others could read it. Public for what starts
+/// nodes in folders of its own (`local`, the benchmarks), which writes a node's log there
+/// first: made with `create_dir_all`, each node warned once that its folder was open.
+pub fn make_private_dir(dir: &Path) -> std::io::Result<()> {
     #[cfg(not(unix))]
     std::fs::create_dir_all(dir)?;
     #[cfg(unix)]

@@ -33,6 +33,7 @@ pub use error::NodeError;
 
 mod api;
 mod data_dir;
+pub use data_dir::make_private_dir;
 mod error;
 
 /// Settings that belong to this node's process, not to the run, and are no config key (the
@@ -252,6 +253,9 @@ struct TrainerStart {
     /// at. (`ddp` needs no final wait: every step is a round, so its members already end on
     /// the same optimizer step, and it is always held at its step, so it would wait.)
     ends_on_a_round: bool,
+    /// The rounds let a synced member train on past its boundary (`sync.overlap_steps`): the
+    /// trainer keeps the parameters it gave a round, to add its later steps to the result.
+    keeps_given_params: bool,
 }
 
 impl TrainerStart {
@@ -286,6 +290,7 @@ impl TrainerStart {
                 .map(trainer::outer_velocity)
                 .unwrap_or_default(),
             ends_on_a_round: rounds.is_some_and(|(rc, _)| rc.gradients.is_none()),
+            keeps_given_params: rounds.is_some_and(|(rc, _)| rc.overlap_steps > 0),
         }
     }
 }
@@ -328,8 +333,7 @@ fn trainer_setup(config: &Config, data_dir: &Path, t: TrainerStart) -> trainer::
             1
         },
         ends_on_a_round: t.ends_on_a_round,
-        keeps_given_params: config.sync.mode == crate::config::SyncMode::Diloco
-            && config.sync.overlap_steps > 0,
+        keeps_given_params: t.keeps_given_params,
     }
 }
 

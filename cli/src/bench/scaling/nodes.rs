@@ -12,7 +12,7 @@ pub(super) fn spawn(
     config: &Path,
     boot: Option<&str>,
 ) -> Result<Child> {
-    std::fs::create_dir_all(dir)?;
+    p2ptrain_daemon::node::make_private_dir(dir)?;
     let log = std::fs::File::create(dir.join("node.log"))?;
     let exe = std::env::current_exe().context("cannot find this executable")?;
     let listen = match (&bench.lab, arm) {

@@ -427,9 +427,11 @@ impl Rounds {
         }
     }
 
-    /// Drops the attempt under way (if any) and starts again at once, with what the inbox
-    /// says of the mesh's round and attempt.
+    /// Drops the attempt under way (if any; where its lists differed, what they said is
+    /// weighed first: [`Rounds::weigh_lists_before_moving_on`]) and starts again at once,
+    /// with what the inbox says of the mesh's round and attempt.
     pub(super) fn restart(&mut self, now: Instant, out: &mut Vec<Output>) {
+        self.weigh_lists_before_moving_on(now);
         if let Stage::Reducing { ring, .. } = &mut self.stage {
             *ring = None;
         }

@@ -1443,12 +1443,41 @@ impl Rounds {
     /// leave the rogue out, and waited with it for the sit-outs to end (doubling each time:
     /// `ring_rogue`'s `diloco` kill test, one run in six, 10 s and more without a round).
     fn lists_differ(&mut self, now: Instant) {
+        let Some(verdict) = self.lists_verdict(now) else {
+            return;
+        };
+        self.abort("member lists differ", now);
+        let action = self.lists.named(verdict, now);
+        self.act_on_lists(verdict, action, now);
+    }
+
+    /// The running attempt's lists differed, and members' hops of a later attempt move this
+    /// node on before it weighed them ([`Rounds::lists_differ`] waits for the parts of its
+    /// own list's members, or [`LISTS_DIFFER_WAIT`]): what they said may still confirm the
+    /// verdict earlier attempts named ([`Lists::named_again`]). Moved on unweighed, a member
+    /// whose other members both left a rogue out never left it out itself once the rogue
+    /// stopped sending to it: the two aborted each attempt at its first part, and their next
+    /// attempt's hops moved it on within the wait, attempt after attempt (`ring_rogue`'s
+    /// `diloco` kill test: no round for 60 s, in CI and one run in seven beside a busy core).
+    pub(super) fn weigh_lists_before_moving_on(&mut self, now: Instant) {
+        let differed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.lists_differ_since.is_some());
+        if !differed {
+            return;
+        }
+        if let Some(verdict) = self.lists_verdict(now) {
+            let action = self.lists.named_again(verdict, now);
+            self.act_on_lists(verdict, action, now);
+        }
+    }
+
+    /// What the running attempt's lists say ([`lists`]), where an attempt runs.
+    fn lists_verdict(&self, now: Instant) -> Option<Option<Verdict>> {
         let not_in_rounds = self.members_not_in_rounds(now);
         let Stage::Reducing {
             ring: Some(ring), ..
         } = &self.stage
         else {
-            return;
+            return None;
         };
         let blamed = &self.blamed_peers;
         let candidates: Vec<PeerId> = self
@@ -1466,16 +1495,21 @@ impl Rounds {
             .copied()
             .chain(self.lists.ever_left_out())
             .collect();
-        let verdict = ring
-            .left_out_by_most()
-            .map(Verdict::LeftOut)
-            .or_else(|| {
-                ring.listed_by_most(candidates.into_iter(), &not_in_rounds)
-                    .map(Verdict::Listed)
-            })
-            .or_else(|| ring.unmatched_list(&known).map(Verdict::Unmatched));
-        self.abort("member lists differ", now);
-        match self.lists.named(verdict, now) {
+        Some(
+            ring.left_out_by_most()
+                .map(Verdict::LeftOut)
+                .or_else(|| {
+                    ring.listed_by_most(candidates.into_iter(), &not_in_rounds)
+                        .map(Verdict::Listed)
+                })
+                .or_else(|| ring.unmatched_list(&known).map(Verdict::Unmatched)),
+        )
+    }
+
+    /// Does `action`, what `verdict` (an attempt's lists) calls for now.
+    fn act_on_lists(&mut self, verdict: Option<Verdict>, action: Option<Action>, now: Instant) {
+        tracing::debug!(?verdict, ?action, "member lists differ: what the lists say");
+        match action {
             None => {}
             Some(Action::LeaveOut(peer)) if matches!(verdict, Some(Verdict::Unmatched(_))) => {
                 tracing::info!(%peer, "a member names a member list nobody else names; leaving it out of this node's rounds for a while");
@@ -1611,6 +1645,7 @@ impl Rounds {
             now,
         );
         r.steps_said = said;
+        tracing::debug!(round, attempt = self.attempt, members = ?r.members, "attempt started");
         self.ring_size = r.len();
         self.retry_at = None;
         if r.len() == 1 {

@@ -2188,6 +2188,50 @@ fn a_member_most_others_left_out_is_left_out() {
     assert_eq!(ring.offences, 0);
 }
 
+/// As above, but member 3 stops sending to member 0 just before member 0's verdict is due
+/// (it left member 0 out in turn: a rogue's own verdict on the honest member that still
+/// lists it, due at the same moment). Members 1 and 2 abort each attempt as soon as member
+/// 0's part names member 3, and their next attempt moves member 0 on before it would weigh
+/// an attempt that waits for member 3's part. Moving on, it weighed nothing, so it never left
+/// member 3 out, and the three aborted attempt after attempt (`ring_rogue`'s `diloco` kill
+/// test, CI and one run in seven beside a busy core: 60 s without a round).
+#[test]
+fn a_member_moved_on_while_its_lists_differ_still_weighs_them() {
+    let mut ring = Ring::new(4, &[1.0; 4], &[true; 4]);
+    let alive = [true; 4];
+    let t0 = Instant::now();
+    for i in [1, 2] {
+        ring.nodes[i].peer_down(ring.ids[3], t0);
+        ring.cut.extend([(3, i), (i, 3)]);
+    }
+    let silent_from = (lists::OUTVOTED_FOR - RETRY_PAUSE).as_millis();
+    for k in 0..40u32 {
+        let now = t0 + RETRY_PAUSE * k;
+        if now.duration_since(t0).as_millis() >= silent_from && !ring.cut.contains(&(3, 0)) {
+            ring.cut.push((3, 0));
+        }
+        // Heartbeats are gossiped: member 0 still hears member 3's.
+        for i in 0..4 {
+            for j in 0..4 {
+                if i != j && !matches!((i, j), (1 | 2, 3) | (3, 1 | 2)) {
+                    let word = ready_in(ring.nodes[j].status(Instant::now()).round, None);
+                    let id = ring.ids[j];
+                    ring.nodes[i].heard(id, &word, now);
+                }
+            }
+        }
+        ring.run(now, &alive);
+        if ring.means[..3].iter().all(Option::is_some) {
+            break;
+        }
+    }
+    assert_the_three_took_one_mean(&ring);
+    let st = ring.nodes[0].status(Instant::now());
+    assert_eq!(st.ring_size, 3, "{st:?}");
+    assert_eq!(st.aborted.get("left a member out"), Some(&1), "{st:?}");
+    assert_eq!(ring.offences, 0);
+}
+
 /// Member 3's hops name a member list nobody has (a random digest): no leave-out or sit-out
 /// explains it, so without a verdict of its own every attempt with it aborted on lists that
 /// differ, and the retry listed it again, forever. The others leave it out once their

@@ -1458,7 +1458,7 @@ impl Rounds {
     /// whose other members both left a rogue out never left it out itself once the rogue
     /// stopped sending to it: the two aborted each attempt at its first part, and their next
     /// attempt's hops moved it on within the wait, attempt after attempt (`ring_rogue`'s
-    /// `diloco` kill test: no round for 60 s, in CI and one run in seven beside a busy core).
+    /// `diloco` kill test: no round for 60 s, in CI and in 2 runs of 9 beside a busy core).
     pub(super) fn weigh_lists_before_moving_on(&mut self, now: Instant) {
         let differed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.lists_differ_since.is_some());
         if !differed {

@@ -2172,7 +2172,7 @@ fn a_member_most_others_left_out_is_left_out() {
 /// 0's part names member 3, and their next attempt moves member 0 on before it would weigh
 /// an attempt that waits for member 3's part. Moving on, it weighed nothing, so it never left
 /// member 3 out, and the three aborted attempt after attempt (`ring_rogue`'s `diloco` kill
-/// test, CI and one run in seven beside a busy core: 60 s without a round).
+/// test, in CI and in 2 runs of 9 beside a busy core: 60 s without a round).
 #[test]
 fn a_member_moved_on_while_its_lists_differ_still_weighs_them() {
     let ring = members_1_and_2_left_out_member_3(Some(lists::OUTVOTED_FOR - RETRY_PAUSE));

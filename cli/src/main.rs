@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use p2ptrain_daemon::config::{Overrides, DEFAULT_API, DEFAULT_DATA_DIR};
+use p2ptrain_daemon::config::{Overrides, SyncMode, DEFAULT_API, DEFAULT_DATA_DIR};
 use p2ptrain_daemon::control::TOKEN_ENV;
 use p2ptrain_daemon::node::{self, Options};
 use p2ptrain_daemon::status::{CheckpointView, Status};
@@ -55,10 +55,10 @@ enum Cmd {
     Checkpoint(CheckpointCmd),
     /// Evaluate a checkpoint file on the held-out data, without a daemon.
     Eval(EvalArgs),
-    /// Stop a running node gracefully (it writes a final checkpoint).
+    /// Stop a running node gracefully: it tells its neighbours it leaves (they replace it at
+    /// once), finishes its step and writes a final checkpoint. `leave` is another name for it.
+    #[command(visible_alias = "leave")]
     Stop(ApiArgs),
-    /// Leave the mesh: tell the neighbours, then stop gracefully with a final checkpoint.
-    Leave(ApiArgs),
     /// List the node's peers.
     Peers(PeersArgs),
     /// Run a mesh of N nodes on this machine (127.0.0.1), show progress, summarise.
@@ -127,6 +127,11 @@ struct JoinArgs {
     /// Configuration file (TOML); default: the built-in configs/digits-mlp.toml.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// A setting written over the config file's, `section.key=VALUE` with VALUE in TOML (a
+    /// bare word is a string), e.g. `--set optimizer.lr=0.001`; repeatable. Settings that
+    /// make the run id change it on every box: give joiners the same ones.
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    settings: Vec<p2ptrain_daemon::config::Setting>,
     /// Directory for identity, checkpoints and index.
     #[arg(long, default_value = DEFAULT_DATA_DIR)]
     data_dir: PathBuf,
@@ -145,11 +150,11 @@ struct JoinArgs {
     /// Stop after this many training steps (0: train until stopped).
     #[arg(long)]
     max_steps: Option<u64>,
-    /// A member of the mesh to join through, e.g. /ip4/192.168.1.5/tcp/4001/p2p/12D3Koo...
+    /// A member of the mesh to join through, e.g. /ip4/192.168.1.5/tcp/7471/p2p/12D3Koo...
     /// (repeatable). Without one, this node founds a new mesh.
     #[arg(long)]
     bootstrap: Vec<String>,
-    /// libp2p address to listen on (repeatable; default /ip4/0.0.0.0/tcp/4001).
+    /// libp2p address to listen on (repeatable; default /ip4/0.0.0.0/tcp/7471).
     #[arg(long)]
     listen: Vec<String>,
     /// Also find peers on the local network with mDNS (multicast on every interface; off by
@@ -160,9 +165,8 @@ struct JoinArgs {
     /// can connect. Overrides `network.psk`.
     #[arg(long)]
     psk: Option<PathBuf>,
-    /// How the members combine their training: gossip (default), allreduce, ddp, diloco or fedavg
-    /// (see docs/modes.md). Overrides `sync.mode`.
-    #[arg(long)]
+    /// How the members combine their training (see docs/modes.md). Overrides `sync.mode`.
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SyncMode::names()))]
     sync_mode: Option<String>,
     /// In a synchronous mode, start rounds only once this many members (this node included)
     /// are ready. Overrides `sync.min_members`.
@@ -328,10 +332,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             sample::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Stop(api) | Cmd::Leave(api) => runtime::client_runtime()?.block_on(async {
+        Cmd::Stop(api) => runtime::client_runtime()?.block_on(async {
             let client = Client::new(&api.api, api.api_token)?;
             let _: serde_json::Value = client.post("/v1/stop").await?;
-            println!("leaving: the node tells its neighbours, writes a final checkpoint and exits");
+            println!("stopping: the node tells its neighbours it leaves, writes a final checkpoint and exits");
             Ok(ExitCode::SUCCESS)
         }),
         Cmd::Peers(args) => runtime::client_runtime()?.block_on(async {
@@ -436,7 +440,7 @@ impl JoinArgs {
 }
 
 fn join(args: JoinArgs) -> Result<ExitCode> {
-    let mut config = Config::load(args.config.as_deref())?;
+    let mut config = Config::load_with(args.config.as_deref(), &args.settings)?;
     config.apply(&args.overrides())?;
     runtime::set_compute_threads(config.train.threads);
     let prepared = node::prepare(config)?;
@@ -542,6 +546,16 @@ async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term => {},
     }
+    // The node now finishes its step and writes its final checkpoint, which can take a while
+    // for a large model. A second Ctrl-C means the user will not wait: stop at once. A
+    // checkpoint is written under a temporary name and renamed, so the newest complete one
+    // survives, as it survives `kill -9`.
+    tokio::spawn(async {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("second interrupt: stopping now, without the final checkpoint (the newest one written is kept)");
+            std::process::exit(130);
+        }
+    });
 }
 
 async fn status(args: StatusArgs) -> Result<ExitCode> {

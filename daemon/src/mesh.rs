@@ -23,7 +23,6 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use libp2p::PeerId;
 use serde_bytes::ByteBuf;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
@@ -73,8 +72,9 @@ pub struct MeshActor {
     trainer_rx: mpsc::Receiver<TrainerEvent>,
     /// Shared with the status API.
     status: Arc<Mutex<MeshStatus>>,
-    /// The run's connected members, for a joiner waiting for donors.
-    members_tx: watch::Sender<Vec<PeerId>>,
+    /// The run's connected members (and a bootstrap peer of another run), for a joiner
+    /// waiting for donors.
+    reached_tx: watch::Sender<transfer::Reached>,
     /// Frozen states this node can serve.
     cache: Arc<Mutex<transfer::Cache>>,
     /// Where the core's SSP limit reaches the trainer.
@@ -103,7 +103,7 @@ impl MeshActor {
         stats_rx: watch::Receiver<Stats>,
         trainer_rx: mpsc::Receiver<TrainerEvent>,
         status: Arc<Mutex<MeshStatus>>,
-        members_tx: watch::Sender<Vec<PeerId>>,
+        reached_tx: watch::Sender<transfer::Reached>,
         cache: Arc<Mutex<transfer::Cache>>,
         limit: StepLimit,
         serve_chunk_delay: Duration,
@@ -117,7 +117,7 @@ impl MeshActor {
             stats_rx,
             trainer_rx,
             status,
-            members_tx,
+            reached_tx,
             cache,
             limit,
             serve_chunk_delay,
@@ -237,10 +237,10 @@ impl MeshActor {
         self.flush_applies();
         self.limit.set(self.core.step_limit(Instant::now()));
         let members = self.core.members();
-        self.members_tx.send_if_modified(|m| {
-            let changed = !m.iter().eq(members.iter());
+        self.reached_tx.send_if_modified(|r| {
+            let changed = !r.members.iter().eq(members.iter());
             if changed {
-                *m = members.iter().copied().collect();
+                r.members = members.iter().copied().collect();
             }
             changed
         });
@@ -438,6 +438,12 @@ impl MeshActor {
             Event::PeerUp(peer) => Some(Input::PeerUp(peer)),
             Event::PeerDown(peer) => Some(Input::PeerDown(peer)),
             Event::Subscribed { .. } => None,
+            Event::BootstrapOfAnotherRun { peer, differs } => {
+                self.reached_tx.send_modify(|r| {
+                    r.other_run.get_or_insert((peer, differs));
+                });
+                None
+            }
             Event::Gossip {
                 source,
                 author,

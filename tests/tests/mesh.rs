@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::harness::{cli, eventually, newest_checkpoint, read_checkpoint, repo_root, Node};
+use crate::harness::{cli, evals, eventually, newest_checkpoint, read_checkpoint, repo_root, Node};
 
 /// The default digits config, checkpoints off, paced by a 1 ms step delay so nodes train for a
 /// while before they finish, plus `extra` TOML appended (without a `[debug]` table).
@@ -403,8 +403,11 @@ fn a_donor_killed_mid_download_and_the_joiner_completes_from_another() {
     });
 }
 
+/// A fresh joiner whose bootstrap peer trains another run exits non-zero before its first
+/// step, with one `error:` line naming what differs, instead of training alone; the member
+/// refuses it and stays without peers.
 #[test]
-fn a_node_of_another_run_is_refused() {
+fn a_joiner_of_another_run_is_refused_and_exits_naming_what_differs() {
     let tmp = tempfile::tempdir().expect("tmp");
     let cfg = config(tmp.path(), "c.toml", &[], "");
     let other = config(
@@ -415,11 +418,43 @@ fn a_node_of_another_run_is_refused() {
     );
     let a = start(tmp.path(), "a", &cfg, None, &[]);
     let addr = listen_addr(&a);
-    let b = start(tmp.path(), "b", &other, Some(&addr), &[]);
+    let b_dir = tmp.path().join("b");
+    let mut b = Node::start(
+        &b_dir,
+        &[
+            "--config",
+            other.to_str().expect("utf8"),
+            "--bootstrap",
+            &addr,
+        ],
+    );
+    let exit = b.wait_exit(Duration::from_secs(60));
+    let log = b.log_text();
+    assert!(
+        !exit.success(),
+        "the joiner of another run exited with {exit}: {log}"
+    );
+    let errors: Vec<&str> = log.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "{log}");
+    assert!(
+        errors[0].contains("init seed (here 43, there 42)"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        !errors[0].contains("model ("),
+        "only the seed differs: {}",
+        errors[0]
+    );
+    assert!(
+        newest_checkpoint(&b_dir).is_none(),
+        "the joiner wrote a checkpoint: {log}"
+    );
+    assert!(
+        evals(&b_dir).is_empty(),
+        "the joiner evaluated, so it trained: {log}"
+    );
     a.wait_status("the stranger refused", Duration::from_secs(30), |s| {
-        s["refused_peers"].as_u64().unwrap_or(0) >= 1
-    });
-    b.wait_status("the stranger refused too", Duration::from_secs(30), |s| {
         s["refused_peers"].as_u64().unwrap_or(0) >= 1
     });
     assert_eq!(peers(&a.status().expect("status")), 0);
@@ -428,7 +463,8 @@ fn a_node_of_another_run_is_refused() {
 
 /// Two nodes of one run (same model, data and seed: the run id is the same) in two sync
 /// modes, or in one synchronous mode with different shared settings, would each wait for
-/// rounds or updates the other never sends: they are refused at the handshake, and say why.
+/// rounds or updates the other never sends: they are refused at the handshake, both sides say
+/// which settings differ, and a fresh joiner that reached only such a member exits.
 #[test]
 fn nodes_of_one_run_in_other_sync_modes_or_settings_are_refused() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -441,15 +477,37 @@ fn nodes_of_one_run_in_other_sync_modes_or_settings_are_refused() {
     let gossip = config(tmp.path(), "gossip.toml", &[], "");
     let a = start(tmp.path(), "a", &every4, None, &[]);
     let addr = listen_addr(&a);
-    let strangers = [
-        start(tmp.path(), "gossip", &gossip, Some(&addr), &[]),
-        start(tmp.path(), "every2", &every2, Some(&addr), &[]),
-    ];
-    for node in &strangers {
-        node.wait_status(
-            "refused by the allreduce node",
-            Duration::from_secs(30),
-            |s| s["refused_peers"].as_u64().unwrap_or(0) >= 1,
+    for (name, cfg, differs) in [
+        (
+            "gossip",
+            &gossip,
+            "(here gossip/mix/add, there allreduce/every/4)",
+        ),
+        (
+            "every2",
+            &every2,
+            "(here allreduce/every/2, there allreduce/every/4)",
+        ),
+    ] {
+        let mut stranger = Node::start(
+            &tmp.path().join(name),
+            &[
+                "--config",
+                cfg.to_str().expect("utf8"),
+                "--bootstrap",
+                &addr,
+            ],
+        );
+        let exit = stranger.wait_exit(Duration::from_secs(60));
+        let log = stranger.log_text();
+        assert!(!exit.success(), "{name} exited with {exit}: {log}");
+        let error = log
+            .lines()
+            .find(|l| l.starts_with("error:"))
+            .unwrap_or_default();
+        assert!(
+            error.contains(&format!("sync mode and its shared settings {differs}")),
+            "{name}: {log}"
         );
     }
     a.wait_status("both strangers refused", Duration::from_secs(30), |s| {
@@ -457,8 +515,14 @@ fn nodes_of_one_run_in_other_sync_modes_or_settings_are_refused() {
     });
     assert_eq!(peers(&a.status().expect("status")), 0);
     let log = a.log_text();
-    assert!(log.contains("/sync/gossip/"), "{log}");
-    assert!(log.contains("/sync/allreduce/every/2/"), "{log}");
+    assert!(
+        log.contains("(here allreduce/every/4, there gossip/mix/add)"),
+        "{log}"
+    );
+    assert!(
+        log.contains("(here allreduce/every/4, there allreduce/every/2)"),
+        "{log}"
+    );
     // The same terms still meet.
     let same = start(tmp.path(), "same", &every4, Some(&addr), &[]);
     same.wait_status("a member of the same terms", Duration::from_secs(30), |s| {

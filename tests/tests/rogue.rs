@@ -149,6 +149,7 @@ impl Rogue {
         let config = p2ptrain_daemon::Config::load(Some(config)).expect("config");
         let run_id = config.run_id();
         let sync_terms = config.sync.shared_terms();
+        let run_parts = config.run_parts();
         let prepared = p2ptrain_daemon::node::prepare(config).expect("prepare");
         let model = p2ptrain_models::Model::new(&prepared.spec, 1, &candle_core::Device::Cpu)
             .expect("model");
@@ -169,6 +170,7 @@ impl Rogue {
             listen: vec!["/ip4/127.0.0.1/tcp/0".parse().expect("addr")],
             bootstrap: vec![bootstrap.parse().expect("addr")],
             run_id: run_id.clone(),
+            run_parts,
             sync_terms,
             mdns: false,
             psk: None,

@@ -30,7 +30,7 @@ pub struct SimArgs {
     seeds: String,
     /// The nodes' sync mode: `gossip` (the large-mesh scenario), or `allreduce` or `ddp`
     /// with the config's defaults for their rounds (the rounds' scenario).
-    #[arg(long, default_value = "gossip")]
+    #[arg(long, default_value = "gossip", value_parser = ["gossip", "allreduce", "ddp"])]
     sync_mode: String,
     /// Rounds' scenario only: the churn intervals to compare, in virtual ms between a silent
     /// kill (and a joiner) and the next, comma-separated; 0 runs without churn.

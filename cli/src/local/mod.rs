@@ -66,9 +66,8 @@ pub struct LocalArgs {
     /// and the summary sets the steps each needed side by side: what the other boxes bought.
     #[arg(long)]
     pub target: Option<f64>,
-    /// The sync mode of every mesh node (`gossip`, `allreduce`, `ddp`, `diloco`, `fedavg`),
-    /// replacing the config's `sync.mode`.
-    #[arg(long)]
+    /// The sync mode of every mesh node, replacing the config's `sync.mode`.
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(p2ptrain_daemon::config::SyncMode::names()))]
     pub sync_mode: Option<String>,
     /// Pin each node to this many CPU cores of its own (`taskset`), so the times to the
     /// target compare as if each node were a box: node k gets cores kK..(k+1)K-1, the lone

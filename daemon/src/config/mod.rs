@@ -32,6 +32,7 @@ use crate::device::DeviceSpec;
 
 mod raw;
 mod sections;
+mod setting;
 
 use raw::RawConfig;
 use sections::parse_all;
@@ -39,6 +40,7 @@ pub use sections::{
     ApiConfig, CheckpointConfig, DebugConfig, NetworkConfig, SyncConfig, SyncMode, TrainConfig,
     DEFAULT_API, DEFAULT_DATA_DIR, DEFAULT_LISTEN_PORT,
 };
+pub use setting::Setting;
 
 /// The default configuration (`configs/digits-mlp.toml`), compiled in so that `p2ptrain join`
 /// works with no file at all.
@@ -286,17 +288,37 @@ pub struct Config {
 impl Config {
     /// Reads and validates a config file; `None` gives the built-in default.
     pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
-        match path {
-            None => Config::parse(DEFAULT_CONFIG_TOML, DEFAULT_CONFIG_NAME, None),
+        Config::load_with(path, &[])
+    }
+
+    /// [`Config::load`] with `settings` (a command line's `--set`) written over the file's
+    /// keys before it is parsed, so each is checked as the same line in the file would be.
+    pub fn load_with(path: Option<&Path>, settings: &[Setting]) -> Result<Config, ConfigError> {
+        let (text, name, base) = match path {
+            None => (
+                DEFAULT_CONFIG_TOML.to_string(),
+                DEFAULT_CONFIG_NAME.to_string(),
+                None,
+            ),
             Some(p) => {
                 let name = p.display().to_string();
                 let text = std::fs::read_to_string(p).map_err(|e| ConfigError::File {
                     file: name.clone(),
                     msg: format!("cannot read config: {e}"),
                 })?;
-                Config::parse(&text, &name, p.parent())
+                (text, name, p.parent())
             }
-        }
+        };
+        let text = setting::apply(&text, settings).map_err(|msg| ConfigError::File {
+            file: name.clone(),
+            msg,
+        })?;
+        let origin = if settings.is_empty() {
+            name
+        } else {
+            format!("{name} with --set")
+        };
+        Config::parse(&text, &origin, base)
     }
 
     /// Parses TOML text; `base` is the directory relative paths are resolved against.
@@ -505,38 +527,29 @@ impl Config {
     /// The run identity: a hash of everything that must match between nodes training one model
     /// together (model, optimizer, data spec, init seed). Paths and local settings are left out.
     pub fn run_id(&self) -> String {
-        #[derive(Serialize)]
-        struct DataIdentity {
-            source: DataSource,
-            test_fraction: f64,
-            split_seed: u64,
-            standardize: bool,
-            /// Only a synthetic set's shape and seed define its content.
-            synthetic: Option<(usize, usize, usize, u64)>,
-            /// A text's held-out bytes: nodes that evaluate the same tail compare.
-            #[serde(skip_serializing_if = "Option::is_none")]
-            text_eval_bytes: Option<usize>,
-            /// A llama's held-out ids.
-            #[serde(skip_serializing_if = "Option::is_none")]
-            eval_tokens: Option<usize>,
-        }
-        #[derive(Serialize)]
-        struct Identity<'a> {
-            protocol: &'static str,
-            model: &'a ModelConfig,
-            optimizer: &'a OptimizerSpec,
-            /// Left out when constant, so runs configured before schedules keep their id.
-            #[serde(skip_serializing_if = "Schedule::is_constant")]
-            schedule: Schedule,
-            /// Left out when it changes nothing, so runs configured before it keep their id.
-            #[serde(skip_serializing_if = "GradientPolicy::is_default")]
-            gradients: &'a GradientPolicy,
-            data: DataIdentity,
-            init_seed: u64,
-        }
+        short_hash(&self.identity())
+    }
+
+    /// The run id's parts, each hashed on its own (`model/…/optimizer/…/data/…/seed/…`): what a
+    /// node tells its peers beside the run id, so a node refused for another run can say which
+    /// part differs instead of only that the ids do.
+    pub fn run_parts(&self) -> String {
+        let identity = self.identity();
+        let optimizer = (identity.optimizer, identity.schedule, identity.gradients);
+        format!(
+            "model/{}/optimizer/{}/data/{}/seed/{}",
+            short_hash(identity.model),
+            short_hash(&optimizer),
+            short_hash(&identity.data),
+            identity.init_seed
+        )
+    }
+
+    /// What [`Config::run_id`] hashes.
+    fn identity(&self) -> Identity<'_> {
         let d = &self.data;
         let llama = matches!(self.model, ModelConfig::Llama { .. });
-        let identity = Identity {
+        Identity {
             protocol: "p2ptrain/1",
             model: &self.model,
             optimizer: &self.optimizer,
@@ -554,8 +567,7 @@ impl Config {
                 eval_tokens: llama.then_some(d.eval_tokens),
             },
             init_seed: self.train.init_seed,
-        };
-        short_hash(&identity)
+        }
     }
 
     /// A hash of the whole validated configuration, recorded in checkpoints.
@@ -714,6 +726,39 @@ impl DataConfig {
             ),
         }
     }
+}
+
+/// What the run id hashes of a run's data: its spec, not where its files are.
+#[derive(Serialize)]
+struct DataIdentity {
+    source: DataSource,
+    test_fraction: f64,
+    split_seed: u64,
+    standardize: bool,
+    /// Only a synthetic set's shape and seed define its content.
+    synthetic: Option<(usize, usize, usize, u64)>,
+    /// A text's held-out bytes: nodes that evaluate the same tail compare.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text_eval_bytes: Option<usize>,
+    /// A llama's held-out ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    eval_tokens: Option<usize>,
+}
+
+/// Everything the run id hashes (see [`Config::run_id`]); its serialisation is the id's.
+#[derive(Serialize)]
+struct Identity<'a> {
+    protocol: &'static str,
+    model: &'a ModelConfig,
+    optimizer: &'a OptimizerSpec,
+    /// Left out when constant, so runs configured before schedules keep their id.
+    #[serde(skip_serializing_if = "Schedule::is_constant")]
+    schedule: Schedule,
+    /// Left out when it changes nothing, so runs configured before it keep their id.
+    #[serde(skip_serializing_if = "GradientPolicy::is_default")]
+    gradients: &'a GradientPolicy,
+    data: DataIdentity,
+    init_seed: u64,
 }
 
 fn short_hash<T: Serialize>(value: &T) -> String {

@@ -111,7 +111,7 @@ pub const DEFAULT_API: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::L
 pub const DEFAULT_DATA_DIR: &str = "p2ptrain-data";
 
 /// Default libp2p port: a stable one, for firewall rules.
-pub const DEFAULT_LISTEN_PORT: u16 = 4001;
+pub const DEFAULT_LISTEN_PORT: u16 = 7471;
 
 /// The api section: where the control API listens.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -156,7 +156,7 @@ impl Default for ApiConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NetworkConfig {
-    /// Addresses to listen on (default `/ip4/0.0.0.0/tcp/4001`).
+    /// Addresses to listen on (default `/ip4/0.0.0.0/tcp/7471`).
     #[serde(deserialize_with = "de_listen")]
     pub listen: Vec<Multiaddr>,
     /// Members to join through.
@@ -260,6 +260,20 @@ pub enum SyncMode {
 }
 
 impl SyncMode {
+    /// Every mode, in the order help texts list them.
+    pub const ALL: [SyncMode; 5] = [
+        SyncMode::Gossip,
+        SyncMode::Allreduce,
+        SyncMode::Ddp,
+        SyncMode::Diloco,
+        SyncMode::Fedavg,
+    ];
+
+    /// The names of [`SyncMode::ALL`], for a command line's possible values.
+    pub fn names() -> [&'static str; 5] {
+        SyncMode::ALL.map(SyncMode::name)
+    }
+
     /// The name used in configs and on the command line.
     pub fn name(self) -> &'static str {
         match self {
@@ -276,18 +290,12 @@ impl std::str::FromStr for SyncMode {
     type Err = String;
 
     fn from_str(s: &str) -> Result<SyncMode, String> {
-        [
-            SyncMode::Gossip,
-            SyncMode::Allreduce,
-            SyncMode::Ddp,
-            SyncMode::Diloco,
-            SyncMode::Fedavg,
-        ]
-        .into_iter()
-        .find(|m| m.name() == s)
-        .ok_or_else(|| {
-            format!("unknown sync mode {s:?}: one of gossip, allreduce, ddp, diloco, fedavg")
-        })
+        SyncMode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                format!("unknown sync mode {s:?}: one of gossip, allreduce, ddp, diloco, fedavg")
+            })
     }
 }
 

@@ -222,7 +222,7 @@ fn defaults_come_from_the_section_defaults() {
     assert_eq!(c.api, ApiConfig::default());
     assert_eq!(c.api.listen.to_string(), "127.0.0.1:7070");
     assert_eq!(c.network, NetworkConfig::default());
-    assert_eq!(c.network.listen[0].to_string(), "/ip4/0.0.0.0/tcp/4001");
+    assert_eq!(c.network.listen[0].to_string(), "/ip4/0.0.0.0/tcp/7471");
     assert_eq!(c.sync, SyncConfig::default());
     assert_eq!(c.debug, DebugConfig::default());
     assert_eq!(c.train.device, DeviceSpec::Cpu);
@@ -783,21 +783,20 @@ fn a_tokenizer_past_the_llamas_vocabulary_is_refused() {
     );
 }
 
-/// The keys `docs/configuration.md`'s annotated config names, by section: each `key = ...`
-/// line of its first TOML block, commented out (`# key = ...`) or not, under a `[section]`.
+/// The keys `configs/reference.toml` names in its main part, by section: each `key = ...`
+/// line, commented out (`# key = ...`) or not, under a `[section]`, up to its first
+/// `# ---- sync mode:` block (the blocks repeat `[sync]` keys, one block per mode).
 fn documented_keys() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/configuration.md");
-    let text = std::fs::read_to_string(&path).expect("docs/configuration.md");
-    let block = text
-        .split("```toml")
-        .nth(1)
-        .and_then(|rest| rest.split("```").next())
-        .expect("a ```toml block");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/reference.toml");
+    let text = std::fs::read_to_string(&path).expect("configs/reference.toml");
     let mut keys: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
         Default::default();
     let mut section = String::new();
-    for line in block.lines() {
+    for line in text.lines() {
         let line = line.trim();
+        if line.starts_with("# ---- sync mode:") {
+            break;
+        }
         if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
             section = name.to_string();
             continue;
@@ -871,12 +870,12 @@ fn the_configuration_reference_names_every_key_the_code_reads_and_no_other() {
         let docs = documented.get(section).cloned().unwrap_or_default();
         for key in code.difference(&docs) {
             wrong.push(format!(
-                "[{section}] {key}: read by the code, not in the docs"
+                "[{section}] {key}: read by the code, not in configs/reference.toml"
             ));
         }
         for key in docs.difference(&code) {
             wrong.push(format!(
-                "[{section}] {key}: in the docs, not read by the code"
+                "[{section}] {key}: in configs/reference.toml, not read by the code"
             ));
         }
     }
@@ -887,7 +886,7 @@ fn the_configuration_reference_names_every_key_the_code_reads_and_no_other() {
     assert!(unknown.is_empty(), "sections the code has not: {unknown:?}");
     assert!(
         wrong.is_empty(),
-        "docs/configuration.md and the config code disagree:\n{}",
+        "configs/reference.toml and the config code disagree:\n{}",
         wrong.join("\n")
     );
 }
@@ -908,4 +907,165 @@ fn an_overlap_as_long_as_the_round_is_refused_in_diloco_only() {
     let rounds = |c: Config| c.sync.rounds(640, 32).map(|r| r.overlap_steps);
     assert_eq!(rounds(sync("diloco", 9).expect("9 of 10")), Some(9));
     assert_eq!(rounds(sync("allreduce", 10).expect("allreduce")), Some(0));
+}
+
+/// A shipped config runs from a fresh clone, or its first line says what it needs: every file
+/// it reads (data, a tokenizer) lies inside the checkout or is named there, and a GPU config
+/// says it needs a `cuda` build.
+#[test]
+fn every_shipped_config_runs_from_a_fresh_clone_or_says_first_what_it_needs() {
+    let checkout = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .canonicalize()
+        .expect("checkout");
+    let mut read = 0;
+    for entry in std::fs::read_dir(checkout.join("configs")).expect("configs") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
+        read += 1;
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(&path).expect("read");
+        let first = text.lines().next().unwrap_or_default();
+        let c = Config::load(Some(&path)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let files = [&c.data.path, &c.data.dir, &c.data.tokenizer];
+        for file in files.into_iter().flatten() {
+            // Lexically: the file may be absent here (CI has the shared data, a user may not).
+            let inside = file.components().fold(Vec::new(), |mut at, part| {
+                match part {
+                    std::path::Component::ParentDir => {
+                        at.pop();
+                    }
+                    std::path::Component::CurDir => {}
+                    other => at.push(other.as_os_str().to_owned()),
+                }
+                at
+            });
+            let resolved: PathBuf = inside.iter().collect();
+            if !resolved.starts_with(&checkout) {
+                let shown = file
+                    .file_name()
+                    .and_then(|f| f.to_str())
+                    .unwrap_or_default();
+                assert!(
+                    first.starts_with("# Needs:") && first.contains(shown),
+                    "{name} reads {} outside the checkout; its first line must say so (\"# Needs: ... {shown} ...\"), not {first:?}",
+                    file.display()
+                );
+            }
+        }
+        if c.train.device != crate::device::DeviceSpec::Cpu {
+            assert!(
+                first.starts_with("# Needs:") && first.contains("cuda"),
+                "{name} trains on a GPU; its first line must say it needs a `cuda` build, not {first:?}"
+            );
+        }
+    }
+    assert!(read >= 9, "read {read} configs");
+}
+
+/// `configs/` of the checkout, where the configuration reference lies.
+fn configs_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs")
+}
+
+/// The text of `configs/reference.toml`.
+fn reference_text() -> String {
+    std::fs::read_to_string(configs_dir().join("reference.toml")).expect("configs/reference.toml")
+}
+
+/// The reference's `[sync]` blocks, one per sync mode: each mode's name (from its
+/// `# ---- sync mode: NAME ----` marker) and its lines up to `# ---- end ----`, each without
+/// its leading `# ` (a line of `#` alone becomes empty).
+fn reference_sync_blocks(text: &str) -> Vec<(String, Vec<String>)> {
+    let mut blocks = Vec::new();
+    let mut open: Option<(String, Vec<String>)> = None;
+    for line in text.lines() {
+        let line = line.trim_end();
+        if let Some(rest) = line.strip_prefix("# ---- sync mode:") {
+            assert!(open.is_none(), "a block opens inside another: {line:?}");
+            let mode = rest.trim().trim_end_matches('-').trim();
+            open = Some((mode.to_string(), Vec::new()));
+        } else if line == "# ---- end ----" {
+            let block = open.take().expect("a `# ---- end ----` without its block");
+            blocks.push(block);
+        } else if let Some((mode, lines)) = open.as_mut() {
+            let bare = if line == "#" {
+                ""
+            } else {
+                line.strip_prefix("# ").unwrap_or_else(|| {
+                    panic!("a line of the {mode} block that is not commented out: {line:?}")
+                })
+            };
+            lines.push(bare.to_string());
+        }
+    }
+    assert!(open.is_none(), "a block without its `# ---- end ----`");
+    blocks
+}
+
+/// `text` with its `[sync]` table (from the `[sync]` line to the next table's header, or the
+/// end) replaced by `block`.
+fn with_sync_table(text: &str, block: &[String]) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let start = lines
+        .iter()
+        .position(|l| l.trim() == "[sync]")
+        .expect("a [sync] table");
+    let end = lines[start + 1..]
+        .iter()
+        .position(|l| l.trim_start().starts_with('['))
+        .map_or(lines.len(), |n| start + 1 + n);
+    let mut out: Vec<String> = lines[..start].iter().map(|l| l.to_string()).collect();
+    out.extend(block.iter().cloned());
+    out.extend(lines[end..].iter().map(|l| l.to_string()));
+    out.join("\n") + "\n"
+}
+
+/// Each mode's block, put in place of the reference's `[sync]` table, is a config the code
+/// accepts, in that mode: what a later per-mode sync type must still read.
+#[test]
+fn every_sync_mode_block_of_the_reference_parses_as_a_config_of_its_own() {
+    let configs = configs_dir();
+    let text = reference_text();
+    let blocks = reference_sync_blocks(&text);
+    let mut found: Vec<&str> = Vec::new();
+    for (mode, block) in &blocks {
+        assert_eq!(
+            block.first().map(String::as_str),
+            Some("[sync]"),
+            "the {mode} block must start with its [sync] header"
+        );
+        let config_text = with_sync_table(&text, block);
+        let c = Config::parse(&config_text, "reference.toml", Some(configs.as_path()))
+            .unwrap_or_else(|e| panic!("the {mode} block of configs/reference.toml: {e}"));
+        assert_eq!(
+            c.sync.mode.name(),
+            mode.as_str(),
+            "the {mode} block's sync.mode"
+        );
+        found.push(mode.as_str());
+    }
+    found.sort_unstable();
+    assert_eq!(
+        found,
+        ["allreduce", "ddp", "diloco", "fedavg", "gossip"],
+        "configs/reference.toml must hold one [sync] block per sync mode"
+    );
+}
+
+/// The reference is a config as it is: the default run (an MLP on the bundled digits, with
+/// gossip), with the default config's run id.
+#[test]
+fn the_reference_loads_as_it_is() {
+    let path = configs_dir().join("reference.toml");
+    let c = Config::load(Some(&path)).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(c.sync.mode, SyncMode::Gossip);
+    let default = Config::load(None).expect("default");
+    assert_eq!(
+        c.run_id(),
+        default.run_id(),
+        "configs/reference.toml trains the default run"
+    );
 }

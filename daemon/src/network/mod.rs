@@ -9,11 +9,12 @@
 //! (redials, bans, offences) and `metrics` counts bytes.
 //!
 //! Protocols: TCP + noise + yamux; identify (whose protocol version carries the wire version,
-//! the run id and the gossip size limit, so a peer of another run or with another limit is
-//! refused instead of silently deafened); ping (a crashed peer is dropped after a few
-//! seconds); Kademlia in server mode (discovery from one bootstrap address); gossipsub
-//! (signed, strict, every message validated by the node before it is forwarded, content-hash
-//! ids); and a request-response channel ("bulk") for what is too big for gossip.
+//! the run id and its parts, the sync terms and the gossip size limit, so a peer of another
+//! run or with another limit is refused instead of silently deafened: `run_terms`); ping (a
+//! crashed peer is dropped after a few seconds); Kademlia in server mode (discovery from one
+//! bootstrap address); gossipsub (signed, strict, every message validated by the node before
+//! it is forwarded, content-hash ids); and a request-response channel ("bulk") for what is too
+//! big for gossip.
 //!
 //! NAT traversal: AutoNAT (peers dial back to tell a node whether it is reachable), a relay
 //! client (a private node listens through up to two members that are) and relay server (with
@@ -36,18 +37,19 @@ mod bulk_codec;
 mod event_loop;
 mod metrics;
 mod peer_book;
+mod run_terms;
 
 pub use behaviour::{Behaviour, BehaviourEvent, BULK_TIMEOUT, TCP_USER_TIMEOUT};
 pub use bulk_codec::{BulkCodec, BulkLimits};
 pub use event_loop::EventLoop;
 pub use peer_book::{BannedPeer, FORGET_AFTER, REDIAL_MAX, REDIAL_MIN};
+pub use run_terms::{protocol_version, what_differs};
 // The bulk types live in `wire`, versioned; re-exported so users of the network need not care.
 pub use crate::wire::{
     BulkRequest, BulkResponse, StateManifest, BULK_REQUEST_MAX, BULK_RESPONSE_MAX,
 };
 
 use crate::nat::NatReport;
-use crate::wire::WIRE_VERSION;
 
 /// The Prometheus registry libp2p's metrics are kept in (prometheus-client's).
 pub use libp2p::metrics::Registry;
@@ -71,17 +73,6 @@ pub const PING_TIMEOUT: Duration = Duration::from_secs(3);
 pub const SILENT_AFTER: Duration = Duration::from_secs(4);
 /// Kademlia random walk interval, so nodes keep learning peers beyond their bootstrap.
 pub const KAD_WALK_EVERY: Duration = Duration::from_secs(30);
-
-/// The identify protocol version of a node of run `run_id` syncing on `sync_terms`: equal
-/// strings, and only equal strings, can train together. The sync terms are not part of the run
-/// id, so a checkpoint stays valid when a run changes mode; but a gossip node and an allreduce
-/// node (or two diloco nodes with different inner steps) would each wait for rounds or updates
-/// the other never sends.
-pub fn protocol_version(run_id: &str, sync_terms: &str) -> String {
-    format!(
-        "/p2ptrain/{WIRE_VERSION}/run/{run_id}/sync/{sync_terms}/gossip-max/{MAX_TRANSMIT_SIZE}"
-    )
-}
 
 /// The agent string other peers see.
 pub fn agent_version() -> String {
@@ -176,6 +167,14 @@ pub enum Event {
         request: BulkRequest,
         /// Where the answer goes.
         channel: ResponseChannel<BulkResponse>,
+    },
+    /// A peer named in a bootstrap address was refused for speaking another run, sync terms
+    /// or release: a fresh joiner that reached no member but such peers can train with nobody.
+    BootstrapOfAnotherRun {
+        /// The peer.
+        peer: PeerId,
+        /// What differs ([`what_differs`]): bounded and escaped, fit for one line.
+        differs: String,
     },
     /// A peer subscribed to a topic.
     Subscribed {
@@ -295,6 +294,9 @@ pub struct NetConfig {
     pub bootstrap: Vec<Multiaddr>,
     /// The run id, compared with every peer's.
     pub run_id: String,
+    /// The run id's parts ([`crate::config::Config::run_parts`]), sent beside it so a refused
+    /// peer can be told which differs.
+    pub run_parts: String,
     /// The sync mode and the settings its members must share
     /// ([`crate::config::SyncConfig::shared_terms`]), compared with every peer's.
     pub sync_terms: String,
@@ -470,7 +472,7 @@ pub fn new(
 ) -> Result<(Client, mpsc::Receiver<Event>, EventLoop), NetError> {
     let envelope = metrics::Envelope::of(&key);
     let bandwidth = metrics::Bandwidth::default();
-    let protocol_version = protocol_version(&cfg.run_id, &cfg.sync_terms);
+    let protocol_version = protocol_version(&cfg.run_id, &cfg.run_parts, &cfg.sync_terms);
     let libp2p_metrics = libp2p::metrics::Metrics::new(registry);
     let mut swarm = behaviour::build(
         key,
@@ -532,20 +534,12 @@ mod tests {
         assert!(read >= 5, "read {read} files of the network");
     }
 
-    #[test]
-    fn protocol_version_names_wire_version_run_sync_terms_and_gossip_limit() {
-        // Nodes compare exactly this string: a node of wire version 1 is refused at identify.
-        assert_eq!(
-            protocol_version("abc", "allreduce/every/4"),
-            "/p2ptrain/11/run/abc/sync/allreduce/every/4/gossip-max/2097152"
-        );
-    }
-
     fn loopback_config(bootstrap: Vec<Multiaddr>) -> NetConfig {
         NetConfig {
             listen: vec!["/ip4/127.0.0.1/tcp/0".parse().expect("addr")],
             bootstrap,
             run_id: "wedge".into(),
+            run_parts: "model/m/optimizer/o/data/d/seed/1".into(),
             sync_terms: "gossip".into(),
             mdns: false,
             psk: None,

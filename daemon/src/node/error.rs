@@ -42,4 +42,7 @@ pub enum NodeError {
     /// The network could not start.
     #[error(transparent)]
     Network(#[from] crate::network::NetError),
+    /// A fresh joiner reached only peers of another run.
+    #[error(transparent)]
+    Join(#[from] crate::transfer::JoinError),
 }

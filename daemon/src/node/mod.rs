@@ -202,6 +202,7 @@ fn net_config(
         listen: config.network.listen.clone(),
         bootstrap: config.network.bootstrap.clone(),
         run_id: run_id.to_string(),
+        run_parts: config.run_parts(),
         sync_terms: config.sync.shared_terms(),
         mdns: config.network.mdns,
         psk,
@@ -356,7 +357,7 @@ fn wall_clock_now() -> WallClock {
 /// mesh's state and hands it to the trainer.
 fn joiner(
     shared: &NodeHandle,
-    members: watch::Receiver<Vec<libp2p::PeerId>>,
+    reached: watch::Receiver<transfer::Reached>,
     network: &crate::config::NetworkConfig,
 ) -> transfer::Joiner {
     transfer::Joiner {
@@ -364,7 +365,7 @@ fn joiner(
         run_id: shared.run_id.clone(),
         trainer: shared.cmd_tx.clone(),
         stats: shared.stats_rx.clone(),
-        members,
+        reached,
         stop: shared.stop_tx.subscribe(),
         limits: transfer::Limits {
             progress: shared.download_progress.clone(),
@@ -480,7 +481,7 @@ pub async fn run(
     let core = mesh_core(&config, &opened, layout, start_step, node_seed, rounds);
     // The checkpoint resumed from is in the trainer now: free its copy.
     opened.resume = None;
-    let mesh_task = start_mesh(
+    let (mesh_task, join_task) = start_mesh(
         &config,
         &shared,
         core,
@@ -489,14 +490,25 @@ pub async fn run(
         net_events,
         joining,
     );
-    print_listen_addrs(&net, &shared.peer_id).await;
+    print_listen_addrs(
+        &net,
+        &shared.peer_id,
+        &shared.run_id,
+        config.network.psk.is_some(),
+    )
+    .await;
 
     let writer = tokio::spawn(write_checkpoints(shared.clone(), snapshots));
     let api = serve_api(listener, shared.clone(), access);
     tracing::info!(peer_id = %shared.peer_id, run_id = %shared.run_id, api = %format!("http://{api_addr}"), data_dir = %data_dir.display(), model = %spec.name(), "node started");
 
-    let finished = until_finished(shutdown, stop_rx, done_rx, &cmd_tx).await;
+    let (finished, join_failed) =
+        until_finished(shutdown, stop_rx, done_rx, join_task, &cmd_tx).await;
     let result = final_summary(&shared, writer, finished).await;
+    let result = match join_failed {
+        Some(e) => Err(NodeError::Join(e)),
+        None => result,
+    };
     Stopping {
         shared,
         mesh_task,
@@ -511,23 +523,45 @@ pub async fn run(
     result
 }
 
+/// A joiner's task: it fails only when the bootstrap peers train another run.
+type JoinTask = tokio::task::JoinHandle<Result<(), transfer::JoinError>>;
+
+/// What the trainer finished with, as its thread answers.
+type TrainerEnd = Result<Result<trainer::Finish, trainer::TrainerError>, oneshot::error::RecvError>;
+
 /// The trainer's end: when it finishes by itself (`max_steps`, a fault), or when a stop is
-/// asked (a signal, the API), after it has finished its step and written its final checkpoint.
+/// asked (a signal, the API) or the joiner failed (with the failure), after it has finished its
+/// step and written its final checkpoint.
 async fn until_finished(
     shutdown: impl Future<Output = ()>,
     mut stop_rx: watch::Receiver<bool>,
     mut done_rx: oneshot::Receiver<Result<trainer::Finish, trainer::TrainerError>>,
+    join_task: Option<JoinTask>,
     cmd_tx: &mpsc::Sender<Command>,
-) -> Result<Result<trainer::Finish, trainer::TrainerError>, oneshot::error::RecvError> {
-    tokio::pin!(shutdown);
+) -> (TrainerEnd, Option<transfer::JoinError>) {
+    let join_failed = async {
+        match join_task {
+            Some(task) => match task.await {
+                Ok(Err(e)) => e,
+                // Joined, or gave up on the mesh and trains alone: nothing to stop for.
+                _ => std::future::pending().await,
+            },
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(shutdown, join_failed);
+    let mut failure = None;
     tokio::select! {
-        done = &mut done_rx => return done,
+        done = &mut done_rx => return (done, None),
         _ = &mut shutdown => {}
         _ = stop_rx.wait_for(|stop| *stop) => {}
+        e = &mut join_failed => failure = Some(e),
     }
-    tracing::info!("stopping: finishing the current step and writing a final checkpoint");
+    if failure.is_none() {
+        tracing::info!("stopping: finishing the current step and writing a final checkpoint");
+    }
     let _ = cmd_tx.send(Command::Stop).await;
-    done_rx.await
+    (done_rx.await, failure)
 }
 
 /// Builds the model and its optimizer, restored from the checkpoint to resume from if any.
@@ -726,7 +760,7 @@ fn start_trainer(
 }
 
 /// Starts the mesh actor around `core` (and, on a fresh node joining a mesh, the joiner that
-/// downloads the mesh's state once the actor names members).
+/// downloads the mesh's state once the actor names members, whose task is returned too).
 fn start_mesh(
     config: &Config,
     shared: &Arc<NodeHandle>,
@@ -735,8 +769,8 @@ fn start_mesh(
     limit: trainer::StepLimit,
     net_events: mpsc::Receiver<network::Event>,
     joining: bool,
-) -> tokio::task::JoinHandle<()> {
-    let (members_tx, members_rx) = watch::channel(Vec::new());
+) -> (tokio::task::JoinHandle<()>, Option<JoinTask>) {
+    let (reached_tx, reached_rx) = watch::channel(transfer::Reached::default());
     let mesh = MeshActor::new(
         shared.net.clone(),
         core,
@@ -744,7 +778,7 @@ fn start_mesh(
         shared.stats_rx.clone(),
         trainer_events,
         shared.mesh.clone(),
-        members_tx,
+        reached_tx,
         shared.cache.clone(),
         limit,
         Duration::from_millis(config.debug.serve_chunk_delay_ms),
@@ -757,10 +791,9 @@ fn start_mesh(
         );
     }
     let mesh_task = tokio::spawn(mesh.run(net_events, shared.stop_tx.subscribe()));
-    if joining {
-        tokio::spawn(joiner(shared, members_rx, &config.network).run());
-    }
-    mesh_task
+    let join_task =
+        joining.then(|| tokio::spawn(joiner(shared, reached_rx, &config.network).run()));
+    (mesh_task, join_task)
 }
 
 /// What the node ends with once its trainer finished: the final checkpoint (unless the newest
@@ -768,7 +801,7 @@ fn start_mesh(
 async fn final_summary(
     shared: &NodeHandle,
     writer: tokio::task::JoinHandle<()>,
-    finished: Result<Result<trainer::Finish, trainer::TrainerError>, oneshot::error::RecvError>,
+    finished: TrainerEnd,
 ) -> Result<Summary, NodeError> {
     match finished {
         Ok(Ok(finish)) => {
@@ -807,12 +840,18 @@ async fn final_summary(
     }
 }
 
-/// Prints the addresses other nodes can join through, once the network has them.
-async fn print_listen_addrs(net: &network::Client, peer_id: &str) {
+/// Prints the addresses other nodes can join through (routable ones first, as the network
+/// lists them), once the network has them, with the run id and what a joiner must bring.
+async fn print_listen_addrs(net: &network::Client, peer_id: &str, run_id: &str, private: bool) {
+    let key = if private {
+        ", and this mesh's key file (--psk)"
+    } else {
+        ""
+    };
     for _ in 0..40 {
         if let Ok(snap) = net.snapshot().await {
             if !snap.status.listen_addrs.is_empty() {
-                println!("p2ptrain node {peer_id}: join this mesh with");
+                println!("p2ptrain node {peer_id}, run {run_id}: join this mesh from a box with the same config and data{key}, through an address it can reach (the TCP port open), with");
                 for a in &snap.status.listen_addrs {
                     println!("  p2ptrain join --bootstrap {a}");
                 }

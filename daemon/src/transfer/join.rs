@@ -1,9 +1,11 @@
-//! A joiner's start: wait for members of the run to connect (told by the mesh actor's members
-//! watch, never by polling status), download the mesh's state from them ([`super::download`]),
-//! check it is of this run, have the trainer load it, and offer it to later joiners; a state
-//! the trainer refuses rules its donor out and the next is tried. With no member within its
-//! wait (`network.join_wait_secs`), no state to be had, or none by its deadline, the node
-//! trains from the run's initial weights.
+//! A joiner's start: wait for members of the run to connect (told by the mesh actor's
+//! [`Reached`] watch, never by polling status), download the mesh's state from them
+//! ([`super::download`]), check it is of this run, have the trainer load it, and offer it to
+//! later joiners; a state the trainer refuses rules its donor out and the next is tried. With
+//! no member within its wait (`network.join_wait_secs`), no state to be had, or none by its
+//! deadline, the node trains from the run's initial weights. A joiner whose bootstrap peers
+//! train another run, and which no member reached, fails ([`JoinError::OtherRun`]) before its
+//! first step: training alone is not what its user asked for.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -22,6 +24,29 @@ const MORE_MEMBERS_WAIT: Duration = Duration::from_millis(500);
 /// Donors a joiner tries before it trains from the run's initial weights.
 const JOIN_ATTEMPTS: usize = 3;
 
+/// What a joiner waits on, as the mesh actor sees it.
+#[derive(Debug, Clone, Default)]
+pub struct Reached {
+    /// The run's connected members.
+    pub members: Vec<PeerId>,
+    /// The first bootstrap peer found to train another run, and what differs.
+    pub other_run: Option<(PeerId, String)>,
+}
+
+/// Why a joiner gave up before its first step.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    /// The bootstrap peer trains another run (or in another sync mode, or another release),
+    /// and no member of this run connected.
+    #[error("the bootstrap peer {peer} trains another run, so this node would train alone; what differs: {differs}. Join with the mesh's config and data, or leave out --bootstrap to start a mesh of your own")]
+    OtherRun {
+        /// The bootstrap peer.
+        peer: PeerId,
+        /// What differs, as [`crate::network::what_differs`] says it.
+        differs: String,
+    },
+}
+
 /// What a joiner needs of its node.
 pub struct Joiner {
     /// The network.
@@ -32,8 +57,9 @@ pub struct Joiner {
     pub trainer: mpsc::Sender<Command>,
     /// The trainer's progress (its first evaluation after loading goes into the report).
     pub stats: watch::Receiver<Stats>,
-    /// The run's connected members, as the mesh actor sees them.
-    pub members: watch::Receiver<Vec<PeerId>>,
+    /// The run's connected members, and a bootstrap peer of another run, as the mesh actor
+    /// sees them.
+    pub reached: watch::Receiver<Reached>,
     /// Turns true when the node stops.
     pub stop: watch::Receiver<bool>,
     /// Bounds and folder of the download.
@@ -50,10 +76,10 @@ pub struct Joiner {
 }
 
 impl Joiner {
-    /// Joins; see the module docs.
-    pub async fn run(mut self) {
-        let Some(mut donors) = self.wait_for_members().await else {
-            return;
+    /// Joins; see the module docs. Fails only when the bootstrap peers train another run.
+    pub async fn run(mut self) -> Result<(), JoinError> {
+        let Some(mut donors) = self.wait_for_members().await? else {
+            return Ok(());
         };
         let until = self.deadline.map(|d| tokio::time::Instant::now() + d);
         for _ in 0..JOIN_ATTEMPTS {
@@ -86,7 +112,7 @@ impl Joiner {
             let (tx, rx) = oneshot::channel();
             let restore = Command::Restore(Box::new(loaded), trainer::RestoreFrom::Members, tx);
             if self.trainer.send(restore).await.is_err() {
-                return;
+                return Ok(());
             }
             match rx.await {
                 Ok(Ok(())) => {
@@ -100,42 +126,50 @@ impl Joiner {
                     if let Ok(mut d) = self.report.lock() {
                         *d = Some(report);
                     }
-                    return;
+                    return Ok(());
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(donor = %report.donor, "downloaded state refused: {e}; trying another donor");
                     donors.retain(|p| p.to_string() != report.donor);
                 }
-                Err(_) => return,
+                Err(_) => return Ok(()),
             }
         }
         let _ = self.trainer.send(Command::Start).await;
+        Ok(())
     }
 
     /// The members once at least one is connected (and the others had a moment to show up);
     /// `None` when the node stops first, or after starting the trainer on its own weights
-    /// when nobody came within its wait.
-    async fn wait_for_members(&mut self) -> Option<Vec<PeerId>> {
+    /// when nobody came within its wait; an error when a bootstrap peer of another run came
+    /// and, a moment later, still no member.
+    async fn wait_for_members(&mut self) -> Result<Option<Vec<PeerId>>, JoinError> {
         let deadline = tokio::time::Instant::now() + self.wait;
         let came = tokio::select! {
-            came = tokio::time::timeout_at(deadline, self.members.wait_for(|m| !m.is_empty())) => {
+            came = tokio::time::timeout_at(deadline, self.reached.wait_for(|r| !r.members.is_empty() || r.other_run.is_some())) => {
                 came.map(|seen| seen.map(drop))
             }
-            _ = self.stop.wait_for(|stop| *stop) => return None,
+            _ = self.stop.wait_for(|stop| *stop) => return Ok(None),
         };
         match came {
             Ok(Ok(_)) => {}
             // The mesh actor is gone: the node is stopping.
-            Ok(Err(_)) => return None,
+            Ok(Err(_)) => return Ok(None),
             Err(_) => {
                 tracing::warn!("no member of run {} answered within {:?}; training from the run's initial weights", self.run_id, self.wait);
                 let _ = self.trainer.send(Command::Start).await;
-                return None;
+                return Ok(None);
             }
         }
+        // Another bootstrap address may still bring a member.
         tokio::time::sleep(MORE_MEMBERS_WAIT).await;
-        let members = self.members.borrow().clone();
-        Some(members)
+        let reached = self.reached.borrow().clone();
+        match reached.other_run {
+            Some((peer, differs)) if reached.members.is_empty() => {
+                Err(JoinError::OtherRun { peer, differs })
+            }
+            _ => Ok(Some(reached.members)),
+        }
     }
 
     async fn download_state(

@@ -27,7 +27,7 @@ use crate::network::{BulkRequest, BulkResponse, Client, StateManifest};
 
 mod join;
 pub mod serve;
-pub use join::Joiner;
+pub use join::{JoinError, Joiner, Reached};
 
 /// Bytes per chunk: small enough that a dead donor costs little, large enough to be cheap.
 pub const CHUNK_SIZE: usize = 256 * 1024;

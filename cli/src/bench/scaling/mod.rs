@@ -203,23 +203,17 @@ const HARNESS_KEYS: [&str; 8] = [
 /// Reads `section.key=VALUE` (VALUE in TOML; a bare word is a string); a key the benchmark
 /// sets itself is refused.
 fn parse_setting(s: &str) -> Result<Setting> {
-    let (path, value) = s
-        .split_once('=')
-        .with_context(|| format!("--set {s:?}: expected section.key=VALUE"))?;
-    let (section, key) = path
-        .trim()
-        .split_once('.')
-        .with_context(|| format!("--set {s:?}: expected section.key=VALUE"))?;
-    let (section, key) = (section.trim(), key.trim());
+    let p2ptrain_daemon::config::Setting {
+        section,
+        key,
+        value,
+    } = s
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--set {e}"))?;
     if HARNESS_KEYS.contains(&format!("{section}.{key}").as_str()) {
         bail!("--set {section}.{key}: the benchmark sets it for every run (see its own options)");
     }
-    let value = value.trim();
-    let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(value.to_string()));
-    Ok((section.to_string(), key.to_string(), parsed))
+    Ok((section, key, value))
 }
 
 /// What a run trains with.

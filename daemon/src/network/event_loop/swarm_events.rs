@@ -363,13 +363,20 @@ impl EventLoop {
         if info.protocol_version != self.admission.protocol_version() {
             // The connection closes a moment later (see `Admission::refuse`).
             if self.admission.refuse(peer_id, Instant::now()) {
+                let differs = crate::network::what_differs(
+                    self.admission.protocol_version(),
+                    &info.protocol_version,
+                );
                 tracing::warn!(
                     peer = %peer_id,
-                    "refused peer: it speaks {:?} ({}), this node speaks {:?}; a different run id (model, optimizer, data spec or seed), sync mode or shared sync setting (allreduce every, ddp resync_every, diloco inner_steps/outer_lr/outer_momentum/outer_values, fedavg local_epochs) or gossip size limit cannot train together",
-                    info.protocol_version,
-                    info.agent_version,
-                    self.admission.protocol_version()
+                    "refused peer: it cannot train with this node; what differs: {differs}. Nodes train together only with the same model, optimizer, data spec, init seed, sync mode and shared sync settings (allreduce every, ddp resync_every, diloco inner_steps/outer_lr/outer_momentum/outer_values, fedavg local_epochs, gossip mix)"
                 );
+                if self.bootstrap_peers.contains(&peer_id) {
+                    self.emit(Event::BootstrapOfAnotherRun {
+                        peer: peer_id,
+                        differs,
+                    });
+                }
             }
             self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
             return;

@@ -439,9 +439,7 @@ impl MeshActor {
             Event::PeerDown(peer) => Some(Input::PeerDown(peer)),
             Event::Subscribed { .. } => None,
             Event::BootstrapOfAnotherRun { peer, differs } => {
-                self.reached_tx.send_modify(|r| {
-                    r.other_run.get_or_insert((peer, differs));
-                });
+                self.reached_tx.send_modify(|r| r.other_run(peer, differs));
                 None
             }
             Event::Gossip {

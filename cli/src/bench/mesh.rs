@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use p2ptrain_daemon::config::{apply_settings, Setting};
 use p2ptrain_daemon::Config;
 use p2ptrain_models::codec::Codec;
 use serde::Serialize;
@@ -153,20 +154,18 @@ pub(crate) fn write_run_config(
     name: &str,
     settings: &[(&str, &str, toml::Value)],
 ) -> Result<PathBuf> {
-    let mut table: toml::Table = toml::from_str(base).context("base config")?;
-    for (section, key, value) in settings {
-        let entry = table
-            .entry(section.to_string())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        let toml::Value::Table(t) = entry else {
-            bail!("[{section}] is not a table");
-        };
-        t.insert(key.to_string(), value.clone());
-    }
+    let settings: Vec<Setting> = settings
+        .iter()
+        .map(|(section, key, value)| Setting {
+            section: section.to_string(),
+            key: key.to_string(),
+            value: value.clone(),
+        })
+        .collect();
+    let text = apply_settings(base, &settings).map_err(|e| anyhow::anyhow!("base config: {e}"))?;
     let path = out.join("configs").join(format!("{name}.toml"));
     std::fs::create_dir_all(out.join("configs"))?;
-    std::fs::write(&path, toml::to_string(&table)?)
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(path)
 }
 

@@ -40,7 +40,7 @@ pub use sections::{
     ApiConfig, CheckpointConfig, DebugConfig, NetworkConfig, SyncConfig, SyncMode, TrainConfig,
     DEFAULT_API, DEFAULT_DATA_DIR, DEFAULT_LISTEN_PORT,
 };
-pub use setting::Setting;
+pub use setting::{apply_settings, Setting};
 
 /// The default configuration (`configs/digits-mlp.toml`), compiled in so that `p2ptrain join`
 /// works with no file at all.
@@ -309,7 +309,7 @@ impl Config {
                 (text, name, p.parent())
             }
         };
-        let text = setting::apply(&text, settings).map_err(|msg| ConfigError::File {
+        let text = apply_settings(&text, settings).map_err(|msg| ConfigError::File {
             file: name.clone(),
             msg,
         })?;

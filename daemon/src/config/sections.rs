@@ -294,7 +294,10 @@ impl std::str::FromStr for SyncMode {
             .into_iter()
             .find(|m| m.name() == s)
             .ok_or_else(|| {
-                format!("unknown sync mode {s:?}: one of gossip, allreduce, ddp, diloco, fedavg")
+                format!(
+                    "unknown sync mode {s:?}: one of {}",
+                    SyncMode::names().join(", ")
+                )
             })
     }
 }

@@ -41,7 +41,7 @@ impl FromStr for Setting {
 
 /// `text` (a config file's TOML) with `settings` written into it, later ones winning; the
 /// text itself when there are none, so a file's error lines keep their numbers.
-pub(super) fn apply(text: &str, settings: &[Setting]) -> Result<String, String> {
+pub fn apply_settings(text: &str, settings: &[Setting]) -> Result<String, String> {
     if settings.is_empty() {
         return Ok(text.to_string());
     }
@@ -95,11 +95,11 @@ mod tests {
         .map(|s| s.parse().expect("setting"))
         .collect();
         let written: toml::Table =
-            toml::from_str(&apply(text, &settings).expect("applied")).expect("toml");
+            toml::from_str(&apply_settings(text, &settings).expect("applied")).expect("toml");
         assert_eq!(written["train"]["batch_size"].as_integer(), Some(16));
         assert_eq!(written["sync"]["mode"].as_str(), Some("diloco"));
-        assert_eq!(apply(text, &[]).expect("as is"), text);
+        assert_eq!(apply_settings(text, &[]).expect("as is"), text);
         let not_a_section: Setting = "train.x=1".parse().expect("setting");
-        assert!(apply("train = 3\n", &[not_a_section]).is_err());
+        assert!(apply_settings("train = 3\n", &[not_a_section]).is_err());
     }
 }

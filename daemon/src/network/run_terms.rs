@@ -52,23 +52,38 @@ fn parts(spoken: &str) -> Option<Vec<(&str, &str)>> {
     Some(named)
 }
 
-/// At most [`SHOWN_MAX`] characters of a peer's value, escaped, for one log line.
+/// At most [`SHOWN_MAX`] characters of a peer's value, for one log line: letters, digits and
+/// `/._:-` (all a hash, a seed or sync terms hold) kept, anything else shown as `?`, so a
+/// hostile value can neither grow the line by escapes nor fake more entries.
 fn shown(value: &str) -> String {
-    let mut text: String = value.chars().take(SHOWN_MAX).collect();
+    let mut text: String = value
+        .chars()
+        .take(SHOWN_MAX)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "/._:-".contains(c) {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect();
     if value.chars().count() > SHOWN_MAX {
         text.push('…');
     }
-    text.escape_debug().to_string()
+    text
 }
+
+/// The run id's parts, which a release before them does not send.
+const RUN_PARTS: [&str; 4] = ["model", "optimizer", "data", "seed"];
 
 /// Which parts of this node's protocol string `ours` differ from a peer's `theirs`, each with
 /// both values ("model (here 1a2b…, there 3c4d…)"), joined by "; ". The run id is named only
-/// when none of its parts is (a peer of a release that does not send them). `theirs` comes
-/// from the network: it is bounded and escaped before it is repeated.
+/// when none of its parts is; a peer of an older release, which sends no parts, is said to be
+/// one. `theirs` comes from the network: what is repeated of it is bounded and sanitised.
 pub fn what_differs(ours: &str, theirs: &str) -> String {
     let (Some(mine), Some(peer)) = (parts(ours), parts(theirs)) else {
         return format!(
-            "it speaks {:?}, not a p2ptrain protocol of this release",
+            "it speaks \"{}\", not a p2ptrain protocol of this release",
             shown(theirs)
         );
     };
@@ -78,13 +93,20 @@ pub fn what_differs(ours: &str, theirs: &str) -> String {
             .find(|(k, _)| *k == key)
             .map(|(_, v)| v.to_string())
     };
+    let older = RUN_PARTS.iter().all(|k| value_of(&peer, k).is_none());
     let mut differing = Vec::new();
+    if older {
+        differing.push("a p2ptrain release that does not send the run's parts".to_string());
+    }
+    let mut parts_named = false;
     for (key, label) in LABELS {
         let here = value_of(&mine, key);
         let there = value_of(&peer, key);
-        if here == there || (key == "run" && !differing.is_empty()) {
+        let is_part = RUN_PARTS.contains(&key);
+        if here == there || (older && is_part) || (key == "run" && parts_named) {
             continue;
         }
+        parts_named |= is_part;
         let say = |v: Option<String>| v.map_or_else(|| "none".to_string(), |v| shown(&v));
         differing.push(format!(
             "{label} (here {}, there {})",
@@ -138,9 +160,10 @@ mod tests {
     fn what_differs_names_the_run_id_only_when_no_part_is_named() {
         let ours = spoken(PARTS, "gossip");
         let older = format!("/p2ptrain/{WIRE_VERSION}/run/xyz/sync/gossip/gossip-max/2097152");
-        let said = what_differs(&ours, &older);
-        assert!(said.contains("model (here m1, there none)"), "{said}");
-        assert!(!said.contains("run id"), "{said}");
+        assert_eq!(
+            what_differs(&ours, &older),
+            "a p2ptrain release that does not send the run's parts; run id (here abc, there xyz)"
+        );
         let same_parts_other_id = protocol_version("xyz", PARTS, "gossip");
         assert_eq!(
             what_differs(&ours, &same_parts_other_id),
@@ -159,7 +182,14 @@ mod tests {
         assert!(said.len() < 400, "{} bytes: {said}", said.len());
         assert!(!said.contains('\n'), "{said}");
         let garbage = what_differs(&ours, "\u{7}ring\u{7}");
-        assert!(garbage.starts_with("it speaks"), "{garbage}");
-        assert!(!garbage.contains('\u{7}'), "{garbage}");
+        assert!(garbage.starts_with("it speaks \"?ring?\""), "{garbage}");
+        // A value cannot pose as more entries.
+        let posing = spoken(
+            "model/x); wire version (here 11, there 12/optimizer/o1/data/d1/seed/42",
+            "gossip",
+        );
+        let said = what_differs(&ours, &posing);
+        assert!(said.starts_with("model (here m1, there x??"), "{said}");
+        assert_eq!(said.matches("(here").count(), 1, "{said}");
     }
 }

@@ -29,8 +29,48 @@ const JOIN_ATTEMPTS: usize = 3;
 pub struct Reached {
     /// The run's connected members.
     pub members: Vec<PeerId>,
-    /// The first bootstrap peer found to train another run, and what differs.
-    pub other_run: Option<(PeerId, String)>,
+    /// Bootstrap peers found to train another run, each once, with what differs.
+    pub other_runs: Vec<(PeerId, String)>,
+}
+
+impl Reached {
+    /// Notes bootstrap peer `peer` refused for another run (once a peer).
+    pub fn other_run(&mut self, peer: PeerId, differs: String) {
+        if !self.other_runs.iter().any(|(p, _)| *p == peer) {
+            self.other_runs.push((peer, differs));
+        }
+    }
+}
+
+/// What a joiner does next with what it has reached.
+#[derive(Debug, PartialEq)]
+enum Next {
+    /// Keep waiting: nobody yet, or only bootstrap peers of another run while other bootstrap
+    /// addresses may still bring a member within the wait.
+    Wait,
+    /// Download the state from these members.
+    Download(Vec<PeerId>),
+    /// Give up: the bootstrap peers train another run and no member came.
+    OtherRun(PeerId, String),
+    /// Nobody came within the wait: train from the run's initial weights.
+    Alone,
+}
+
+/// The joiner's decision, pure: members win; bootstrap peers of another run end the join
+/// once every bootstrap peer was such a one (`bootstrap_peers`, those named in bootstrap
+/// addresses) or the wait is over (`out_of_time`), so a slow honest bootstrap member still
+/// has the whole wait to answer.
+fn next(reached: &Reached, bootstrap_peers: usize, out_of_time: bool) -> Next {
+    if !reached.members.is_empty() {
+        return Next::Download(reached.members.clone());
+    }
+    match reached.other_runs.first() {
+        Some((peer, differs)) if out_of_time || reached.other_runs.len() >= bootstrap_peers => {
+            Next::OtherRun(*peer, differs.clone())
+        }
+        _ if out_of_time => Next::Alone,
+        _ => Next::Wait,
+    }
 }
 
 /// Why a joiner gave up before its first step.
@@ -38,7 +78,7 @@ pub struct Reached {
 pub enum JoinError {
     /// The bootstrap peer trains another run (or in another sync mode, or another release),
     /// and no member of this run connected.
-    #[error("the bootstrap peer {peer} trains another run, so this node would train alone; what differs: {differs}. Join with the mesh's config and data, or leave out --bootstrap to start a mesh of your own")]
+    #[error("the bootstrap peer {peer} trains another run, so this node would train alone; what differs: {differs}. Join with the mesh's config and data (and its p2ptrain release), or leave out --bootstrap to start a mesh of your own")]
     OtherRun {
         /// The bootstrap peer.
         peer: PeerId,
@@ -70,6 +110,9 @@ pub struct Joiner {
     pub report: Arc<Mutex<Option<DownloadReport>>>,
     /// How long to wait for a member to connect (`network.join_wait_secs`).
     pub wait: Duration,
+    /// Distinct peers named in the bootstrap addresses (`/p2p/<id>`): once each of them
+    /// turned out to train another run, the joiner need not wait out `wait`.
+    pub bootstrap_peers: usize,
     /// How long the downloads may take in all, over every donor tried
     /// (`network.join_deadline_secs`; `None`: no limit).
     pub deadline: Option<Duration>,
@@ -141,34 +184,48 @@ impl Joiner {
 
     /// The members once at least one is connected (and the others had a moment to show up);
     /// `None` when the node stops first, or after starting the trainer on its own weights
-    /// when nobody came within its wait; an error when a bootstrap peer of another run came
-    /// and, a moment later, still no member.
+    /// when nobody came within its wait; an error when the bootstrap peers train another run
+    /// and no member came (see [`next`]).
     async fn wait_for_members(&mut self) -> Result<Option<Vec<PeerId>>, JoinError> {
         let deadline = tokio::time::Instant::now() + self.wait;
-        let came = tokio::select! {
-            came = tokio::time::timeout_at(deadline, self.reached.wait_for(|r| !r.members.is_empty() || r.other_run.is_some())) => {
-                came.map(|seen| seen.map(drop))
+        // Whether the others had their moment after the first member or refusal.
+        let mut settled = false;
+        loop {
+            let out_of_time = tokio::time::Instant::now() >= deadline;
+            let step = next(
+                &self.reached.borrow_and_update(),
+                self.bootstrap_peers,
+                out_of_time,
+            );
+            match step {
+                Next::Wait => {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(deadline) => {}
+                        changed = self.reached.changed() => {
+                            // The mesh actor is gone: the node is stopping.
+                            if changed.is_err() {
+                                return Ok(None);
+                            }
+                        }
+                        _ = self.stop.wait_for(|stop| *stop) => return Ok(None),
+                    }
+                }
+                Next::Alone => {
+                    tracing::warn!("no member of run {} answered within {:?}; training from the run's initial weights", self.run_id, self.wait);
+                    let _ = self.trainer.send(Command::Start).await;
+                    return Ok(None);
+                }
+                // Another bootstrap address may still bring a member.
+                Next::Download(_) | Next::OtherRun(..) if !settled => {
+                    settled = true;
+                    tokio::select! {
+                        _ = tokio::time::sleep(MORE_MEMBERS_WAIT) => {}
+                        _ = self.stop.wait_for(|stop| *stop) => return Ok(None),
+                    }
+                }
+                Next::Download(members) => return Ok(Some(members)),
+                Next::OtherRun(peer, differs) => return Err(JoinError::OtherRun { peer, differs }),
             }
-            _ = self.stop.wait_for(|stop| *stop) => return Ok(None),
-        };
-        match came {
-            Ok(Ok(_)) => {}
-            // The mesh actor is gone: the node is stopping.
-            Ok(Err(_)) => return Ok(None),
-            Err(_) => {
-                tracing::warn!("no member of run {} answered within {:?}; training from the run's initial weights", self.run_id, self.wait);
-                let _ = self.trainer.send(Command::Start).await;
-                return Ok(None);
-            }
-        }
-        // Another bootstrap address may still bring a member.
-        tokio::time::sleep(MORE_MEMBERS_WAIT).await;
-        let reached = self.reached.borrow().clone();
-        match reached.other_run {
-            Some((peer, differs)) if reached.members.is_empty() => {
-                Err(JoinError::OtherRun { peer, differs })
-            }
-            _ => Ok(Some(reached.members)),
         }
     }
 
@@ -225,4 +282,39 @@ enum JoinFailure {
     },
     /// No state could be downloaded at all.
     Download(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer() -> PeerId {
+        PeerId::random()
+    }
+
+    #[test]
+    fn members_win_over_bootstrap_peers_of_another_run() {
+        let member = peer();
+        let mut r = Reached::default();
+        r.other_run(peer(), "init seed".into());
+        r.members.push(member);
+        assert_eq!(next(&r, 2, false), Next::Download(vec![member]));
+        assert_eq!(next(&r, 1, true), Next::Download(vec![member]));
+    }
+
+    #[test]
+    fn a_joiner_gives_up_once_every_bootstrap_peer_trains_another_run_or_its_wait_is_over() {
+        let (a, b) = (peer(), peer());
+        let mut r = Reached::default();
+        assert_eq!(next(&r, 2, false), Next::Wait);
+        assert_eq!(next(&r, 2, true), Next::Alone);
+        r.other_run(a, "model".into());
+        r.other_run(a, "model again".into());
+        assert_eq!(r.other_runs.len(), 1, "a peer is noted once");
+        // One of two bootstrap peers refused: the other still has the whole wait.
+        assert_eq!(next(&r, 2, false), Next::Wait);
+        assert_eq!(next(&r, 2, true), Next::OtherRun(a, "model".into()));
+        r.other_run(b, "seed".into());
+        assert_eq!(next(&r, 2, false), Next::OtherRun(a, "model".into()));
+    }
 }

@@ -123,16 +123,7 @@ impl EventLoop {
                 every: cfg.kad_walk_every,
                 last: Instant::now(),
             },
-            bootstrap_peers: cfg
-                .bootstrap
-                .iter()
-                .filter_map(|a| {
-                    a.iter().find_map(|p| match p {
-                        libp2p::multiaddr::Protocol::P2p(id) => Some(id),
-                        _ => None,
-                    })
-                })
-                .collect(),
+            bootstrap_peers: super::bootstrap_peers(&cfg.bootstrap),
             last_heard: HashMap::new(),
             book: PeerBook::default(),
             peer_drops: 0,

@@ -74,6 +74,20 @@ pub const SILENT_AFTER: Duration = Duration::from_secs(4);
 /// Kademlia random walk interval, so nodes keep learning peers beyond their bootstrap.
 pub const KAD_WALK_EVERY: Duration = Duration::from_secs(30);
 
+/// The peers named in bootstrap addresses (their `/p2p/<id>`): the ones whose dial failures
+/// the user needs to see, and whose refusal for another run ends a fresh joiner's wait.
+pub fn bootstrap_peers(addrs: &[Multiaddr]) -> HashSet<PeerId> {
+    addrs
+        .iter()
+        .filter_map(|a| {
+            a.iter().find_map(|p| match p {
+                libp2p::multiaddr::Protocol::P2p(id) => Some(id),
+                _ => None,
+            })
+        })
+        .collect()
+}
+
 /// The agent string other peers see.
 pub fn agent_version() -> String {
     format!("p2ptrain/{}", env!("CARGO_PKG_VERSION"))

@@ -375,17 +375,7 @@ fn joiner(
         report: shared.download.clone(),
         wait: Duration::from_secs_f64(network.join_wait_secs),
         deadline: network.join_deadline(),
-        bootstrap_peers: network
-            .bootstrap
-            .iter()
-            .filter_map(|a| {
-                a.iter().find_map(|p| match p {
-                    libp2p::multiaddr::Protocol::P2p(id) => Some(id),
-                    _ => None,
-                })
-            })
-            .collect::<std::collections::HashSet<_>>()
-            .len(),
+        bootstrap_peers: network::bootstrap_peers(&network.bootstrap).len(),
     }
 }
 

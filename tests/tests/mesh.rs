@@ -403,6 +403,26 @@ fn a_donor_killed_mid_download_and_the_joiner_completes_from_another() {
     });
 }
 
+/// Starts a fresh joiner in `dir` on `cfg` through `bootstrap` and waits for it to exit by
+/// itself: it must fail, with exactly one `error:` line. Returns that line and the whole log.
+fn joiner_exits_with_one_error(dir: &Path, cfg: &Path, bootstrap: &str) -> (String, String) {
+    let mut joiner = Node::start(
+        dir,
+        &[
+            "--config",
+            cfg.to_str().expect("utf8"),
+            "--bootstrap",
+            bootstrap,
+        ],
+    );
+    let exit = joiner.wait_exit(Duration::from_secs(60));
+    let log = joiner.log_text();
+    assert!(!exit.success(), "the joiner exited with {exit}: {log}");
+    let errors: Vec<&str> = log.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "{log}");
+    (errors[0].to_string(), log)
+}
+
 /// A fresh joiner whose bootstrap peer trains another run exits non-zero before its first
 /// step, with one `error:` line naming what differs, instead of training alone; the member
 /// refuses it and stays without peers.
@@ -419,33 +439,9 @@ fn a_joiner_of_another_run_is_refused_and_exits_naming_what_differs() {
     let a = start(tmp.path(), "a", &cfg, None, &[]);
     let addr = listen_addr(&a);
     let b_dir = tmp.path().join("b");
-    let mut b = Node::start(
-        &b_dir,
-        &[
-            "--config",
-            other.to_str().expect("utf8"),
-            "--bootstrap",
-            &addr,
-        ],
-    );
-    let exit = b.wait_exit(Duration::from_secs(60));
-    let log = b.log_text();
-    assert!(
-        !exit.success(),
-        "the joiner of another run exited with {exit}: {log}"
-    );
-    let errors: Vec<&str> = log.lines().filter(|l| l.starts_with("error:")).collect();
-    assert_eq!(errors.len(), 1, "{log}");
-    assert!(
-        errors[0].contains("init seed (here 43, there 42)"),
-        "{}",
-        errors[0]
-    );
-    assert!(
-        !errors[0].contains("model ("),
-        "only the seed differs: {}",
-        errors[0]
-    );
+    let (error, log) = joiner_exits_with_one_error(&b_dir, &other, &addr);
+    assert!(error.contains("init seed (here 43, there 42)"), "{error}");
+    assert!(!error.contains("model ("), "only the seed differs: {error}");
     assert!(
         newest_checkpoint(&b_dir).is_none(),
         "the joiner wrote a checkpoint: {log}"
@@ -489,22 +485,7 @@ fn nodes_of_one_run_in_other_sync_modes_or_settings_are_refused() {
             "(here allreduce/every/2, there allreduce/every/4)",
         ),
     ] {
-        let mut stranger = Node::start(
-            &tmp.path().join(name),
-            &[
-                "--config",
-                cfg.to_str().expect("utf8"),
-                "--bootstrap",
-                &addr,
-            ],
-        );
-        let exit = stranger.wait_exit(Duration::from_secs(60));
-        let log = stranger.log_text();
-        assert!(!exit.success(), "{name} exited with {exit}: {log}");
-        let error = log
-            .lines()
-            .find(|l| l.starts_with("error:"))
-            .unwrap_or_default();
+        let (error, log) = joiner_exits_with_one_error(&tmp.path().join(name), cfg, &addr);
         assert!(
             error.contains(&format!("sync mode and its shared settings {differs}")),
             "{name}: {log}"

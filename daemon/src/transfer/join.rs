@@ -97,7 +97,7 @@ pub struct Joiner {
     pub trainer: mpsc::Sender<Command>,
     /// The trainer's progress (its first evaluation after loading goes into the report).
     pub stats: watch::Receiver<Stats>,
-    /// The run's connected members, and a bootstrap peer of another run, as the mesh actor
+    /// The run's connected members, and bootstrap peers of another run, as the mesh actor
     /// sees them.
     pub reached: watch::Receiver<Reached>,
     /// Turns true when the node stops.

@@ -31,9 +31,11 @@ pub enum SyncAnswer {
 /// What a hostile donor offers a joiner.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum DonorAnswer {
-    /// A manifest of 1 GiB, with a hash for every chunk: far beyond any checkpoint of the run,
-    /// within what the bulk channel reads of a response (a 10 GiB one, 1.4 MB of hashes, is
-    /// cut off there, before the joiner's own check: see `BulkLimits`).
+    /// A manifest claiming 1 GiB, far beyond any checkpoint of the run, so the joiner's own
+    /// check refuses it. It lists the hashes of its first [`OVERSIZED_HASHES`] chunks only: a
+    /// hash for every chunk (4,096 of them, ~139 KB) would be cut off by the bulk channel
+    /// before that check, since an answer to a manifest request is read only as long as the
+    /// hashes of the run's largest state make it (`BulkLimits`, unit-tested there).
     Oversized,
     /// A plausible manifest of the most advanced state, whose chunks come back 1,000 bytes long.
     WrongLength,
@@ -75,11 +77,14 @@ fn max_counters_state(run_id: &str, layout_hash: &str) -> Arc<p2ptrain_daemon::t
 }
 
 /// Bytes of the plausible hostile state: three chunks.
-const HOSTILE_STATE: u64 = 2 * p2ptrain_daemon::transfer::CHUNK_SIZE as u64 + 100;
+const HOSTILE_STATE: u64 = 2 * p2ptrain_daemon::wire::STATE_CHUNK_BYTES as u64 + 100;
+
+/// Chunk hashes listed by the [`DonorAnswer::Oversized`] manifest.
+const OVERSIZED_HASHES: u64 = 16;
 
 /// The manifest a hostile donor offers.
 fn hostile_manifest(answer: DonorAnswer) -> network::StateManifest {
-    let chunk = p2ptrain_daemon::transfer::CHUNK_SIZE as u64;
+    let chunk = p2ptrain_daemon::wire::STATE_CHUNK_BYTES as u64;
     let total = match answer {
         DonorAnswer::Oversized => 1 << 30,
         _ => HOSTILE_STATE,
@@ -92,13 +97,17 @@ fn hostile_manifest(answer: DonorAnswer) -> network::StateManifest {
         DonorAnswer::MaxCounters => 0xA4,
         DonorAnswer::Drip => 0xA5,
     };
+    let listed = match answer {
+        DonorAnswer::Oversized => OVERSIZED_HASHES,
+        _ => total.div_ceil(chunk),
+    };
     network::StateManifest {
         hash: ByteBuf::from(vec![tag; 32]),
         // Far ahead of any honest node, so a joiner tries it first.
         step: 1_000_000_000,
         total,
         chunk_size: chunk as u32,
-        chunk_hashes: (0..total.div_ceil(chunk))
+        chunk_hashes: (0..listed)
             .map(|i| ByteBuf::from(vec![(i % 251) as u8; 32]))
             .collect(),
         load: 0,
@@ -216,7 +225,7 @@ impl Rogue {
                         }
                         (BulkRequest::StateChunk { index, .. }, Some(DonorAnswer::Drip), _) => {
                             // In a task of its own: other requests are answered meanwhile.
-                            let chunk = p2ptrain_daemon::transfer::CHUNK_SIZE as u64;
+                            let chunk = p2ptrain_daemon::wire::STATE_CHUNK_BYTES as u64;
                             let len = HOSTILE_STATE
                                 .saturating_sub(u64::from(*index) * chunk)
                                 .min(chunk);
@@ -232,7 +241,7 @@ impl Rogue {
                             Some(BulkResponse::StateChunk(ByteBuf::from(vec![0u8; 1000])))
                         }
                         (BulkRequest::StateChunk { index, .. }, Some(DonorAnswer::BadHash), _) => {
-                            let chunk = p2ptrain_daemon::transfer::CHUNK_SIZE as u64;
+                            let chunk = p2ptrain_daemon::wire::STATE_CHUNK_BYTES as u64;
                             let len = HOSTILE_STATE
                                 .saturating_sub(u64::from(*index) * chunk)
                                 .min(chunk);

@@ -24,13 +24,12 @@ use serde_bytes::ByteBuf;
 use sha2::{Digest, Sha256};
 
 use crate::network::{BulkRequest, BulkResponse, Client, StateManifest};
+use crate::wire::STATE_CHUNK_BYTES;
 
 mod join;
 pub mod serve;
 pub use join::{JoinError, Joiner, Reached};
 
-/// Bytes per chunk: small enough that a dead donor costs little, large enough to be cheap.
-pub const CHUNK_SIZE: usize = 256 * 1024;
 /// Chunk requests in flight per source.
 pub const WINDOW_PER_SOURCE: usize = 4;
 /// How long a frozen state is kept for joiners.
@@ -75,7 +74,7 @@ impl Frozen {
     pub fn new(step: u64, bytes: Vec<u8>) -> Frozen {
         let hash: [u8; 32] = Sha256::digest(&bytes).into();
         let chunk_hashes = bytes
-            .chunks(CHUNK_SIZE)
+            .chunks(STATE_CHUNK_BYTES)
             .map(|c| Sha256::digest(c).into())
             .collect();
         Frozen {
@@ -93,7 +92,7 @@ impl Frozen {
             hash: ByteBuf::from(self.hash.to_vec()),
             step: self.step,
             total: self.bytes.len() as u64,
-            chunk_size: CHUNK_SIZE as u32,
+            chunk_size: STATE_CHUNK_BYTES as u32,
             chunk_hashes: self
                 .chunk_hashes
                 .iter()
@@ -109,7 +108,7 @@ impl Frozen {
 
     /// Chunk `index`, if it exists.
     pub fn chunk(&self, index: u32) -> Option<&[u8]> {
-        self.bytes.chunks(CHUNK_SIZE).nth(index as usize)
+        self.bytes.chunks(STATE_CHUNK_BYTES).nth(index as usize)
     }
 }
 
@@ -220,10 +219,6 @@ pub struct DownloadReport {
     pub refused_manifests: usize,
 }
 
-/// Bytes a checkpoint holds beyond its tensors' values, at most: the safetensors header (names,
-/// shapes, offsets) and our metadata. Generous: a digits MLP's whole checkpoint is 120 KB.
-const CHECKPOINT_OVERHEAD: u64 = 1024 * 1024;
-
 /// What a download may hold and where it keeps its chunks.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -267,14 +262,11 @@ impl DownloadProgress {
 }
 
 impl Limits {
-    /// Limits for a model of `params` scalars: its parameters and at most two optimizer
-    /// slots per parameter (AdamW's moments; SGD's momentum is one), `f32` each, plus
-    /// [`CHECKPOINT_OVERHEAD`].
+    /// Limits for a model of `params` scalars: its largest state
+    /// ([`crate::wire::largest_state_bytes`]).
     pub fn for_params(params: usize, dir: PathBuf) -> Limits {
         Limits {
-            max_total: (params as u64)
-                .saturating_mul(4 * 3)
-                .saturating_add(CHECKPOINT_OVERHEAD),
+            max_total: crate::wire::largest_state_bytes(params),
             dir,
             progress: Arc::default(),
         }
@@ -399,9 +391,9 @@ fn check_manifest(m: &StateManifest, max_total: u64) -> Result<(), String> {
     if m.hash.len() != 32 || m.chunk_hashes.iter().any(|h| h.len() != 32) {
         return Err("hashes are not SHA-256".into());
     }
-    if m.chunk_size as usize != CHUNK_SIZE {
+    if m.chunk_size as usize != STATE_CHUNK_BYTES {
         return Err(format!(
-            "chunk size {} (this node uses {CHUNK_SIZE})",
+            "chunk size {} (this node uses {STATE_CHUNK_BYTES})",
             m.chunk_size
         ));
     }
@@ -411,7 +403,7 @@ fn check_manifest(m: &StateManifest, max_total: u64) -> Result<(), String> {
             m.total
         ));
     }
-    if n != m.total.div_ceil(CHUNK_SIZE as u64) {
+    if n != m.total.div_ceil(STATE_CHUNK_BYTES as u64) {
         return Err(format!("{n} chunk hashes for {} bytes", m.total));
     }
     Ok(())
@@ -697,14 +689,14 @@ mod tests {
 
     #[test]
     fn frozen_chunks_cover_the_bytes_and_manifest_validates() {
-        let bytes: Vec<u8> = (0..(CHUNK_SIZE * 2 + 10))
+        let bytes: Vec<u8> = (0..(STATE_CHUNK_BYTES * 2 + 10))
             .map(|i| (i % 251) as u8)
             .collect();
         let f = Frozen::new(5, bytes.clone());
         let m = f.manifest(0, Vec::new());
         assert_eq!(check_manifest(&m, 1 << 30), Ok(()));
         assert_eq!(m.chunk_hashes.len(), 3);
-        assert_eq!(chunk_len(&m, 0), CHUNK_SIZE);
+        assert_eq!(chunk_len(&m, 0), STATE_CHUNK_BYTES);
         assert_eq!(chunk_len(&m, 2), 10);
         assert_eq!(chunk_len(&m, 3), 0);
         let joined: Vec<u8> = (0..3)
@@ -719,7 +711,7 @@ mod tests {
         assert!(check_manifest(&m, m.total - 1).is_err_and(|e| e.contains("largest checkpoint")));
         assert_eq!(
             Limits::for_params(1000, PathBuf::new()).max_total,
-            12_000 + CHECKPOINT_OVERHEAD
+            12_000 + 1024 * 1024
         );
         let mut huge = m.clone();
         huge.total = u64::MAX;
@@ -732,7 +724,7 @@ mod tests {
     #[test]
     fn a_partial_download_is_found_once_and_strays_are_removed() {
         let root = tempfile::tempdir().expect("tmp");
-        let f = Frozen::new(5, vec![7u8; CHUNK_SIZE + 3]);
+        let f = Frozen::new(5, vec![7u8; STATE_CHUNK_BYTES + 3]);
         let m = f.manifest(0, Vec::new());
         let dir = root.path().join(hex::encode(&m.hash));
         std::fs::create_dir_all(&dir).expect("dir");

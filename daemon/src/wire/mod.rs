@@ -103,9 +103,29 @@ pub const RING_PIECE_BYTES: usize = 16 * 1024 * 1024;
 /// request to one piece ([`RING_PIECE_BYTES`]) at most.
 pub const BULK_REQUEST_MAX: u64 = BULK_RESPONSE_MAX;
 /// Largest response on the bulk channel a node reads before it knows its model; once it
-/// does, a response may hold the model's largest hop (`network::BulkLimits::for_model`), so
-/// that a full sync's parameters fit whatever the model's size.
+/// does, each answer is bounded by what its request asked for
+/// (`network::BulkLimits::for_model`): a full sync's parameters fit whatever the model's size,
+/// a state chunk's answer holds one chunk.
 pub const BULK_RESPONSE_MAX: u64 = 64 * 1024 * 1024;
+
+/// Bytes per chunk of a state a joiner downloads (the last may be shorter): small enough that
+/// a dead donor costs little, large enough to be cheap. A manifest names any other size, and
+/// the joiner refuses it.
+pub const STATE_CHUNK_BYTES: usize = 256 * 1024;
+
+/// Bytes a checkpoint holds beyond its tensors' values, at most: the safetensors header (names,
+/// shapes, offsets) and our metadata. Generous: a digits MLP's whole checkpoint is 120 KB.
+const STATE_OVERHEAD_BYTES: u64 = 1024 * 1024;
+
+/// The largest state (a checkpoint file) of a model of `params` scalars: its parameters and at
+/// most two optimizer slots per parameter (AdamW's moments; SGD's momentum is one), `f32` each,
+/// and [`STATE_OVERHEAD_BYTES`]. A joiner refuses a manifest claiming more, and the network
+/// reads a manifest only as long as this many bytes' chunk hashes make it.
+pub fn largest_state_bytes(params: usize) -> u64 {
+    (params as u64)
+        .saturating_mul(4 * 3)
+        .saturating_add(STATE_OVERHEAD_BYTES)
+}
 
 /// The bulk channel's protocol name; peers negotiate it, so it carries [`WIRE_VERSION`].
 pub fn bulk_protocol() -> String {

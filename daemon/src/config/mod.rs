@@ -35,7 +35,7 @@ mod sections;
 mod setting;
 
 use raw::RawConfig;
-use sections::parse_all;
+use sections::{parse_all, parse_bootstrap};
 pub use sections::{
     ApiConfig, CheckpointConfig, DebugConfig, NetworkConfig, SyncConfig, SyncMode, TrainConfig,
     DEFAULT_API, DEFAULT_DATA_DIR, DEFAULT_LISTEN_PORT,
@@ -400,8 +400,7 @@ impl Config {
         if !o.listen.is_empty() {
             self.network.listen = parse_all("--listen", o.listen.clone()).map_err(err)?;
         }
-        let bootstrap: Vec<Multiaddr> =
-            parse_all("--bootstrap", o.bootstrap.clone()).map_err(err)?;
+        let bootstrap = parse_bootstrap("--bootstrap", o.bootstrap.clone()).map_err(err)?;
         self.network.bootstrap.extend(bootstrap);
         self.network.mdns |= o.mdns;
         if let Some(p) = &o.psk {

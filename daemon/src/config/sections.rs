@@ -455,7 +455,25 @@ fn de_listen<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Multiaddr>, D::Error
 }
 
 fn de_bootstrap<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Multiaddr>, D::Error> {
-    parse_all("network.bootstrap", Vec::<String>::deserialize(d)?).map_err(de::Error::custom)
+    parse_bootstrap("network.bootstrap", Vec::<String>::deserialize(d)?).map_err(de::Error::custom)
+}
+
+/// Parses bootstrap addresses (`key`: the key or flag, for the message). Each must name its
+/// peer (`/p2p/<id>`): the joiner tells members of its bootstrap peers from strangers, and
+/// gives up when every one trains another run, so an address without an id would leave it
+/// waiting and then training alone with no word of why.
+pub(super) fn parse_bootstrap(key: &str, items: Vec<String>) -> Result<Vec<Multiaddr>, String> {
+    let addrs: Vec<Multiaddr> = parse_all(key, items)?;
+    match addrs
+        .iter()
+        .find(|a| !a.iter().any(|p| matches!(p, Protocol::P2p(_))))
+    {
+        Some(a) => Err(format!(
+            "{key}: \"{a}\" names no peer: a bootstrap address ends in /p2p/<peer id>, as in the \
+             `p2ptrain join --bootstrap ...` line the mesh's first node prints"
+        )),
+        None => Ok(addrs),
+    }
 }
 
 fn de_allow<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<PeerId>>, D::Error> {

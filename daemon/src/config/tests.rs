@@ -228,12 +228,30 @@ fn defaults_come_from_the_section_defaults() {
     assert_eq!(c.train.device, DeviceSpec::Cpu);
 }
 
+/// A peer id for bootstrap addresses in these tests.
+const PEER: &str = "12D3KooWFTqWLHjMu2hJ9xy1wK6oSw5XrYFcFpVGMggvQvJrkf3C";
+
 #[test]
 fn typed_values_are_parsed_at_load_and_errors_name_the_key() {
     let with =
         |section: &str| Config::parse(&format!("{DEFAULT_CONFIG_TOML}\n{section}\n"), "x", None);
-    let c = with("[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/4001\"]").expect("valid");
-    assert_eq!(c.network.bootstrap[0].to_string(), "/ip4/10.0.0.1/tcp/4001");
+    let c = with(&format!(
+        "[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/4001/p2p/{PEER}\"]"
+    ))
+    .expect("valid");
+    assert_eq!(
+        c.network.bootstrap[0].to_string(),
+        format!("/ip4/10.0.0.1/tcp/4001/p2p/{PEER}")
+    );
+    // An address that names no peer: the node would dial it but never know it found the
+    // mesh it meant to join, so it is refused, pointing at the join line that has the id.
+    let e = with("[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/4001\"]")
+        .expect_err("no peer id")
+        .to_string();
+    assert!(
+        e.contains("network.bootstrap") && e.contains("/p2p/") && e.contains("names no peer"),
+        "{e}"
+    );
     for (bad, key) in [
         ("[network]\nlisten = [\"nope\"]", "network.listen"),
         ("[network]\nbootstrap = [\"nope\"]", "network.bootstrap"),
@@ -256,7 +274,7 @@ fn typed_values_are_parsed_at_load_and_errors_name_the_key() {
 #[test]
 fn overrides_replace_or_extend_as_documented() {
     let text = format!(
-        "{DEFAULT_CONFIG_TOML}\n[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/1\"]\nlisten = [\"/ip4/0.0.0.0/tcp/5\"]\n"
+        "{DEFAULT_CONFIG_TOML}\n[network]\nbootstrap = [\"/ip4/10.0.0.1/tcp/1/p2p/{PEER}\"]\nlisten = [\"/ip4/0.0.0.0/tcp/5\"]\n"
     );
     let mut c = Config::parse(&text, "x", None).expect("valid");
     c.apply(&Overrides {
@@ -265,7 +283,7 @@ fn overrides_replace_or_extend_as_documented() {
         max_steps: Some(7),
         api: Some("127.0.0.1:0".parse().expect("addr")),
         listen: vec!["/ip4/127.0.0.1/tcp/0".into()],
-        bootstrap: vec!["/ip4/10.0.0.2/tcp/2".into()],
+        bootstrap: vec![format!("/ip4/10.0.0.2/tcp/2/p2p/{PEER}")],
         mdns: true,
         psk: Some("k".into()),
         sync_mode: Some("fedavg".into()),
@@ -298,7 +316,10 @@ fn overrides_replace_or_extend_as_documented() {
     assert_eq!(addrs(&c.network.listen), ["/ip4/127.0.0.1/tcp/0"]);
     assert_eq!(
         addrs(&c.network.bootstrap),
-        ["/ip4/10.0.0.1/tcp/1", "/ip4/10.0.0.2/tcp/2"]
+        [
+            format!("/ip4/10.0.0.1/tcp/1/p2p/{PEER}"),
+            format!("/ip4/10.0.0.2/tcp/2/p2p/{PEER}")
+        ]
     );
     assert!(c.network.mdns);
     assert_eq!(c.network.psk.as_deref(), Some(Path::new("k")));
@@ -336,6 +357,13 @@ fn overrides_replace_or_extend_as_documented() {
                 ..Overrides::default()
             },
             "--bootstrap: \"nope\" is not a multiaddr",
+        ),
+        (
+            Overrides {
+                bootstrap: vec!["/ip4/10.0.0.2/tcp/2".into()],
+                ..Overrides::default()
+            },
+            "--bootstrap: \"/ip4/10.0.0.2/tcp/2\" names no peer",
         ),
         (
             Overrides {

@@ -44,7 +44,8 @@ pub fn skip_or_fail(test: &str, why: &str) {
 /// whose classes must still spread, a link that must be saturated, pinned benchmark nodes,
 /// lockstep members through a kill) hold it exclusively, so they never run beside a hog: a CI
 /// run saw the demo's node 0 end at 79% (83-99% otherwise) beside the churn test's kills.
-/// Light tests take neither.
+/// Light tests take neither. A test waiting for it holds a libtest thread, so the order tests
+/// start in matters too (see `main.rs`).
 static CORES: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 /// Held for the whole of a test that loads both cores for minutes (see [`CORES`]).

@@ -408,6 +408,11 @@ impl Config {
         }
         if let Some(m) = &o.sync_mode {
             self.sync.mode = m.parse().map_err(|e| err(format!("--sync-mode: {e}")))?;
+            // The file's sync settings were checked for its own mode; some only bind in
+            // another (diloco's overlap below its round), so they are checked again for this one.
+            self.sync
+                .check()
+                .map_err(|e| err(format!("--sync-mode {m}: {e}")))?;
         }
         if let Some(m) = o.min_members {
             if m == 0 {

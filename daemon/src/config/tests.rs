@@ -271,6 +271,35 @@ fn typed_values_are_parsed_at_load_and_errors_name_the_key() {
     assert!(e.contains("train.device") && e.contains("tpu"), "{e}");
 }
 
+/// `--sync-mode` (and `--min-members`) leave a config the file alone would be refused as: the
+/// sync section's checks run again on what the flags made of it. Overlap as long as a round is
+/// nothing under `gossip` (it ignores both keys), a refused `diloco` once the flag picks it.
+#[test]
+fn a_sync_mode_given_on_the_command_line_is_checked_with_the_files_sync_settings() {
+    let text = format!(
+        "{DEFAULT_CONFIG_TOML}\n[sync]\nmode = \"gossip\"\ninner_steps = 4\noverlap_steps = 4\n"
+    );
+    let c = Config::parse(&text, "x", None).expect("gossip ignores overlap_steps");
+    let mut diloco = c.clone();
+    let e = diloco
+        .apply(&Overrides {
+            sync_mode: Some("diloco".into()),
+            ..Overrides::default()
+        })
+        .expect_err("diloco with overlap_steps = inner_steps")
+        .to_string();
+    assert!(
+        e.contains("--sync-mode") && e.contains("sync.overlap_steps"),
+        "{e}"
+    );
+    let mut ddp = c.clone();
+    ddp.apply(&Overrides {
+        sync_mode: Some("ddp".into()),
+        ..Overrides::default()
+    })
+    .expect("ddp ignores overlap_steps");
+}
+
 #[test]
 fn overrides_replace_or_extend_as_documented() {
     let text = format!(

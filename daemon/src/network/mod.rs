@@ -74,16 +74,19 @@ pub const SILENT_AFTER: Duration = Duration::from_secs(4);
 /// Kademlia random walk interval, so nodes keep learning peers beyond their bootstrap.
 pub const KAD_WALK_EVERY: Duration = Duration::from_secs(30);
 
-/// The peers named in bootstrap addresses (their `/p2p/<id>`): the ones whose dial failures
-/// the user needs to see, and whose refusal for another run ends a fresh joiner's wait.
+/// The peers named in bootstrap addresses (each address's last `/p2p/<id>`: a relay circuit's
+/// names the relay first and the peer behind it last): the ones whose dial failures the user
+/// needs to see, and whose refusal for another run ends a fresh joiner's wait.
 pub fn bootstrap_peers(addrs: &[Multiaddr]) -> HashSet<PeerId> {
     addrs
         .iter()
         .filter_map(|a| {
-            a.iter().find_map(|p| match p {
-                libp2p::multiaddr::Protocol::P2p(id) => Some(id),
-                _ => None,
-            })
+            a.iter()
+                .filter_map(|p| match p {
+                    libp2p::multiaddr::Protocol::P2p(id) => Some(id),
+                    _ => None,
+                })
+                .last()
         })
         .collect()
 }
@@ -527,6 +530,27 @@ pub fn new(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A bootstrap address names the peer it ends with: a relay circuit's address names the
+    /// relay first and the peer behind it last, and only the peer behind it is the member the
+    /// user meant (the one whose refusal for another run ends a joiner's wait).
+    #[test]
+    fn a_bootstrap_address_names_the_peer_it_ends_with() {
+        let (relay, member, other) = (PeerId::random(), PeerId::random(), PeerId::random());
+        let addrs: Vec<Multiaddr> = [
+            format!("/ip4/10.0.0.1/tcp/7471/p2p/{relay}/p2p-circuit/p2p/{member}"),
+            format!("/ip4/10.0.0.2/tcp/7471/p2p/{other}"),
+            "/ip4/10.0.0.3/tcp/7471".to_string(),
+        ]
+        .iter()
+        .map(|a| a.parse().expect("multiaddr"))
+        .collect();
+        assert_eq!(
+            bootstrap_peers(&addrs),
+            HashSet::from([member, other]),
+            "relay {relay}"
+        );
+    }
 
     /// The network carries the wire's formats and knows no training: no file of it names the
     /// core, the trainer, the models, the config or the actors above it (it is handed what it

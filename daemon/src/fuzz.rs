@@ -4,8 +4,11 @@
 //! network key files. Structure-aware: each target starts from real messages made by our own
 //! encoders and mutates them (bits flipped, bytes overwritten, cut, inserted, spans doubled),
 //! so the decoders see hostile bytes deep inside well-formed frames, not only noise at the
-//! first byte. Every input must be answered, never panic. (The update codec's own targets
-//! are in `p2ptrain_models::codec`.)
+//! first byte. Every input must be answered, never panic; what a decoder accepts must encode
+//! back to what it read (so nothing a peer sent is taken as something else), and each target
+//! must see inputs accepted and refused both (so the mutations reach past the first check
+//! and the decoder does refuse). (The update codec's own targets are in
+//! `p2ptrain_models::codec`.)
 //!
 //! A normal test run tries [`CASES`] inputs per target; `P2PTRAIN_FUZZ_SECS=600 cargo test
 //! --release -p p2ptrain-daemon fuzz::` keeps each going that long and prints how many it
@@ -67,6 +70,33 @@ fn fuzz(name: &str, seeds: &[Vec<u8>], mut target: impl FnMut(&[u8])) -> u64 {
     tried
 }
 
+/// What a target's decoder answered over a run: inputs it accepted and refused. A target whose
+/// mutations were all refused tested only the first check; one that refused none tested no
+/// check at all.
+#[derive(Debug, Default)]
+struct Tally {
+    accepted: u64,
+    refused: u64,
+}
+
+impl Tally {
+    /// Counts one answer.
+    fn count<T, E>(&mut self, answer: &Result<T, E>) {
+        match answer {
+            Ok(_) => self.accepted += 1,
+            Err(_) => self.refused += 1,
+        }
+    }
+
+    /// Both kinds of answer were seen.
+    fn assert_both(&self, target: &str) {
+        assert!(
+            self.accepted > 0 && self.refused > 0,
+            "{target}: {self:?}: the mutations must reach both answers"
+        );
+    }
+}
+
 /// One mutation: a bit flipped, a byte overwritten (often with a boundary value), the bytes
 /// cut, a byte inserted, or a span doubled (a length field that now lies).
 fn mutate(rng: &mut StdRng, bytes: &mut Vec<u8>) {
@@ -95,6 +125,16 @@ fn protocol() -> StreamProtocol {
 /// The codec every bulk message a peer sends is read with, at the wire's maxima.
 fn bulk_codec() -> BulkCodec {
     BulkCodec::new(BulkLimits::default())
+}
+
+/// The codec an answer is read with: one that asked for parameters, so it reads any answer
+/// up to the wire's maxima (a codec reads an answer only as far as its request allows).
+fn asking_codec() -> BulkCodec {
+    let mut codec = bulk_codec();
+    let mut sink = Cursor::new(Vec::new());
+    futures::executor::block_on(codec.write_request(&protocol(), &mut sink, BulkRequest::Params))
+        .expect("a request");
+    codec
 }
 
 fn encode_request(request: BulkRequest) -> Vec<u8> {
@@ -135,9 +175,16 @@ fn heartbeats() {
     .map(wire::encode_heartbeat)
     .collect();
     assert!(seeds.iter().all(|s| wire::decode_heartbeat(s).is_ok()));
+    let mut tally = Tally::default();
     fuzz("heartbeats", &seeds, |b| {
-        let _ = wire::decode_heartbeat(b);
+        let read = wire::decode_heartbeat(b);
+        tally.count(&read);
+        if let Ok(hb) = read {
+            let again = wire::decode_heartbeat(&wire::encode_heartbeat(&hb));
+            assert_eq!(again.as_ref().ok(), Some(&hb), "{b:?}");
+        }
     });
+    tally.assert_both("heartbeats");
 }
 
 #[test]
@@ -150,9 +197,16 @@ fn update_frames() {
             step: 99,
         }),
     ];
+    let mut tally = Tally::default();
     fuzz("update_frames", &seeds, |b| {
-        let _ = wire::decode_update_frame(b);
+        let read = wire::decode_update_frame(b);
+        tally.count(&read);
+        if let Ok(frame) = read {
+            // The format is canonical: what was read is exactly what encodes to the input.
+            assert_eq!(wire::encode_update_frame(&frame), b, "{frame:?}");
+        }
     });
+    tally.assert_both("update_frames");
 }
 
 fn manifest() -> StateManifest {
@@ -199,9 +253,16 @@ fn bulk_requests() {
         futures::executor::block_on(bulk_codec().read_request(&protocol(), &mut io))
     };
     assert!(seeds.iter().all(|s| read(s).is_ok()), "the seeds read back");
+    let mut tally = Tally::default();
     fuzz("bulk_requests", &seeds, |b| {
-        let _ = read(b);
+        let answer = read(b);
+        tally.count(&answer);
+        if let Ok(request) = answer {
+            let again = read(&encode_request(request.clone()));
+            assert_eq!(format!("{again:?}"), format!("{:?}", Ok::<_, ()>(request)));
+        }
     });
+    tally.assert_both("bulk_requests");
 }
 
 #[test]
@@ -223,12 +284,19 @@ fn bulk_responses() {
     .collect();
     let read = |b: &[u8]| {
         let mut io = Cursor::new(b.to_vec());
-        futures::executor::block_on(bulk_codec().read_response(&protocol(), &mut io))
+        futures::executor::block_on(asking_codec().read_response(&protocol(), &mut io))
     };
     assert!(seeds.iter().all(|s| read(s).is_ok()), "the seeds read back");
+    let mut tally = Tally::default();
     fuzz("bulk_responses", &seeds, |b| {
-        let _ = read(b);
+        let answer = read(b);
+        tally.count(&answer);
+        if let Ok(response) = answer {
+            let again = read(&encode_response(response.clone()));
+            assert_eq!(format!("{again:?}"), format!("{:?}", Ok::<_, ()>(response)));
+        }
     });
+    tally.assert_both("bulk_responses");
 }
 
 #[test]
@@ -282,8 +350,18 @@ fn network_key_files() {
     let seeds = vec![crate::node::new_psk_file().into_bytes()];
     std::fs::write(&path, &seeds[0]).expect("write the key file");
     assert!(crate::node::read_psk(&path).is_ok(), "the seed reads");
+    let mut tally = Tally::default();
     fuzz("network_key_files", &seeds, |b| {
         std::fs::write(&path, b).expect("write the key file");
-        let _ = crate::node::read_psk(&path);
+        let read = crate::node::read_psk(&path);
+        tally.count(&read);
+        if let Ok(key) = read {
+            // The key written out as a key file reads back as the same key (its fingerprint
+            // names it in logs).
+            std::fs::write(&path, key.to_string()).expect("write the key back");
+            let again = crate::node::read_psk(&path).map(|k| k.fingerprint().to_string());
+            assert_eq!(again.ok(), Some(key.fingerprint().to_string()), "{b:?}");
+        }
     });
+    tally.assert_both("network_key_files");
 }

@@ -91,6 +91,12 @@ impl Tally {
     /// Both kinds of answer were seen for mutated inputs (beyond the `seeds`, which every
     /// decoder accepts).
     fn assert_both(&self, target: &str, seeds: usize) {
+        let line = format!(
+            "fuzz {target}: {} accepted, {} refused",
+            self.accepted, self.refused
+        );
+        eprintln!("{line}");
+        p2ptrain_models::fuzz_report::append(&line);
         assert!(
             self.accepted > seeds as u64 && self.refused > 0,
             "{target}: {self:?} ({seeds} seeds): the mutations must reach both answers"

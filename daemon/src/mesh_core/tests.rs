@@ -60,12 +60,90 @@ fn check_figures(name: &str, r: &SimReport) {
     }
     let recorded = FIGURES
         .lines()
-        .find(|l| l.starts_with(&format!("{name}: ")));
+        .find(|l| l.starts_with(&format!("{name}: ")))
+        .unwrap_or_else(|| panic!("no figures recorded for {name} (see check_figures)"));
+    if let Some(why) = figures_differ(recorded, &line) {
+        panic!(
+            "the simulator's figures for {name} changed: {why} (see check_figures to re-record them)"
+        );
+    }
+}
+
+/// Where two reports (as `{:?}` prints them) differ, if they do, field by field: integers and
+/// everything that is not a number exactly, floating-point figures to a relative 1e-9 (a
+/// change of summation order is no change of decision; a changed decision moves a figure far
+/// more). Names the field, as the last name before the first difference.
+fn figures_differ(recorded: &str, now: &str) -> Option<String> {
+    fn tokens(text: &str) -> Vec<&str> {
+        let word = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-' | '+');
+        let mut out = Vec::new();
+        let mut start = None;
+        for (i, c) in text.char_indices() {
+            match (word(c), start) {
+                (true, None) => start = Some(i),
+                (false, Some(s)) => {
+                    out.push(&text[s..i]);
+                    start = None;
+                }
+                _ => {}
+            }
+            if !word(c) && !c.is_whitespace() {
+                out.push(&text[i..i + c.len_utf8()]);
+            }
+        }
+        if let Some(s) = start {
+            out.push(&text[s..]);
+        }
+        out
+    }
+    let is_integer = |t: &str| t.parse::<i128>().is_ok();
+    let (a, b) = (tokens(recorded), tokens(now));
+    let mut field = "";
+    for (x, y) in a.iter().zip(&b) {
+        let same = match (x.parse::<f64>(), y.parse::<f64>()) {
+            _ if is_integer(x) && is_integer(y) => x == y,
+            (Ok(p), Ok(q)) => (p - q).abs() <= 1e-9 * p.abs().max(q.abs()).max(1.0),
+            _ => x == y,
+        };
+        if !same {
+            return Some(format!("{field}: recorded {x}, now {y}"));
+        }
+        if x.starts_with(|c: char| c.is_ascii_alphabetic()) && !matches!(*x, "Some" | "None") {
+            field = x;
+        }
+    }
+    (a.len() != b.len()).then(|| format!("recorded {} tokens, now {}", a.len(), b.len()))
+}
+
+/// The figures' comparison: a float within 1e-9 is the same, an integer off by one or a float
+/// off by 1e-6 is not, and the difference is named by its field.
+#[test]
+fn figures_are_compared_field_by_field_integers_exactly_floats_to_1e_9() {
+    let report = |consensus: &str, applied: &str, heal: &str| {
+        format!(
+            "x: SimReport {{ consensus: {consensus}, applied: {applied}, consensus_at_heal: Some({heal}), counters: {{\"updates.sent\": 7}} }}"
+        )
+    };
+    let recorded = report("0.19577748825851526", "3781", "1e-5");
+    assert_eq!(figures_differ(&recorded, &recorded), None);
     assert_eq!(
-        recorded,
-        Some(line.as_str()),
-        "the simulator's figures for {name} changed (see check_figures to re-record them)"
+        figures_differ(
+            &recorded,
+            &report("0.19577748825851530", "3781", "1.0000000000001e-5")
+        ),
+        None
     );
+    let why = figures_differ(&recorded, &report("0.19577748825851526", "3782", "1e-5"));
+    assert_eq!(why.as_deref(), Some("applied: recorded 3781, now 3782"));
+    let why = figures_differ(&recorded, &report("0.1957784", "3781", "1e-5"));
+    assert!(why.is_some_and(|w| w.starts_with("consensus:")));
+    let why = figures_differ(&recorded, &report("0.19577748825851526", "3781", "2e-5"));
+    assert_eq!(
+        why.as_deref(),
+        Some("consensus_at_heal: recorded 1e-5, now 2e-5")
+    );
+    assert!(figures_differ(&recorded, &recorded.replace("7}", "8}")).is_some());
+    assert!(figures_differ(&recorded, &recorded.replace("Some(1e-5)", "None")).is_some());
 }
 
 fn run(p: SimParams) -> SimReport {

@@ -167,6 +167,9 @@ impl MeshActor {
             }
         }
         self.drain_ring_hops(&mut events).await;
+        // Before the goodbye goes out: the members that close their connections in answer
+        // are not lost members.
+        let _ = self.net.leaving().await;
         self.drive(Input::Leave).await;
         self.publish_status();
         self.tasks.shutdown().await;

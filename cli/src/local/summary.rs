@@ -41,7 +41,7 @@ pub struct NodeSummary {
     /// Held-out bits per byte of its final checkpoint (a language model).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bits_per_byte: Option<f64>,
-    /// Peers it saw at the end.
+    /// Peers it saw at its last status (none once it said goodbye and they let it go).
     pub peers: usize,
     /// Bytes sent (libp2p counters).
     pub bytes_sent: u64,

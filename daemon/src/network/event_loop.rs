@@ -61,6 +61,8 @@ pub struct EventLoop {
     book: PeerBook,
     /// See [`NetworkStatus::peer_drops`].
     peer_drops: u64,
+    /// This node said goodbye ([`Command::Leaving`]): lost members are no longer drops.
+    leaving: bool,
     /// Open connections, direct or relayed.
     links: Links,
     /// Peers of this run connected only through a relay: shown in status, never synced with.
@@ -127,6 +129,7 @@ impl EventLoop {
             last_heard: HashMap::new(),
             book: PeerBook::default(),
             peer_drops: 0,
+            leaving: false,
             links: Links::default(),
             relayed_members: HashMap::new(),
             nat: Nat::new(cfg.relay_server, cfg.upnp),
@@ -209,7 +212,10 @@ impl EventLoop {
             gossip.set_application_score(&peer, score);
         }
         self.ban_graylisted(now);
-        self.redial_lost(now);
+        // A node saying goodbye lets its members go: they close their connections to it.
+        if !self.leaving {
+            self.redial_lost(now);
+        }
         self.find_relay(now);
         for peer in self.admission.hang_ups_due(now) {
             let _ = self.swarm.disconnect_peer_id(peer);
@@ -339,8 +345,15 @@ impl EventLoop {
         let _ = self.swarm.disconnect_peer_id(peer);
         self.last_heard.remove(&peer);
         if self.members.remove(&peer).is_some() {
-            self.peer_drops += 1;
+            self.count_drop();
             self.emit(Event::PeerDown(peer));
+        }
+    }
+
+    /// Counts a member lost without a goodbye, unless this node is the one leaving.
+    fn count_drop(&mut self) {
+        if !self.leaving {
+            self.peer_drops += 1;
         }
     }
 
@@ -443,6 +456,7 @@ impl EventLoop {
             Command::Snapshot(reply) => {
                 let _ = reply.send(self.snapshot());
             }
+            Command::Leaving => self.leaving = true,
             Command::Forget(peer) => {
                 self.book.forget(&peer);
                 self.relayed_members.remove(&peer);

@@ -149,6 +149,9 @@ pub enum Command {
     Snapshot(oneshot::Sender<NetSnapshot>),
     /// A peer left for good: close its connections and stop redialling it.
     Forget(PeerId),
+    /// This node said goodbye: members that close their connections from now on answer
+    /// it, and none of them counts as lost (`NetworkStatus::peer_drops`).
+    Leaving,
     /// The peer did what no honest peer does, where gossipsub's rejections cannot punish it
     /// alone (a refused full-sync reply, a bad ring hop, a heartbeat over its rate): lower its
     /// application score (see [`crate::scoring::Penalties`]), which takes a peer that keeps
@@ -290,7 +293,9 @@ pub struct NetworkStatus {
     #[serde(default)]
     pub connections_over_limit: u64,
     /// Times a member was lost without saying goodbye: silent too long, its last direct
-    /// connection closed, or banned. An honest mesh on a healthy box never loses one.
+    /// connection closed, or banned. An honest mesh on a healthy box never loses one. Not
+    /// counted once this node itself said goodbye: its members then close their connections
+    /// to it, as they should.
     #[serde(default)]
     pub peer_drops: u64,
     /// Reachability (AutoNAT), relays and hole punching.
@@ -471,6 +476,11 @@ impl Client {
     /// Drops a peer.
     pub async fn forget(&self, peer: PeerId) -> Result<(), NetError> {
         self.send(Command::Forget(peer)).await
+    }
+
+    /// Tells the network this node is saying goodbye (see [`Command::Leaving`]).
+    pub async fn leaving(&self) -> Result<(), NetError> {
+        self.send(Command::Leaving).await
     }
 
     /// Lowers a peer's score for a provable offence outside gossip.

@@ -149,7 +149,7 @@ impl EventLoop {
                     if let Some(info) = self.members.remove(&peer_id) {
                         self.last_heard.remove(&peer_id);
                         tracing::info!(peer = %peer_id, "peer gone");
-                        self.peer_drops += 1;
+                        self.count_drop();
                         if self.links.connected(&peer_id) {
                             self.relayed_members.insert(peer_id, info);
                         }

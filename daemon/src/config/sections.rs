@@ -466,7 +466,7 @@ pub(super) fn parse_bootstrap(key: &str, items: Vec<String>) -> Result<Vec<Multi
     let addrs: Vec<Multiaddr> = parse_all(key, items)?;
     match addrs
         .iter()
-        .find(|a| !a.iter().any(|p| matches!(p, Protocol::P2p(_))))
+        .find(|a| !matches!(a.iter().last(), Some(Protocol::P2p(_))))
     {
         Some(a) => Err(format!(
             "{key}: \"{a}\" names no peer: a bootstrap address ends in /p2p/<peer id>, as in the \

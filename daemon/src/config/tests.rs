@@ -271,8 +271,8 @@ fn typed_values_are_parsed_at_load_and_errors_name_the_key() {
     assert!(e.contains("train.device") && e.contains("tpu"), "{e}");
 }
 
-/// `--sync-mode` (and `--min-members`) leave a config the file alone would be refused as: the
-/// sync section's checks run again on what the flags made of it. Overlap as long as a round is
+/// `--sync-mode` cannot leave a config the file alone would be refused as: the sync section's
+/// checks run again for the mode the flag picks. Overlap as long as a round is
 /// nothing under `gossip` (it ignores both keys), a refused `diloco` once the flag picks it.
 #[test]
 fn a_sync_mode_given_on_the_command_line_is_checked_with_the_files_sync_settings() {
@@ -393,6 +393,14 @@ fn overrides_replace_or_extend_as_documented() {
                 ..Overrides::default()
             },
             "--bootstrap: \"/ip4/10.0.0.2/tcp/2\" names no peer",
+        ),
+        (
+            Overrides {
+                // A relay's circuit with no peer behind it: it names the relay only.
+                bootstrap: vec![format!("/ip4/10.0.0.2/tcp/2/p2p/{PEER}/p2p-circuit")],
+                ..Overrides::default()
+            },
+            "/p2p-circuit\" names no peer",
         ),
         (
             Overrides {

@@ -72,7 +72,9 @@ fn check_figures(name: &str, r: &SimReport) {
 /// Where two reports (as `{:?}` prints them) differ, if they do, field by field: integers and
 /// everything that is not a number exactly, floating-point figures to a relative 1e-9 (a
 /// change of summation order is no change of decision; a changed decision moves a figure far
-/// more). Names the field, as the last name before the first difference.
+/// more), and two figures both below 1e-12 in size alike (the consensus of members holding
+/// the same bits is rounding, ~1e-16). Names the field, as the last name before the first
+/// difference.
 fn figures_differ(recorded: &str, now: &str) -> Option<String> {
     fn tokens(text: &str) -> Vec<&str> {
         let word = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-' | '+');
@@ -100,15 +102,22 @@ fn figures_differ(recorded: &str, now: &str) -> Option<String> {
     let (a, b) = (tokens(recorded), tokens(now));
     let mut field = "";
     for (x, y) in a.iter().zip(&b) {
-        let same = match (x.parse::<f64>(), y.parse::<f64>()) {
-            _ if is_integer(x) && is_integer(y) => x == y,
-            (Ok(p), Ok(q)) => (p - q).abs() <= 1e-9 * p.abs().max(q.abs()).max(1.0),
-            _ => x == y,
-        };
+        let same = x == y
+            || match (x.parse::<f64>(), y.parse::<f64>()) {
+                _ if is_integer(x) && is_integer(y) => false,
+                (Ok(p), Ok(q)) if p.is_finite() && q.is_finite() => {
+                    let size = p.abs().max(q.abs());
+                    size < 1e-12 || (p - q).abs() <= 1e-9 * size
+                }
+                _ => false,
+            };
         if !same {
             return Some(format!("{field}: recorded {x}, now {y}"));
         }
-        if x.starts_with(|c: char| c.is_ascii_alphabetic()) && !matches!(*x, "Some" | "None") {
+        if x.starts_with(|c: char| c.is_ascii_alphabetic())
+            && x.parse::<f64>().is_err()
+            && !matches!(*x, "Some" | "None")
+        {
             field = x;
         }
     }
@@ -142,6 +151,17 @@ fn figures_are_compared_field_by_field_integers_exactly_floats_to_1e_9() {
         why.as_deref(),
         Some("consensus_at_heal: recorded 1e-5, now 2e-5")
     );
+    // Relative below 1 too: 1e-5 against 1.00001e-5 differs; rounding-sized figures do not.
+    assert!(figures_differ(
+        &recorded,
+        &report("0.19577748825851526", "3781", "1.00001e-5")
+    )
+    .is_some());
+    assert_eq!(
+        figures_differ(&report("2e-16", "1", "NaN"), &report("3e-16", "1", "NaN")),
+        None
+    );
+    assert!(figures_differ(&report("2e-16", "1", "inf"), &report("2e-16", "1", "NaN")).is_some());
     assert!(figures_differ(&recorded, &recorded.replace("7}", "8}")).is_some());
     assert!(figures_differ(&recorded, &recorded.replace("Some(1e-5)", "None")).is_some());
 }

@@ -544,6 +544,17 @@ async fn until_finished(
         match join_task {
             Some(task) => match task.await {
                 Ok(Err(e)) => e,
+                // A bug: no state will come, and the trainer would wait for it for ever.
+                Err(e) if e.is_panic() => {
+                    let panic = e.into_panic();
+                    let why = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic".into());
+                    tracing::error!("the join task panicked: {why}");
+                    transfer::JoinError::Failed(why)
+                }
                 // Joined, or gave up on the mesh and trains alone: nothing to stop for.
                 _ => std::future::pending().await,
             },
@@ -866,6 +877,47 @@ async fn print_listen_addrs(net: &network::Client, peer_id: &str, run_id: &str, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A join task that panicked (a bug, never a peer's doing) ends the node with an error
+    /// naming it, after the trainer was asked to stop: it is not left waiting for a state
+    /// that will never come.
+    #[tokio::test]
+    async fn a_panicked_join_task_stops_the_node_with_an_error() {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (done_tx, done_rx) = oneshot::channel();
+        let (cmd_tx, mut cmd_rx) = mpsc::channel(4);
+        // The trainer: it ends (its answer dropped) once it is told to stop.
+        let trainer = tokio::spawn(async move {
+            while let Some(cmd) = cmd_rx.recv().await {
+                if matches!(cmd, Command::Stop) {
+                    drop(done_tx);
+                    return true;
+                }
+            }
+            false
+        });
+        let join_task: JoinTask = tokio::spawn(async { panic!("a bug in the joiner") });
+        let ended = tokio::time::timeout(
+            Duration::from_secs(10),
+            until_finished(
+                std::future::pending(),
+                stop_rx,
+                done_rx,
+                Some(join_task),
+                &cmd_tx,
+            ),
+        )
+        .await
+        .expect("the node ended instead of waiting for ever");
+        drop(stop_tx);
+        let (_, failure) = ended;
+        let failure = failure.expect("the join task's failure").to_string();
+        assert!(failure.contains("a bug in the joiner"), "{failure}");
+        assert!(
+            trainer.await.expect("trainer task"),
+            "the trainer was told to stop"
+        );
+    }
 
     /// A key file that is not one (missing, a short key, characters that are not hex, bytes
     /// that are not ASCII) is a clear error, never a panic inside the key parser.

@@ -85,6 +85,10 @@ pub enum JoinError {
         /// What differs, as [`crate::network::what_differs`] says it.
         differs: String,
     },
+    /// The join task itself failed (a bug: it panicked), so no state will come; the node
+    /// stops rather than wait for one. Its checkpoints and downloaded chunks are kept.
+    #[error("joining the mesh failed inside this node ({0}); nothing was trained. Start it again: what it downloaded is kept")]
+    Failed(String),
 }
 
 /// What a joiner needs of its node.

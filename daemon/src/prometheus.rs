@@ -253,6 +253,12 @@ fn updates_metrics(b: &mut Builder, s: &Status) {
         None,
         u.scaled_down,
     );
+    b.counter(
+        "updates_over_budget",
+        "Updates accepted but scaled down to their author's budget",
+        None,
+        u.over_budget,
+    );
     b.counters(
         "update_rejections_by_peer",
         "Rejected updates by author",

@@ -47,7 +47,13 @@ pub struct UpdateCounters {
     /// recent updates, yet not far enough beyond to prove hostility.
     #[serde(default)]
     pub scaled_down: u64,
-    /// Of the rejected, those whose norm was an outlier against recent updates.
+    /// Accepted, but scaled down to what their author's budget had left: it sent more, all
+    /// together, than this node's own updates allow a neighbour (an honest box faster than
+    /// this one, or a neighbour pushing one way).
+    #[serde(default)]
+    pub over_budget: u64,
+    /// Of the rejected, those whose norm was an outlier against recent updates, or beyond
+    /// the outlier bound once too often in a row.
     #[serde(default)]
     pub outliers: u64,
     /// Dropped unread because their author sent faster than the per-peer limit.

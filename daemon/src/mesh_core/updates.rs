@@ -293,8 +293,8 @@ impl Updates {
             return Verdict::Judged(MessageAcceptance::Ignore);
         }
         let span = header.step.saturating_sub(header.base_step);
-        let scale = match self.guard.judge_norm(norm, span, lateness) {
-            Ok(scale) => scale,
+        let judged = match self.guard.judge(&author, norm, span, lateness) {
+            Ok(judged) => judged,
             Err(why) => {
                 self.counters.outliers += 1;
                 return self.reject(author, &why.to_string(), out);
@@ -307,12 +307,19 @@ impl Updates {
         if arrival == Arrival::Late {
             self.counters.late += 1;
         }
-        self.guard.record(&author, norm * scale, span);
+        self.guard.record(&author, judged.bounded_norm, span);
         let mut values = values;
-        if scale < 1.0 {
-            tracing::debug!(peer = %author, norm, scale, span, lateness, "large update scaled down to the outlier bound");
-            values.iter_mut().for_each(|v| *v *= scale as f32);
+        if judged.beyond_bound {
+            tracing::debug!(peer = %author, norm, scale = judged.scale, span, lateness, "large update scaled down to the outlier bound");
             self.counters.scaled_down += 1;
+        }
+        if judged.beyond_budget {
+            tracing::debug!(peer = %author, norm, scale = judged.scale, "update scaled down to its author's budget");
+            self.counters.over_budget += 1;
+        }
+        if judged.scale < 1.0 {
+            let scale = judged.scale as f32;
+            values.iter_mut().for_each(|v| *v *= scale);
         }
         let clipped = crate::guard::clip(&mut values, self.cfg.guard.clip_value) as u64;
         self.counters.received += 1;
@@ -386,7 +393,13 @@ impl Updates {
         // (signing hashes the whole message; on a lone MNIST node that was 6% of its steps'
         // time). The delta is dropped, as a refused publish drops it; the trainer's base for
         // the next delta has moved on, and whoever joins later takes these parameters whole.
+        // Its norm is still remembered (uncompressed: never below what it would have sent),
+        // so that the outlier bound stays anchored in this node's own progress: a peer of
+        // the run that publishes updates without ever counting as a member would otherwise
+        // be the only author the bound is the median of, and could lift it at will.
         if alone {
+            self.guard
+                .record_own(l2_norm(delta), step.saturating_sub(base_step));
             return;
         }
         let header = self
@@ -962,12 +975,15 @@ mod tests {
     /// A neighbour that grows its updates ratchets no bound. Each update beyond the outlier
     /// bound is scaled down to it and applied, and the guard remembers what was applied, by
     /// author, so one author's updates move the median no further than one honest author's
-    /// word. (Remembered unscaled in one window shared by every author, updates each 50 times
-    /// the last bound, under the 100 times where they are refused, lifted the median past a
-    /// thousand times the honest one within about 40 updates, and that neighbour's next
-    /// updates near `max_update_ratio` x the parameters' norm were applied whole.)
+    /// word; after [`crate::guard::SCALED_IN_A_ROW`] such updates in a row, each further one
+    /// beyond the bound is refused, an offence. (Remembered unscaled in one window shared by
+    /// every author, updates each 50 times the last bound, under the 100 times where they are
+    /// refused, lifted the median past a thousand times the honest one within about 40
+    /// updates, and that neighbour's next updates near `max_update_ratio` x the parameters'
+    /// norm were applied whole.)
     #[test]
     fn a_neighbour_growing_its_updates_ratchets_no_bound() {
+        use crate::guard::SCALED_IN_A_ROW;
         let unlimited = MeshConfig {
             guard: GuardConfig {
                 max_updates_per_sec: 0.0,
@@ -991,25 +1007,44 @@ mod tests {
             honest_update(&mut u);
         }
         let honest_median = counters(&u).median_norm.expect("a median");
-        let mut norm = 10.0f32;
+        let mut norm = 20.0f32;
+        let mut refused = 0;
         for step in 1..=200 {
             let data = update(&rogue, step, &[norm, 0.0, 0.0, 0.0]);
             let (v, out) = gossip(&mut u, rogue, &data, params, now);
-            let (_, _, applied) = passed(&v).unwrap_or_else(|| panic!("{v:?} {out:?}"));
-            // The next one 50 times what this one was applied at: the bound it met.
-            norm = 50.0 * applied[0];
+            match passed(&v) {
+                // The next one 50 times what this one was applied at: the bound it met.
+                Some((_, _, applied)) => norm = 50.0 * applied[0],
+                None => {
+                    assert!(is(&v, MessageAcceptance::Reject), "{v:?}");
+                    assert!(
+                        format!("{out:?}").contains("updates in a row beyond it"),
+                        "{out:?}"
+                    );
+                    refused += 1;
+                }
+            }
             if step % 10 == 0 {
                 honest_update(&mut u);
             }
         }
+        assert_eq!(refused, 200 - SCALED_IN_A_ROW as usize);
         let median = counters(&u).median_norm.expect("a median");
         assert!(
             median <= 2.0 * honest_median,
             "the median went from {honest_median} to {median}"
         );
-        // 900 times the honest norm, under the 100 x 10 where it is refused: scaled down to
-        // the honest bound.
-        let data = update(&rogue, 201, &[900.0, 0.0, 0.0, 0.0]);
+        // Back under the bound, the neighbour's updates pass whole again...
+        let data = update(&rogue, 201, &[2.0, 0.0, 0.0, 0.0]);
+        let (v, out) = gossip(&mut u, rogue, &data, params, now);
+        assert_eq!(
+            passed(&v),
+            Some((rogue, 201, vec![2.0, 0.0, 0.0, 0.0])),
+            "{out:?}"
+        );
+        // ...and one 900 times the honest norm, under the 100 x 10 where it is refused, is
+        // scaled down to the honest bound.
+        let data = update(&rogue, 202, &[900.0, 0.0, 0.0, 0.0]);
         let (v, out) = gossip(&mut u, rogue, &data, params, now);
         let (_, _, applied) = passed(&v).unwrap_or_else(|| panic!("{v:?} {out:?}"));
         assert!(
@@ -1017,6 +1052,60 @@ mod tests {
             "applied at {}",
             applied[0]
         );
+    }
+
+    /// A neighbour pushing one way, each update just under the outlier bound and far faster
+    /// than this node makes its own, moves the model no further than its budget: what this
+    /// node's own updates refill (four times their norm), whatever its rate.
+    #[test]
+    fn a_neighbour_pushing_under_the_bound_moves_no_further_than_its_budget() {
+        use crate::guard::BUDGET_PER_OWN;
+        let unlimited = MeshConfig {
+            guard: GuardConfig {
+                max_updates_per_sec: 0.0,
+                ..cfg().guard
+            },
+            ..cfg()
+        };
+        let (mut u, _) = updates(unlimited);
+        let rogue = PeerId::random();
+        let now = Instant::now();
+        let params = Some(1e12);
+        let own = [1.0f32, 0.0, 0.0, 0.0];
+        let mut out = Vec::new();
+        let mut step = 0;
+        for _ in 0..20 {
+            u.publish(step, step + 1, &own, false, &mut out);
+            step += 1;
+        }
+        let mut moved = 0.0f64;
+        let mut own_norms = 0.0f64;
+        for k in 1..=400u64 {
+            // Ten neighbour updates of 9 (the bound is 10 x the own median of 1) for each
+            // own update of norm 1.
+            let data = update(&rogue, k, &[0.0, 9.0, 0.0, 0.0]);
+            let (v, o) = gossip(&mut u, rogue, &data, params, now);
+            let (_, _, applied) = passed(&v).unwrap_or_else(|| panic!("{v:?} {o:?}"));
+            moved += f64::from(applied[1]);
+            if k % 10 == 0 {
+                u.publish(step, step + 1, &own, false, &mut out);
+                step += 1;
+                own_norms += 1.0;
+            }
+        }
+        let c = counters(&u);
+        let budget = BUDGET_PER_OWN * (1.0 + own_norms);
+        assert!(
+            moved <= budget + 1e-3,
+            "moved {moved}, budget {budget} (own norms {own_norms})"
+        );
+        assert!(
+            moved >= 0.9 * budget,
+            "moved {moved}: the budget is all spent"
+        );
+        assert_eq!(c.scaled_down, 0, "{c:?}");
+        assert!(c.over_budget > 300, "{c:?}");
+        assert_eq!(c.rejected, 0, "scaled, never punished: {c:?}");
     }
 
     #[test]

@@ -658,6 +658,7 @@ impl Sim {
                 ("updates.duplicates", u.duplicates),
                 ("updates.too_old", u.too_old),
                 ("updates.scaled_down", u.scaled_down),
+                ("updates.over_budget", u.over_budget),
                 ("updates.outliers", u.outliers),
                 ("updates.rate_limited", u.rate_limited),
                 ("updates.clipped_values", u.clipped_values),

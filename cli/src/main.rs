@@ -76,6 +76,16 @@ enum Cmd {
     Bench(BenchCmd),
     /// Write a new random key for a private network (give every node the same file).
     Keygen(KeygenArgs),
+    /// Print a shell completion script, e.g. `p2ptrain completions bash >
+    /// ~/.local/share/bash-completion/completions/p2ptrain`.
+    Completions(CompletionsArgs),
+}
+
+#[derive(Args)]
+struct CompletionsArgs {
+    /// The shell to complete in.
+    #[arg(value_enum)]
+    shell: clap_complete::Shell,
 }
 
 #[derive(Args)]
@@ -141,9 +151,9 @@ struct JoinArgs {
     /// Access token for the control API (required for a non-loopback --api).
     #[arg(long, env = TOKEN_ENV, hide_env_values = true)]
     api_token: Option<String>,
-    /// Compute device: cpu, cuda or cuda:N.
-    #[arg(long)]
-    device: Option<String>,
+    /// Compute device: cpu, cuda (GPU 0) or cuda:N.
+    #[arg(long, value_name = "cpu|cuda|cuda:N")]
+    device: Option<p2ptrain_daemon::device::DeviceSpec>,
     /// Compute threads for Candle.
     #[arg(long)]
     threads: Option<usize>,
@@ -190,6 +200,38 @@ struct JoinArgs {
     #[arg(long, default_value_t = 64, value_name = "MIB", requires = "timeline",
           value_parser = clap::value_parser!(u64).range(1..=65_536))]
     timeline_max_mib: u64,
+    /// More log lines: -v adds p2ptrain's debug lines, -vv its trace lines. `RUST_LOG`, when
+    /// set, decides instead (e.g. `RUST_LOG=libp2p_gossipsub=debug`).
+    #[arg(short, long, action = clap::ArgAction::Count, conflicts_with = "quiet")]
+    verbose: u8,
+    /// Fewer log lines: -q keeps warnings and errors, -qq errors only.
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    quiet: u8,
+    /// How log lines are written to stderr: text, or json (one object a line, for a log
+    /// collector).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+/// How `join` writes its log lines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines (colored on a terminal).
+    Text,
+    /// One JSON object a line: timestamp, level, target, fields.
+    Json,
+}
+
+/// The log filter `join` starts with when `RUST_LOG` is not set: `verbose` and `quiet` are the
+/// counts of `-v` and `-q`. sled's own lines stay at warnings unless `-vv`.
+fn log_filter(verbose: u8, quiet: u8) -> &'static str {
+    match (verbose, quiet) {
+        (0, 0) => "info,sled=warn",
+        (_, 1) => "warn",
+        (_, q) if q >= 2 => "error",
+        (1, _) => "info,p2ptrain=debug,p2ptrain_daemon=debug,p2ptrain_models=debug,sled=warn",
+        _ => "info,p2ptrain=trace,p2ptrain_daemon=trace,p2ptrain_models=trace",
+    }
 }
 
 #[derive(Args)]
@@ -312,14 +354,18 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging() {
+fn init_logging(verbose: u8, quiet: u8, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sled=warn"));
-    let _ = tracing_subscriber::fmt()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(log_filter(verbose, quiet)));
+    let lines = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => lines
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init(),
+        LogFormat::Json => lines.json().with_ansi(false).try_init(),
+    };
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
@@ -328,6 +374,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Status(args) => runtime::client_runtime()?.block_on(status(args)),
         Cmd::Checkpoint(cmd) => runtime::client_runtime()?.block_on(checkpoint(cmd)),
         Cmd::Eval(args) => eval(args),
+        Cmd::Completions(args) => {
+            let mut cli = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(args.shell, &mut cli, "p2ptrain", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Sample(args) => {
             sample::run(args)?;
             Ok(ExitCode::SUCCESS)
@@ -423,7 +474,7 @@ impl JoinArgs {
     /// The flags that override the config file, for [`Config::apply`].
     fn overrides(&self) -> Overrides {
         Overrides {
-            device: self.device.clone(),
+            device: self.device.map(|d| d.to_string()),
             threads: self.threads,
             max_steps: self.max_steps,
             api: self.api,
@@ -444,7 +495,7 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
     config.apply(&args.overrides())?;
     runtime::set_compute_threads(config.train.threads);
     let prepared = node::prepare(config)?;
-    init_logging();
+    init_logging(args.verbose, args.quiet, args.log_format);
     if let Some(path) = &args.timeline {
         p2ptrain_daemon::timeline::install(path, args.timeline_max_mib * 1024 * 1024)?;
     }
@@ -808,6 +859,85 @@ mod tests {
                 format!("{path} {}", sub.get_name())
             };
             commands(sub, &sub_path, out);
+        }
+    }
+
+    /// Devices, codecs and sync modes are checked when the command line is read, and the
+    /// error lists what is accepted.
+    #[test]
+    fn devices_codecs_and_modes_are_refused_at_parse_time_naming_the_choices() {
+        let refused = |args: &[&str]| match Cli::try_parse_from(args) {
+            Ok(_) => panic!("{args:?} parsed"),
+            Err(e) => e.to_string(),
+        };
+        let e = refused(&["p2ptrain", "join", "--device", "gpu"]);
+        assert!(e.contains("\"cpu\", \"cuda\" or \"cuda:N\""), "{e}");
+        let e = refused(&[
+            "p2ptrain",
+            "bench",
+            "mesh",
+            "--out",
+            "x",
+            "--codec",
+            "dense,zip",
+        ]);
+        assert!(e.contains("onebit-tensor") && e.contains("zip"), "{e}");
+        let e = refused(&[
+            "p2ptrain", "bench", "scaling", "--out", "x", "--modes", "ddp,ring",
+        ]);
+        assert!(e.contains("diloco") && e.contains("ring"), "{e}");
+        let e = refused(&["p2ptrain", "join", "--log-format", "xml"]);
+        assert!(e.contains("json"), "{e}");
+        let e = refused(&["p2ptrain", "join", "-v", "-q"]);
+        assert!(e.contains("cannot be used with"), "{e}");
+        let ok = Cli::try_parse_from(["p2ptrain", "join", "--device", "cuda:1", "-vv"]);
+        match ok.map(|c| c.command) {
+            Ok(Cmd::Join(j)) => {
+                assert_eq!(j.device, Some(p2ptrain_daemon::device::DeviceSpec::Cuda(1)));
+                assert_eq!(log_filter(j.verbose, j.quiet), log_filter(2, 0));
+            }
+            _ => panic!("join --device cuda:1 -vv"),
+        }
+        let ok = Cli::try_parse_from([
+            "p2ptrain",
+            "bench",
+            "mesh",
+            "--out",
+            "x",
+            "--codec",
+            "onebit,topk",
+        ]);
+        assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn more_or_fewer_log_lines_as_the_flags_ask() {
+        assert_eq!(log_filter(0, 0), "info,sled=warn");
+        assert!(log_filter(1, 0).contains("p2ptrain_daemon=debug"));
+        assert!(log_filter(2, 0).contains("p2ptrain_daemon=trace"));
+        assert_eq!(log_filter(0, 1), "warn");
+        assert_eq!(log_filter(0, 3), "error");
+    }
+
+    /// The completion script knows the commands, their flags and the values they take.
+    #[test]
+    fn completions_name_commands_flags_and_values() {
+        let mut script = Vec::new();
+        clap_complete::generate(
+            clap_complete::Shell::Bash,
+            &mut Cli::command(),
+            "p2ptrain",
+            &mut script,
+        );
+        let script = String::from_utf8(script).expect("utf8");
+        for word in [
+            "join",
+            "--sync-mode",
+            "diloco",
+            "--log-format",
+            "onebit-tensor",
+        ] {
+            assert!(script.contains(word), "{word} missing");
         }
     }
 

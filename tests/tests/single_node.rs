@@ -39,6 +39,76 @@ fn default_run_on_digits_reaches_95_percent() {
     assert!(acc >= 0.95, "held-out accuracy {acc} < 0.95");
 }
 
+/// `--log-format json` writes every log line as one JSON object (a collector reads them whole);
+/// `-q` keeps only warnings and errors.
+#[test]
+fn log_lines_come_as_json_objects_or_quietly_as_asked() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    // Run directly rather than through `Node`, which sets `RUST_LOG` (that would decide).
+    let run = |name: &str, flags: &[&str]| {
+        let dir = tmp.path().join(name);
+        let dir = dir.to_str().expect("utf8");
+        let mut args = vec![
+            "join",
+            "--data-dir",
+            dir,
+            "--api",
+            "127.0.0.1:0",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--max-steps",
+            "200",
+        ];
+        args.extend_from_slice(flags);
+        let log = tmp.path().join(format!("{name}.log"));
+        /// Kills the node if the test gives up on it.
+        struct KillOnDrop(std::process::Child);
+        impl Drop for KillOnDrop {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let mut child = std::process::Command::new(crate::harness::bin())
+            .args(&args)
+            .env_remove("RUST_LOG")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .map(KillOnDrop)
+            .expect("run p2ptrain join");
+        let exited =
+            crate::harness::eventually(Duration::from_secs(120), "the node's exit", || {
+                child.0.try_wait().expect("wait")
+            });
+        let text = std::fs::read_to_string(&log).expect("log");
+        assert!(exited.success(), "{text}");
+        text
+    };
+    let json = run("json", &["--log-format", "json"]);
+    let objects: Vec<serde_json::Value> = json
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert!(
+        objects
+            .iter()
+            .any(|o| o["level"] == "INFO" && o["fields"]["message"].is_string()),
+        "{json}"
+    );
+    assert!(
+        json.lines()
+            .all(|l| l.starts_with('{') || !l.contains(" INFO ")),
+        "a text log line: {json}"
+    );
+    let quiet = run("quiet", &["-q"]);
+    assert!(!quiet.contains(" INFO "), "{quiet}");
+    let text = run("text", &[]);
+    assert!(text.contains(" INFO "), "{text}");
+}
+
 #[test]
 fn mnist_mlp_reaches_97_percent_in_two_epochs() {
     let Some(mnist) = mnist_dir() else {

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use clap::builder::TypedValueParser as _;
 use clap::Args;
 use p2ptrain_daemon::config::{apply_settings, Setting};
 use p2ptrain_daemon::Config;
@@ -33,10 +34,11 @@ pub struct MeshArgs {
     /// Base configuration; default: the built-in digits config.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Codecs to compare, comma-separated (dense, f16, bf16, topk, topk-f32, onebit,
-    /// onebit-tensor); each gets a run of its own.
-    #[arg(long, default_value = "dense")]
-    codec: String,
+    /// Codecs to compare, comma-separated; each gets a run of its own.
+    #[arg(long, value_delimiter = ',', default_value = "dense",
+          value_parser = clap::builder::PossibleValuesParser::new(Codec::ALL.map(Codec::name))
+              .map(|name| name.parse::<Codec>().expect("a listed codec name parses")))]
+    codec: Vec<Codec>,
     /// Fraction of values top-k keeps.
     #[arg(long)]
     density: Option<f64>,
@@ -323,11 +325,7 @@ pub fn run(args: MeshArgs) -> Result<()> {
     if args.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
-    let codecs: Vec<Codec> = args
-        .codec
-        .split(',')
-        .map(|c| c.trim().parse::<Codec>().map_err(anyhow::Error::msg))
-        .collect::<Result<_>>()?;
+    let codecs = args.codec;
     if let Some(d) = args.density {
         if !(d > 0.0 && d <= 1.0) {
             bail!("--density {d} must be in (0, 1]");

@@ -374,8 +374,10 @@ pub struct SyncConfig {
     /// Publish before `publish_every` steps once the pending update's norm exceeds this
     /// fraction of the parameters' norm (0: off).
     pub publish_early_ratio: f64,
-    /// Reject a neighbour's update whose norm exceeds this times the median of recently
-    /// accepted ones (0: off).
+    /// Scale a neighbour's update whose norm exceeds this times the median of recently
+    /// accepted ones down to that bound (and reject one 100 times beyond it, or beyond it 32
+    /// times in a row); with it, each neighbour's budget holds it to 4 times this node's own
+    /// pace (0: all of these off).
     pub outlier_factor: f64,
     /// Sustained updates per second accepted from one neighbour, with a burst of twice that;
     /// beyond it updates are dropped unread (0: no limit).

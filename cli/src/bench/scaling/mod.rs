@@ -92,7 +92,10 @@ pub struct ScalingArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ddp,allreduce,diloco,gossip"
+        default_value = "ddp,allreduce,diloco,gossip",
+        value_parser = clap::builder::PossibleValuesParser::new(
+            p2ptrain_daemon::config::SyncMode::names()
+        )
     )]
     modes: Vec<String>,
     /// Seeds (each run repeated with node seeds from each).

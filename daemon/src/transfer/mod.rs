@@ -598,10 +598,13 @@ const CLAIM_SLACK: u64 = 1000;
 /// The donors in the order a joiner tries them. Most advanced first, as the median claim
 /// measures it: a step more than 10% (plus [`CLAIM_SLACK`]) above the median of the claims is
 /// no credible progress (a liar claiming the highest step would otherwise always go first), so
-/// such a state goes last. Among the credible states within 10% of the best of them, the one
-/// most peers hold (its chunks come from all of them at once, and no single donor carries the
-/// crowd), then the least loaded. This assumes that most of the members a joiner asks are
-/// honest.
+/// such a state goes last. A credible claim another donor corroborates (its own step within
+/// 10% of it, or the same state) goes before one nobody does, when any is corroborated: a
+/// liar claiming just under the ceiling, above every honest member, would otherwise still be
+/// tried first, and honest members of one mesh train within a few percent of one another.
+/// Among the states left, those within 10% of the best of them, the one most peers hold (its
+/// chunks come from all of them at once, and no single donor carries the crowd), then the
+/// least loaded. This assumes that most of the members a joiner asks are honest.
 fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateManifest)> {
     let mut steps: Vec<u64> = manifests.iter().map(|m| m.1.step).collect();
     steps.sort_unstable();
@@ -613,23 +616,32 @@ fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateMan
         .saturating_add(median / 10)
         .saturating_add(CLAIM_SLACK);
     let credible = |step: u64| step <= ceiling;
-    let best_step = steps
+    let holds =
+        |o: &StateManifest, m: &StateManifest| o.hash == m.hash || o.cached.contains(&m.hash);
+    let corroborated = |peer: &PeerId, m: &StateManifest| {
+        manifests.iter().any(|(p, o)| {
+            p != peer && (holds(o, m) || within_step_window(o.step.min(m.step), o.step.max(m.step)))
+        })
+    };
+    let any_corroborated = manifests
         .iter()
-        .copied()
-        .filter(|s| credible(*s))
+        .any(|(p, m)| credible(m.step) && corroborated(p, m));
+    let first_rank = |p: &PeerId, m: &StateManifest| {
+        credible(m.step) && (!any_corroborated || corroborated(p, m))
+    };
+    let best_step = manifests
+        .iter()
+        .filter(|(p, m)| first_rank(p, m))
+        .map(|(_, m)| m.step)
         .max()
         .unwrap_or(0);
-    let holders = |m: &StateManifest| {
-        manifests
-            .iter()
-            .filter(|(_, o)| o.hash == m.hash || o.cached.contains(&m.hash))
-            .count()
-    };
+    let holders = |m: &StateManifest| manifests.iter().filter(|(_, o)| holds(o, m)).count();
     let mut keyed: Vec<_> = manifests
         .iter()
         .map(|(p, m)| {
             let key = (
                 !credible(m.step),
+                !first_rank(p, m),
                 !within_step_window(m.step, best_step),
                 std::cmp::Reverse(holders(m)),
                 m.load,
@@ -685,6 +697,37 @@ mod tests {
         let order = donor_order(vec![(a, state(10_000, 2)), (b, state(11_500, 3))]);
         assert_eq!(order[0].0, b);
         assert!(donor_order(Vec::new()).is_empty());
+    }
+
+    /// A liar claiming exactly the ceiling (the median claim, 10% and the slack above it),
+    /// above every honest member, goes after the honest states, which corroborate one
+    /// another; an honest straggler far behind the others still goes after them.
+    #[test]
+    fn a_claim_no_other_donor_corroborates_goes_after_those_that_are() {
+        let state = |step: u64, tag: u8| Frozen::new(step, vec![tag; 10]).manifest(0, Vec::new());
+        let (liar, a, b, c) = (
+            PeerId::random(),
+            PeerId::random(),
+            PeerId::random(),
+            PeerId::random(),
+        );
+        let ceiling = 10_200 + 1_020 + CLAIM_SLACK;
+        let order = donor_order(vec![
+            (liar, state(ceiling, 1)),
+            (a, state(10_000, 2)),
+            (b, state(10_200, 3)),
+        ]);
+        let peers: Vec<PeerId> = order.iter().map(|(p, _)| *p).collect();
+        assert_eq!(peers, [b, a, liar]);
+        // Four donors, one an honest straggler: the two that agree, then the rest.
+        let order = donor_order(vec![
+            (liar, state(ceiling, 1)),
+            (a, state(10_000, 2)),
+            (b, state(10_200, 3)),
+            (c, state(2_000, 4)),
+        ]);
+        let peers: Vec<PeerId> = order.iter().map(|(p, _)| *p).collect();
+        assert_eq!(&peers[..2], [b, a]);
     }
 
     #[test]

@@ -344,7 +344,19 @@ enum BenchCmd {
 fn main() -> ExitCode {
     allocator::keep_freed_memory();
     p2ptrain_daemon::memory::count_heap_with(allocator::live_heap_bytes);
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e)
+            if !e.use_stderr()
+                || e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand =>
+        {
+            e.exit()
+        }
+        Err(e) => {
+            eprintln!("{}", one_line(&e.render().to_string()));
+            return ExitCode::from(2);
+        }
+    };
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
@@ -352,6 +364,18 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A command-line error as one line, as every failure of this binary ends: clap's text up to
+/// its usage and help hints, its lines joined (a missing argument's name is on the second).
+fn one_line(clap_error: &str) -> String {
+    clap_error
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn init_logging(verbose: u8, quiet: u8, format: LogFormat) {
@@ -908,6 +932,22 @@ mod tests {
             "onebit,topk",
         ]);
         assert!(ok.is_ok());
+    }
+
+    /// A command-line error is one line, the argument it is about named.
+    #[test]
+    fn a_command_line_error_is_one_line() {
+        let error = |args: &[&str]| match Cli::try_parse_from(args) {
+            Ok(_) => panic!("{args:?} parsed"),
+            Err(e) => one_line(&e.render().to_string()),
+        };
+        let e = error(&["p2ptrain", "join", "--device", "tpu"]);
+        assert!(
+            e.starts_with("error: invalid value 'tpu'") && e.contains("cuda:N"),
+            "{e}"
+        );
+        let e = error(&["p2ptrain", "bench", "scaling"]);
+        assert!(!e.contains('\n') && e.contains("--out"), "{e}");
     }
 
     #[test]

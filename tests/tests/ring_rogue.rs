@@ -435,3 +435,98 @@ fn fedavg_leaves_out_a_member_whose_hops_name_the_last_round() {
 fn diloco_bans_a_member_that_sends_hops_of_the_largest_length() {
     one_rogue_among_four("diloco", "oversize", Expect::Banned, "");
 }
+
+/// The step hijack across processes: among four `allreduce` members, a rogue whose hops claim
+/// step 2^48 - 1 (`debug.ring_attack = "step"`), just under where hops are offences, then a
+/// joiner, which takes its step with its first round's mean. A round's step is the members'
+/// (the highest step two members' counted parts reach), never one hop's: the joiner trains
+/// on at the members' step, stopped and started again it resumes from its own checkpoint
+/// (one at the claimed step would be refused by its own restore, and the node would not
+/// start again), and no honest member is banned or blamed.
+#[test]
+fn allreduce_joiner_takes_the_members_step_not_a_rogues_claim_and_restarts_from_its_checkpoint() {
+    let _cores = crate::harness::cpu_sensitive();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let mode = "allreduce";
+    let cfg: Vec<PathBuf> = (0..3)
+        .map(|k| member_config(tmp.path(), &format!("h{k}"), mode, k, "", ""))
+        .collect();
+    let rogue_cfg = member_config(tmp.path(), "rogue", mode, 0, "ring_attack = \"step\"\n", "");
+    let a = start(tmp.path(), "a", &cfg[0], None, &[]);
+    let addr = listen_addr(&a);
+    let b = start(tmp.path(), "b", &cfg[1], Some(&addr), &[]);
+    let c = start(tmp.path(), "c", &cfg[2], Some(&addr), &[]);
+    let honest = [&a, &b, &c];
+    for n in honest {
+        n.wait_status("rounds of three", Duration::from_secs(90), |s| {
+            rounds(s)["ring_size"].as_u64() == Some(3) && completed(s) > 5
+        });
+    }
+    let rogue = start(tmp.path(), "rogue", &rogue_cfg, Some(&addr), &[]);
+    let rogue_id = rogue.status().expect("the rogue's status")["peer_id"]
+        .as_str()
+        .expect("peer id")
+        .to_string();
+    for n in honest {
+        n.wait_status("rounds of four", Duration::from_secs(60), |s| {
+            rounds(s)["ring_size"].as_u64() == Some(4)
+        });
+    }
+    let members_step = |what: &str| -> u64 {
+        let steps: Vec<u64> = honest
+            .iter()
+            .map(|n| crate::mesh::step(&n.status().expect("status")))
+            .collect();
+        eprintln!("{what}: the honest members at steps {steps:?}");
+        steps.into_iter().max().unwrap_or(0)
+    };
+    // The joiner: a fourth shard's config would change nothing the run id holds.
+    let mut joiner = start(tmp.path(), "joiner", &cfg[1], Some(&addr), &[]);
+    // Rounds of five: the rogue's hops among those the joiner's first mean counted.
+    let s = joiner.wait_status(
+        "the joiner's rounds of five",
+        Duration::from_secs(90),
+        |s| completed(s) > 3 && rounds(s)["ring_size"].as_u64() == Some(5),
+    );
+    let bound = 2 * members_step("the joiner in") + 1000;
+    let joined_at = crate::mesh::step(&s);
+    eprintln!(
+        "the joiner at step {joined_at} after {} rounds",
+        completed(&s)
+    );
+    assert!(joined_at <= bound, "the joiner took step {joined_at}");
+    let (st, _, err) = joiner.cli(&["stop"], Duration::from_secs(30));
+    assert!(st.success(), "{err}");
+    assert!(joiner.wait_exit(Duration::from_secs(60)).success());
+    // Started again on its own data directory: it resumes from its own checkpoint.
+    let again = start(tmp.path(), "joiner", &cfg[1], Some(&addr), &[]);
+    let s = again.wait_status("the joiner's rounds again", Duration::from_secs(90), |s| {
+        s["resumed_from"]["step"].is_u64() && completed(s) > 3
+    });
+    let resumed = s["resumed_from"]["step"].as_u64().unwrap_or(u64::MAX);
+    let bound = 2 * members_step("the joiner back") + 1000;
+    eprintln!(
+        "the joiner resumed from step {resumed}, at step {} now",
+        crate::mesh::step(&s)
+    );
+    assert!(resumed >= joined_at && resumed <= bound, "{s}");
+    assert!(crate::mesh::step(&s) <= bound, "{s}");
+    for n in honest {
+        let s = n.status().expect("an honest member answers");
+        for p in s["peers"]["list"].as_array().into_iter().flatten() {
+            if p["peer_id"] != rogue_id.as_str() {
+                assert_eq!(p["offences"].as_u64().unwrap_or(0), 0, "{p}");
+            }
+        }
+        assert!(
+            s["banned_peers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .all(|b| b["peer_id"] == rogue_id.as_str()),
+            "{}",
+            s["banned_peers"]
+        );
+    }
+    drop(rogue);
+}

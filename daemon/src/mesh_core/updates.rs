@@ -557,6 +557,17 @@ mod tests {
         MeshConfig::plain(1 << 20)
     }
 
+    /// No rate limit: a neighbour's updates are judged by norm and budget alone.
+    fn unlimited_cfg() -> MeshConfig {
+        MeshConfig {
+            guard: GuardConfig {
+                max_updates_per_sec: 0.0,
+                ..cfg().guard
+            },
+            ..cfg()
+        }
+    }
+
     /// One update a second, no burst above it.
     fn slow_cfg() -> MeshConfig {
         MeshConfig {
@@ -984,14 +995,7 @@ mod tests {
     #[test]
     fn a_neighbour_growing_its_updates_ratchets_no_bound() {
         use crate::guard::SCALED_IN_A_ROW;
-        let unlimited = MeshConfig {
-            guard: GuardConfig {
-                max_updates_per_sec: 0.0,
-                ..cfg().guard
-            },
-            ..cfg()
-        };
-        let (mut u, _) = updates(unlimited);
+        let (mut u, _) = updates(unlimited_cfg());
         let (honest, rogue) = (PeerId::random(), PeerId::random());
         let now = Instant::now();
         // Parameters this large keep the bound by their norm out of the way.
@@ -1060,14 +1064,7 @@ mod tests {
     #[test]
     fn a_neighbour_pushing_under_the_bound_moves_no_further_than_its_budget() {
         use crate::guard::BUDGET_PER_OWN;
-        let unlimited = MeshConfig {
-            guard: GuardConfig {
-                max_updates_per_sec: 0.0,
-                ..cfg().guard
-            },
-            ..cfg()
-        };
-        let (mut u, _) = updates(unlimited);
+        let (mut u, _) = updates(unlimited_cfg());
         let rogue = PeerId::random();
         let now = Instant::now();
         let params = Some(1e12);

@@ -9,8 +9,12 @@ in-memory set of `--samples` random samples of the model's input shape (p2ptrain
 also gathers each batch from an in-memory set), on `--device` (cpu unless told). One thread
 (`--threads`) by default, as p2ptrain's nodes. Every step: batch gather, forward, cross-entropy, backward, optimizer step.
 
-Prints one JSON object: steps per second for each of `--runs` timed runs, after one untimed
-warm-up of 50 steps.
+For a Llama, `--transformers-llama` times transformers' own `LlamaForCausalLM` (eager attention)
+rather than the written-out twin below (the same numbers; the GPU yardstick uses transformers'
+own).
+
+Prints one JSON object: steps per second for each of `--runs` timed runs, after `--warmup`
+untimed steps (50 unless told).
 
 Run by `p2ptrain bench step`; by hand:
   bench/.venv/bin/python bench/step_torch.py --spec '{"kind":"mlp","widths":[784,256,10]}' \
@@ -62,6 +66,8 @@ def build(spec, torch):
         return Gpt(spec, torch), ("bytes", spec["context"])
     if kind == "llama":
         return Llama(spec, torch), ("tokens", spec["context"])
+    if kind == "llama-transformers":
+        return TransformersLlama(spec, torch), ("tokens", spec["context"])
     raise SystemExit(f"error: unknown model kind {kind!r}")
 
 
@@ -191,6 +197,46 @@ def Llama(spec, torch):
     return Model()
 
 
+def TransformersLlama(spec, torch):
+    """The same Llama as transformers' own `LlamaForCausalLM` in eager attention, built from
+    p2ptrain's spec (the model users fine-tune, exactly as transformers computes it); called
+    with token ids, it answers the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec["vocab"],
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        head_dim=spec["head_dim"],
+        rms_norm_eps=spec["rms_eps"],
+        rope_theta=spec["rope_theta"],
+        max_position_embeddings=spec["context"],
+        tie_word_embeddings=spec["tied"],
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    config._attn_implementation = "eager"
+    config.use_cache = False
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = LlamaForCausalLM(config)
+
+        def forward(self, tokens):
+            return self.inner(input_ids=tokens, use_cache=False).logits
+
+    return Model()
+
+
 def optimizer(spec, params, torch):
     kind = spec["kind"]
     if kind == "sgd":
@@ -221,6 +267,12 @@ def main():
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--samples", type=int, default=8192)
+    ap.add_argument("--warmup", type=int, default=50, help="untimed steps before the timed runs")
+    ap.add_argument(
+        "--transformers-llama",
+        action="store_true",
+        help="for a Llama, time transformers' own LlamaForCausalLM (eager attention) instead of the written-out twin",
+    )
     ap.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N for a GPU yardstick")
     ap.add_argument(
         "--tf32",
@@ -236,7 +288,10 @@ def main():
     torch.backends.cudnn.allow_tf32 = args.tf32
     torch.manual_seed(0)
     spec = json.loads(args.spec)
-    model, (kind, dim) = build(spec, torch)
+    built = spec
+    if args.transformers_llama and spec["kind"] == "llama":
+        built = dict(spec, kind="llama-transformers")
+    model, (kind, dim) = build(built, torch)
     model = model.to(args.device)
     opt = optimizer(json.loads(args.optim), model.parameters(), torch)
     if kind == "features":
@@ -263,7 +318,7 @@ def main():
             last = loss.item()  # p2ptrain's step reads its loss back too
         return last
 
-    run(50)
+    run(args.warmup)
     rates = []
     for _ in range(args.runs):
         start = time.perf_counter()
@@ -277,6 +332,7 @@ def main():
                 "device": args.device,
                 "tf32": args.tf32,
                 "params": sum(p.numel() for p in model.parameters()),
+                "model": built["kind"],
                 "steps_per_sec": rates,
             }
         )

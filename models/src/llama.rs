@@ -15,11 +15,13 @@
 //! are ([`crate::hf`]). Weights built from a seed come from [`crate::init`]: normal(0, 0.02),
 //! as `transformers` initialises a Llama, norms at one.
 //!
-//! The forward pass is on Candle's graph, so autograd can train through it: on the CPU in f32
-//! the RMS norm, causal softmax and SwiGLU's gate are [`crate::cpu::fused`]'s kernels with
-//! their own backward passes, elsewhere compositions of Candle ops (never candle-nn's fused RMS
-//! norm, which has no backward pass). On the CPU in f32, training takes the hand-written
-//! backward pass of `llama/backward.rs` instead (the same gradients, a test checks).
+//! The forward pass is on Candle's graph, so autograd can train through it: in f32 on the CPU
+//! (or on a GPU with its kernels on, [`crate::gpu`]) the RMS norm, causal softmax and SwiGLU's
+//! gate are [`crate::cpu::fused`]'s kernels with their own backward passes, elsewhere
+//! compositions of Candle ops (never candle-nn's fused RMS norm, which has no backward pass).
+//! Where those kernels serve, training takes the hand-written backward pass of
+//! `llama/backward.rs` instead (the same gradients, a test checks; on a GPU, the same as the
+//! CPU's, `gpu/twins.rs`).
 
 use std::sync::Arc;
 

@@ -59,6 +59,14 @@ pub struct StepArgs {
     /// Time p2ptrain alone (the report then has no ratios).
     #[arg(long)]
     no_torch: bool,
+    /// For a Llama, time transformers' own `LlamaForCausalLM` (eager attention) on the PyTorch
+    /// side, rather than the script's written-out twin of p2ptrain's Llama.
+    #[arg(long)]
+    transformers_llama: bool,
+    /// Repetitions of each codec's timing per model (a 100 M-parameter update takes seconds
+    /// per codec on the CPU).
+    #[arg(long, default_value_t = 21, value_parser = clap::value_parser!(u32).range(1..))]
+    codec_reps: u32,
     /// The device of both sides (`cpu`, `cuda`, `cuda:N`); each config's own when not given.
     #[arg(long)]
     device: Option<String>,
@@ -105,6 +113,9 @@ struct Case {
     /// On a GPU: the fraction of a step's wall time spent waiting for the GPU when the loss is
     /// read back (the rest is the host issuing the step's work), from one more run.
     gpu_wait_fraction: Option<f64>,
+    /// What the PyTorch side ran: `llama-transformers` for transformers' own
+    /// `LlamaForCausalLM`, else the model's kind as `bench/step_torch.py` writes it out.
+    torch_model: Option<String>,
 }
 
 /// What one update costs the sender and the receiver.
@@ -155,9 +166,19 @@ fn optimizer_for(name: &str, config: &OptimizerSpec) -> Result<OptimizerSpec> {
     })
 }
 
-/// Runs the PyTorch side once on the case's device (with TF32 products when `tf32`); its steps
-/// per second.
-fn torch_run(args: &StepArgs, p: &Prepared, steps: u64, tf32: bool) -> Result<(f64, String)> {
+/// What one run of the PyTorch side answered.
+struct TorchRun {
+    steps_per_sec: f64,
+    version: String,
+    /// The model the script built (see [`Case::torch_model`]).
+    model: String,
+}
+
+/// Untimed steps before the PyTorch side's timed run: as many as p2ptrain's own warm-up.
+const TORCH_WARMUP_STEPS: u64 = 20;
+
+/// Runs the PyTorch side once on the case's device (with TF32 products when `tf32`).
+fn torch_run(args: &StepArgs, p: &Prepared, steps: u64, tf32: bool) -> Result<TorchRun> {
     let out = Command::new(&args.python)
         .arg(&args.torch_script)
         .arg("--spec")
@@ -168,7 +189,9 @@ fn torch_run(args: &StepArgs, p: &Prepared, steps: u64, tf32: bool) -> Result<(f
         .args(["--steps", &steps.to_string()])
         .args(["--threads", &p.config.train.threads.to_string()])
         .args(["--device", &p.config.train.device.to_string()])
+        .args(["--warmup", &TORCH_WARMUP_STEPS.to_string()])
         .args(tf32.then_some("--tf32"))
+        .args(args.transformers_llama.then_some("--transformers-llama"))
         .output()
         .with_context(|| format!("cannot run {}", args.python.display()))?;
     if !out.status.success() {
@@ -182,13 +205,16 @@ fn torch_run(args: &StepArgs, p: &Prepared, steps: u64, tf32: bool) -> Result<(f
     let rate = v["steps_per_sec"][0]
         .as_f64()
         .ok_or_else(|| anyhow!("no steps_per_sec in {v}"))?;
-    let version = v["torch"].as_str().unwrap_or("?").to_string();
-    Ok((rate, version))
+    Ok(TorchRun {
+        steps_per_sec: rate,
+        version: v["torch"].as_str().unwrap_or("?").to_string(),
+        model: v["model"].as_str().unwrap_or("?").to_string(),
+    })
 }
 
 /// Times compress (with error feedback) and decode of one real update: the parameters' change
 /// over 20 steps of training.
-fn codec_timings(p: &Prepared, step_secs: f64, reps: usize) -> Result<Vec<CodecTiming>> {
+fn codec_timings(p: &Prepared, step_secs: f64, reps: u32) -> Result<Vec<CodecTiming>> {
     let model = Model::new(&p.spec, p.config.train.init_seed, &p.device)?;
     let before = model.params().flatten()?;
     crate::measure::train_steps(p, &model, 20)?;
@@ -292,15 +318,19 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
             let warm = bare_loop(&p, 20)?;
             let steps = ((warm * args.seconds) as u64).clamp(20, 1_000_000);
             let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+            let mut torch_model = None;
             for run in 0..args.runs {
                 progress.set_quietly(runs_done, &format!("{name} {opt}"));
                 runs_done += 1;
                 let b = bare_loop(&p, steps)?;
                 ours.push(b);
                 if !args.no_torch {
-                    let (t, version) = torch_run(&args, &p, steps, on_gpu && levers.tf32)?;
-                    theirs.push(t);
-                    torch_version = Some(version);
+                    // The GPU memory p2ptrain's pool keeps would be the PyTorch side's.
+                    p2ptrain_models::gpu::release_cached_memory(&p.device)?;
+                    let t = torch_run(&args, &p, steps, on_gpu && levers.tf32)?;
+                    theirs.push(t.steps_per_sec);
+                    torch_version = Some(t.version);
+                    torch_model = Some(t.model);
                 }
                 progress.println(format!(
                     "{name} {opt} run {}: p2ptrain {b:.1} steps/s{}",
@@ -335,12 +365,13 @@ pub fn run(args: StepArgs) -> Result<std::process::ExitCode> {
                 ratio: torch_median.map(|t| ours_median / t),
                 median_of_paired_ratios: (!paired.is_empty()).then(|| median(&paired)),
                 gpu_wait_fraction,
+                torch_model,
                 p2ptrain_steps_per_sec: ours,
                 torch_steps_per_sec: theirs,
             });
         }
         if let Some(step_secs) = first_step_secs {
-            codecs.extend(codec_timings(&base, step_secs, 21)?);
+            codecs.extend(codec_timings(&base, step_secs, args.codec_reps)?);
         }
     }
     let report = Report {

@@ -4,7 +4,7 @@
 // NVRTC has no standard headers, so no <math.h> or <cstddef> here.
 //
 // Row kernels take one warp per row where rows are short (softmax over at most a few hundred
-// keys, 256 classes) and one block per row for layer norm. Column sums (a bias's gradient,
+// keys, 256 classes) and one block per row for layer norm and RMS norm. Column sums (a bias's gradient,
 // layer norm's weight and bias gradients) go in two passes: partial sums per chunk of rows,
 // then the chunks' sums in a fixed order, so a step's gradients are the same on every run.
 
@@ -173,6 +173,119 @@ extern "C" __global__ void p2p_layer_norm_grad_partial(const float* x, const flo
         partial[base + col] = tw;
         partial[base + width + col] = tb;
     }
+}
+
+// RMS norm of each row (one block per row): x · rstd · weight with rstd = 1 / sqrt(mean(x²) +
+// eps), as transformers' LlamaRMSNorm in f32.
+extern "C" __global__ void p2p_rms_norm(const float* x, const float* weight, float* out, u32 rows,
+                                        u32 width, float eps) {
+    __shared__ float shared[32];
+    u32 r = blockIdx.x;
+    if (r >= rows) return;
+    const float* row = x + (u64)r * width;
+    float* o = out + (u64)r * width;
+    float q = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) q += row[i] * row[i];
+    float rstd = 1.0f / sqrtf(block_sum(q, shared) / (float)width + eps);
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) o[i] = row[i] * rstd * weight[i];
+}
+
+// RMS norm's input gradient, one block per row, and each row's rstd into `stats` for the
+// weight's gradient after it. With x̂ = x·rstd and ĝ = g·weight: dx = rstd · (ĝ − x̂ · mean(ĝ · x̂)).
+extern "C" __global__ void p2p_rms_norm_grad_rows(const float* x, const float* weight,
+                                                  const float* grad, float* dx, float* stats,
+                                                  u32 rows, u32 width, float eps) {
+    __shared__ float shared[32];
+    u32 r = blockIdx.x;
+    if (r >= rows) return;
+    const float* row = x + (u64)r * width;
+    const float* g = grad + (u64)r * width;
+    float* o = dx + (u64)r * width;
+    float q = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) q += row[i] * row[i];
+    float rstd = 1.0f / sqrtf(block_sum(q, shared) / (float)width + eps);
+    float sum_gx = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) sum_gx += g[i] * weight[i] * row[i] * rstd;
+    float mean_gx = block_sum(sum_gx, shared) / (float)width;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x)
+        o[i] = rstd * (g[i] * weight[i] - row[i] * rstd * mean_gx);
+    if (threadIdx.x == 0) stats[r] = rstd;
+}
+
+// Partial sums of RMS norm's weight gradient (g · x̂) per chunk of rows: partial[chunk * width +
+// c], summed over the chunks by p2p_col_sum_final. Blocks of (32, 8) threads, 32 columns each.
+extern "C" __global__ void p2p_rms_norm_grad_partial(const float* x, const float* grad,
+                                                     const float* stats, float* partial, u32 rows,
+                                                     u32 width, u32 rows_per_chunk) {
+    __shared__ float acc[8][33];
+    u32 col = blockIdx.x * 32u + threadIdx.x;
+    u32 start = blockIdx.y * rows_per_chunk;
+    u32 end = min(rows, start + rows_per_chunk);
+    float s = 0.0f;
+    if (col < width) {
+        for (u32 r = start + threadIdx.y; r < end; r += 8u) {
+            u64 at = (u64)r * width + col;
+            s += grad[at] * x[at] * stats[r];
+        }
+    }
+    acc[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < width) {
+        float t = 0.0f;
+        for (u32 k = 0; k < 8u; ++k) t += acc[k][threadIdx.x];
+        partial[(u64)blockIdx.y * width + col] = t;
+    }
+}
+
+// SwiGLU's gate: silu(gate) · up.
+extern "C" __global__ void p2p_swiglu(const float* gate, const float* up, float* out, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float v = gate[i];
+        out[i] = v / (1.0f + expf(-v)) * up[i];
+    }
+}
+
+// SwiGLU's gradients into the two halves of `out` (2·n values): with s = sigmoid(gate), the
+// gate's g · up · s · (1 + gate · (1 − s)), then the up projection's g · silu(gate).
+extern "C" __global__ void p2p_swiglu_grad(const float* gate, const float* up, const float* g,
+                                           float* out, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float x = gate[i];
+        float s = 1.0f / (1.0f + expf(-x));
+        out[n + i] = g[i] * x * s;
+        out[i] = g[i] * up[i] * s * (1.0f + x * (1.0f - s));
+    }
+}
+
+// Rotary embeddings in Hugging Face's layout fused with the move between a projection's rows
+// and attention's heads: reads x (batch, a, b, head_dim), writes out (batch, b, a, head_dim),
+// each head's dimension k < head_dim / 2 turned with k + head_dim / 2 by the angle of its
+// position (a's index forward; b's index, and minus the angle, with `back`). One thread per
+// pair; cos and sin are (positions, head_dim), each row's halves equal.
+extern "C" __global__ void p2p_rotary(const float* x, const float* cos_t, const float* sin_t,
+                                      float* out, u32 batch, u32 a, u32 b, u32 head_dim,
+                                      u32 back) {
+    u32 half = head_dim >> 1;
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 total = (u64)batch * a * b * half;
+    if (idx >= total) return;
+    u32 k = (u32)(idx % half);
+    u64 rest = idx / half;
+    u32 j = (u32)(rest % b);
+    rest /= b;
+    u32 i = (u32)(rest % a);
+    u64 n = rest / a;
+    u32 position = back ? j : i;
+    const float* src = x + ((n * a + i) * b + j) * head_dim;
+    float* dst = out + ((n * b + j) * a + i) * head_dim;
+    float c = cos_t[(u64)position * head_dim + k];
+    float s = sin_t[(u64)position * head_dim + k];
+    if (back) s = -s;
+    float x1 = src[k], x2 = src[k + half];
+    dst[k] = x1 * c - x2 * s;
+    dst[k + half] = x2 * c + x1 * s;
 }
 
 // The causal softmax of scores `(…, time, time)` times `scale`, one warp per row: query i sees

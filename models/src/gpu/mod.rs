@@ -18,10 +18,11 @@
 //!   evicts). So a guard may only cover work whose small uploads are the same every step: the
 //!   GPT's hand-written step (its batch uploaded before) and the optimizer, not the MLP's,
 //!   which uploads each batch's one-hot labels.
-//! - `kernels`: the fused kernels (layer norm, causal softmax, SiLU, cross-entropy, bias, row
-//!   sums, and their gradients) and the in-place optimizer passes run on the GPU too
-//!   (`kernels.cu`, compiled at run time by NVRTC), and with them the GPT's hand-written
-//!   backward pass, instead of Candle's composite ops and autograd.
+//! - `kernels`: the fused kernels (layer norm, RMS norm, causal softmax, SiLU, SwiGLU, rotary
+//!   embeddings, cross-entropy, bias, row sums, and their gradients) and the in-place
+//!   optimizer passes run on the GPU too (`kernels.cu`, compiled at run time by NVRTC), and
+//!   with them the GPT's and the Llama's hand-written backward passes, instead of Candle's
+//!   composite ops and autograd.
 //! - `tf32` (off unless named): matrix products in TF32, as PyTorch's
 //!   `allow_tf32`; compare like with like.
 //!
@@ -169,6 +170,18 @@ pub fn step_guard(dev: &Device) -> impl Sized {
         let _ = dev;
         None::<()>
     }
+}
+
+/// Hands the memory that `dev`'s pool keeps for reuse (the `pool` lever) back to the driver,
+/// once the work queued so far is done: for a benchmark whose other side (another process)
+/// needs that memory next. A no-op on the CPU.
+pub fn release_cached_memory(dev: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = dev {
+        ops::release_cached_memory(cuda)?;
+    }
+    let _ = dev;
+    Ok(())
 }
 
 /// Whether the fused kernels serve tensors on `dev`: always on the CPU, on a GPU with the

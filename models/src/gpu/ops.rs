@@ -73,6 +73,20 @@ pub(crate) fn prepare(dev: &CudaDevice, levers: &Levers) -> crate::Result<()> {
     Ok(())
 }
 
+/// Waits for `dev`'s queued work, then trims its default memory pool to nothing kept.
+pub(crate) fn release_cached_memory(dev: &CudaDevice) -> crate::Result<()> {
+    candle_core::backend::BackendDevice::synchronize(dev)?;
+    let context = dev.cuda_stream().context().clone();
+    // SAFETY: the device handle is the context's own; trimming frees only memory the pool
+    // holds unallocated.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(context.cu_device())
+            .map_err(candle_core::Error::wrap)?;
+        result::mem_pool::trim_to(pool, 0).map_err(candle_core::Error::wrap)?;
+    }
+    Ok(())
+}
+
 /// Loads `$name` from the kernels' module on `$dev` and launches it with `$cfg` and the
 /// arguments (references to values and device memory that outlive the launch).
 macro_rules! launch {
@@ -344,6 +358,194 @@ pub(crate) fn layer_norm_grad(
         double_width,
     )?;
     Ok(done(dev, out, Shape::from((rows_n + 2, width))))
+}
+
+/// RMS norm over the last dimension.
+pub(crate) fn rms_norm(
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    eps: f32,
+) -> CandleResult<(CudaStorage, Shape)> {
+    let op = "rms-norm";
+    let (x, weight) = (input(op, s1, l1)?, input(op, s2, l2)?);
+    let width = l1.dims().last().copied().unwrap_or(1);
+    if width == 0 || weight.len() != width {
+        return Err(size_error(op, "weight not as wide as a row"));
+    }
+    let dev = s1.device();
+    let (rows, width32) = (u32_of(op, x.len() / width)?, u32_of(op, width)?);
+    let out = output(dev, x.len())?;
+    launch!(
+        dev,
+        "p2p_rms_norm",
+        block_per_row(op, rows, width32)?,
+        &x,
+        &weight,
+        &out,
+        &rows,
+        &width32,
+        &eps
+    );
+    Ok(done(dev, out, l1.shape().clone()))
+}
+
+/// RMS norm's gradients packed as `(rows + 1, width)`: the input's rows, then the weight's (as
+/// the CPU kernel packs them).
+pub(crate) fn rms_norm_grad(
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    (s3, l3): (&CudaStorage, &Layout),
+    eps: f32,
+) -> CandleResult<(CudaStorage, Shape)> {
+    let op = "rms-norm-grad";
+    let (x, weight, grad) = (input(op, s1, l1)?, input(op, s2, l2)?, input(op, s3, l3)?);
+    let width = l1.dims().last().copied().unwrap_or(1);
+    if width == 0 || weight.len() != width || grad.len() != x.len() {
+        return Err(size_error(op, "weight or gradient of the wrong size"));
+    }
+    let dev = s1.device();
+    let rows_n = x.len() / width;
+    let (rows, width32) = (u32_of(op, rows_n)?, u32_of(op, width)?);
+    let mut out = output(dev, (rows_n + 1) * width)?;
+    let stats = output(dev, rows_n.max(1))?;
+    {
+        let dx = out.slice(..rows_n * width);
+        launch!(
+            dev,
+            "p2p_rms_norm_grad_rows",
+            block_per_row(op, rows, width32)?,
+            &x,
+            &weight,
+            &grad,
+            &dx,
+            &stats,
+            &rows,
+            &width32,
+            &eps
+        );
+    }
+    let chunk = rows_per_chunk(rows);
+    let chunks = rows.div_ceil(chunk).max(1);
+    let partial = dev.alloc_zeros::<f32>(chunks as usize * width)?;
+    let cfg = LaunchConfig {
+        grid_dim: (width32.div_ceil(32), chunks, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(
+        dev,
+        "p2p_rms_norm_grad_partial",
+        cfg,
+        &x,
+        &grad,
+        &stats,
+        &partial,
+        &rows,
+        &width32,
+        &chunk
+    );
+    col_sum_final(
+        dev,
+        &partial,
+        &mut out.slice_mut(rows_n * width..),
+        chunks,
+        width32,
+    )?;
+    Ok(done(dev, out, Shape::from((rows_n + 1, width))))
+}
+
+/// SwiGLU's gate, `silu(gate) · up`.
+pub(crate) fn swiglu(
+    s1: &CudaStorage,
+    l1: &Layout,
+    s2: &CudaStorage,
+    l2: &Layout,
+) -> CandleResult<(CudaStorage, Shape)> {
+    let op = "swiglu";
+    let (gate, up) = (input(op, s1, l1)?, input(op, s2, l2)?);
+    if gate.len() != up.len() {
+        return Err(size_error(op, "gate and up differ"));
+    }
+    let dev = s1.device();
+    let n = gate.len();
+    let out = output(dev, n)?;
+    let n64 = n as u64;
+    launch!(dev, "p2p_swiglu", per_value(op, n)?, &gate, &up, &out, &n64);
+    Ok(done(dev, out, l1.shape().clone()))
+}
+
+/// SwiGLU's gradients packed as `(2, n)`: the gate's, then the up projection's.
+pub(crate) fn swiglu_grad(
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    (s3, l3): (&CudaStorage, &Layout),
+) -> CandleResult<(CudaStorage, Shape)> {
+    let op = "swiglu-grad";
+    let (gate, up, g) = (input(op, s1, l1)?, input(op, s2, l2)?, input(op, s3, l3)?);
+    if up.len() != gate.len() || g.len() != gate.len() {
+        return Err(size_error(op, "inputs of different sizes"));
+    }
+    let dev = s1.device();
+    let n = gate.len();
+    let out = output(dev, 2 * n)?;
+    let n64 = n as u64;
+    launch!(
+        dev,
+        "p2p_swiglu_grad",
+        per_value(op, n)?,
+        &gate,
+        &up,
+        &g,
+        &out,
+        &n64
+    );
+    Ok(done(dev, out, Shape::from((2, n))))
+}
+
+/// Rotary embeddings fused with the move between a projection's rows and attention's heads:
+/// `x` `(batch, a, b, head_dim)` into `(batch, b, a, head_dim)`, turned by the angles of `a`'s
+/// positions, or of `b`'s and back with `back` (see the CPU twin, `cpu::fused::rotary`).
+pub(crate) fn rotary(
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    (s3, l3): (&CudaStorage, &Layout),
+    [batch, a, b, head_dim]: [usize; 4],
+    back: bool,
+) -> CandleResult<(CudaStorage, Shape)> {
+    let op = "rotary";
+    let (x, cos, sin) = (input(op, s1, l1)?, input(op, s2, l2)?, input(op, s3, l3)?);
+    let positions = if back { b } else { a };
+    if x.len() != batch * a * b * head_dim
+        || head_dim % 2 != 0
+        || cos.len() < positions * head_dim
+        || sin.len() < positions * head_dim
+    {
+        return Err(size_error(op, "input or tables of the wrong size"));
+    }
+    let dev = s1.device();
+    let out = output(dev, x.len())?;
+    let [batch32, a32, b32, head_dim32] = [
+        u32_of(op, batch)?,
+        u32_of(op, a)?,
+        u32_of(op, b)?,
+        u32_of(op, head_dim)?,
+    ];
+    let back32 = u32::from(back);
+    launch!(
+        dev,
+        "p2p_rotary",
+        per_value(op, x.len() / 2)?,
+        &x,
+        &cos,
+        &sin,
+        &out,
+        &batch32,
+        &a32,
+        &b32,
+        &head_dim32,
+        &back32
+    );
+    Ok(done(dev, out, Shape::from((batch, b, a, head_dim))))
 }
 
 /// The causal softmax of `(…, time, time)` scores times `scale`.
@@ -683,6 +885,12 @@ mod tests {
             "p2p_layer_norm",
             "p2p_layer_norm_grad_rows",
             "p2p_layer_norm_grad_partial",
+            "p2p_rms_norm",
+            "p2p_rms_norm_grad_rows",
+            "p2p_rms_norm_grad_partial",
+            "p2p_swiglu",
+            "p2p_swiglu_grad",
+            "p2p_rotary",
             "p2p_causal_softmax",
             "p2p_softmax_grad",
             "p2p_silu",

@@ -1,5 +1,5 @@
 //! Each GPU kernel against its CPU twin, on the GPU: every fused op's values and gradients, the
-//! optimizer passes, and the GPT's whole hand-written step. These tests need a GPU: without
+//! optimizer passes, and the GPT's and the Llama's whole hand-written steps. These tests need a GPU: without
 //! one (no driver, no device) each prints why it is skipped and passes; CI never builds the
 //! `cuda` feature, so they never run there. With a GPU, the kernels must be on and compile: a
 //! lever list without them, or NVRTC missing, fails the tests rather than skipping them.
@@ -8,6 +8,7 @@ use candle_core::{Device, Tensor};
 
 use crate::cpu::fused;
 use crate::gpt::{Gpt, GptSpec};
+use crate::llama::{Llama, LlamaSpec};
 use crate::optim::{Optimizer, OptimizerSpec};
 use crate::params::Params;
 use crate::testing::seeded;
@@ -185,6 +186,138 @@ fn attention_kernels_match_their_cpu_twins() {
             &fused::causal_softmax_grad(&gy, &gg, 0.35).expect("gpu"),
             1e-5,
         );
+    }
+}
+
+#[test]
+fn llama_kernels_match_their_cpu_twins() {
+    let Some(dev) = gpu("llama_kernels_match_their_cpu_twins") else {
+        return;
+    };
+    for (i, &(rows, width)) in SHAPES.iter().enumerate() {
+        let seed = 10 * i as u64 + 500;
+        let (x, gx) = pair(&[rows, width], seed + 1, &dev);
+        let (w, gw) = pair(&[width], seed + 2, &dev);
+        let (u, gu) = pair(&[rows, width], seed + 3, &dev);
+        let (g, gg) = pair(&[rows, width], seed + 4, &dev);
+        let case = format!("{rows}x{width}");
+        check(
+            &format!("rms norm {case}"),
+            &fused::rms_norm(&x, &w, 1e-5).expect("cpu"),
+            &fused::rms_norm(&gx, &gw, 1e-5).expect("gpu"),
+            1e-5,
+        );
+        let (cpu_dx, cpu_dw) = fused::rms_norm_grad(&x, &w, &g, 1e-5).expect("cpu");
+        let (gpu_dx, gpu_dw) = fused::rms_norm_grad(&gx, &gw, &gg, 1e-5).expect("gpu");
+        check(&format!("rms norm dx {case}"), &cpu_dx, &gpu_dx, 1e-4);
+        check(&format!("rms norm dw {case}"), &cpu_dw, &gpu_dw, 1e-4);
+        check(
+            &format!("swiglu {case}"),
+            &fused::swiglu(&x, &u).expect("cpu"),
+            &fused::swiglu(&gx, &gu).expect("gpu"),
+            1e-5,
+        );
+        let (cpu_dg, cpu_du) = fused::swiglu_grad(&x, &u, &g).expect("cpu");
+        let (gpu_dg, gpu_du) = fused::swiglu_grad(&gx, &gu, &gg).expect("gpu");
+        check(&format!("swiglu d-gate {case}"), &cpu_dg, &gpu_dg, 1e-5);
+        check(&format!("swiglu d-up {case}"), &cpu_du, &gpu_du, 1e-5);
+    }
+    // Rotary: odd sizes, a head width of 64 (SmolLM's), tables longer than the time used.
+    for (seed, [batch, time, heads, head_dim], positions) in [
+        (1u64, [2usize, 5, 3, 6], 8usize),
+        (2, [3, 33, 9, 64], 40),
+        (3, [1, 1, 1, 2], 1),
+    ] {
+        let (angles, _) = pair(&[positions, head_dim / 2], seed + 50, &Device::Cpu);
+        let angles = Tensor::cat(&[&angles, &angles], 1).expect("halves");
+        let (cos, sin) = (angles.cos().expect("cos"), angles.sin().expect("sin"));
+        let narrow = |t: &Tensor| {
+            t.narrow(0, 0, time)
+                .expect("narrow")
+                .contiguous()
+                .expect("c")
+        };
+        let (cos, sin) = (narrow(&cos), narrow(&sin));
+        let (gcos, gsin) = (
+            cos.to_device(&dev).expect("cos"),
+            sin.to_device(&dev).expect("sin"),
+        );
+        let (x, gx) = pair(&[batch, time, heads, head_dim], seed, &dev);
+        let (g, gg) = pair(&[batch, heads, time, head_dim], seed + 7, &dev);
+        let case = format!("{batch}x{time}x{heads}x{head_dim}");
+        check(
+            &format!("rotary to heads {case}"),
+            &fused::rotary_to_heads(&x, &cos, &sin).expect("cpu"),
+            &fused::rotary_to_heads(&gx, &gcos, &gsin).expect("gpu"),
+            1e-5,
+        );
+        check(
+            &format!("rotary from heads {case}"),
+            &fused::rotary_from_heads(&g, &cos, &sin).expect("cpu"),
+            &fused::rotary_from_heads(&gg, &gcos, &gsin).expect("gpu"),
+            1e-5,
+        );
+    }
+}
+
+/// A tiny Llama's hand-written loss and every gradient on both devices, tied and untied,
+/// grouped and full attention, on a full context and a shorter one.
+#[test]
+fn a_llama_step_matches_the_cpu() {
+    let Some(dev) = gpu("a_llama_step_matches_the_cpu") else {
+        return;
+    };
+    for (tied, kv_heads) in [(true, 3), (false, 1), (false, 9)] {
+        let spec = LlamaSpec {
+            vocab: 97,
+            context: 16,
+            hidden: 48,
+            intermediate: 80,
+            layers: 2,
+            heads: 9,
+            kv_heads,
+            head_dim: 8,
+            rms_eps: 1e-5,
+            rope_theta: 10000.0,
+            tied,
+        };
+        let build = |d: &Device| {
+            let mut vars = Vec::new();
+            let llama = Llama::new(&spec, 7, d, &mut vars).expect("llama");
+            (llama, Params::new(vars).expect("params"))
+        };
+        let ((cpu, cpu_params), (on_gpu, gpu_params)) = (build(&Device::Cpu), build(&dev));
+        crate::testing::nudge(&cpu_params, 0.3);
+        crate::testing::nudge(&gpu_params, 0.3);
+        assert!(
+            on_gpu.has_hand_backward(),
+            "the GPU llama takes the hand-written step"
+        );
+        let ids = |offset: usize, time: usize| -> Tensor {
+            let v: Vec<u32> = (0..3 * time)
+                .map(|i| ((i * 37 + offset) % 97) as u32)
+                .collect();
+            Tensor::from_vec(v, (3, time), &Device::Cpu).expect("ids")
+        };
+        for time in [16, 11] {
+            let (tokens, targets) = (ids(0, time), ids(11, time));
+            let (loss, grads) = cpu.loss_and_grads(&tokens, &targets).expect("cpu step");
+            let (gpu_loss, gpu_grads) = on_gpu
+                .loss_and_grads(
+                    &tokens.to_device(&dev).expect("tokens"),
+                    &targets.to_device(&dev).expect("targets"),
+                )
+                .expect("gpu step");
+            let case = format!("tied {tied}, {kv_heads} kv heads, time {time}");
+            check(&format!("llama loss, {case}"), &loss, &gpu_loss, 1e-5);
+            for ((name, a), (_, b)) in cpu_params.vars().iter().zip(gpu_params.vars()) {
+                let (ga, gb) = (
+                    grads.get(a.as_tensor()).expect(name),
+                    gpu_grads.get(b.as_tensor()).expect(name),
+                );
+                check(&format!("gradient of {name}, {case}"), ga, gb, 1e-4);
+            }
+        }
     }
 }
 

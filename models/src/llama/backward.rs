@@ -1,4 +1,5 @@
-//! The Llama's training loss and every parameter's gradient, by hand, on the CPU.
+//! The Llama's training loss and every parameter's gradient, by hand, in f32 on the CPU or on a
+//! GPU whose fused kernels are on (`crate::gpu`).
 //!
 //! Candle's autograd gives the same numbers (a test checks) but seeds each intermediate's
 //! gradient with zeros and adds into it, and goes through the composed rotary embedding and
@@ -64,9 +65,10 @@ fn weight_grad(
 }
 
 impl Llama {
-    /// Whether [`Llama::loss_and_grads`] serves these parameters: f32 on the CPU.
+    /// Whether [`Llama::loss_and_grads`] serves these parameters: f32 where the fused kernels
+    /// serve (the CPU, or a GPU with its kernels on).
     pub(crate) fn has_hand_backward(&self) -> bool {
-        fused::on_cpu(&self.head)
+        fused::serves(&self.head)
     }
 
     /// The mean cross-entropy of predicting `targets` `(batch, time)` from `tokens`, and the
@@ -84,6 +86,8 @@ impl Llama {
                 s.context
             )));
         }
+        // A GPU caches this step's small uploads (shapes and strides, the same every step).
+        let _uploads = crate::gpu::step_guard(tokens.device());
         let (hd, heads, kv_heads) = (s.head_dim, s.heads, s.kv_heads);
         let group = heads / kv_heads;
         let n = batch * time;

@@ -1,7 +1,6 @@
 //! Fused CPU kernels, each with its own backward pass, for the element-wise and row-wise
 //! parts of a training step: bias addition, layer norm, causal softmax, SiLU and the
-//! cross-entropy loss; for the Llama, RMS norm, SwiGLU's gate and rotary embeddings (these
-//! three on the CPU only).
+//! cross-entropy loss; for the Llama, RMS norm, SwiGLU's gate and rotary embeddings.
 //!
 //! Candle 0.11 builds these from its basic ops, so on one core a small GPT's step spent more
 //! time outside the matrix products than in them: each basic op allocates its output, autograd

@@ -1,7 +1,7 @@
 //! RMS norm (the Llama's), forward and backward, one loop over the rows each.
 //!
-//! CPU only: on a GPU, or for other float types, the Candle composition runs (and the Llama
-//! trains through autograd there).
+//! On a GPU with the `kernels` lever each runs its twin in `gpu/kernels.cu`; for other float
+//! types or devices the Candle composition runs (and the Llama trains through autograd there).
 
 use super::*;
 
@@ -9,7 +9,7 @@ use super::*;
 /// `LlamaRMSNorm` computes it in f32. Never candle-nn's fused RMS norm, which has no backward
 /// pass: this op carries its own.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    if !on_cpu(x) {
+    if !serves(x) {
         let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = x.broadcast_div(&(mean_square + eps)?.sqrt()?)?;
         return Ok(normed.broadcast_mul(weight)?);
@@ -65,6 +65,17 @@ impl CustomOp2 for RmsNorm {
         }
         .run();
         Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::rms_norm((s1, l1), (s2, l2), self.eps)
     }
 
     fn bwd(
@@ -132,6 +143,19 @@ impl CustomOp3 for RmsNormGrad {
         .run();
         Ok((CpuStorage::F32(out), Shape::from((rows + 1, width))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::rms_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps)
+    }
 }
 
 /// RMS norm's gradients for rows `x` with output gradient `grad`, into `out`
@@ -174,7 +198,8 @@ pub(super) fn rms_norm_grad_rows(
     }
 }
 
-/// RMS norm's gradients `(input, weight)` for the output gradient `grad` (f32 on the CPU).
+/// RMS norm's gradients `(input, weight)` for the output gradient `grad` (f32, where the fused
+/// kernels serve).
 pub(crate) fn rms_norm_grad(
     x: &Tensor,
     weight: &Tensor,

@@ -2,7 +2,8 @@
 //! `i + head_dim / 2`), fused with the move between a linear layer's row layout and attention's
 //! per-head layout, forward and backward: one pass over the values each way.
 //!
-//! CPU only: the Llama's hand-written backward pass, the one caller, runs on the CPU alone.
+//! The Llama's hand-written backward pass is the one caller; on a GPU with the `kernels` lever
+//! the op runs its twin in `gpu/kernels.cu`.
 
 use super::*;
 
@@ -24,9 +25,9 @@ pub(crate) fn rotary_from_heads(grad: &Tensor, cos: &Tensor, sin: &Tensor) -> Re
 fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor, back: bool) -> Result<Tensor> {
     let (batch, a, b, head_dim) = x.dims4()?;
     let time = if back { b } else { a };
-    if !on_cpu(x) || !on_cpu(cos) || !on_cpu(sin) {
+    if !serves(x) || !serves(cos) || !serves(sin) || !x.device().same_device(cos.device()) {
         return Err(Error::Layout(
-            "the fused rotary embedding runs on f32 CPU tensors only".into(),
+            "the fused rotary embedding runs on f32 tensors of one device where the fused kernels serve".into(),
         ));
     }
     if cos.dims() != [time, head_dim] || sin.dims() != [time, head_dim] || head_dim % 2 != 0 {
@@ -85,6 +86,19 @@ impl CustomOp3 for Rotary {
         }
         .run();
         Ok((CpuStorage::F32(out), Shape::from((batch, b, a, head_dim))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::rotary((s1, l1), (s2, l2), (s3, l3), self.dims, self.back)
     }
 }
 

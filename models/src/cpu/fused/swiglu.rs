@@ -1,6 +1,7 @@
 //! SwiGLU's gate, `silu(gate) · up` (the Llama's MLP), forward and backward, one pass each.
 //!
-//! CPU only: elsewhere the composition of [`silu`] and a product runs.
+//! On a GPU with the `kernels` lever each runs its twin in `gpu/kernels.cu`; elsewhere the
+//! composition of [`silu`] and a product runs.
 
 use super::*;
 
@@ -13,7 +14,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             up.dims()
         )));
     }
-    if !on_cpu(gate) {
+    if !serves(gate) {
         return Ok((silu(gate)? * up)?);
     }
     Ok(gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)?)
@@ -45,6 +46,17 @@ impl CustomOp2 for SwiGlu {
         }
         .run();
         Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::swiglu(s1, l1, s2, l2)
     }
 
     fn bwd(
@@ -103,6 +115,19 @@ impl CustomOp3 for SwiGluGrad {
         .run();
         Ok((CpuStorage::F32(out), Shape::from((2, gate.len()))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::gpu::ops::swiglu_grad((s1, l1), (s2, l2), (s3, l3))
+    }
 }
 
 /// With `s = sigmoid(gate)`: the gate's gradient `g · up · s · (1 + gate · (1 − s))` and the up
@@ -122,7 +147,8 @@ pub(super) fn swiglu_grad_values(gate: &[f32], up: &[f32], g: &[f32], out: &mut 
     }
 }
 
-/// SwiGLU's gradients `(gate, up)` for the output gradient `grad` (f32 on the CPU).
+/// SwiGLU's gradients `(gate, up)` for the output gradient `grad` (f32, where the fused kernels
+/// serve).
 pub(crate) fn swiglu_grad(gate: &Tensor, up: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
     let packed =
         gate.contiguous()?

@@ -9,12 +9,15 @@
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::text::{encode_eof, encode_registry};
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::info::Info;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry, Unit};
 
+use crate::mesh_core::status::RoundSeconds;
 use crate::status::Status;
 
 /// The content type of the exposition.
@@ -91,6 +94,36 @@ impl Builder {
     }
 }
 
+/// A histogram read off a status at scrape time (prometheus-client's own `Histogram` only
+/// counts observations as they happen): its buckets, sum and count as the status holds them.
+#[derive(Debug)]
+struct HistogramSnapshot {
+    /// Each bucket's upper bound and its count, not cumulative (the encoder sums them).
+    buckets: Vec<(f64, u64)>,
+    sum: f64,
+    count: u64,
+}
+
+impl EncodeMetric for HistogramSnapshot {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_histogram::<NoLabelSet>(self.sum, self.count, &self.buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+impl From<&RoundSeconds> for HistogramSnapshot {
+    fn from(h: &RoundSeconds) -> Self {
+        HistogramSnapshot {
+            buckets: h.buckets(),
+            sum: h.sum,
+            count: h.count,
+        }
+    }
+}
+
 fn label(k: &str, v: impl ToString) -> Labels {
     vec![(k.to_string(), v.to_string())]
 }
@@ -105,6 +138,7 @@ fn own_metrics(s: &Status) -> Registry {
     updates_metrics(&mut b, s);
     bytes_metrics(&mut b, s);
     full_syncs_metrics(&mut b, s);
+    rounds_metrics(&mut b, s);
     peers_metrics(&mut b, s);
     transfer_metrics(&mut b, s);
     b.reg
@@ -180,6 +214,33 @@ fn training_metrics(b: &mut Builder, s: &Status) {
             loss,
         );
     }
+    if let Some(lr) = t.learning_rate {
+        b.gauge(
+            "training_learning_rate",
+            "The learning rate of the next step, after the schedule",
+            None,
+            lr,
+        );
+    }
+    if let Some(norm) = t.grad_norm {
+        b.gauge(
+            "training_gradient_norm",
+            "Global L2 norm of a recent step's gradients, before clipping (every step's where clipping is on, else one a second)",
+            None,
+            norm,
+        );
+    }
+    b.gauge(
+        "training_staleness_held",
+        "1 while the staleness bound holds this node back for its slowest neighbour, else 0",
+        None,
+        if s.sync.held { 1.0 } else { 0.0 },
+    );
+    b.seconds_counter(
+        "training_staleness_held",
+        "Time the staleness bound held this node back",
+        s.sync.held_secs,
+    );
     if let Some(e) = t.eval {
         b.gauge(
             "eval_accuracy_ratio",
@@ -203,6 +264,40 @@ fn training_metrics(b: &mut Builder, s: &Status) {
             );
         }
     }
+}
+
+/// Synchronous rounds (`allreduce`, `ddp`, `diloco`, `fedavg`): completed, aborted and why,
+/// how long each took. Absent in modes without rounds.
+fn rounds_metrics(b: &mut Builder, s: &Status) {
+    let Some(r) = &s.mesh.rounds else {
+        return;
+    };
+    b.counter(
+        "rounds_completed",
+        "Rounds this node completed",
+        None,
+        r.completed,
+    );
+    b.counters(
+        "rounds_aborted",
+        "Round attempts aborted, by reason",
+        None,
+        r.aborted
+            .iter()
+            .map(|(why, n)| (label("reason", why.replace(' ', "_")), *n)),
+    );
+    b.add(
+        "round_duration",
+        "Seconds from this node's contribution to a round's mean, per completed round",
+        Some(Unit::Seconds),
+        HistogramSnapshot::from(&r.round_seconds),
+    );
+    b.gauge(
+        "round_ring_members",
+        "Members in the last ring this node built",
+        None,
+        r.ring_size as f64,
+    );
 }
 
 /// Neighbours' updates: published, received, applied, rejected and why.
@@ -591,8 +686,34 @@ mod tests {
                 accusations: 0,
             }),
         });
+        s.training.learning_rate = Some(0.25);
+        s.training.grad_norm = Some(1.5);
+        s.sync.held = true;
+        s.sync.held_secs = 2.5;
+        let mut rounds = crate::mesh_core::status::RoundStatus {
+            completed: 3,
+            ring_size: 2,
+            ..Default::default()
+        };
+        rounds.aborted.insert("member lists differ".into(), 4);
+        for secs in [0.04, 0.3, 200.0] {
+            rounds.round_seconds.observe(secs);
+        }
+        s.mesh.rounds = Some(rounds);
         let text = render(&s, &Registry::default()).expect("render");
         for line in [
+            "p2ptrain_training_learning_rate 0.25",
+            "p2ptrain_training_gradient_norm 1.5",
+            "p2ptrain_training_staleness_held 1.0",
+            "p2ptrain_training_staleness_held_seconds_total 2.5",
+            "p2ptrain_rounds_completed_total 3",
+            "p2ptrain_rounds_aborted_total{reason=\"member_lists_differ\"} 4",
+            "# TYPE p2ptrain_round_duration_seconds histogram",
+            "p2ptrain_round_duration_seconds_count 3",
+            "p2ptrain_round_duration_seconds_bucket{le=\"0.05\"} 1",
+            "p2ptrain_round_duration_seconds_bucket{le=\"0.5\"} 2",
+            "p2ptrain_round_duration_seconds_bucket{le=\"120.0\"} 2",
+            "p2ptrain_round_duration_seconds_bucket{le=\"+Inf\"} 3",
             "p2ptrain_training_steps_total 42",
             "p2ptrain_updates_rejected_total{reason=\"outlier_norm\"} 2",
             "p2ptrain_updates_rejected_total{reason=\"invalid\"} 3",

@@ -276,8 +276,11 @@ pub struct Optimizer {
     gradients: GradientPolicy,
     /// Per parameter, whether [`GradientPolicy::freeze`] keeps it as it is.
     frozen: Vec<bool>,
-    /// The global gradient norm of the last step, where the policy clips.
+    /// The global gradient norm of the last step that measured it: every step where the
+    /// policy clips, else one step after each [`Optimizer::measure_grad_norm_once`].
     last_grad_norm: Option<f64>,
+    /// Whether the next step measures the gradients' norm though the policy does not clip.
+    measure_norm_once: bool,
     /// Optimizer steps taken so far; AdamW's bias correction depends on it.
     steps: u64,
     /// `buffers[k][i]`: buffer kind `k` (see `buffer_prefixes`) of parameter `i`.
@@ -305,6 +308,7 @@ impl Optimizer {
             gradients: GradientPolicy::default(),
             frozen: vec![false; params.vars().len()],
             last_grad_norm: None,
+            measure_norm_once: false,
             steps: 0,
             buffers,
         })
@@ -343,10 +347,18 @@ impl Optimizer {
         &self.gradients
     }
 
-    /// The global norm of the last step's gradients (over the trained tensors, before
-    /// clipping), where the policy clips.
+    /// The global norm of the gradients (over the trained tensors, before clipping) of the
+    /// last step that measured it: every step where the policy clips, else the step after each
+    /// [`Optimizer::measure_grad_norm_once`]; `None` before the first.
     pub fn last_grad_norm(&self) -> Option<f64> {
         self.last_grad_norm
+    }
+
+    /// Has the next step measure its gradients' norm ([`Optimizer::last_grad_norm`]) where the
+    /// policy does not clip: one pass over the gradients and one value read back, which a
+    /// node's status pays now and then rather than every step.
+    pub fn measure_grad_norm_once(&mut self) {
+        self.measure_norm_once = true;
     }
 
     /// The global L2 norm of the gradients of the tensors it trains, summed in f64 (an f32 sum
@@ -413,6 +425,9 @@ impl Optimizer {
         // PyTorch's coefficient `max / (norm + 1e-6)`, applied where it is below 1. A
         // non-finite norm (an infinite or NaN gradient) is refused before anything changes:
         // no clip makes such an update safe.
+        if std::mem::take(&mut self.measure_norm_once) && self.gradients.clip_norm.is_none() {
+            self.last_grad_norm = Some(self.grad_norm(params, grads)?);
+        }
         let clip = match self.gradients.clip_norm {
             Some(max) => {
                 let norm = self.grad_norm(params, grads)?;
@@ -989,6 +1004,40 @@ mod tests {
     /// Clipping scales the gradients of the trained tensors to the norm asked (plain SGD
     /// moves each parameter by `lr` times its clipped gradient), leaves a gradient under it as
     /// it is, and a frozen tensor neither moves nor counts in the norm.
+    /// Without clipping the norm is measured only on request, once, and the step is the
+    /// unclipped one either way.
+    #[test]
+    fn the_gradient_norm_is_measured_once_when_asked_without_clipping() {
+        let spec = OptimizerSpec::Sgd {
+            lr: 1.0,
+            momentum: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        };
+        let a = Var::from_slice(&[0.0f32, 0.0], 2, &Device::Cpu).expect("a");
+        let params = Params::new(vec![("a".into(), a.clone())]).expect("params");
+        let mut opt = Optimizer::new(&spec, &params).expect("opt");
+        // The gradient (3, 4): norm 5.
+        let grads = || {
+            let weights = Tensor::new(&[3f32, 4.0], &Device::Cpu).expect("w");
+            (a.as_tensor() * &weights)
+                .and_then(|t| t.sum_all())
+                .and_then(|l| l.backward())
+                .expect("grads")
+        };
+        opt.step(&params, &grads()).expect("step");
+        assert_eq!(opt.last_grad_norm(), None, "measured unasked");
+        opt.measure_grad_norm_once();
+        opt.step(&params, &grads()).expect("step");
+        let norm = opt.last_grad_norm().expect("measured when asked");
+        assert!((norm - 5.0).abs() < 1e-9, "{norm}");
+        assert_eq!(
+            a.as_tensor().to_vec1::<f32>().expect("values"),
+            [-6.0, -8.0],
+            "two unclipped steps"
+        );
+    }
+
     #[test]
     fn clipping_scales_to_the_global_norm_and_frozen_tensors_stay() {
         let spec = OptimizerSpec::Sgd {

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::harness::{eventually, Node};
+use crate::harness::{eventually, skip_or_fail, Node};
 use crate::mesh::{config, listen_addr, peers, start};
+use crate::observe::{have_parser, named_sample, parse_metrics};
 
 /// The digits config in sync mode `mode`, node `k` of 3 holding its own third of the data
 /// (`partition` says how it is cut), plus `sync` lines for the `[sync]` table.
@@ -250,6 +251,48 @@ fn a_slow_ddp_member_takes_a_smaller_batch_and_the_members_stay_identical() {
         assert_eq!(s["updates"]["rejected"].as_u64(), Some(0), "{s}");
         assert_eq!(s["banned_peers"].as_array().map_or(0, Vec::len), 0, "{s}");
     }
+    // `/metrics` shows the rounds: the counter, and a histogram of their durations that
+    // counts each of them once, read by a real OpenMetrics parser.
+    if !have_parser() {
+        skip_or_fail(
+            "a_slow_ddp_member_takes_a_smaller_batch (metrics)",
+            "the Python Prometheus client is not installed (pip install prometheus-client)",
+        );
+        return;
+    }
+    let text = b.http_get("/metrics").expect("GET /metrics");
+    let metrics = parse_metrics(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let rounds_total = named_sample(
+        &metrics,
+        "p2ptrain_rounds_completed",
+        "p2ptrain_rounds_completed_total",
+    );
+    let histogram_count = named_sample(
+        &metrics,
+        "p2ptrain_round_duration_seconds",
+        "p2ptrain_round_duration_seconds_count",
+    );
+    assert!(
+        rounds_total.is_some_and(|n| n > 50.0),
+        "rounds counter {rounds_total:?}"
+    );
+    assert_eq!(
+        rounds_total, histogram_count,
+        "the round histogram counts every completed round once"
+    );
+    assert_eq!(
+        metrics["p2ptrain_round_duration_seconds"]["type"], "histogram",
+        "{text}"
+    );
+    assert!(
+        named_sample(
+            &metrics,
+            "p2ptrain_training_learning_rate",
+            "p2ptrain_training_learning_rate"
+        )
+        .is_some_and(|lr| lr > 0.0),
+        "no learning rate in\n{text}"
+    );
 }
 
 /// A `diloco` ring of two over a 17 M-parameter MLP (widths 64-4096-4096-10). The newcomer

@@ -16,7 +16,7 @@ use crate::mesh::{config, listen_addr, peers, start};
 
 /// Parses an OpenMetrics exposition with the Python Prometheus client's parser; returns
 /// `{family: {"type": .., "samples": [[name, labels, value], ..]}}`, or why it could not.
-fn parse_metrics(text: &str) -> Result<BTreeMap<String, Value>, String> {
+pub(crate) fn parse_metrics(text: &str) -> Result<BTreeMap<String, Value>, String> {
     const SCRIPT: &str = r#"
 import json, sys
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
@@ -47,7 +47,7 @@ print(json.dumps(out))
 }
 
 /// Whether the Python Prometheus client is installed (`.ci/run` installs it).
-fn have_parser() -> bool {
+pub(crate) fn have_parser() -> bool {
     Command::new("python3")
         .args(["-c", "import prometheus_client.openmetrics.parser"])
         .stderr(Stdio::null())
@@ -56,11 +56,29 @@ fn have_parser() -> bool {
 }
 
 /// The value of the first sample of `family` whose labels include `labels`.
-fn sample(metrics: &BTreeMap<String, Value>, family: &str, labels: &[(&str, &str)]) -> Option<f64> {
+pub(crate) fn sample(
+    metrics: &BTreeMap<String, Value>,
+    family: &str,
+    labels: &[(&str, &str)],
+) -> Option<f64> {
     metrics.get(family)?["samples"]
         .as_array()?
         .iter()
         .find(|s| labels.iter().all(|(k, v)| s[1][*k].as_str() == Some(*v)))
+        .and_then(|s| s[2].as_f64())
+}
+
+/// The value of the sample named `name` (a counter's `_total`, a histogram's `_count`) in
+/// `family`.
+pub(crate) fn named_sample(
+    metrics: &BTreeMap<String, Value>,
+    family: &str,
+    name: &str,
+) -> Option<f64> {
+    metrics.get(family)?["samples"]
+        .as_array()?
+        .iter()
+        .find(|s| s[0].as_str() == Some(name))
         .and_then(|s| s[2].as_f64())
 }
 
@@ -155,6 +173,9 @@ fn metrics_parse_and_move_and_the_timeline_stays_valid_and_bounded() {
         ("p2ptrain_eval_accuracy_ratio", vec![]),
         ("p2ptrain_node", vec![("codec", "onebit")]),
         ("p2ptrain_peer_rtt_seconds", vec![("peer", b_id.as_str())]),
+        ("p2ptrain_training_learning_rate", vec![]),
+        ("p2ptrain_training_gradient_norm", vec![]),
+        ("p2ptrain_training_staleness_held", vec![]),
     ] {
         assert!(
             sample(&second, family, &labels).is_some(),

@@ -205,4 +205,57 @@ pub struct RoundStatus {
     /// little-endian values, hex), kept only for rounds after which this node was synced:
     /// equal digests for a round mean bit-identical parameters.
     pub digests: Vec<(u64, String)>,
+    /// How long each completed round took, as a histogram (its count is `completed`).
+    #[serde(default)]
+    pub round_seconds: RoundSeconds,
+}
+
+/// Upper bounds, in seconds, of [`RoundSeconds`]' buckets; one more bucket holds the rest. A
+/// `ddp` round on loopback takes tens of milliseconds, a DiLoCo round over a slow link
+/// minutes.
+pub const ROUND_SECONDS_BOUNDS: [f64; 12] = [
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
+];
+
+/// A histogram of round durations in seconds, over [`ROUND_SECONDS_BOUNDS`]: what `/metrics`
+/// serves as `p2ptrain_round_duration_seconds`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundSeconds {
+    /// Rounds per bucket, not cumulative: one count per bound, then one for the rest (empty
+    /// before the first round).
+    pub counts: Vec<u64>,
+    /// The seconds of every round, summed.
+    pub sum: f64,
+    /// Rounds counted.
+    pub count: u64,
+}
+
+impl RoundSeconds {
+    /// Counts a round of `secs` seconds (one that is not a number counts beyond the last
+    /// bound, adding nothing to the sum).
+    pub fn observe(&mut self, secs: f64) {
+        if self.counts.len() != ROUND_SECONDS_BOUNDS.len() + 1 {
+            self.counts = vec![0; ROUND_SECONDS_BOUNDS.len() + 1];
+        }
+        let bucket = ROUND_SECONDS_BOUNDS
+            .iter()
+            .position(|&bound| secs <= bound)
+            .unwrap_or(ROUND_SECONDS_BOUNDS.len());
+        self.counts[bucket] += 1;
+        if secs.is_finite() {
+            self.sum += secs;
+        }
+        self.count += 1;
+    }
+
+    /// Each bucket's upper bound (the last one infinite) and its rounds, not cumulative.
+    pub fn buckets(&self) -> Vec<(f64, u64)> {
+        ROUND_SECONDS_BOUNDS
+            .iter()
+            .copied()
+            .chain([f64::INFINITY])
+            .enumerate()
+            .map(|(i, bound)| (bound, self.counts.get(i).copied().unwrap_or(0)))
+            .collect()
+    }
 }

@@ -176,6 +176,13 @@ pub struct TrainingStatus {
     /// whatever the mesh makes it wait for. `ddp` members size their batches by each other's.
     #[serde(default)]
     pub ms_per_sample: Option<f64>,
+    /// The learning rate of the next step, after the schedule.
+    #[serde(default)]
+    pub learning_rate: Option<f64>,
+    /// The global L2 norm of a recent step's gradients, before clipping: every step's where
+    /// `optimizer.clip_grad_norm` is set, else one step's a second.
+    #[serde(default)]
+    pub grad_norm: Option<f64>,
 }
 
 /// Progress the trainer publishes; read by the status API.

@@ -58,6 +58,9 @@ const EVENT_RESERVED: usize = 8;
 pub const SNAPSHOT_CAP: usize = 1;
 /// How often progress is published to the `watch` channel.
 const PUBLISH_EVERY: Duration = Duration::from_millis(100);
+/// How often a step measures its gradients' norm for status where clipping does not measure
+/// every step's (a pass over the gradients and a value read back).
+const GRAD_NORM_EVERY: Duration = Duration::from_secs(1);
 /// Steps averaged into the reported recent loss.
 const LOSS_WINDOW: usize = 50;
 /// Least time between two evaluation lines in the log.
@@ -159,6 +162,8 @@ struct StepClock {
     started: Instant,
     rate_mark: (Instant, u64),
     last_publish: Instant,
+    /// When a step was last asked to measure its gradients' norm.
+    last_grad_norm: Instant,
 }
 
 impl Loop {
@@ -207,6 +212,7 @@ impl Loop {
                 started: Instant::now(),
                 rate_mark: (Instant::now(), counters.samples_seen),
                 last_publish: Instant::now(),
+                last_grad_norm: Instant::now(),
             },
             s,
         }
@@ -229,6 +235,8 @@ impl Loop {
     fn publish(&mut self) {
         self.stats.training.step = self.counters.step;
         self.stats.training.samples_seen = self.counters.samples_seen;
+        self.stats.training.learning_rate = Some(self.s.optimizer.current_lr());
+        self.stats.training.grad_norm = self.s.optimizer.last_grad_norm();
         if !self.losses.is_empty() {
             self.stats.training.loss = Some(
                 self.losses.iter().map(|&l| f64::from(l)).sum::<f64>() / self.losses.len() as f64,
@@ -496,6 +504,10 @@ impl Loop {
             self.stats.train_secs = self.clock.started.elapsed().as_secs_f64();
             self.publish();
             self.clock.last_publish = now;
+            if now.duration_since(self.clock.last_grad_norm) >= GRAD_NORM_EVERY {
+                self.s.optimizer.measure_grad_norm_once();
+                self.clock.last_grad_norm = now;
+            }
         }
         Ok(())
     }
@@ -520,6 +532,7 @@ impl Loop {
             started: Instant::now(),
             rate_mark: (Instant::now(), self.counters.samples_seen),
             last_publish: Instant::now(),
+            last_grad_norm: Instant::now(),
         };
         self.stats.training.phase = Phase::Training;
         self.publish();

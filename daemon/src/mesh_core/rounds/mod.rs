@@ -74,6 +74,7 @@ use lists::{Action, Lists, Verdict};
 #[cfg(test)]
 pub(in crate::mesh_core) use ring::members_digest;
 use ring::{Judge, Ring};
+use times::RoundTimes;
 
 pub use ring::balanced_batch;
 
@@ -84,6 +85,7 @@ mod ring;
 pub mod robust;
 #[cfg(test)]
 mod tests;
+mod times;
 
 /// A member heard ready within this long is put in the ring: three heartbeats, so one lost
 /// heartbeat does not drop it, while a hung member falls out of the next attempt.
@@ -420,9 +422,7 @@ pub struct Rounds {
     ring_size: usize,
     completed: u64,
     aborted: BTreeMap<String, u64>,
-    last_round_ms: f64,
-    /// Milliseconds summed over rounds in rings of two or more, and their count.
-    round_ms_sum: (f64, u64),
+    times: RoundTimes,
     bytes_sent: u64,
     /// Members' parts refused as no honest member's (each an offence of its sender).
     parts_refused: u64,
@@ -483,8 +483,7 @@ impl Rounds {
             aggregated_in: None,
             completed: 0,
             aborted: BTreeMap::new(),
-            last_round_ms: 0.0,
-            round_ms_sum: (0.0, 0),
+            times: RoundTimes::default(),
             bytes_sent: 0,
             parts_refused: 0,
             parts_clipped: 0,
@@ -568,13 +567,10 @@ impl Rounds {
             ring_size: self.ring_size,
             completed: self.completed,
             aborted: self.aborted.clone(),
-            last_round_ms: self.last_round_ms,
+            last_round_ms: self.times.last_ms(),
             batch: self.batch,
-            mean_round_ms: if self.round_ms_sum.1 > 0 {
-                self.round_ms_sum.0 / self.round_ms_sum.1 as f64
-            } else {
-                0.0
-            },
+            mean_round_ms: self.times.mean_ms(),
+            round_seconds: self.times.histogram().clone(),
             bytes_sent: self.bytes_sent,
             parts_refused: self.parts_refused,
             parts_clipped: self.parts_clipped,
@@ -1711,11 +1707,8 @@ impl Rounds {
             Stage::Reducing { since, runs_on, .. } => (*since, mean, *runs_on),
             _ => (now, mean, false),
         };
-        self.last_round_ms = now.saturating_duration_since(since).as_secs_f64() * 1e3;
-        if self.ring_size > 1 {
-            self.round_ms_sum.0 += self.last_round_ms;
-            self.round_ms_sum.1 += 1;
-        }
+        self.times
+            .mean_arrived(now.saturating_duration_since(since).as_secs_f64() * 1e3);
         // A member that became unsynced meanwhile takes the members' parameters whole: its
         // trainer drops what it trained on, and its boundary counts from where it is.
         let ran_on_from = (ran_on && self.synced && !self.founding).then_some(step);
@@ -1790,6 +1783,7 @@ impl Rounds {
         self.stage = Stage::Training;
         self.waiting_since = None;
         self.completed += 1;
+        self.times.completed(self.ring_size);
         self.refused_in_a_row = 0;
         self.lists.agreed();
         self.excused.clear();

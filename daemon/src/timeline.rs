@@ -17,6 +17,10 @@
 //! rotation or a graceful stop); if the process is killed, the current file lacks its closing
 //! bracket, which the trace viewers accept.
 //!
+//! Timestamps are wall-clock microseconds since the Unix epoch (read once when the timeline
+//! starts, then advanced by the monotonic clock), so the traces of several nodes line up in
+//! one view as far as their clocks agree.
+//!
 //! Not `tracing-chrome`: it has no size bound, and would trace every `tracing` span of the
 //! daemon rather than these.
 
@@ -27,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// Events waiting for the writer, at most; more are dropped.
 const QUEUE_CAP: usize = 65_536;
@@ -83,6 +87,8 @@ struct Event {
 /// The installed recorder.
 struct Recorder {
     origin: Instant,
+    /// Microseconds since the Unix epoch at `origin`.
+    origin_unix_us: u64,
     tx: SyncSender<Event>,
     dropped: AtomicU64,
     writer: Mutex<Option<JoinHandle<std::io::Result<Written>>>>,
@@ -146,6 +152,7 @@ pub fn install(path: &Path, max_bytes: u64) -> Result<(), TimelineError> {
     RECORDER
         .set(Recorder {
             origin: Instant::now(),
+            origin_unix_us: unix_us_now(),
             tx,
             dropped: AtomicU64::new(0),
             writer: Mutex::new(Some(writer)),
@@ -214,7 +221,7 @@ impl Recorder {
         let event = Event {
             lane,
             name,
-            start_us: start.saturating_duration_since(self.origin).as_micros() as u64,
+            start_us: wall_clock_us(self.origin, self.origin_unix_us, start),
             dur_us: end.saturating_duration_since(start).as_micros() as u64,
             step,
         };
@@ -222,6 +229,19 @@ impl Recorder {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
+}
+
+/// Microseconds since the Unix epoch now (0 for a clock set before 1970).
+fn unix_us_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// `at` in wall-clock microseconds, given the wall clock `origin_unix_us` read at `origin`:
+/// monotonic within the process whatever the wall clock does meanwhile.
+fn wall_clock_us(origin: Instant, origin_unix_us: u64, at: Instant) -> u64 {
+    origin_unix_us.saturating_add(at.saturating_duration_since(origin).as_micros() as u64)
 }
 
 /// Closes the timeline: the writer drains what was recorded, ends the JSON and flushes. Spans
@@ -360,6 +380,20 @@ mod tests {
         assert!(text.len() as u64 <= max, "{} bytes", text.len());
         let events: Vec<serde_json::Value> = serde_json::from_str(&text).expect("valid json");
         events.into_iter().filter(|e| e["ph"] == "X").collect()
+    }
+
+    #[test]
+    fn timestamps_are_wall_clock_microseconds_advanced_by_the_monotonic_clock() {
+        let origin = Instant::now();
+        let unix = unix_us_now();
+        let later = origin + std::time::Duration::from_millis(1500);
+        assert_eq!(wall_clock_us(origin, unix, later), unix + 1_500_000);
+        // Before the origin (a span begun before the timeline was installed): the origin.
+        assert_eq!(wall_clock_us(later, unix, origin), unix);
+        // Within a second of the system's clock, and after 2020.
+        let drift = unix_us_now().abs_diff(wall_clock_us(origin, unix, Instant::now()));
+        assert!(drift < 1_000_000, "{drift} µs off the system clock");
+        assert!(unix > 1_577_836_800_000_000, "{unix}");
     }
 
     #[test]

@@ -95,6 +95,7 @@ fn metrics_parse_and_move_and_the_timeline_stays_valid_and_bounded() {
         return;
     }
     let tmp = tempfile::tempdir().expect("tmp");
+    let began_unix_us = unix_us();
     let cfg = config(
         tmp.path(),
         "observe.toml",
@@ -213,6 +214,7 @@ fn metrics_parse_and_move_and_the_timeline_stays_valid_and_bounded() {
     let (st, _, err) = b.cli(&["stop"], Duration::from_secs(20));
     assert!(st.success(), "stop: {err}");
     b.wait_exit(Duration::from_secs(60));
+    let ended_unix_us = unix_us();
     let mut names: BTreeMap<String, usize> = BTreeMap::new();
     for file in [&rotated, &timeline] {
         let text = std::fs::read_to_string(file).expect("timeline written");
@@ -229,6 +231,12 @@ fn metrics_parse_and_move_and_the_timeline_stays_valid_and_bounded() {
                 assert!(
                     e["ts"].is_u64() && e["dur"].is_u64() && e["tid"].is_u64(),
                     "{e}"
+                );
+                // Wall-clock time, so that two nodes' traces line up.
+                let ts = e["ts"].as_u64().unwrap_or(0);
+                assert!(
+                    (began_unix_us..=ended_unix_us).contains(&ts),
+                    "a span at {ts} µs, outside the test's wall-clock time {began_unix_us}..{ended_unix_us}: {e}"
                 );
                 *names
                     .entry(e["name"].as_str().expect("name").to_string())
@@ -254,6 +262,13 @@ fn metrics_parse_and_move_and_the_timeline_stays_valid_and_bounded() {
         log.contains("it reached its limit"),
         "the log must say the timeline rotated:\n{log}"
     );
+}
+
+/// Microseconds since the Unix epoch.
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Headless Chromium, or why there is none.

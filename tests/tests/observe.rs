@@ -319,9 +319,10 @@ fn browse(browser: &str, url: &str, extra: &[&str]) -> (String, String) {
 }
 
 /// The live page, from a running node of a two-node mesh, in a real headless browser: the
-/// peer appears in the table and the graph, this node's loss curve is drawn, and the page
-/// logs nothing to the console (no error, no exception). The screenshot is kept in
-/// `target/tmp/p2ptrain-page.png`.
+/// peer appears in the table and the graph, this node's loss curve is drawn, the run's
+/// evaluations logged before the page opened are drawn too (what a reload keeps, served by
+/// `/v1/evals`), and the page logs nothing to the console (no error, no exception). The
+/// screenshot is kept in `target/tmp/p2ptrain-page.png`.
 #[test]
 fn the_live_page_shows_the_peer_and_the_curves_in_a_real_browser() {
     let browser = match chromium() {
@@ -344,6 +345,32 @@ fn the_live_page_shows_the_peer_and_the_curves_in_a_real_browser() {
         .expect("id")
         .to_string();
     assert_eq!(s["peers"]["list"][0]["peer_id"], b_id.as_str());
+    // A few evaluations logged (every 500 steps), each with the training loss before it.
+    let logged = || -> usize {
+        std::fs::read_to_string(a.data_dir.join(p2ptrain_daemon::node::EVAL_LOG))
+            .map_or(0, |t| t.lines().count())
+    };
+    eventually(Duration::from_secs(60), "three logged evaluations", || {
+        (logged() >= 3).then_some(())
+    });
+    let served: Value =
+        serde_json::from_str(&a.http_get("/v1/evals").expect("GET /v1/evals")).expect("json");
+    let evals = served["evals"].as_array().expect("evals");
+    assert!(evals.len() >= 3 && served["more"] == false, "{served}");
+    assert!(evals[0]["train_loss"].is_f64(), "{served}");
+    let since = evals[0]["step"].as_u64().expect("step");
+    let after: Value = serde_json::from_str(
+        &a.http_get(&format!("/v1/evals?since={since}"))
+            .expect("GET /v1/evals?since"),
+    )
+    .expect("json");
+    assert!(
+        after["evals"]
+            .as_array()
+            .is_some_and(|e| !e.is_empty() && e.iter().all(|e| e["step"].as_u64() > Some(since))),
+        "{after}"
+    );
+    let before_page = logged();
     let url = format!(
         "http://{}/?token={}",
         a.api.as_deref().expect("api"),
@@ -379,6 +406,32 @@ fn the_live_page_shows_the_peer_and_the_curves_in_a_real_browser() {
         "no loss curve for this node in:\n{dom}"
     );
     assert!(dom.contains(">live<"), "the page did not say it is live");
+    // The evaluations logged before the page opened: counted, and drawn in this node's curve.
+    let shown: usize = dom
+        .split("id=\"run-log\" data-evals=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .and_then(|n| n.parse().ok())
+        .expect("the run log's count in the page");
+    assert!(
+        shown >= before_page,
+        "the page drew {shown} logged evaluations, {before_page} were logged before it opened"
+    );
+    let acc_chart = dom
+        .split("id=\"acc-chart\"")
+        .nth(1)
+        .and_then(|rest| rest.split("</svg>").next())
+        .expect("the evaluation chart");
+    let points: usize = acc_chart
+        .split("data-node=\"self\" data-points=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no curve for this node in the evaluation chart:\n{acc_chart}"));
+    assert!(
+        points >= shown,
+        "this node's evaluation curve has {points} points, {shown} logged before the page opened"
+    );
 
     let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("p2ptrain-page.png");
     let _ = std::fs::remove_file(&shot);

@@ -13,6 +13,7 @@
 //! nothing is fetched from elsewhere, since a lab's boxes may have no internet.
 
 pub mod access;
+pub mod evals;
 pub mod serve;
 pub mod token;
 
@@ -20,7 +21,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
@@ -80,6 +81,7 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, BindError> {
 pub fn router(shared: Arc<NodeHandle>, access: access::Access) -> Router {
     Router::new()
         .route("/v1/status", get(status))
+        .route("/v1/evals", get(list_evals))
         .route(
             "/v1/checkpoints",
             get(list_checkpoints).post(save_checkpoint),
@@ -127,6 +129,27 @@ async fn metrics(State(shared): State<Arc<NodeHandle>>) -> Result<Response, ApiE
 
 async fn status(State(shared): State<Arc<NodeHandle>>) -> Json<Status> {
     Json(shared.status().await)
+}
+
+async fn list_evals(
+    State(shared): State<Arc<NodeHandle>>,
+    Query(query): Query<evals::EvalsQuery>,
+) -> Result<Json<evals::EvalsPage>, ApiError> {
+    let path = shared.data_dir.join(crate::node::EVAL_LOG);
+    let text = tokio::task::spawn_blocking(move || match std::fs::read_to_string(&path) {
+        Ok(text) => Ok(text),
+        // No evaluation yet.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+        Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+    })
+    .await
+    .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+    .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e))?;
+    Ok(Json(evals::page(
+        &text,
+        query.since,
+        evals::EVALS_PER_RESPONSE,
+    )))
 }
 
 async fn list_checkpoints(State(shared): State<Arc<NodeHandle>>) -> Json<Vec<CheckpointView>> {

@@ -31,6 +31,10 @@ pub struct EvalRecord {
     /// benchmark subtracts to time training alone (0 in logs written before it was kept).
     #[serde(default)]
     pub eval_secs: f64,
+    /// The mean training loss over the last steps before it, so that the log holds the run's
+    /// training curve too (what the live page draws after a reload).
+    #[serde(default)]
+    pub train_loss: Option<f64>,
 }
 
 /// The slot of the wall clock's grid of `period` that `at` falls in (ms since the epoch ÷
@@ -120,6 +124,9 @@ impl Loop {
             accuracy: e.accuracy,
             bits_per_byte: e.bits_per_byte,
             eval_secs: self.stats.eval_secs,
+            train_loss: (!self.losses.is_empty()).then(|| {
+                self.losses.iter().map(|&l| f64::from(l)).sum::<f64>() / self.losses.len() as f64
+            }),
         };
         let written = serde_json::to_string(&record)
             .map_err(std::io::Error::other)

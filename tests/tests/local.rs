@@ -32,19 +32,11 @@ fn local_runs_a_three_node_mesh_and_summarises_it() {
     // Every node with all of the digits (the default, the skewed demo, has its own test in
     // `observe`): each must pass 95% on its own data and the mesh's.
     // By steps, without the lone controls: `--duration` and the controls have the demo's
-    // test (`observe`), and nothing here is about either. Paced at 2 ms a step (3,000 steps:
-    // 6 s or more): at full speed the founder trained its 3,000 steps in about 2 s, before
-    // the others had joined, and the three ended without one update applied (`gossip` starts
-    // a node on its own; `min_members` holds only the synchronous modes' rounds).
-    let tmp = tempfile::tempdir().expect("tmp");
-    let paced = crate::harness::edited_config(
-        tmp.path(),
-        "paced.toml",
-        "configs/digits-mlp.toml",
-        &[],
-        "\n[debug]\nstep_delay_ms = 2\n",
-    );
-    let v = local_json(&paced, &["--nodes", "3", "--steps", "3000", "--no-alone"]);
+    // test (`observe`), and nothing here is about either. At full speed: the founder trained
+    // its 3,000 steps in about 2 s, before the others had joined, and the three ended without
+    // one update applied, until `local`'s `min_members` held a `gossip` node's first step
+    // until it heard the others.
+    let v = local_digits_json(&["--nodes", "3", "--steps", "3000", "--no-alone"]);
     assert_summarises_a_mesh_that_trained_together(&v);
 }
 

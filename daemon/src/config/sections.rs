@@ -317,7 +317,9 @@ pub struct SyncConfig {
     /// `ddp`: gradient rounds between two parameter rounds (at least 2).
     pub resync_every: u64,
     /// Synchronous modes: no round starts with fewer members than this; a founder waits for
-    /// the others before its first round (1: never wait).
+    /// the others before its first round (1: never wait). `gossip`: a node takes its first
+    /// step once it hears `min_members - 1` neighbours (at most `degree`), and never waits
+    /// again.
     pub min_members: usize,
     /// `ddp`: a member more than 10% slower per sample than the fastest takes a smaller
     /// batch, the one it computes while the fastest computes the whole batch, and its
@@ -548,6 +550,12 @@ impl SyncConfig {
             staleness_bound: if gossip { self.staleness_bound } else { None },
             stale_after: self.stale_after,
             mixing: self.mix,
+            // A gossip node hears at most `degree` neighbours.
+            wait_for_neighbours: if gossip {
+                self.min_members.saturating_sub(1).min(self.degree)
+            } else {
+                0
+            },
             ..crate::policy::PolicyConfig::default()
         }
     }

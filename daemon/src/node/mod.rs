@@ -746,7 +746,8 @@ struct StartedTrainer {
 
 /// Starts the trainer thread under the rounds' first limit, before the mesh's first
 /// decision: in `ddp` not one step is taken outside a round, and a joiner takes none before
-/// its state.
+/// its state; in `gossip` a node that waits for its neighbours (`sync.min_members`) takes
+/// none before it hears them.
 fn start_trainer(
     config: &Config,
     data_dir: &Path,
@@ -757,6 +758,8 @@ fn start_trainer(
     let limit = trainer::StepLimit::new();
     if let Some((rc, synced)) = rounds {
         limit.set(Some(rc.first_boundary(t.start.step, *synced)));
+    } else if config.sync.policy().wait_for_neighbours > 0 {
+        limit.set(Some(t.start.step));
     }
     let handle = trainer::spawn(
         trainer_setup(config, data_dir, t),

@@ -68,6 +68,12 @@ pub struct PolicyConfig {
     pub drop_after: Option<u64>,
     /// How a published change and the neighbours' combine; see [`Mixing`].
     pub mixing: Mixing,
+    /// Neighbours this node must have heard training (live at once, a step known: not still
+    /// downloading their state) before its first step in this process; 0 never waits. A node founding a mesh would otherwise train alone until the
+    /// others have joined (on the digits, 3,000 steps in about 2 s), and its work would reach
+    /// them only as its parameters. Once that many were heard it never waits again: a
+    /// neighbour that dies later must not stop the rest.
+    pub wait_for_neighbours: usize,
 }
 
 /// How gossip combines a node's own change with its neighbours' (`sync.mix`). Every member
@@ -111,6 +117,7 @@ impl Default for PolicyConfig {
             stale_after: 100,
             drop_after: None,
             mixing: Mixing::default(),
+            wait_for_neighbours: 0,
         }
     }
 }
@@ -237,6 +244,9 @@ pub struct SyncPolicy<P> {
     sync_in_flight: Option<P>,
     sync_seq: u64,
     held: bool,
+    /// Whether [`PolicyConfig::wait_for_neighbours`] neighbours were heard at once (so the
+    /// first step may come).
+    gathered: bool,
 }
 
 impl<P: Ord + Clone + Debug> SyncPolicy<P> {
@@ -244,6 +254,7 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
     /// after a restore) with no neighbours, so the daemon and a test build it alike.
     pub fn new(config: PolicyConfig, step: u64) -> Self {
         Self {
+            gathered: config.wait_for_neighbours == 0,
             config,
             step,
             last_publish_step: step,
@@ -318,6 +329,9 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
             }
             PolicyEvent::Tick => {}
         }
+        if !self.gathered && self.training_count(now) >= self.config.wait_for_neighbours {
+            self.gathered = true;
+        }
         self.update_hold(now, &mut out);
         out
     }
@@ -366,6 +380,9 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
     /// neighbour's step is known. Equivalent to [`Action::Hold`] and [`Action::Resume`], but
     /// exact however late the trainer's own steps reach the policy.
     pub fn step_limit(&self, now: Instant) -> Option<u64> {
+        if !self.gathered {
+            return Some(self.step);
+        }
         let bound = self.config.staleness_bound?.max(1);
         self.slowest_live(now)
             .map(|slowest| slowest.saturating_add(bound))
@@ -383,6 +400,15 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
         let live = self.live_count(now);
         (self.config.mixing == Mixing::Mean && live > 0)
             .then(|| -(live as f64 / (live as f64 + 1.0)) as f32)
+    }
+
+    /// Live neighbours that train: heard with a step (a joiner still downloading its state
+    /// says none).
+    fn training_count(&self, now: Instant) -> usize {
+        self.neighbours
+            .values()
+            .filter(|n| n.known_step.is_some() && self.is_live(n, now))
+            .count()
     }
 
     fn live_count(&self, now: Instant) -> usize {
@@ -493,6 +519,9 @@ impl<P: Ord + Clone + Debug> SyncPolicy<P> {
     }
 
     fn should_hold(&self, now: Instant) -> bool {
+        if !self.gathered {
+            return true;
+        }
         let Some(bound) = self.config.staleness_bound else {
             return false;
         };

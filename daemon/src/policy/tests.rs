@@ -12,6 +12,7 @@ fn cfg() -> PolicyConfig {
         stale_after: 0,
         drop_after: None,
         mixing: Mixing::Add,
+        wait_for_neighbours: 0,
     }
 }
 
@@ -259,6 +260,54 @@ fn a_returning_neighbour_is_synced_after_a_quarter_interval() {
     assert_eq!(step(&mut p, 150, t), vec![Action::FullSync { peer: 1 }]);
 }
 
+/// A node that waits for two neighbours takes no step until two train (a connected one
+/// still downloading its state counts not), then never waits again, though one dies.
+#[test]
+fn the_first_step_waits_for_neighbours_that_train_and_only_once() {
+    let t = Instant::now();
+    let mut p = SyncPolicy::new(
+        PolicyConfig {
+            wait_for_neighbours: 2,
+            ..cfg()
+        },
+        0,
+    );
+    assert!(p.handle(PolicyEvent::Tick, t).contains(&Action::Hold));
+    assert_eq!(p.step_limit(t), Some(0), "no step before two neighbours");
+    up(&mut p, 1, t);
+    up(&mut p, 2, t);
+    assert_eq!(p.step_limit(t), Some(0), "connected is not training");
+    heard(&mut p, 1, 0, ms(t, 10));
+    assert_eq!(p.step_limit(ms(t, 10)), Some(0), "one of two");
+    assert_eq!(heard(&mut p, 2, 0, ms(t, 20)), vec![Action::Resume]);
+    assert_eq!(p.step_limit(ms(t, 20)), None);
+    assert!(!p.is_held());
+    // Neighbour 2 dies: the node trains on.
+    assert!(p
+        .handle(PolicyEvent::NeighbourDown { peer: 2 }, ms(t, 30))
+        .is_empty());
+    assert_eq!(step(&mut p, 5, ms(t, 40)), vec![]);
+    assert_eq!(p.step_limit(ms(t, 500)), None);
+    // More neighbours than can ever be heard: held at its step, nothing overflows.
+    let mut never = SyncPolicy::<u32>::new(
+        PolicyConfig {
+            wait_for_neighbours: usize::MAX,
+            ..cfg()
+        },
+        u64::MAX,
+    );
+    assert_eq!(
+        never.handle(PolicyEvent::NeighbourUp { peer: 1 }, t),
+        vec![Action::Hold]
+    );
+    heard(&mut never, 1, u64::MAX, t);
+    assert_eq!(never.step_limit(t), Some(u64::MAX));
+    // Without the setting nothing waits.
+    let mut alone = SyncPolicy::<u32>::new(cfg(), 0);
+    assert!(alone.handle(PolicyEvent::Tick, t).is_empty());
+    assert_eq!(alone.step_limit(t), None);
+}
+
 #[test]
 fn ssp_holds_once_and_resumes_when_slowest_catches_up() {
     let t = Instant::now();
@@ -479,6 +528,7 @@ fn odd_inputs_do_not_panic() {
             stale_after: 1,
             drop_after: Some(0),
             mixing: Mixing::Mean,
+            wait_for_neighbours: 0,
         },
         u64::MAX,
     );

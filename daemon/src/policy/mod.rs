@@ -69,10 +69,11 @@ pub struct PolicyConfig {
     /// How a published change and the neighbours' combine; see [`Mixing`].
     pub mixing: Mixing,
     /// Neighbours this node must have heard training (live at once, a step known: not still
-    /// downloading their state) before its first step in this process; 0 never waits. A node founding a mesh would otherwise train alone until the
-    /// others have joined (on the digits, 3,000 steps in about 2 s), and its work would reach
-    /// them only as its parameters. Once that many were heard it never waits again: a
-    /// neighbour that dies later must not stop the rest.
+    /// downloading their state) before its first step in this process; 0 never waits. A node
+    /// founding a mesh would otherwise train alone until the others have joined (on the
+    /// digits, 3,000 steps in about 2 s), and its work would reach them only as its
+    /// parameters. Once that many were heard it never waits again: a neighbour that dies
+    /// later must not stop the rest.
     pub wait_for_neighbours: usize,
 }
 

@@ -225,7 +225,7 @@ fn training_metrics(b: &mut Builder, s: &Status) {
     if let Some(norm) = t.grad_norm {
         b.gauge(
             "training_gradient_norm",
-            "Global L2 norm of a recent step's gradients, before clipping (every step's where clipping is on, else one a second)",
+            "Global L2 norm of a recent step's gradients, before clipping (every step's where clipping is on, else one every 10 s)",
             None,
             norm,
         );

@@ -180,7 +180,7 @@ pub struct TrainingStatus {
     #[serde(default)]
     pub learning_rate: Option<f64>,
     /// The global L2 norm of a recent step's gradients, before clipping: every step's where
-    /// `optimizer.clip_grad_norm` is set, else one step's a second.
+    /// `optimizer.clip_grad_norm` is set, else one step's every 10 s.
     #[serde(default)]
     pub grad_norm: Option<f64>,
 }

@@ -59,8 +59,9 @@ pub const SNAPSHOT_CAP: usize = 1;
 /// How often progress is published to the `watch` channel.
 const PUBLISH_EVERY: Duration = Duration::from_millis(100);
 /// How often a step measures its gradients' norm for status where clipping does not measure
-/// every step's (a pass over the gradients and a value read back).
-const GRAD_NORM_EVERY: Duration = Duration::from_secs(1);
+/// every step's (the first step measures it too): a pass over every gradient in f64 and a
+/// value read back, which a small model's trainer on one core would notice every second.
+const GRAD_NORM_EVERY: Duration = Duration::from_secs(10);
 /// Steps averaged into the reported recent loss.
 const LOSS_WINDOW: usize = 50;
 /// Least time between two evaluation lines in the log.
@@ -534,6 +535,7 @@ impl Loop {
             last_publish: Instant::now(),
             last_grad_norm: Instant::now(),
         };
+        self.s.optimizer.measure_grad_norm_once();
         self.stats.training.phase = Phase::Training;
         self.publish();
         let mut reached_max_steps = false;

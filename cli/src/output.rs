@@ -111,7 +111,7 @@ pub fn status_text(s: &Status) -> String {
             r.last_round_ms,
             r.digests
                 .last()
-                .map(|(n, d)| format!(", parameters {d} after round {n}"))
+                .map(|(n, d, _)| format!(", parameters {d} after round {n}"))
                 .unwrap_or_default()
         ));
     }

@@ -44,37 +44,44 @@ fn accuracy(s: &Value) -> f64 {
     s["eval"]["accuracy"].as_f64().unwrap_or(0.0)
 }
 
-/// Each node's parameter digests by round, from status.
-pub(crate) fn digests(s: &Value) -> BTreeMap<u64, String> {
+/// Each node's parameter digests by round, from status: the parameters' digest and the
+/// digest of the ring's member list.
+pub(crate) fn digests(s: &Value) -> BTreeMap<u64, (String, String)> {
     rounds(s)["digests"]
         .as_array()
         .map(|a| {
             a.iter()
-                .filter_map(|d| Some((d[0].as_u64()?, d[1].as_str()?.to_string())))
+                .filter_map(|d| {
+                    let params = d[1].as_str()?.to_string();
+                    Some((d[0].as_u64()?, (params, d[2].as_str()?.to_string())))
+                })
                 .collect()
         })
         .unwrap_or_default()
 }
 
-/// Waits until the nodes have a round in common in their recent digests and asserts they
-/// agree there, bit for bit; returns that round.
+/// Waits until the nodes have a recent round they all completed in one ring (the same
+/// member list) and asserts they hold the same bits after it, the ring's promise; returns
+/// that round. (Members that sat apart for a while, each in a ring of its own or with
+/// others, digest the same round in different rings, which promise each other nothing.)
 pub(crate) fn assert_identical(nodes: &[&Node]) -> u64 {
     let (round, by_node) = eventually(
         Duration::from_secs(60),
-        "a recent round every node has a digest for",
+        "a recent round every node completed in one ring",
         || {
-            let all: Vec<BTreeMap<u64, String>> = nodes
+            let all: Vec<BTreeMap<u64, (String, String)>> = nodes
                 .iter()
                 .map(|n| n.status().map(|s| digests(&s)))
                 .collect::<Option<_>>()?;
-            let common = all[0]
-                .keys()
-                .rev()
-                .find(|r| all.iter().all(|d| d.contains_key(r)))?;
-            Some((*common, all))
+            let common = all[0].iter().rev().find_map(|(r, (_, ring))| {
+                all.iter()
+                    .all(|d| d.get(r).is_some_and(|(_, other)| other == ring))
+                    .then_some(*r)
+            })?;
+            Some((common, all))
         },
     );
-    let at: Vec<&String> = by_node.iter().map(|d| &d[&round]).collect();
+    let at: Vec<&String> = by_node.iter().map(|d| &d[&round].0).collect();
     eprintln!("round {round}: parameter digests {at:?}");
     assert!(
         at.iter().all(|d| *d == at[0]),

@@ -202,9 +202,10 @@ pub struct RoundStatus {
     #[serde(default)]
     pub sitting_out: bool,
     /// Digest of the parameters after recent rounds (`round`, first 8 bytes of SHA-256 of the
-    /// little-endian values, hex), kept only for rounds after which this node was synced:
-    /// equal digests for a round mean bit-identical parameters.
-    pub digests: Vec<(u64, String)>,
+    /// little-endian values, hex; then the ring's member-list digest, hex), kept only for
+    /// rounds after which this node was synced, in a ring of two or more: two members'
+    /// digests of one round and one ring are equal exactly when their parameters are.
+    pub digests: Vec<(u64, String, String)>,
     /// How long each completed round took, as a histogram (its count is `completed`).
     #[serde(default)]
     pub round_seconds: RoundSeconds,

@@ -322,6 +322,9 @@ enum Stage {
         /// The step the trainer gave its parameters at, where it trained on past it: the next
         /// boundary counts from there.
         ran_on_from: Option<u64>,
+        /// The digest of the ring's member list (`ring::members_digest`); `None` for a ring
+        /// of one, whose mean is its own parameters, a promise to nobody.
+        ring: Option<u64>,
     },
 }
 
@@ -428,7 +431,7 @@ pub struct Rounds {
     parts_refused: u64,
     /// Parts that lay beyond the clipping radius of the plain mean of this node's chunks.
     parts_clipped: u64,
-    digests: VecDeque<(u64, String)>,
+    digests: VecDeque<(u64, String, String)>,
     /// What this member judges others' gradient parts and aggregates by: the largest of its
     /// own last gradients' norms.
     gradient_scale: GradientScale,
@@ -1709,12 +1712,19 @@ impl Rounds {
         };
         self.times
             .mean_arrived(now.saturating_duration_since(since).as_secs_f64() * 1e3);
+        let ring = match &self.stage {
+            Stage::Reducing { ring: Some(r), .. } if r.len() > 1 => {
+                Some(ring::members_digest(&r.members, carried_state))
+            }
+            _ => None,
+        };
         // A member that became unsynced meanwhile takes the members' parameters whole: its
         // trainer drops what it trained on, and its boundary counts from where it is.
         let ran_on_from = (ran_on && self.synced && !self.founding).then_some(step);
         self.stage = Stage::Combining {
             carried_state,
             ran_on_from,
+            ring,
         };
         let step = (!gradient && (!self.synced || self.founding)).then_some(step);
         let judged = self.synced && !self.founding;
@@ -1749,6 +1759,7 @@ impl Rounds {
         let Stage::Combining {
             carried_state,
             ran_on_from,
+            ring,
         } = self.stage
         else {
             return;
@@ -1793,12 +1804,16 @@ impl Rounds {
         // A trainer digests gradient rounds only now and then (see `DIGEST_EVERY`). An
         // unsynced member (a joiner, or one that adopted a round the mesh completed without
         // it) holds parameters that are not the mesh's: it claims no digest until a parameter
-        // round syncs it, so equal rounds in two members' lists mean equal bits.
-        if !digest.is_empty() && self.synced && !self.state_unproven {
-            if self.digests.len() >= DIGESTS_KEPT {
-                self.digests.pop_front();
+        // round syncs it. A ring of one promises nobody anything, and claims none either. So
+        // two members' digests of one round and one ring are equal bits, or a broken promise.
+        if let Some(ring) = ring.filter(|_| !digest.is_empty() && self.synced) {
+            if !self.state_unproven {
+                if self.digests.len() >= DIGESTS_KEPT {
+                    self.digests.pop_front();
+                }
+                self.digests
+                    .push_back((round, digest, format!("{ring:016x}")));
             }
-            self.digests.push_back((round, digest));
         }
         self.stepped(step, out);
     }

@@ -674,7 +674,11 @@ fn a_ring_without_a_synced_member_founds_one_state() {
         ring.nodes[i].combined(4, 12, "founded".into(), &mut Vec::new());
         assert_eq!(
             ring.nodes[i].status(Instant::now()).digests,
-            vec![(4, "founded".to_string())]
+            vec![(
+                4,
+                "founded".to_string(),
+                format!("{:016x}", ring.sorted().1)
+            )]
         );
     }
 }
@@ -755,6 +759,7 @@ fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
     node.stage = Stage::Combining {
         carried_state: false,
         ran_on_from: None,
+        ring: Some(7),
     };
     node.combined(1, 1, "gradient".into(), &mut Vec::new());
     assert!(!node.status(Instant::now()).synced);
@@ -768,12 +773,13 @@ fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
     node.stage = Stage::Combining {
         carried_state: false,
         ran_on_from: None,
+        ring: Some(7),
     };
     node.combined(4, 4, "params".into(), &mut Vec::new());
     assert!(node.status(Instant::now()).synced);
     assert_eq!(
         node.status(Instant::now()).digests,
-        vec![(4, "params".to_string())]
+        vec![(4, "params".to_string(), format!("{:016x}", 7))]
     );
 }
 
@@ -1454,6 +1460,7 @@ fn a_carried_round_meets_the_needs_heard_before_it() {
     ring.nodes[0].stage = Stage::Combining {
         carried_state: true,
         ran_on_from: None,
+        ring: Some(7),
     };
     let mut out = Vec::new();
     ring.nodes[0].combined(4, 100, String::new(), &mut out);
@@ -2815,5 +2822,38 @@ fn a_member_that_would_leave_out_every_other_member_holds_instead() {
             assert_eq!(st.left_out, vec![ring.ids[3].to_string()], "{st:?}");
             assert_eq!(st.aborted.get("out of step with every member"), None);
         }
+    }
+}
+
+/// A member alone (`min_members` 1, nobody else ready) completes its rounds as a ring of
+/// one: its parameters are its own, a promise to nobody, so its status claims no digest for
+/// them. (It did: an honest member that sat a few seconds apart from two others that went on
+/// together showed a digest of its own for a round the two had digested together, and a test
+/// comparing members' digests of one round found them apart.) A ring of two or more names its
+/// members' list beside the digest, so digests of one round compare within one ring.
+#[test]
+fn a_lone_members_round_claims_no_digest_and_a_rings_names_its_members() {
+    let mut alone = Ring::new(1, &[1.0], &[true]);
+    let now = Instant::now();
+    alone.run(now, &[true]);
+    assert!(
+        alone.means[0].is_some(),
+        "the lone member completed no round"
+    );
+    alone.nodes[0].combined(0, 5, "alone".into(), &mut Vec::new());
+    let st = alone.nodes[0].status(Instant::now());
+    assert_eq!(st.completed, 1);
+    assert!(st.digests.is_empty(), "{:?}", st.digests);
+
+    let mut ring = Ring::new(3, &[1.0; 3], &[true; 3]);
+    ring.hear_all(now);
+    ring.run(now, &[true; 3]);
+    let (_, members) = ring.sorted();
+    for i in 0..3 {
+        ring.nodes[i].combined(0, 5, "together".into(), &mut Vec::new());
+        assert_eq!(
+            ring.nodes[i].status(Instant::now()).digests,
+            vec![(0, "together".to_string(), format!("{members:016x}"))]
+        );
     }
 }

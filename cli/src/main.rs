@@ -9,6 +9,7 @@ mod bench;
 mod client;
 mod evaluate;
 mod hf_export;
+mod init;
 mod local;
 mod measure;
 mod output;
@@ -68,6 +69,9 @@ enum Cmd {
     /// Write a llama checkpoint file as a Hugging Face folder (config.json and
     /// model.safetensors), which transformers loads with from_pretrained.
     Export(ExportArgs),
+    /// Write a fine-tune of a Hugging Face llama-family folder as a folder to copy to every
+    /// box: a config (the folder's shape and digest), its tokenizer and your text.
+    Init(init::InitArgs),
     /// Tokenize text files with a Hugging Face tokenizer.json into a token file
     /// (`data.source = "tokens"`).
     Tokenize(tokenize::TokenizeArgs),
@@ -436,6 +440,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Keygen(args) => keygen(&args.psk),
         Cmd::Tokenize(args) => tokenize::run(args).map(|()| ExitCode::SUCCESS),
+        Cmd::Init(args) => init::run(args).map(|()| ExitCode::SUCCESS),
         Cmd::Export(args) => {
             let (file, loaded) = evaluate::read_checkpoint_file(&args.checkpoint)?;
             let h = &args.hf;

@@ -430,3 +430,137 @@ fn the_smollm_shaped_gpu_config_takes_a_step_on_the_cpu() {
     assert!(grad_norm.is_finite() && grad_norm > 0.0, "{grad_norm}");
     assert_ne!(q_weights(&model), before, "the step moved nothing");
 }
+
+/// The fine-tune path a user takes across two boxes, on the committed fixture, in the
+/// commands docs/huggingface.md gives: `p2ptrain init` writes the bundle (config, tokenizer,
+/// text); the first box starts the run from the folder's weights; the second box has the
+/// bundle only (its `model.hf` names a folder that is not there), joins under the same run
+/// id and reads no folder; the two train `ddp` rounds together; the joiner's final checkpoint
+/// exports as a Hugging Face folder with the base's files, and `sample` continues a prompt
+/// from it with the bundle's config. A box with the bundle only cannot start the run itself:
+/// it stops with an error naming the missing folder.
+#[test]
+fn a_fine_tune_from_init_trains_on_two_boxes_and_exports() {
+    let _cores = crate::harness::cpu_hog();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let path = |p: &Path| p.to_str().expect("utf8").to_string();
+    let box1 = tmp.path().join("box1");
+    let text = repo_root().join("data/hamlet.txt.gz");
+    let (st, out, err) = cli(
+        &[
+            "init",
+            "--hf",
+            &path(&fixture()),
+            "--text",
+            &path(&text),
+            "--out",
+            &path(&box1),
+            "--context",
+            "64",
+            "--sync-mode",
+            "ddp",
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(st.success(), "{err}");
+    eprintln!("{out}");
+    let digest = p2ptrain_models::hf::folder_digest(&fixture()).expect("digest");
+    assert!(
+        out.contains(&digest) && out.contains("p2ptrain join --config"),
+        "{out}"
+    );
+    // The second box: the bundle, without the model folder.
+    let box2 = tmp.path().join("box2");
+    std::fs::create_dir(&box2).expect("box2");
+    for file in ["p2ptrain.toml", "tokenizer.json", "hamlet.txt.gz"] {
+        std::fs::copy(box1.join(file), box2.join(file)).expect(file);
+    }
+    let config = std::fs::read_to_string(box1.join("p2ptrain.toml")).expect("config");
+    let elsewhere: String = config
+        .lines()
+        .map(|l| match l.starts_with("hf = ") {
+            true => "hf = \"/nonexistent/hf-llama-tiny\"\n".to_string(),
+            false => format!("{l}\n"),
+        })
+        .collect();
+    assert_ne!(elsewhere, config, "the bundle names the folder: {config}");
+    std::fs::write(box2.join("p2ptrain.toml"), elsewhere).expect("write");
+    let (cfg1, cfg2) = (box1.join("p2ptrain.toml"), box2.join("p2ptrain.toml"));
+
+    // Alone, the second box cannot start the run: it has no weights to start from.
+    let mut founder = Node::start(
+        &tmp.path().join("lone"),
+        &["--config", &path(&cfg2), "--max-steps", "5"],
+    );
+    let status = founder.wait_exit(Duration::from_secs(60));
+    let log = founder.log_text();
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("not a Hugging Face folder here"), "{log}");
+
+    let steps = "30";
+    let extra = ["--max-steps", steps, "--min-members", "2"];
+    let mut a = start(tmp.path(), "a", &cfg1, None, &extra);
+    let addr = listen_addr(&a);
+    let mut b = start(tmp.path(), "b", &cfg2, Some(&addr), &extra);
+    let rounds = |s: &Value| s["rounds"]["completed"].as_u64().unwrap_or(0);
+    let sa = a.wait_status("a round", Duration::from_secs(120), |s| rounds(s) > 0);
+    let sb = b.wait_status("a round", Duration::from_secs(120), |s| rounds(s) > 0);
+    assert_eq!(sa["run_id"], sb["run_id"]);
+    for n in [&mut a, &mut b] {
+        assert!(
+            n.wait_exit(Duration::from_secs(300)).success(),
+            "{}",
+            n.log_text()
+        );
+    }
+    assert!(
+        a.log_text()
+            .contains("starting from a Hugging Face model's weights"),
+        "{}",
+        a.log_text()
+    );
+    assert!(
+        b.log_text().contains("the weights come from the mesh"),
+        "{}",
+        b.log_text()
+    );
+
+    // The joiner's last checkpoint, out as a Hugging Face folder on the base's files.
+    let ck = newest_checkpoint(&tmp.path().join("b")).expect("the joiner's final checkpoint");
+    let hf = tmp.path().join("hf");
+    let (st, _, err) = cli(
+        &[
+            "export",
+            "--checkpoint",
+            &path(&ck),
+            "--out",
+            &path(&hf),
+            "--base",
+            &path(&fixture()),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(st.success(), "{err}");
+    let folder = p2ptrain_models::hf::read_folder(&hf).expect("the export reads back");
+    assert_eq!(folder.spec.vocab, 384);
+    assert!(hf.join("generation_config.json").is_file());
+    let (st, sample, err) = cli(
+        &[
+            "sample",
+            "--checkpoint",
+            &path(&ck),
+            "--config",
+            &path(&cfg2),
+            "--prompt",
+            "HAMLET.",
+            "--bytes",
+            "20",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(st.success(), "{err}");
+    assert!(
+        sample.starts_with("HAMLET.") && sample.len() > 20,
+        "{sample}"
+    );
+}

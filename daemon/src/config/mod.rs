@@ -153,6 +153,11 @@ pub enum ModelConfig {
         /// part of the run's identity).
         #[serde(skip)]
         hf: Option<PathBuf>,
+        /// Whether `genesis` was computed from the folder's files at load (`model.hf` alone),
+        /// not taken from `model.hf_digest`: a digest taken on the config's word is checked
+        /// where a node starts the run from the folder, and nowhere else.
+        #[serde(skip)]
+        genesis_checked: bool,
     },
 }
 
@@ -172,10 +177,17 @@ impl ModelConfig {
         }
     }
 
-    /// The Hugging Face folder whose weights the run starts from, where `model.hf` names one.
-    pub fn genesis_folder(&self) -> Option<&Path> {
+    /// The Hugging Face folder whose weights the run starts from, where the run starts from
+    /// one: its path (`model.hf`, which may be absent on a box that joins), and the digest
+    /// its files must have where that is still to be checked (`model.hf_digest`).
+    pub fn genesis_folder(&self) -> Option<(&Path, Option<&str>)> {
         match self {
-            ModelConfig::Llama { hf, .. } => hf.as_deref(),
+            ModelConfig::Llama {
+                hf: Some(dir),
+                genesis: Some(digest),
+                genesis_checked,
+                ..
+            } => Some((dir, (!genesis_checked).then_some(digest.as_str()))),
             _ => None,
         }
     }

@@ -52,6 +52,7 @@ pub(super) struct RawModel {
     width: Option<usize>,
     heads: Option<usize>,
     hf: Option<PathBuf>,
+    hf_digest: Option<String>,
     vocab: Option<usize>,
     intermediate: Option<usize>,
     kv_heads: Option<usize>,
@@ -114,6 +115,7 @@ impl RawModel {
         ];
         let llama_keys_set = [
             ("hf", self.hf.is_some()),
+            ("hf_digest", self.hf_digest.is_some()),
             ("vocab", self.vocab.is_some()),
             ("intermediate", self.intermediate.is_some()),
             ("kv_heads", self.kv_heads.is_some()),
@@ -198,37 +200,45 @@ impl RawModel {
 
 impl RawModel {
     /// A llama: shaped by a Hugging Face folder's `config.json` (`model.hf`, whose weights the
-    /// run starts from; `model.context` may shorten the training windows) or by the keys.
+    /// run starts from; `model.context` may shorten the training windows), by the keys with
+    /// the folder named by its digest (`model.hf_digest`, as `p2ptrain init` writes it: no
+    /// folder is read here), or by the keys alone (weights drawn from the run's seed).
     fn llama(self, resolve: impl Fn(PathBuf) -> PathBuf) -> Result<ModelConfig, String> {
         let m = self;
-        let model_err = |e: p2ptrain_models::Error| format!("model: {e}");
-        let Some(dir) = m.hf.map(resolve) else {
-            let hidden = m
-                .width
-                .ok_or("model.width is required for a llama (or model.hf)")?;
-            let heads = m
-                .heads
-                .ok_or("model.heads is required for a llama (or model.hf)")?;
-            let spec = LlamaSpec {
-                vocab: m
-                    .vocab
-                    .ok_or("model.vocab is required for a llama (or model.hf)")?,
-                context: m.context.unwrap_or(128),
-                hidden,
-                intermediate: m.intermediate.unwrap_or(hidden.saturating_mul(8) / 3),
-                layers: m.layers.unwrap_or(4),
-                heads,
-                kv_heads: m.kv_heads.unwrap_or(heads),
-                head_dim: m.head_dim.unwrap_or(hidden / heads.max(1)),
-                rms_eps: m.rms_eps.unwrap_or(1e-5),
-                rope_theta: m.rope_theta.unwrap_or(10_000.0),
-                tied: m.tied.unwrap_or(false),
-            };
-            spec.validate().map_err(model_err)?;
+        let dir = m.hf.clone().map(resolve);
+        if let Some(digest) = &m.hf_digest {
+            if digest.len() != 16 || !digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(format!(
+                    "model.hf_digest = {digest:?} is not 16 hex digits (`p2ptrain init --hf DIR` \
+                     writes it)"
+                ));
+            }
+            let spec = m.llama_shape("model.hf_digest")?;
+            // The folder, where this box has it: only its config.json is read (a few hundred
+            // bytes); the weights' digest is checked when a node starts the run from them.
+            if let Some(dir) = dir.as_deref().filter(|d| d.join("config.json").is_file()) {
+                let folder = hf::read_config(dir).map_err(|e| format!("model.hf: {e}"))?;
+                same_shape(&spec, &folder).map_err(|e| {
+                    format!(
+                        "model.{e} in {}'s config.json: the keys are another model's",
+                        dir.display()
+                    )
+                })?;
+            }
+            return Ok(ModelConfig::Llama {
+                spec,
+                genesis: Some(digest.to_ascii_lowercase()),
+                hf: dir,
+                genesis_checked: false,
+            });
+        }
+        let Some(dir) = dir else {
+            let spec = m.llama_shape("model.hf")?;
             return Ok(ModelConfig::Llama {
                 spec,
                 genesis: None,
                 hf: None,
+                genesis_checked: false,
             });
         };
         let shape_keys = [
@@ -246,7 +256,8 @@ impl RawModel {
         if let Some((k, _)) = shape_keys.iter().find(|(_, set)| *set) {
             return Err(format!(
                 "model.{k}: with model.hf the shape is the folder's config.json (only \
-                 model.context may shorten the training windows)"
+                 model.context may shorten the training windows; with model.hf_digest the keys \
+                 give the whole shape)"
             ));
         }
         let mut spec = hf::read_config(&dir).map_err(|e| format!("model.hf: {e}"))?;
@@ -259,14 +270,75 @@ impl RawModel {
             }
             spec.context = context;
         }
-        spec.validate().map_err(model_err)?;
+        spec.validate().map_err(|e| format!("model: {e}"))?;
         let digest = hf::folder_digest(&dir).map_err(|e| format!("model.hf: {e}"))?;
         Ok(ModelConfig::Llama {
             spec,
             genesis: Some(digest),
             hf: Some(dir),
+            genesis_checked: true,
         })
     }
+
+    /// A llama's shape from the keys (`alternative`: the key that would give it instead).
+    fn llama_shape(&self, alternative: &str) -> Result<LlamaSpec, String> {
+        let m = self;
+        let required = |v: Option<usize>, k: &str| {
+            v.ok_or_else(|| format!("model.{k} is required for a llama (or {alternative})"))
+        };
+        let hidden = required(m.width, "width")?;
+        let heads = required(m.heads, "heads")?;
+        let spec = LlamaSpec {
+            vocab: required(m.vocab, "vocab")?,
+            context: m.context.unwrap_or(128),
+            hidden,
+            intermediate: m.intermediate.unwrap_or(hidden.saturating_mul(8) / 3),
+            layers: m.layers.unwrap_or(4),
+            heads,
+            kv_heads: m.kv_heads.unwrap_or(heads),
+            head_dim: m.head_dim.unwrap_or(hidden / heads.max(1)),
+            rms_eps: m.rms_eps.unwrap_or(1e-5),
+            rope_theta: m.rope_theta.unwrap_or(10_000.0),
+            tied: m.tied.unwrap_or(false),
+        };
+        spec.validate().map_err(|e| format!("model: {e}"))?;
+        Ok(spec)
+    }
+}
+
+/// Whether the config's llama shape is the folder's (its context at most the folder's);
+/// the first key that differs, with both values, if not.
+fn same_shape(keys: &LlamaSpec, folder: &LlamaSpec) -> Result<(), String> {
+    let differ = |k: &str, a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| {
+        Err(format!("{k} = {a:?} here, {b:?}"))
+    };
+    let pairs: [(&str, usize, usize); 7] = [
+        ("vocab", keys.vocab, folder.vocab),
+        ("width", keys.hidden, folder.hidden),
+        ("intermediate", keys.intermediate, folder.intermediate),
+        ("layers", keys.layers, folder.layers),
+        ("heads", keys.heads, folder.heads),
+        ("kv_heads", keys.kv_heads, folder.kv_heads),
+        ("head_dim", keys.head_dim, folder.head_dim),
+    ];
+    for (k, a, b) in pairs {
+        if a != b {
+            return differ(k, &a, &b);
+        }
+    }
+    if keys.context > folder.context {
+        return differ("context", &keys.context, &folder.context);
+    }
+    if keys.rms_eps != folder.rms_eps {
+        return differ("rms_eps", &keys.rms_eps, &folder.rms_eps);
+    }
+    if keys.rope_theta != folder.rope_theta {
+        return differ("rope_theta", &keys.rope_theta, &folder.rope_theta);
+    }
+    if keys.tied != folder.tied {
+        return differ("tied", &keys.tied, &folder.tied);
+    }
+    Ok(())
 }
 
 impl RawOptimizer {

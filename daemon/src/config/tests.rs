@@ -676,6 +676,78 @@ fn the_llama_config_loads_its_text_through_the_tokenizer() {
     );
 }
 
+/// `model.hf_digest`, as `p2ptrain init` writes it, names the folder by its digest: the shape
+/// is the keys', the run id the one `model.hf` alone gives (the folder's), and no weights are
+/// read at load, so a box without the folder (one that joins) loads the config. Where the
+/// folder is there, its config.json must have the keys' shape.
+#[test]
+fn a_llama_named_by_its_folders_digest_has_the_folders_run_id_without_the_folder() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/fixtures/hf-llama-tiny");
+    let toml = |model: &str| {
+        format!(
+            "[model]\nkind = \"llama\"\n{model}\n[optimizer]\nkind = \"adamw\"\nlr = 0.001\n\
+             [data]\nsource = \"text\"\ntokenizer = \"{}\"\n",
+            fixture.join("tokenizer.json").display()
+        )
+    };
+    let parse = |model: &str| Config::parse(&toml(model), "l.toml", None);
+    let hf = format!("hf = \"{}\"", fixture.display());
+    let from_folder = parse(&hf).expect("from the folder");
+    let ModelConfig::Llama {
+        genesis: Some(digest),
+        ..
+    } = &from_folder.model
+    else {
+        panic!("a llama from a folder");
+    };
+    let keys = "vocab = 384\nwidth = 64\nheads = 4\nkv_heads = 2\nlayers = 2\n\
+                intermediate = 128\ncontext = 256";
+    let named = parse(&format!("{hf}\nhf_digest = \"{digest}\"\n{keys}")).expect("named");
+    assert_eq!(named.run_id(), from_folder.run_id());
+    assert_eq!(
+        named.model.genesis_folder(),
+        Some((fixture.as_path(), Some(digest.as_str())))
+    );
+    let elsewhere = parse(&format!(
+        "hf = \"/nonexistent/hf-llama-tiny\"\nhf_digest = \"{digest}\"\n{keys}"
+    ))
+    .expect("a box without the folder");
+    assert_eq!(elsewhere.run_id(), from_folder.run_id());
+    // Only config.json is read: a folder without its weights loads named, not alone.
+    let tmp = tempfile::tempdir().expect("tmp");
+    std::fs::copy(fixture.join("config.json"), tmp.path().join("config.json")).expect("copy");
+    let bare = format!("hf = \"{}\"", tmp.path().display());
+    parse(&format!("{bare}\nhf_digest = \"{digest}\"\n{keys}")).expect("weights not read");
+    assert!(parse(&bare).is_err(), "model.hf alone reads the weights");
+    let with_keys = |k: &str| format!("{hf}\nhf_digest = \"{digest}\"\n{k}");
+    for (model, needle) in [
+        (
+            format!("{hf}\nhf_digest = \"0123\"\n{keys}"),
+            "is not 16 hex digits".to_string(),
+        ),
+        (
+            with_keys(&keys.replace("layers = 2", "layers = 3")),
+            format!("model.layers = 3 here, 2 in {}", fixture.display()),
+        ),
+        (
+            with_keys(&keys.replace("width = 64\n", "")),
+            "model.width is required for a llama (or model.hf_digest)".to_string(),
+        ),
+        (
+            with_keys(&format!("{keys}\nrope_theta = 500000.0")),
+            "model.rope_theta".to_string(),
+        ),
+    ] {
+        let e = parse(&model).expect_err(&needle).to_string();
+        assert!(e.contains(&needle), "{needle}: {e}");
+    }
+    let gpt = DEFAULT_CONFIG_TOML.replace("[model]", "[model]\nhf_digest = \"0123456789abcdef\"");
+    let e = Config::parse(&gpt, "x.toml", None)
+        .expect_err("an mlp")
+        .to_string();
+    assert!(e.contains("model.hf_digest is a llama setting"), "{e}");
+}
+
 #[test]
 fn a_llama_from_a_hugging_face_folder_takes_its_shape_and_its_digest_joins_the_run_id() {
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/fixtures/hf-llama-tiny");
@@ -693,7 +765,7 @@ fn a_llama_from_a_hugging_face_folder_takes_its_shape_and_its_digest_joins_the_r
     };
     assert_eq!((spec.vocab, spec.context, spec.kv_heads), (384, 256, 2));
     assert!(genesis.is_some());
-    assert_eq!(c.model.genesis_folder(), Some(fixture.as_path()));
+    assert_eq!(c.model.genesis_folder(), Some((fixture.as_path(), None)));
     let shorter = Config::parse(&toml(&format!("{hf}\ncontext = 32")), "l.toml", None)
         .expect("a shorter context");
     assert_ne!(shorter.run_id(), c.run_id());

@@ -607,9 +607,19 @@ fn build_model(
             step = loaded.meta.info.step,
             "resumed from checkpoint"
         );
-    } else if let Some(dir) = config.model.genesis_folder() {
+    } else if let Some((dir, unchecked)) = config.model.genesis_folder() {
         // The run starts from the folder's weights (its digest is in the run id, so every
-        // node of the run read the same ones); a joiner's download replaces them.
+        // node of the run read the same ones); a joiner's download replaces them. With the
+        // digest on the config's word (`model.hf_digest`), a joiner reads nothing of the
+        // folder, which its box need not have, and a node that starts the run checks it.
+        let joining = !config.network.bootstrap.is_empty();
+        if unchecked.is_some() && joining {
+            tracing::info!("joining: the weights come from the mesh, not model.hf's folder");
+            return Ok(built);
+        }
+        if let Some(want) = unchecked {
+            check_genesis(dir, want)?;
+        }
         let folder = p2ptrain_models::hf::read_folder(dir)
             .map_err(|e| NodeError::Trainer(format!("model.hf: {e}")))?;
         built
@@ -624,6 +634,28 @@ fn build_model(
         );
     }
     Ok(built)
+}
+
+/// The folder a node starts the run from has the digest the config names
+/// (`model.hf_digest`): read whole once, here, on the box that starts the run.
+fn check_genesis(dir: &Path, want: &str) -> Result<(), NodeError> {
+    if !dir.join("config.json").is_file() {
+        return Err(NodeError::Trainer(format!(
+            "model.hf: {} is not a Hugging Face folder here; the node that starts the run \
+             needs it (a node that joins with --bootstrap takes the weights from the mesh)",
+            dir.display()
+        )));
+    }
+    let got = p2ptrain_models::hf::folder_digest(dir)
+        .map_err(|e| NodeError::Trainer(format!("model.hf: {e}")))?;
+    if got != want {
+        return Err(NodeError::Trainer(format!(
+            "model.hf_digest = {want:?}, but {}'s files digest to {got:?}: other weights than \
+             the config was written for (`p2ptrain init --hf` writes the digest again)",
+            dir.display()
+        )));
+    }
+    Ok(())
 }
 
 /// What the node's handle holds beside the config and the data directory: what the
@@ -920,6 +952,25 @@ mod tests {
             trainer.await.expect("trainer task"),
             "the trainer was told to stop"
         );
+    }
+
+    /// The node that starts a run from a folder named by its digest (`model.hf_digest`)
+    /// reads it and finds the digest the config names, or stops with an error naming both:
+    /// other weights than the config was written for, or no folder on this box.
+    #[test]
+    fn a_founders_folder_must_have_the_configs_digest() {
+        let fixture =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/fixtures/hf-llama-tiny");
+        let digest = p2ptrain_models::hf::folder_digest(&fixture).expect("the fixture's digest");
+        check_genesis(&fixture, &digest).expect("the fixture has its own digest");
+        let e = check_genesis(&fixture, "0123456789abcdef")
+            .expect_err("another digest")
+            .to_string();
+        assert!(e.contains("0123456789abcdef") && e.contains(&digest), "{e}");
+        let e = check_genesis(Path::new("/nonexistent/hf"), &digest)
+            .expect_err("no folder")
+            .to_string();
+        assert!(e.contains("not a Hugging Face folder here"), "{e}");
     }
 
     /// A key file that is not one (missing, a short key, characters that are not hex, bytes

@@ -45,14 +45,15 @@ pub fn run(args: InitArgs) -> Result<()> {
         .with_context(|| format!("--hf {}", args.hf.display()))?;
     let spec =
         p2ptrain_models::hf::read_config(&hf).with_context(|| format!("--hf {}", hf.display()))?;
-    let tokenizer = hf.join("tokenizer.json");
-    if !tokenizer.is_file() {
-        bail!(
-            "--hf {}: no tokenizer.json in the folder (the fine-tune tokenizes the text with the \
+    // Carried to every box: a regular file of the folder's own, never what a link in a
+    // folder fetched from elsewhere points at (a private key).
+    let tokenizer = p2ptrain_models::hf::folder_json(&hf, "tokenizer.json").with_context(|| {
+        format!(
+            "--hf {}: the folder's tokenizer.json (the fine-tune tokenizes the text with the \
              model's own tokenizer)",
             hf.display()
-        );
-    }
+        )
+    })?;
     if args.context == 0 || args.context > spec.context {
         bail!(
             "--context {}: 1 to the folder's max_position_embeddings, {}",
@@ -145,15 +146,16 @@ struct Bundle<'a> {
 /// system allows, else a copy).
 fn write_bundle(
     args: &InitArgs,
-    tokenizer: &Path,
+    tokenizer: &str,
     text_name: Option<&str>,
     config: &str,
 ) -> Result<()> {
-    std::fs::copy(tokenizer, args.out.join("tokenizer.json"))
-        .with_context(|| format!("copying {}", tokenizer.display()))?;
+    std::fs::write(args.out.join("tokenizer.json"), tokenizer)
+        .with_context(|| format!("writing {}", args.out.join("tokenizer.json").display()))?;
     if let (Some(text), Some(name)) = (&args.text, text_name) {
         let to = args.out.join(name);
-        if std::fs::hard_link(text, &to).is_err() {
+        let plain = std::fs::symlink_metadata(text).is_ok_and(|m| m.is_file());
+        if !plain || std::fs::hard_link(text, &to).is_err() {
             std::fs::copy(text, &to).with_context(|| format!("copying {}", text.display()))?;
         }
     }
@@ -263,4 +265,83 @@ mode = "{mode}"
         tied = s.tied,
         mode = b.mode,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/fixtures/hf-llama-tiny")
+    }
+
+    fn args(hf: &Path, out: &Path) -> InitArgs {
+        InitArgs {
+            hf: hf.to_path_buf(),
+            text: None,
+            out: out.to_path_buf(),
+            context: 64,
+            sync_mode: "diloco".into(),
+        }
+    }
+
+    /// The bundle loads as a config whose run id is the folder's own (`model.hf` alone gives
+    /// the same), and `init` never writes into a folder that exists.
+    #[test]
+    fn the_bundle_is_the_folders_run_and_init_writes_only_a_new_folder() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let out = tmp.path().join("ft");
+        run(args(&fixture(), &out)).expect("init");
+        let bundle = Config::load(Some(&out.join(CONFIG_NAME))).expect("the bundle loads");
+        let by_hand = Config::parse(
+            &std::fs::read_to_string(out.join(CONFIG_NAME))
+                .expect("config")
+                .lines()
+                .filter(|l| {
+                    !l.starts_with("hf_digest")
+                        && !l.starts_with("vocab")
+                        && !l.starts_with("width")
+                        && !l.starts_with("layers")
+                        && !l.starts_with("heads")
+                        && !l.starts_with("kv_heads")
+                        && !l.starts_with("head_dim")
+                        && !l.starts_with("intermediate")
+                        && !l.starts_with("rms_eps")
+                        && !l.starts_with("rope_theta")
+                        && !l.starts_with("tied")
+                })
+                .collect::<Vec<_>>()
+                .join("\n"),
+            "by-hand.toml",
+            Some(&out),
+        )
+        .expect("model.hf alone");
+        assert_eq!(bundle.run_id(), by_hand.run_id());
+        let e = run(args(&fixture(), &out)).expect_err("an existing folder");
+        assert!(format!("{e:#}").contains("writes a new folder"), "{e:#}");
+    }
+
+    /// A folder fetched from elsewhere whose `tokenizer.json` links outside it (to a private
+    /// key) is refused, and no bundle is left: `init` copied the link's target into the
+    /// bundle the user copies to every box (seen: the secret's bytes in the bundle's
+    /// tokenizer.json, before `hf::folder_json`).
+    #[test]
+    fn a_tokenizer_linking_outside_the_folder_is_refused() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let secret = tmp.path().join("id_ed25519");
+        std::fs::write(&secret, "{\"secret\": \"key\"}").expect("secret");
+        let folder = tmp.path().join("model");
+        std::fs::create_dir(&folder).expect("folder");
+        for file in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture().join(file), folder.join(file)).expect(file);
+        }
+        std::os::unix::fs::symlink(&secret, folder.join("tokenizer.json")).expect("link");
+        let out = tmp.path().join("ft");
+        let e = run(args(&folder, &out)).expect_err("a link outside");
+        assert!(
+            format!("{e:#}").contains("links outside the folder"),
+            "{e:#}"
+        );
+        assert!(!out.exists());
+    }
 }

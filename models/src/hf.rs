@@ -527,15 +527,7 @@ pub fn carry_from_base(dir: &Path, base: &CheckedBase, own_tokenizer: bool) -> R
         }
         let (from, to) = (base.dir.join(file), dir.join(file));
         if std::fs::symlink_metadata(&from).is_ok() && !to.exists() {
-            // Carried as the JSON it must be, from inside the base folder only.
-            links_inside(&from, &base.dir)?;
-            let text = read_json(&from)?;
-            if serde_json::from_str::<Value>(&text).is_err() {
-                return Err(Error::Format {
-                    path: from,
-                    msg: "not JSON: refused, not carried".into(),
-                });
-            }
+            let text = folder_json(&base.dir, file)?;
             std::fs::write(&to, text).map_err(io(to.clone()))?;
             carried.push((*file).to_string());
         }
@@ -669,6 +661,22 @@ fn read_json(path: &Path) -> Result<String> {
         .map_err(io)?;
     if text.len() as u64 > MAX_JSON_BYTES {
         return Err(too_long(text.len() as u64));
+    }
+    Ok(text)
+}
+
+/// The text of JSON file `name` of Hugging Face folder `dir` (its `tokenizer.json`), as a
+/// copy may carry it elsewhere: a regular file inside the folder (or its cache's blobs, see
+/// [`links_inside`]), at most [`MAX_JSON_BYTES`], and JSON; anything else is refused.
+pub fn folder_json(dir: &Path, name: &str) -> Result<String> {
+    let path = dir.join(name);
+    links_inside(&path, dir)?;
+    let text = read_json(&path)?;
+    if serde_json::from_str::<Value>(&text).is_err() {
+        return Err(Error::Format {
+            path,
+            msg: "not JSON: refused, not carried".into(),
+        });
     }
     Ok(text)
 }

@@ -16,8 +16,8 @@ use super::ring::{all_finite, AGGREGATE, PART};
 use super::robust::aggregate;
 use super::{
     Hop, HopKey, Output, Rounds, Stage, ATTEMPT_JUMP, ATTEMPT_LIMIT, CONTRADICTED_SIT_OUT,
-    FOLLOWED_ATTEMPT_LIMIT, FOLLOWED_ROUND_LIMIT, INBOX_CAP, READY_FRESH, ROUND_JUMP, ROUND_LIMIT,
-    STEP_LIMIT, WEIGHT_LIMIT,
+    FOLLOWED_ATTEMPT_LIMIT, FOLLOWED_ROUND_LIMIT, INBOX_CAP, ROUND_JUMP, ROUND_LIMIT, STEP_LIMIT,
+    WEIGHT_LIMIT,
 };
 use crate::wire::{Piece, RingMessage};
 
@@ -100,11 +100,7 @@ impl Rounds {
         if awaited {
             self.abort("a member's hop was an offence", now);
         }
-        let in_rounds = in_ring
-            || self
-                .ready
-                .get(&from)
-                .is_some_and(|at| now.saturating_duration_since(*at) < READY_FRESH);
+        let in_rounds = in_ring || self.roster.is_fresh(&from, now);
         if in_rounds && !self.lists.left_out(&from, now) {
             if let Some(last) = self.lists.stalled(from, now) {
                 tracing::info!(peer = %from, "a member sent a ring hop no honest member sends; leaving it out of the rounds for {last:?}");
@@ -136,8 +132,7 @@ impl Rounds {
             return;
         }
         // A hop is proof that its sender takes part in rounds now.
-        self.ready.insert(from, now);
-        self.not_in_rounds.remove(&from);
+        self.roster.hop_from(from, now);
         let key = (msg.round, msg.attempt, msg.hop, from);
         let hop = (msg.members, values, msg.step);
         let reducing = matches!(self.stage, Stage::Reducing { .. });

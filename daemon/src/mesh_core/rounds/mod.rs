@@ -74,6 +74,7 @@ use lists::{Action, Lists, Verdict};
 #[cfg(test)]
 pub(in crate::mesh_core) use ring::members_digest;
 use ring::{Judge, Ring};
+use roster::Roster;
 use times::RoundTimes;
 
 pub use ring::balanced_batch;
@@ -83,6 +84,7 @@ pub mod lists;
 pub mod pieces;
 mod ring;
 pub mod robust;
+mod roster;
 #[cfg(test)]
 mod tests;
 mod times;
@@ -354,28 +356,8 @@ pub struct Rounds {
     /// Hops whose pieces are still coming.
     pieces: pieces::Pieces,
     retry_at: Option<Instant>,
-    ready: HashMap<PeerId, Instant>,
-    /// Members that were in rounds (heard ready, or in this node's ring) and whose heartbeats
-    /// since say they are not (sitting out), and when: members all the same, that list no
-    /// peer. This node sits out over a peer only where most of the members it hears list it,
-    /// these counted among the members ([`Rounds::lists_differ`]). Joiners that were never
-    /// ready are not counted: two downloading a large state would keep a member that banned
-    /// a rogue from sitting out while the others' attempts abort, until they are ready (read
-    /// from the code in a review).
-    not_in_rounds: HashMap<PeerId, Instant>,
-    /// Ready members whose last heartbeat said they need the members' state (`diloco`), with
-    /// the round it named: a word from before a round that gave them the state is stale.
-    needs_state: HashMap<PeerId, Option<u64>>,
-    /// Ready members' forward-backward milliseconds per sample, from their heartbeats.
-    speeds: HashMap<PeerId, f64>,
-    /// The round each ready member's last heartbeat named: a synced member gives up its
-    /// weight for a later round only when most of the others say they are past its own
-    /// ([`Rounds::mesh_is_past`]).
-    rounds_said: HashMap<PeerId, u64>,
-    /// The trainer step each ready member's last heartbeat named, and when it came: a member
-    /// an attempt waits for whose step moves says it is still training towards the boundary
-    /// (excused [`STALL_EXCUSES`] times a round).
-    steps_said: HashMap<PeerId, (u64, Instant)>,
+    /// What the other members said ([`roster`]): read here, never decided there.
+    roster: Roster,
     /// Stalls of this round that each member was excused for ([`STALL_EXCUSES`]), with the
     /// round (ring members only; cleared when a round completes).
     excused: HashMap<PeerId, (u64, u32)>,
@@ -400,9 +382,6 @@ pub struct Rounds {
     rounds_heard: Option<Instant>,
     /// Means refused in a row (see [`Rounds::combine_failed`]).
     refused_in_a_row: u32,
-    /// Peers that went away (their connection closed, or a ban closed it), and when: the
-    /// ones other members may still list.
-    gone: HashMap<PeerId, Instant>,
     /// Peers whose hops this node found no honest member sends, and when: its own proof,
     /// as behind a ban. Only a peer it went without for such a reason makes it sit out: a
     /// peer that merely lost its connection to it (a rogue banned by it, which runs the same
@@ -461,12 +440,7 @@ impl Rounds {
             inbox_values: INBOX_VALUES,
             pieces: pieces::Pieces::new(cfg.piece_bytes, INBOX_VALUES * 4),
             retry_at: None,
-            ready: HashMap::new(),
-            not_in_rounds: HashMap::new(),
-            needs_state: HashMap::new(),
-            speeds: HashMap::new(),
-            rounds_said: HashMap::new(),
-            steps_said: HashMap::new(),
+            roster: Roster::default(),
             excused: HashMap::new(),
             moved_by: (HashSet::new(), HashMap::new()),
             offence_credits: HashMap::new(),
@@ -477,7 +451,6 @@ impl Rounds {
             rounds_heard: None,
             ring_size: 0,
             refused_in_a_row: 0,
-            gone: HashMap::new(),
             blamed_peers: HashMap::new(),
             lists: Lists::default(),
             sit_out_until: None,
@@ -597,9 +570,9 @@ impl Rounds {
             .and_then(|x| x.parse::<PeerId>().ok())
             .filter(|x| *x != peer && !self.lists.left_out(&peer, now));
         if let Some(x) = named {
-            let member = hb.in_rounds || self.ready.contains_key(&peer) || self.ring_has(&peer);
+            let member = hb.in_rounds || self.roster.is_ready(&peer) || self.ring_has(&peer);
             let again = self.lists.accused(x, peer, hb.accusations, self.me, now);
-            if self.ready.contains_key(&x) || self.ring_has(&x) {
+            if self.roster.is_ready(&x) || self.ring_has(&x) {
                 self.leave_out_if_accused_by_most(x, now);
                 if again && member {
                     self.leave_out_accused_again(x, peer, now);
@@ -618,38 +591,11 @@ impl Rounds {
                 self.excuse_or_leave_out(peer, false, now);
             }
         }
-        if hb.in_rounds {
-            self.ready.insert(peer, now);
-            self.not_in_rounds.remove(&peer);
-            self.gone.remove(&peer);
-            if hb.round.is_some() {
-                self.rounds_heard = Some(now);
-            }
-            match hb.ms_per_sample.filter(|v| v.is_finite() && *v > 0.0) {
-                Some(v) => self.speeds.insert(peer, v),
-                None => self.speeds.remove(&peer),
-            };
-            match hb.needs_state {
-                true => self.needs_state.insert(peer, hb.round),
-                false => self.needs_state.remove(&peer),
-            };
-            match hb.round {
-                Some(r) => self.rounds_said.insert(peer, r),
-                None => self.rounds_said.remove(&peer),
-            };
-            self.steps_said.insert(peer, (hb.step, now));
-        } else {
-            let was_in_rounds = self.ready.remove(&peer).is_some()
-                || self.not_in_rounds.contains_key(&peer)
-                || self.ring_has(&peer);
-            if was_in_rounds {
-                self.not_in_rounds.insert(peer, now);
-            }
-            self.steps_said.remove(&peer);
-            self.speeds.remove(&peer);
-            self.needs_state.remove(&peer);
-            self.rounds_said.remove(&peer);
+        if hb.in_rounds && hb.round.is_some() {
+            self.rounds_heard = Some(now);
         }
+        let in_ring = self.ring_has(&peer);
+        self.roster.heard(peer, hb, in_ring, now);
     }
 
     /// Leaves `x` out (with the back-off of [`lists`]) where most of the members heard ready
@@ -663,10 +609,9 @@ impl Rounds {
             return;
         }
         let voters: Vec<PeerId> = self
-            .ready
-            .iter()
-            .filter(|(p, at)| **p != x && now.saturating_duration_since(**at) < READY_FRESH)
-            .map(|(p, _)| *p)
+            .roster
+            .fresh(now)
+            .filter(|p| *p != x)
             .chain(std::iter::once(self.me))
             .collect();
         if !self.lists.accused_by_most(x, &voters, now) {
@@ -733,7 +678,7 @@ impl Rounds {
         let others: Vec<PeerId> = self.heard_ready_not_accused(now).collect();
         let past = others
             .iter()
-            .filter(|p| self.rounds_said.get(*p).is_some_and(|r| *r > mine))
+            .filter(|p| self.roster.round_said(p).is_some_and(|r| r > mine))
             .count();
         past * 2 > others.len()
     }
@@ -787,7 +732,7 @@ impl Rounds {
     pub(super) fn round_said_by_most(&self, now: Instant) -> Option<u64> {
         let mut said: Vec<u64> = self
             .heard_ready_not_accused(now)
-            .filter_map(|p| self.rounds_said.get(&p).copied())
+            .filter_map(|p| self.roster.round_said(&p))
             .collect();
         if said.is_empty() {
             return None;
@@ -812,11 +757,9 @@ impl Rounds {
             return false;
         }
         self.needs_state()
-            || members.iter().any(|m| {
-                self.needs_state
-                    .get(m)
-                    .is_some_and(|said| said.is_none_or(|r| r >= round))
-            })
+            || members
+                .iter()
+                .any(|m| self.roster.needs_state_for(m, round))
     }
 
     /// This node's own forward-backward milliseconds per sample.
@@ -827,18 +770,7 @@ impl Rounds {
     /// A member went away: an attempt it was part of cannot finish, unless the member
     /// completed it before it left ([`Rounds::peer_leaving`]).
     pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
-        self.ready.remove(&peer);
-        self.not_in_rounds.remove(&peer);
-        if self.gone.len() >= GONE_KEPT {
-            if let Some(oldest) = self.gone.iter().min_by_key(|(_, at)| **at).map(|(p, _)| *p) {
-                self.gone.remove(&oldest);
-            }
-        }
-        self.gone.insert(peer, now);
-        self.speeds.remove(&peer);
-        self.needs_state.remove(&peer);
-        self.rounds_said.remove(&peer);
-        self.steps_said.remove(&peer);
+        self.roster.down(peer, now);
         self.excused.remove(&peer);
         self.inbox.retain(|(_, _, _, from), _| *from != peer);
         let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
@@ -870,7 +802,7 @@ impl Rounds {
     /// A hop to `peer` could not be delivered.
     pub fn undelivered(&mut self, peer: PeerId, round: u64, attempt: u32, now: Instant) {
         if Some(round) == self.round && attempt == self.attempt && self.ring_has(&peer) {
-            self.ready.remove(&peer);
+            self.roster.unreachable(&peer);
             self.abort("hop undelivered", now);
         }
     }
@@ -882,13 +814,7 @@ impl Rounds {
     /// Time passed; `step` is the trainer's, `training` whether it trains (a joiner still
     /// downloading does not, and is not asked for parameters).
     pub fn tick(&mut self, step: u64, training: bool, now: Instant, out: &mut Vec<Output>) {
-        // A member unheard for long (hung, or gone without a word) no longer sizes batches.
-        let ready = &self.ready;
-        self.speeds.retain(|peer, _| {
-            ready
-                .get(peer)
-                .is_some_and(|at| now.saturating_duration_since(*at) < READY_FRESH)
-        });
+        self.roster.forget_stale_speeds(now);
         match &self.stage {
             // A step report at the boundary may have been dropped: the tick asks instead.
             Stage::Training if training => self.stepped(step, out),
@@ -955,11 +881,7 @@ impl Rounds {
         self.stage = Stage::Asked { gradient };
         out.push(Output::Trainer(if gradient {
             let batch = if self.cfg.balance {
-                balanced_batch(
-                    self.cfg.batch,
-                    self.own_ms_per_sample,
-                    self.speeds.values().copied(),
-                )
+                balanced_batch(self.cfg.batch, self.own_ms_per_sample, self.roster.speeds())
             } else {
                 self.cfg.batch
             };
@@ -1210,25 +1132,15 @@ impl Rounds {
     /// The other members heard within [`READY_FRESH`] saying they are not in rounds, less
     /// those this node leaves out ([`Rounds::lists_differ`]).
     fn members_not_in_rounds(&self, now: Instant) -> Vec<PeerId> {
-        self.not_in_rounds
-            .iter()
-            .filter(|(p, at)| {
-                **p != self.me
-                    && now.saturating_duration_since(**at) < READY_FRESH
-                    && !self.lists.left_out(p, now)
-            })
-            .map(|(p, _)| *p)
+        self.roster
+            .fresh_not_in_rounds(now)
+            .filter(|p| *p != self.me && !self.lists.left_out(p, now))
             .collect()
     }
 
     /// The other members heard ready within [`READY_FRESH`].
     fn heard_ready(&self, now: Instant) -> impl Iterator<Item = PeerId> + '_ {
-        self.ready
-            .iter()
-            .filter(move |(p, at)| {
-                **p != self.me && now.saturating_duration_since(**at) < READY_FRESH
-            })
-            .map(|(p, _)| *p)
+        self.roster.fresh(now).filter(move |p| *p != self.me)
     }
 
     /// The running attempt stalled: it is aborted, and the members it waited for are left
@@ -1264,7 +1176,7 @@ impl Rounds {
             // a later round finished this one (this node missed an aggregate): accused, an
             // honest member that went on first was left out by all the others, and the
             // rounds of the rest raced thousands apart (`ring_rogue`'s `next_attempt`).
-            let in_this_round = self.rounds_said.get(&peer) == self.round.as_ref();
+            let in_this_round = self.roster.round_said(&peer) == self.round;
             if left_out && withheld == [peer] && in_this_round {
                 self.accuse(peer, now);
             }
@@ -1367,9 +1279,9 @@ impl Rounds {
             .map(|i| {
                 let peer = ring.members[i];
                 let at_boundary = (!self.round.is_some_and(|r| self.cfg.sums_gradients(r))
-                    && self.rounds_said.get(&peer) == self.round.as_ref()
-                    && match (ring.steps_said[i], self.steps_said.get(&peer)) {
-                        (Some(then), Some(&(step, heard))) => {
+                    && self.roster.round_said(&peer) == self.round
+                    && match (ring.steps_said[i], self.roster.step_said(&peer)) {
+                        (Some(then), Some((step, heard))) => {
                             heard > ring.started && (step <= then || step > self.boundary)
                         }
                         _ => false,
@@ -1480,16 +1392,16 @@ impl Rounds {
         };
         let blamed = &self.blamed_peers;
         let candidates: Vec<PeerId> = self
-            .gone
-            .keys()
+            .roster
+            .gone()
             .filter(|p| blamed.contains_key(*p))
             .copied()
             .chain(self.lists.ever_left_out())
             .collect();
         let known: Vec<PeerId> = self
-            .ready
-            .keys()
-            .chain(self.gone.keys())
+            .roster
+            .ever_ready()
+            .chain(self.roster.gone())
             .chain(not_in_rounds.iter())
             .copied()
             .chain(self.lists.ever_left_out())
@@ -1566,10 +1478,8 @@ impl Rounds {
         }
         let lists = &self.lists;
         let mut members: Vec<PeerId> = self
-            .ready
-            .iter()
-            .filter(|(_, at)| now.saturating_duration_since(**at) < READY_FRESH)
-            .map(|(p, _)| *p)
+            .roster
+            .fresh(now)
             .filter(|p| !lists.left_out(p, now))
             .collect();
         members.push(self.me);
@@ -1621,10 +1531,10 @@ impl Rounds {
         } else {
             Judge::Norm { norm }
         };
-        let steps_said = &self.steps_said;
+        let roster = &self.roster;
         let said: Vec<Option<u64>> = members
             .iter()
-            .map(|m| steps_said.get(m).map(|(step, _)| *step))
+            .map(|m| roster.step_said(m).map(|(step, _)| step))
             .collect();
         let mut r = Ring::new(
             members,
@@ -1780,8 +1690,7 @@ impl Rounds {
         // its node had a round names none to go stale by; the node's next heartbeat says
         // whether it still needs the state (it was not in this ring).
         if carried_state {
-            self.needs_state
-                .retain(|_, said| said.is_some_and(|r| r > round));
+            self.roster.state_carried(round);
             self.state_unproven = false;
         }
         // As a synced member's first boundary: `steps` on, or in gradient rounds, none. One

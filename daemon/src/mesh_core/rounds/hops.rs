@@ -296,7 +296,7 @@ impl Rounds {
         // before the rogue came: the founder out for 10, 20 and 40 s, its rounds apart from
         // theirs, one run in ten). In larger rings the founding members of the simulator,
         // which are joiners too, need the rule as it is.
-        let witness = self.synced || self.completed > 0 || ring.len() > 3;
+        let witness = self.synced || self.counts.completed() > 0 || ring.len() > 3;
         for (x, claimed) in claims {
             let Stage::Reducing {
                 ring: Some(ring), ..
@@ -561,13 +561,13 @@ impl Rounds {
                     // refused and the other kept would leave them apart.
                     Some(why) if ring.direct() => {
                         offence(out, from, why);
-                        self.parts_refused += 1;
+                        self.counts.part_refused();
                         self.abort("part refused", now);
                         return;
                     }
                     Some(why) => {
                         offence(out, from, why);
-                        self.parts_refused += 1;
+                        self.counts.part_refused();
                         0.0
                     }
                     None => weight,
@@ -663,14 +663,14 @@ impl Rounds {
                     clipped = agg.clipped,
                     "parts beyond the clipping radius of the plain mean"
                 );
-                self.parts_clipped += agg.clipped as u64;
+                self.counts.clipped(agg.clipped);
             }
             ring.acc[range].copy_from_slice(&agg.mean);
             ring.totals[me] = Some(agg.total);
             self.aggregated_in = Some(round);
             if !ring.direct() {
                 for (peer, msg) in ring.aggregate_messages(round, attempt, agg.total) {
-                    self.bytes_sent += msg.values.len() as u64;
+                    self.counts.sent(msg.values.len());
                     out.push(Output::SendRing { peer, msg });
                 }
             }

@@ -60,7 +60,7 @@
 //!
 //! Pure state: the core feeds it and carries out what it returns.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
@@ -70,15 +70,16 @@ use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
 use crate::sync_guard::GradientScale;
 use crate::wire::Heartbeat;
 use crate::wire::{largest_hop_values, ValueEncoding};
+use counts::RoundCounts;
 use lists::{Action, Lists, Verdict};
 #[cfg(test)]
 pub(in crate::mesh_core) use ring::members_digest;
 use ring::{Judge, Ring};
 use roster::Roster;
-use times::RoundTimes;
 
 pub use ring::balanced_batch;
 
+mod counts;
 mod hops;
 pub mod lists;
 pub mod pieces;
@@ -184,8 +185,6 @@ pub const STALL_EXCUSES: u32 = 2;
 /// Steps no run reaches (2^48, as a checkpoint's counters are bounded): a hop that carries
 /// one cannot be honest, and an unsynced member would take it as its step.
 const STEP_LIMIT: u64 = 1 << 48;
-/// Digests of recent rounds kept in status.
-const DIGESTS_KEPT: usize = 32;
 /// A `ddp` member whose forward-backward per sample is within this fraction of the fastest
 /// member's takes the whole batch: boxes of one kind differ by noise, and a sample dropped
 /// for noise costs more per step than the few milliseconds it saves.
@@ -400,17 +399,11 @@ pub struct Rounds {
     /// The round in whose attempts this node last sent its aggregate: a member may have
     /// finished it, so its word that it did is not contradicted ([`Rounds::contradicted`]).
     aggregated_in: Option<u64>,
-    /// What status counts; the rest of [`RoundStatus`] is read off the fields above.
+    /// The members of the last attempt's ring (status shows it; [`Rounds::finish`] reads it).
     ring_size: usize,
-    completed: u64,
-    aborted: BTreeMap<String, u64>,
-    times: RoundTimes,
-    bytes_sent: u64,
-    /// Members' parts refused as no honest member's (each an offence of its sender).
-    parts_refused: u64,
-    /// Parts that lay beyond the clipping radius of the plain mean of this node's chunks.
-    parts_clipped: u64,
-    digests: VecDeque<(u64, String, String)>,
+    /// What status counts ([`counts`]); the rest of [`RoundStatus`] is read off the fields
+    /// above.
+    counts: RoundCounts,
     /// What this member judges others' gradient parts and aggregates by: the largest of its
     /// own last gradients' norms.
     gradient_scale: GradientScale,
@@ -457,13 +450,7 @@ impl Rounds {
             sitting_out_over: None,
             accusing: None,
             aggregated_in: None,
-            completed: 0,
-            aborted: BTreeMap::new(),
-            times: RoundTimes::default(),
-            bytes_sent: 0,
-            parts_refused: 0,
-            parts_clipped: 0,
-            digests: VecDeque::new(),
+            counts: RoundCounts::default(),
             gradient_scale: GradientScale::default(),
         }
     }
@@ -541,18 +528,18 @@ impl Rounds {
             round: self.round,
             attempt: self.attempt,
             ring_size: self.ring_size,
-            completed: self.completed,
-            aborted: self.aborted.clone(),
-            last_round_ms: self.times.last_ms(),
+            completed: self.counts.completed(),
+            aborted: self.counts.aborted_by_reason().clone(),
+            last_round_ms: self.counts.times().last_ms(),
             batch: self.batch,
-            mean_round_ms: self.times.mean_ms(),
-            round_seconds: self.times.histogram().clone(),
-            bytes_sent: self.bytes_sent,
-            parts_refused: self.parts_refused,
-            parts_clipped: self.parts_clipped,
+            mean_round_ms: self.counts.times().mean_ms(),
+            round_seconds: self.counts.times().histogram().clone(),
+            bytes_sent: self.counts.bytes_sent(),
+            parts_refused: self.counts.parts_refused(),
+            parts_clipped: self.counts.parts_clipped(),
             boundary: self.boundary,
             synced: self.synced,
-            digests: self.digests.iter().cloned().collect(),
+            digests: self.counts.digests(),
         }
     }
 
@@ -1564,7 +1551,7 @@ impl Rounds {
             return;
         }
         for (peer, msg) in r.part_messages(round, self.attempt) {
-            self.bytes_sent += msg.values.len() as u64;
+            self.counts.sent(msg.values.len());
             out.push(Output::SendRing { peer, msg });
         }
         *ring = Some(Box::new(r));
@@ -1620,7 +1607,7 @@ impl Rounds {
             Stage::Reducing { since, runs_on, .. } => (*since, mean, *runs_on),
             _ => (now, mean, false),
         };
-        self.times
+        self.counts
             .mean_arrived(now.saturating_duration_since(since).as_secs_f64() * 1e3);
         let ring = match &self.stage {
             Stage::Reducing { ring: Some(r), .. } if r.len() > 1 => {
@@ -1702,8 +1689,7 @@ impl Rounds {
         };
         self.stage = Stage::Training;
         self.waiting_since = None;
-        self.completed += 1;
-        self.times.completed(self.ring_size);
+        self.counts.round_completed(self.ring_size);
         self.refused_in_a_row = 0;
         self.lists.agreed();
         self.excused.clear();
@@ -1717,11 +1703,7 @@ impl Rounds {
         // two members' digests of one round and one ring are equal bits, or a broken promise.
         if let Some(ring) = ring.filter(|_| !digest.is_empty() && self.synced) {
             if !self.state_unproven {
-                if self.digests.len() >= DIGESTS_KEPT {
-                    self.digests.pop_front();
-                }
-                self.digests
-                    .push_back((round, digest, format!("{ring:016x}")));
+                self.counts.digest(round, digest, ring);
             }
         }
         self.stepped(step, out);
@@ -1807,7 +1789,7 @@ impl Rounds {
     }
 
     fn abort_counter(&mut self, why: &str) {
-        *self.aborted.entry(why.to_string()).or_default() += 1;
+        self.counts.aborted(why);
     }
 }
 

@@ -29,6 +29,11 @@ fn local_json(config: &std::path::Path, args: &[&str]) -> Value {
 
 #[test]
 fn local_runs_a_three_node_mesh_and_summarises_it() {
+    // The members' final distance depends on the CPU each node gets: three nodes at full
+    // speed end 0.02-0.07 apart on an idle machine (12 runs), and a CI run beside the
+    // suite's long meshes saw one node apply 47 updates to the others' 101 and 135 and end
+    // 0.117 apart (one node starved finishes its steps alone, after the others left).
+    let _cores = crate::harness::cpu_sensitive();
     // Every node with all of the digits (the default, the skewed demo, has its own test in
     // `observe`): each must pass 95% on its own data and the mesh's.
     // By steps, without the lone controls: `--duration` and the controls have the demo's
@@ -64,10 +69,14 @@ fn assert_summarises_a_mesh_that_trained_together(v: &Value) {
     }
     let consensus = v["consensus_distance_max"].as_f64().expect("consensus");
     eprintln!(
-        "local: consensus distance max {consensus:.4}, applied {:?}",
+        "local: consensus distance max {consensus:.4}, applied {:?}, samples/s {:?}",
         per_node
             .iter()
             .map(|n| n["updates"]["applied"].clone())
+            .collect::<Vec<_>>(),
+        per_node
+            .iter()
+            .map(|n| n["samples_per_sec"].clone())
             .collect::<Vec<_>>()
     );
     assert!(
@@ -174,4 +183,87 @@ fn local_races_a_mesh_to_a_target_against_one_node_on_the_whole_data() {
     );
     assert!(!st.success());
     assert!(err.contains("at most 1"), "{err}");
+}
+
+/// `local` stopped by SIGTERM (a service manager, `timeout`, a harness), or killed outright,
+/// takes its nodes with it: each node is told to stop (SIGTERM) when `local` dies. (They
+/// trained on as orphans, holding their ports and both cores, until killed by hand: seen with
+/// six nodes left running after `local`'s own SIGTERM.)
+#[test]
+fn local_stopped_by_sigterm_or_killed_leaves_no_node_behind() {
+    for signal in ["-TERM", "-KILL"] {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let dir = tmp.path().to_str().expect("utf8");
+        let mut local = std::process::Command::new(crate::harness::bin())
+            .args([
+                "local",
+                "--nodes",
+                "2",
+                "--steps",
+                "100000000",
+                "--no-alone",
+            ])
+            .args(["--config", "configs/digits-mlp.toml", "--data-dir", dir])
+            .current_dir(repo_root())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn local");
+        let pid = local.id();
+        let nodes =
+            crate::harness::eventually(Duration::from_secs(60), "local's two nodes", || {
+                let all = children_with_arg(pid, "join");
+                (all.len() == 2).then_some(all)
+            });
+        let st = std::process::Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .expect("kill");
+        assert!(st.success());
+        local.wait().expect("wait for local");
+        let alive = |p: u32| {
+            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+                s.rsplit_once(')')
+                    .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+            })
+        };
+        let gone = (0..150).any(|_| {
+            std::thread::sleep(Duration::from_millis(100));
+            !nodes.iter().any(|n| alive(*n))
+        });
+        for n in nodes.iter().filter(|n| alive(**n)) {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &n.to_string()])
+                .status();
+        }
+        assert!(
+            gone,
+            "{signal}: nodes {nodes:?} still run 15 s after local died"
+        );
+    }
+}
+
+/// The pids of `parent`'s child processes with `needle` among their arguments.
+fn children_with_arg(parent: u32, needle: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            let ppid: u32 = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let has = cmdline
+                .split(|b| *b == 0)
+                .any(|arg| String::from_utf8_lossy(arg).contains(needle));
+            (ppid == parent && has).then_some(pid)
+        })
+        .collect()
 }

@@ -125,6 +125,7 @@ pub(super) fn spawn_node(
         cmd.args(["--threads", &c.split(',').count().to_string()]);
     }
     cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+    stop_with_parent(&mut cmd);
     cmd.spawn().with_context(|| {
         format!(
             "cannot start a node{}",
@@ -223,4 +224,30 @@ pub(super) fn final_params(dir: &Path) -> Option<(PathBuf, Vec<f32>)> {
         .flat_map(|(_, t)| t.values.iter().copied())
         .collect();
     Some((file, flat))
+}
+
+/// Has the kernel send the child SIGTERM when this process dies, however it dies: a
+/// `local` stopped by SIGTERM (whose default action runs no destructor, so [`Children`]
+/// never kills them) or killed outright took no node with it, and its nodes trained on as
+/// orphans. A node stops on SIGTERM as on Ctrl-C, with a final checkpoint. (The signal
+/// follows the thread that spawned the child: `local` spawns its nodes from its main
+/// thread, which lives as long as it does.)
+#[allow(unsafe_code)] // `pre_exec` is unsafe: the one place `local` needs it.
+fn stop_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
+    // SAFETY: between fork and exec only async-signal-safe calls are made: prctl and
+    // getppid, no allocation, no lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // This process may have died before the call: then nobody would send it.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::other("local exited while starting a node"));
+            }
+            Ok(())
+        });
+    }
 }

@@ -285,6 +285,21 @@ mod tests {
         }
     }
 
+    /// The keys `init` writes that `model.hf` alone reads from the folder.
+    const SHAPE: [&str; 11] = [
+        "hf_digest",
+        "vocab",
+        "width",
+        "layers",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "intermediate",
+        "rms_eps",
+        "rope_theta",
+        "tied",
+    ];
+
     /// The bundle loads as a config whose run id is the folder's own (`model.hf` alone gives
     /// the same), and `init` never writes into a folder that exists.
     #[test]
@@ -297,19 +312,8 @@ mod tests {
             &std::fs::read_to_string(out.join(CONFIG_NAME))
                 .expect("config")
                 .lines()
-                .filter(|l| {
-                    !l.starts_with("hf_digest")
-                        && !l.starts_with("vocab")
-                        && !l.starts_with("width")
-                        && !l.starts_with("layers")
-                        && !l.starts_with("heads")
-                        && !l.starts_with("kv_heads")
-                        && !l.starts_with("head_dim")
-                        && !l.starts_with("intermediate")
-                        && !l.starts_with("rms_eps")
-                        && !l.starts_with("rope_theta")
-                        && !l.starts_with("tied")
-                })
+                // `model.hf` alone: the shape and the digest from the folder.
+                .filter(|l| !SHAPE.iter().any(|k| l.starts_with(&format!("{k} = "))))
                 .collect::<Vec<_>>()
                 .join("\n"),
             "by-hand.toml",

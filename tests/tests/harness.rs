@@ -260,10 +260,16 @@ pub fn clean_up_on_signals() {
 
 /// The pid of a child process of `parent` with `needle` among its arguments, once one runs.
 pub fn child_with_arg(parent: u32, needle: &str) -> Option<u32> {
-    std::fs::read_dir("/proc")
-        .ok()?
-        .flatten()
-        .find_map(|entry| {
+    children_with_arg(parent, needle).into_iter().next()
+}
+
+/// The pids of every child process of `parent` with `needle` among its arguments.
+pub fn children_with_arg(parent: u32, needle: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|entry| {
             let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
             // /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces: split after ')'.
             let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
@@ -280,6 +286,7 @@ pub fn child_with_arg(parent: u32, needle: &str) -> Option<u32> {
                 .any(|arg| String::from_utf8_lossy(arg).contains(needle));
             (ppid == parent && has).then_some(pid)
         })
+        .collect()
 }
 
 /// A process slowed as on an overloaded box: SIGSTOP for `stopped` of every `period`, then

@@ -212,7 +212,7 @@ fn local_stopped_by_sigterm_or_killed_leaves_no_node_behind() {
         let pid = local.id();
         let nodes =
             crate::harness::eventually(Duration::from_secs(60), "local's two nodes", || {
-                let all = children_with_arg(pid, "join");
+                let all = crate::harness::children_with_arg(pid, "join");
                 (all.len() == 2).then_some(all)
             });
         let st = std::process::Command::new("kill")
@@ -241,29 +241,4 @@ fn local_stopped_by_sigterm_or_killed_leaves_no_node_behind() {
             "{signal}: nodes {nodes:?} still run 15 s after local died"
         );
     }
-}
-
-/// The pids of `parent`'s child processes with `needle` among their arguments.
-fn children_with_arg(parent: u32, needle: &str) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|entry| {
-            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
-            let ppid: u32 = stat
-                .rsplit_once(')')?
-                .1
-                .split_whitespace()
-                .nth(1)?
-                .parse()
-                .ok()?;
-            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
-            let has = cmdline
-                .split(|b| *b == 0)
-                .any(|arg| String::from_utf8_lossy(arg).contains(needle));
-            (ppid == parent && has).then_some(pid)
-        })
-        .collect()
 }

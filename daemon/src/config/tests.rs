@@ -676,20 +676,29 @@ fn the_llama_config_loads_its_text_through_the_tokenizer() {
     );
 }
 
+/// The committed Hugging Face fixture folder.
+fn hf_fixture() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/fixtures/hf-llama-tiny")
+}
+
+/// A llama config with `model` as its `[model]` keys, reading Hamlet through the fixture's
+/// tokenizer.
+fn llama_toml(fixture: &Path, model: &str) -> String {
+    format!(
+        "[model]\nkind = \"llama\"\n{model}\n[optimizer]\nkind = \"adamw\"\nlr = 0.001\n\
+         [data]\nsource = \"text\"\ntokenizer = \"{}\"\n",
+        fixture.join("tokenizer.json").display()
+    )
+}
+
 /// `model.hf_digest`, as `p2ptrain init` writes it, names the folder by its digest: the shape
 /// is the keys', the run id the one `model.hf` alone gives (the folder's), and no weights are
 /// read at load, so a box without the folder (one that joins) loads the config. Where the
 /// folder is there, its config.json must have the keys' shape.
 #[test]
 fn a_llama_named_by_its_folders_digest_has_the_folders_run_id_without_the_folder() {
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/fixtures/hf-llama-tiny");
-    let toml = |model: &str| {
-        format!(
-            "[model]\nkind = \"llama\"\n{model}\n[optimizer]\nkind = \"adamw\"\nlr = 0.001\n\
-             [data]\nsource = \"text\"\ntokenizer = \"{}\"\n",
-            fixture.join("tokenizer.json").display()
-        )
-    };
+    let fixture = hf_fixture();
+    let toml = |model: &str| llama_toml(&fixture, model);
     let parse = |model: &str| Config::parse(&toml(model), "l.toml", None);
     let hf = format!("hf = \"{}\"", fixture.display());
     let from_folder = parse(&hf).expect("from the folder");
@@ -750,14 +759,8 @@ fn a_llama_named_by_its_folders_digest_has_the_folders_run_id_without_the_folder
 
 #[test]
 fn a_llama_from_a_hugging_face_folder_takes_its_shape_and_its_digest_joins_the_run_id() {
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/fixtures/hf-llama-tiny");
-    let toml = |model: &str| {
-        format!(
-            "[model]\nkind = \"llama\"\n{model}\n[optimizer]\nkind = \"adamw\"\nlr = 0.001\n\
-             [data]\nsource = \"text\"\ntokenizer = \"{}\"\n",
-            fixture.join("tokenizer.json").display()
-        )
-    };
+    let fixture = hf_fixture();
+    let toml = |model: &str| llama_toml(&fixture, model);
     let hf = format!("hf = \"{}\"", fixture.display());
     let c = Config::parse(&toml(&hf), "l.toml", None).expect("from the folder");
     let ModelConfig::Llama { spec, genesis, .. } = &c.model else {

@@ -356,8 +356,7 @@ impl Rounds {
         self.accuse(x, now);
         if !self.lists.left_out(&x, now) {
             tracing::info!("sitting out for {CONTRADICTED_SIT_OUT:?}");
-            self.sit_out_until = Some(now + CONTRADICTED_SIT_OUT);
-            self.sitting_out_over = Some(x);
+            self.stance.sit_out(now + CONTRADICTED_SIT_OUT, Some(x));
             self.abort_counter("sat out a contradicted round");
         }
     }

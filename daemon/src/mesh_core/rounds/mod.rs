@@ -76,6 +76,7 @@ use lists::{Action, Lists, Verdict};
 pub(in crate::mesh_core) use ring::members_digest;
 use ring::{Judge, Ring};
 use roster::Roster;
+use stance::Stance;
 
 pub use ring::balanced_batch;
 
@@ -86,6 +87,7 @@ pub mod pieces;
 mod ring;
 pub mod robust;
 mod roster;
+mod stance;
 #[cfg(test)]
 mod tests;
 mod times;
@@ -388,14 +390,9 @@ pub struct Rounds {
     blamed_peers: HashMap<PeerId, Instant>,
     /// What attempts whose lists differed said, and what this node did about it.
     lists: Lists,
-    /// Sitting out of the rounds until then ([`lists`], [`Rounds::contradicted`]).
-    sit_out_until: Option<Instant>,
-    /// The member whose later round this node sits out ([`Rounds::contradicted`]): once
-    /// it is left out, the sit-out ends ([`Rounds::sitting_out`]).
-    sitting_out_over: Option<PeerId>,
-    /// The member this node last accused ([`Rounds::accuse`]), when, and how many times in
-    /// a row: said in its heartbeats for [`ACCUSATION_KEPT`].
-    accusing: Option<(PeerId, Instant, u32)>,
+    /// Whether this node sits out, and whom it accuses ([`stance`], [`lists`],
+    /// [`Rounds::contradicted`], [`Rounds::accuse`]).
+    stance: Stance,
     /// The round in whose attempts this node last sent its aggregate: a member may have
     /// finished it, so its word that it did is not contradicted ([`Rounds::contradicted`]).
     aggregated_in: Option<u64>,
@@ -446,9 +443,7 @@ impl Rounds {
             refused_in_a_row: 0,
             blamed_peers: HashMap::new(),
             lists: Lists::default(),
-            sit_out_until: None,
-            sitting_out_over: None,
-            accusing: None,
+            stance: Stance::default(),
             aggregated_in: None,
             counts: RoundCounts::default(),
             gradient_scale: GradientScale::default(),
@@ -636,13 +631,7 @@ impl Rounds {
     /// `x` for [`ACCUSATION_KEPT`], with how many times in a row, and it counts its own
     /// accusation as the others do.
     pub(super) fn accuse(&mut self, x: PeerId, now: Instant) {
-        let times = match self.accusing {
-            Some((p, at, n)) if p == x && now.saturating_duration_since(at) < ACCUSATION_KEPT => {
-                n.saturating_add(1)
-            }
-            _ => 1,
-        };
-        self.accusing = Some((x, now, times));
+        let times = self.stance.accuse(x, now);
         let again = self.lists.accused(x, self.me, times, self.me, now);
         self.leave_out_if_accused_by_most(x, now);
         if again {
@@ -653,9 +642,7 @@ impl Rounds {
     /// The member this node accused within [`ACCUSATION_KEPT`], and how many times in a
     /// row, for its heartbeats.
     pub fn accusation(&self, now: Instant) -> Option<(PeerId, u32)> {
-        self.accusing
-            .filter(|(_, at, _)| now.saturating_duration_since(*at) < ACCUSATION_KEPT)
-            .map(|(p, _, times)| (p, times))
+        self.stance.accusation(now)
     }
 
     /// Whether most of the other members heard ready say they are past round `mine`: then
@@ -1320,10 +1307,8 @@ impl Rounds {
     /// took the round it had raced to alone (`ring_rogue`'s `ddp` next-round test: rounds
     /// 882 -> 2,184 in the 2 s, and a state founded anew, one run in six).
     pub fn sitting_out(&self, now: Instant) -> bool {
-        self.sit_out_until.is_some_and(|t| now < t)
-            && !self
-                .sitting_out_over
-                .is_some_and(|x| self.lists.left_out(&x, now))
+        self.stance
+            .sitting_out(now, |x| self.lists.left_out(x, now))
     }
 
     /// The running attempt's lists differ, and every hop of this member's list that came is
@@ -1425,8 +1410,7 @@ impl Rounds {
                     %peer,
                     "most members list a peer this node left out (banned, or out of reach); sitting out of the rounds for {last:?}"
                 );
-                self.sit_out_until = Some(now + last);
-                self.sitting_out_over = None;
+                self.stance.sit_out(now + last, None);
                 self.abort_counter("sat out");
                 // Its hops held are of rings it is no longer in.
                 self.inbox.clear();

@@ -6,7 +6,6 @@
 //! chunk when its parts are in, finishing when every aggregate is. Part of
 //! [`super::Rounds`].
 
-use std::collections::HashMap;
 use std::time::Instant;
 
 use libp2p::PeerId;
@@ -16,7 +15,7 @@ use super::ring::{all_finite, AGGREGATE, PART};
 use super::robust::aggregate;
 use super::{
     Hop, HopKey, Output, Rounds, Stage, ATTEMPT_JUMP, ATTEMPT_LIMIT, CONTRADICTED_SIT_OUT,
-    FOLLOWED_ATTEMPT_LIMIT, FOLLOWED_ROUND_LIMIT, INBOX_CAP, ROUND_JUMP, ROUND_LIMIT, STEP_LIMIT,
+    FOLLOWED_ATTEMPT_LIMIT, FOLLOWED_ROUND_LIMIT, ROUND_JUMP, ROUND_LIMIT, STEP_LIMIT,
     WEIGHT_LIMIT,
 };
 use crate::wire::{Piece, RingMessage};
@@ -62,7 +61,7 @@ impl Rounds {
             self.refuse(from, why, now, out);
         } else if !self.too_far(&msg, now) {
             let (round, attempt, members) = (msg.round, msg.attempt, msg.members);
-            match self.pieces.take(from, msg, now) {
+            match self.inbox.take_piece(from, msg, now) {
                 Ok(Taken::Whole(whole)) => self.take(from, whole, now, out),
                 Ok(Taken::Kept) => self.piece_came(from, (round, attempt, members), now),
                 Ok(Taken::Dropped) => {}
@@ -348,7 +347,7 @@ impl Rounds {
         // more until a round completes here ([`Rounds::may_move`]).
         let round = self.round;
         self.inbox
-            .retain(|(r, _, _, from), _| *from != x || round.is_none_or(|mine| *r <= mine));
+            .retain(|(r, _, _, from)| *from != x || round.is_none_or(|mine| *r <= mine));
         self.moved_by.0.insert(x);
         // Where this accusation makes most, or names `x` again, the member is left out here
         // at once and the retry goes on without it; otherwise this node steps aside for the
@@ -432,37 +431,10 @@ impl Rounds {
         self.start(now, out);
     }
 
-    /// Keeps a hop in the inbox, within [`INBOX_CAP`] hops and `inbox_values` values: when
-    /// full, a hop of the sender holding the most gives way ([`Rounds::crowding_hop`]), so a
-    /// peer flooding hops of later rounds evicts only its own and an honest member's part
-    /// waiting for the next round stays; one larger than the whole bound is not kept.
+    /// Keeps a hop in the inbox ([`inbox`](super::inbox): a peer flooding hops of later
+    /// rounds evicts only its own).
     pub(super) fn keep(&mut self, key: HopKey, hop: Hop) {
-        if hop.1.len() > self.inbox_values {
-            return;
-        }
-        self.inbox.remove(&key);
-        let mut held: usize = self.inbox.values().map(|h| h.1.len()).sum();
-        while self.inbox.len() >= INBOX_CAP || held + hop.1.len() > self.inbox_values {
-            match self.crowding_hop(key.3).and_then(|k| self.inbox.remove(&k)) {
-                Some(old) => held -= old.1.len(),
-                None => break,
-            }
-        }
-        self.inbox.insert(key, hop);
-    }
-
-    /// The hop that gives way for one `sender` adds to a full inbox: the oldest (round, then
-    /// attempt) of the sender holding the most hops, `sender` counted with the one it adds;
-    /// among senders holding as many, the oldest hop of theirs. A node left behind still keeps
-    /// each sender's newest rounds, which it needs to catch up.
-    fn crowding_hop(&self, sender: PeerId) -> Option<HopKey> {
-        let mut held: HashMap<PeerId, usize> = HashMap::new();
-        for k in self.inbox.keys() {
-            *held.entry(k.3).or_default() += 1;
-        }
-        *held.entry(sender).or_default() += 1;
-        let most = held.values().copied().max()?;
-        self.inbox.keys().find(|k| held[&k.3] == most).copied()
+        self.inbox.keep(key, hop);
     }
 
     /// Takes the hops of the running attempt from the inbox: each member's part of this
@@ -477,7 +449,7 @@ impl Rounds {
         let attempt = self.attempt;
         // Hops of older attempts of this round, or of older rounds, are no use any more.
         self.inbox
-            .retain(|(r, a, _, _), _| *r > round || (*r == round && *a >= attempt));
+            .retain(|(r, a, _, _)| *r > round || (*r == round && *a >= attempt));
         let Stage::Reducing {
             ring: Some(ring), ..
         } = &mut self.stage

@@ -60,7 +60,7 @@
 //!
 //! Pure state: the core feeds it and carries out what it returns.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
@@ -71,6 +71,7 @@ use crate::sync_guard::GradientScale;
 use crate::wire::Heartbeat;
 use crate::wire::{largest_hop_values, ValueEncoding};
 use counts::RoundCounts;
+use inbox::Inbox;
 use lists::{Action, Lists, Verdict};
 #[cfg(test)]
 pub(in crate::mesh_core) use ring::members_digest;
@@ -82,6 +83,7 @@ pub use ring::balanced_batch;
 
 mod counts;
 mod hops;
+mod inbox;
 pub mod lists;
 pub mod pieces;
 mod ring;
@@ -349,13 +351,9 @@ pub struct Rounds {
     /// velocity until a ring carried them.
     state_unproven: bool,
     stage: Stage,
-    /// Hops for attempts this node has not reached, and those of the running attempt not
-    /// taken yet.
-    inbox: BTreeMap<HopKey, Hop>,
-    /// The most values the inbox holds ([`INBOX_VALUES`], or the model's largest hop).
-    inbox_values: usize,
-    /// Hops whose pieces are still coming.
-    pieces: pieces::Pieces,
+    /// Hops for attempts this node has not reached, those of the running attempt not taken
+    /// yet, and those whose pieces are still coming ([`inbox`]).
+    inbox: Inbox,
     retry_at: Option<Instant>,
     /// What the other members said ([`roster`]): read here, never decided there.
     roster: Roster,
@@ -426,9 +424,7 @@ impl Rounds {
             founding: false,
             state_unproven: false,
             stage: Stage::Training,
-            inbox: BTreeMap::new(),
-            inbox_values: INBOX_VALUES,
-            pieces: pieces::Pieces::new(cfg.piece_bytes, INBOX_VALUES * 4),
+            inbox: Inbox::with_default_bound(cfg.piece_bytes),
             retry_at: None,
             roster: Roster::default(),
             excused: HashMap::new(),
@@ -455,9 +451,10 @@ impl Rounds {
     /// that is more than [`INBOX_VALUES`]; a model's hop the inbox could not hold would be
     /// dropped whenever it came before this node reached its attempt.
     pub fn sized_for(mut self, params: usize) -> Rounds {
-        self.inbox_values = INBOX_VALUES.max(largest_hop_values(params));
-        self.pieces =
-            pieces::Pieces::new(self.cfg.piece_bytes, self.inbox_values.saturating_mul(4));
+        self.inbox = Inbox::new(
+            self.cfg.piece_bytes,
+            INBOX_VALUES.max(largest_hop_values(params)),
+        );
         self
     }
 
@@ -746,7 +743,7 @@ impl Rounds {
     pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
         self.roster.down(peer, now);
         self.excused.remove(&peer);
-        self.inbox.retain(|(_, _, _, from), _| *from != peer);
+        self.inbox.retain(|(_, _, _, from)| *from != peer);
         let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
         if self.ring_has(&peer) && !completed {
             self.abort("member left", now);
@@ -1766,10 +1763,7 @@ impl Rounds {
     /// the core's property tests).
     #[cfg(test)]
     pub(in crate::mesh_core) fn inbox_within_bounds(&self) -> bool {
-        let values: usize = self.inbox.values().map(|(_, v, _)| v.len()).sum();
-        self.inbox.len() <= INBOX_CAP
-            && values <= self.inbox_values
-            && self.pieces.held_bytes() <= self.inbox_values * 4
+        self.inbox.within_bounds()
     }
 
     fn abort_counter(&mut self, why: &str) {

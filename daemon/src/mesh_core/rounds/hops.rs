@@ -159,9 +159,7 @@ impl Rounds {
                     // in `drain`); between attempts it waits for the next one.
                     if self.proven_later_round(now).is_some() {
                         self.restart(now, out);
-                    } else if self.offence_credits.get(&from).is_some_and(|c| *c > 0)
-                        && self.may_move(from, true)
-                    {
+                    } else if self.moves.has_credit(&from) && self.may_move(from, true) {
                         // An offender went on alone (its aggregate was refused): followed,
                         // it is judged again in the next round (see `may_move`).
                         self.followed = Some(msg.round);
@@ -348,7 +346,7 @@ impl Rounds {
         let round = self.round;
         self.inbox
             .retain(|(r, _, _, from)| *from != x || round.is_none_or(|mine| *r <= mine));
-        self.moved_by.0.insert(x);
+        self.moves.contradicted(x);
         // Where this accusation makes most, or names `x` again, the member is left out here
         // at once and the retry goes on without it; otherwise this node steps aside for the
         // round.

@@ -60,7 +60,7 @@
 //!
 //! Pure state: the core feeds it and carries out what it returns.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
@@ -73,6 +73,7 @@ use crate::wire::{largest_hop_values, ValueEncoding};
 use counts::RoundCounts;
 use inbox::Inbox;
 use lists::{Action, Lists, Verdict};
+use moves::Moves;
 #[cfg(test)]
 pub(in crate::mesh_core) use ring::members_digest;
 use ring::{Judge, Ring};
@@ -85,6 +86,7 @@ mod counts;
 mod hops;
 mod inbox;
 pub mod lists;
+mod moves;
 pub mod pieces;
 mod ring;
 pub mod robust;
@@ -360,13 +362,9 @@ pub struct Rounds {
     /// Stalls of this round that each member was excused for ([`STALL_EXCUSES`]), with the
     /// round (ring members only; cleared when a round completes).
     excused: HashMap<PeerId, (u64, u32)>,
-    /// Members whose hop of a later round made this node give up its attempt, and how many
-    /// times a hop of a later attempt did ([`Rounds::may_move`]): until a round completes
-    /// here (attempts: or this node aborts one for a reason of its own).
-    moved_by: (HashSet<PeerId>, HashMap<PeerId, u32>),
-    /// Offences of each member since a round last completed here, each good for one more
-    /// move ([`Rounds::may_move`]).
-    offence_credits: HashMap<PeerId, u32>,
+    /// Whose hops of later rounds and attempts moved this node, and the offences that buy
+    /// further moves ([`moves`], [`Rounds::may_move`]).
+    moves: Moves,
     /// A later round one member's hop made this node give up its attempt for
     /// ([`Rounds::may_move`]), to be taken by the restart.
     followed: Option<u64>,
@@ -428,8 +426,7 @@ impl Rounds {
             retry_at: None,
             roster: Roster::default(),
             excused: HashMap::new(),
-            moved_by: (HashSet::new(), HashMap::new()),
-            offence_credits: HashMap::new(),
+            moves: Moves::default(),
             followed: None,
             own_ms_per_sample: None,
             batch: 0,
@@ -675,27 +672,7 @@ impl Rounds {
     /// to a stall it was banned 30-90 s after it started instead of 1-4 s; a chaser must
     /// offend once for each further move.
     pub(super) fn may_move(&mut self, from: PeerId, to_round: bool) -> bool {
-        if let Some(credit) = self.offence_credits.get_mut(&from).filter(|c| **c > 0) {
-            *credit -= 1;
-            return true;
-        }
-        let (rounds, attempts) = &mut self.moved_by;
-        let attempt_moves = attempts.get(&from).copied().unwrap_or(0);
-        if rounds.contains(&from) {
-            return false;
-        }
-        if to_round {
-            if attempt_moves > 0 {
-                return false;
-            }
-            rounds.insert(from);
-        } else {
-            if attempt_moves >= ATTEMPT_MOVES {
-                return false;
-            }
-            attempts.insert(from, attempt_moves + 1);
-        }
-        true
+        self.moves.may_move(from, to_round)
     }
 
     /// The highest round that most of the other members heard ready say they reached (their
@@ -1277,9 +1254,7 @@ impl Rounds {
 
     /// This node found a hop of `peer` no honest member sends.
     fn blamed(&mut self, peer: PeerId, now: Instant) {
-        if self.offence_credits.len() < GONE_KEPT || self.offence_credits.contains_key(&peer) {
-            *self.offence_credits.entry(peer).or_default() += 1;
-        }
+        self.moves.offended(peer);
         if self.blamed_peers.len() >= GONE_KEPT && !self.blamed_peers.contains_key(&peer) {
             if let Some(oldest) = self
                 .blamed_peers
@@ -1674,9 +1649,7 @@ impl Rounds {
         self.refused_in_a_row = 0;
         self.lists.agreed();
         self.excused.clear();
-        self.moved_by.0.clear();
-        self.moved_by.1.clear();
-        self.offence_credits.clear();
+        self.moves.round_completed();
         // A trainer digests gradient rounds only now and then (see `DIGEST_EVERY`). An
         // unsynced member (a joiner, or one that adopted a round the mesh completed without
         // it) holds parameters that are not the mesh's: it claims no digest until a parameter
@@ -1750,7 +1723,7 @@ impl Rounds {
                 // An attempt that failed for a reason of this node's own (not a wait on
                 // members, which may be a rogue's doing) lets members move it once more.
                 if !matches!(why, "stalled" | "the mesh went on" | "a member sat out") {
-                    self.moved_by.1.clear();
+                    self.moves.own_abort();
                 }
                 self.attempt = self.attempt.saturating_add(1);
                 self.retry_at = Some(now + RETRY_PAUSE);

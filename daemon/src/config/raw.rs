@@ -213,6 +213,13 @@ impl RawModel {
                      writes it)"
                 ));
             }
+            if dir.is_none() {
+                return Err(
+                    "model.hf_digest goes with model.hf: the folder's path on the box \
+                            that starts the run (the others need not have it)"
+                        .into(),
+                );
+            }
             let spec = m.llama_shape("model.hf_digest")?;
             // The folder, where this box has it: only its config.json is read (a few hundred
             // bytes); the weights' digest is checked when a node starts the run from them.

@@ -746,6 +746,10 @@ fn a_llama_named_by_its_folders_digest_has_the_folders_run_id_without_the_folder
             with_keys(&format!("{keys}\nrope_theta = 500000.0")),
             "model.rope_theta".to_string(),
         ),
+        (
+            format!("hf_digest = \"{digest}\"\n{keys}"),
+            "model.hf_digest goes with model.hf".to_string(),
+        ),
     ] {
         let e = parse(&model).expect_err(&needle).to_string();
         assert!(e.contains(&needle), "{needle}: {e}");

@@ -126,7 +126,7 @@ pub fn run(args: InitArgs) -> Result<()> {
     );
     println!("  p2ptrain join --config {out}/{CONFIG_NAME} --bootstrap /ip4/.../tcp/7471/p2p/...");
     println!(
-        "Afterwards: p2ptrain checkpoint export --hf DIR --base {}",
+        "Afterwards, from a running node: p2ptrain checkpoint export --hf --out DIR --base {}",
         hf.display()
     );
     Ok(())

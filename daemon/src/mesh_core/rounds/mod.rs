@@ -58,6 +58,13 @@
 //! it computes while the fastest computes the whole batch ([`balanced_batch`]), and its
 //! gradient weighs by its samples, so the mean is still the gradient of every sample computed.
 //!
+//! `Rounds` runs the attempts and holds their stage; what it reads and remembers lives in rooms
+//! that each own one thing: [`roster`] records what members said and decides nothing;
+//! [`trust`] decides whom a stall leaves out and whom this node blames; [`lists`] and
+//! [`stance`] what differing lists and accusations make it do; [`moves`] whose hops may move
+//! it on; [`starts`] when an attempt may start; [`work`] its own speed, batch and gradient
+//! scale; [`inbox`] the hops it keeps; [`counts`] what status counts.
+//!
 //! Pure state: the core feeds it and carries out what it returns.
 
 use std::collections::HashMap;
@@ -67,7 +74,6 @@ use libp2p::PeerId;
 
 use super::status::RoundStatus;
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
-use crate::sync_guard::GradientScale;
 use crate::wire::Heartbeat;
 use crate::wire::{largest_hop_values, ValueEncoding};
 use counts::RoundCounts;
@@ -79,6 +85,9 @@ pub(in crate::mesh_core) use ring::members_digest;
 use ring::{Judge, Ring};
 use roster::Roster;
 use stance::Stance;
+use starts::Starts;
+use trust::Trust;
+use work::Work;
 
 pub use ring::balanced_batch;
 
@@ -92,9 +101,12 @@ mod ring;
 pub mod robust;
 mod roster;
 mod stance;
+mod starts;
 #[cfg(test)]
 mod tests;
 mod times;
+mod trust;
+mod work;
 
 /// A member heard ready within this long is put in the ring: three heartbeats, so one lost
 /// heartbeat does not drop it, while a hung member falls out of the next attempt.
@@ -356,34 +368,22 @@ pub struct Rounds {
     /// Hops for attempts this node has not reached, those of the running attempt not taken
     /// yet, and those whose pieces are still coming ([`inbox`]).
     inbox: Inbox,
-    retry_at: Option<Instant>,
+    /// When an attempt may start ([`starts`]).
+    starts: Starts,
     /// What the other members said ([`roster`]): read here, never decided there.
     roster: Roster,
-    /// Stalls of this round that each member was excused for ([`STALL_EXCUSES`]), with the
-    /// round (ring members only; cleared when a round completes).
-    excused: HashMap<PeerId, (u64, u32)>,
+    /// Whom this member excuses for stalls, and whom it blamed ([`trust`]).
+    trust: Trust,
     /// Whose hops of later rounds and attempts moved this node, and the offences that buy
     /// further moves ([`moves`], [`Rounds::may_move`]).
     moves: Moves,
     /// A later round one member's hop made this node give up its attempt for
     /// ([`Rounds::may_move`]), to be taken by the restart.
     followed: Option<u64>,
-    /// This node's own.
-    own_ms_per_sample: Option<f64>,
-    /// Samples of the last gradient asked of the trainer.
-    batch: usize,
-    /// Since when this node, ready, has waited for a round number.
-    waiting_since: Option<Instant>,
-    /// When a ready member last said it knows the round: then rounds are running, and a
-    /// node without a round waits for their hops instead of starting its own.
-    rounds_heard: Option<Instant>,
+    /// Its own speed, batch and gradient scale ([`work`]).
+    work: Work,
     /// Means refused in a row (see [`Rounds::combine_failed`]).
     refused_in_a_row: u32,
-    /// Peers whose hops this node found no honest member sends, and when: its own proof,
-    /// as behind a ban. Only a peer it went without for such a reason makes it sit out: a
-    /// peer that merely lost its connection to it (a rogue banned by it, which runs the same
-    /// rules) does not, or both would sit out together and the others never judge the rogue.
-    blamed_peers: HashMap<PeerId, Instant>,
     /// What attempts whose lists differed said, and what this node did about it.
     lists: Lists,
     /// Whether this node sits out, and whom it accuses ([`stance`], [`lists`],
@@ -397,9 +397,6 @@ pub struct Rounds {
     /// What status counts ([`counts`]); the rest of [`RoundStatus`] is read off the fields
     /// above.
     counts: RoundCounts,
-    /// What this member judges others' gradient parts and aggregates by: the largest of its
-    /// own last gradients' norms.
-    gradient_scale: GradientScale,
 }
 
 impl Rounds {
@@ -423,23 +420,18 @@ impl Rounds {
             state_unproven: false,
             stage: Stage::Training,
             inbox: Inbox::with_default_bound(cfg.piece_bytes),
-            retry_at: None,
+            starts: Starts::default(),
             roster: Roster::default(),
-            excused: HashMap::new(),
+            trust: Trust::default(),
             moves: Moves::default(),
             followed: None,
-            own_ms_per_sample: None,
-            batch: 0,
-            waiting_since: None,
-            rounds_heard: None,
+            work: Work::default(),
             ring_size: 0,
             refused_in_a_row: 0,
-            blamed_peers: HashMap::new(),
             lists: Lists::default(),
             stance: Stance::default(),
             aggregated_in: None,
             counts: RoundCounts::default(),
-            gradient_scale: GradientScale::default(),
         }
     }
 
@@ -520,7 +512,7 @@ impl Rounds {
             completed: self.counts.completed(),
             aborted: self.counts.aborted_by_reason().clone(),
             last_round_ms: self.counts.times().last_ms(),
-            batch: self.batch,
+            batch: self.work.batch(),
             mean_round_ms: self.counts.times().mean_ms(),
             round_seconds: self.counts.times().histogram().clone(),
             bytes_sent: self.counts.bytes_sent(),
@@ -568,7 +560,7 @@ impl Rounds {
             }
         }
         if hb.in_rounds && hb.round.is_some() {
-            self.rounds_heard = Some(now);
+            self.starts.rounds_heard(now);
         }
         let in_ring = self.ring_has(&peer);
         self.roster.heard(peer, hb, in_ring, now);
@@ -712,14 +704,14 @@ impl Rounds {
 
     /// This node's own forward-backward milliseconds per sample.
     pub fn own_speed(&mut self, ms_per_sample: Option<f64>) {
-        self.own_ms_per_sample = ms_per_sample;
+        self.work.speed(ms_per_sample);
     }
 
     /// A member went away: an attempt it was part of cannot finish, unless the member
     /// completed it before it left ([`Rounds::peer_leaving`]).
     pub fn peer_down(&mut self, peer: PeerId, now: Instant) {
         self.roster.down(peer, now);
-        self.excused.remove(&peer);
+        self.trust.forgive(&peer);
         self.inbox.retain(|(_, _, _, from)| *from != peer);
         let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
         if self.ring_has(&peer) && !completed {
@@ -789,24 +781,15 @@ impl Rounds {
                 self.abort("the mesh went on", now);
             }
             Stage::Reducing { ring: None, .. } if !self.sitting_out(now) => {
-                if self.round.is_none() {
-                    let running = self
-                        .rounds_heard
-                        .is_some_and(|t| now.saturating_duration_since(t) < READY_FRESH);
-                    if running {
-                        self.waiting_since = None;
-                    }
-                    let since = *self.waiting_since.get_or_insert(now);
-                    if !running && now.saturating_duration_since(since) >= ADOPT_WAIT {
-                        tracing::info!("no ring heard; starting the rounds at round 0");
-                        self.round = Some(0);
-                        self.synced = true;
-                        // Others may have started too, each from its own checkpoint: in
-                        // `diloco` their first ring founds one round start and velocity.
-                        self.founding = self.cfg.outer_state;
-                    }
+                if self.round.is_none() && self.starts.adopt_due(now) {
+                    tracing::info!("no ring heard; starting the rounds at round 0");
+                    self.round = Some(0);
+                    self.synced = true;
+                    // Others may have started too, each from its own checkpoint: in
+                    // `diloco` their first ring founds one round start and velocity.
+                    self.founding = self.cfg.outer_state;
                 }
-                if self.retry_at.is_none_or(|t| now >= t) {
+                if self.starts.may_retry(now) {
                     self.start(now, out);
                 }
             }
@@ -828,12 +811,7 @@ impl Rounds {
     fn ask(&mut self, gradient: bool, out: &mut Vec<Output>) {
         self.stage = Stage::Asked { gradient };
         out.push(Output::Trainer(if gradient {
-            let batch = if self.cfg.balance {
-                balanced_batch(self.cfg.batch, self.own_ms_per_sample, self.roster.speeds())
-            } else {
-                self.cfg.batch
-            };
-            self.batch = batch;
+            let batch = self.work.ask_batch(&self.cfg, self.roster.speeds());
             TrainerCommand::TakeGradient { batch }
         } else {
             TrainerCommand::TakeParams
@@ -893,7 +871,7 @@ impl Rounds {
             ring: None,
             since: now,
         };
-        self.retry_at = None;
+        self.starts.unpaused();
         self.start(now, out);
     }
 
@@ -1155,7 +1133,7 @@ impl Rounds {
             );
             self.abort_counter("out of step with every member");
             for (peer, _) in suspects {
-                self.excused.remove(peer);
+                self.trust.forgive(peer);
             }
             let step = self.boundary;
             self.restored(step);
@@ -1168,15 +1146,10 @@ impl Rounds {
     /// Answers whether it was left out now.
     fn excuse_or_leave_out(&mut self, peer: PeerId, at_boundary: bool, now: Instant) -> bool {
         if !self.stall_leaves_out(&peer, at_boundary) {
-            let round = self.round.unwrap_or(0);
-            let excused = self.excused.entry(peer).or_insert((round, 0));
-            if excused.0 != round {
-                *excused = (round, 0);
-            }
-            excused.1 += 1;
+            self.trust.excuse(peer, self.round.unwrap_or(0));
             return false;
         }
-        self.excused.remove(&peer);
+        self.trust.forgive(&peer);
         match self.lists.stalled(peer, now) {
             Some(last) => {
                 tracing::info!(%peer, at_boundary, "an attempt stalled waiting for a member; leaving it out of the rounds for {last:?}");
@@ -1190,12 +1163,8 @@ impl Rounds {
     /// Whether a stall waiting for `peer` leaves it out now ([`Rounds::excuse_or_leave_out`]):
     /// it showed it is at the boundary, or was excused [`STALL_EXCUSES`] times this round.
     fn stall_leaves_out(&self, peer: &PeerId, at_boundary: bool) -> bool {
-        let round = self.round.unwrap_or(0);
-        at_boundary
-            || self
-                .excused
-                .get(peer)
-                .is_some_and(|(r, times)| *r == round && *times >= STALL_EXCUSES)
+        self.trust
+            .stall_leaves_out(peer, at_boundary, self.round.unwrap_or(0))
     }
 
     /// The members a stalled attempt waited for, each with whether it showed it is at the
@@ -1252,20 +1221,14 @@ impl Rounds {
         })
     }
 
-    /// This node found a hop of `peer` no honest member sends.
+    /// This node found a hop of `peer` no honest member sends: an offence that buys it a
+    /// move ([`moves`]), and blame ([`trust`]). Only a peer it went without for such a reason
+    /// makes it sit out: a peer that merely lost its connection to it (a rogue banned by it,
+    /// which runs the same rules) does not, or both would sit out together and the others
+    /// never judge the rogue.
     fn blamed(&mut self, peer: PeerId, now: Instant) {
         self.moves.offended(peer);
-        if self.blamed_peers.len() >= GONE_KEPT && !self.blamed_peers.contains_key(&peer) {
-            if let Some(oldest) = self
-                .blamed_peers
-                .iter()
-                .min_by_key(|(_, at)| **at)
-                .map(|(p, _)| *p)
-            {
-                self.blamed_peers.remove(&oldest);
-            }
-        }
-        self.blamed_peers.insert(peer, now);
+        self.trust.blame(peer, now);
     }
 
     /// Whether this member sits out of the rounds now ([`lists`]): its heartbeats say it
@@ -1287,7 +1250,7 @@ impl Rounds {
     /// judged: it is aborted, and what the others' lists said is weighed ([`lists`]): a
     /// member most others leave out is left out here too, one most others list again is
     /// taken back, and where most others list a peer this node lost and blamed itself
-    /// ([`Rounds::blamed_peers`]), it sits out and comes back as a joiner (weight 0, the
+    /// ([`trust`]), it sits out and comes back as a joiner (weight 0, the
     /// members' mean).
     ///
     /// "Most others" there counts the members heard sitting out too, which list no peer.
@@ -1334,11 +1297,11 @@ impl Rounds {
         else {
             return None;
         };
-        let blamed = &self.blamed_peers;
+        let trust = &self.trust;
         let candidates: Vec<PeerId> = self
             .roster
             .gone()
-            .filter(|p| blamed.contains_key(*p))
+            .filter(|p| trust.blamed(p))
             .copied()
             .chain(self.lists.ever_left_out())
             .collect();
@@ -1467,7 +1430,7 @@ impl Rounds {
         };
         let judge = if gradient {
             Judge::GradientNorm {
-                norm: self.gradient_scale.with(norm),
+                norm: self.work.gradient_norm(norm),
             }
         } else if judged && *weight > 0.0 {
             Judge::Distance { norm }
@@ -1499,7 +1462,7 @@ impl Rounds {
         r.steps_said = said;
         tracing::debug!(round, attempt = self.attempt, members = ?r.members, "attempt started");
         self.ring_size = r.len();
-        self.retry_at = None;
+        self.starts.unpaused();
         if r.len() == 1 {
             let step = r.members_step();
             let (acc, total) = (r.acc, r.weight);
@@ -1644,11 +1607,11 @@ impl Rounds {
             None => self.cfg.first_boundary(step, true),
         };
         self.stage = Stage::Training;
-        self.waiting_since = None;
+        self.starts.round_known();
         self.counts.round_completed(self.ring_size);
         self.refused_in_a_row = 0;
         self.lists.agreed();
-        self.excused.clear();
+        self.trust.round_completed();
         self.moves.round_completed();
         // A trainer digests gradient rounds only now and then (see `DIGEST_EVERY`). An
         // unsynced member (a joiner, or one that adopted a round the mesh completed without
@@ -1713,7 +1676,7 @@ impl Rounds {
         self.state_unproven = false;
         self.boundary = step;
         self.stage = Stage::Training;
-        self.waiting_since = None;
+        self.starts.round_known();
     }
 
     fn abort(&mut self, why: &str, now: Instant) {
@@ -1726,7 +1689,7 @@ impl Rounds {
                     self.moves.own_abort();
                 }
                 self.attempt = self.attempt.saturating_add(1);
-                self.retry_at = Some(now + RETRY_PAUSE);
+                self.starts.aborted(now);
                 self.abort_counter(why);
             }
         }

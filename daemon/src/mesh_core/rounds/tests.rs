@@ -6,6 +6,7 @@ use serde_bytes::ByteBuf;
 
 use super::ring::*;
 use super::*;
+use crate::sync_guard::GradientScale;
 use crate::wire::hop_values::bf16_bits;
 use crate::wire::{Heartbeat, RingMessage, ValueEncoding};
 
@@ -2042,7 +2043,7 @@ fn member_0_bans_member_3(ring: &mut Ring, t0: Instant) -> Vec<Output> {
 
 /// Member 0 banned member 3 (it blamed it, its connection closed, and member 0 no longer
 /// hears it); the others still list it, so no attempt can finish. (Member 3, which only
-/// lost member 0, never sits out for it: see `Rounds::blamed_peers`.) Most of member 0's members list a peer
+/// lost member 0, never sits out for it: see `Rounds::blamed`.) Most of member 0's members list a peer
 /// it left out: after [`lists::OUTVOTED_FOR`] of that, member 0 sits out for [`lists::SIT_OUT`] (its
 /// heartbeats say it is not ready), and the other three complete the round without it. A
 /// peer that went away from one member only briefly (the others not yet noticing) is no

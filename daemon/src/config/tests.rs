@@ -1213,3 +1213,19 @@ fn the_reference_loads_as_it_is() {
         "configs/reference.toml trains the default run"
     );
 }
+
+/// A fixed neighbour weight contradicts mean mixing, which weighs every change by the
+/// neighbourhood's size: refused naming both keys; with `add` it is taken.
+#[test]
+fn a_fixed_update_weight_needs_adding_mixing() {
+    let text = format!("{DEFAULT_CONFIG_TOML}\n[sync]\nmix = \"mean\"\nupdate_weight = 1.0\n");
+    let e = Config::parse(&text, "x", None)
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        e.contains("sync.update_weight") && e.contains("sync.mix"),
+        "{e}"
+    );
+    let text = format!("{DEFAULT_CONFIG_TOML}\n[sync]\nmix = \"add\"\nupdate_weight = 1.0\n");
+    Config::parse(&text, "x", None).expect("add takes a fixed weight");
+}

@@ -95,14 +95,23 @@ pub fn render_svg(title: &str, runs: &[RunSeries]) -> Result<String> {
     Ok(svg)
 }
 
-/// Any metric against wall time, one line per run (`bench scaling`): the y axis spans the
-/// points, with a margin.
-pub fn render_curves_svg(
-    title: &str,
-    y_desc: &str,
-    lines: &[(String, Vec<(f64, f64)>)],
-) -> Result<String> {
-    let points = lines.iter().flat_map(|(_, p)| p.iter());
+/// One line of [`render_curves_svg`]: a kind of run's median curve (labelled, drawn bold) or
+/// one of its seeds' runs (unlabelled, drawn faint in the same colour, so the spread shows
+/// behind the median without crowding the legend).
+#[derive(Debug, Clone)]
+pub struct CurveLine {
+    /// The legend's entry; `None` for a faint line.
+    pub label: Option<String>,
+    /// `(seconds, value)` points.
+    pub points: Vec<(f64, f64)>,
+    /// Which palette colour: the kind of run's index.
+    pub colour: usize,
+}
+
+/// Any metric against wall time (`bench scaling`): the y axis spans the points, with a
+/// margin; faint lines first, so the labelled ones lie on top.
+pub fn render_curves_svg(title: &str, y_desc: &str, lines: &[CurveLine]) -> Result<String> {
+    let points = lines.iter().flat_map(|l| l.points.iter());
     let (mut x_hi, mut y_lo, mut y_hi) = (1.0f64, f64::INFINITY, f64::NEG_INFINITY);
     for &(x, y) in points {
         x_hi = x_hi.max(x);
@@ -131,12 +140,25 @@ pub fn render_curves_svg(
             .light_line_style(WHITE.mix(0.0))
             .draw()
             .context("drawing the axes")?;
-        for (index, (label, points)) in lines.iter().enumerate() {
-            let colour = run_colour(index);
+        let faint_first = lines
+            .iter()
+            .filter(|l| l.label.is_none())
+            .chain(lines.iter().filter(|l| l.label.is_some()));
+        for line in faint_first {
+            let colour = run_colour(line.colour);
+            let Some(label) = &line.label else {
+                chart
+                    .draw_series(std::iter::once(PathElement::new(
+                        line.points.clone(),
+                        lighten(colour, 0.65).stroke_width(1),
+                    )))
+                    .context("drawing a run's curve")?;
+                continue;
+            };
             chart
                 .draw_series(std::iter::once(PathElement::new(
-                    points.clone(),
-                    colour.stroke_width(2),
+                    line.points.clone(),
+                    colour.stroke_width(3),
                 )))
                 .context("drawing a curve")?
                 .label(label.as_str())

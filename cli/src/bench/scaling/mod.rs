@@ -36,7 +36,8 @@
 //! speedup over the ideal `steps(alone) / steps(alone_xN)`. One box's figures do not depend on
 //! the link, so `--lone-from` takes them from an earlier report instead of running them again
 //! (one invocation per `--link`, the lone arms measured once). `DIR/report.json` holds it and
-//! every run's curve; `DIR/report.svg` draws the curves against wall time.
+//! every run's curve; `DIR/report.svg` draws each kind's median curve over its seeds against
+//! wall time (at the learning rate its summary chose), each seed's curve faint behind it.
 //!
 //! Pinning uses `taskset` (util-linux); more nodes than core sets is a clear error. The same
 //! comparison across real boxes: start the lone control on one box, then `p2ptrain join` on
@@ -101,6 +102,10 @@ pub struct ScalingArgs {
     /// Seeds (each run repeated with node seeds from each).
     #[arg(long, default_value_t = 3)]
     seeds: u64,
+    /// The first of the seeds (they run from it up): `--first-seed 4` confirms an arm chosen
+    /// on seeds 1-3 on seeds no choice was made on.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    first_seed: u64,
     /// Learning rates of the lone runs' grid, comma-separated (default: the config's).
     #[arg(long, value_delimiter = ',')]
     lrs: Vec<f64>,
@@ -594,7 +599,7 @@ pub fn run(args: ScalingArgs) -> Result<()> {
     };
     let is_reused = |kind: &str| reused.iter().any(|r| r.kind == kind);
     let mut plans = Vec::new();
-    for seed in 1..=args.seeds {
+    for seed in args.first_seed..args.first_seed.saturating_add(args.seeds) {
         for &lr in &lrs {
             if !is_reused("alone") {
                 plans.push(Plan {
@@ -796,28 +801,50 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         runs,
     };
     let json = serde_json::to_string_pretty(&report)?;
-    let lines: Vec<(String, Vec<(f64, f64)>)> = report
-        .runs
-        .iter()
-        .map(|r| {
-            (
-                format!("{} seed {} lr {}", r.kind, r.seed, r.lr),
-                r.curve.iter().map(|p| (p[0], p[2])).collect(),
-            )
-        })
-        .collect();
-    let svg = crate::plot::render_curves_svg(
+    let svg = render_report_svg(&report, &config_name, args.nodes)?;
+    write_report(&args.out, &json, &svg)
+}
+
+/// `report.svg`: per kind of run (at the learning rate its summary chose), each seed's curve
+/// faint and the median over seeds bold, labelled with the seeds it is the median of.
+fn render_report_svg(report: &Report, config_name: &str, nodes: usize) -> Result<String> {
+    let mut lines = Vec::new();
+    for (colour, s) in report.summary.iter().enumerate() {
+        let runs: Vec<&Run> = report
+            .runs
+            .iter()
+            .filter(|r| r.kind == s.kind && r.lr == s.lr)
+            .collect();
+        for r in &runs {
+            lines.push(crate::plot::CurveLine {
+                label: None,
+                points: r.curve.iter().map(|p| (p[0], p[2])).collect(),
+                colour,
+            });
+        }
+        lines.push(crate::plot::CurveLine {
+            label: Some(format!(
+                "{} lr {} (median of {} seed{})",
+                s.kind,
+                s.lr,
+                runs.len(),
+                if runs.len() == 1 { "" } else { "s" }
+            )),
+            points: report::median_curve(&runs),
+            colour,
+        });
+    }
+    crate::plot::render_curves_svg(
         &format!(
-            "p2ptrain bench scaling: {config_name}, {} nodes",
-            args.nodes
+            "p2ptrain bench scaling: {config_name}, {nodes} nodes, {}",
+            report.links
         ),
-        match metric {
+        match report.metric {
             Metric::BitsPerByte => "held-out bits per byte",
             Metric::Accuracy => "held-out accuracy",
         },
         &lines,
-    )?;
-    write_report(&args.out, &json, &svg)
+    )
 }
 
 /// Whether a sync mode steps with an outer optimizer, which one node alone can use too.
@@ -890,6 +917,11 @@ fn reused_lone_runs(
             ours.cores_per_node.to_string(),
         ),
         ("seeds", theirs.seeds.to_string(), ours.seeds.to_string()),
+        (
+            "first seed",
+            theirs.first_seed.to_string(),
+            ours.first_seed.to_string(),
+        ),
         (
             "evaluation period",
             theirs.eval_every.to_string(),
@@ -964,6 +996,52 @@ mod tests {
         }
     }
 
+    /// At each step more than half of a kind's seeds evaluated, the median seconds and value;
+    /// a step only one seed of three reached, and a point that is not a number, left out.
+    #[test]
+    fn a_kinds_median_curve_is_taken_step_by_step_over_its_seeds() {
+        let with_curve = |seed, curve: Vec<[f64; 3]>| Run {
+            seed,
+            curve,
+            ..lone_run("gossip", 0.003)
+        };
+        let a = with_curve(
+            1,
+            vec![[10.0, 50.0, 4.0], [20.0, 100.0, 3.0], [30.0, 150.0, 2.9]],
+        );
+        let b = with_curve(2, vec![[12.0, 50.0, 4.2], [22.0, 100.0, 3.2]]);
+        let c = with_curve(
+            3,
+            vec![
+                [11.0, 50.0, 4.1],
+                [21.0, 100.0, 3.4],
+                [f64::NAN, 150.0, 2.0],
+            ],
+        );
+        assert_eq!(median_curve(&[&a, &b, &c]), vec![(11.0, 4.1), (21.0, 3.2)]);
+        // The picture: one legend entry per kind, at the learning rate its summary chose.
+        let runs = vec![a, b, c, lone_run("alone", 0.003), lone_run("alone", 0.006)];
+        let report = Report {
+            measured: Measured::of(&scaling_args(&[]), "c.toml"),
+            metric: Metric::BitsPerByte,
+            straggler_delay_us: 0,
+            links: "loopback".into(),
+            ideal_speedup: BTreeMap::new(),
+            summary: ["alone", "gossip"]
+                .iter()
+                .filter_map(|k| summarise(k, &runs, "2.8"))
+                .collect(),
+            runs,
+        };
+        let svg = render_report_svg(&report, "c.toml", 2).expect("svg");
+        assert!(svg.contains("gossip lr 0.003 (median of 3 seeds)"), "{svg}");
+        assert!(svg.contains("alone lr 0.003 (median of 1 seed)"), "{svg}");
+        assert!(
+            !svg.contains("lr 0.006") && !svg.contains("seed 1"),
+            "{svg}"
+        );
+    }
+
     fn scaling_args(extra: &[&str]) -> ScalingArgs {
         #[derive(clap::Parser)]
         struct Cli {
@@ -1014,6 +1092,10 @@ mod tests {
         let other_targets = scaling_args(&["--targets", "3.0,2.8"]);
         let refused = reused_lone_runs(dir.path(), &other_targets, config, &[0.003], &wanted);
         assert!(format!("{:#}", refused.expect_err("refused")).contains("targets"));
+        // A report from before `--first-seed` ran seeds from 1: fresh seeds reuse none of it.
+        let fresh_seeds = scaling_args(&["--set", "sync.outer_lr=1.0", "--first-seed", "4"]);
+        let refused = reused_lone_runs(dir.path(), &fresh_seeds, config, &[0.003], &wanted);
+        assert!(format!("{:#}", refused.expect_err("refused")).contains("first seed"));
         let refused = reused_lone_runs(dir.path(), &same, "text-gpt.toml", &[0.003], &wanted);
         assert!(format!("{:#}", refused.expect_err("refused")).contains("config"));
         let refused = reused_lone_runs(dir.path(), &same, config, &[0.003, 0.0045], &wanted);

@@ -125,6 +125,9 @@ pub(super) struct Measured {
     pub(super) nodes: usize,
     pub(super) cores_per_node: usize,
     pub(super) seeds: u64,
+    /// The first seed (`--first-seed`); reports written before it had seeds from 1.
+    #[serde(default = "first_seed_before_it_was_chosen")]
+    pub(super) first_seed: u64,
     pub(super) eval_every: u64,
     /// `--set` settings of the mesh runs (and `alone_<mode>`), as given.
     pub(super) mesh_settings: Vec<String>,
@@ -140,10 +143,16 @@ impl Measured {
             nodes: args.nodes,
             cores_per_node: args.cores_per_node,
             seeds: args.seeds,
+            first_seed: args.first_seed,
             eval_every: args.eval_every,
             mesh_settings: args.settings.clone(),
         }
     }
+}
+
+/// The first seed of a report that does not name one.
+fn first_seed_before_it_was_chosen() -> u64 {
+    1
 }
 
 #[derive(Debug, Serialize)]
@@ -184,6 +193,29 @@ pub(super) fn first_reaching(
     evals
         .iter()
         .find(|e| metric.value(e).is_some_and(|v| metric.reaches(v, target)))
+}
+
+/// The median curve of one kind of run over its seeds (`runs`, one learning rate): at each
+/// step that more than half of the runs evaluated, the median seconds and the median value,
+/// as `(seconds, value)` in step order. What `report.svg` draws bold for each kind, so the
+/// picture shows each arm once instead of one tangle of lines per seed.
+pub(super) fn median_curve(runs: &[&Run]) -> Vec<(f64, f64)> {
+    let mut at_step: BTreeMap<u64, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    for r in runs {
+        for p in &r.curve {
+            if !(p[0].is_finite() && p[1].is_finite() && p[1] >= 0.0 && p[2].is_finite()) {
+                continue;
+            }
+            let (secs, values) = at_step.entry(p[1] as u64).or_default();
+            secs.push(p[0]);
+            values.push(p[2]);
+        }
+    }
+    at_step
+        .into_values()
+        .filter(|(secs, _)| secs.len() * 2 > runs.len())
+        .map(|(secs, values)| (median(&secs), median(&values)))
+        .collect()
 }
 
 /// Summarises the runs of `kind` at its best learning rate (least median seconds to the last

@@ -293,7 +293,7 @@ impl Rounds {
         // before the rogue came: the founder out for 10, 20 and 40 s, its rounds apart from
         // theirs, one run in ten). In larger rings the founding members of the simulator,
         // which are joiners too, need the rule as it is.
-        let witness = self.synced || self.counts.completed() > 0 || ring.len() > 3;
+        let witness = self.standing.synced() || self.counts.completed() > 0 || ring.len() > 3;
         for (x, claimed) in claims {
             let Stage::Reducing {
                 ring: Some(ring), ..

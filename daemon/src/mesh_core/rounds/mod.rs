@@ -61,7 +61,8 @@
 //! `Rounds` runs the attempts and holds their stage; what it reads and remembers lives in rooms
 //! that each own one thing: [`roster`] records what members said and decides nothing;
 //! [`trust`] decides whom a stall leaves out and whom this node blames; [`lists`] and
-//! [`stance`] what differing lists and accusations make it do; [`moves`] whose hops may move
+//! [`stance`] what differing lists and accusations make it do; [`standing`] whether its own
+//! parameters and state are the members'; [`moves`] whose hops may move
 //! it on; [`starts`] when an attempt may start; [`work`] its own speed, batch and gradient
 //! scale; [`inbox`] the hops it keeps; [`counts`] what status counts.
 //!
@@ -85,6 +86,7 @@ pub(in crate::mesh_core) use ring::members_digest;
 use ring::{Judge, Ring};
 use roster::Roster;
 use stance::Stance;
+use standing::Standing;
 use starts::Starts;
 use trust::Trust;
 use work::Work;
@@ -101,6 +103,7 @@ mod ring;
 pub mod robust;
 mod roster;
 mod stance;
+mod standing;
 mod starts;
 #[cfg(test)]
 mod tests;
@@ -355,15 +358,8 @@ pub struct Rounds {
     round: Option<u64>,
     attempt: u32,
     boundary: u64,
-    synced: bool,
-    /// The last parameter attempt's ring found no synced member: the one under way founds
-    /// the members' state, and hands every one of them the members' step
-    /// ([`Ring::members_step`]).
-    founding: bool,
-    /// `diloco`: this synced member took a later round's number on one member's word, and
-    /// may have missed rounds' outer steps: it asks for the members' round start and
-    /// velocity until a ring carried them.
-    state_unproven: bool,
+    /// Whether its parameters (and state) are the members' ([`standing`]).
+    standing: Standing,
     stage: Stage,
     /// Hops for attempts this node has not reached, those of the running attempt not taken
     /// yet, and those whose pieces are still coming ([`inbox`]).
@@ -382,8 +378,6 @@ pub struct Rounds {
     followed: Option<u64>,
     /// Its own speed, batch and gradient scale ([`work`]).
     work: Work,
-    /// Means refused in a row (see [`Rounds::combine_failed`]).
-    refused_in_a_row: u32,
     /// What attempts whose lists differed said, and what this node did about it.
     lists: Lists,
     /// Whether this node sits out, and whom it accuses ([`stance`], [`lists`],
@@ -415,9 +409,7 @@ impl Rounds {
             round: synced.then_some(0),
             attempt: 0,
             boundary,
-            synced,
-            founding: false,
-            state_unproven: false,
+            standing: Standing::new(synced),
             stage: Stage::Training,
             inbox: Inbox::with_default_bound(cfg.piece_bytes),
             starts: Starts::default(),
@@ -427,7 +419,6 @@ impl Rounds {
             followed: None,
             work: Work::default(),
             ring_size: 0,
-            refused_in_a_row: 0,
             lists: Lists::default(),
             stance: Stance::default(),
             aggregated_in: None,
@@ -475,8 +466,7 @@ impl Rounds {
         self.cfg.overlap_steps > 0
             && self.cfg.outer_state
             && !gradient
-            && self.synced
-            && !self.founding
+            && self.standing.judged()
             && !self.needs_state()
     }
 
@@ -519,7 +509,7 @@ impl Rounds {
             parts_refused: self.counts.parts_refused(),
             parts_clipped: self.counts.parts_clipped(),
             boundary: self.boundary,
-            synced: self.synced,
+            synced: self.standing.synced(),
             digests: self.counts.digests(),
         }
     }
@@ -686,7 +676,7 @@ impl Rounds {
     /// it is not synced, or it founds the members' state with others. Its heartbeats say so,
     /// and its parameter attempts carry the state until one completes.
     pub fn needs_state(&self) -> bool {
-        self.cfg.outer_state && (!self.synced || self.founding || self.state_unproven)
+        self.standing.needs_state(self.cfg.outer_state)
     }
 
     /// Whether an attempt at parameter round `round` with `members` carries the state: some
@@ -784,10 +774,9 @@ impl Rounds {
                 if self.round.is_none() && self.starts.adopt_due(now) {
                     tracing::info!("no ring heard; starting the rounds at round 0");
                     self.round = Some(0);
-                    self.synced = true;
                     // Others may have started too, each from its own checkpoint: in
                     // `diloco` their first ring founds one round start and velocity.
-                    self.founding = self.cfg.outer_state;
+                    self.standing.starts_the_rounds(self.cfg.outer_state);
                 }
                 if self.starts.may_retry(now) {
                     self.start(now, out);
@@ -857,7 +846,7 @@ impl Rounds {
         if !matches!(self.stage, Stage::Asked { gradient: g } if g == gradient) {
             return;
         }
-        let weight = if self.synced {
+        let weight = if self.standing.synced() {
             self.cfg.weight * share
         } else {
             0.0
@@ -931,14 +920,13 @@ impl Rounds {
         else {
             return;
         };
-        if proven || *gradient || steps_apart || !self.synced {
+        if proven || *gradient || steps_apart || !self.standing.synced() {
             tracing::info!(
                 mine,
                 theirs = target,
                 "the mesh is rounds ahead; adopting its round"
             );
-            self.synced = false;
-            self.founding = false;
+            self.standing.unsynced();
             *weight = 0.0;
         } else {
             tracing::info!(
@@ -946,7 +934,7 @@ impl Rounds {
                 theirs = target,
                 "members are rounds ahead, most are not; taking their round's number and keeping this node's weight"
             );
-            self.state_unproven = self.cfg.outer_state;
+            self.standing.took_a_round_on_one_word(self.cfg.outer_state);
         }
         self.round = Some(target);
         self.attempt = attempt;
@@ -1398,7 +1386,7 @@ impl Rounds {
         let carries_state = self.carries_state(round, &members);
         // As the trainer judges the round's result: a synced member by distance from its own
         // parameters, one whose parameters are not the mesh's by norm alone.
-        let judged = self.synced && !self.founding;
+        let judged = self.standing.judged();
         let gradient = self.cfg.sums_gradients(round);
         let Stage::Reducing {
             contribution,
@@ -1503,9 +1491,7 @@ impl Rounds {
                 round,
                 "no member of the ring is synced; founding one state together"
             );
-            self.synced = true;
-            self.founding = true;
-            self.refused_in_a_row = 0;
+            self.standing.founds_together();
             self.attempt = self.attempt.saturating_add(1);
             self.abort_counter("no member synced");
             self.ask(false, out);
@@ -1536,14 +1522,14 @@ impl Rounds {
         };
         // A member that became unsynced meanwhile takes the members' parameters whole: its
         // trainer drops what it trained on, and its boundary counts from where it is.
-        let ran_on_from = (ran_on && self.synced && !self.founding).then_some(step);
+        let ran_on_from = (ran_on && self.standing.judged()).then_some(step);
         self.stage = Stage::Combining {
             carried_state,
             ran_on_from,
             ring,
         };
-        let step = (!gradient && (!self.synced || self.founding)).then_some(step);
-        let judged = self.synced && !self.founding;
+        let step = (!gradient && !self.standing.judged()).then_some(step);
+        let judged = self.standing.judged();
         if total > 0.0 {
             out.push(Output::Trainer(TrainerCommand::Combine {
                 round,
@@ -1589,15 +1575,14 @@ impl Rounds {
         // A parameter round leaves every member the mean; in `diloco` only one that carried
         // the state leaves them the same anchor and velocity too.
         if !self.cfg.sums_gradients(round) && (carried_state || !self.cfg.outer_state) {
-            self.synced = true;
-            self.founding = false;
+            self.standing.parameter_round_completed();
         }
         // The ring gave its members the state: a need heard before it is met. One said before
         // its node had a round names none to go stale by; the node's next heartbeat says
         // whether it still needs the state (it was not in this ring).
         if carried_state {
             self.roster.state_carried(round);
-            self.state_unproven = false;
+            self.standing.state_carried();
         }
         // As a synced member's first boundary: `steps` on, or in gradient rounds, none. One
         // that trained on through the round counts from where it gave its parameters, so
@@ -1609,7 +1594,7 @@ impl Rounds {
         self.stage = Stage::Training;
         self.starts.round_known();
         self.counts.round_completed(self.ring_size);
-        self.refused_in_a_row = 0;
+        self.standing.mean_taken();
         self.lists.agreed();
         self.trust.round_completed();
         self.moves.round_completed();
@@ -1618,10 +1603,8 @@ impl Rounds {
         // it) holds parameters that are not the mesh's: it claims no digest until a parameter
         // round syncs it. A ring of one promises nobody anything, and claims none either. So
         // two members' digests of one round and one ring are equal bits, or a broken promise.
-        if let Some(ring) = ring.filter(|_| !digest.is_empty() && self.synced) {
-            if !self.state_unproven {
-                self.counts.digest(round, digest, ring);
-            }
+        if let Some(ring) = ring.filter(|_| !digest.is_empty() && self.standing.claims_digest()) {
+            self.counts.digest(round, digest, ring);
         }
         self.stepped(step, out);
     }
@@ -1635,7 +1618,7 @@ impl Rounds {
     /// as the mesh's: an honest member that drifted far must come back some time.
     pub fn combine_failed(&mut self) {
         if matches!(self.stage, Stage::Combining { .. }) {
-            self.count_refusal();
+            self.standing.mean_refused();
             self.stage = Stage::Training;
             // The retry is a new attempt: a member still in this one (waiting for a late
             // aggregate) takes this node's new parts as the next attempt's, not as second
@@ -1655,25 +1638,12 @@ impl Rounds {
         self.abort("aggregate refused", now);
     }
 
-    /// One more mean refused in a row; after [`REFUSALS_BEFORE_UNSYNCED`], this member no
-    /// longer counts its parameters as the mesh's.
-    fn count_refusal(&mut self) {
-        self.refused_in_a_row += 1;
-        if self.refused_in_a_row >= REFUSALS_BEFORE_UNSYNCED {
-            self.synced = false;
-            self.refused_in_a_row = 0;
-        }
-    }
-
     /// The parameters were replaced (a checkpoint, a downloaded state): they are no longer the
     /// mesh's; hold and adopt the mesh's round.
     pub fn restored(&mut self, step: u64) {
-        self.refused_in_a_row = 0;
+        self.standing.restored();
         self.round = None;
         self.attempt = 0;
-        self.synced = false;
-        self.founding = false;
-        self.state_unproven = false;
         self.boundary = step;
         self.stage = Stage::Training;
         self.starts.round_known();

@@ -14,7 +14,7 @@ use super::pieces::Taken;
 use super::ring::{all_finite, AGGREGATE, PART};
 use super::robust::aggregate;
 use super::{
-    Hop, HopKey, Output, Rounds, Stage, ATTEMPT_JUMP, ATTEMPT_LIMIT, CONTRADICTED_SIT_OUT,
+    HopKey, Output, Rounds, Stage, ATTEMPT_JUMP, ATTEMPT_LIMIT, CONTRADICTED_SIT_OUT,
     FOLLOWED_ATTEMPT_LIMIT, FOLLOWED_ROUND_LIMIT, ROUND_JUMP, ROUND_LIMIT, STEP_LIMIT,
     WEIGHT_LIMIT,
 };
@@ -148,7 +148,7 @@ impl Rounds {
                 let finishing = msg.round == r.saturating_add(1)
                     && matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. } if ring.could_have_finished());
                 tracing::debug!(peer = %from, theirs = msg.round, mine = r, attempt = self.attempt, finishing, "a hop of a later round");
-                self.keep(key, hop);
+                self.inbox.keep(key, hop);
                 let awaited = matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. }
                     if ring.index_of(&from).is_some_and(|i| ring.awaits(i)));
                 if reducing && !finishing {
@@ -182,7 +182,7 @@ impl Rounds {
                 return;
             }
             None => {
-                self.keep(key, hop);
+                self.inbox.keep(key, hop);
                 if reducing {
                     self.restart(now, out);
                 }
@@ -197,13 +197,13 @@ impl Rounds {
                     );
                     let step = self.boundary;
                     self.restored(step);
-                    self.keep(key, hop);
+                    self.inbox.keep(key, hop);
                 }
                 return;
             }
             Some(_) if msg.attempt < self.attempt => return,
             Some(_) if msg.attempt > self.attempt => {
-                self.keep(key, hop);
+                self.inbox.keep(key, hop);
                 if !reducing {
                     self.attempt = msg.attempt;
                 } else if let Some(attempt) = self.later_attempt_to_take(now) {
@@ -217,7 +217,7 @@ impl Rounds {
             }
             Some(_) => {}
         }
-        self.keep(key, hop);
+        self.inbox.keep(key, hop);
         self.drain(now, out);
     }
 
@@ -427,12 +427,6 @@ impl Rounds {
             *ring = None;
         }
         self.start(now, out);
-    }
-
-    /// Keeps a hop in the inbox ([`inbox`](super::inbox): a peer flooding hops of later
-    /// rounds evicts only its own).
-    pub(super) fn keep(&mut self, key: HopKey, hop: Hop) {
-        self.inbox.keep(key, hop);
     }
 
     /// Takes the hops of the running attempt from the inbox: each member's part of this

@@ -62,9 +62,9 @@
 //! that each own one thing: [`roster`] records what members said and decides nothing;
 //! [`trust`] decides whom a stall leaves out and whom this node blames; [`lists`] and
 //! [`stance`] what differing lists and accusations make it do; [`standing`] whether its own
-//! parameters and state are the members'; [`moves`] whose hops may move
-//! it on; [`starts`] when an attempt may start; [`work`] its own speed, batch and gradient
-//! scale; [`inbox`] the hops it keeps; [`counts`] what status counts.
+//! parameters and state are the members'; [`moves`] whose hops may move it on; [`starts`]
+//! when an attempt may start; [`work`] its own speed, batch and gradient scale; [`inbox`] the
+//! hops it keeps; [`counts`] what status counts.
 //!
 //! Pure state: the core feeds it and carries out what it returns.
 

@@ -1529,16 +1529,18 @@ fn the_inbox_keeps_at_most_its_bound_in_values_oldest_out_first() {
     let from = PeerId::random();
     let quarter = INBOX_VALUES / 4;
     for round in 10..15u64 {
-        node.keep((round, 0, 0, from), (0, vec![0.0; quarter], 0));
+        node.inbox
+            .keep((round, 0, 0, from), (0, vec![0.0; quarter], 0));
     }
     let rounds: Vec<u64> = node.inbox.keys().map(|k| k.0).collect();
     assert_eq!(rounds, vec![11, 12, 13, 14]);
-    node.keep((20, 0, 0, from), (0, vec![0.0; INBOX_VALUES + 1], 0));
+    node.inbox
+        .keep((20, 0, 0, from), (0, vec![0.0; INBOX_VALUES + 1], 0));
     assert!(!node.inbox.contains_key(&(20, 0, 0, from)));
     assert_eq!(node.inbox.len(), 4);
     // Small hops are bounded by count.
     for hop in 0..(INBOX_CAP as u32 + 5) {
-        node.keep((30, 0, hop, from), (0, vec![0.0; 4], 0));
+        node.inbox.keep((30, 0, hop, from), (0, vec![0.0; 4], 0));
     }
     assert_eq!(node.inbox.len(), INBOX_CAP);
 }
@@ -1553,9 +1555,10 @@ fn a_flooding_sender_evicts_only_its_own_hops_from_the_inbox() {
     let node = &mut ring.nodes[0];
     let (honest, flooder) = (PeerId::random(), PeerId::random());
     let waiting = (11, 0, 0, honest);
-    node.keep(waiting, (0, vec![1.0; 8], 0));
+    node.inbox.keep(waiting, (0, vec![1.0; 8], 0));
     for hop in 0..(2 * INBOX_CAP as u32) {
-        node.keep((12 + u64::from(hop), 0, 0, flooder), (0, vec![0.0; 4], 0));
+        node.inbox
+            .keep((12 + u64::from(hop), 0, 0, flooder), (0, vec![0.0; 4], 0));
     }
     assert!(node.inbox.contains_key(&waiting), "counted out");
     assert_eq!(node.inbox.len(), INBOX_CAP);
@@ -1564,7 +1567,8 @@ fn a_flooding_sender_evicts_only_its_own_hops_from_the_inbox() {
     // Bounded in values: hops a third of the bound each, from the same flooder.
     let third = INBOX_VALUES / 3;
     for round in 1_000..1_010u64 {
-        node.keep((round, 0, 0, flooder), (0, vec![0.0; third], 0));
+        node.inbox
+            .keep((round, 0, 0, flooder), (0, vec![0.0; third], 0));
     }
     assert!(node.inbox.contains_key(&waiting), "crowded out by size");
     let held: usize = node.inbox.values().map(|h| h.1.len()).sum();

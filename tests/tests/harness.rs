@@ -521,14 +521,33 @@ impl Node {
             .map(|t| t.trim().to_string())
     }
 
-    /// Waits until status satisfies `pred`.
+    /// Waits until status satisfies `pred`. On a timeout the panic names the node and shows
+    /// its last status (its log's tail follows as the node drops): a wait that fails once in
+    /// many runs must say which node it waited on and what that node reported.
     pub fn wait_status(
         &self,
         what: &str,
         timeout: Duration,
         pred: impl Fn(&Value) -> bool,
     ) -> Value {
-        eventually(timeout, what, || self.status().filter(|s| pred(s)))
+        let deadline = Instant::now() + timeout;
+        let mut last = None;
+        loop {
+            if let Some(s) = self.status() {
+                if pred(&s) {
+                    return s;
+                }
+                last = Some(s);
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "timed out after {timeout:?} waiting for {what} on the node in {}; its last status: {}",
+                    self.data_dir.display(),
+                    last.map_or_else(|| "none".to_string(), |s| s.to_string()),
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// SIGKILL, as a crash.

@@ -59,20 +59,24 @@ pub const MAX_ESTABLISHED_PER_PEER: u32 = 8;
 mod composed {
     use super::*;
 
-    /// The composed behaviour.
+    /// The composed behaviour. The derive asks the parts about a new connection in field
+    /// order and stops at the first refusal, and some parts (request-response) record a
+    /// connection as soon as they are asked: so every part that may refuse one (the limits,
+    /// the allow and ban lists, the relay gate) comes first, and a refused connection reaches
+    /// none of the protocols.
     #[derive(NetworkBehaviour)]
     pub struct Behaviour {
         pub(in crate::network) limits: connection_limits::Behaviour,
+        pub(in crate::network) allow:
+            Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
+        pub(in crate::network) banned: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
+        pub(in crate::network) relay_gate: nat::RelayGate,
         pub(in crate::network) identify: identify::Behaviour,
         pub(in crate::network) ping: ping::Behaviour,
         pub(in crate::network) kad: kad::Behaviour<kad::store::MemoryStore>,
         pub(in crate::network) gossipsub: Gossipsub,
         pub(in crate::network) bulk: request_response::Behaviour<BulkCodec>,
         pub(in crate::network) mdns: Toggle<mdns::tokio::Behaviour>,
-        pub(in crate::network) allow:
-            Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
-        pub(in crate::network) banned: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
-        pub(in crate::network) relay_gate: nat::RelayGate,
         pub(in crate::network) autonat: autonat::Behaviour,
         pub(in crate::network) relay_client: relay::client::Behaviour,
         pub(in crate::network) relay: Toggle<relay::Behaviour>,

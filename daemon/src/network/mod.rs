@@ -659,6 +659,52 @@ mod tests {
         assert_eq!(snapshot.peers.len(), 1, "a still holds its peer");
     }
 
+    /// A connection one behaviour denies leaves no trace in the others. The composed
+    /// behaviour asks its parts in field order and stops at the first refusal, and
+    /// request-response records a connection when it is asked, not when the swarm confirms
+    /// it: with the ban list after it, every connection a banned peer opened stayed in its
+    /// table, and once the peer's last real connection closed, that table and the swarm
+    /// disagreed (a debug build's assertion in `on_connection_closed` took the network task
+    /// down, seen in CI as a `ring_rogue` member that stopped completing rounds right after
+    /// it banned the rogue; a release build kept the stale entries and called the peer
+    /// connected). This test fails on that order: the bulk protocol says the banned peer is
+    /// connected.
+    #[tokio::test]
+    async fn a_connection_the_ban_list_refuses_is_no_connection_to_any_protocol() {
+        use libp2p::swarm::NetworkBehaviour as _;
+        let mut swarm = behaviour::build(
+            libp2p::identity::Keypair::generate_ed25519(),
+            &loopback_config(vec![]),
+            "v".into(),
+            metrics::Bandwidth::default(),
+            &mut Registry::default(),
+        )
+        .expect("swarm");
+        let banned = PeerId::random();
+        let addr: Multiaddr = "/ip4/127.0.0.1/tcp/4001".parse().expect("addr");
+        let behaviour = swarm.behaviour_mut();
+        behaviour.banned.block_peer(banned);
+        let inbound = behaviour.handle_established_inbound_connection(
+            libp2p::swarm::ConnectionId::new_unchecked(1),
+            banned,
+            &addr,
+            &addr,
+        );
+        assert!(inbound.is_err(), "the ban list refuses the banned peer");
+        let outbound = behaviour.handle_established_outbound_connection(
+            libp2p::swarm::ConnectionId::new_unchecked(2),
+            banned,
+            &addr,
+            libp2p::core::Endpoint::Dialer,
+            libp2p::core::transport::PortUse::Reuse,
+        );
+        assert!(outbound.is_err(), "the ban list refuses the banned peer");
+        assert!(
+            !behaviour.bulk.is_connected(&banned),
+            "a refused connection stayed in the bulk protocol's table"
+        );
+    }
+
     async fn eventually_listening(client: &Client) -> Multiaddr {
         for _ in 0..200 {
             let snap = client.snapshot().await.expect("snapshot");

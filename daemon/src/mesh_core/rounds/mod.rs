@@ -155,6 +155,18 @@ pub const ACCUSATION_KEPT: Duration = Duration::from_secs(60);
 pub const ACCUSED_AGAIN: u32 = 2;
 /// Peers that went away, remembered (for [`lists`]) at most this many.
 const GONE_KEPT: usize = 64;
+
+/// Records `peer` at `at` in a map kept to the newest [`GONE_KEPT`] peers (peers that went
+/// away, peers blamed): when full, the one recorded longest ago gives way, so a flood of
+/// identities cannot grow it; a peer already there is only renewed.
+fn remember_newest(map: &mut HashMap<PeerId, Instant>, peer: PeerId, at: Instant) {
+    if map.len() >= GONE_KEPT && !map.contains_key(&peer) {
+        if let Some(oldest) = map.iter().min_by_key(|(_, t)| **t).map(|(p, _)| *p) {
+            map.remove(&oldest);
+        }
+    }
+    map.insert(peer, at);
+}
 /// Pause before an aborted attempt is retried, so the members' lists can settle.
 pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
 /// A node that has no round number yet (it resumed from a checkpoint) and hears no ring for

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use libp2p::PeerId;
 
-use super::{GONE_KEPT, READY_FRESH};
+use super::{remember_newest, READY_FRESH};
 use crate::wire::Heartbeat;
 
 /// See the module docs.
@@ -80,12 +80,7 @@ impl Roster {
     pub(super) fn down(&mut self, peer: PeerId, now: Instant) {
         self.ready.remove(&peer);
         self.not_in_rounds.remove(&peer);
-        if self.gone.len() >= GONE_KEPT {
-            if let Some(oldest) = self.gone.iter().min_by_key(|(_, at)| **at).map(|(p, _)| *p) {
-                self.gone.remove(&oldest);
-            }
-        }
-        self.gone.insert(peer, now);
+        remember_newest(&mut self.gone, peer, now);
         self.forget_word(&peer);
     }
 
@@ -145,7 +140,7 @@ impl Roster {
             .map(|(p, _)| *p)
     }
 
-    /// The peers that went away (the most recent [`GONE_KEPT`]).
+    /// The peers that went away (the most recent [`super::GONE_KEPT`]).
     pub(super) fn gone(&self) -> impl Iterator<Item = &PeerId> {
         self.gone.keys()
     }

@@ -10,7 +10,7 @@
 //! 2. Excuses count per round: a stall of a later round starts the count again, and a
 //!    completed round, a member gone or a member left out forgets them
 //!    (`excuses_count_per_round_and_are_forgotten`).
-//! 3. Blame is kept with when it fell, for at most [`GONE_KEPT`] peers: the oldest is
+//! 3. Blame is kept with when it fell, for at most [`super::GONE_KEPT`] peers: the oldest is
 //!    forgotten first, so a flood of blamed identities cannot grow it
 //!    (`blame_keeps_the_newest_peers`).
 
@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use libp2p::PeerId;
 
-use super::{GONE_KEPT, STALL_EXCUSES};
+use super::{remember_newest, STALL_EXCUSES};
 
 /// Excuses and blame, by peer.
 #[derive(Debug, Default)]
@@ -62,17 +62,7 @@ impl Trust {
 
     /// This node found a hop of `peer` no honest member sends, at `now` (rule 3).
     pub(super) fn blame(&mut self, peer: PeerId, now: Instant) {
-        if self.blamed.len() >= GONE_KEPT && !self.blamed.contains_key(&peer) {
-            if let Some(oldest) = self
-                .blamed
-                .iter()
-                .min_by_key(|(_, at)| **at)
-                .map(|(p, _)| *p)
-            {
-                self.blamed.remove(&oldest);
-            }
-        }
-        self.blamed.insert(peer, now);
+        remember_newest(&mut self.blamed, peer, now);
     }
 
     /// Whether this node blamed `peer`.
@@ -83,6 +73,7 @@ impl Trust {
 
 #[cfg(test)]
 mod tests {
+    use super::super::GONE_KEPT;
     use super::*;
     use std::time::Duration;
 

@@ -42,6 +42,10 @@ pub enum NodeError {
     /// The network could not start.
     #[error(transparent)]
     Network(#[from] crate::network::NetError),
+    /// The network task ended while the node ran: a bug, never a peer's doing; the node
+    /// stops (its final checkpoint written) rather than train on unheard.
+    #[error("the network task stopped: {0}")]
+    NetworkStopped(String),
     /// A fresh joiner reached only peers of another run.
     #[error(transparent)]
     Join(#[from] crate::transfer::JoinError),

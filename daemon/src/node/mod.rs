@@ -427,7 +427,7 @@ pub async fn run(
     let net_cfg = net_config(&config, &opened.ident.run_id, psk, model_info.params)?;
     let mut registry = network::Registry::default();
     let (net, net_events, event_loop) = network::new(opened.key.clone(), &net_cfg, &mut registry)?;
-    let net_task = tokio::spawn(event_loop.run());
+    let (net_task, net_ended) = watch_network(tokio::spawn(event_loop.run()));
     // A fresh node joining a mesh takes the mesh's state before its first step.
     let joining = opened.resume.is_none() && !net_cfg.bootstrap.is_empty();
     let node_seed = config
@@ -503,11 +503,11 @@ pub async fn run(
     let api = serve_api(listener, shared.clone(), access);
     tracing::info!(peer_id = %shared.peer_id, run_id = %shared.run_id, api = %format!("http://{api_addr}"), data_dir = %data_dir.display(), model = %spec.name(), "node started");
 
-    let (finished, join_failed) =
-        until_finished(shutdown, stop_rx, done_rx, join_task, &cmd_tx).await;
+    let (finished, failure) =
+        until_finished(shutdown, stop_rx, done_rx, (join_task, net_ended), &cmd_tx).await;
     let result = final_summary(&shared, writer, finished).await;
-    let result = match join_failed {
-        Some(e) => Err(NodeError::Join(e)),
+    let result = match failure {
+        Some(e) => Err(e),
         None => result,
     };
     Stopping {
@@ -527,31 +527,61 @@ pub async fn run(
 /// A joiner's task: it fails only when the bootstrap peers train another run.
 type JoinTask = tokio::task::JoinHandle<Result<(), transfer::JoinError>>;
 
+/// Why the network task ended, sent once it has: it ends by itself only on a bug (a panic,
+/// here or in libp2p), and a node without its network would train on alone, unheard, with
+/// its status still answering as if nothing happened.
+type NetworkEnded = oneshot::Receiver<String>;
+
+/// Watches the network task: returns the task that ends with it (what [`Stopping`] awaits)
+/// and the word of why it ended, sent only if it ends before the node stops it.
+fn watch_network(
+    net_task: tokio::task::JoinHandle<()>,
+) -> (tokio::task::JoinHandle<()>, NetworkEnded) {
+    let (ended_tx, ended_rx) = oneshot::channel();
+    let watcher = tokio::spawn(async move {
+        let why = match net_task.await {
+            Ok(()) => "it returned".to_string(),
+            Err(e) => task_failure(e),
+        };
+        let _ = ended_tx.send(why);
+    });
+    (watcher, ended_rx)
+}
+
+/// What a task that did not finish says of itself: its panic's message, or that it was
+/// cancelled.
+fn task_failure(e: tokio::task::JoinError) -> String {
+    if !e.is_panic() {
+        return "it was cancelled".into();
+    }
+    let panic = e.into_panic();
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
+
 /// What the trainer finished with, as its thread answers.
 type TrainerEnd = Result<Result<trainer::Finish, trainer::TrainerError>, oneshot::error::RecvError>;
 
 /// The trainer's end: when it finishes by itself (`max_steps`, a fault), or when a stop is
-/// asked (a signal, the API) or the joiner failed (with the failure), after it has finished its
-/// step and written its final checkpoint.
+/// asked (a signal, the API), the joiner failed or the network task ended (with the
+/// failure), after it has finished its step and written its final checkpoint.
 async fn until_finished(
     shutdown: impl Future<Output = ()>,
     mut stop_rx: watch::Receiver<bool>,
     mut done_rx: oneshot::Receiver<Result<trainer::Finish, trainer::TrainerError>>,
-    join_task: Option<JoinTask>,
+    (join_task, net_ended): (Option<JoinTask>, NetworkEnded),
     cmd_tx: &mpsc::Sender<Command>,
-) -> (TrainerEnd, Option<transfer::JoinError>) {
+) -> (TrainerEnd, Option<NodeError>) {
     let join_failed = async {
         match join_task {
             Some(task) => match task.await {
                 Ok(Err(e)) => e,
                 // A bug: no state will come, and the trainer would wait for it for ever.
                 Err(e) if e.is_panic() => {
-                    let panic = e.into_panic();
-                    let why = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a panic".into());
+                    let why = task_failure(e);
                     tracing::error!("the join task panicked: {why}");
                     transfer::JoinError::Failed(why)
                 }
@@ -561,13 +591,24 @@ async fn until_finished(
             None => std::future::pending().await,
         }
     };
-    tokio::pin!(shutdown, join_failed);
+    let net_failed = async {
+        match net_ended.await {
+            Ok(why) => {
+                tracing::error!("the network task ended: {why}");
+                NodeError::NetworkStopped(why)
+            }
+            // The watcher went without a word: the node is stopping it.
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::pin!(shutdown, join_failed, net_failed);
     let mut failure = None;
     tokio::select! {
         done = &mut done_rx => return (done, None),
         _ = &mut shutdown => {}
         _ = stop_rx.wait_for(|stop| *stop) => {}
-        e = &mut join_failed => failure = Some(e),
+        e = &mut join_failed => failure = Some(NodeError::Join(e)),
+        e = &mut net_failed => failure = Some(e),
     }
     if failure.is_none() {
         tracing::info!("stopping: finishing the current step and writing a final checkpoint");
@@ -932,13 +973,14 @@ mod tests {
             false
         });
         let join_task: JoinTask = tokio::spawn(async { panic!("a bug in the joiner") });
+        let (_net_ended_tx, net_ended) = oneshot::channel();
         let ended = tokio::time::timeout(
             Duration::from_secs(10),
             until_finished(
                 std::future::pending(),
                 stop_rx,
                 done_rx,
-                Some(join_task),
+                (Some(join_task), net_ended),
                 &cmd_tx,
             ),
         )
@@ -952,6 +994,52 @@ mod tests {
             trainer.await.expect("trainer task"),
             "the trainer was told to stop"
         );
+    }
+
+    /// A network task that panicked (a bug, here or in libp2p: CI once saw libp2p's
+    /// request-response assert in a debug build) ends the node with an error naming it,
+    /// after the trainer was asked to stop, instead of a node that trains on unheard while
+    /// its status answers. Before the watch, nothing awaited the task until the node
+    /// stopped: this test waited its 10 s for an end that never came.
+    #[tokio::test]
+    async fn a_panicked_network_task_stops_the_node_with_an_error() {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (done_tx, done_rx) = oneshot::channel();
+        let (cmd_tx, mut cmd_rx) = mpsc::channel(4);
+        let trainer = tokio::spawn(async move {
+            while let Some(cmd) = cmd_rx.recv().await {
+                if matches!(cmd, Command::Stop) {
+                    drop(done_tx);
+                    return true;
+                }
+            }
+            false
+        });
+        let (watcher, net_ended) =
+            watch_network(tokio::spawn(async { panic!("a bug in the swarm") }));
+        let ended = tokio::time::timeout(
+            Duration::from_secs(10),
+            until_finished(
+                std::future::pending(),
+                stop_rx,
+                done_rx,
+                (None, net_ended),
+                &cmd_tx,
+            ),
+        )
+        .await
+        .expect("the node ended instead of training on without its network");
+        drop(stop_tx);
+        let failure = ended.1.expect("the network task's failure").to_string();
+        assert!(
+            failure.contains("network") && failure.contains("a bug in the swarm"),
+            "{failure}"
+        );
+        assert!(
+            trainer.await.expect("trainer"),
+            "the trainer was told to stop"
+        );
+        watcher.await.expect("the watcher ends with the task");
     }
 
     /// The node that starts a run from a folder named by its digest (`model.hf_digest`)

@@ -105,6 +105,11 @@ impl Links {
         self.by_peer.contains_key(peer)
     }
 
+    /// How many connections to `peer` are open.
+    pub fn count(&self, peer: &PeerId) -> u32 {
+        self.by_peer.get(peer).map_or(0, |l| l.len() as u32)
+    }
+
     /// Whether a connection to `peer` runs without a relay.
     pub fn has_direct(&self, peer: &PeerId) -> bool {
         self.by_peer
@@ -147,6 +152,23 @@ impl Links {
             .find(|l| !l.relayed)
             .or(links.first())
             .map(|l| l.remote.to_string())
+    }
+
+    /// The connection this node dialled to `peer` at `address` to answer its AutoNAT probe
+    /// (the dial-back), to close now that the probe is answered, if another direct
+    /// connection to `peer` stays. Left open, every probe (each 15 s until the verdict is
+    /// sure, then each 5 min, in both directions) added a connection that gossip's streams
+    /// kept alive, until the per-peer limit refused the next dial-back and the probe failed.
+    pub fn spent_dial_back(&self, peer: &PeerId, address: &Multiaddr) -> Option<ConnectionId> {
+        let links = self.by_peer.get(peer)?;
+        let dial_back = links
+            .iter()
+            .rev()
+            .find(|l| l.dialed && !l.relayed && &l.remote == address)?;
+        links
+            .iter()
+            .any(|l| l.id != dial_back.id && !l.relayed)
+            .then_some(dial_back.id)
     }
 
     /// An address this node reached `peer` at directly: a relay candidate, since at least
@@ -433,6 +455,49 @@ mod tests {
         links.closed(&peer, c1);
         assert_eq!(links.path(&peer), None);
         assert!(!links.connected(&peer));
+    }
+
+    /// A dial-back is closed once its probe is answered, and only while another direct
+    /// connection to the peer stays: never the peer's last direct connection, never one the
+    /// peer dialled, never one to another address.
+    #[test]
+    fn a_spent_dial_back_is_closed_only_beside_another_direct_connection() {
+        let mut links = Links::default();
+        let peer = PeerId::random();
+        let listen = "/ip4/10.0.0.9/tcp/4001";
+        let address: Multiaddr = listen.parse().expect("multiaddr");
+        let (first, dial_back) = (
+            ConnectionId::new_unchecked(1),
+            ConnectionId::new_unchecked(2),
+        );
+        links.opened(peer, dial_back, &dialer(listen));
+        assert_eq!(
+            links.spent_dial_back(&peer, &address),
+            None,
+            "the only connection stays"
+        );
+        links.opened(
+            peer,
+            first,
+            &listener("/ip4/10.0.0.9/tcp/5555", "/ip4/10.0.0.2/tcp/4001"),
+        );
+        assert_eq!(links.spent_dial_back(&peer, &address), Some(dial_back));
+        assert_eq!(
+            links.spent_dial_back(&peer, &"/ip4/10.0.0.9/tcp/4002".parse().expect("addr")),
+            None,
+            "a connection to another address is not the dial-back"
+        );
+        assert_eq!(
+            links.spent_dial_back(&PeerId::random(), &address),
+            None,
+            "another peer's"
+        );
+        links.closed(&peer, dial_back);
+        assert_eq!(
+            links.spent_dial_back(&peer, &"/ip4/10.0.0.9/tcp/5555".parse().expect("addr")),
+            None,
+            "a connection the peer dialled is never taken for a dial-back"
+        );
     }
 
     #[test]

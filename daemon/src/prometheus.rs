@@ -664,6 +664,7 @@ mod tests {
                 score: Some(-1.0),
                 path: None,
                 remote: None,
+                connections: 1,
                 bytes_sent: Some(1000),
                 bytes_received: Some(2000),
                 offences: 0,

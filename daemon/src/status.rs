@@ -432,6 +432,7 @@ pub(crate) mod tests {
             score: Some(0.0),
             path: Some("direct".into()),
             remote: None,
+            connections: 1,
             bytes_sent: Some(10),
             bytes_received: Some(20),
             offences: 0,

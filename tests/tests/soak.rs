@@ -46,10 +46,16 @@ pub(crate) struct Watch {
     pub secs: f64,
 }
 
+/// Connections a node may hold to one honest peer: one, and for a moment a second (an
+/// AutoNAT dial-back before its probe is answered, or both dialling each other at once).
+/// AutoNAT's dial-backs once stayed open: a pair held 8 connections after 45 s (the per-peer
+/// limit), and the next probes, refused by that limit, turned loopback nodes "private".
+const HONEST_CONNECTIONS_MAX: u64 = 2;
+
 /// Polls every node once a second for `secs` (with `poll`, which reads one node's status) and
 /// records every moment a node has fewer or more than N-1 peers, lost a member (its
-/// `peer_drops` grew), has rejected any update, or has banned anyone. The mesh must already
-/// be formed.
+/// `peer_drops` grew), has rejected any update, has banned anyone, or holds more than
+/// [`HONEST_CONNECTIONS_MAX`] connections to a peer. The mesh must already be formed.
 pub(crate) fn watch_honest_mesh(
     nodes: &[Node],
     secs: u64,
@@ -98,6 +104,12 @@ pub(crate) fn watch_honest_mesh(
             }
             if s["banned_peers"].as_array().is_some_and(|b| !b.is_empty()) {
                 bad.push(format!("banned {}", s["banned_peers"]));
+            }
+            for p in s["peers"]["list"].as_array().into_iter().flatten() {
+                let connections = p["connections"].as_u64().unwrap_or(0);
+                if connections > HONEST_CONNECTIONS_MAX {
+                    bad.push(format!("{connections} connections to {}", p["peer_id"]));
+                }
             }
             if !bad.is_empty() {
                 violations.push(format!("{t:.0}s: node {i}: {}", bad.join("; ")));
@@ -199,4 +211,12 @@ fn six_honest_nodes_at_full_speed_with_dense_and_onebit_updates_never_lose_a_pee
     }
     let watch = watch_honest_mesh(&nodes, secs, Node::status_http);
     watch.assert_honest("dense and onebit soak", &nodes);
+    // On loopback every member reaches every other: AutoNAT must find each one public.
+    for (i, s) in watch.last.iter().enumerate() {
+        assert_eq!(
+            s["nat"]["reachability"], "public",
+            "node {i} after the soak: {}",
+            s["nat"]
+        );
+    }
 }

@@ -501,6 +501,7 @@ impl EventLoop {
                     bytes_received: self.traffic.bandwidth.of_peer(id).map(|b| b.1),
                     path: self.links.path(id).map(str::to_string),
                     remote: self.links.remote(id),
+                    connections: self.links.count(id),
                     offences: offences.map_or(0, |o| o.0),
                     last_offence: offences.map(|o| o.1.to_string()),
                     ..p.clone()

@@ -2,7 +2,8 @@
 //! (direct or relayed), dial and listen failures (told apart for the log: a ban, the
 //! allowlist, a handshake that most likely failed on the network key), and each protocol's
 //! events (identify admits members of this run and refuses the rest; ping, gossip and bulk
-//! messages prove a member alive; AutoNAT, relay, DCUtR and UPnP feed the NAT state).
+//! messages prove a member alive; AutoNAT, relay, DCUtR and UPnP feed the NAT state, and an
+//! AutoNAT dial-back this node made is closed once its probe is answered).
 
 use std::time::Instant;
 
@@ -419,6 +420,7 @@ impl EventLoop {
                     score: None,
                     path: None,
                     remote: None,
+                    connections: 0,
                     bytes_sent: None,
                     bytes_received: None,
                     offences: 0,
@@ -439,6 +441,7 @@ impl EventLoop {
             score: None,
             path: None,
             remote: None,
+            connections: 0,
             bytes_sent: None,
             bytes_received: None,
             offences: 0,
@@ -511,6 +514,14 @@ impl EventLoop {
                 tracing::info!("reachability: {old:?} -> {new:?} (AutoNAT)");
                 for id in self.nat.set_status(new) {
                     self.swarm.remove_listener(id);
+                }
+            }
+            NatEvent::Autonat(autonat::Event::InboundProbe(
+                autonat::InboundProbeEvent::Response { peer, address, .. },
+            )) => {
+                if let Some(id) = self.links.spent_dial_back(&peer, &address) {
+                    tracing::debug!(peer = %peer, "answered its AutoNAT probe; closing the dial-back connection");
+                    let _ = self.swarm.close_connection(id);
                 }
             }
             NatEvent::RelayClient(relay::client::Event::ReservationReqAccepted {

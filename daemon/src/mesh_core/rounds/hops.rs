@@ -87,7 +87,7 @@ impl Rounds {
     /// a staller is: one such hop does not make an honest member sit out.
     fn refuse(&mut self, from: PeerId, why: String, now: Instant, out: &mut Vec<Output>) {
         offence(out, from, why);
-        let (in_ring, awaited) = match &self.stage {
+        let (in_ring, awaited) = match &self.attempt.stage {
             Stage::Reducing {
                 ring: Some(ring), ..
             } => match ring.index_of(&from) {
@@ -134,8 +134,8 @@ impl Rounds {
         self.roster.hop_from(from, now);
         let key = (msg.round, msg.attempt, msg.hop, from);
         let hop = (msg.members, values, msg.step);
-        let reducing = matches!(self.stage, Stage::Reducing { .. });
-        match self.round {
+        let reducing = matches!(self.attempt.stage, Stage::Reducing { .. });
+        match self.attempt.round {
             // A round this node has not reached. Right after a round, a faster member may
             // already be in the next one while this node waits for an aggregate: that hop
             // waits. A member can only have finished an attempt this node takes part in once
@@ -146,10 +146,10 @@ impl Rounds {
             // one, see `adopt_newer_round`).
             Some(r) if msg.round > r => {
                 let finishing = msg.round == r.saturating_add(1)
-                    && matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. } if ring.could_have_finished());
-                tracing::debug!(peer = %from, theirs = msg.round, mine = r, attempt = self.attempt, finishing, "a hop of a later round");
+                    && matches!(&self.attempt.stage, Stage::Reducing { ring: Some(ring), .. } if ring.could_have_finished());
+                tracing::debug!(peer = %from, theirs = msg.round, mine = r, attempt = self.attempt.number, finishing, "a hop of a later round");
                 self.inbox.keep(key, hop);
-                let awaited = matches!(&self.stage, Stage::Reducing { ring: Some(ring), .. }
+                let awaited = matches!(&self.attempt.stage, Stage::Reducing { ring: Some(ring), .. }
                     if ring.index_of(&from).is_some_and(|i| ring.awaits(i)));
                 if reducing && !finishing {
                     // Only to take a later round (starting again at the same round and
@@ -162,7 +162,7 @@ impl Rounds {
                     } else if self.moves.has_credit(&from) && self.may_move(from, true) {
                         // An offender went on alone (its aggregate was refused): followed,
                         // it is judged again in the next round (see `may_move`).
-                        self.followed = Some(msg.round);
+                        self.attempt.followed = Some(msg.round);
                         self.restart(now, out);
                     } else {
                         self.drain(now, out);
@@ -171,10 +171,10 @@ impl Rounds {
                     && (self.later_round_to_take(now).is_some() || self.may_move(from, true))
                 {
                     // The retry takes its round, as a member that went on says.
-                    self.followed = Some(msg.round);
+                    self.attempt.followed = Some(msg.round);
                     if let Stage::Reducing {
                         ring: Some(ring), ..
-                    } = &mut self.stage
+                    } = &mut self.attempt.stage
                     {
                         ring.went_on.get_or_insert(now);
                     }
@@ -195,22 +195,22 @@ impl Rounds {
                         theirs = msg.round,
                         "this node's round is far past the one most members name; taking theirs as a joiner"
                     );
-                    let step = self.boundary;
+                    let step = self.attempt.boundary;
                     self.restored(step);
                     self.inbox.keep(key, hop);
                 }
                 return;
             }
-            Some(_) if msg.attempt < self.attempt => return,
-            Some(_) if msg.attempt > self.attempt => {
+            Some(_) if msg.attempt < self.attempt.number => return,
+            Some(_) if msg.attempt > self.attempt.number => {
                 self.inbox.keep(key, hop);
                 if !reducing {
-                    self.attempt = msg.attempt;
+                    self.attempt.number = msg.attempt;
                 } else if let Some(attempt) = self.later_attempt_to_take(now) {
-                    self.attempt = attempt;
+                    self.attempt.number = attempt;
                     self.restart(now, out);
                 } else if self.may_move(from, false) {
-                    self.attempt = msg.attempt;
+                    self.attempt.number = msg.attempt;
                     self.restart(now, out);
                 }
                 return;
@@ -233,18 +233,18 @@ impl Rounds {
     /// 252 rounds completed in the simulator, at 9.6 x the loss. Answers whether the attempt
     /// was aborted.
     fn weigh_lone_claims(&mut self, now: Instant) -> bool {
-        let Some(round) = self.round else {
+        let Some(round) = self.attempt.round else {
             return false;
         };
         let Stage::Reducing {
             ring: Some(ring), ..
-        } = &self.stage
+        } = &self.attempt.stage
         else {
             return false;
         };
         // Once this node sent its aggregate in an attempt of this round (this one, or one it
         // aborted since), a member may have finished the round honestly.
-        if ring.could_have_finished() || self.aggregated_in == Some(round) {
+        if ring.could_have_finished() || self.attempt.aggregated_in == Some(round) {
             return false;
         }
         // A claim whose sender has since sent a hop of this attempt is stale.
@@ -255,7 +255,7 @@ impl Rounds {
             {
                 if let Stage::Reducing {
                     ring: Some(ring), ..
-                } = &mut self.stage
+                } = &mut self.attempt.stage
                 {
                     ring.lone_claim = None;
                 }
@@ -263,7 +263,7 @@ impl Rounds {
         }
         let Stage::Reducing {
             ring: Some(ring), ..
-        } = &self.stage
+        } = &self.attempt.stage
         else {
             return false;
         };
@@ -297,7 +297,7 @@ impl Rounds {
         for (x, claimed) in claims {
             let Stage::Reducing {
                 ring: Some(ring), ..
-            } = &mut self.stage
+            } = &mut self.attempt.stage
             else {
                 return false;
             };
@@ -313,7 +313,7 @@ impl Rounds {
             if ring.awaits(i) && ring.lone_claim.is_none() && self.may_move(x, true) {
                 if let Stage::Reducing {
                     ring: Some(ring), ..
-                } = &mut self.stage
+                } = &mut self.attempt.stage
                 {
                     ring.lone_claim = Some((x, claimed));
                     ring.went_on.get_or_insert(now);
@@ -339,11 +339,11 @@ impl Rounds {
     /// an honest member that took a later round a moment before the others is contradicted
     /// once, by few.
     pub(super) fn contradicted(&mut self, x: PeerId, claimed: u64, now: Instant) {
-        tracing::info!(peer = %x, claimed, round = ?self.round, "a member named a later round that most members' hops of this attempt contradict");
+        tracing::info!(peer = %x, claimed, round = ?self.attempt.round, "a member named a later round that most members' hops of this attempt contradict");
         self.abort("a member's later round contradicts the others'", now);
         // Its word is not taken this round: its later hops go, and it moves this node no
         // more until a round completes here ([`Rounds::may_move`]).
-        let round = self.round;
+        let round = self.attempt.round;
         self.inbox
             .retain(|(r, _, _, from)| *from != x || round.is_none_or(|mine| *r <= mine));
         self.moves.contradicted(x);
@@ -369,12 +369,12 @@ impl Rounds {
         (round, attempt, members): (u64, u32, u64),
         now: Instant,
     ) {
-        if self.round != Some(round) || self.attempt != attempt {
+        if !self.attempt.is(round, attempt) {
             return;
         }
         if let Stage::Reducing {
             ring: Some(ring), ..
-        } = &mut self.stage
+        } = &mut self.attempt.stage
         {
             let awaited = ring.index_of(&from).is_some_and(|i| ring.awaits(i));
             if awaited && members == ring.digest {
@@ -392,14 +392,14 @@ impl Rounds {
     /// each other; and in `ddp` every member followed with weight 0, so that no round
     /// completed. Not an offence: nothing shows which member is wrong.
     fn too_far(&self, msg: &RingMessage, now: Instant) -> bool {
-        let (round, attempt) = match self.round {
+        let (round, attempt) = match self.attempt.round {
             Some(r) if msg.round < r => return false,
-            Some(r) if msg.round == r => (r, self.attempt),
+            Some(r) if msg.round == r => (r, self.attempt.number),
             // A later round starts at attempt 0.
             Some(r) => (r, 0),
             None => (0, 0),
         };
-        let base = self.round_said_by_most(now).or(self.round);
+        let base = self.round_said_by_most(now).or(self.attempt.round);
         base.is_some_and(|b| msg.round.saturating_sub(b) > ROUND_JUMP)
             || (msg.round >= FOLLOWED_ROUND_LIMIT && msg.round - round > ROUND_JUMP)
             || (msg.attempt >= FOLLOWED_ATTEMPT_LIMIT
@@ -412,7 +412,7 @@ impl Rounds {
     /// so far, so it gives way: its parameters are no longer the mesh's, and it takes the
     /// mesh's round as a joiner does (weight 0, the members' mean).
     fn far_ahead(&self, now: Instant) -> bool {
-        match (self.round, self.round_said_by_most(now)) {
+        match (self.attempt.round, self.round_said_by_most(now)) {
             (Some(r), Some(said)) => r.saturating_sub(said) > ROUND_JUMP,
             _ => false,
         }
@@ -423,7 +423,7 @@ impl Rounds {
     /// with what the inbox says of the mesh's round and attempt.
     pub(super) fn restart(&mut self, now: Instant, out: &mut Vec<Output>) {
         self.weigh_lists_before_moving_on(now);
-        if let Stage::Reducing { ring, .. } = &mut self.stage {
+        if let Stage::Reducing { ring, .. } = &mut self.attempt.stage {
             *ring = None;
         }
         self.start(now, out);
@@ -435,16 +435,16 @@ impl Rounds {
     /// aggregates its chunk and sends the aggregate to every member; with every aggregate
     /// in, the round is done.
     pub(super) fn drain(&mut self, now: Instant, out: &mut Vec<Output>) {
-        let Some(round) = self.round else {
+        let Some(round) = self.attempt.round else {
             return;
         };
-        let attempt = self.attempt;
+        let attempt = self.attempt.number;
         // Hops of older attempts of this round, or of older rounds, are no use any more.
         self.inbox
             .retain(|(r, a, _, _)| *r > round || (*r == round && *a >= attempt));
         let Stage::Reducing {
             ring: Some(ring), ..
-        } = &mut self.stage
+        } = &mut self.attempt.stage
         else {
             return;
         };
@@ -595,7 +595,7 @@ impl Rounds {
         }
         let Stage::Reducing {
             ring: Some(ring), ..
-        } = &mut self.stage
+        } = &mut self.attempt.stage
         else {
             return;
         };
@@ -630,7 +630,7 @@ impl Rounds {
             }
             ring.acc[range].copy_from_slice(&agg.mean);
             ring.totals[me] = Some(agg.total);
-            self.aggregated_in = Some(round);
+            self.attempt.aggregated_in = Some(round);
             if !ring.direct() {
                 for (peer, msg) in ring.aggregate_messages(round, attempt, agg.total) {
                     self.counts.sent(msg.values.len());

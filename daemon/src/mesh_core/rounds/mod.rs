@@ -58,8 +58,9 @@
 //! it computes while the fastest computes the whole batch ([`balanced_batch`]), and its
 //! gradient weighs by its samples, so the mean is still the gradient of every sample computed.
 //!
-//! `Rounds` runs the attempts and holds their stage; what it reads and remembers lives in rooms
-//! that each own one thing: [`roster`] records what members said and decides nothing;
+//! `Rounds` runs the attempts; where it is and what it reads and remembers lives in rooms
+//! that each own one thing: [`attempt`] the round, attempt, boundary and stage it is at;
+//! [`roster`] records what members said and decides nothing;
 //! [`trust`] decides whom a stall leaves out and whom this node blames; [`lists`] and
 //! [`stance`] what differing lists and accusations make it do; [`standing`] whether its own
 //! parameters and state are the members'; [`moves`] whose hops may move it on; [`starts`]
@@ -77,6 +78,7 @@ use super::status::RoundStatus;
 use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
 use crate::wire::Heartbeat;
 use crate::wire::{largest_hop_values, ValueEncoding};
+use attempt::{Attempt, Stage};
 use counts::RoundCounts;
 use inbox::Inbox;
 use lists::{Action, Lists, Verdict};
@@ -93,6 +95,7 @@ use work::Work;
 
 pub use ring::balanced_batch;
 
+mod attempt;
 mod counts;
 mod hops;
 mod inbox;
@@ -322,57 +325,16 @@ type HopKey = (u64, u32, u32, PeerId);
 /// A hop waiting in the inbox: (member-list digest, values, the step it carries).
 type Hop = (u64, Vec<f32>, u64);
 
-/// Where this node is in the round.
-#[derive(Debug)]
-enum Stage {
-    /// Training towards the boundary.
-    Training,
-    /// Its parameters (or, in a gradient round, the next batch's gradient) were asked of the
-    /// trainer.
-    Asked {
-        /// A gradient was asked for.
-        gradient: bool,
-    },
-    /// Holding its contribution, with an attempt under way or waiting to be retried.
-    Reducing {
-        /// Parameters or a gradient, unweighted.
-        contribution: Vec<f32>,
-        /// Its weight in the mean (0 where this node's parameters are not the mesh's).
-        weight: f32,
-        /// The contribution is a gradient (else parameters).
-        gradient: bool,
-        /// The trainer's step when it gave the contribution.
-        step: u64,
-        /// The trainer trains on past `step` while the round runs ([`Rounds::runs_on`]).
-        runs_on: bool,
-        /// The attempt under way (boxed: most of a node's life is spent in other stages).
-        ring: Option<Box<Ring>>,
-        since: Instant,
-    },
-    /// The mean went to the trainer.
-    Combining {
-        /// The ring carried the members' round anchor and outer velocity (`diloco`).
-        carried_state: bool,
-        /// The step the trainer gave its parameters at, where it trained on past it: the next
-        /// boundary counts from there.
-        ran_on_from: Option<u64>,
-        /// The digest of the ring's member list (`ring::members_digest`); `None` for a ring
-        /// of one, whose mean is its own parameters, a promise to nobody.
-        ring: Option<u64>,
-    },
-}
-
 /// The rounds of one node; see the module docs.
 #[derive(Debug)]
 pub struct Rounds {
     cfg: RoundConfig,
     me: PeerId,
-    round: Option<u64>,
-    attempt: u32,
-    boundary: u64,
+    /// The round and attempt it is in, where its training stops, the attempt's stage, and
+    /// what the last attempts left for the next ([`attempt`]).
+    attempt: Attempt,
     /// Whether its parameters (and state) are the members' ([`standing`]).
     standing: Standing,
-    stage: Stage,
     /// Hops for attempts this node has not reached, those of the running attempt not taken
     /// yet, and those whose pieces are still coming ([`inbox`]).
     inbox: Inbox,
@@ -385,9 +347,6 @@ pub struct Rounds {
     /// Whose hops of later rounds and attempts moved this node, and the offences that buy
     /// further moves ([`moves`], [`Rounds::may_move`]).
     moves: Moves,
-    /// A later round one member's hop made this node give up its attempt for
-    /// ([`Rounds::may_move`]), to be taken by the restart.
-    followed: Option<u64>,
     /// Its own speed, batch and gradient scale ([`work`]).
     work: Work,
     /// What attempts whose lists differed said, and what this node did about it.
@@ -395,11 +354,6 @@ pub struct Rounds {
     /// Whether this node sits out, and whom it accuses ([`stance`], [`lists`],
     /// [`Rounds::contradicted`], [`Rounds::accuse`]).
     stance: Stance,
-    /// The round in whose attempts this node last sent its aggregate: a member may have
-    /// finished it, so its word that it did is not contradicted ([`Rounds::contradicted`]).
-    aggregated_in: Option<u64>,
-    /// The members of the last attempt's ring (status shows it; [`Rounds::finish`] reads it).
-    ring_size: usize,
     /// What status counts ([`counts`]); the rest of [`RoundStatus`] is read off the fields
     /// above.
     counts: RoundCounts,
@@ -418,22 +372,16 @@ impl Rounds {
         Rounds {
             cfg,
             me,
-            round: synced.then_some(0),
-            attempt: 0,
-            boundary,
+            attempt: Attempt::new(boundary, synced),
             standing: Standing::new(synced),
-            stage: Stage::Training,
             inbox: Inbox::with_default_bound(cfg.piece_bytes),
             starts: Starts::default(),
             roster: Roster::default(),
             trust: Trust::default(),
             moves: Moves::default(),
-            followed: None,
             work: Work::default(),
-            ring_size: 0,
             lists: Lists::default(),
             stance: Stance::default(),
-            aggregated_in: None,
             counts: RoundCounts::default(),
         }
     }
@@ -459,14 +407,7 @@ impl Rounds {
     /// The highest step the trainer may reach: the round's boundary, or past it by
     /// [`RoundConfig::overlap_steps`] while a round it may train on through runs.
     pub fn step_limit(&self) -> u64 {
-        match self.stage {
-            Stage::Reducing { runs_on: true, .. }
-            | Stage::Combining {
-                ran_on_from: Some(_),
-                ..
-            } => self.boundary.saturating_add(self.cfg.overlap_steps),
-            _ => self.boundary,
-        }
+        self.attempt.step_limit(self.cfg.overlap_steps)
     }
 
     /// Whether the trainer may train on while the round it gives `gradient` (or parameters)
@@ -484,7 +425,7 @@ impl Rounds {
 
     /// The round under way, once this node knows it.
     pub fn round(&self) -> Option<u64> {
-        self.round
+        self.attempt.round
     }
 
     /// The round a goodbye names: one past the last round whose ring this node completed.
@@ -492,10 +433,7 @@ impl Rounds {
     /// send is sent), even where the trainer's answer is not in yet: the stop can come first,
     /// and an event dropped for a full channel never comes.
     pub fn leaving_round(&self) -> Option<u64> {
-        match self.stage {
-            Stage::Combining { .. } => self.round.map(|r| r.saturating_add(1)),
-            _ => self.round,
-        }
+        self.attempt.leaving_round()
     }
 
     /// What status shows.
@@ -508,9 +446,9 @@ impl Rounds {
                 .map(PeerId::to_string)
                 .collect(),
             sitting_out: self.sitting_out(now),
-            round: self.round,
-            attempt: self.attempt,
-            ring_size: self.ring_size,
+            round: self.attempt.round,
+            attempt: self.attempt.number,
+            ring_size: self.attempt.ring_size,
             completed: self.counts.completed(),
             aborted: self.counts.aborted_by_reason().clone(),
             last_round_ms: self.counts.times().last_ms(),
@@ -520,7 +458,7 @@ impl Rounds {
             bytes_sent: self.counts.bytes_sent(),
             parts_refused: self.counts.parts_refused(),
             parts_clipped: self.counts.parts_clipped(),
-            boundary: self.boundary,
+            boundary: self.attempt.boundary,
             synced: self.standing.synced(),
             digests: self.counts.digests(),
         }
@@ -540,9 +478,10 @@ impl Rounds {
             .and_then(|x| x.parse::<PeerId>().ok())
             .filter(|x| *x != peer && !self.lists.left_out(&peer, now));
         if let Some(x) = named {
-            let member = hb.in_rounds || self.roster.is_ready(&peer) || self.ring_has(&peer);
+            let member =
+                hb.in_rounds || self.roster.is_ready(&peer) || self.attempt.ring_has(&peer);
             let again = self.lists.accused(x, peer, hb.accusations, self.me, now);
-            if self.roster.is_ready(&x) || self.ring_has(&x) {
+            if self.roster.is_ready(&x) || self.attempt.ring_has(&x) {
                 self.leave_out_if_accused_by_most(x, now);
                 if again && member {
                     self.leave_out_accused_again(x, peer, now);
@@ -554,7 +493,7 @@ impl Rounds {
             // for one of its hops would only stall. It counts as a stall of that member's
             // (excused `STALL_EXCUSES` times a round, then left out), or a member could put
             // off its leave-out for good by saying so just before each stall timeout.
-            let awaited = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. }
+            let awaited = matches!(&self.attempt.stage, Stage::Reducing { ring: Some(r), .. }
                 if r.index_of(&peer).is_some_and(|i| r.awaits(i)));
             if awaited {
                 self.abort("a member sat out", now);
@@ -564,7 +503,7 @@ impl Rounds {
         if hb.in_rounds && hb.round.is_some() {
             self.starts.rounds_heard(now);
         }
-        let in_ring = self.ring_has(&peer);
+        let in_ring = self.attempt.ring_has(&peer);
         self.roster.heard(peer, hb, in_ring, now);
     }
 
@@ -590,7 +529,7 @@ impl Rounds {
         if let Some(last) = self.lists.left_out_accused(x, now) {
             tracing::info!(peer = %x, "most members accused a member (a later round contradicted, or a part withheld); leaving it out of the rounds for {last:?}");
             self.abort_counter("left out a member most accused");
-            if self.ring_has(&x) {
+            if self.attempt.ring_has(&x) {
                 self.abort("most members accused a member", now);
             }
         }
@@ -608,7 +547,7 @@ impl Rounds {
         if let Some(last) = self.lists.left_out_again(x, by, self.me, now) {
             tracing::info!(peer = %x, "a member accused a member again; leaving it out of the rounds for {last:?}");
             self.abort_counter("left out a member accused again");
-            if self.ring_has(&x) {
+            if self.attempt.ring_has(&x) {
                 self.abort("a member accused a member again", now);
             }
         }
@@ -715,8 +654,8 @@ impl Rounds {
         self.roster.down(peer, now);
         self.trust.forgive(&peer);
         self.inbox.retain(|(_, _, _, from)| *from != peer);
-        let completed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
-        if self.ring_has(&peer) && !completed {
+        let completed = matches!(&self.attempt.stage, Stage::Reducing { ring: Some(r), .. } if r.left_done.contains(&peer));
+        if self.attempt.ring_has(&peer) && !completed {
             self.abort("member left", now);
         }
     }
@@ -733,8 +672,8 @@ impl Rounds {
     /// silent member's does: [`LATE_ROUND_WAIT`] after a member it waits for went on, or
     /// [`STALL_TIMEOUT`]. A forged round buys no more than going silent.
     pub fn peer_leaving(&mut self, peer: PeerId, their_round: Option<u64>) {
-        let past = matches!((their_round, self.round), (Some(t), Some(mine)) if t > mine);
-        if let Stage::Reducing { ring: Some(r), .. } = &mut self.stage {
+        let past = matches!((their_round, self.attempt.round), (Some(t), Some(mine)) if t > mine);
+        if let Stage::Reducing { ring: Some(r), .. } = &mut self.attempt.stage {
             if past && r.members.contains(&peer) && !r.left_done.contains(&peer) {
                 r.left_done.push(peer);
             }
@@ -743,21 +682,17 @@ impl Rounds {
 
     /// A hop to `peer` could not be delivered.
     pub fn undelivered(&mut self, peer: PeerId, round: u64, attempt: u32, now: Instant) {
-        if Some(round) == self.round && attempt == self.attempt && self.ring_has(&peer) {
+        if self.attempt.is(round, attempt) && self.attempt.ring_has(&peer) {
             self.roster.unreachable(&peer);
             self.abort("hop undelivered", now);
         }
-    }
-
-    fn ring_has(&self, peer: &PeerId) -> bool {
-        matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.members.contains(peer))
     }
 
     /// Time passed; `step` is the trainer's, `training` whether it trains (a joiner still
     /// downloading does not, and is not asked for parameters).
     pub fn tick(&mut self, step: u64, training: bool, now: Instant, out: &mut Vec<Output>) {
         self.roster.forget_stale_speeds(now);
-        match &self.stage {
+        match &self.attempt.stage {
             // A step report at the boundary may have been dropped: the tick asks instead.
             Stage::Training if training => self.stepped(step, out),
             Stage::Reducing { ring: Some(r), .. }
@@ -778,14 +713,14 @@ impl Rounds {
             {
                 // One member's word, not contradicted: the retry takes its round.
                 if let Some((_, claimed)) = r.lone_claim {
-                    self.followed = Some(claimed);
+                    self.attempt.followed = Some(claimed);
                 }
                 self.abort("the mesh went on", now);
             }
             Stage::Reducing { ring: None, .. } if !self.sitting_out(now) => {
-                if self.round.is_none() && self.starts.adopt_due(now) {
+                if self.attempt.round.is_none() && self.starts.adopt_due(now) {
                     tracing::info!("no ring heard; starting the rounds at round 0");
-                    self.round = Some(0);
+                    self.attempt.round = Some(0);
                     // Others may have started too, each from its own checkpoint: in
                     // `diloco` their first ring founds one round start and velocity.
                     self.standing.starts_the_rounds(self.cfg.outer_state);
@@ -803,14 +738,17 @@ impl Rounds {
     /// its gradient with weight 0 too, and is brought in by the next parameter round; one
     /// that does not know the round yet gives its parameters.)
     pub fn stepped(&mut self, step: u64, out: &mut Vec<Output>) {
-        if matches!(self.stage, Stage::Training) && step >= self.boundary {
-            let gradient = self.round.is_some_and(|r| self.cfg.sums_gradients(r));
+        if matches!(self.attempt.stage, Stage::Training) && step >= self.attempt.boundary {
+            let gradient = self
+                .attempt
+                .round
+                .is_some_and(|r| self.cfg.sums_gradients(r));
             self.ask(gradient, out);
         }
     }
 
     fn ask(&mut self, gradient: bool, out: &mut Vec<Output>) {
-        self.stage = Stage::Asked { gradient };
+        self.attempt.stage = Stage::Asked { gradient };
         out.push(Output::Trainer(if gradient {
             let batch = self.work.ask_batch(&self.cfg, self.roster.speeds());
             TrainerCommand::TakeGradient { batch }
@@ -855,7 +793,7 @@ impl Rounds {
         now: Instant,
         out: &mut Vec<Output>,
     ) {
-        if !matches!(self.stage, Stage::Asked { gradient: g } if g == gradient) {
+        if !matches!(self.attempt.stage, Stage::Asked { gradient: g } if g == gradient) {
             return;
         }
         let weight = if self.standing.synced() {
@@ -863,7 +801,7 @@ impl Rounds {
         } else {
             0.0
         };
-        self.stage = Stage::Reducing {
+        self.attempt.stage = Stage::Reducing {
             contribution: values,
             weight,
             gradient,
@@ -897,13 +835,13 @@ impl Rounds {
     /// mesh's); in `diloco` it asks for the members' round start and velocity too, which it
     /// may have missed.
     fn adopt_newer_round(&mut self, now: Instant) {
-        if !matches!(self.stage, Stage::Reducing { .. }) {
+        if !matches!(self.attempt.stage, Stage::Reducing { .. }) {
             return;
         }
         let Some(target) = self.later_round_to_take(now) else {
             return;
         };
-        self.followed = None;
+        self.attempt.followed = None;
         let hops_of_target = self
             .inbox
             .keys()
@@ -913,9 +851,8 @@ impl Rounds {
             .vouched_by_members(hops_of_target.clone(), now)
             .or_else(|| hops_of_target.map(|(_, a)| a).min())
             .unwrap_or(0) as u32;
-        let Some(mine) = self.round else {
-            self.round = Some(target);
-            self.attempt = attempt;
+        let Some(mine) = self.attempt.round else {
+            self.attempt.enter(target, attempt);
             return;
         };
         let proven = self.mesh_is_past(mine, now);
@@ -928,7 +865,7 @@ impl Rounds {
         let steps_apart = self.cfg.sums_gradients(target);
         let Stage::Reducing {
             weight, gradient, ..
-        } = &mut self.stage
+        } = &mut self.attempt.stage
         else {
             return;
         };
@@ -948,16 +885,18 @@ impl Rounds {
             );
             self.standing.took_a_round_on_one_word(self.cfg.outer_state);
         }
-        self.round = Some(target);
-        self.attempt = attempt;
+        self.attempt.enter(target, attempt);
     }
 
     /// The later round the inbox's hops make this node take ([`Rounds::adopt_newer_round`]),
     /// if any.
     pub(super) fn later_round_to_take(&self, now: Instant) -> Option<u64> {
-        let mine = self.round;
-        self.proven_later_round(now)
-            .or_else(|| self.followed.filter(|r| mine.is_some_and(|m| *r > m)))
+        let mine = self.attempt.round;
+        self.proven_later_round(now).or_else(|| {
+            self.attempt
+                .followed
+                .filter(|r| mine.is_some_and(|m| *r > m))
+        })
     }
 
     /// The later round the inbox's hops make this node take on more than one member's word:
@@ -969,7 +908,7 @@ impl Rounds {
     /// others': their hops then contradicted its own, most members accused the honest
     /// member, and the others' rounds raced on thousands apart.)
     pub(super) fn proven_later_round(&self, now: Instant) -> Option<u64> {
-        let mine = self.round;
+        let mine = self.attempt.round;
         let later = self
             .inbox
             .keys()
@@ -1002,11 +941,11 @@ impl Rounds {
     /// The later attempt of this node's round that two members' hops in the inbox name (or
     /// the only other's), if any.
     pub(super) fn later_attempt_to_take(&self, now: Instant) -> Option<u32> {
-        let round = self.round?;
+        let round = self.attempt.round?;
         let attempts = self
             .inbox
             .keys()
-            .filter(|(r, a, _, _)| *r == round && *a > self.attempt)
+            .filter(|(r, a, _, _)| *r == round && *a > self.attempt.number)
             .map(|(_, a, _, from)| (*from, u64::from(*a)));
         self.vouched_by_members(attempts, now).map(|a| a as u32)
     }
@@ -1078,7 +1017,7 @@ impl Rounds {
     /// ring of three ahead of it, and stalls the third, costs that third member one
     /// round's weight, where it used to go on alone.)
     fn stalled(&mut self, now: Instant) {
-        let (suspects, withheld) = match &self.stage {
+        let (suspects, withheld) = match &self.attempt.stage {
             Stage::Reducing { ring: Some(r), .. } => {
                 let withheld: Vec<PeerId> = (0..r.len())
                     .filter(|i| r.awaits_part(*i))
@@ -1102,7 +1041,7 @@ impl Rounds {
             // a later round finished this one (this node missed an aggregate): accused, an
             // honest member that went on first was left out by all the others, and the
             // rounds of the rest raced thousands apart (`ring_rogue`'s `next_attempt`).
-            let in_this_round = self.roster.round_said(&peer) == self.round;
+            let in_this_round = self.roster.round_said(&peer) == self.attempt.round;
             if left_out && withheld == [peer] && in_this_round {
                 self.accuse(peer, now);
             }
@@ -1135,7 +1074,7 @@ impl Rounds {
             for (peer, _) in suspects {
                 self.trust.forgive(peer);
             }
-            let step = self.boundary;
+            let step = self.attempt.boundary;
             self.restored(step);
         }
         alone
@@ -1146,7 +1085,7 @@ impl Rounds {
     /// Answers whether it was left out now.
     fn excuse_or_leave_out(&mut self, peer: PeerId, at_boundary: bool, now: Instant) -> bool {
         if !self.stall_leaves_out(&peer, at_boundary) {
-            self.trust.excuse(peer, self.round.unwrap_or(0));
+            self.trust.excuse(peer, self.attempt.round.unwrap_or(0));
             return false;
         }
         self.trust.forgive(&peer);
@@ -1164,7 +1103,7 @@ impl Rounds {
     /// it showed it is at the boundary, or was excused [`STALL_EXCUSES`] times this round.
     fn stall_leaves_out(&self, peer: &PeerId, at_boundary: bool) -> bool {
         self.trust
-            .stall_leaves_out(peer, at_boundary, self.round.unwrap_or(0))
+            .stall_leaves_out(peer, at_boundary, self.attempt.round.unwrap_or(0))
     }
 
     /// The members a stalled attempt waited for, each with whether it showed it is at the
@@ -1195,11 +1134,14 @@ impl Rounds {
             .into_iter()
             .map(|i| {
                 let peer = ring.members[i];
-                let at_boundary = (!self.round.is_some_and(|r| self.cfg.sums_gradients(r))
-                    && self.roster.round_said(&peer) == self.round
+                let at_boundary = (!self
+                    .attempt
+                    .round
+                    .is_some_and(|r| self.cfg.sums_gradients(r))
+                    && self.roster.round_said(&peer) == self.attempt.round
                     && match (ring.steps_said[i], self.roster.step_said(&peer)) {
                         (Some(then), Some((step, heard))) => {
-                            heard > ring.started && (step <= then || step > self.boundary)
+                            heard > ring.started && (step <= then || step > self.attempt.boundary)
                         }
                         _ => false,
                     })
@@ -1213,11 +1155,11 @@ impl Rounds {
     /// in the inbox: `peer` is not training towards the boundary, it went on (a hop this
     /// node did not follow, [`Rounds::may_move`]).
     fn went_ahead(&self, peer: PeerId) -> bool {
-        let Some(round) = self.round else {
+        let Some(round) = self.attempt.round else {
             return false;
         };
         self.inbox.keys().any(|(r, a, _, from)| {
-            *from == peer && (*r > round || (*r == round && *a > self.attempt))
+            *from == peer && (*r > round || (*r == round && *a > self.attempt.number))
         })
     }
 
@@ -1278,7 +1220,7 @@ impl Rounds {
     /// attempt's hops moved it on within the wait, attempt after attempt (`ring_rogue`'s
     /// `diloco` kill test: no round for 60 s, in CI and in 2 runs of 9 beside a busy core).
     pub(super) fn weigh_lists_before_moving_on(&mut self, now: Instant) {
-        let differed = matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.lists_differ_since.is_some());
+        let differed = matches!(&self.attempt.stage, Stage::Reducing { ring: Some(r), .. } if r.lists_differ_since.is_some());
         if !differed {
             return;
         }
@@ -1293,7 +1235,7 @@ impl Rounds {
         let not_in_rounds = self.members_not_in_rounds(now);
         let Stage::Reducing {
             ring: Some(ring), ..
-        } = &self.stage
+        } = &self.attempt.stage
         else {
             return None;
         };
@@ -1349,7 +1291,7 @@ impl Rounds {
                 self.abort_counter("sat out");
                 // Its hops held are of rings it is no longer in.
                 self.inbox.clear();
-                let step = self.boundary;
+                let step = self.attempt.boundary;
                 self.restored(step);
             }
         }
@@ -1361,26 +1303,26 @@ impl Rounds {
             return;
         }
         self.adopt_newer_round(now);
-        let Some(round) = self.round else {
+        let Some(round) = self.attempt.round else {
             return;
         };
         // A node that adopted the mesh's round may hold the other kind of contribution
         // (parameters for a gradient round): it asks the trainer again, and its answer
         // starts the attempt.
-        if let Stage::Reducing { gradient, .. } = self.stage {
+        if let Stage::Reducing { gradient, .. } = self.attempt.stage {
             if gradient != self.cfg.sums_gradients(round) {
                 self.ask(!gradient, out);
                 return;
             }
         }
-        if !matches!(self.stage, Stage::Reducing { .. }) {
+        if !matches!(self.attempt.stage, Stage::Reducing { .. }) {
             return;
         }
         // Members may already be at a later attempt of this round: join it, where two say
         // so (or the only other). One member's word alone moves the attempt only as a hop
         // that makes this node give up its own ([`Rounds::may_move`]).
         if let Some(a) = self.later_attempt_to_take(now) {
-            self.attempt = a;
+            self.attempt.number = a;
         }
         let lists = &self.lists;
         let mut members: Vec<PeerId> = self
@@ -1406,7 +1348,7 @@ impl Rounds {
             ring,
             step,
             ..
-        } = &mut self.stage
+        } = &mut self.attempt.stage
         else {
             return;
         };
@@ -1460,8 +1402,8 @@ impl Rounds {
             now,
         );
         r.steps_said = said;
-        tracing::debug!(round, attempt = self.attempt, members = ?r.members, "attempt started");
-        self.ring_size = r.len();
+        tracing::debug!(round, attempt = self.attempt.number, members = ?r.members, "attempt started");
+        self.attempt.ring_size = r.len();
         self.starts.unpaused();
         if r.len() == 1 {
             let step = r.members_step();
@@ -1469,7 +1411,7 @@ impl Rounds {
             self.finish(round, acc, total, step, carries_state, now, out);
             return;
         }
-        for (peer, msg) in r.part_messages(round, self.attempt) {
+        for (peer, msg) in r.part_messages(round, self.attempt.number) {
             self.counts.sent(msg.values.len());
             out.push(Output::SendRing { peer, msg });
         }
@@ -1504,12 +1446,12 @@ impl Rounds {
                 "no member of the ring is synced; founding one state together"
             );
             self.standing.founds_together();
-            self.attempt = self.attempt.saturating_add(1);
+            self.attempt.retry();
             self.abort_counter("no member synced");
             self.ask(false, out);
             return;
         }
-        let (since, mean, ran_on) = match &self.stage {
+        let (since, mean, ran_on) = match &self.attempt.stage {
             Stage::Reducing {
                 since,
                 contribution,
@@ -1517,7 +1459,7 @@ impl Rounds {
                 ..
             } if self
                 .cfg
-                .sums_outer_changes(round, carried_state, self.ring_size) =>
+                .sums_outer_changes(round, carried_state, self.attempt.ring_size) =>
             {
                 (*since, parameters_after(contribution, &mean), *runs_on)
             }
@@ -1526,7 +1468,7 @@ impl Rounds {
         };
         self.counts
             .mean_arrived(now.saturating_duration_since(since).as_secs_f64() * 1e3);
-        let ring = match &self.stage {
+        let ring = match &self.attempt.stage {
             Stage::Reducing { ring: Some(r), .. } if r.len() > 1 => {
                 Some(ring::members_digest(&r.members, carried_state))
             }
@@ -1535,7 +1477,7 @@ impl Rounds {
         // A member that became unsynced meanwhile takes the members' parameters whole: its
         // trainer drops what it trained on, and its boundary counts from where it is.
         let ran_on_from = (ran_on && self.standing.judged()).then_some(step);
-        self.stage = Stage::Combining {
+        self.attempt.stage = Stage::Combining {
             carried_state,
             ran_on_from,
             ring,
@@ -1574,16 +1516,15 @@ impl Rounds {
             carried_state,
             ran_on_from,
             ring,
-        } = self.stage
+        } = self.attempt.stage
         else {
             return;
         };
-        if self.round != Some(round) {
+        if self.attempt.round != Some(round) {
             return;
         }
-        tracing::debug!(round, ring = self.ring_size, "round completed");
-        self.round = Some(round.saturating_add(1));
-        self.attempt = 0;
+        tracing::debug!(round, ring = self.attempt.ring_size, "round completed");
+        self.attempt.completed(round);
         // A parameter round leaves every member the mean; in `diloco` only one that carried
         // the state leaves them the same anchor and velocity too.
         if !self.cfg.sums_gradients(round) && (carried_state || !self.cfg.outer_state) {
@@ -1599,13 +1540,13 @@ impl Rounds {
         // As a synced member's first boundary: `steps` on, or in gradient rounds, none. One
         // that trained on through the round counts from where it gave its parameters, so
         // every round is `steps` of its training.
-        self.boundary = match ran_on_from {
+        self.attempt.boundary = match ran_on_from {
             Some(from) => from.saturating_add(self.cfg.steps.max(1)).max(step),
             None => self.cfg.first_boundary(step, true),
         };
-        self.stage = Stage::Training;
+        self.attempt.stage = Stage::Training;
         self.starts.round_known();
-        self.counts.round_completed(self.ring_size);
+        self.counts.round_completed(self.attempt.ring_size);
         self.standing.mean_taken();
         self.lists.agreed();
         self.trust.round_completed();
@@ -1629,13 +1570,13 @@ impl Rounds {
     /// after [`REFUSALS_BEFORE_UNSYNCED`] refusals in a row does it give up its parameters
     /// as the mesh's: an honest member that drifted far must come back some time.
     pub fn combine_failed(&mut self) {
-        if matches!(self.stage, Stage::Combining { .. }) {
+        if matches!(self.attempt.stage, Stage::Combining { .. }) {
             self.standing.mean_refused();
-            self.stage = Stage::Training;
+            self.attempt.stage = Stage::Training;
             // The retry is a new attempt: a member still in this one (waiting for a late
             // aggregate) takes this node's new parts as the next attempt's, not as second
             // parts of this one.
-            self.attempt = self.attempt.saturating_add(1);
+            self.attempt.retry();
             self.abort_counter("trainer failed");
         }
     }
@@ -1654,23 +1595,21 @@ impl Rounds {
     /// mesh's; hold and adopt the mesh's round.
     pub fn restored(&mut self, step: u64) {
         self.standing.restored();
-        self.round = None;
-        self.attempt = 0;
-        self.boundary = step;
-        self.stage = Stage::Training;
+        self.attempt.restored(step);
+        self.attempt.stage = Stage::Training;
         self.starts.round_known();
     }
 
     fn abort(&mut self, why: &str, now: Instant) {
-        if let Stage::Reducing { ring, .. } = &mut self.stage {
+        if let Stage::Reducing { ring, .. } = &mut self.attempt.stage {
             if ring.take().is_some() {
-                tracing::info!(round = ?self.round, attempt = self.attempt, why, "round attempt aborted; retrying");
+                tracing::info!(round = ?self.attempt.round, attempt = self.attempt.number, why, "round attempt aborted; retrying");
                 // An attempt that failed for a reason of this node's own (not a wait on
                 // members, which may be a rogue's doing) lets members move it once more.
                 if !matches!(why, "stalled" | "the mesh went on" | "a member sat out") {
                     self.moves.own_abort();
                 }
-                self.attempt = self.attempt.saturating_add(1);
+                self.attempt.retry();
                 self.starts.aborted(now);
                 self.abort_counter(why);
             }

@@ -598,7 +598,7 @@ fn a_member_that_leaves_after_completing_the_round_does_not_abort_it() {
             ring.nodes[i].tick(step, true, now, &mut out);
             queue.extend(out.into_iter().map(|o| (i, o)));
         }
-        let combining = |n: &Rounds| matches!(n.stage, Stage::Combining { .. });
+        let combining = |n: &Rounds| matches!(n.attempt.stage, Stage::Combining { .. });
         let rest = ring.carry_until(queue, now, &[true; 3], |r| r.nodes.iter().any(combining));
         let first = ring.nodes.iter().position(combining).expect("a mean");
         assert_eq!(ring.nodes.iter().filter(|n| combining(n)).count(), 1);
@@ -648,7 +648,7 @@ fn a_ring_without_a_synced_member_founds_one_state() {
     let mut ring = Ring::new(3, &[1.0; 3], &[false; 3]);
     let now = Instant::now();
     for node in &mut ring.nodes {
-        node.round = Some(4);
+        node.attempt.round = Some(4);
     }
     // The members' steps differ; each hands over its parameters at its own.
     ring.steps = vec![10, 11, 12];
@@ -700,7 +700,7 @@ fn one_members_step_moves_no_joiner_or_founder_past_the_others() {
         };
         let mut ring = Ring::new(4, &[1.0; 4], &synced);
         for node in &mut ring.nodes {
-            node.round = Some(4);
+            node.attempt.round = Some(4);
         }
         ring.steps = vec![100, 120, 110, if founding { 90 } else { 0 }];
         ring.rogue = Some((
@@ -756,8 +756,8 @@ fn a_joiner_adopts_the_round_and_leaves_it_with_the_members_mean() {
 fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
     let mut ring = Ring::with_gradients(2, &[1.0; 2], &[true, false], Some(4));
     let node = &mut ring.nodes[1];
-    node.round = Some(1);
-    node.stage = Stage::Combining {
+    node.attempt.round = Some(1);
+    node.attempt.stage = Stage::Combining {
         carried_state: false,
         ran_on_from: None,
         ring: Some(7),
@@ -770,8 +770,8 @@ fn an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it() {
         node.status(Instant::now()).digests
     );
     // Round 4 sums parameters: the node leaves it with the members' mean.
-    node.round = Some(4);
-    node.stage = Stage::Combining {
+    node.attempt.round = Some(4);
+    node.attempt.stage = Stage::Combining {
         carried_state: false,
         ran_on_from: None,
         ring: Some(7),
@@ -1380,7 +1380,7 @@ fn a_synced_diloco_member_trains_on_through_its_round_up_to_the_overlap() {
     let queue = ring.carry_until(queue, now, &[true, true], |r| {
         r.nodes
             .iter()
-            .all(|n| matches!(n.stage, Stage::Reducing { .. }))
+            .all(|n| matches!(n.attempt.stage, Stage::Reducing { .. }))
     });
     for i in 0..2 {
         assert_eq!(
@@ -1412,7 +1412,10 @@ fn a_synced_diloco_member_trains_on_through_its_round_up_to_the_overlap() {
     let mut out = Vec::new();
     ring.nodes[1].tick(0, true, now, &mut out);
     ring.nodes[1].params(ring.params[1].clone(), 0, now, &mut out);
-    assert!(matches!(ring.nodes[1].stage, Stage::Reducing { .. }));
+    assert!(matches!(
+        ring.nodes[1].attempt.stage,
+        Stage::Reducing { .. }
+    ));
     assert_eq!(ring.nodes[1].step_limit(), 0, "the joiner ran on");
 }
 
@@ -1422,7 +1425,7 @@ fn a_synced_diloco_member_trains_on_through_its_round_up_to_the_overlap() {
 fn a_need_for_the_state_named_at_an_earlier_round_is_stale() {
     let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
     ring.nodes[0].cfg.outer_state = true;
-    ring.nodes[0].round = Some(4);
+    ring.nodes[0].attempt.round = Some(4);
     let members = ring.sorted().0;
     let stale = Heartbeat {
         needs_state: true,
@@ -1450,7 +1453,7 @@ fn a_need_for_the_state_named_at_an_earlier_round_is_stale() {
 fn a_carried_round_meets_the_needs_heard_before_it() {
     let mut ring = Ring::new(2, &[1.0; 2], &[true; 2]);
     ring.nodes[0].cfg.outer_state = true;
-    ring.nodes[0].round = Some(4);
+    ring.nodes[0].attempt.round = Some(4);
     let members = ring.sorted().0;
     let joiner = Heartbeat {
         needs_state: true,
@@ -1458,7 +1461,7 @@ fn a_carried_round_meets_the_needs_heard_before_it() {
     };
     ring.nodes[0].heard(ring.ids[1], &joiner, Instant::now());
     assert!(ring.nodes[0].carries_state(4, &members));
-    ring.nodes[0].stage = Stage::Combining {
+    ring.nodes[0].attempt.stage = Stage::Combining {
         carried_state: true,
         ran_on_from: None,
         ring: Some(7),
@@ -2537,7 +2540,7 @@ fn hops_carry_a_member_no_further_than_a_jump_past_what_most_members_say() {
     follow_lone_claim(&mut ring, 0, now);
     assert_eq!(ring.nodes[0].status(now).round, Some(ROUND_JUMP));
     // Made to think it is far past the others (as after a long split), it gives way.
-    ring.nodes[0].round = Some(3 * ROUND_JUMP);
+    ring.nodes[0].attempt.round = Some(3 * ROUND_JUMP);
     let hop = next_round_hop(&ring, 0);
     out.clear();
     ring.nodes[0].message(ring.ids[2], hop, now, &mut out);

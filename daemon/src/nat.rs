@@ -70,7 +70,16 @@ struct Link {
     relayed: bool,
     remote: Multiaddr,
     dialed: bool,
+    /// When this node closes it: an AutoNAT dial-back whose probe is answered
+    /// ([`Links::spend_dial_back`]).
+    close_at: Option<Instant>,
 }
+
+/// How long a dial-back whose probe is answered stays open: the dialler counts the dial-back
+/// a success once its side of the handshake is done (multistream-select's lazy mode), before
+/// the other side has finished its own; closed at once, the other side saw its handshake
+/// break off and took it for a wrong network key. The handshake takes a few round trips.
+pub const DIAL_BACK_GRACE: Duration = Duration::from_secs(5);
 
 /// Open connections by peer, each marked direct or relayed.
 #[derive(Debug, Default)]
@@ -86,6 +95,7 @@ impl Links {
             relayed: endpoint.is_relayed(),
             remote: endpoint.get_remote_address().clone(),
             dialed: endpoint.is_dialer(),
+            close_at: None,
         };
         self.by_peer.entry(peer).or_default().push(link);
     }
@@ -155,20 +165,39 @@ impl Links {
     }
 
     /// The connection this node dialled to `peer` at `address` to answer its AutoNAT probe
-    /// (the dial-back), to close now that the probe is answered, if another direct
-    /// connection to `peer` stays. Left open, every probe (each 15 s until the verdict is
-    /// sure, then each 5 min, in both directions) added a connection that gossip's streams
-    /// kept alive, until the per-peer limit refused the next dial-back and the probe failed.
-    pub fn spent_dial_back(&self, peer: &PeerId, address: &Multiaddr) -> Option<ConnectionId> {
-        let links = self.by_peer.get(peer)?;
-        let dial_back = links
-            .iter()
+    /// (the dial-back) is spent now that the probe is answered: it is closed
+    /// [`DIAL_BACK_GRACE`] from `now` ([`Links::due_to_close`]). Left open, every probe
+    /// (each 15 s until the verdict is sure, then each 5 min, in both directions) added a
+    /// connection that gossip's streams kept alive, until the per-peer limit refused the
+    /// next dial-back and the probe failed.
+    pub fn spend_dial_back(&mut self, peer: &PeerId, address: &Multiaddr, now: Instant) {
+        let Some(links) = self.by_peer.get_mut(peer) else {
+            return;
+        };
+        if let Some(dial_back) = links
+            .iter_mut()
             .rev()
-            .find(|l| l.dialed && !l.relayed && &l.remote == address)?;
-        links
-            .iter()
-            .any(|l| l.id != dial_back.id && !l.relayed)
-            .then_some(dial_back.id)
+            .find(|l| l.dialed && !l.relayed && &l.remote == address)
+        {
+            dial_back.close_at = Some(now + DIAL_BACK_GRACE);
+        }
+    }
+
+    /// The spent dial-backs due to close at `now`, each only while another direct
+    /// connection to its peer stays (never a peer's last direct connection).
+    pub fn due_to_close(&self, now: Instant) -> Vec<ConnectionId> {
+        self.by_peer
+            .values()
+            .flat_map(|links| {
+                links.iter().filter(move |l| {
+                    l.close_at.is_some_and(|at| at <= now)
+                        && links
+                            .iter()
+                            .any(|o| o.id != l.id && !o.relayed && o.close_at.is_none())
+                })
+            })
+            .map(|l| l.id)
+            .collect()
     }
 
     /// An address this node reached `peer` at directly: a relay candidate, since at least
@@ -457,11 +486,11 @@ mod tests {
         assert!(!links.connected(&peer));
     }
 
-    /// A dial-back is closed once its probe is answered, and only while another direct
-    /// connection to the peer stays: never the peer's last direct connection, never one the
-    /// peer dialled, never one to another address.
+    /// A dial-back is closed [`DIAL_BACK_GRACE`] after its probe is answered, and only while
+    /// another direct connection to the peer stays: never the peer's last direct connection,
+    /// never one the peer dialled, never one to another address.
     #[test]
-    fn a_spent_dial_back_is_closed_only_beside_another_direct_connection() {
+    fn a_spent_dial_back_is_closed_after_a_grace_beside_another_direct_connection() {
         let mut links = Links::default();
         let peer = PeerId::random();
         let listen = "/ip4/10.0.0.9/tcp/4001";
@@ -470,10 +499,12 @@ mod tests {
             ConnectionId::new_unchecked(1),
             ConnectionId::new_unchecked(2),
         );
+        let t0 = Instant::now();
+        let after = t0 + DIAL_BACK_GRACE;
         links.opened(peer, dial_back, &dialer(listen));
-        assert_eq!(
-            links.spent_dial_back(&peer, &address),
-            None,
+        links.spend_dial_back(&peer, &address, t0);
+        assert!(
+            links.due_to_close(after).is_empty(),
             "the only connection stays"
         );
         links.opened(
@@ -481,23 +512,23 @@ mod tests {
             first,
             &listener("/ip4/10.0.0.9/tcp/5555", "/ip4/10.0.0.2/tcp/4001"),
         );
-        assert_eq!(links.spent_dial_back(&peer, &address), Some(dial_back));
-        assert_eq!(
-            links.spent_dial_back(&peer, &"/ip4/10.0.0.9/tcp/4002".parse().expect("addr")),
-            None,
-            "a connection to another address is not the dial-back"
+        assert!(
+            links.due_to_close(t0).is_empty(),
+            "not before the other side's handshake is done"
         );
-        assert_eq!(
-            links.spent_dial_back(&PeerId::random(), &address),
-            None,
-            "another peer's"
-        );
+        assert_eq!(links.due_to_close(after), vec![dial_back]);
         links.closed(&peer, dial_back);
-        assert_eq!(
-            links.spent_dial_back(&peer, &"/ip4/10.0.0.9/tcp/5555".parse().expect("addr")),
-            None,
-            "a connection the peer dialled is never taken for a dial-back"
+        assert!(links.due_to_close(after).is_empty());
+        // Another address, another peer, or a connection the peer dialled: nothing spent.
+        links.spend_dial_back(&peer, &"/ip4/10.0.0.9/tcp/4002".parse().expect("addr"), t0);
+        links.spend_dial_back(&PeerId::random(), &address, t0);
+        links.spend_dial_back(&peer, &"/ip4/10.0.0.9/tcp/5555".parse().expect("addr"), t0);
+        links.opened(
+            peer,
+            ConnectionId::new_unchecked(3),
+            &dialer("/ip4/10.0.0.9/tcp/4003"),
         );
+        assert!(links.due_to_close(after).is_empty());
     }
 
     #[test]

@@ -61,6 +61,19 @@ struct Report {
 
 /// Runs a real node for `steps` steps; returns its steps/s without and with evaluation time.
 fn daemon_run(p: &Prepared, steps: u64, rt: &tokio::runtime::Runtime) -> Result<(f64, f64)> {
+    let s = daemon_stats(p, steps, rt)?;
+    Ok((
+        s.steps_this_run as f64 / (s.train_secs - s.eval_secs),
+        s.steps_this_run as f64 / s.train_secs,
+    ))
+}
+
+/// Runs a real node for `steps` steps; returns the trainer's figures of the run.
+fn daemon_stats(
+    p: &Prepared,
+    steps: u64,
+    rt: &tokio::runtime::Runtime,
+) -> Result<p2ptrain_daemon::trainer::Stats> {
     let mut p = p.clone();
     p.config.apply(&Overrides {
         max_steps: Some(steps),
@@ -85,10 +98,7 @@ fn daemon_run(p: &Prepared, steps: u64, rt: &tokio::runtime::Runtime) -> Result<
     if s.steps_this_run != steps {
         bail!("daemon ran {} steps, expected {steps}", s.steps_this_run);
     }
-    Ok((
-        s.steps_this_run as f64 / (s.train_secs - s.eval_secs),
-        s.steps_this_run as f64 / s.train_secs,
-    ))
+    Ok(s)
 }
 
 static NEXT_DIR: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -149,4 +159,29 @@ pub fn run(args: TrainerArgs) -> Result<std::process::ExitCode> {
     }
     println!("{json}");
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The evaluation time a run reports lies within its training time, the final
+    /// evaluation included, so training without evaluation takes `train_secs - eval_secs`
+    /// and never less than nothing. `train_secs` was read before the final evaluation, which
+    /// `eval_secs` counted: a short run whose final evaluation took longer than its steps
+    /// reported negative steps a second (a CI run of `bench trainer`: -67,266). This test
+    /// failed on that order: a one-step run's final evaluation outlasts its step.
+    #[test]
+    fn a_runs_evaluation_time_lies_within_its_training_time() {
+        let p = node::prepare(Config::load(None).expect("the built-in config")).expect("prepared");
+        let rt = crate::runtime::runtime().expect("runtime");
+        let s = daemon_stats(&p, 1, &rt).expect("one step");
+        assert!(s.eval_secs > 0.0, "the run ends with an evaluation");
+        assert!(
+            s.eval_secs <= s.train_secs,
+            "evaluation {} s of a run of {} s",
+            s.eval_secs,
+            s.train_secs
+        );
+    }
 }

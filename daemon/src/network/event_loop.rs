@@ -191,6 +191,9 @@ impl EventLoop {
 
     fn on_tick(&mut self) {
         let now = Instant::now();
+        for spent in self.links.due_to_close(now) {
+            let _ = self.swarm.close_connection(spent);
+        }
         let paused = self.paused_at.is_some();
         let silent: Vec<PeerId> = self
             .members

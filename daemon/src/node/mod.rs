@@ -954,12 +954,11 @@ async fn print_listen_addrs(net: &network::Client, peer_id: &str, run_id: &str, 
 mod tests {
     use super::*;
 
-    /// A join task that panicked (a bug, never a peer's doing) ends the node with an error
-    /// naming it, after the trainer was asked to stop: it is not left waiting for a state
-    /// that will never come.
-    #[tokio::test]
-    async fn a_panicked_join_task_stops_the_node_with_an_error() {
-        let (stop_tx, stop_rx) = watch::channel(false);
+    /// Runs [`until_finished`] with no shutdown or stop asked, the join task and the
+    /// network's word as given, and a trainer that ends once told to stop: the failure the
+    /// node ended with, and whether the trainer was told to stop.
+    async fn failure_of(parts: (Option<JoinTask>, NetworkEnded)) -> (String, bool) {
+        let (_stop_tx, stop_rx) = watch::channel(false);
         let (done_tx, done_rx) = oneshot::channel();
         let (cmd_tx, mut cmd_rx) = mpsc::channel(4);
         // The trainer: it ends (its answer dropped) once it is told to stop.
@@ -972,28 +971,26 @@ mod tests {
             }
             false
         });
-        let join_task: JoinTask = tokio::spawn(async { panic!("a bug in the joiner") });
-        let (_net_ended_tx, net_ended) = oneshot::channel();
-        let ended = tokio::time::timeout(
+        let (_, failure) = tokio::time::timeout(
             Duration::from_secs(10),
-            until_finished(
-                std::future::pending(),
-                stop_rx,
-                done_rx,
-                (Some(join_task), net_ended),
-                &cmd_tx,
-            ),
+            until_finished(std::future::pending(), stop_rx, done_rx, parts, &cmd_tx),
         )
         .await
         .expect("the node ended instead of waiting for ever");
-        drop(stop_tx);
-        let (_, failure) = ended;
-        let failure = failure.expect("the join task's failure").to_string();
+        let failure = failure.expect("the node ended with a failure").to_string();
+        (failure, trainer.await.expect("trainer task"))
+    }
+
+    /// A join task that panicked (a bug, never a peer's doing) ends the node with an error
+    /// naming it, after the trainer was asked to stop: it is not left waiting for a state
+    /// that will never come.
+    #[tokio::test]
+    async fn a_panicked_join_task_stops_the_node_with_an_error() {
+        let join_task: JoinTask = tokio::spawn(async { panic!("a bug in the joiner") });
+        let (_net_ended_tx, net_ended) = oneshot::channel();
+        let (failure, told) = failure_of((Some(join_task), net_ended)).await;
         assert!(failure.contains("a bug in the joiner"), "{failure}");
-        assert!(
-            trainer.await.expect("trainer task"),
-            "the trainer was told to stop"
-        );
+        assert!(told, "the trainer was told to stop");
     }
 
     /// A network task that panicked (a bug, here or in libp2p: CI once saw libp2p's
@@ -1003,42 +1000,14 @@ mod tests {
     /// stopped: this test waited its 10 s for an end that never came.
     #[tokio::test]
     async fn a_panicked_network_task_stops_the_node_with_an_error() {
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let (done_tx, done_rx) = oneshot::channel();
-        let (cmd_tx, mut cmd_rx) = mpsc::channel(4);
-        let trainer = tokio::spawn(async move {
-            while let Some(cmd) = cmd_rx.recv().await {
-                if matches!(cmd, Command::Stop) {
-                    drop(done_tx);
-                    return true;
-                }
-            }
-            false
-        });
         let (watcher, net_ended) =
             watch_network(tokio::spawn(async { panic!("a bug in the swarm") }));
-        let ended = tokio::time::timeout(
-            Duration::from_secs(10),
-            until_finished(
-                std::future::pending(),
-                stop_rx,
-                done_rx,
-                (None, net_ended),
-                &cmd_tx,
-            ),
-        )
-        .await
-        .expect("the node ended instead of training on without its network");
-        drop(stop_tx);
-        let failure = ended.1.expect("the network task's failure").to_string();
+        let (failure, told) = failure_of((None, net_ended)).await;
         assert!(
             failure.contains("network") && failure.contains("a bug in the swarm"),
             "{failure}"
         );
-        assert!(
-            trainer.await.expect("trainer"),
-            "the trainer was told to stop"
-        );
+        assert!(told, "the trainer was told to stop");
         watcher.await.expect("the watcher ends with the task");
     }
 

@@ -535,6 +535,9 @@ impl Loop {
             last_publish: Instant::now(),
             last_grad_norm: Instant::now(),
         };
+        // The run's time starts here: an evaluation before it (of a restored state) is not
+        // the run's.
+        self.stats.eval_secs = 0.0;
         self.s.optimizer.measure_grad_norm_once();
         self.stats.training.phase = Phase::Training;
         self.publish();
@@ -586,11 +589,13 @@ impl Loop {
             self.after_step(loss, indices.len())?;
         }
         self.released();
-        self.stats.train_secs = self.clock.started.elapsed().as_secs_f64();
         let evaluates = self.s.eval_every > 0 || !self.s.eval_every_time.is_zero();
         if evaluates && self.stats.training.eval.map(|e| e.step) != Some(self.counters.step) {
             self.evaluate()?;
         }
+        // After the final evaluation, which `eval_secs` counts: the run's evaluations lie
+        // within its time.
+        self.stats.train_secs = self.clock.started.elapsed().as_secs_f64();
         self.finish(reached_max_steps)
     }
 }

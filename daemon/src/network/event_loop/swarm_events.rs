@@ -3,7 +3,7 @@
 //! allowlist, a handshake that most likely failed on the network key), and each protocol's
 //! events (identify admits members of this run and refuses the rest; ping, gossip and bulk
 //! messages prove a member alive; AutoNAT, relay, DCUtR and UPnP feed the NAT state, and an
-//! AutoNAT dial-back this node made is closed once its probe is answered).
+//! AutoNAT dial-back this node made is closed a little after its probe is answered).
 
 use std::time::Instant;
 
@@ -519,10 +519,8 @@ impl EventLoop {
             NatEvent::Autonat(autonat::Event::InboundProbe(
                 autonat::InboundProbeEvent::Response { peer, address, .. },
             )) => {
-                if let Some(id) = self.links.spent_dial_back(&peer, &address) {
-                    tracing::debug!(peer = %peer, "answered its AutoNAT probe; closing the dial-back connection");
-                    let _ = self.swarm.close_connection(id);
-                }
+                tracing::debug!(peer = %peer, "answered its AutoNAT probe; the dial-back connection closes in {:?}", nat::DIAL_BACK_GRACE);
+                self.links.spend_dial_back(&peer, &address, Instant::now());
             }
             NatEvent::RelayClient(relay::client::Event::ReservationReqAccepted {
                 relay_peer_id,

@@ -46,11 +46,12 @@ pub(crate) struct Watch {
     pub secs: f64,
 }
 
-/// Connections a node may hold to one honest peer: one, and for a moment a second (an
-/// AutoNAT dial-back before its probe is answered, or both dialling each other at once).
-/// AutoNAT's dial-backs once stayed open: a pair held 8 connections after 45 s (the per-peer
-/// limit), and the next probes, refused by that limit, turned loopback nodes "private".
-const HONEST_CONNECTIONS_MAX: u64 = 2;
+/// Connections a node may hold to one honest peer: one, a second where both dialled each
+/// other at once, and for a few seconds a third (an AutoNAT dial-back, closed
+/// `nat::DIAL_BACK_GRACE` after its probe is answered). AutoNAT's dial-backs once stayed
+/// open: a pair held 8 connections after 45 s (the per-peer limit), and the next probes,
+/// refused by that limit, turned loopback nodes "private".
+const HONEST_CONNECTIONS_MAX: u64 = 3;
 
 /// Polls every node once a second for `secs` (with `poll`, which reads one node's status) and
 /// records every moment a node has fewer or more than N-1 peers, lost a member (its

@@ -225,8 +225,9 @@ pub struct PeerInfo {
     /// Where the connection runs to: for a peer behind a NAT, its gateway's address.
     #[serde(default)]
     pub remote: Option<String>,
-    /// Connections open to it, direct and relayed. One is the norm: a second is an AutoNAT
-    /// dial-back (closed once its probe is answered) or a relayed one a hole punch replaces.
+    /// Connections open to it, direct and relayed. One is the norm; more for a while: both
+    /// dialled each other at once, an AutoNAT dial-back (closed a few seconds after its probe
+    /// is answered), or a relayed one a hole punch replaces.
     #[serde(default)]
     pub connections: u32,
     /// Bytes sent to it over all connections since this node started.

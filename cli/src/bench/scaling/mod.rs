@@ -801,13 +801,13 @@ pub fn run(args: ScalingArgs) -> Result<()> {
         runs,
     };
     let json = serde_json::to_string_pretty(&report)?;
-    let svg = render_report_svg(&report, &config_name, args.nodes)?;
+    let svg = render_report_svg(&report)?;
     write_report(&args.out, &json, &svg)
 }
 
 /// `report.svg`: per kind of run (at the learning rate its summary chose), each seed's curve
 /// faint and the median over seeds bold, labelled with the seeds it is the median of.
-fn render_report_svg(report: &Report, config_name: &str, nodes: usize) -> Result<String> {
+fn render_report_svg(report: &Report) -> Result<String> {
     let mut lines = Vec::new();
     for (colour, s) in report.summary.iter().enumerate() {
         let runs: Vec<&Run> = report
@@ -836,8 +836,8 @@ fn render_report_svg(report: &Report, config_name: &str, nodes: usize) -> Result
     }
     crate::plot::render_curves_svg(
         &format!(
-            "p2ptrain bench scaling: {config_name}, {nodes} nodes, {}",
-            report.links
+            "p2ptrain bench scaling: {}, {} nodes, {}",
+            report.measured.config, report.measured.nodes, report.links
         ),
         match report.metric {
             Metric::BitsPerByte => "held-out bits per byte",
@@ -1033,7 +1033,8 @@ mod tests {
                 .collect(),
             runs,
         };
-        let svg = render_report_svg(&report, "c.toml", 2).expect("svg");
+        let svg = render_report_svg(&report).expect("svg");
+        assert!(svg.contains("c.toml, 2 nodes, loopback"), "{svg}");
         assert!(svg.contains("gossip lr 0.003 (median of 3 seeds)"), "{svg}");
         assert!(svg.contains("alone lr 0.003 (median of 1 seed)"), "{svg}");
         assert!(

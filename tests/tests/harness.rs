@@ -88,16 +88,25 @@ pub fn mnist_dir() -> Option<PathBuf> {
 }
 
 /// Polls `f` until it returns `Some`, or panics with `what` after `timeout`.
-pub fn eventually<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+pub fn eventually<T>(timeout: Duration, what: &str, f: impl FnMut() -> Option<T>) -> T {
+    eventually_or_say(timeout, what, f, String::new)
+}
+
+/// [`eventually`], whose panic adds what `say` tells of the state waited on.
+pub fn eventually_or_say<T>(
+    timeout: Duration,
+    what: &str,
+    mut f: impl FnMut() -> Option<T>,
+    say: impl FnOnce() -> String,
+) -> T {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = f() {
             return v;
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
+        if Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}{}", say());
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -530,24 +539,28 @@ impl Node {
         timeout: Duration,
         pred: impl Fn(&Value) -> bool,
     ) -> Value {
-        let deadline = Instant::now() + timeout;
-        let mut last = None;
-        loop {
-            if let Some(s) = self.status() {
+        let last = std::cell::RefCell::new(None);
+        eventually_or_say(
+            timeout,
+            what,
+            || {
+                let s = self.status()?;
                 if pred(&s) {
-                    return s;
+                    return Some(s);
                 }
-                last = Some(s);
-            }
-            if Instant::now() >= deadline {
-                panic!(
-                    "timed out after {timeout:?} waiting for {what} on the node in {}; its last status: {}",
+                *last.borrow_mut() = Some(s);
+                None
+            },
+            || {
+                format!(
+                    " on the node in {}; its last status: {}",
                     self.data_dir.display(),
-                    last.map_or_else(|| "none".to_string(), |s| s.to_string()),
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+                    last.borrow()
+                        .as_ref()
+                        .map_or_else(|| "none".to_string(), Value::to_string)
+                )
+            },
+        )
     }
 
     /// SIGKILL, as a crash.

@@ -98,12 +98,13 @@ impl Attempt {
         matches!(&self.stage, Stage::Reducing { ring: Some(r), .. } if r.members.contains(peer))
     }
 
-    /// Out of the rounds, holding at `step` until the mesh's round is adopted again (a
-    /// state restored from a checkpoint or a donor).
+    /// Out of the rounds, training towards (held at) `step` until the mesh's round is
+    /// adopted again (a state restored from a checkpoint or a donor).
     pub(super) fn restored(&mut self, step: u64) {
         self.round = None;
         self.number = 0;
         self.boundary = step;
+        self.stage = Stage::Training;
     }
 }
 

@@ -1596,7 +1596,6 @@ impl Rounds {
     pub fn restored(&mut self, step: u64) {
         self.standing.restored();
         self.attempt.restored(step);
-        self.attempt.stage = Stage::Training;
         self.starts.round_known();
     }
 

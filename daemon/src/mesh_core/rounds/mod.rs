@@ -1335,6 +1335,13 @@ impl Rounds {
             // Waiting for members: the tick tries again.
             return;
         }
+        // Nor while fewer members are ready than sit out: a round they did not take part in
+        // would be contradicted by most of them when they come back, and they would blame
+        // this node for it ([`CONTRADICTED_SIT_OUT`] ends for one member a moment before
+        // the others). One of a pair still goes on alone.
+        if members.len() < self.members_not_in_rounds(now).len() {
+            return;
+        }
         members.sort();
         let me = members.iter().position(|p| *p == self.me).unwrap_or(0);
         let carries_state = self.carries_state(round, &members);

@@ -566,7 +566,7 @@ impl SyncConfig {
         &self,
         train_samples: usize,
         batch_size: usize,
-    ) -> Option<crate::mesh_core::rounds::RoundConfig> {
+    ) -> Option<crate::mesh_core::rounds::config::RoundConfig> {
         let mut gradients = None;
         let (steps, weight) = match self.mode {
             SyncMode::Gossip => return None,
@@ -581,7 +581,7 @@ impl SyncConfig {
                 (self.local_epochs * per_epoch, train_samples as f32)
             }
         };
-        Some(crate::mesh_core::rounds::RoundConfig {
+        Some(crate::mesh_core::rounds::config::RoundConfig {
             steps: steps.max(1),
             weight,
             gradients,

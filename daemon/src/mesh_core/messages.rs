@@ -158,7 +158,7 @@ pub enum TrainerCommand {
         /// ([`crate::sync_guard::judge_round_mean`]).
         judged: bool,
         /// The trainer trained on past the parameters it gave the round
-        /// ([`crate::mesh_core::rounds::RoundConfig::overlap_steps`]): it keeps what it
+        /// ([`crate::mesh_core::rounds::config::RoundConfig::overlap_steps`]): it keeps what it
         /// trained since on top of the round's result.
         ran_on: bool,
     },

@@ -38,7 +38,8 @@ use crate::guard::GuardConfig;
 use crate::policy::{Action, PolicyConfig, PolicyEvent, SyncPolicy};
 pub use crate::wire::{heartbeat_topic, update_topic};
 use membership::{HeartbeatNews, Membership, NeighbourChange, RoundsNews};
-use rounds::{RoundConfig, Rounds};
+use rounds::config::RoundConfig;
+use rounds::Rounds;
 use syncs::{SyncDone, Syncs};
 use updates::{Updates, Verdict};
 

@@ -548,7 +548,7 @@ fn arbitrary_round_inputs_never_panic_and_the_inbox_stays_bounded() {
         let mut cfg = fuzz_config(seed);
         let me = cfg.me;
         cfg.rounds = Some((
-            rounds::RoundConfig {
+            rounds::config::RoundConfig {
                 steps: 3,
                 weight: 1.0,
                 gradients: (kind == 1).then_some(4),
@@ -782,7 +782,7 @@ fn heartbeats_over_their_rate_are_ignored_and_penalise_only_their_author_sending
 fn readiness_and_new_members_bring_the_next_heartbeat_forward() {
     let mut cfg = fuzz_config(7);
     cfg.rounds = Some((
-        rounds::RoundConfig {
+        rounds::config::RoundConfig {
             steps: 1,
             weight: 1.0,
             gradients: Some(25),

@@ -274,7 +274,7 @@ impl TrainerStart {
         opened: &OpenedDataDir,
         node_seed: u64,
         joining: bool,
-        rounds: Option<&(crate::mesh_core::rounds::RoundConfig, bool)>,
+        rounds: Option<&(crate::mesh_core::rounds::config::RoundConfig, bool)>,
     ) -> TrainerStart {
         TrainerStart {
             model,
@@ -760,7 +760,7 @@ fn mesh_core(
     layout: p2ptrain_models::params::Layout,
     start_step: u64,
     node_seed: u64,
-    rounds: Option<(crate::mesh_core::rounds::RoundConfig, bool)>,
+    rounds: Option<(crate::mesh_core::rounds::config::RoundConfig, bool)>,
 ) -> MeshCore {
     MeshCore::new(CoreConfig {
         me: opened.local_peer,
@@ -825,7 +825,7 @@ fn start_trainer(
     config: &Config,
     data_dir: &Path,
     t: TrainerStart,
-    rounds: Option<&(crate::mesh_core::rounds::RoundConfig, bool)>,
+    rounds: Option<&(crate::mesh_core::rounds::config::RoundConfig, bool)>,
 ) -> Result<StartedTrainer, NodeError> {
     let (snapshot_tx, snapshots) = mpsc::channel(trainer::SNAPSHOT_CAP);
     let limit = trainer::StepLimit::new();

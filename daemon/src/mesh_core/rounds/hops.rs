@@ -385,7 +385,7 @@ impl Rounds {
 
     /// Whether `msg` names a round or attempt further ahead than this node follows: a round
     /// more than [`ROUND_JUMP`] past the one most members' heartbeats name
-    /// ([`Rounds::round_said_by_most`]; this node's own where none says one), or a jump to
+    /// ([`Members::round_said_by_most`]; this node's own where none says one), or a jump to
     /// half the limits or past them by more than [`ROUND_JUMP`] rounds or [`ATTEMPT_JUMP`]
     /// attempts. Followed as far as they named, one member's hops carried every member to
     /// round 2^47 at once, on the way to the limits, where their own hops are offences to
@@ -399,7 +399,10 @@ impl Rounds {
             Some(r) => (r, 0),
             None => (0, 0),
         };
-        let base = self.round_said_by_most(now).or(self.attempt.round);
+        let base = self
+            .members(now)
+            .round_said_by_most()
+            .or(self.attempt.round);
         base.is_some_and(|b| msg.round.saturating_sub(b) > ROUND_JUMP)
             || (msg.round >= FOLLOWED_ROUND_LIMIT && msg.round - round > ROUND_JUMP)
             || (msg.attempt >= FOLLOWED_ATTEMPT_LIMIT
@@ -412,7 +415,7 @@ impl Rounds {
     /// so far, so it gives way: its parameters are no longer the mesh's, and it takes the
     /// mesh's round as a joiner does (weight 0, the members' mean).
     fn far_ahead(&self, now: Instant) -> bool {
-        match (self.attempt.round, self.round_said_by_most(now)) {
+        match (self.attempt.round, self.members(now).round_said_by_most()) {
             (Some(r), Some(said)) => r.saturating_sub(said) > ROUND_JUMP,
             _ => false,
         }

@@ -18,7 +18,7 @@
 //! for as long as the ban lasted (10 minutes), and the others never got to judge the rogue.
 //! One rogue is never most in a ring of three or more; in a ring of two the other member's
 //! word decides, as it already does where a member is rounds ahead
-//! (`Rounds::mesh_is_past`).
+//! (`Members::say_past`).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -59,9 +59,12 @@
 //! gradient weighs by its samples, so the mean is still the gradient of every sample computed.
 //!
 //! `Rounds` runs the attempts; where it is and what it reads and remembers lives in rooms
-//! that each own one thing: [`attempt`] the round, attempt, boundary and stage it is at;
-//! [`roster`] records what members said and decides nothing;
-//! [`trust`] decides whom a stall leaves out and whom this node blames; [`lists`] and
+//! that each own one thing: [`config`] what the sync config decides for the rounds;
+//! [`attempt`] the round, attempt, boundary and stage it is at;
+//! [`roster`] records what members said and decides nothing; [`members`] counts the
+//! members the roster heard as this node's lists leave them (and reads their word: is the
+//! mesh past a round, what do hops vouch for); [`trust`] decides whom a stall suspects,
+//! leaves out or accuses, and whom this node blames; [`lists`] and
 //! [`stance`] what differing lists and accusations make it do; [`standing`] whether its own
 //! parameters and state are the members'; [`moves`] whose hops may move it on; [`starts`]
 //! when an attempt may start; [`work`] its own speed, batch and gradient scale; [`inbox`] the
@@ -79,9 +82,11 @@ use super::{Output, TrainerCommand, HEARTBEAT_EVERY};
 use crate::wire::Heartbeat;
 use crate::wire::{largest_hop_values, ValueEncoding};
 use attempt::{Attempt, Stage};
+use config::RoundConfig;
 use counts::RoundCounts;
 use inbox::Inbox;
 use lists::{Action, Lists, Verdict};
+use members::Members;
 use moves::Moves;
 #[cfg(test)]
 pub(in crate::mesh_core) use ring::members_digest;
@@ -90,16 +95,18 @@ use roster::Roster;
 use stance::Stance;
 use standing::Standing;
 use starts::Starts;
-use trust::Trust;
+use trust::{Awaited, Stall, Trust};
 use work::Work;
 
 pub use ring::balanced_batch;
 
 mod attempt;
+pub mod config;
 mod counts;
 mod hops;
 mod inbox;
 pub mod lists;
+mod members;
 mod moves;
 pub mod pieces;
 mod ring;
@@ -205,7 +212,7 @@ const FOLLOWED_ROUND_LIMIT: u64 = ROUND_LIMIT / 2;
 /// The same for attempts: half of [`ATTEMPT_LIMIT`] (attempts start at 0 every round).
 const FOLLOWED_ATTEMPT_LIMIT: u32 = ATTEMPT_LIMIT / 2;
 /// A hop naming a round more than this past the one most members' heartbeats name
-/// ([`Rounds::round_said_by_most`]) is not followed, and a member whose own round is that
+/// ([`Members::round_said_by_most`]) is not followed, and a member whose own round is that
 /// far past it gives way. The heartbeats a member goes by are up to [`READY_FRESH`] (6 s)
 /// old, and a `ddp` mesh of a small model completes 40 rounds a second: a jump of 64 left
 /// joiners unable to take such a mesh's round; this is ten times what it completes in 6 s.
@@ -234,91 +241,6 @@ pub const MAX_SHRINK: usize = 8;
 /// this (a digest reads every parameter: ~2 ms a step on the 0.83 M GPT); parameter rounds
 /// always are.
 pub const DIGEST_EVERY: u64 = 10;
-
-/// How this node takes part in rounds.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RoundConfig {
-    /// Steps between two rounds (at least 1).
-    pub steps: u64,
-    /// This node's weight in the mean: 1, or its training samples for `fedavg`.
-    pub weight: f32,
-    /// `ddp`: the rounds sum gradients, one round per step, and the trainer steps only with
-    /// a round's mean gradient; every round whose number this divides sums parameters
-    /// instead (round 0 among them), which is how a joiner takes the members' state.
-    /// `None`: every round sums parameters, `steps` apart.
-    pub gradients: Option<u64>,
-    /// No round starts with fewer members than this (this node included): a mesh that should
-    /// train as N boxes waits for them, as DDP waits for its world, and takes its first step
-    /// with all of them, from one state.
-    pub min_members: usize,
-    /// Samples of a step's batch (`train.batch_size`): a `ddp` gradient of `b` samples
-    /// weighs `b / batch` in the mean, so the mean is the whole batch's gradient.
-    pub batch: usize,
-    /// `ddp`: a member slower than the fastest takes a batch that it computes in the time
-    /// the fastest computes the whole one ([`balanced_batch`]), so a slow box adds what it
-    /// can instead of holding every step back.
-    pub balance: bool,
-    /// `diloco`: the trainer's parameters come with its round anchor and outer velocity
-    /// (three parts of one length), and a parameter attempt carries all three only when a
-    /// member of its ring needs them ([`Rounds::needs_state`]); otherwise the parameters
-    /// alone. Every member then takes its outer step from the same anchor and velocity, so a
-    /// joiner holds the members' bits from its first round on, at three times a round's
-    /// bytes once, not in every round.
-    pub outer_state: bool,
-    /// An attempt that made no progress for this long is aborted and retried
-    /// (`sync.stall_timeout_secs`, by default [`STALL_TIMEOUT`]).
-    pub stall_timeout: Duration,
-    /// The most any one member's weight can be: 1 where members weigh 1 or less (`allreduce`,
-    /// `diloco`; a `ddp` member with a smaller batch its share; a joiner 0), so a round whose
-    /// weight total exceeds the ring's size was inflated by a member, which shrinks the mean
-    /// towards zero by an amount the distance judge may admit. `f32::INFINITY` in `fedavg`,
-    /// whose weights are the members' sample counts, which nothing proves yet (members may
-    /// train on files of their own, so not even the training set's size is shared).
-    pub max_weight: f32,
-    /// Bytes of values a hop's request carries at most; a larger hop travels in pieces
-    /// ([`pieces`]). Every member must cut alike: the wire's [`crate::wire::RING_PIECE_BYTES`]
-    /// (smaller only in tests, to cut the hops of small models).
-    pub piece_bytes: usize,
-    /// How a `diloco` ring that sums outer changes ([`RoundConfig::sums_outer_changes`])
-    /// sends them: bf16, or int8 in blocks on a slow link (`sync.outer_values`, a sync term:
-    /// members must agree).
-    pub outer_values: ValueEncoding,
-    /// `diloco`: steps a synced member's trainer may take past its boundary while the round
-    /// it gave its parameters to runs (`sync.overlap_steps`; 0: held at the boundary). The
-    /// trainer keeps those steps on top of the round's outer step, and the next boundary is
-    /// `steps` after this one, as without overlap.
-    pub overlap_steps: u64,
-}
-
-impl RoundConfig {
-    /// The step limit a node at `step` starts with: a founder (`synced`) trains to its first
-    /// boundary; a joiner, a resumed node and any node in gradient rounds hold at once.
-    pub fn first_boundary(&self, step: u64, synced: bool) -> u64 {
-        if synced && self.gradients.is_none() {
-            step.saturating_add(self.steps.max(1))
-        } else {
-            step
-        }
-    }
-
-    /// Whether round `round` sums gradients (else parameters).
-    pub fn sums_gradients(&self, round: u64) -> bool {
-        self.gradients
-            .is_some_and(|k| k > 1 && !round.is_multiple_of(k))
-    }
-
-    /// Whether an attempt at round `round` with `members` members sums the members' outer
-    /// changes (round start minus parameters) instead of their parameters, as
-    /// [`RoundConfig::outer_values`] says: `diloco` members that share a round start (the
-    /// ring carries no state, so none needs it) and are more than one. A change is a round's
-    /// few steps, so bf16's 2^-8 of it (or int8's 2^-7 of its block's largest value) is far
-    /// below what rounding the parameters would cost; a half (a quarter) of the bytes of
-    /// `f32` parameters. Every member of a ring decides alike: the member digest names
-    /// whether it carries the state.
-    pub fn sums_outer_changes(&self, round: u64, carries_state: bool, members: usize) -> bool {
-        self.outer_state && !carries_state && !self.sums_gradients(round) && members > 1
-    }
-}
 
 /// A hop's place: (round, attempt, hop, sender).
 type HopKey = (u64, u32, u32, PeerId);
@@ -572,16 +494,9 @@ impl Rounds {
         self.stance.accusation(now)
     }
 
-    /// Whether most of the other members heard ready say they are past round `mine`: then
-    /// the mesh went on without this node, and its parameters are not the mesh's. One
-    /// member's hop of a later round is no such proof (see [`Rounds::adopt_newer_round`]).
-    fn mesh_is_past(&self, mine: u64, now: Instant) -> bool {
-        let others: Vec<PeerId> = self.heard_ready_not_accused(now).collect();
-        let past = others
-            .iter()
-            .filter(|p| self.roster.round_said(p).is_some_and(|r| r > mine))
-            .count();
-        past * 2 > others.len()
+    /// The other members as this node counts them at `now` ([`members`]).
+    fn members(&self, now: Instant) -> Members<'_> {
+        Members::new(&self.roster, &self.lists, self.me, now)
     }
 
     /// Whether `from`'s hop of a later round (`to_round`) or attempt may make this node give
@@ -606,21 +521,6 @@ impl Rounds {
     /// offend once for each further move.
     pub(super) fn may_move(&mut self, from: PeerId, to_round: bool) -> bool {
         self.moves.may_move(from, to_round)
-    }
-
-    /// The highest round that most of the other members heard ready say they reached (their
-    /// heartbeats' rounds), if any says one.
-    pub(super) fn round_said_by_most(&self, now: Instant) -> Option<u64> {
-        let mut said: Vec<u64> = self
-            .heard_ready_not_accused(now)
-            .filter_map(|p| self.roster.round_said(&p))
-            .collect();
-        if said.is_empty() {
-            return None;
-        }
-        said.sort_unstable();
-        // More than half of them said this round or a later one.
-        Some(said[(said.len() - 1) / 2])
     }
 
     /// Whether this node's round anchor and outer velocity are not the members' (`diloco`):
@@ -816,11 +716,11 @@ impl Rounds {
 
     /// Takes a later round the inbox holds hops of: the mesh completed rounds without this
     /// node. A node with no round, or one most members' heartbeats say they are past
-    /// ([`Rounds::mesh_is_past`]), takes a round two members' hops name where it is as far as
+    /// ([`Members::say_past`]), takes a round two members' hops name where it is as far as
     /// most heartbeats say, else the round they say where a hop names it or a later one, else
     /// the newest ([`Rounds::proven_later_round`]). Otherwise it takes
     /// the newest round that two members' hops name (or the only other's, where
-    /// it hears one: [`vouched`]); else the round one member's hop named, where nothing
+    /// it hears one: [`members::vouched`]); else the round one member's hop named, where nothing
     /// contradicted it ([`Rounds::weigh_lone_claims`]), once for each member until a round
     /// completes ([`Rounds::may_move`]). Followed every time, a
     /// rogue whose hops always named the round after its own made every member take it, and
@@ -848,14 +748,15 @@ impl Rounds {
             .filter(|(r, _, _, _)| *r == target)
             .map(|(_, a, _, from)| (*from, u64::from(*a)));
         let attempt = self
-            .vouched_by_members(hops_of_target.clone(), now)
+            .members(now)
+            .vouch(hops_of_target.clone())
             .or_else(|| hops_of_target.map(|(_, a)| a).min())
             .unwrap_or(0) as u32;
         let Some(mine) = self.attempt.round else {
             self.attempt.enter(target, attempt);
             return;
         };
-        let proven = self.mesh_is_past(mine, now);
+        let proven = self.members(now).say_past(mine);
         // Taking a gradient round's number, a member that skipped rounds would step from
         // parameters the others no longer hold (it missed their steps, or the mean of the
         // parameter round it was in), so every gradient round up to the next parameter round
@@ -900,7 +801,7 @@ impl Rounds {
     }
 
     /// The later round the inbox's hops make this node take on more than one member's word:
-    /// one two members' hops name ([`vouched`]); where it has no round or most heartbeats
+    /// one two members' hops name ([`members::vouched`]); where it has no round or most heartbeats
     /// say the mesh is past its own, that round only if it is as far as most heartbeats
     /// say, else the round they say where a hop names it or a later one, else the newest any
     /// hop of a member not left out on accusations names. (Taking the newest, a
@@ -914,8 +815,8 @@ impl Rounds {
             .keys()
             .filter(|(r, _, _, _)| mine.is_none_or(|m| *r > m))
             .map(|(r, _, _, from)| (*from, *r));
-        let vouched = self.vouched_by_members(later, now);
-        if !mine.is_none_or(|m| self.mesh_is_past(m, now)) {
+        let vouched = self.members(now).vouch(later);
+        if !mine.is_none_or(|m| self.members(now).say_past(m)) {
             return vouched;
         }
         // The newest round a hop names, of a member not left out on accusations.
@@ -932,7 +833,7 @@ impl Rounds {
         // (taking the heartbeats' round over it cost a stall in `diloco`, 16 s -> 36 s in a
         // `ring_rogue` test). A heartbeat's round is one member's word, however far: taken
         // only where a hop names it or a later one.
-        let said = self.round_said_by_most(now);
+        let said = self.members(now).round_said_by_most();
         let vouched = vouched.filter(|v| said.is_none_or(|s| *v >= s));
         let said = said.filter(|s| *s <= newest && mine.is_none_or(|m| *s > m));
         Some(vouched.or(said).unwrap_or(newest))
@@ -947,145 +848,90 @@ impl Rounds {
             .keys()
             .filter(|(r, a, _, _)| *r == round && *a > self.attempt.number)
             .map(|(_, a, _, from)| (*from, u64::from(*a)));
-        self.vouched_by_members(attempts, now).map(|a| a as u32)
+        self.members(now).vouch(attempts).map(|a| a as u32)
     }
 
-    /// What the hops' `items` (sender, round or attempt) vouch for ([`vouched`]), among the
-    /// members heard now. A member left out on accusations (the mesh's word that it lies
-    /// about rounds) may be the second sender, never the only one: left out, a rogue raced
-    /// through rounds of its own while the honest members sat out its contradiction, and
-    /// each of them, hearing no other member ready as it came back, took the rogue's round
-    /// on its hop alone and founded a state of its own (the honest members' loss 0.08 ->
-    /// 0.24 in `ring_rogue`'s `ddp` next-round test, about one run in six). A member this
-    /// node left out for a stall counts as any other: that is its own view, and where each
-    /// member left out another after stalls, `fedavg` under `NextAttempt` completed 161
-    /// rounds of 203 in the simulator without their word.
-    fn vouched_by_members(
-        &self,
-        items: impl Iterator<Item = (PeerId, u64)>,
-        now: Instant,
-    ) -> Option<u64> {
-        let items = items.map(|(from, v)| (from, v, !self.lists.out_on_accusations(&from, now)));
-        vouched(items, self.others_ready(now))
-    }
-
-    /// Other members heard ready now, less those this node leaves out (the members of its
-    /// next ring).
-    fn others_ready(&self, now: Instant) -> usize {
-        self.members_heard(now).count()
-    }
-
-    /// The other members heard ready within [`READY_FRESH`], less those this node leaves
-    /// out: the members of its next ring ([`Rounds::others_ready`],
-    /// [`Rounds::alone_without`]).
-    fn members_heard(&self, now: Instant) -> impl Iterator<Item = PeerId> + '_ {
-        self.heard_ready(now)
-            .filter(move |p| !self.lists.left_out(p, now))
-    }
-
-    /// The other members heard ready, less those left out on accusations: the members
-    /// whose heartbeats' rounds count ([`Rounds::mesh_is_past`],
-    /// [`Rounds::round_said_by_most`]). A member left out on accusations raced through
-    /// rounds of its own; counted, its heartbeat alone said the mesh was past a member that
-    /// came back from sitting out while the others still sat out. A member left out for a
-    /// stall still counts: that is this node's own view of a member that may be honest.
-    fn heard_ready_not_accused(&self, now: Instant) -> impl Iterator<Item = PeerId> + '_ {
-        self.heard_ready(now)
-            .filter(move |p| !self.lists.out_on_accusations(p, now))
-    }
-
-    /// The other members heard within [`READY_FRESH`] saying they are not in rounds, less
-    /// those this node leaves out ([`Rounds::lists_differ`]).
-    fn members_not_in_rounds(&self, now: Instant) -> Vec<PeerId> {
-        self.roster
-            .fresh_not_in_rounds(now)
-            .filter(|p| *p != self.me && !self.lists.left_out(p, now))
-            .collect()
-    }
-
-    /// The other members heard ready within [`READY_FRESH`].
-    fn heard_ready(&self, now: Instant) -> impl Iterator<Item = PeerId> + '_ {
-        self.roster.fresh(now).filter(move |p| *p != self.me)
-    }
-
-    /// The running attempt stalled: it is aborted, and the members it waited for are left
-    /// out of the next attempts ([`Lists::stalled`]) where they showed they are at the
-    /// boundary, or were excused [`STALL_EXCUSES`] times this round already; unless that
-    /// would leave out every other member this node hears, two or more
-    /// ([`Rounds::alone_without`]): then this node holds as a joiner and gives up its
-    /// weight for the round it next takes. (So a rogue that drives an honest member of a
-    /// ring of three ahead of it, and stalls the third, costs that third member one
-    /// round's weight, where it used to go on alone.)
+    /// The running attempt stalled: it is aborted, and the members it waited for
+    /// ([`trust::stall_suspects`]) are left out of the next attempts ([`Lists::stalled`])
+    /// where they showed they are at the boundary, or were excused [`STALL_EXCUSES`] times
+    /// this round already; unless that would leave out every other member this node hears,
+    /// two or more ([`Trust::out_of_step`]): then this node holds as a joiner and gives up
+    /// its weight for the round it next takes. (So a rogue that drives an honest member of a
+    /// ring of three ahead of it, and stalls the third, costs that third member one round's
+    /// weight, where it used to go on alone.) A suspect left out that alone withheld its
+    /// part in this round is accused too ([`trust::withheld_alone`]).
     fn stalled(&mut self, now: Instant) {
-        let (suspects, withheld) = match &self.attempt.stage {
-            Stage::Reducing { ring: Some(r), .. } => {
-                let withheld: Vec<PeerId> = (0..r.len())
-                    .filter(|i| r.awaits_part(*i))
-                    .map(|i| r.members[i])
-                    .collect();
-                (self.stall_suspects(r), withheld)
-            }
-            _ => return,
+        let Some(stall) = self.stall() else {
+            return;
         };
+        let suspects = trust::stall_suspects(&stall, &self.roster);
         self.abort("stalled", now);
         if self.alone_without(&suspects, now) {
             return;
         }
         for (peer, at_boundary) in suspects {
             let left_out = self.excuse_or_leave_out(peer, at_boundary, now);
-            // One member alone withheld its part from this node while its heartbeats say it
-            // is in this node's round: others may have theirs (a rogue that names the next
-            // round to this node alone, or sends nothing to it), and their own attempts
-            // stall on this node's missing aggregate instead, where they blame no one. It
-            // says so in its heartbeats ([`Rounds::accuse`]). A member whose heartbeats name
-            // a later round finished this one (this node missed an aggregate): accused, an
-            // honest member that went on first was left out by all the others, and the
-            // rounds of the rest raced thousands apart (`ring_rogue`'s `next_attempt`).
-            let in_this_round = self.roster.round_said(&peer) == self.attempt.round;
-            if left_out && withheld == [peer] && in_this_round {
+            if left_out && trust::withheld_alone(&stall, &self.roster, &peer) {
                 self.accuse(peer, now);
             }
         }
     }
 
-    /// Whether leaving out `suspects` now ([`Rounds::stall_leaves_out`]) would leave
-    /// this node with no other member, though it hears two or more ready: then it is the
-    /// one out of step, not they. It leaves none of them out and holds as a joiner does
+    /// The running attempt as a stall shows it to the trust: whom it still waits for, and
+    /// how far each was.
+    fn stall(&self) -> Option<Stall> {
+        let Stage::Reducing { ring: Some(r), .. } = &self.attempt.stage else {
+            return None;
+        };
+        let round = self.attempt.round;
+        let awaited = (0..r.len())
+            .filter(|i| r.awaits(*i))
+            .map(|i| Awaited {
+                peer: r.members[i],
+                part_missing: r.awaits_part(i),
+                step_at_start: r.steps_said[i],
+                went_ahead: self.went_ahead(r.members[i]),
+            })
+            .collect();
+        Some(Stall {
+            round,
+            boundary: self.attempt.boundary,
+            gradient: round.is_some_and(|r| self.cfg.sums_gradients(r)),
+            started: r.started,
+            awaited,
+        })
+    }
+
+    /// Where a stall's `suspects` show this node is the one out of step
+    /// ([`Trust::out_of_step`]), it leaves none of them out and holds as a joiner does
     /// ([`Rounds::restored`]): it takes the round of the next attempt it is in, with weight
-    /// 0, and the parameters that round gives. (Leaving them all out, an honest member
-    /// that completed an attempt the others gave up for a rogue's next one went on alone:
-    /// its parameters and theirs stayed apart until the leave-outs ended, and its lone
-    /// rounds and theirs took each other's numbers, thousands apart: `ring_rogue`'s
-    /// `allreduce` next-attempt test, one group run in three.)
+    /// 0, and the parameters that round gives. Answers whether it did.
     fn alone_without(&mut self, suspects: &[(PeerId, bool)], now: Instant) -> bool {
-        let heard: Vec<PeerId> = self.members_heard(now).collect();
-        let alone = heard.len() >= 2
-            && heard.iter().all(|p| {
-                suspects
-                    .iter()
-                    .any(|(s, at_boundary)| s == p && self.stall_leaves_out(s, *at_boundary))
-            });
-        if alone {
-            tracing::info!(
-                members = heard.len(),
-                "an attempt stalled waiting for every other member heard ready; this node is the one out of step: holding, to take the members' round and parameters"
-            );
-            self.abort_counter("out of step with every member");
-            for (peer, _) in suspects {
-                self.trust.forgive(peer);
-            }
-            let step = self.attempt.boundary;
-            self.restored(step);
+        let heard: Vec<PeerId> = self.members(now).in_next_ring().collect();
+        let round = self.attempt.round.unwrap_or(0);
+        if !self.trust.out_of_step(&heard, suspects, round) {
+            return false;
         }
-        alone
+        tracing::info!(
+            members = heard.len(),
+            "an attempt stalled waiting for every other member heard ready; this node is the one out of step: holding, to take the members' round and parameters"
+        );
+        self.abort_counter("out of step with every member");
+        for (peer, _) in suspects {
+            self.trust.forgive(peer);
+        }
+        let step = self.attempt.boundary;
+        self.restored(step);
+        true
     }
 
     /// An attempt ended waiting for `peer`: it is excused [`STALL_EXCUSES`] times a round,
     /// unless it showed it is at the boundary, and left out after that ([`Lists::stalled`]).
     /// Answers whether it was left out now.
     fn excuse_or_leave_out(&mut self, peer: PeerId, at_boundary: bool, now: Instant) -> bool {
-        if !self.stall_leaves_out(&peer, at_boundary) {
-            self.trust.excuse(peer, self.attempt.round.unwrap_or(0));
+        let round = self.attempt.round.unwrap_or(0);
+        if !self.trust.stall_leaves_out(&peer, at_boundary, round) {
+            self.trust.excuse(peer, round);
             return false;
         }
         self.trust.forgive(&peer);
@@ -1097,58 +943,6 @@ impl Rounds {
             }
             None => false,
         }
-    }
-
-    /// Whether a stall waiting for `peer` leaves it out now ([`Rounds::excuse_or_leave_out`]):
-    /// it showed it is at the boundary, or was excused [`STALL_EXCUSES`] times this round.
-    fn stall_leaves_out(&self, peer: &PeerId, at_boundary: bool) -> bool {
-        self.trust
-            .stall_leaves_out(peer, at_boundary, self.attempt.round.unwrap_or(0))
-    }
-
-    /// The members a stalled attempt waited for, each with whether it showed it is at the
-    /// boundary: a heartbeat since the attempt started names this node's round, and the step
-    /// it named then or a step past this node's boundary, where no honest member of the
-    /// round is. (In a gradient round every member is held at its step, so that shows
-    /// nothing; a member whose heartbeat names a later round went on with the mesh, and this
-    /// node is the one behind: it is excused, as the mesh's next hops take this node on.) A
-    /// member whose hop of a later attempt or round this node did not follow
-    /// ([`Rounds::went_ahead`]) is at the boundary, in any round. Those it
-    /// waited for a part from, if any (an honest member sends its parts to the members of
-    /// its list at once); otherwise the one owner whose aggregate is missing, if only one
-    /// is: an owner may itself wait for a part a rogue withheld from it alone, and blaming
-    /// every owner missing would let that rogue make a member leave out the others.
-    fn stall_suspects(&self, ring: &Ring) -> Vec<(PeerId, bool)> {
-        let part_missing: Vec<usize> = (0..ring.len()).filter(|i| ring.awaits_part(*i)).collect();
-        let awaited = if part_missing.is_empty() {
-            let missing: Vec<usize> = (0..ring.len()).filter(|i| ring.awaits(*i)).collect();
-            if missing.len() == 1 {
-                missing
-            } else {
-                Vec::new()
-            }
-        } else {
-            part_missing
-        };
-        awaited
-            .into_iter()
-            .map(|i| {
-                let peer = ring.members[i];
-                let at_boundary = (!self
-                    .attempt
-                    .round
-                    .is_some_and(|r| self.cfg.sums_gradients(r))
-                    && self.roster.round_said(&peer) == self.attempt.round
-                    && match (ring.steps_said[i], self.roster.step_said(&peer)) {
-                        (Some(then), Some((step, heard))) => {
-                            heard > ring.started && (step <= then || step > self.attempt.boundary)
-                        }
-                        _ => false,
-                    })
-                    || self.went_ahead(peer);
-                (peer, at_boundary)
-            })
-            .collect()
     }
 
     /// Whether a hop of `peer` naming a later attempt of this round, or a later round, waits
@@ -1232,7 +1026,7 @@ impl Rounds {
 
     /// What the running attempt's lists say ([`lists`]), where an attempt runs.
     fn lists_verdict(&self, now: Instant) -> Option<Option<Verdict>> {
-        let not_in_rounds = self.members_not_in_rounds(now);
+        let not_in_rounds = self.members(now).sitting_out();
         let Stage::Reducing {
             ring: Some(ring), ..
         } = &self.attempt.stage
@@ -1339,7 +1133,7 @@ impl Rounds {
         // would be contradicted by most of them when they come back, and they would blame
         // this node for it ([`CONTRADICTED_SIT_OUT`] ends for one member a moment before
         // the others). One of a pair still goes on alone.
-        if members.len() < self.members_not_in_rounds(now).len() {
+        if members.len() < self.members(now).sitting_out().len() {
             return;
         }
         members.sort();
@@ -1632,27 +1426,6 @@ impl Rounds {
     fn abort_counter(&mut self, why: &str) {
         self.counts.aborted(why);
     }
-}
-
-/// The highest value that two senders' items reach (each sender counted once, by its
-/// highest), or one's where `others` is at most 1 (this node hears no second member to
-/// vouch): what this node takes from the hops of members about a round or attempt, so that
-/// no one member's word moves it. Each item says whether its sender counts (is not left
-/// out on accusations): a value is vouched for only where a sender that counts reaches it.
-fn vouched(items: impl Iterator<Item = (PeerId, u64, bool)>, others: usize) -> Option<u64> {
-    let mut highest: HashMap<PeerId, (u64, bool)> = HashMap::new();
-    for (from, value, counts) in items {
-        let h = highest.entry(from).or_insert((value, counts));
-        h.0 = h.0.max(value);
-    }
-    let mut values: Vec<(u64, bool)> = highest.into_values().collect();
-    values.sort_unstable_by_key(|v| std::cmp::Reverse(v.0));
-    let needed = others.clamp(1, 2);
-    // The first value with `needed` senders at or past it, one of which counts.
-    let first_counted = values.iter().position(|(_, counts)| *counts)?;
-    values
-        .get(first_counted.max(needed - 1))
-        .map(|(value, _)| *value)
 }
 
 /// A `diloco` contribution without its state: the first of its three equal parts (the

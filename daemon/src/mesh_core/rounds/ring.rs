@@ -153,7 +153,7 @@ pub(super) struct Ring {
     pub(super) left_done: Vec<PeerId>,
     /// The trainer step each member's last heartbeat named when the attempt started, by
     /// member index: one it stalls waiting for whose step moved since says it is still
-    /// training (see `Rounds::stall_suspects`).
+    /// training (see [`super::trust::stall_suspects`]).
     pub(super) steps_said: Vec<Option<u64>>,
     /// When the attempt started: a heartbeat heard since says where its member is now.
     pub(super) started: Instant,
@@ -224,7 +224,7 @@ impl Ring {
 
     /// The members' step, which a node that was not synced (a joiner, a founder) takes with
     /// the mean: the highest step two members' counted parts reach (the only other's in a
-    /// ring of two), as rounds and attempts are taken ([`super::vouched`]), or the lowest
+    /// ring of two), as rounds and attempts are taken ([`super::members::vouched`]), or the lowest
     /// counted where fewer counted; this member's own where none did. Taken as the highest
     /// step any hop named, one member's word moved every joiner and founder to the end of any
     /// schedule (a step just under the hop bound: its next hops were offences, its next
@@ -236,7 +236,7 @@ impl Ring {
                 .zip(&self.members)
                 .filter_map(|(step, member)| step.map(|s| (*member, s, true)))
         };
-        super::vouched(counted(), self.len().saturating_sub(1))
+        super::members::vouched(counted(), self.len().saturating_sub(1))
             .or_else(|| counted().map(|(_, s, _)| s).min())
             .unwrap_or(self.step)
     }

@@ -2553,40 +2553,6 @@ fn hops_carry_a_member_no_further_than_a_jump_past_what_most_members_say() {
     );
 }
 
-/// What members' hops vouch for ([`vouched`]): the highest round or attempt two senders
-/// reach, each counted once by its highest; one sender's alone only where it is the only
-/// other member heard. A rogue whose hops named the next round or attempt in every hop, and
-/// was followed each time, stopped every round (the simulator's attack matrix).
-#[test]
-fn a_round_or_attempt_is_vouched_for_by_two_members_not_one() {
-    let (a, b, c) = (PeerId::random(), PeerId::random(), PeerId::random());
-    assert_eq!(vouched([(a, 5, true), (a, 9, true)].into_iter(), 3), None);
-    assert_eq!(
-        vouched([(a, 5, true), (a, 9, true)].into_iter(), 1),
-        Some(9)
-    );
-    assert_eq!(
-        vouched([(a, 9, true), (b, 6, true), (b, 4, true)].into_iter(), 3),
-        Some(6)
-    );
-    assert_eq!(vouched(std::iter::empty(), 0), None);
-    // A sender left out (`false`) vouches only with one that counts: never alone, however
-    // few members this node hears; as the second sender, for the value both reach.
-    assert_eq!(vouched([(a, 2249, false)].into_iter(), 0), None);
-    assert_eq!(
-        vouched([(a, 2249, false), (b, 892, true)].into_iter(), 0),
-        Some(892)
-    );
-    assert_eq!(
-        vouched([(a, 9, false), (b, 6, true), (c, 5, true)].into_iter(), 3),
-        Some(6)
-    );
-    assert_eq!(
-        vouched([(a, 9, false), (b, 8, false), (c, 5, true)].into_iter(), 3),
-        Some(5)
-    );
-}
-
 /// The gradient judge's scale is the largest of a member's last own gradients, not its own
 /// now alone: a small balanced batch it predicts well gives a gradient of almost nothing,
 /// and judged by that, an honest member's part was refused (1.5e4 x, past the 1e4 x bound).

@@ -25,7 +25,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_bytes::ByteBuf;
 
-use super::rounds::RoundConfig;
+use super::rounds::config::RoundConfig;
 use super::{
     AverageOutcome, CoreConfig, FetchAnswer, Input, MeshConfig, MeshCore, Output, Phase, Progress,
     RequestFailed, TrainerCommand, TrainerEvent, WallClock, HEARTBEAT_EVERY,

@@ -73,6 +73,11 @@ impl<'a> Members<'a> {
             .filter(move |p| !lists.out_on_accusations(p, now))
     }
 
+    /// Whether `peer` is left out on accusations: its word about rounds does not count.
+    pub(super) fn accused(&self, peer: &PeerId) -> bool {
+        self.lists.out_on_accusations(peer, self.now)
+    }
+
     /// The members heard sitting out, not left out.
     pub(super) fn sitting_out(&self) -> Vec<PeerId> {
         self.roster

@@ -63,7 +63,8 @@
 //! [`attempt`] the round, attempt, boundary and stage it is at;
 //! [`roster`] records what members said and decides nothing; [`members`] counts the
 //! members the roster heard as this node's lists leave them (and reads their word: is the
-//! mesh past a round, what do hops vouch for); [`trust`] decides whom a stall suspects,
+//! mesh past a round, what do hops vouch for); [`follow`] which later round or attempt
+//! the hops make it take; [`trust`] decides whom a stall suspects,
 //! leaves out or accuses, and whom this node blames; [`lists`] and
 //! [`stance`] what differing lists and accusations make it do; [`standing`] whether its own
 //! parameters and state are the members'; [`moves`] whose hops may move it on; [`starts`]
@@ -83,6 +84,7 @@ use crate::wire::Heartbeat;
 use crate::wire::{largest_hop_values, ValueEncoding};
 use attempt::{Attempt, Stage};
 use config::RoundConfig;
+use contribution::{outer_change, parameters_after, parameters_only};
 use counts::RoundCounts;
 use inbox::Inbox;
 use lists::{Action, Lists, Verdict};
@@ -102,7 +104,9 @@ pub use ring::balanced_batch;
 
 mod attempt;
 pub mod config;
+mod contribution;
 mod counts;
+mod follow;
 mod hops;
 mod inbox;
 pub mod lists;
@@ -742,16 +746,7 @@ impl Rounds {
             return;
         };
         self.attempt.followed = None;
-        let hops_of_target = self
-            .inbox
-            .keys()
-            .filter(|(r, _, _, _)| *r == target)
-            .map(|(_, a, _, from)| (*from, u64::from(*a)));
-        let attempt = self
-            .members(now)
-            .vouch(hops_of_target.clone())
-            .or_else(|| hops_of_target.map(|(_, a)| a).min())
-            .unwrap_or(0) as u32;
+        let attempt = follow::attempt_to_enter(self.inbox.keys(), &self.members(now), target);
         let Some(mine) = self.attempt.round else {
             self.attempt.enter(target, attempt);
             return;
@@ -800,55 +795,22 @@ impl Rounds {
         })
     }
 
-    /// The later round the inbox's hops make this node take on more than one member's word:
-    /// one two members' hops name ([`members::vouched`]); where it has no round or most heartbeats
-    /// say the mesh is past its own, that round only if it is as far as most heartbeats
-    /// say, else the round they say where a hop names it or a later one, else the newest any
-    /// hop of a member not left out on accusations names. (Taking the newest, a
-    /// member that sat out came back to the round a rogue named to it alone, one past the
-    /// others': their hops then contradicted its own, most members accused the honest
-    /// member, and the others' rounds raced on thousands apart.)
+    /// The later round the inbox's hops make this node take on more than one member's word
+    /// ([`follow::proven_later_round`]).
     pub(super) fn proven_later_round(&self, now: Instant) -> Option<u64> {
-        let mine = self.attempt.round;
-        let later = self
-            .inbox
-            .keys()
-            .filter(|(r, _, _, _)| mine.is_none_or(|m| *r > m))
-            .map(|(r, _, _, from)| (*from, *r));
-        let vouched = self.members(now).vouch(later);
-        if !mine.is_none_or(|m| self.members(now).say_past(m)) {
-            return vouched;
-        }
-        // The newest round a hop names, of a member not left out on accusations.
-        let &(newest, _, _, _) = self
-            .inbox
-            .keys()
-            .rev()
-            .find(|(_, _, _, from)| !self.lists.out_on_accusations(from, now))?;
-        if mine.is_some_and(|m| newest <= m) {
-            return None;
-        }
-        // Heartbeats go out every 2 s, and in short rounds their round lags the hops: a
-        // round two members' hops name counts where it is as far as most heartbeats say
-        // (taking the heartbeats' round over it cost a stall in `diloco`, 16 s -> 36 s in a
-        // `ring_rogue` test). A heartbeat's round is one member's word, however far: taken
-        // only where a hop names it or a later one.
-        let said = self.members(now).round_said_by_most();
-        let vouched = vouched.filter(|v| said.is_none_or(|s| *v >= s));
-        let said = said.filter(|s| *s <= newest && mine.is_none_or(|m| *s > m));
-        Some(vouched.or(said).unwrap_or(newest))
+        follow::proven_later_round(self.inbox.keys(), &self.members(now), self.attempt.round)
     }
 
-    /// The later attempt of this node's round that two members' hops in the inbox name (or
-    /// the only other's), if any.
+    /// The later attempt of this node's round the inbox's hops make it take
+    /// ([`follow::later_attempt`]).
     pub(super) fn later_attempt_to_take(&self, now: Instant) -> Option<u32> {
         let round = self.attempt.round?;
-        let attempts = self
-            .inbox
-            .keys()
-            .filter(|(r, a, _, _)| *r == round && *a > self.attempt.number)
-            .map(|(_, a, _, from)| (*from, u64::from(*a)));
-        self.members(now).vouch(attempts).map(|a| a as u32)
+        follow::later_attempt(
+            self.inbox.keys(),
+            &self.members(now),
+            round,
+            self.attempt.number,
+        )
     }
 
     /// The running attempt stalled: it is aborted, and the members it waited for
@@ -1426,34 +1388,4 @@ impl Rounds {
     fn abort_counter(&mut self, why: &str) {
         self.counts.aborted(why);
     }
-}
-
-/// A `diloco` contribution without its state: the first of its three equal parts (the
-/// parameters; then the round anchor, the outer velocity).
-fn parameters_only(contribution: &[f32]) -> Vec<f32> {
-    contribution[..contribution.len() / 3].to_vec()
-}
-
-/// A `diloco` contribution's outer change: its round start (the second of its three parts)
-/// minus its parameters (the first), what a ring of members sharing the start sums.
-fn outer_change(contribution: &[f32]) -> Vec<f32> {
-    let numel = contribution.len() / 3;
-    let (params, rest) = contribution.split_at(numel);
-    params
-        .iter()
-        .zip(&rest[..numel])
-        .map(|(p, s)| s - p)
-        .collect()
-}
-
-/// The parameters a round of outer changes leaves: the round start in this member's
-/// `contribution` (the members' own, which they share) minus the mean change. The trainer
-/// then takes its outer step from that start towards them, as from a mean of parameters.
-fn parameters_after(contribution: &[f32], mean_change: &[f32]) -> Vec<f32> {
-    let numel = contribution.len() / 3;
-    contribution[numel..2 * numel]
-        .iter()
-        .zip(mean_change)
-        .map(|(s, c)| s - c)
-        .collect()
 }

@@ -92,8 +92,8 @@ pub(crate) fn assert_identical(nodes: &[&Node]) -> u64 {
 
 /// Three `allreduce` nodes: after every round all hold the very same parameters (digests of
 /// their bits agree, so the consensus distance is 0). Killing one makes the other two abort
-/// the round under way and go on without it within the stated bound (the connection closes at
-/// once on a kill; retry after 0.2 s); a newcomer then joins at a round boundary with the
+/// the round under way and go on without it, no attempt waiting the stall timeout for it (the
+/// connection closes at once on a kill; retry after 0.2 s); a newcomer then joins at a round boundary with the
 /// current state and holds the same bits as the others from its first round on.
 #[test]
 fn allreduce_members_hold_identical_parameters_through_a_kill_and_a_join() {
@@ -126,7 +126,9 @@ fn diloco_members_hold_identical_parameters_through_a_kill_and_a_join() {
 }
 
 fn members_hold_identical_parameters_through_a_kill_and_a_join(mode: &str) {
-    let _cores = crate::harness::cpu_sensitive();
+    // Three nodes at full speed load both cores; nothing asserted hangs on the CPU they get
+    // (rounds and stall counts, not seconds), so they may run beside other such tests.
+    let _cores = crate::harness::cpu_hog();
     let tmp = tempfile::tempdir().expect("tmp");
     // Every node the same config but its own third of the data.
     let cfgs: Vec<PathBuf> = (0..3)

@@ -70,7 +70,8 @@ pub(super) struct NodeFlags<'a> {
     /// `--sync-mode`.
     pub(super) sync_mode: Option<&'a str>,
     /// `--min-members`: the mesh's size, so a synchronous mode starts with every node from
-    /// one state (gossip ignores it).
+    /// one state, and a gossip node takes its first step once it hears the others (at most
+    /// `degree` of them).
     pub(super) min_members: Option<usize>,
     /// `--target`: the node logs when it first reaches it.
     pub(super) target: Option<f64>,

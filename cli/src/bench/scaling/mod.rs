@@ -325,8 +325,9 @@ fn run_one(bench: &Bench, plan: &Plan, index: usize) -> Result<Run> {
                 ));
             }
             settings.push(("sync", "mode", toml::Value::String(mode.clone())));
-            // The synchronous modes start with all N from one state (gossip ignores it); a
-            // lone node's rounds have it alone.
+            // The synchronous modes start with all N from one state, and a gossip node takes
+            // its first step once it hears the N - 1 others (at most `degree`); a lone node
+            // has itself alone.
             settings.push((
                 "sync",
                 "min_members",

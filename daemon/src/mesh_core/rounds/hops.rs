@@ -11,8 +11,7 @@ use std::time::Instant;
 use libp2p::PeerId;
 
 use super::pieces::Taken;
-use super::ring::{all_finite, AGGREGATE, PART};
-use super::robust::aggregate;
+use super::ring::{all_finite, Judged};
 use super::{
     HopKey, Output, Rounds, Stage, ATTEMPT_JUMP, ATTEMPT_LIMIT, CONTRADICTED_SIT_OUT,
     FOLLOWED_ATTEMPT_LIMIT, FOLLOWED_ROUND_LIMIT, ROUND_JUMP, ROUND_LIMIT, STEP_LIMIT,
@@ -459,7 +458,7 @@ impl Rounds {
             .collect();
         let max_weight = self.cfg.max_weight.min(WEIGHT_LIMIT);
         for key in keys {
-            let Some((digest, mut values, step)) = self.inbox.remove(&key) else {
+            let Some((digest, values, step)) = self.inbox.remove(&key) else {
                 continue;
             };
             let (_, _, hop, from) = key;
@@ -478,120 +477,33 @@ impl Rounds {
                 offence(out, from, "ring hop from outside the ring".into());
                 continue;
             };
-            let expected = match hop {
-                PART if ring.totals[ring.me].is_none() && ring.parts[i].is_none() => {
-                    ring.chunk_of(ring.me)
+            match ring.take(i, hop, values, step, max_weight, now) {
+                Judged::Taken => {}
+                Judged::PartRefused(why) => {
+                    offence(out, from, why);
+                    self.counts.part_refused();
                 }
-                AGGREGATE if !ring.direct() && ring.totals[i].is_none() => ring.chunk_of(i),
-                _ => {
-                    // A second part, an aggregate of a direct ring, a hop no ring has.
-                    offence(out, from, format!("ring hop {hop} out of turn"));
-                    self.abort("hop out of turn", now);
+                Judged::DirectPartRefused(why) => {
+                    offence(out, from, why);
+                    self.counts.part_refused();
+                    self.abort("part refused", now);
                     return;
                 }
-            };
-            if values.len() != expected.len() + 1 {
-                offence(
-                    out,
-                    from,
-                    format!(
-                        "ring hop of {} values where {} belong",
-                        values.len(),
-                        expected.len() + 1
-                    ),
-                );
-                self.abort("hop of the wrong size", now);
-                return;
-            }
-            let weight = values.pop().unwrap_or(0.0);
-            let own = &ring.acc[expected.clone()];
-            if hop == PART {
-                ring.part_weights[i] = Some(weight);
-                // A part that cannot be honest counts for nothing; the round goes on.
-                let refused = if !(0.0..=max_weight).contains(&weight) {
-                    Some(format!(
-                        "a ring part weighing {weight}, past what a member weighs ({max_weight})"
-                    ))
-                } else {
-                    let judge = if weight > 0.0 {
-                        Some(ring.judge)
-                    } else {
-                        ring.judge.for_weightless()
-                    };
-                    judge
-                        .and_then(|j| j.beyond(&values, own))
-                        .map(|why| format!("a ring part refused: {why}"))
-                };
-                let weight = match refused {
-                    // In a direct ring each member aggregates the whole: a part one of them
-                    // refused and the other kept would leave them apart.
-                    Some(why) if ring.direct() => {
+                Judged::Ends(abort, why) => {
+                    if let Some(why) = why {
                         offence(out, from, why);
-                        self.counts.part_refused();
-                        self.abort("part refused", now);
-                        return;
                     }
-                    Some(why) => {
+                    self.abort(abort, now);
+                    return;
+                }
+                Judged::AggregateRefused(why) => {
+                    if let Some(why) = why {
                         offence(out, from, why);
-                        self.counts.part_refused();
-                        0.0
-                    }
-                    None => weight,
-                };
-                if weight > 0.0 {
-                    ring.part_steps[i] = Some(step);
-                }
-                ring.parts[i] = Some((values, weight));
-            } else {
-                let most = max_weight * ring.len() as f32 * (1.0 + 1e-5);
-                if !(0.0..=most).contains(&weight) {
-                    offence(
-                        out,
-                        from,
-                        format!(
-                            "a ring aggregate of weight total {weight}, past what its {} members weigh",
-                            ring.len()
-                        ),
-                    );
-                    self.abort("weight total past the members' weights", now);
-                    return;
-                }
-                if weight == 0.0 && ring.weight > 0.0 {
-                    // This member's part weighed something, and an owner that judges as this
-                    // member does (a synced one: its own part weighed something) refuses no
-                    // part this member sends: one that counts nothing aborts the attempt (the
-                    // totals differ), and unpunished it could do so at every attempt. An
-                    // unsynced owner judges by norm alone, and is not blamed.
-                    if ring.part_weights[i].is_some_and(|w| w > 0.0) {
-                        offence(
-                            out,
-                            from,
-                            format!(
-                                "a ring aggregate of weight total 0, though this member's part weighed {}",
-                                ring.weight
-                            ),
-                        );
-                    }
-                    self.abort("weight total of 0", now);
-                    return;
-                }
-                if let Some(why) = (weight > 0.0)
-                    .then(|| ring.judge.beyond(&values, own))
-                    .flatten()
-                {
-                    // Its owner is to blame only where it judges as this member does: a
-                    // synced member (its part here weighed something). An unsynced owner
-                    // judges by norm alone, and may have let in what this member would not.
-                    if ring.part_weights[i].is_some_and(|w| w > 0.0) {
-                        offence(out, from, format!("a ring aggregate refused: {why}"));
                     }
                     self.aggregate_refused(now);
                     return;
                 }
-                ring.acc[expected].copy_from_slice(&values);
-                ring.totals[i] = Some(weight);
             }
-            ring.last_progress = now;
         }
         if self.weigh_lone_claims(now) {
             return;
@@ -609,33 +521,18 @@ impl Rounds {
             return;
         }
         if ring.totals[ring.me].is_none() && ring.parts_complete() {
-            let me = ring.me;
-            let range = ring.chunk_of(me);
-            let parts = std::mem::replace(&mut ring.parts, vec![None; ring.members.len()]);
-            let own = ring.acc[range.clone()].to_vec();
-            let refs: Vec<(&[f32], f32)> = parts
-                .iter()
-                .enumerate()
-                .map(|(i, p)| match p {
-                    _ if i == me => (own.as_slice(), ring.weight),
-                    Some((v, w)) => (v.as_slice(), *w),
-                    None => (&[][..], 0.0),
-                })
-                .collect();
-            let agg = aggregate(&refs, range.len(), self.cfg.max_weight.is_infinite());
-            if agg.clipped > 0 {
+            let (total, clipped) = ring.aggregate_own_chunk(self.cfg.max_weight.is_infinite());
+            if clipped > 0 {
                 tracing::debug!(
                     round,
-                    clipped = agg.clipped,
+                    clipped,
                     "parts beyond the clipping radius of the plain mean"
                 );
-                self.counts.clipped(agg.clipped);
+                self.counts.clipped(clipped);
             }
-            ring.acc[range].copy_from_slice(&agg.mean);
-            ring.totals[me] = Some(agg.total);
             self.attempt.aggregated_in = Some(round);
             if !ring.direct() {
-                for (peer, msg) in ring.aggregate_messages(round, attempt, agg.total) {
+                for (peer, msg) in ring.aggregate_messages(round, attempt, total) {
                     self.counts.sent(msg.values.len());
                     out.push(Output::SendRing { peer, msg });
                 }

@@ -1,5 +1,8 @@
-//! Synchronous rounds, for the sync modes `allreduce`, `ddp`, `diloco` and `fedavg`: every `steps`
-//! steps each member stops at the round's boundary, and the members average a weighted copy
+//! Synchronous rounds, for the sync modes `allreduce`, `ddp`, `diloco` and `fedavg`.
+//!
+//! # A round
+//!
+//! Every `steps` steps each member stops at the round's boundary, and the members average a weighted copy
 //! of their parameters in a butterfly all-reduce (each member owns one chunk of the model;
 //! every member sends each owner its part of that chunk, the owner aggregates the parts and
 //! sends the aggregate to every member: each member sends `2(N-1)/N` of the model per round,
@@ -11,6 +14,8 @@
 //! an aggregate beyond it aborts the attempt, and either is an offence of its sender (a
 //! score penalty, so a ban). What the trainer makes of the mean (take it, or an outer
 //! Nesterov step towards it) is the trainer's business ([`super::TrainerCommand::Combine`]).
+//!
+//! # Who is in a ring, and when an attempt gives way
 //!
 //! No member leads. The ring of an attempt is the sorted list of members each node holds ready
 //! (heard saying so within [`READY_FRESH`]); every hop carries a digest of the sender's list,
@@ -33,7 +38,11 @@
 //! named by most. In a direct ring of two, whose parts are all there is, an attempt always
 //! waits. It gives up its weight for that round only when most
 //! members' heartbeats say they are past its own, or in a gradient round (one member's hop
-//! is no proof, see [`Rounds::adopt_newer_round`]). A joiner (or a
+//! is no proof, see [`Rounds::adopt_newer_round`]).
+//!
+//! # Joiners, founders and `diloco`'s state
+//!
+//! A joiner (or a
 //! node restored from a checkpoint) holds before its first step, takes the round number of the
 //! first hop that reaches it, and contributes with weight 0: it leaves the round with the
 //! members' mean, that is the current state, at a round boundary. A parameter attempt whose
@@ -47,6 +56,8 @@
 //! instead of their parameters, as bf16 or int8 ([`RoundConfig::sums_outer_changes`]): the
 //! members share the start, and each leaves with it minus the mean change.
 //!
+//! # `ddp`
+//!
 //! In `ddp` ([`RoundConfig::gradients`]) there is a round at every step and most rounds sum
 //! gradients, not parameters: the trainer steps only with a round's mean gradient. Those hops
 //! travel as bf16 (rounded where sent, so the bits still agree), and a ring of two swaps whole
@@ -57,6 +68,8 @@
 //! milliseconds per sample each puts in its heartbeats) is asked for a smaller batch, the one
 //! it computes while the fastest computes the whole batch ([`balanced_batch`]), and its
 //! gradient weighs by its samples, so the mean is still the gradient of every sample computed.
+//!
+//! # Rooms
 //!
 //! `Rounds` runs the attempts; where it is and what it reads and remembers lives in rooms
 //! that each own one thing: [`config`] what the sync config decides for the rounds;
@@ -70,6 +83,92 @@
 //! parameters and state are the members'; [`moves`] whose hops may move it on; [`starts`]
 //! when an attempt may start; [`work`] its own speed, batch and gradient scale; [`inbox`] the
 //! hops it keeps; [`counts`] what status counts.
+//!
+//! # Rules
+//!
+//! Each with the tests in `tests.rs` that show it (the rooms' own rules are numbered in their
+//! docs: [`trust`], [`members`], [`follow`], [`lists`], [`stance`], [`roster`], [`moves`]):
+//! 1. Every member ends a round with the same bits of the weighted mean, in gradient rounds
+//!    too, where bf16 rounds as `half` does
+//!    (`every_member_ends_a_round_with_the_same_bits_of_the_weighted_mean`,
+//!    `gradient_rounds_follow_a_parameter_round_and_end_identical_in_bf16`,
+//!    `bf16_rounding_matches_half_and_round_trips`).
+//! 2. No round starts with fewer than `min_members` members, nor in a ring smaller than the
+//!    members heard sitting out (`rounds_wait_for_the_minimum_of_members`,
+//!    `a_member_completes_no_round_alone_while_most_members_sit_out`).
+//! 3. A member that dies aborts the attempt and the retry leaves it out; one that leaves
+//!    after completing the round does not abort it
+//!    (`a_member_that_dies_aborts_the_round_and_the_retry_leaves_it_out`,
+//!    `a_member_that_leaves_after_completing_the_round_does_not_abort_it`).
+//! 4. A ring without a synced member founds one state; a joiner takes the round and leaves
+//!    it with the members' mean; one member's step moves no joiner or founder past the others;
+//!    a member the mesh went on without takes its round with weight 0
+//!    (`a_ring_without_a_synced_member_founds_one_state`,
+//!    `a_joiner_adopts_the_round_and_leaves_it_with_the_members_mean`,
+//!    `one_members_step_moves_no_joiner_or_founder_past_the_others`,
+//!    `a_member_the_mesh_went_on_without_takes_its_round_with_weight_zero`).
+//! 5. Later rounds are followed on the members' word, not one hop's
+//!    (`an_attempt_without_hops_gives_way_to_a_member_already_in_the_next_round`,
+//!    `one_members_hop_of_a_later_round_hijacks_nothing`,
+//!    `a_member_behind_takes_the_round_most_heartbeats_name_not_one_hops_newer_one`,
+//!    `a_last_hop_that_never_comes_gives_way_to_the_next_round_soon`,
+//!    `a_last_hop_that_comes_after_the_next_rounds_first_still_completes_the_round`,
+//!    `hops_carry_a_member_no_further_than_a_jump_past_what_most_members_say`,
+//!    `no_member_follows_a_hop_to_counters_near_their_limits`).
+//! 6. A later round most members' hops contradict is not followed: its sender is accused, and
+//!    left out where most accuse it or one accuses it again; a joiner is no witness
+//!    (`a_later_round_most_members_contradict_is_not_followed`,
+//!    `a_member_most_found_contradicted_is_left_out_and_fewer_accusers_are_not_enough`,
+//!    `a_member_one_member_accuses_again_is_left_out`,
+//!    `a_joiner_in_a_ring_of_three_is_no_witness_against_a_member_a_round_ahead`).
+//! 7. A hop no honest member sends is an offence and never reaches the mean
+//!    (`a_hop_past_any_meshs_round_attempt_or_step_is_an_offence_and_changes_nothing`,
+//!    `hostile_hops_are_offences_and_never_reach_the_mean`,
+//!    `one_hostile_member_of_four_poisons_no_round`,
+//!    `a_weight_past_what_a_member_weighs_is_refused`,
+//!    `an_aggregate_that_counts_nothing_is_an_offence`,
+//!    `a_weightless_part_no_honest_member_sends_is_an_offence`,
+//!    `a_rogue_that_tells_each_member_something_else_moves_them_a_bounded_amount`,
+//!    `a_member_that_is_not_synced_refuses_a_huge_aggregate_too`,
+//!    `a_direct_ring_aborts_on_a_refused_part`,
+//!    `a_rogue_poisons_no_part_of_a_diloco_round_that_carries_the_state`).
+//! 8. Lists that differ are judged after the parts, and settled by most members' word
+//!    (`parts_are_judged_before_an_attempt_aborts_on_lists_that_differ`,
+//!    `a_member_outvoted_on_a_peer_it_left_out_sits_out_and_the_rest_go_on`,
+//!    `a_member_heard_sitting_out_counts_among_the_members_a_sit_out_needs_most_of`,
+//!    `a_member_most_others_left_out_is_left_out`,
+//!    `a_member_moved_on_while_its_lists_differ_still_weighs_them`,
+//!    `a_member_whose_list_is_nobody_elses_is_left_out_without_blame`).
+//! 9. A stall leaves out the member it waited for at the boundary, excuses one still
+//!    training, and holds the node that would leave out every member
+//!    (`a_member_an_attempt_stalls_on_at_the_boundary_is_left_out_for_longer_each_time`,
+//!    `a_member_still_training_towards_the_boundary_is_waited_for_not_left_out`,
+//!    `a_member_that_says_it_trains_is_excused_only_twice_a_round`,
+//!    `a_member_missing_several_owners_aggregates_leaves_out_none_of_them`,
+//!    `a_member_that_sits_out_while_awaited_is_excused_as_a_staller_is`,
+//!    `a_member_that_would_leave_out_every_other_member_holds_instead`).
+//! 10. `diloco` carries the state only while a member needs it, and otherwise sums outer
+//!     changes (`a_diloco_ring_carries_the_state_only_while_a_member_needs_it`,
+//!     `diloco_members_sharing_a_round_start_sum_their_outer_changes_compactly`,
+//!     `a_synced_diloco_member_trains_on_through_its_round_up_to_the_overlap`,
+//!     `a_need_for_the_state_named_at_an_earlier_round_is_stale`,
+//!     `a_carried_round_meets_the_needs_heard_before_it`,
+//!     `a_diloco_node_that_starts_the_rounds_itself_still_needs_the_state`,
+//!     `a_diloco_member_that_took_a_later_rounds_number_unproven_asks_for_the_state`).
+//! 11. `ddp` balances batches by speed and judges gradients by a scale no member shrinks
+//!     (`a_slower_member_takes_the_batch_it_computes_while_the_fastest_computes_its_own`,
+//!     `a_balanced_gradient_round_weighs_each_member_by_its_samples`,
+//!     `a_tiny_own_gradient_does_not_shrink_the_scale_others_are_judged_by`).
+//! 12. The inbox is bounded, and a flooding sender evicts only its own hops
+//!     (`the_inbox_keeps_at_most_its_bound_in_values_oldest_out_first`,
+//!     `a_flooding_sender_evicts_only_its_own_hops_from_the_inbox`).
+//! 13. A member's digest claims only what a ring proved: none while unsynced, none for a
+//!     lone member's round, and a refused mean unsyncs only after several in a row
+//!     (`an_unsynced_member_claims_no_digest_until_a_parameter_round_syncs_it`,
+//!     `a_lone_members_round_claims_no_digest_and_a_rings_names_its_members`,
+//!     `a_refused_mean_leaves_members_synced_until_they_refused_several_in_a_row`).
+//! 14. This list names every test of the room's own, and no other
+//!     (`the_module_docs_rules_name_every_test_here`).
 //!
 //! Pure state: the core feeds it and carries out what it returns.
 
@@ -1101,70 +1200,9 @@ impl Rounds {
         members.sort();
         let me = members.iter().position(|p| *p == self.me).unwrap_or(0);
         let carries_state = self.carries_state(round, &members);
-        // As the trainer judges the round's result: a synced member by distance from its own
-        // parameters, one whose parameters are not the mesh's by norm alone.
-        let judged = self.standing.judged();
-        let gradient = self.cfg.sums_gradients(round);
-        let Stage::Reducing {
-            contribution,
-            weight,
-            ring,
-            step,
-            ..
-        } = &mut self.attempt.stage
-        else {
+        let Some(r) = self.new_ring(round, members, me, carries_state, now) else {
             return;
         };
-        let sums_changes = self
-            .cfg
-            .sums_outer_changes(round, carries_state, members.len());
-        let acc = if sums_changes {
-            outer_change(contribution)
-        } else if self.cfg.outer_state && !carries_state {
-            parameters_only(contribution)
-        } else {
-            contribution.clone()
-        };
-        // What this member judges the others' parts and aggregates by: what the trainer
-        // judges the round's result by, the parameters (members that share a round start
-        // differ in their outer changes exactly as in their parameters).
-        let norm = if sums_changes {
-            p2ptrain_models::params::l2_norm(&parameters_only(contribution))
-        } else {
-            p2ptrain_models::params::l2_norm(&acc)
-        };
-        let judge = if gradient {
-            Judge::GradientNorm {
-                norm: self.work.gradient_norm(norm),
-            }
-        } else if judged && *weight > 0.0 {
-            Judge::Distance { norm }
-        } else {
-            Judge::Norm { norm }
-        };
-        let roster = &self.roster;
-        let said: Vec<Option<u64>> = members
-            .iter()
-            .map(|m| roster.step_said(m).map(|(step, _)| step))
-            .collect();
-        let mut r = Ring::new(
-            members,
-            me,
-            acc,
-            *weight,
-            judge,
-            carries_state,
-            if gradient {
-                ValueEncoding::Bf16
-            } else if sums_changes {
-                self.cfg.outer_values
-            } else {
-                ValueEncoding::F32
-            },
-            *step,
-            now,
-        );
-        r.steps_said = said;
         tracing::debug!(round, attempt = self.attempt.number, members = ?r.members, "attempt started");
         self.attempt.ring_size = r.len();
         self.starts.unpaused();
@@ -1178,8 +1216,86 @@ impl Rounds {
             self.counts.sent(msg.values.len());
             out.push(Output::SendRing { peer, msg });
         }
-        *ring = Some(Box::new(r));
+        if let Stage::Reducing { ring, .. } = &mut self.attempt.stage {
+            *ring = Some(Box::new(r));
+        }
         self.drain(now, out);
+    }
+
+    /// The ring of an attempt at `round` with `members` (sorted, this node at `me`): what
+    /// this member sends (its parameters, with the state or not, their outer change, or its
+    /// gradient), in which encoding, and what it judges the others' parts and aggregates by.
+    fn new_ring(
+        &mut self,
+        round: u64,
+        members: Vec<PeerId>,
+        me: usize,
+        carries_state: bool,
+        now: Instant,
+    ) -> Option<Ring> {
+        let Stage::Reducing {
+            contribution,
+            weight,
+            step,
+            ..
+        } = &self.attempt.stage
+        else {
+            return None;
+        };
+        let gradient = self.cfg.sums_gradients(round);
+        let sums_changes = self
+            .cfg
+            .sums_outer_changes(round, carries_state, members.len());
+        let acc = if sums_changes {
+            outer_change(contribution)
+        } else if self.cfg.outer_state && !carries_state {
+            parameters_only(contribution)
+        } else {
+            contribution.clone()
+        };
+        // What this member judges the others' parts and aggregates by: what the trainer
+        // judges the round's result by (a synced member by distance from its own parameters,
+        // one whose parameters are not the mesh's by norm alone), the parameters (members
+        // that share a round start differ in their outer changes exactly as in their
+        // parameters).
+        let norm = if sums_changes {
+            p2ptrain_models::params::l2_norm(&parameters_only(contribution))
+        } else {
+            p2ptrain_models::params::l2_norm(&acc)
+        };
+        let judge = if gradient {
+            Judge::GradientNorm {
+                norm: self.work.gradient_norm(norm),
+            }
+        } else if self.standing.judged() && *weight > 0.0 {
+            Judge::Distance { norm }
+        } else {
+            Judge::Norm { norm }
+        };
+        let encoding = if gradient {
+            ValueEncoding::Bf16
+        } else if sums_changes {
+            self.cfg.outer_values
+        } else {
+            ValueEncoding::F32
+        };
+        let said: Vec<Option<u64>> = members
+            .iter()
+            .map(|m| self.roster.step_said(m).map(|(step, _)| step))
+            .collect();
+        let mut r = Ring::new(
+            members,
+            me,
+            acc,
+            *weight,
+            judge,
+            carries_state,
+            encoding,
+            *step,
+            now,
+        );
+        r.steps_said = said;
+        Some(r)
     }
 
     /// The aggregates are complete: the weighted mean (`total` the weights of this node's

@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 
 use p2ptrain_models::params::l2_norm;
 
-use super::robust::distance;
+use super::robust::{aggregate, distance};
 use super::{BALANCE_SLACK, MAX_SHRINK};
 use crate::sync_guard::{
     MEAN_GRADIENT_NORM_FACTOR, ROUND_MEAN_MAX_DISTANCE, UNSYNCED_MEAN_NORM_FACTOR,
@@ -91,6 +91,26 @@ impl Judge {
             }
         }
     }
+}
+
+/// What a hop of the running attempt did to it ([`Ring::take`]).
+#[derive(Debug, PartialEq)]
+pub(super) enum Judged {
+    /// Taken into the attempt.
+    Taken,
+    /// A part that cannot be honest: it counts for nothing (weight 0), the round goes on,
+    /// and its sender offended (why).
+    PartRefused(String),
+    /// A part refused in a direct ring: the attempt cannot go on (each member aggregates
+    /// the whole, so a part one refused and the other kept would leave them apart), and its
+    /// sender offended (why).
+    DirectPartRefused(String),
+    /// The attempt cannot go on: the abort's reason, and the sender's offence where it is to
+    /// blame.
+    Ends(&'static str, Option<String>),
+    /// An aggregate beyond the judge's bound: the sender's offence where it is to blame (it
+    /// judges as this member does).
+    AggregateRefused(Option<String>),
 }
 
 /// One attempt's ring under way.
@@ -265,6 +285,137 @@ impl Ring {
     /// Whether this attempt still waits for member `i`'s part of this member's chunk.
     pub(super) fn awaits_part(&self, i: usize) -> bool {
         i != self.me && self.totals[self.me].is_none() && self.parts[i].is_none()
+    }
+
+    /// Takes member `i`'s hop `hop` (its values with the weight last, and the step it
+    /// carries) into this attempt, judged as [`Judged`] says: a hop out of turn or of the
+    /// wrong size ends the attempt; a part weighing more than `max_weight`, or beyond the
+    /// judge's bound, counts for nothing; an aggregate weighing more than the members can,
+    /// or 0 where this member's part counted, ends it; one beyond the bound is refused.
+    pub(super) fn take(
+        &mut self,
+        i: usize,
+        hop: u32,
+        mut values: Vec<f32>,
+        step: u64,
+        max_weight: f32,
+        now: Instant,
+    ) -> Judged {
+        let expected = match hop {
+            PART if self.totals[self.me].is_none() && self.parts[i].is_none() => {
+                self.chunk_of(self.me)
+            }
+            AGGREGATE if !self.direct() && self.totals[i].is_none() => self.chunk_of(i),
+            // A second part, an aggregate of a direct ring, a hop no ring has.
+            _ => {
+                return Judged::Ends(
+                    "hop out of turn",
+                    Some(format!("ring hop {hop} out of turn")),
+                )
+            }
+        };
+        if values.len() != expected.len() + 1 {
+            let why = format!(
+                "ring hop of {} values where {} belong",
+                values.len(),
+                expected.len() + 1
+            );
+            return Judged::Ends("hop of the wrong size", Some(why));
+        }
+        let weight = values.pop().unwrap_or(0.0);
+        let own = &self.acc[expected.clone()];
+        let mut judged = Judged::Taken;
+        if hop == PART {
+            self.part_weights[i] = Some(weight);
+            // A part that cannot be honest counts for nothing; the round goes on.
+            let refused = if !(0.0..=max_weight).contains(&weight) {
+                Some(format!(
+                    "a ring part weighing {weight}, past what a member weighs ({max_weight})"
+                ))
+            } else {
+                let judge = if weight > 0.0 {
+                    Some(self.judge)
+                } else {
+                    self.judge.for_weightless()
+                };
+                judge
+                    .and_then(|j| j.beyond(&values, own))
+                    .map(|why| format!("a ring part refused: {why}"))
+            };
+            let weight = match refused {
+                Some(why) if self.direct() => return Judged::DirectPartRefused(why),
+                Some(why) => {
+                    judged = Judged::PartRefused(why);
+                    0.0
+                }
+                None => weight,
+            };
+            if weight > 0.0 {
+                self.part_steps[i] = Some(step);
+            }
+            self.parts[i] = Some((values, weight));
+        } else {
+            let most = max_weight * self.len() as f32 * (1.0 + 1e-5);
+            if !(0.0..=most).contains(&weight) {
+                let why = format!(
+                    "a ring aggregate of weight total {weight}, past what its {} members weigh",
+                    self.len()
+                );
+                return Judged::Ends("weight total past the members' weights", Some(why));
+            }
+            // Its owner is to blame only where it judges as this member does: a synced
+            // member (its part here weighed something). An unsynced owner judges by norm
+            // alone, and may have let in what this member would not.
+            let judges_alike = self.part_weights[i].is_some_and(|w| w > 0.0);
+            if weight == 0.0 && self.weight > 0.0 {
+                // This member's part weighed something, and an owner that judges as this
+                // member does refuses no part this member sends: one that counts nothing
+                // aborts the attempt (the totals differ), and unpunished it could do so at
+                // every attempt.
+                let why = judges_alike.then(|| {
+                    format!(
+                        "a ring aggregate of weight total 0, though this member's part weighed {}",
+                        self.weight
+                    )
+                });
+                return Judged::Ends("weight total of 0", why);
+            }
+            if let Some(why) = (weight > 0.0)
+                .then(|| self.judge.beyond(&values, own))
+                .flatten()
+            {
+                let why = judges_alike.then(|| format!("a ring aggregate refused: {why}"));
+                return Judged::AggregateRefused(why);
+            }
+            self.acc[expected].copy_from_slice(&values);
+            self.totals[i] = Some(weight);
+        }
+        self.last_progress = now;
+        judged
+    }
+
+    /// Every part of this member's chunk came: aggregates them with its own ([`aggregate`],
+    /// `bound_weights` where nothing else bounds a member's weight: `fedavg`'s samples),
+    /// keeps the result as its chunk, and answers the weight total and how many parts were
+    /// clipped.
+    pub(super) fn aggregate_own_chunk(&mut self, bound_weights: bool) -> (f32, usize) {
+        let me = self.me;
+        let range = self.chunk_of(me);
+        let parts = std::mem::replace(&mut self.parts, vec![None; self.members.len()]);
+        let own = self.acc[range.clone()].to_vec();
+        let refs: Vec<(&[f32], f32)> = parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| match p {
+                _ if i == me => (own.as_slice(), self.weight),
+                Some((v, w)) => (v.as_slice(), *w),
+                None => (&[][..], 0.0),
+            })
+            .collect();
+        let agg = aggregate(&refs, range.len(), bound_weights);
+        self.acc[range].copy_from_slice(&agg.mean);
+        self.totals[me] = Some(agg.total);
+        (agg.total, agg.clipped)
     }
 
     /// Whether member `i` sent a hop of this attempt naming this list (a part, taken or

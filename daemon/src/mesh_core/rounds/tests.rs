@@ -2869,3 +2869,43 @@ fn a_member_completes_no_round_alone_while_most_members_sit_out() {
     pair.run(now, &[true, false]);
     assert!(pair.means[0].is_some(), "{:?}", pair.nodes[0].status(now));
 }
+
+/// The module docs' rules name every test here, and no name there that looks like a test
+/// is missing here: the list is the map from each rule to what shows it.
+#[test]
+fn the_module_docs_rules_name_every_test_here() {
+    let docs = include_str!("mod.rs");
+    let start = docs.find("//! # Rules").expect("a Rules section");
+    let end = docs[start..]
+        .find("//! Pure state")
+        .expect("the docs' last line")
+        + start;
+    let named: Vec<&str> = docs[start..end]
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|n| {
+            n.matches('_').count() >= 2
+                && n.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        })
+        .collect();
+    let tests: Vec<&str> = include_str!("tests.rs")
+        .split("#[test]\nfn ")
+        .skip(1)
+        .filter_map(|rest| rest.split('(').next())
+        .collect();
+    assert!(tests.len() > 50, "{} tests found", tests.len());
+    for t in &tests {
+        assert!(
+            named.contains(t),
+            "test {t} is in no rule of the module docs"
+        );
+    }
+    for n in &named {
+        assert!(
+            tests.contains(n),
+            "the module docs name {n}: no such test here"
+        );
+    }
+}

@@ -121,12 +121,7 @@ mod tests {
     #[test]
     fn a_later_round_is_taken_on_two_members_word_or_the_meshs() {
         let now = Instant::now();
-        let (me, a, b, c) = (
-            PeerId::random(),
-            PeerId::random(),
-            PeerId::random(),
-            PeerId::random(),
-        );
+        let [me, a, b, c] = [(); 4].map(|_| PeerId::random());
         let lists = Lists::default();
         // The members say round 5, as this node is.
         let at_5 = roster(&[(a, 5), (b, 5), (c, 5)], now);
@@ -175,12 +170,7 @@ mod tests {
     #[test]
     fn a_later_attempt_is_taken_on_two_members_word() {
         let now = Instant::now();
-        let (me, a, b, c) = (
-            PeerId::random(),
-            PeerId::random(),
-            PeerId::random(),
-            PeerId::random(),
-        );
+        let [me, a, b, c] = [(); 4].map(|_| PeerId::random());
         let lists = Lists::default();
         let three = roster(&[(a, 5), (b, 5), (c, 5)], now);
         let m = Members::new(&three, &lists, me, now);
@@ -196,12 +186,7 @@ mod tests {
     #[test]
     fn a_round_taken_is_entered_at_the_attempt_its_hops_name() {
         let now = Instant::now();
-        let (me, a, b, c) = (
-            PeerId::random(),
-            PeerId::random(),
-            PeerId::random(),
-            PeerId::random(),
-        );
+        let [me, a, b, c] = [(); 4].map(|_| PeerId::random());
         let lists = Lists::default();
         let three = roster(&[(a, 5), (b, 5), (c, 5)], now);
         let m = Members::new(&three, &lists, me, now);

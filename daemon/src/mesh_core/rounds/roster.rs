@@ -35,6 +35,9 @@ pub(super) struct Roster {
     /// Peers that went away (their connection closed, or a ban closed it), and when: the
     /// ones other members may still list.
     gone: HashMap<PeerId, Instant>,
+    /// Members a hop could not be delivered to since they were last heard, and when: not
+    /// ready, and not gone either (their connection is up).
+    unreachable: HashMap<PeerId, Instant>,
 }
 
 impl Roster {
@@ -46,6 +49,7 @@ impl Roster {
             self.ready.insert(peer, now);
             self.not_in_rounds.remove(&peer);
             self.gone.remove(&peer);
+            self.unreachable.remove(&peer);
             match hb.ms_per_sample.filter(|v| v.is_finite() && *v > 0.0) {
                 Some(v) => self.speeds.insert(peer, v),
                 None => self.speeds.remove(&peer),
@@ -74,19 +78,27 @@ impl Roster {
     pub(super) fn hop_from(&mut self, peer: PeerId, now: Instant) {
         self.ready.insert(peer, now);
         self.not_in_rounds.remove(&peer);
+        self.unreachable.remove(&peer);
     }
 
     /// `peer` went away (its connection closed).
     pub(super) fn down(&mut self, peer: PeerId, now: Instant) {
         self.ready.remove(&peer);
         self.not_in_rounds.remove(&peer);
+        self.unreachable.remove(&peer);
         remember_newest(&mut self.gone, peer, now);
         self.forget_word(&peer);
     }
 
     /// A hop to `peer` could not be delivered: it is not ready until heard again.
-    pub(super) fn unreachable(&mut self, peer: &PeerId) {
-        self.ready.remove(peer);
+    pub(super) fn unreachable(&mut self, peer: PeerId, now: Instant) {
+        self.ready.remove(&peer);
+        remember_newest(&mut self.unreachable, peer, now);
+    }
+
+    /// Whether a member a hop could not be delivered to is neither heard again nor gone.
+    pub(super) fn any_unreachable(&self) -> bool {
+        !self.unreachable.is_empty()
     }
 
     /// Forgets what a member's heartbeats said of itself.

@@ -2870,6 +2870,40 @@ fn a_member_completes_no_round_alone_while_most_members_sit_out() {
     assert!(pair.means[0].is_some(), "{:?}", pair.nodes[0].status(now));
 }
 
+/// A joiner whose hop to the mesh's one synced member could not be delivered retries
+/// without it, alone. It founds no state of its own there while that member is merely
+/// unreachable (its connection up): their next ring would sum outer changes from two round
+/// starts, and their bits would differ (CI: `modes::a_diloco_ring_carries_a_large_models_state_in_pieces`,
+/// a hop of its 102 MB state round undelivered, the joiner founding alone, and the two
+/// members' digests apart after round 4). Heard again, the member takes it back into a ring
+/// of two; gone (its connection closed), it leaves the joiner free to found alone.
+#[test]
+fn a_joiner_founds_no_state_alone_beside_a_member_it_could_not_reach() {
+    let mut ring = Ring::new(2, &[1.0; 2], &[true, false]);
+    let now = Instant::now();
+    ring.nodes[1].attempt.round = Some(4);
+    ring.hear_all(now);
+    ring.bring_to_boundary(1, now);
+    assert_eq!(ring.nodes[1].status(now).ring_size, 2);
+    ring.nodes[1].undelivered(ring.ids[0], 4, 0, now);
+    let later = now + RETRY_PAUSE;
+    let step = ring.nodes[1].step_limit();
+    ring.nodes[1].tick(step, true, later, &mut Vec::new());
+    let st = ring.nodes[1].status(later);
+    assert!(!st.synced, "founded a state alone: {st:?}");
+    assert_eq!(st.aborted.get("no member synced"), None, "{st:?}");
+    // Heard again: a ring of two.
+    ring.nodes[1].heard(ring.ids[0], &ready_in(Some(4), None), later);
+    ring.nodes[1].tick(step, true, later + RETRY_PAUSE, &mut Vec::new());
+    assert_eq!(ring.nodes[1].status(later).ring_size, 2);
+    // Gone: alone, it founds.
+    let even_later = later + RETRY_PAUSE * 2;
+    ring.nodes[1].peer_down(ring.ids[0], even_later);
+    ring.nodes[1].tick(step, true, even_later + RETRY_PAUSE, &mut Vec::new());
+    let st = ring.nodes[1].status(even_later);
+    assert!(st.synced, "{st:?}");
+}
+
 /// The module docs' rules name every test here, and no name there that looks like a test
 /// is missing here: the list is the map from each rule to what shows it.
 #[test]

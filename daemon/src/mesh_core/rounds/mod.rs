@@ -1181,12 +1181,7 @@ impl Rounds {
         if let Some(a) = self.later_attempt_to_take(now) {
             self.attempt.number = a;
         }
-        let lists = &self.lists;
-        let mut members: Vec<PeerId> = self
-            .roster
-            .fresh(now)
-            .filter(|p| !lists.left_out(p, now))
-            .collect();
+        let mut members: Vec<PeerId> = self.members(now).in_next_ring().collect();
         members.push(self.me);
         if members.len() < self.cfg.min_members {
             // Waiting for members: the tick tries again.

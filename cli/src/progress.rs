@@ -109,6 +109,14 @@ impl Counted {
         self.last_line = Some(Instant::now());
     }
 
+    /// The work was given up at `done`.
+    pub fn abandon(mut self, done: u64) {
+        match self.bar.take() {
+            Some(bar) => bar.abandon_with_message("given up"),
+            None => self.line(done, "given up"),
+        }
+    }
+
     /// The work is done (or abandoned at `done`).
     pub fn finish(mut self, done: u64) {
         match self.bar.take() {

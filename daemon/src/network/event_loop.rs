@@ -48,7 +48,9 @@ pub struct EventLoop {
     admission: Admission,
     members: HashMap<PeerId, PeerInfo>,
     listen_addrs: Vec<Multiaddr>,
-    pending_requests: HashMap<OutboundRequestId, oneshot::Sender<Result<BulkResponse, NetError>>>,
+    /// This node's bulk requests awaiting their answers: to whom, and who waits for it.
+    pending_requests:
+        HashMap<OutboundRequestId, (PeerId, oneshot::Sender<Result<BulkResponse, NetError>>)>,
     topics: HashSet<String>,
     walk: WalkClock,
     /// Peers named in bootstrap addresses, whose dial failures the user needs to see.
@@ -191,7 +193,8 @@ impl EventLoop {
 
     fn on_tick(&mut self) {
         let now = Instant::now();
-        for spent in self.links.due_to_close(now) {
+        let awaiting: HashSet<PeerId> = self.pending_requests.values().map(|p| p.0).collect();
+        for spent in self.links.due_to_close(now, &awaiting) {
             let _ = self.swarm.close_connection(spent);
         }
         let paused = self.paused_at.is_some();
@@ -447,7 +450,7 @@ impl EventLoop {
                     return;
                 }
                 let id = self.swarm.behaviour_mut().bulk.send_request(&peer, request);
-                self.pending_requests.insert(id, reply);
+                self.pending_requests.insert(id, (peer, reply));
             }
             Command::Respond { channel, response } => {
                 let _ = self

@@ -358,8 +358,9 @@ fn wall_clock_now() -> WallClock {
 fn joiner(
     shared: &NodeHandle,
     reached: watch::Receiver<transfer::Reached>,
-    network: &crate::config::NetworkConfig,
+    config: &Config,
 ) -> transfer::Joiner {
+    let network = &config.network;
     transfer::Joiner {
         net: shared.net.clone(),
         run_id: shared.run_id.clone(),
@@ -371,6 +372,10 @@ fn joiner(
             progress: shared.download_progress.clone(),
             ..transfer::Limits::for_params(shared.model.params, shared.data_dir.join("download"))
         },
+        // A gossip mesh started together: every member holds the run's initial weights
+        // (from its seed) until they all take their first step.
+        own_initial_state: config.sync.mode == crate::config::SyncMode::Gossip
+            && config.sync.policy().wait_for_neighbours > 0,
         cache: shared.cache.clone(),
         report: shared.download.clone(),
         wait: Duration::from_secs_f64(network.join_wait_secs),
@@ -879,8 +884,7 @@ fn start_mesh(
         );
     }
     let mesh_task = tokio::spawn(mesh.run(net_events, shared.stop_tx.subscribe()));
-    let join_task =
-        joining.then(|| tokio::spawn(joiner(shared, reached_rx, &config.network).run()));
+    let join_task = joining.then(|| tokio::spawn(joiner(shared, reached_rx, config).run()));
     (mesh_task, join_task)
 }
 

@@ -297,9 +297,9 @@ impl Loop {
                         self.tell(TrainerEvent::Restored { step: c.step });
                         tracing::info!(id = loaded.meta.id, step = c.step, "restored state");
                         // The first evaluation right away shows what the restored state is worth
-                        // (see `RestoreFrom` for the one exception).
+                        // (see `RestoreFrom` for the exceptions).
                         let lockstep = self.s.eval_align_steps > 1;
-                        if !(from == RestoreFrom::Members && lockstep) {
+                        if !(from == RestoreFrom::Members && (lockstep || c.step == 0)) {
                             self.evaluate()?;
                         }
                         self.paused = false;

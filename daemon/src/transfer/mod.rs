@@ -32,6 +32,10 @@ pub use join::{JoinError, Joiner, Reached};
 
 /// Chunk requests in flight per source.
 pub const WINDOW_PER_SOURCE: usize = 4;
+/// Chunk requests of one source whose connection closed under them (with the source still
+/// connected otherwise) that are asked again before the source counts as failed: see
+/// [`keeps_source`].
+pub const CLOSED_UNDER_RETRIES: u32 = 4;
 /// How long a frozen state is kept for joiners.
 pub const FROZEN_TTL: Duration = Duration::from_secs(120);
 /// A manifest request within this long of the last freeze may reuse it (if this node has not
@@ -206,7 +210,7 @@ pub struct DownloadReport {
     /// Times the download started over with another donor's state.
     pub restarts: usize,
     /// Held-out accuracy of the downloaded state, evaluated right after loading it (`None`
-    /// for a `ddp` joiner, which does not evaluate it: see `trainer::RestoreFrom`).
+    /// for a `ddp` joiner or a state at step 0, not evaluated: see `trainer::RestoreFrom`).
     #[serde(default)]
     pub first_accuracy: Option<f64>,
     /// Chunks found verified on disk from an earlier, interrupted download of the same state
@@ -239,6 +243,8 @@ pub struct Limits {
 pub struct DownloadProgress {
     done: AtomicU64,
     total: AtomicU64,
+    /// The joiner gave up downloading and trains from the run's initial weights.
+    given_up: std::sync::atomic::AtomicBool,
 }
 
 impl DownloadProgress {
@@ -248,6 +254,16 @@ impl DownloadProgress {
             self.done.load(Ordering::Relaxed),
             self.total.load(Ordering::Relaxed),
         )
+    }
+
+    /// Whether the joiner gave up downloading (a bar showing the download ends there).
+    pub fn given_up(&self) -> bool {
+        self.given_up.load(Ordering::Relaxed)
+    }
+
+    /// The joiner gave up downloading.
+    fn give_up(&self) {
+        self.given_up.store(true, Ordering::Relaxed);
     }
 
     /// A new state of `total` bytes was chosen, `done` of them already at hand.
@@ -278,11 +294,14 @@ impl Limits {
 /// it on disk under `limits.dir`, and falls back to the next donor if all holders of the
 /// chosen state vanish. A state an earlier run of this node left half-downloaded is resumed
 /// first if some peer still serves it. Returns the bytes (a checkpoint file, verified again by
-/// the caller) and a report.
+/// the caller) and a report. With `own_initial_state` (see `Joiner::own_initial_state`),
+/// members whose manifests all say step 0 are not downloaded from:
+/// [`DownloadError::MembersAtStart`].
 pub async fn download(
     net: &Client,
     peers: &[PeerId],
     limits: &Limits,
+    own_initial_state: bool,
 ) -> Result<(Vec<u8>, DownloadReport), DownloadError> {
     let started = Instant::now();
     let mut manifests: Vec<(PeerId, StateManifest)> = Vec::new();
@@ -307,6 +326,9 @@ pub async fn download(
     }
     if manifests.is_empty() {
         return Err(DownloadError::NoValidState);
+    }
+    if own_initial_state && manifests.iter().all(|(_, m)| m.step == 0) {
+        return Err(DownloadError::MembersAtStart);
     }
     let manifests = donor_order(manifests);
     let mut order = manifests.clone();
@@ -383,6 +405,10 @@ pub enum DownloadError {
     /// Every donor tried failed or vanished mid-transfer.
     #[error("every donor failed")]
     EveryDonorFailed,
+    /// Every member offered its state at step 0, the run's initial weights, which this node
+    /// builds itself (see `Joiner::own_initial_state`).
+    #[error("the members are at step 0")]
+    MembersAtStart,
 }
 
 /// Why a manifest cannot describe a state of this run, if it cannot.
@@ -447,6 +473,23 @@ fn partial_download(dir: &Path, max_total: u64) -> Option<([u8; 32], StateManife
     found
 }
 
+/// Whether a source whose chunk request failed with `error` stays a source, `closed_so_far`
+/// of its requests having failed so before: a request whose connection closed under it is
+/// asked again, up to [`CLOSED_UNDER_RETRIES`] times a source, since a peer holds several
+/// connections and closes some on purpose (an AutoNAT dial-back is closed once spent:
+/// libp2p sends each request on any of a peer's connections, and a chunk on its way out
+/// when its connection closes is lost); were the peer gone, the request asked again fails
+/// as not connected. Any other failure ends the source.
+fn keeps_source(error: &crate::network::NetError, closed_so_far: u32) -> bool {
+    matches!(
+        error,
+        crate::network::NetError::Request {
+            error: libp2p::request_response::OutboundFailure::ConnectionClosed,
+            ..
+        }
+    ) && closed_so_far < CLOSED_UNDER_RETRIES
+}
+
 /// Fetches all chunks of `manifest` from `sources`, several at a time per source, keeping
 /// each verified chunk on disk under `root/<state hash>` and none in memory; chunks already
 /// there from an interrupted download are verified and reused. Returns the assembled state
@@ -495,6 +538,8 @@ async fn fetch(
     let mut used = HashSet::new();
     let mut in_flight = futures::stream::FuturesUnordered::new();
     let mut busy: HashMap<PeerId, usize> = HashMap::new();
+    // Per source, its requests lost to a connection closed under them (see `keeps_source`).
+    let mut closed_under: HashMap<PeerId, u32> = HashMap::new();
     loop {
         // Hand out work to every source with room in its window.
         while let Some(index) = todo.front().copied() {
@@ -530,6 +575,15 @@ async fn fetch(
             *b = b.saturating_sub(1);
         }
         let i = index as usize;
+        if let Err(e) = &result {
+            let closed = closed_under.entry(peer).or_insert(0);
+            if keeps_source(e, *closed) {
+                *closed += 1;
+                tracing::info!(peer = %peer, chunk = index, "chunk request lost ({e}); asking again");
+                todo.push_front(index);
+                continue;
+            }
+        }
         let why = match result {
             Ok(BulkResponse::StateChunk(bytes)) if bytes.len() != chunk_len(manifest, i) => {
                 format!(
@@ -676,6 +730,40 @@ mod tests {
         stale.insert(Arc::new(old));
         assert!(stale.reusable(3).is_none(), "a freeze past REUSE_WITHIN");
         assert_eq!(stale.hashes().len(), 1, "still served by hash");
+    }
+
+    /// A chunk whose connection closed under it is asked again from the same source, a few
+    /// times; a source not connected, timing out or refusing the protocol is dropped at once.
+    /// (A joiner's 10 MB download at 10 Mbit/s failed at 9.5 MB when its donor closed a
+    /// spent AutoNAT dial-back the request went on, and the joiner trained from the run's
+    /// initial weights.)
+    #[test]
+    fn a_chunk_whose_connection_closed_under_it_is_asked_again() {
+        use crate::network::NetError;
+        use libp2p::request_response::OutboundFailure;
+        let peer = PeerId::random();
+        let closed = NetError::Request {
+            peer,
+            error: OutboundFailure::ConnectionClosed,
+        };
+        for so_far in 0..CLOSED_UNDER_RETRIES {
+            assert!(keeps_source(&closed, so_far), "after {so_far}");
+        }
+        assert!(!keeps_source(&closed, CLOSED_UNDER_RETRIES));
+        for other in [
+            NetError::NotConnected(peer),
+            NetError::Request {
+                peer,
+                error: OutboundFailure::Timeout,
+            },
+            NetError::Request {
+                peer,
+                error: OutboundFailure::UnsupportedProtocols,
+            },
+            NetError::Stopped,
+        ] {
+            assert!(!keeps_source(&other, 0), "{other}");
+        }
     }
 
     /// A liar claiming the highest step goes last while most claims are honest; an honest

@@ -345,10 +345,20 @@ impl EventLoop {
                 peer,
                 ..
             }) => {
-                if let Some(reply) = self.pending_requests.remove(&request_id) {
+                if let Some((_, reply)) = self.pending_requests.remove(&request_id) {
                     let _ = reply.send(Err(NetError::Request { peer, error }));
                 }
             }
+            BehaviourEvent::Bulk(request_response::Event::ResponseSent {
+                peer,
+                connection_id,
+                ..
+            })
+            | BehaviourEvent::Bulk(request_response::Event::InboundFailure {
+                peer,
+                connection_id,
+                ..
+            }) => self.links.request_answered(&peer, connection_id),
             BehaviourEvent::Autonat(e) => self.on_nat_event(NatEvent::Autonat(e)),
             BehaviourEvent::RelayClient(e) => self.on_nat_event(NatEvent::RelayClient(e)),
             BehaviourEvent::Dcutr(e) => self.on_nat_event(NatEvent::Dcutr(e)),
@@ -473,6 +483,9 @@ impl EventLoop {
                 request, channel, ..
             } => {
                 self.heard_from(peer);
+                // Answered here or by the mesh actor; either way a `ResponseSent` or an
+                // `InboundFailure` follows.
+                self.links.request_arrived(&peer, connection_id);
                 if self.links.is_relayed(&peer, connection_id) {
                     self.nat.relayed_requests_refused += 1;
                     let _ = self.swarm.behaviour_mut().bulk.send_response(
@@ -499,7 +512,7 @@ impl EventLoop {
                 response,
             } => {
                 self.heard_from(peer);
-                if let Some(reply) = self.pending_requests.remove(&request_id) {
+                if let Some((_, reply)) = self.pending_requests.remove(&request_id) {
                     let _ = reply.send(Ok(response));
                 }
             }
@@ -519,7 +532,7 @@ impl EventLoop {
             NatEvent::Autonat(autonat::Event::InboundProbe(
                 autonat::InboundProbeEvent::Response { peer, address, .. },
             )) => {
-                tracing::debug!(peer = %peer, "answered its AutoNAT probe; the dial-back connection closes in {:?}", nat::DIAL_BACK_GRACE);
+                tracing::debug!(peer = %peer, "answered its AutoNAT probe; the dial-back connection closes in {:?}, or once no request is in flight on it", nat::DIAL_BACK_GRACE);
                 self.links.spend_dial_back(&peer, &address, Instant::now());
             }
             NatEvent::RelayClient(relay::client::Event::ReservationReqAccepted {

@@ -84,6 +84,13 @@ struct Link {
 /// break off and took it for a wrong network key. The handshake takes a few round trips.
 pub const DIAL_BACK_GRACE: Duration = Duration::from_secs(5);
 
+/// How long past its grace a spent dial-back waits for this node's requests to the peer to
+/// be answered (any of them may travel on it) before it closes regardless: a ring's hops
+/// can be in flight at nearly every moment, and a dial-back left open for good let the
+/// per-peer limit refuse the next one (see [`Links::spend_dial_back`]). A request lost so
+/// is asked again by its caller (a state chunk, a hop's attempt).
+pub const DIAL_BACK_PATIENCE: Duration = Duration::from_secs(30);
+
 /// Open connections by peer, each marked direct or relayed.
 #[derive(Debug, Default)]
 pub struct Links {
@@ -191,14 +198,16 @@ impl Links {
     /// connection to its peer stays (never a peer's last direct connection) and nothing is in
     /// flight on it: no request of the peer's that arrived on it unanswered, and no answer
     /// this node awaits from the peer (`awaiting`: libp2p picks which of a peer's
-    /// connections carries a request, so any of them may carry this node's).
+    /// connections carries a request, so any of them may carry this node's), the latter for
+    /// at most [`DIAL_BACK_PATIENCE`].
     pub fn due_to_close(&self, now: Instant, awaiting: &HashSet<PeerId>) -> Vec<ConnectionId> {
         self.by_peer
             .iter()
-            .filter(|(peer, _)| !awaiting.contains(peer))
-            .flat_map(|(_, links)| {
+            .flat_map(|(peer, links)| {
+                let awaited = awaiting.contains(peer);
                 links.iter().filter(move |l| {
-                    l.close_at.is_some_and(|at| at <= now)
+                    l.close_at
+                        .is_some_and(|at| at <= now && (!awaited || at + DIAL_BACK_PATIENCE <= now))
                         && l.unanswered == 0
                         && links
                             .iter()
@@ -561,9 +570,10 @@ mod tests {
     /// A spent dial-back carrying a request is closed only once nothing is in flight on it:
     /// no request of the peer's that arrived on it unanswered, and no request of this node's
     /// to the peer unanswered (which of a peer's connections carries an outbound request is
-    /// libp2p's choice, so any of them may). Closed under a request, it failed a joiner's
-    /// state download at 9.5 of 10 MB ("Connection was closed before a response was
-    /// received", 5.8 s after the probe's answer, at 10 Mbit/s).
+    /// libp2p's choice, so any of them may), the latter for at most [`DIAL_BACK_PATIENCE`].
+    /// (Closed under requests, it failed a joiner's state download at 10 Mbit/s. An answer
+    /// sent is not an answer received, nor is a request on its way counted, so this narrows
+    /// the window; the requester asks again.)
     #[test]
     fn a_spent_dial_back_closes_only_once_its_requests_are_answered() {
         let mut links = Links::default();
@@ -603,6 +613,11 @@ mod tests {
         assert!(
             links.due_to_close(after, &awaiting).is_empty(),
             "this node's request may be on it"
+        );
+        assert_eq!(
+            links.due_to_close(after + DIAL_BACK_PATIENCE, &awaiting),
+            vec![dial_back],
+            "but not for ever"
         );
         // A request on another connection, or to another peer, holds nothing.
         let elsewhere: HashSet<PeerId> = [PeerId::random()].into_iter().collect();

@@ -576,8 +576,8 @@ fn join(args: JoinArgs) -> Result<ExitCode> {
 }
 
 /// Shows a joiner's state download (a bar on a terminal, lines otherwise) from the moment a
-/// state is chosen until it is all here, or until the joiner gives up. A node that resumes from its own checkpoint never
-/// starts one, and this waits quietly until the process ends.
+/// state is chosen until it is all here, or until the joiner gives up. A node that resumes
+/// from its own checkpoint never starts one, and this waits quietly until the process ends.
 async fn show_download(progress: std::sync::Arc<p2ptrain_daemon::transfer::DownloadProgress>) {
     let tick = std::time::Duration::from_millis(100);
     let mut shown: Option<(u64, progress::Counted)> = None;

@@ -5,9 +5,9 @@
 //! no member within its wait (`network.join_wait_secs`), no state to be had, or none by its
 //! deadline, the node trains from the run's initial weights; so does a `gossip` joiner of a
 //! mesh started together whose members are all still at step 0 (`Joiner::own_initial_state`).
-//! A joiner whose bootstrap peers
-//! train another run, and which no member reached, fails ([`JoinError::OtherRun`]) before its
-//! first step: training alone is not what its user asked for.
+//! A joiner whose bootstrap peers train another run, and which no member reached, fails
+//! ([`JoinError::OtherRun`]) before its first step: training alone is not what its user asked
+//! for.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -140,6 +140,7 @@
 //!    `a_member_heard_sitting_out_counts_among_the_members_a_sit_out_needs_most_of`,
 //!    `a_member_most_others_left_out_is_left_out`,
 //!    `a_member_moved_on_while_its_lists_differ_still_weighs_them`,
+//!    `a_member_back_fresh_follows_a_leave_out_it_never_weighed_a_whole_attempt_of`,
 //!    `a_member_whose_list_is_nobody_elses_is_left_out_without_blame`).
 //! 9. A stall leaves out the member it waited for at the boundary, excuses one still
 //!    training, and holds the node that would leave out every member
@@ -1076,13 +1077,32 @@ impl Rounds {
     /// stopped sending to it: the two aborted each attempt at its first part, and their next
     /// attempt's hops moved it on within the wait, attempt after attempt (`ring_rogue`'s
     /// `diloco` kill test: no round for 60 s, in CI and in 2 runs of 9 beside a busy core).
+    /// With nothing pending (a member back fresh), it names a leave-out where the only hops
+    /// missing are of the member most left out, gone on to a later round by its heartbeat:
+    /// they never come, and no attempt is weighed whole while the others' leave-out of it
+    /// runs (`ring_rogue`'s `allreduce` joiner test: 69 s without a round, one run in 15).
     pub(super) fn weigh_lists_before_moving_on(&mut self, now: Instant) {
         let differed = matches!(&self.attempt.stage, Stage::Reducing { ring: Some(r), .. } if r.lists_differ_since.is_some());
         if !differed {
             return;
         }
         if let Some(verdict) = self.lists_verdict(now) {
-            let action = self.lists.named_again(verdict, now);
+            // Only the hops of the member most left out are missing, and its heartbeat says
+            // it went on to a later round: they are not coming, and this attempt is as whole
+            // as this node's attempts get while that member's leave-out runs.
+            let round = self.attempt.round;
+            let whole_but_x = match (verdict, &self.attempt.stage) {
+                (Some(Verdict::LeftOut(x)), Stage::Reducing { ring: Some(r), .. }) => {
+                    r.parts_accounted_for_but(&x)
+                        && round.is_some_and(|mine| {
+                            self.roster
+                                .round_said(&x)
+                                .is_some_and(|theirs| theirs > mine)
+                        })
+                }
+                _ => false,
+            };
+            let action = self.lists.named_again(verdict, whole_but_x, now);
             self.act_on_lists(verdict, action, now);
         }
     }

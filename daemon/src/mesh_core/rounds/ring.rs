@@ -544,6 +544,17 @@ impl Ring {
         })
     }
 
+    /// Whether each other member but `x` sent its part or a hop naming another list: only
+    /// `x`'s hops are missing, which no verdict on `x` counts ([`Ring::left_out_by_most`]).
+    pub(super) fn parts_accounted_for_but(&self, x: &PeerId) -> bool {
+        (0..self.len()).all(|i| {
+            self.members[i] == *x
+                || i == self.me
+                || self.part_weights[i].is_some()
+                || self.other_lists.iter().any(|(p, _)| *p == self.members[i])
+        })
+    }
+
     /// Whether every part of this member's chunk is in.
     pub(super) fn parts_complete(&self) -> bool {
         (0..self.len()).all(|i| i == self.me || self.parts[i].is_some())

@@ -2233,6 +2233,83 @@ fn members_1_and_2_left_out_member_3(silent_to_0_from: Option<Duration>) -> Ring
     ring
 }
 
+/// Members 0 to 2 left member 3 out for a stall: it sends no hop of round 0, and then
+/// says it is in round 1 (`ring_rogue`'s rogue, which names the next round and waits
+/// there). Member 4 comes back fresh (restarted from its checkpoint: not synced, no verdict
+/// pending) while that leave-out runs, and lists member 3. The three abort each attempt at
+/// member 4's part (every part of their list is in at once), and their next attempt moves
+/// member 4 on within the [`LISTS_DIFFER_WAIT`] it waits for member 3's part, so it weighs
+/// no attempt whole; moving on confirmed only a verdict weighed whole before, so it never
+/// followed the others, and no round completed until their leave-out ended and the next
+/// stall (`ring_rogue`'s `allreduce` joiner test: 69 s without a round, one run in 15).
+/// Member 3's hops, the only ones missing, are not coming: member 4 leaves it out once its
+/// attempts named that for [`lists::OUTVOTED_FOR`], and the four complete the round well
+/// within the leave-out.
+#[test]
+fn a_member_back_fresh_follows_a_leave_out_it_never_weighed_a_whole_attempt_of() {
+    let mut ring = Ring::new(5, &[1.0; 5], &[true, true, true, true, false]);
+    // Member 3 sends nothing in this round; its heartbeats say it is at its boundary.
+    ring.cut = (0..5).map(|j| (3, j)).collect();
+    let hear = |ring: &mut Ring, among: &[usize], went_on: bool, now: Instant| {
+        for &i in among {
+            for &j in among.iter().filter(|j| **j != i) {
+                let round = if j == 3 && went_on {
+                    Some(1)
+                } else {
+                    ring.nodes[j].status(now).round
+                };
+                let word = Heartbeat {
+                    step: if j == 3 { 5 } else { 0 },
+                    ..ready_in(round, None)
+                };
+                let id = ring.ids[j];
+                ring.nodes[i].heard(id, &word, now);
+            }
+        }
+    };
+    // Member 4 away: the attempt of 0 to 3 stalls on member 3, which 0 to 2 leave out.
+    let (before, all) = ([true, true, true, true, false], [true; 5]);
+    let t0 = Instant::now();
+    hear(&mut ring, &[0, 1, 2, 3], false, t0);
+    ring.run(t0, &before);
+    let stalled = t0 + STALL_TIMEOUT;
+    hear(&mut ring, &[0, 1, 2, 3], false, stalled);
+    // Member 4 is back, heard ready, as the stall leaves member 3 out.
+    hear(&mut ring, &[0, 1, 2, 3, 4], false, stalled);
+    ring.run(stalled, &before);
+    for i in 0..3 {
+        let st = ring.nodes[i].status(stalled);
+        assert_eq!(
+            st.left_out,
+            vec![ring.ids[3].to_string()],
+            "node {i}: {st:?}"
+        );
+    }
+    let took = |ring: &Ring| [0, 1, 2, 4].iter().all(|i| ring.means[*i].is_some());
+    let mut rounds_at = None;
+    for k in 1..=40u32 {
+        let now = stalled + RETRY_PAUSE * k;
+        hear(&mut ring, &[0, 1, 2, 3, 4], true, now);
+        ring.run(now, &all);
+        if took(&ring) {
+            rounds_at = Some(now.duration_since(stalled));
+            break;
+        }
+    }
+    let st = ring.nodes[4].status(stalled + RETRY_PAUSE * 40);
+    let waited = rounds_at
+        .unwrap_or_else(|| panic!("no round in 8 s of the others' leave-out; member 4: {st:?}"));
+    assert!(
+        waited <= lists::OUTVOTED_FOR + Duration::from_secs(1),
+        "{waited:?}: {st:?}"
+    );
+    assert_eq!(st.left_out, vec![ring.ids[3].to_string()], "{st:?}");
+    assert_eq!(st.aborted.get("left a member out"), Some(&1), "{st:?}");
+    let mean = ring.means[0].clone();
+    assert!([1, 2, 4].iter().all(|i| ring.means[*i] == mean));
+    assert_eq!(ring.offences, 0);
+}
+
 /// Member 3's hops name a member list nobody has (a random digest): no leave-out or sit-out
 /// explains it, so without a verdict of its own every attempt with it aborted on lists that
 /// differ, and the retry listed it again, forever. The others leave it out once their

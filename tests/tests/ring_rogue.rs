@@ -447,6 +447,7 @@ fn diloco_bans_a_member_that_sends_hops_of_the_largest_length() {
 fn allreduce_joiner_takes_the_members_step_not_a_rogues_claim_and_restarts_from_its_checkpoint() {
     let _cores = crate::harness::cpu_sensitive();
     let tmp = tempfile::tempdir().expect("tmp");
+    let started = std::time::Instant::now();
     let mode = "allreduce";
     let cfg: Vec<PathBuf> = (0..3)
         .map(|k| member_config(tmp.path(), &format!("h{k}"), mode, k, "", ""))
@@ -462,6 +463,7 @@ fn allreduce_joiner_takes_the_members_step_not_a_rogues_claim_and_restarts_from_
             rounds(s)["ring_size"].as_u64() == Some(3) && completed(s) > 5
         });
     }
+    eprintln!("rounds of three ({:.1?} in)", started.elapsed());
     let rogue = start(tmp.path(), "rogue", &rogue_cfg, Some(&addr), &[]);
     let rogue_id = rogue.status().expect("the rogue's status")["peer_id"]
         .as_str()
@@ -477,7 +479,10 @@ fn allreduce_joiner_takes_the_members_step_not_a_rogues_claim_and_restarts_from_
             .iter()
             .map(|n| crate::mesh::step(&n.status().expect("status")))
             .collect();
-        eprintln!("{what}: the honest members at steps {steps:?}");
+        eprintln!(
+            "{what} ({:.1?} in): the honest members at steps {steps:?}",
+            started.elapsed()
+        );
         steps.into_iter().max().unwrap_or(0)
     };
     // The joiner: a fourth shard's config would change nothing the run id holds.
@@ -498,6 +503,7 @@ fn allreduce_joiner_takes_the_members_step_not_a_rogues_claim_and_restarts_from_
     let (st, _, err) = joiner.cli(&["stop"], Duration::from_secs(30));
     assert!(st.success(), "{err}");
     assert!(joiner.wait_exit(Duration::from_secs(60)).success());
+    eprintln!("the joiner stopped ({:.1?} in)", started.elapsed());
     // Started again on its own data directory: it resumes from its own checkpoint.
     let again = start(tmp.path(), "joiner", &cfg[1], Some(&addr), &[]);
     let s = again.wait_status("the joiner's rounds again", Duration::from_secs(90), |s| {

@@ -522,22 +522,49 @@ mod tests {
         assert!(!links.connected(&peer));
     }
 
+    /// Where a peer listens in the dial-back tests.
+    const DIAL_BACK_LISTEN: &str = "/ip4/10.0.0.9/tcp/4001";
+
+    /// The dial-back tests' peer (listening at [`DIAL_BACK_LISTEN`]), the ids of its first
+    /// connection and of a dial-back, and when a dial-back is spent and its grace ends.
+    struct DialBackCase {
+        peer: PeerId,
+        address: Multiaddr,
+        first: ConnectionId,
+        dial_back: ConnectionId,
+        t0: Instant,
+        after: Instant,
+    }
+
+    impl DialBackCase {
+        fn new() -> DialBackCase {
+            let t0 = Instant::now();
+            DialBackCase {
+                peer: PeerId::random(),
+                address: DIAL_BACK_LISTEN.parse().expect("multiaddr"),
+                first: ConnectionId::new_unchecked(1),
+                dial_back: ConnectionId::new_unchecked(2),
+                t0,
+                after: t0 + DIAL_BACK_GRACE,
+            }
+        }
+    }
+
     /// A dial-back is closed [`DIAL_BACK_GRACE`] after its probe is answered, and only while
     /// another direct connection to the peer stays: never the peer's last direct connection,
     /// never one the peer dialled, never one to another address.
     #[test]
     fn a_spent_dial_back_is_closed_after_a_grace_beside_another_direct_connection() {
         let mut links = Links::default();
-        let peer = PeerId::random();
-        let listen = "/ip4/10.0.0.9/tcp/4001";
-        let address: Multiaddr = listen.parse().expect("multiaddr");
-        let (first, dial_back) = (
-            ConnectionId::new_unchecked(1),
-            ConnectionId::new_unchecked(2),
-        );
-        let t0 = Instant::now();
-        let after = t0 + DIAL_BACK_GRACE;
-        links.opened(peer, dial_back, &dialer(listen));
+        let DialBackCase {
+            peer,
+            address,
+            first,
+            dial_back,
+            t0,
+            after,
+        } = DialBackCase::new();
+        links.opened(peer, dial_back, &dialer(DIAL_BACK_LISTEN));
         links.spend_dial_back(&peer, &address, t0);
         assert!(
             links.due_to_close(after, &HashSet::new()).is_empty(),
@@ -577,21 +604,20 @@ mod tests {
     #[test]
     fn a_spent_dial_back_closes_only_once_its_requests_are_answered() {
         let mut links = Links::default();
-        let peer = PeerId::random();
-        let listen = "/ip4/10.0.0.9/tcp/4001";
-        let address: Multiaddr = listen.parse().expect("multiaddr");
-        let (first, dial_back) = (
-            ConnectionId::new_unchecked(1),
-            ConnectionId::new_unchecked(2),
-        );
-        let t0 = Instant::now();
-        let after = t0 + DIAL_BACK_GRACE;
+        let DialBackCase {
+            peer,
+            address,
+            first,
+            dial_back,
+            t0,
+            after,
+        } = DialBackCase::new();
         links.opened(
             peer,
             first,
             &listener("/ip4/10.0.0.9/tcp/5555", "/ip4/10.0.0.2/tcp/4001"),
         );
-        links.opened(peer, dial_back, &dialer(listen));
+        links.opened(peer, dial_back, &dialer(DIAL_BACK_LISTEN));
         links.spend_dial_back(&peer, &address, t0);
         let none = HashSet::new();
         // Two of the peer's requests arrive on the dial-back, one on the other connection.

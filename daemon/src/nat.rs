@@ -525,29 +525,26 @@ mod tests {
     /// Where a peer listens in the dial-back tests.
     const DIAL_BACK_LISTEN: &str = "/ip4/10.0.0.9/tcp/4001";
 
-    /// The dial-back tests' peer (listening at [`DIAL_BACK_LISTEN`]), the ids of its first
-    /// connection and of a dial-back, and when a dial-back is spent and its grace ends.
-    struct DialBackCase {
-        peer: PeerId,
-        address: Multiaddr,
-        first: ConnectionId,
-        dial_back: ConnectionId,
-        t0: Instant,
-        after: Instant,
-    }
-
-    impl DialBackCase {
-        fn new() -> DialBackCase {
-            let t0 = Instant::now();
-            DialBackCase {
-                peer: PeerId::random(),
-                address: DIAL_BACK_LISTEN.parse().expect("multiaddr"),
-                first: ConnectionId::new_unchecked(1),
-                dial_back: ConnectionId::new_unchecked(2),
-                t0,
-                after: t0 + DIAL_BACK_GRACE,
-            }
-        }
+    /// The dial-back tests' peer (listening at [`DIAL_BACK_LISTEN`]) and its address, the ids
+    /// of its first connection and of a dial-back, and when a dial-back is spent and its
+    /// grace ends.
+    fn dial_back_case() -> (
+        PeerId,
+        Multiaddr,
+        ConnectionId,
+        ConnectionId,
+        Instant,
+        Instant,
+    ) {
+        let t0 = Instant::now();
+        (
+            PeerId::random(),
+            DIAL_BACK_LISTEN.parse().expect("multiaddr"),
+            ConnectionId::new_unchecked(1),
+            ConnectionId::new_unchecked(2),
+            t0,
+            t0 + DIAL_BACK_GRACE,
+        )
     }
 
     /// A dial-back is closed [`DIAL_BACK_GRACE`] after its probe is answered, and only while
@@ -556,14 +553,7 @@ mod tests {
     #[test]
     fn a_spent_dial_back_is_closed_after_a_grace_beside_another_direct_connection() {
         let mut links = Links::default();
-        let DialBackCase {
-            peer,
-            address,
-            first,
-            dial_back,
-            t0,
-            after,
-        } = DialBackCase::new();
+        let (peer, address, first, dial_back, t0, after) = dial_back_case();
         links.opened(peer, dial_back, &dialer(DIAL_BACK_LISTEN));
         links.spend_dial_back(&peer, &address, t0);
         assert!(
@@ -604,14 +594,7 @@ mod tests {
     #[test]
     fn a_spent_dial_back_closes_only_once_its_requests_are_answered() {
         let mut links = Links::default();
-        let DialBackCase {
-            peer,
-            address,
-            first,
-            dial_back,
-            t0,
-            after,
-        } = DialBackCase::new();
+        let (peer, address, first, dial_back, t0, after) = dial_back_case();
         links.opened(
             peer,
             first,

@@ -1082,29 +1082,34 @@ impl Rounds {
     /// they never come, and no attempt is weighed whole while the others' leave-out of it
     /// runs (`ring_rogue`'s `allreduce` joiner test: 69 s without a round, one run in 15).
     pub(super) fn weigh_lists_before_moving_on(&mut self, now: Instant) {
-        let differed = matches!(&self.attempt.stage, Stage::Reducing { ring: Some(r), .. } if r.lists_differ_since.is_some());
-        if !differed {
+        let Stage::Reducing {
+            ring: Some(ring), ..
+        } = &self.attempt.stage
+        else {
+            return;
+        };
+        if ring.lists_differ_since.is_none() {
             return;
         }
-        if let Some(verdict) = self.lists_verdict(now) {
-            // Only the hops of the member most left out are missing, and its heartbeat says
-            // it went on to a later round: they are not coming, and this attempt is as whole
-            // as this node's attempts get while that member's leave-out runs.
-            let round = self.attempt.round;
-            let whole_but_x = match (verdict, &self.attempt.stage) {
-                (Some(Verdict::LeftOut(x)), Stage::Reducing { ring: Some(r), .. }) => {
-                    r.parts_accounted_for_but(&x)
-                        && round.is_some_and(|mine| {
-                            self.roster
-                                .round_said(&x)
-                                .is_some_and(|theirs| theirs > mine)
-                        })
-                }
-                _ => false,
-            };
-            let action = self.lists.named_again(verdict, whole_but_x, now);
-            self.act_on_lists(verdict, action, now);
-        }
+        let Some(verdict) = self.lists_verdict(now) else {
+            return;
+        };
+        // Only the hops of the member most left out are missing, and its heartbeat says it
+        // went on to a later round: they are not coming, and this attempt is as whole as this
+        // node's attempts get while that member's leave-out runs.
+        let whole_but_x = match verdict {
+            Some(Verdict::LeftOut(x)) => {
+                ring.parts_accounted_for_but(&x)
+                    && self.attempt.round.is_some_and(|mine| {
+                        self.roster
+                            .round_said(&x)
+                            .is_some_and(|theirs| theirs > mine)
+                    })
+            }
+            _ => false,
+        };
+        let action = self.lists.named_again(verdict, whole_but_x, now);
+        self.act_on_lists(verdict, action, now);
     }
 
     /// What the running attempt's lists say ([`lists`]), where an attempt runs.

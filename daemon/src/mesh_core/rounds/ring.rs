@@ -534,25 +534,28 @@ impl Ring {
             .min()
     }
 
+    /// The other members that sent neither their part of this member's chunk (taken or
+    /// refused) nor a hop naming another list: what of this attempt is left to judge.
+    fn unaccounted(&self) -> impl Iterator<Item = &PeerId> {
+        (0..self.len())
+            .filter(|&i| {
+                i != self.me
+                    && self.part_weights[i].is_none()
+                    && !self.other_lists.iter().any(|(p, _)| *p == self.members[i])
+            })
+            .map(|i| &self.members[i])
+    }
+
     /// Whether each other member sent its part of this member's chunk (taken or refused) or
     /// a hop naming another list: nothing more of this attempt is left to judge.
     pub(super) fn parts_accounted_for(&self) -> bool {
-        (0..self.len()).all(|i| {
-            i == self.me
-                || self.part_weights[i].is_some()
-                || self.other_lists.iter().any(|(p, _)| *p == self.members[i])
-        })
+        self.unaccounted().next().is_none()
     }
 
     /// Whether each other member but `x` sent its part or a hop naming another list: only
     /// `x`'s hops are missing, which no verdict on `x` counts ([`Ring::left_out_by_most`]).
     pub(super) fn parts_accounted_for_but(&self, x: &PeerId) -> bool {
-        (0..self.len()).all(|i| {
-            self.members[i] == *x
-                || i == self.me
-                || self.part_weights[i].is_some()
-                || self.other_lists.iter().any(|(p, _)| *p == self.members[i])
-        })
+        self.unaccounted().all(|p| p == x)
     }
 
     /// Whether every part of this member's chunk is in.

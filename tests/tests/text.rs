@@ -168,7 +168,7 @@ const MESH_MARGIN: f64 = 0.9;
 const GOSSIP_MARGIN: f64 = 0.92;
 /// No mesh node trains past this many steps; the schedule spans them (at a batch of 64 the
 /// lone node takes 625 to the level, two `ddp` nodes 450 each, reproducibly; at 16 the lone
-/// node 1,125-1,200 by its node seed, gossip's pair 925-1,050).
+/// node 1,125-1,200 by its node seed, gossip's pair 900-1,050).
 const MESH_STEP_CAP: u64 = 1500;
 
 /// `text_config` evaluating every 25 steps (not on a clock), with a fixed data order, its

@@ -27,7 +27,8 @@ fn peer_id(n: &Node) -> String {
         .to_string()
 }
 
-/// Seconds until every node in `nodes` has exactly `want` neighbours, none of them `gone`.
+/// Seconds until every node in `nodes` has exactly `want` neighbours, none of them `gone`
+/// (reported, not asserted: how a peer went is asserted instead, see [`losses`]).
 fn time_to_replace(nodes: &[&Node], gone: &str, want: usize, since: Instant) -> f64 {
     eventually(
         Duration::from_secs(20),
@@ -44,11 +45,43 @@ fn time_to_replace(nodes: &[&Node], gone: &str, want: usize, since: Instant) -> 
     )
 }
 
+/// A node's members lost so far, by how it learnt each was gone (status `peer_losses`):
+/// `[goodbyes, silent, closed, banned]`.
+fn losses(n: &Node) -> [u64; 4] {
+    let s = n.status().expect("status");
+    ["goodbyes", "silent", "closed", "banned"].map(|k| s["peer_losses"][k].as_u64().unwrap_or(0))
+}
+
+/// What each of `nodes` counted as lost since `before` (their [`losses`] then, in order),
+/// waiting until every one of them has counted its loss of one member.
+fn lost_since(nodes: &[&Node], before: &[[u64; 4]]) -> Vec<[u64; 4]> {
+    eventually(
+        Duration::from_secs(20),
+        "each node counting its loss",
+        || {
+            let now: Vec<[u64; 4]> = nodes.iter().map(|n| losses(n)).collect();
+            let delta: Vec<[u64; 4]> = now
+                .iter()
+                .zip(before)
+                .map(|(a, b)| std::array::from_fn(|i| a[i] - b[i]))
+                .collect();
+            delta
+                .iter()
+                .all(|d| d.iter().sum::<u64>() >= 1)
+                .then_some(delta)
+        },
+    )
+}
+
 /// Degree 2 in a mesh of five: every node has spare members to replace a lost neighbour with.
-/// A node that leaves (`p2ptrain leave`) says so on the heartbeat topic and must be out of
-/// every neighbour set within 5 s. One killed with SIGKILL (its connections reset) and one
-/// frozen with SIGSTOP (connections open, nothing answers) must be out once pings go unanswered
-/// for 4 s (`SILENT_AFTER`), plus the 1 s tick that checks it and the status polling's slack.
+/// How fast a lost neighbour is replaced follows from how each node learns it is gone, so that
+/// is what is asserted, not seconds: a node that leaves (`p2ptrain leave`) says so on the
+/// heartbeat topic, and every other node lets it go on that goodbye (at once), none of them
+/// on a closed connection or silence; one killed with SIGKILL has its connections reset, and
+/// every survivor drops it on the closed connection (at once), none by waiting out the
+/// silence; one frozen with SIGSTOP keeps its connections open and answers nothing, and every
+/// survivor drops it for silence (`SILENT_AFTER`, 4 s without a ping answer or any message).
+/// Nobody is banned. The seconds each took are printed beside.
 #[test]
 fn a_leaving_node_is_replaced_at_once_a_crashed_or_hung_one_within_the_ping_timeout() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -67,19 +100,25 @@ fn a_leaving_node_is_replaced_at_once_a_crashed_or_hung_one_within_the_ping_time
         );
     }
     let mut ids: Vec<String> = nodes.iter().map(peer_id).collect();
+    // [goodbyes, silent, closed, banned] each survivor must count for each way of going.
+    const GOODBYE: [u64; 4] = [1, 0, 0, 0];
+    const SILENCE: [u64; 4] = [0, 1, 0, 0];
+    const CLOSED: [u64; 4] = [0, 0, 1, 0];
 
     // The leaver: the node most others hold as a neighbour, so that its going empties the
     // most neighbour slots (10 slots over 5 nodes: at least two, by counting alone, so there
     // is nothing to assert about it).
     let (leaver, held_by) = most_held(&nodes, &ids);
+    let others = all_but(&nodes, leaver);
+    let before: Vec<[u64; 4]> = others.iter().map(|n| losses(n)).collect();
     let t0 = Instant::now();
     let (st, _, err) = cli(
         &["leave", "--api", nodes[leaver].api.as_deref().expect("api")],
         Duration::from_secs(30),
     );
     assert!(st.success(), "{err}");
-    let others = all_but(&nodes, leaver);
     let leave_secs = time_to_replace(&others, &ids[leaver], 2, t0);
+    let leave_losses = lost_since(&others, &before);
     let mut gone = nodes.remove(leaver);
     ids.remove(leaver);
     assert!(
@@ -90,37 +129,41 @@ fn a_leaving_node_is_replaced_at_once_a_crashed_or_hung_one_within_the_ping_time
 
     // A crash: SIGKILL resets the victim's connections at once.
     let (victim, victim_held_by) = most_held(&nodes, &ids);
+    let before: Vec<[u64; 4]> = all_but(&nodes, victim).iter().map(|n| losses(n)).collect();
     let t1 = Instant::now();
     nodes[victim].kill9();
     let rest = all_but(&nodes, victim);
     let crash_secs = time_to_replace(&rest, &ids[victim], 2, t1);
+    let crash_losses = lost_since(&rest, &before);
     nodes.remove(victim);
     ids.remove(victim);
 
     // A hang: of the three left each holds both others; a frozen one is only noticed by the
     // ping timeout.
     let (frozen, frozen_held_by) = most_held(&nodes, &ids);
+    let survivors = all_but(&nodes, frozen);
+    let before: Vec<[u64; 4]> = survivors.iter().map(|n| losses(n)).collect();
     let t2 = Instant::now();
     nodes[frozen].freeze();
-    let survivors = all_but(&nodes, frozen);
     let hang_secs = time_to_replace(&survivors, &ids[frozen], 1, t2);
+    let hang_losses = lost_since(&survivors, &before);
     eprintln!(
-        "leave: out of {held_by} neighbour sets in {leave_secs:.2} s; \
-         crash (SIGKILL): out of {victim_held_by} in {crash_secs:.2} s; \
-         hang (SIGSTOP): out of {frozen_held_by} in {hang_secs:.2} s"
+        "leave: out of {held_by} neighbour sets in {leave_secs:.2} s, counted \
+         [goodbyes, silent, closed, banned] {leave_losses:?}; \
+         crash (SIGKILL): out of {victim_held_by} in {crash_secs:.2} s, {crash_losses:?}; \
+         hang (SIGSTOP): out of {frozen_held_by} in {hang_secs:.2} s, {hang_losses:?}"
     );
-    assert!(
-        hang_secs <= 6.5,
-        "a hung node replaced after {hang_secs:.2} s (no ping answer for 4 s drops a peer)"
-    );
-    assert!(
-        leave_secs <= 5.0,
-        "a leaving node replaced after {leave_secs:.2} s"
-    );
-    assert!(
-        crash_secs <= 5.0,
-        "a crashed node replaced after {crash_secs:.2} s"
-    );
+    for (what, counted, want) in [
+        ("the leaver", &leave_losses, GOODBYE),
+        ("the crashed node", &crash_losses, CLOSED),
+        ("the hung node", &hang_losses, SILENCE),
+    ] {
+        assert!(
+            counted.iter().all(|c| *c == want),
+            "every other node must have let {what} go as {want:?} \
+             ([goodbyes, silent, closed, banned]); they counted {counted:?}"
+        );
+    }
     // The survivors keep training.
     for n in survivors {
         let s0 = n.status().expect("status")["step"].as_u64().unwrap_or(0);
@@ -314,8 +357,12 @@ struct ChurnRun {
     /// Held-out accuracy of the lone control: a node on the first part, alone, beside the
     /// mesh for the whole run (over the same window).
     lone_accuracy: f64,
-    /// The longest time any node alive across it went without its step advancing, seconds.
+    /// The longest time any node alive across it went without its step advancing, seconds
+    /// (reported beside [`ChurnRun::worst_stall_steps`]).
     worst_stall: f64,
+    /// The same stall counted in the mesh's steps: how many steps the mean node polled took
+    /// while that node's step stood still. The mesh's own clock, so no wall-clock bound.
+    worst_stall_steps: f64,
     /// The longest time no node's step advanced, seconds.
     mesh_stall: f64,
     /// The longest round of status polls, seconds: stalls shorter than this go unseen.
@@ -430,6 +477,12 @@ impl ChurnMesh {
         let mut last_advance: std::collections::HashMap<String, (Instant, u64)> =
             Default::default();
         let mut worst_stall: f64 = 0.0;
+        // The mesh's clock: the steps the mean polled node took, summed over polling rounds;
+        // per node, the step of its last poll and the clock at its last advance.
+        let mut clock: f64 = 0.0;
+        let mut polled_step: std::collections::HashMap<String, u64> = Default::default();
+        let mut advanced_at_clock: std::collections::HashMap<String, f64> = Default::default();
+        let mut worst_stall_steps: f64 = 0.0;
         let mut mesh_last_advance = Instant::now();
         let mut mesh_stall: f64 = 0.0;
         let t0 = Instant::now();
@@ -442,6 +495,8 @@ impl ChurnMesh {
         while t0.elapsed() < Duration::from_secs(secs) {
             let round = Instant::now();
             let mut any_advanced = false;
+            let (mut round_steps, mut round_nodes) = (0u64, 0u64);
+            let mut stalled: Vec<&String> = Vec::new();
             for (i, (name, n)) in nodes.iter().enumerate() {
                 // A node that does not answer (hung, its API stuck) is not advancing: it counts
                 // towards the stall from its last advance. Only a joiner not yet training (still
@@ -459,15 +514,28 @@ impl ChurnMesh {
                 }
                 let now = Instant::now();
                 let st = status.as_ref().map_or(0, step);
+                if let Some(prev) = polled_step.insert(name.clone(), st) {
+                    round_steps += st.saturating_sub(prev);
+                    round_nodes += 1;
+                }
                 match last_advance.get(name) {
                     Some(&(at, prev)) if st <= prev => {
                         worst_stall = worst_stall.max(now.duration_since(at).as_secs_f64());
+                        stalled.push(name);
                     }
                     _ => {
                         any_advanced = true;
                         last_advance.insert(name.clone(), (now, st));
+                        advanced_at_clock.insert(name.clone(), clock);
                     }
                 }
+            }
+            if round_nodes > 0 {
+                clock += round_steps as f64 / round_nodes as f64;
+            }
+            for name in stalled {
+                let since = advanced_at_clock.get(name).copied().unwrap_or(clock);
+                worst_stall_steps = worst_stall_steps.max(clock - since);
             }
             let now = Instant::now();
             poll_round = poll_round.max(now.duration_since(round).as_secs_f64());
@@ -491,6 +559,8 @@ impl ChurnMesh {
                 let (name, mut node) = nodes.remove(victim);
                 node.kill9();
                 last_advance.remove(&name);
+                polled_step.remove(&name);
+                advanced_at_clock.remove(&name);
                 let via = listen_addr(&nodes[rng.below(nodes.len())].1);
                 let (new_name, how) = if *restart_next {
                     (name.clone(), "restarted")
@@ -559,6 +629,7 @@ impl ChurnMesh {
             accuracies,
             lone_accuracy: recent_median_accuracy(&lone.data_dir, ACCURACY_WINDOW),
             worst_stall,
+            worst_stall_steps,
             mesh_stall,
             poll_round,
             anchor_steps_per_sec,
@@ -573,8 +644,9 @@ impl ChurnMesh {
 
 /// One mesh measured twice over the same length: churn-free over its first minute of
 /// training (inside the warm-up that only the heap measure needs), then churned from the end
-/// of the warm-up. The mesh never stops training for longer than two full-sync intervals (a
-/// node that stops answering counts as stopped), each node holds four of the ten digits
+/// of the warm-up. No node stops training for longer than two full-sync intervals, counted in
+/// the mesh's steps, not seconds (see [`ChurnRun::worst_stall_steps`]; a node that stops
+/// answering counts as stopped), each node holds four of the ten digits
 /// ([`churn_config`]) and the mesh teaches every node of either measure the others (above the
 /// lone control beside it: see [`MESH_TAUGHT`]), churn costs at most half of what the mesh
 /// teaches ([`CHURN_KEEPS`]), every node that joined took up the mesh's progress (a restarted
@@ -600,8 +672,8 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
     let heap = HeapSteps::of(&churned.anchor_heap_floors);
     eprintln!(
         "churn events: {:?}, joins (name, how, anchor step) {:?}\n\
-         churn-free: accuracies {:?} (mean {:.4}), lone control {:.4}, worst stall {:.2} s, anchor {:.0} steps/s\n\
-         churn: accuracies {:?} (mean {:.4}), lone control {:.4}, worst stall of a node {:.2} s, of the mesh {:.2} s \
+         churn-free: accuracies {:?} (mean {:.4}), lone control {:.4}, worst stall {:.2} s ({:.0} steps), anchor {:.0} steps/s\n\
+         churn: accuracies {:?} (mean {:.4}), lone control {:.4}, worst stall of a node {:.2} s ({:.0} of the mean node's steps), of the mesh {:.2} s \
          (status polled in rounds of up to {:.2} s), full-sync interval {:.2} s, anchor {:.0} steps/s\n\
          anchor heap floors before each event and at the end {:?} bytes: {:+.1}% in all, \
          {:+.1}% without its largest step; RSS {} KiB -> {} KiB ({:+.1}%)\n\
@@ -612,11 +684,13 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
         mean(&calm.accuracies),
         calm.lone_accuracy,
         calm.worst_stall,
+        calm.worst_stall_steps,
         calm.anchor_steps_per_sec,
         churned.accuracies,
         mean(&churned.accuracies),
         churned.lone_accuracy,
         churned.worst_stall,
+        churned.worst_stall_steps,
         churned.mesh_stall,
         churned.poll_round,
         interval_secs,
@@ -633,10 +707,11 @@ fn six_nodes_with_a_kill_and_a_join_every_ten_seconds_train_as_well_as_without()
     );
     assert_eq!(churned.events.len(), 5, "{:?}", churned.events);
     assert!(
-        churned.worst_stall <= 2.0 * interval_secs,
-        "a node stopped training for {:.2} s, more than two sync intervals ({:.2} s)",
-        churned.worst_stall,
-        2.0 * interval_secs
+        churned.worst_stall_steps <= 2.0 * CHURN_SYNC_EVERY as f64,
+        "a node stood still while the mean node took {:.0} steps, more than two sync \
+         intervals ({} steps)",
+        churned.worst_stall_steps,
+        2 * CHURN_SYNC_EVERY
     );
     for (run, what) in [(&calm, "churn-free"), (&churned, "churned")] {
         assert!(

@@ -15,6 +15,7 @@ use libp2p::{Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, oneshot};
 
 use super::behaviour::Behaviour;
+use super::losses::{LossCause, PeerLosses};
 use super::metrics::{Bandwidth, Envelope, Traffic};
 use super::peer_book::{GraylistVerdict, PeerBook};
 use super::{
@@ -61,9 +62,9 @@ pub struct EventLoop {
     last_heard: HashMap<PeerId, Instant>,
     /// Members seen (to redial when lost), bans and offences.
     book: PeerBook,
-    /// See [`NetworkStatus::peer_drops`].
-    peer_drops: u64,
-    /// This node said goodbye ([`Command::Leaving`]): lost members are no longer drops.
+    /// Members lost, by cause (see [`NetworkStatus::peer_losses`]).
+    losses: PeerLosses,
+    /// This node said goodbye ([`Command::Leaving`]): lost members are no longer counted.
     leaving: bool,
     /// Open connections, direct or relayed.
     links: Links,
@@ -130,7 +131,7 @@ impl EventLoop {
             bootstrap_peers: super::bootstrap_peers(&cfg.bootstrap),
             last_heard: HashMap::new(),
             book: PeerBook::default(),
-            peer_drops: 0,
+            losses: PeerLosses::default(),
             leaving: false,
             links: Links::default(),
             relayed_members: HashMap::new(),
@@ -211,7 +212,7 @@ impl EventLoop {
             .collect();
         for peer in silent {
             tracing::info!(peer = %peer, "nothing heard (no ping answer, gossip or bulk message) for {SILENT_AFTER:?}; dropping the peer");
-            self.drop_member(peer);
+            self.drop_member(peer, LossCause::Silent);
         }
         let gossip = &mut self.swarm.behaviour_mut().gossipsub;
         for (peer, score) in self.penalties.decay() {
@@ -334,7 +335,7 @@ impl EventLoop {
             // refused at the connection level, it is never mistaken for a failed handshake.
             self.swarm.behaviour_mut().banned.block_peer(peer);
             self.swarm.behaviour_mut().kad.remove_peer(&peer);
-            self.drop_member(peer);
+            self.drop_member(peer, LossCause::Banned);
         }
     }
 
@@ -347,19 +348,12 @@ impl EventLoop {
 
     /// Disconnects a peer and tells the mesh at once: a hung peer's connections can take many
     /// seconds more to finish closing.
-    fn drop_member(&mut self, peer: PeerId) {
+    fn drop_member(&mut self, peer: PeerId, cause: LossCause) {
         let _ = self.swarm.disconnect_peer_id(peer);
         self.last_heard.remove(&peer);
         if self.members.remove(&peer).is_some() {
-            self.count_drop();
+            self.losses.count(cause, self.leaving);
             self.emit(Event::PeerDown(peer));
-        }
-    }
-
-    /// Counts a member lost without a goodbye, unless this node is the one leaving.
-    fn count_drop(&mut self) {
-        if !self.leaving {
-            self.peer_drops += 1;
         }
     }
 
@@ -467,7 +461,9 @@ impl EventLoop {
                 self.book.forget(&peer);
                 self.relayed_members.remove(&peer);
                 // It said goodbye (the mesh already let it go): not a drop.
-                self.members.remove(&peer);
+                if self.members.remove(&peer).is_some() {
+                    self.losses.count(LossCause::Goodbye, self.leaving);
+                }
                 self.last_heard.remove(&peer);
                 let _ = self.swarm.disconnect_peer_id(peer);
             }
@@ -526,7 +522,8 @@ impl EventLoop {
             bytes_received: self.traffic.bandwidth.received(),
             topics,
             banned_peers: self.book.banned(Instant::now()),
-            peer_drops: self.peer_drops,
+            peer_drops: self.losses.drops(),
+            peer_losses: self.losses,
             nat: self.nat.report(&self.listen_addrs),
             ..NetworkStatus::default()
         };

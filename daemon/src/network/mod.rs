@@ -35,6 +35,7 @@ use tokio::sync::{mpsc, oneshot};
 mod behaviour;
 mod bulk_codec;
 mod event_loop;
+mod losses;
 mod metrics;
 mod peer_book;
 mod run_terms;
@@ -42,6 +43,7 @@ mod run_terms;
 pub use behaviour::{Behaviour, BehaviourEvent, BULK_TIMEOUT, TCP_USER_TIMEOUT};
 pub use bulk_codec::{BulkCodec, BulkLimits};
 pub use event_loop::EventLoop;
+pub use losses::PeerLosses;
 pub use peer_book::{BannedPeer, FORGET_AFTER, REDIAL_MAX, REDIAL_MIN};
 pub use run_terms::{protocol_version, what_differs};
 // The bulk types live in `wire`, versioned; re-exported so users of the network need not care.
@@ -303,6 +305,10 @@ pub struct NetworkStatus {
     /// to it, as they should.
     #[serde(default)]
     pub peer_drops: u64,
+    /// Members lost since this node started, by how it learnt they were gone (a goodbye,
+    /// silence, a closed connection, a ban): how a peer went, without timing it.
+    #[serde(default)]
+    pub peer_losses: PeerLosses,
     /// Reachability (AutoNAT), relays and hole punching.
     #[serde(default)]
     pub nat: NatReport,

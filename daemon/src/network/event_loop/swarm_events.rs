@@ -16,6 +16,7 @@ use libp2p::{
 use super::EventLoop;
 use crate::nat;
 use crate::network::behaviour::BehaviourEvent;
+use crate::network::losses::LossCause;
 use crate::network::peer_book::{ip_of, ADDRS_MAX};
 use crate::network::{BulkRequest, BulkResponse, Event, NetError, PeerInfo};
 
@@ -150,7 +151,7 @@ impl EventLoop {
                     if let Some(info) = self.members.remove(&peer_id) {
                         self.last_heard.remove(&peer_id);
                         tracing::info!(peer = %peer_id, "peer gone");
-                        self.count_drop();
+                        self.losses.count(LossCause::Closed, self.leaving);
                         if self.links.connected(&peer_id) {
                             self.relayed_members.insert(peer_id, info);
                         }

@@ -5,8 +5,20 @@
 //! kind is known from its first bytes, before the rest is read. An answer is read to what its
 //! request asked for (libp2p reads it on the codec clone that wrote the request): a model's
 //! parameters answer a full sync, but a peer asked for a state chunk cannot send one.
+//!
+//! A ring hop is read whole before the node can check who sent it (libp2p decodes a request
+//! before handing it on, and membership is the node's to judge), over as many streams as
+//! peers open. So the bytes of ring requests being read at once are held to one budget shared
+//! by every connection's clone of the codec ([`RingBudget`]), charged as the bytes arrive:
+//! a stranger opening 100 streams on each of many connections, each declaring a piece of a
+//! large model, gets its streams reset once the budget is spent, and the node's memory stays
+//! bounded (it was connections x 100 x 16 MiB: 1.6 GB a connection).
 
 use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use futures::io::{AsyncRead, AsyncReadExt, AsyncWrite, Cursor};
 use libp2p::request_response::{self, cbor};
@@ -98,10 +110,104 @@ fn cbor_codec(request: u64, response: u64) -> cbor::codec::Codec<BulkRequest, Bu
         .set_response_size_maximum(response)
 }
 
+/// Ring hops whose largest piece may be read at once before the budget refuses more (see
+/// [`RingBudget`]): a member receives about two hops from each other member an attempt (its
+/// part and an aggregate), each sent piece after piece, so rings of up to ~16 members never
+/// meet it with pieces of the largest size.
+const RING_BUDGET_HOPS: u64 = 32;
+/// The least budget, whatever the model: for a small model's hops (a few hundred KiB) it
+/// leaves room for rings of hundreds of members, and bounds what strangers make a node hold.
+const RING_BUDGET_FLOOR: u64 = 256 * 1024 * 1024;
+
+/// The bytes of ring requests a node is reading at once, over all its connections and
+/// streams, and the most it reads at once. Shared by every clone of one node's codec.
+#[derive(Debug)]
+pub struct RingBudget {
+    /// Bytes read of ring requests not yet finished (decoded, refused or dropped).
+    used: AtomicU64,
+    /// The most `used` may reach.
+    cap: u64,
+}
+
+impl RingBudget {
+    /// A budget of `cap` bytes.
+    fn new(cap: u64) -> RingBudget {
+        RingBudget {
+            used: AtomicU64::new(0),
+            cap,
+        }
+    }
+
+    /// The budget for `limits`: [`RING_BUDGET_HOPS`] requests of the largest size, at least
+    /// [`RING_BUDGET_FLOOR`].
+    fn for_limits(limits: &BulkLimits) -> RingBudget {
+        RingBudget::new(
+            limits
+                .ring_request
+                .saturating_mul(RING_BUDGET_HOPS)
+                .max(RING_BUDGET_FLOOR),
+        )
+    }
+
+    /// Takes `bytes` from the budget, or nothing if they would pass its cap.
+    fn charge(&self, bytes: u64) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(bytes).filter(|total| *total <= self.cap)
+            })
+            .is_ok()
+    }
+
+    /// Gives `bytes` back.
+    fn release(&self, bytes: u64) {
+        self.used.fetch_sub(bytes, Ordering::AcqRel);
+    }
+}
+
+/// A reader of one ring request that charges what it reads to the node's [`RingBudget`] and
+/// gives it all back when dropped: when the request is decoded, refused, timed out or its
+/// connection closes (libp2p drops the read's future). Past the budget, a read fails and the
+/// stream is reset; the sender of an honest hop sees it undelivered and tries again.
+struct Metered<R> {
+    inner: R,
+    budget: Arc<RingBudget>,
+    held: u64,
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for Metered<R> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let read = match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(read)) => read,
+            other => return other,
+        };
+        if !this.budget.charge(read as u64) {
+            return Poll::Ready(Err(io::Error::other(format!(
+                "ring requests being read would pass the budget of {} bytes",
+                this.budget.cap
+            ))));
+        }
+        this.held += read as u64;
+        Poll::Ready(Ok(read))
+    }
+}
+
+impl<R> Drop for Metered<R> {
+    fn drop(&mut self) {
+        self.budget.release(self.held);
+    }
+}
+
 /// The codec; see the module docs.
 #[derive(Clone)]
 pub struct BulkCodec {
     limits: BulkLimits,
+    /// The bytes of ring requests this node reads at once, shared by all its clones.
+    ring_budget: Arc<RingBudget>,
     /// Reads ring hops.
     ring: cbor::codec::Codec<BulkRequest, BulkResponse>,
     /// Reads every other request, and writes requests and responses.
@@ -114,8 +220,14 @@ pub struct BulkCodec {
 impl BulkCodec {
     /// A codec that reads at most `limits`.
     pub fn new(limits: BulkLimits) -> BulkCodec {
+        BulkCodec::with_ring_budget(limits, RingBudget::for_limits(&limits))
+    }
+
+    /// A codec that reads at most `limits`, and ring requests within `ring_budget` at once.
+    fn with_ring_budget(limits: BulkLimits, ring_budget: RingBudget) -> BulkCodec {
         BulkCodec {
             limits,
+            ring_budget: Arc::new(ring_budget),
             ring: cbor_codec(limits.ring_request, SMALL_RESPONSE_MAX),
             small: cbor_codec(SMALL_REQUEST_MAX, SMALL_RESPONSE_MAX),
             answer_max: None,
@@ -147,7 +259,12 @@ impl request_response::Codec for BulkCodec {
         let head = &head[..read];
         let mut whole = Cursor::new(head.to_vec()).chain(io);
         if head == RING_TAG {
-            self.ring.read_request(protocol, &mut whole).await
+            let mut metered = Metered {
+                inner: whole,
+                budget: Arc::clone(&self.ring_budget),
+                held: 0,
+            };
+            self.ring.read_request(protocol, &mut metered).await
         } else {
             self.small.read_request(protocol, &mut whole).await
         }
@@ -355,6 +472,73 @@ mod tests {
                 + 2 * RESPONSE_SLACK as usize
         ]));
         assert!(answer(limits, update_request(), too_many).is_err());
+    }
+
+    /// A reader whose bytes come from the test, and which waits (as a slow or hostile peer's
+    /// stream does) while the test holds its sender open.
+    fn stalled(
+        bytes: Vec<u8>,
+    ) -> (
+        impl AsyncRead + Unpin,
+        futures::channel::mpsc::UnboundedSender<io::Result<Vec<u8>>>,
+    ) {
+        use futures::TryStreamExt;
+        let (tx, rx) = futures::channel::mpsc::unbounded::<io::Result<Vec<u8>>>();
+        tx.unbounded_send(Ok(bytes)).expect("send");
+        (rx.into_async_read(), tx)
+    }
+
+    /// Ring requests being read at once share one budget over all the codec's clones (one per
+    /// connection, one per stream): a peer holding streams open with most of a piece each
+    /// cannot make the node hold more than the budget; past it, a read fails at once (before,
+    /// it waited, holding its bytes: 100 streams a connection, each up to a piece). Small
+    /// requests are not charged, and a finished or dropped read gives its bytes back.
+    #[test]
+    fn ring_requests_read_at_once_share_one_budget() {
+        use std::future::Future;
+        let limits = BulkLimits::for_model(10_000);
+        let piece = limits.ring_request;
+        let codec = BulkCodec::with_ring_budget(limits, RingBudget::new(2 * piece));
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        // Most of a piece, tag first, whose end never comes.
+        let most_of_a_piece = || {
+            let mut bytes = RING_TAG.to_vec();
+            bytes.resize((piece * 9 / 10) as usize, 0x55);
+            stalled(bytes)
+        };
+        let (mut a_io, _a_tx) = most_of_a_piece();
+        let (mut b_io, _b_tx) = most_of_a_piece();
+        let (mut c_io, _c_tx) = most_of_a_piece();
+        let (mut a_codec, mut b_codec, mut c_codec) = (codec.clone(), codec.clone(), codec.clone());
+        let proto = protocol();
+        let mut a = Box::pin(a_codec.read_request(&proto, &mut a_io));
+        let mut b = Box::pin(b_codec.read_request(&proto, &mut b_io));
+        assert!(a.as_mut().poll(&mut cx).is_pending());
+        assert!(b.as_mut().poll(&mut cx).is_pending());
+        let used = || codec.ring_budget.used.load(Ordering::Acquire);
+        assert_eq!(used(), 2 * (piece * 9 / 10));
+        let mut c = Box::pin(c_codec.read_request(&proto, &mut c_io));
+        match c.as_mut().poll(&mut cx) {
+            Poll::Ready(Err(e)) => assert!(e.to_string().contains("budget"), "{e}"),
+            other => panic!("a third stream past the budget: {other:?}"),
+        }
+        drop(c);
+        assert_eq!(
+            used(),
+            2 * (piece * 9 / 10),
+            "the refused read gave back its bytes"
+        );
+        // Small requests are not charged.
+        let mut small = codec.clone();
+        assert!(read(&mut small, &encode(BulkRequest::StateManifest)).is_ok());
+        // A dropped read gives its bytes back: an honest hop reads again.
+        drop(a);
+        let mut honest = codec.clone();
+        let largest = hop(3 * 10_000 + 1);
+        let back = read(&mut honest, &encode(largest.clone())).expect("an honest hop reads");
+        assert_eq!(format!("{back:?}"), format!("{largest:?}"));
+        drop(b);
+        assert_eq!(used(), 0);
     }
 
     /// A ring request never passes one piece, whatever the model, and a full sync's answer

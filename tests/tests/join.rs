@@ -120,7 +120,8 @@ fn a_donor_that_drips_its_chunks_holds_a_joiner_no_longer_than_its_join_deadline
 /// 1 GiB manifest, chunks of the wrong length, chunks that fail their hash, a state that
 /// verifies but counts 2^48 optimizer steps, and chunks dripped just under the joiner's
 /// request timeout (then failing their hash). The joiner refuses each in its own way and
-/// joins from the honest donor.
+/// joins from the honest donor, and holds an offence against the donor whose whole state it
+/// refused.
 #[test]
 fn a_joiner_refuses_hostile_donors_and_joins_from_an_honest_one() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -190,6 +191,27 @@ fn a_joiner_refuses_hostile_donors_and_joins_from_an_honest_one() {
         "{after}"
     );
     eprintln!("rogues: {ids:?}");
+    // The donor whose whole state verified but was refused (its counters) is reported: an
+    // offence the joiner holds against it, naming why, as a ban would. The honest donor has
+    // none.
+    let offences = |id: &str| {
+        after["peers"]["list"]
+            .as_array()
+            .and_then(|l| l.iter().find(|p| p["peer_id"] == id))
+            .map(|p| {
+                (
+                    p["offences"].as_u64().unwrap_or(0),
+                    p["last_offence"].as_str().unwrap_or("").to_string(),
+                )
+            })
+    };
+    let (count, why) = offences(&ids[3]).expect("the counters' rogue is still a peer");
+    assert!(
+        count >= 1 && why.contains("served a state a joiner refused"),
+        "no offence of the rogue whose state was refused: {count}, {why:?}"
+    );
+    let honest_id = honest_id.as_str().expect("peer id");
+    assert_eq!(offences(honest_id).map(|o| o.0), Some(0), "{after}");
 }
 
 #[test]

@@ -23,7 +23,9 @@ use crate::trainer::{self, Command, Stats};
 /// After the first member connects, how long to wait for the others: more donors, less load
 /// on each.
 const MORE_MEMBERS_WAIT: Duration = Duration::from_millis(500);
-/// Donors a joiner tries before it trains from the run's initial weights.
+/// Donors a joiner tries before it trains from the run's initial weights, at least: with more
+/// members than this, as many as there are (each refused state rules its donor out, so a few
+/// colluding liars cannot spend a joiner's tries while an honest donor waits untried).
 const JOIN_ATTEMPTS: usize = 3;
 
 /// What a joiner waits on, as the mesh actor sees it.
@@ -138,7 +140,7 @@ impl Joiner {
             return Ok(());
         };
         let until = self.deadline.map(|d| tokio::time::Instant::now() + d);
-        for _ in 0..JOIN_ATTEMPTS {
+        for _ in 0..JOIN_ATTEMPTS.max(donors.len()) {
             let downloaded = match until {
                 Some(until) => tokio::time::timeout_at(until, self.download_state(&donors)).await,
                 None => Ok(self.download_state(&donors).await),
@@ -153,8 +155,7 @@ impl Joiner {
             let (loaded, report, bytes) = match downloaded {
                 Ok(v) => v,
                 Err(JoinFailure::Donor { donor, why }) => {
-                    tracing::warn!(donor = %donor, "downloaded state refused: {why}; trying another donor");
-                    donors.retain(|p| p.to_string() != donor);
+                    self.rule_out(&mut donors, &donor, &why).await;
                     continue;
                 }
                 Err(JoinFailure::MembersAtStart) => {
@@ -191,8 +192,8 @@ impl Joiner {
                     return Ok(());
                 }
                 Ok(Err(e)) => {
-                    tracing::warn!(donor = %report.donor, "downloaded state refused: {e}; trying another donor");
-                    donors.retain(|p| p.to_string() != report.donor);
+                    self.rule_out(&mut donors, &report.donor, &e.to_string())
+                        .await;
                 }
                 Err(_) => return Ok(()),
             }
@@ -201,6 +202,20 @@ impl Joiner {
         self.limits.progress.give_up();
         let _ = self.trainer.send(Command::Start).await;
         Ok(())
+    }
+
+    /// Rules `donor` out after its state was refused for `why`, and reports it to the
+    /// network as an offence (its score, and a ban that names it): an honest member never
+    /// serves a state these checks refuse, since its bytes are those its own manifest hashed,
+    /// of its own run, layout and step, finite and within every counter's range.
+    async fn rule_out(&self, donors: &mut Vec<PeerId>, donor: &str, why: &str) {
+        tracing::warn!(donor = %donor, "downloaded state refused: {why}; trying another donor");
+        donors.retain(|p| p.to_string() != donor);
+        if let Ok(peer) = donor.parse::<PeerId>() {
+            let why = format!("served a state a joiner refused: {why}");
+            let _ = self.net.report_offence(peer, why).await;
+            let _ = self.net.penalise(peer).await;
+        }
     }
 
     /// The members once at least one is connected (and the others had a moment to show up);

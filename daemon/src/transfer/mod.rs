@@ -649,16 +649,21 @@ async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
 /// mesh differ by a few hundred steps.
 const CLAIM_SLACK: u64 = 1000;
 
-/// The donors in the order a joiner tries them. Most advanced first, as the median claim
+/// The donors in the order a joiner tries them. The mesh's progress first, as the median claim
 /// measures it: a step more than 10% (plus [`CLAIM_SLACK`]) above the median of the claims is
 /// no credible progress (a liar claiming the highest step would otherwise always go first), so
 /// such a state goes last. A credible claim another donor corroborates (its own step within
 /// 10% of it, or the same state) goes before one nobody does, when any is corroborated: a
 /// liar claiming just under the ceiling, above every honest member, would otherwise still be
 /// tried first, and honest members of one mesh train within a few percent of one another.
-/// Among the states left, those within 10% of the best of them, the one most peers hold (its
-/// chunks come from all of them at once, and no single donor carries the crowd), then the
-/// least loaded. This assumes that most of the members a joiner asks are honest.
+/// Among the states left, those within 10% of the (upper) median of their claims, the one
+/// most peers hold (its chunks come from all of them at once, and no single donor carries
+/// the crowd), then the least loaded, then the one nearest that median: not the highest, since a liar
+/// can always claim a step more than the most advanced honest member (and take the joiner's
+/// schedule and data position ahead of the mesh), while the median claim is an honest
+/// member's as long as most of those asked are honest, and honest members train within a few
+/// hundred steps of one another. This assumes that most of the members a joiner asks are
+/// honest.
 fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateManifest)> {
     let mut steps: Vec<u64> = manifests.iter().map(|m| m.1.step).collect();
     steps.sort_unstable();
@@ -683,12 +688,18 @@ fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateMan
     let first_rank = |p: &PeerId, m: &StateManifest| {
         credible(m.step) && (!any_corroborated || corroborated(p, m))
     };
-    let best_step = manifests
+    let mut first_steps: Vec<u64> = manifests
         .iter()
         .filter(|(p, m)| first_rank(p, m))
         .map(|(_, m)| m.step)
-        .max()
-        .unwrap_or(0);
+        .collect();
+    first_steps.sort_unstable();
+    // The upper median: of two agreeing members, the more advanced.
+    let reference = first_steps
+        .get(first_steps.len() / 2)
+        .copied()
+        .unwrap_or(median);
+    let near_reference = |step: u64| within_step_window(step.min(reference), step.max(reference));
     let holders = |m: &StateManifest| manifests.iter().filter(|(_, o)| holds(o, m)).count();
     let mut keyed: Vec<_> = manifests
         .iter()
@@ -696,10 +707,10 @@ fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateMan
             let key = (
                 !credible(m.step),
                 !first_rank(p, m),
-                !within_step_window(m.step, best_step),
+                !near_reference(m.step),
                 std::cmp::Reverse(holders(m)),
                 m.load,
-                std::cmp::Reverse(m.step),
+                m.step.abs_diff(reference),
             );
             (key, (*p, m.clone()))
         })
@@ -816,6 +827,26 @@ mod tests {
         ]);
         let peers: Vec<PeerId> = order.iter().map(|(p, _)| *p).collect();
         assert_eq!(&peers[..2], [b, a]);
+    }
+
+    /// A liar's claim a step above the most advanced honest member, or 10% above it, still
+    /// credible and corroborated, does not go first: the state nearest the median claim does
+    /// (before, the highest credible claim went first, so a liar took the joiner's schedule
+    /// and data position up to 10% ahead of the mesh, and the joiner offered that lie to the
+    /// next joiner as a corroborated state). Of honest claims, the median's is as fresh as
+    /// the mesh: its members train within a few hundred steps of one another.
+    #[test]
+    fn a_claim_just_above_the_honest_members_does_not_go_first() {
+        let state = |step: u64, tag: u8| Frozen::new(step, vec![tag; 10]).manifest(0, Vec::new());
+        let (liar, a, b) = (PeerId::random(), PeerId::random(), PeerId::random());
+        for claim in [10_201, 11_219] {
+            let order = donor_order(vec![
+                (liar, state(claim, 1)),
+                (a, state(10_000, 2)),
+                (b, state(10_200, 3)),
+            ]);
+            assert_eq!(order[0].0, b, "a liar claiming step {claim}");
+        }
     }
 
     #[test]

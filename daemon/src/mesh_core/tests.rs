@@ -948,9 +948,13 @@ fn the_core_reaches_neither_up_nor_out() {
 /// refilled, never resampled, the healed mesh stayed 2.7 times farther apart.)
 #[test]
 fn a_thousand_nodes_reconverge_after_a_partition_heals() {
-    let split = SimParams::large_mesh(1000, 5, true);
-    let whole = SimParams::large_mesh(1000, 5, false);
-    let (split, whole) = (run(split), run(whole));
+    // The two runs share nothing: each on a core of its own (this test is most of the daemon's
+    // unit tests' wall time).
+    let (split, whole) = std::thread::scope(|s| {
+        let split = s.spawn(|| run(SimParams::large_mesh(1000, 5, true)));
+        let whole = run(SimParams::large_mesh(1000, 5, false));
+        (split.join().expect("the split run"), whole)
+    });
     check_figures("seed5-1000-split", &split);
     check_figures("seed5-1000-whole", &whole);
     let at_heal = split.consensus_at_heal.expect("the partition healed");

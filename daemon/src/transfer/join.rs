@@ -155,7 +155,7 @@ impl Joiner {
             let (loaded, report, bytes) = match downloaded {
                 Ok(v) => v,
                 Err(JoinFailure::Donor { donor, why }) => {
-                    self.rule_out(&mut donors, &donor, &why).await;
+                    self.rule_out(&mut donors, donor, &why, true).await;
                     continue;
                 }
                 Err(JoinFailure::MembersAtStart) => {
@@ -192,7 +192,11 @@ impl Joiner {
                     return Ok(());
                 }
                 Ok(Err(e)) => {
-                    self.rule_out(&mut donors, &report.donor, &e.to_string())
+                    // Only what the state itself shows (another run or layout, non-finite
+                    // values, counters no run reaches) is the donor's doing; a failure to load
+                    // it here (a device out of memory) is not.
+                    let donors_doing = matches!(e, trainer::TrainerError::Refused(_));
+                    self.rule_out(&mut donors, report.donor, &e.to_string(), donors_doing)
                         .await;
                 }
                 Err(_) => return Ok(()),
@@ -204,17 +208,24 @@ impl Joiner {
         Ok(())
     }
 
-    /// Rules `donor` out after its state was refused for `why`, and reports it to the
-    /// network as an offence (its score, and a ban that names it): an honest member never
-    /// serves a state these checks refuse, since its bytes are those its own manifest hashed,
-    /// of its own run, layout and step, finite and within every counter's range.
-    async fn rule_out(&self, donors: &mut Vec<PeerId>, donor: &str, why: &str) {
+    /// Rules `donor` out after its state was refused for `why`, and, where the refusal is
+    /// `the_donors_doing`, reports it to the network as an offence (its score, and a ban that
+    /// names it): an honest member never serves a state these checks refuse, since its bytes
+    /// are those its own manifest hashed, of its own run, layout and step, finite and within
+    /// every counter's range.
+    async fn rule_out(
+        &self,
+        donors: &mut Vec<PeerId>,
+        donor: PeerId,
+        why: &str,
+        the_donors_doing: bool,
+    ) {
         tracing::warn!(donor = %donor, "downloaded state refused: {why}; trying another donor");
-        donors.retain(|p| p.to_string() != donor);
-        if let Ok(peer) = donor.parse::<PeerId>() {
+        donors.retain(|p| *p != donor);
+        if the_donors_doing {
             let why = format!("served a state a joiner refused: {why}");
-            let _ = self.net.report_offence(peer, why).await;
-            let _ = self.net.penalise(peer).await;
+            let _ = self.net.report_offence(donor, why).await;
+            let _ = self.net.penalise(donor).await;
         }
     }
 
@@ -283,7 +294,7 @@ impl Joiner {
             e => JoinFailure::Download(e.to_string()),
         })?;
         let refuse = |why: String| JoinFailure::Donor {
-            donor: report.donor.clone(),
+            donor: report.donor,
             why,
         };
         let decoded = {
@@ -314,8 +325,8 @@ enum JoinFailure {
     /// The donor's state is no good (it fails verification, is of another run, or is not
     /// at the step its manifest claimed): the next donor is tried.
     Donor {
-        /// The donor's peer id, as the report names it.
-        donor: String,
+        /// The donor.
+        donor: PeerId,
         /// What was wrong.
         why: String,
     },

@@ -194,9 +194,9 @@ impl Cache {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DownloadReport {
     /// The donor whose state was chosen.
-    pub donor: String,
+    pub donor: PeerId,
     /// Peers that served chunks.
-    pub sources: Vec<String>,
+    pub sources: Vec<PeerId>,
     /// The state's step.
     pub step: u64,
     /// Bytes downloaded.
@@ -371,8 +371,8 @@ pub async fn download(
         {
             Ok((bytes, used, reused_chunks)) => {
                 let report = DownloadReport {
-                    donor: donor.to_string(),
-                    sources: used.iter().map(|p| p.to_string()).collect(),
+                    donor: *donor,
+                    sources: used,
                     step: manifest.step,
                     bytes: bytes.len() as u64,
                     chunks: manifest.chunk_hashes.len(),

@@ -63,7 +63,7 @@ fn lost_since(nodes: &[&Node], before: &[[u64; 4]]) -> Vec<[u64; 4]> {
             let delta: Vec<[u64; 4]> = now
                 .iter()
                 .zip(before)
-                .map(|(a, b)| std::array::from_fn(|i| a[i] - b[i]))
+                .map(|(a, b)| std::array::from_fn(|i| a[i].saturating_sub(b[i])))
                 .collect();
             delta
                 .iter()
@@ -514,9 +514,13 @@ impl ChurnMesh {
                 }
                 let now = Instant::now();
                 let st = status.as_ref().map_or(0, step);
-                if let Some(prev) = polled_step.insert(name.clone(), st) {
-                    round_steps += st.saturating_sub(prev);
-                    round_nodes += 1;
+                // Only an answer moves the clock: a poll left unanswered would otherwise read
+                // as step 0, and the next answer as a node's whole run taken at once.
+                if status.is_some() {
+                    if let Some(prev) = polled_step.insert(name.clone(), st) {
+                        round_steps += st.saturating_sub(prev);
+                        round_nodes += 1;
+                    }
                 }
                 match last_advance.get(name) {
                     Some(&(at, prev)) if st <= prev => {

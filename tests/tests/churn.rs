@@ -47,8 +47,12 @@ fn time_to_replace(nodes: &[&Node], gone: &str, want: usize, since: Instant) -> 
 
 /// A node's members lost so far, by how it learnt each was gone (status `peer_losses`):
 /// `[goodbyes, silent, closed, banned]`.
+/// A status whose network section went unanswered (`unanswered`: its figures read 0) is
+/// asked again.
 fn losses(n: &Node) -> [u64; 4] {
-    let s = n.status().expect("status");
+    let s = eventually(Duration::from_secs(20), "a status with its network", || {
+        n.status().filter(|s| s["unanswered"] != true)
+    });
     ["goodbyes", "silent", "closed", "banned"].map(|k| s["peer_losses"][k].as_u64().unwrap_or(0))
 }
 

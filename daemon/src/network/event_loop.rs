@@ -465,6 +465,9 @@ impl EventLoop {
                     self.losses.count(LossCause::Goodbye, self.leaving);
                 }
                 self.last_heard.remove(&peer);
+                // Nor found again by a walk of the DHT in the seconds it takes to exit (it
+                // would come back a member, and its exit count as a drop).
+                self.swarm.behaviour_mut().kad.remove_peer(&peer);
                 let _ = self.swarm.disconnect_peer_id(peer);
             }
             Command::Penalise(peer) => {

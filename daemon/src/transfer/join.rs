@@ -140,6 +140,9 @@ impl Joiner {
             return Ok(());
         };
         let until = self.deadline.map(|d| tokio::time::Instant::now() + d);
+        // States this node failed to load for a reason of its own (a device out of memory):
+        // another donor's would most likely fail alike, so these stop at JOIN_ATTEMPTS.
+        let mut own_failures = 0;
         for _ in 0..JOIN_ATTEMPTS.max(donors.len()) {
             let downloaded = match until {
                 Some(until) => tokio::time::timeout_at(until, self.download_state(&donors)).await,
@@ -198,6 +201,12 @@ impl Joiner {
                     let donors_doing = matches!(e, trainer::TrainerError::Refused(_));
                     self.rule_out(&mut donors, report.donor, &e.to_string(), donors_doing)
                         .await;
+                    if !donors_doing {
+                        own_failures += 1;
+                        if own_failures >= JOIN_ATTEMPTS {
+                            break;
+                        }
+                    }
                 }
                 Err(_) => return Ok(()),
             }

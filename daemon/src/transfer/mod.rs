@@ -656,14 +656,15 @@ const CLAIM_SLACK: u64 = 1000;
 /// 10% of it, or the same state) goes before one nobody does, when any is corroborated: a
 /// liar claiming just under the ceiling, above every honest member, would otherwise still be
 /// tried first, and honest members of one mesh train within a few percent of one another.
-/// Among the states left, those within 10% of the (upper) median of their claims, the one
-/// most peers hold (its chunks come from all of them at once, and no single donor carries
-/// the crowd), then the least loaded, then the one nearest that median: not the highest, since a liar
-/// can always claim a step more than the most advanced honest member (and take the joiner's
-/// schedule and data position ahead of the mesh), while the median claim is an honest
-/// member's as long as most of those asked are honest, and honest members train within a few
-/// hundred steps of one another. This assumes that most of the members a joiner asks are
-/// honest.
+/// Among the states left, those within 10% of the (lower) median of their claims, those at
+/// or below it before those above it, then the one most peers hold (its chunks come from all
+/// of them at once, and no single donor carries the crowd), then the least loaded, then the
+/// one nearest that median: never the highest first, since a liar can always claim a step
+/// more than the most advanced honest member (and take the joiner's schedule and data
+/// position ahead of the mesh), and say it is idle or list others as holding its state,
+/// while the median claim is an honest member's as long as most of those asked are honest,
+/// and honest members train within a few hundred steps of one another. This assumes that
+/// most of the members a joiner asks are honest.
 fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateManifest)> {
     let mut steps: Vec<u64> = manifests.iter().map(|m| m.1.step).collect();
     steps.sort_unstable();
@@ -694,9 +695,10 @@ fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateMan
         .map(|(_, m)| m.step)
         .collect();
     first_steps.sort_unstable();
-    // The upper median: of two agreeing members, the more advanced.
+    // The lower median: of two claims, the lower, so a liar one step above a lone honest
+    // donor is not the reference; of four, two colluders above two honest members are not.
     let reference = first_steps
-        .get(first_steps.len() / 2)
+        .get(first_steps.len().saturating_sub(1) / 2)
         .copied()
         .unwrap_or(median);
     let near_reference = |step: u64| within_step_window(step.min(reference), step.max(reference));
@@ -708,6 +710,9 @@ fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateMan
                 !credible(m.step),
                 !first_rank(p, m),
                 !near_reference(m.step),
+                // Above the reference before anything a donor says of itself (its load, the
+                // states it lists as cached), which a liar would set in its own favour.
+                m.step > reference,
                 std::cmp::Reverse(holders(m)),
                 m.load,
                 m.step.abs_diff(reference),
@@ -778,7 +783,7 @@ mod tests {
     }
 
     /// A liar claiming the highest step goes last while most claims are honest; an honest
-    /// mesh's states go by step, then by holders.
+    /// mesh's states go from the lower median claim's.
     #[test]
     fn a_claim_far_above_the_median_goes_last() {
         let state = |step: u64, tag: u8| Frozen::new(step, vec![tag; 10]).manifest(0, Vec::new());
@@ -790,11 +795,13 @@ mod tests {
                 (b, state(10_200, 3)),
             ]);
             let peers: Vec<PeerId> = order.iter().map(|(p, _)| *p).collect();
-            assert_eq!(peers, [b, a, liar], "a claim of {claim}");
+            // Of the two honest claims, the lower median's first (see `donor_order`).
+            assert_eq!(peers, [a, b, liar], "a claim of {claim}");
         }
-        // Within the 10% and the slack, the most advanced state goes first.
+        // Within the 10% and the slack, of two the lower claim goes first: one of them may be
+        // a liar a step above the other.
         let order = donor_order(vec![(a, state(10_000, 2)), (b, state(11_500, 3))]);
-        assert_eq!(order[0].0, b);
+        assert_eq!(order[0].0, a);
         assert!(donor_order(Vec::new()).is_empty());
     }
 
@@ -817,7 +824,7 @@ mod tests {
             (b, state(10_200, 3)),
         ]);
         let peers: Vec<PeerId> = order.iter().map(|(p, _)| *p).collect();
-        assert_eq!(peers, [b, a, liar]);
+        assert_eq!(peers, [a, b, liar]);
         // Four donors, one an honest straggler: the two that agree, then the rest.
         let order = donor_order(vec![
             (liar, state(ceiling, 1)),
@@ -826,11 +833,12 @@ mod tests {
             (c, state(2_000, 4)),
         ]);
         let peers: Vec<PeerId> = order.iter().map(|(p, _)| *p).collect();
-        assert_eq!(&peers[..2], [b, a]);
+        assert_eq!(&peers[..2], [a, b]);
     }
 
     /// A liar's claim a step above the most advanced honest member, or 10% above it, still
-    /// credible and corroborated, does not go first: the state nearest the median claim does
+    /// credible and corroborated, does not go first, nor when it says it is idle, nor two
+    /// colluders sharing one state: the state nearest the median claim does
     /// (before, the highest credible claim went first, so a liar took the joiner's schedule
     /// and data position up to 10% ahead of the mesh, and the joiner offered that lie to the
     /// next joiner as a corroborated state). Of honest claims, the median's is as fresh as
@@ -846,7 +854,27 @@ mod tests {
                 (b, state(10_200, 3)),
             ]);
             assert_eq!(order[0].0, b, "a liar claiming step {claim}");
+            // Saying it is idle while the honest donors serve others does not help it.
+            let busy =
+                |step: u64, tag: u8| Frozen::new(step, vec![tag; 10]).manifest(1, Vec::new());
+            let order = donor_order(vec![
+                (liar, state(claim, 1)),
+                (a, busy(10_000, 2)),
+                (b, busy(10_200, 3)),
+            ]);
+            assert_eq!(order[2].0, liar, "an idle liar claiming step {claim}");
         }
+        // Two colluders holding one state a step above two honest members: not first either.
+        let liar2 = PeerId::random();
+        let shared = Frozen::new(10_201, vec![9; 10]).manifest(0, Vec::new());
+        let order = donor_order(vec![
+            (liar, shared.clone()),
+            (liar2, shared),
+            (a, state(10_000, 2)),
+            (b, state(10_200, 3)),
+        ]);
+        let peers: Vec<PeerId> = order.iter().map(|(p, _)| *p).collect();
+        assert_eq!(&peers[..2], [b, a]);
     }
 
     #[test]

@@ -649,6 +649,14 @@ async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
 /// mesh differ by a few hundred steps.
 const CLAIM_SLACK: u64 = 1000;
 
+/// The lower median of `steps` (of an even count, the lower of the two middle ones); `None`
+/// of none.
+fn lower_median(steps: impl Iterator<Item = u64>) -> Option<u64> {
+    let mut steps: Vec<u64> = steps.collect();
+    steps.sort_unstable();
+    steps.get(steps.len().saturating_sub(1) / 2).copied()
+}
+
 /// The donors in the order a joiner tries them. The mesh's progress first, as the median claim
 /// measures it: a step more than 10% (plus [`CLAIM_SLACK`]) above the median of the claims is
 /// no credible progress (a liar claiming the highest step would otherwise always go first), so
@@ -666,12 +674,7 @@ const CLAIM_SLACK: u64 = 1000;
 /// and honest members train within a few hundred steps of one another. This assumes that
 /// most of the members a joiner asks are honest.
 fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateManifest)> {
-    let mut steps: Vec<u64> = manifests.iter().map(|m| m.1.step).collect();
-    steps.sort_unstable();
-    let median = steps
-        .get(steps.len().saturating_sub(1) / 2)
-        .copied()
-        .unwrap_or(0);
+    let median = lower_median(manifests.iter().map(|m| m.1.step)).unwrap_or(0);
     let ceiling = median
         .saturating_add(median / 10)
         .saturating_add(CLAIM_SLACK);
@@ -689,18 +692,15 @@ fn donor_order(manifests: Vec<(PeerId, StateManifest)>) -> Vec<(PeerId, StateMan
     let first_rank = |p: &PeerId, m: &StateManifest| {
         credible(m.step) && (!any_corroborated || corroborated(p, m))
     };
-    let mut first_steps: Vec<u64> = manifests
-        .iter()
-        .filter(|(p, m)| first_rank(p, m))
-        .map(|(_, m)| m.step)
-        .collect();
-    first_steps.sort_unstable();
     // The lower median: of two claims, the lower, so a liar one step above a lone honest
     // donor is not the reference; of four, two colluders above two honest members are not.
-    let reference = first_steps
-        .get(first_steps.len().saturating_sub(1) / 2)
-        .copied()
-        .unwrap_or(median);
+    let reference = lower_median(
+        manifests
+            .iter()
+            .filter(|(p, m)| first_rank(p, m))
+            .map(|(_, m)| m.step),
+    )
+    .unwrap_or(median);
     let near_reference = |step: u64| within_step_window(step.min(reference), step.max(reference));
     let holders = |m: &StateManifest| manifests.iter().filter(|(_, o)| holds(o, m)).count();
     let mut keyed: Vec<_> = manifests
